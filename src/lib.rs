@@ -1,0 +1,71 @@
+//! An async, runtime-agnostic table of exclusive locks keyed by any
+//! `K: Eq + Hash`.
+//!
+//! `table.lock(key).await` resolves when `key` is free and yields a guard;
+//! dropping the guard releases the key and hands it, in arrival order, to the
+//! next waiter. Use it where a lock per record, row, path or tenant is wanted
+//! over millions of distinct keys, a few of them hot, without keeping a mutex
+//! alive for every key ever seen: a key that is neither held nor awaited takes
+//! no memory.
+//!
+//! ```
+//! # futures::executor::block_on(async {
+//! use keylock::LockTable;
+//!
+//! let table = LockTable::new();
+//! let guard = table.lock("invoice-17").await;
+//! // ... the invoice is ours until the guard drops ...
+//! assert!(table.try_lock("invoice-17").is_err());
+//! drop(guard);
+//! assert!(table.is_empty());
+//! # });
+//! ```
+//!
+//! # Runtimes
+//!
+//! Waits are plain futures woken through their [`Waker`](std::task::Waker).
+//! The table never calls into a runtime, so one table serves tokio,
+//! async-std, smol, `futures::executor` and plain threads
+//! ([`LockTable::blocking_lock`]) at the same time.
+//!
+//! # Fairness
+//!
+//! Strict FIFO per key. A release hands the key directly to the oldest waiter
+//! and wakes exactly that waiter, once; until it runs the key is its, and
+//! neither newcomers nor [`LockTable::try_lock`] can take it.
+//!
+//! # Cancel safety
+//!
+//! Every future may be dropped at any await point, from any thread. A waiter
+//! owns exactly one wake slot and no callback: dropping it removes the slot,
+//! and a waiter dropped after being handed the key passes the key on. An
+//! aborted task, a dropped runtime or a panicking thread leaves nothing
+//! behind.
+//!
+//! # Fencing
+//!
+//! Every grant carries a [`FencingToken`] that strictly increases per key;
+//! hand it to the storage you protect so that it can refuse a late writer.
+
+#![cfg_attr(docsrs, feature(doc_cfg))]
+
+mod acquire;
+mod error;
+mod guard;
+mod key_slot;
+mod loom;
+mod queue;
+mod stats;
+mod table;
+mod token;
+
+pub use error::TryLockError;
+pub use guard::{Guard, OwnedGuard};
+pub use stats::Stats;
+pub use table::{Builder, DefaultHashBuilder, LockTable};
+pub use token::FencingToken;
+
+/// The named futures returned by the table.
+pub mod futures {
+    pub use crate::acquire::{Lock, LockOwned};
+}
