@@ -1,6 +1,9 @@
-//! Errors of the lock table.
+//! Errors of the lock table, each naming what went wrong and what to do.
 
 use std::fmt;
+use std::time::Duration;
+
+use crate::token::FencingToken;
 
 /// Why `try_lock` did not take the key.
 ///
@@ -21,11 +24,107 @@ pub enum TryLockError {
 impl fmt::Display for TryLockError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
-            Self::WouldBlock => f.write_str(
-                "key is held or already awaited; use `lock().await` to queue for it",
-            ),
+            Self::WouldBlock => {
+                f.write_str("key is held or already awaited; use `lock().await` to queue for it")
+            }
         }
     }
 }
 
 impl std::error::Error for TryLockError {}
+
+/// Why a lock with options, or a check of a held lock, failed.
+///
+/// ```
+/// use std::time::Duration;
+/// let table = keylock::LockTable::<&str>::new();
+/// let err = table
+///     .try_lock_with("k", keylock::LockOptions::new().lease(Duration::ZERO))
+///     .unwrap_err();
+/// assert!(matches!(err, keylock::LockError::InvalidOptions { option: "lease", .. }));
+/// assert!(err.to_string().contains("lease"));
+/// ```
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum LockError {
+    /// The key is held or awaited and the caller would not wait.
+    WouldBlock,
+    /// The wait ran out.
+    Timeout {
+        /// How long the caller waited.
+        waited: Duration,
+        /// The token of the key's holder when the caller gave up, if any.
+        holder: Option<FencingToken>,
+        /// How long that holder had held the key, when known (the grant read
+        /// the clock: it had a lease or was a handoff).
+        held_for: Option<Duration>,
+        /// How many others were still queued ahead of the caller.
+        ahead: usize,
+    },
+    /// The grant lost its authority: its lease lapsed or it was revoked. Its
+    /// guard no longer protects anything; do not commit.
+    Expired {
+        /// The token of the grant that lapsed.
+        token: FencingToken,
+    },
+    /// An option was out of range; nothing was queued.
+    InvalidOptions {
+        /// The option at fault.
+        option: &'static str,
+        /// The value given.
+        value: Duration,
+        /// The smallest accepted value.
+        min: Duration,
+        /// The largest accepted value (the table's `max_lease` for a lease).
+        max: Duration,
+    },
+}
+
+impl fmt::Display for LockError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Self::WouldBlock => f.write_str(
+                "key is held or already awaited; wait with `lock_with` or give a timeout",
+            ),
+            Self::Timeout {
+                waited,
+                holder,
+                held_for,
+                ahead,
+            } => {
+                write!(f, "timed out after {waited:?} waiting for the key")?;
+                match holder {
+                    Some(token) => write!(f, "; held by grant {token}")?,
+                    None => f.write_str("; it had no live holder")?,
+                }
+                if let Some(held) = held_for {
+                    write!(f, " for {held:?}")?;
+                }
+                write!(f, ", {ahead} waiter(s) ahead")
+            }
+            Self::Expired { token } => write!(
+                f,
+                "grant {token} has lost the key (lease lapsed or revoked); do not commit its work"
+            ),
+            Self::InvalidOptions {
+                option,
+                value,
+                min,
+                max,
+            } => write!(
+                f,
+                "invalid {option} {value:?}: must be between {min:?} and {max:?}"
+            ),
+        }
+    }
+}
+
+impl std::error::Error for LockError {}
+
+impl From<TryLockError> for LockError {
+    fn from(err: TryLockError) -> Self {
+        match err {
+            TryLockError::WouldBlock => Self::WouldBlock,
+        }
+    }
+}

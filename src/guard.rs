@@ -1,41 +1,149 @@
-//! Guards: proof of holding a key, released on drop.
+//! Guards: proof of holding a key, released on drop, fenced when their
+//! authority ends.
 
 use std::fmt;
+use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 
+use crate::error::LockError;
 use crate::key_slot::KeyPtr;
 use crate::queue::Grant;
 use crate::table::{DefaultHashBuilder, LockTable};
 use crate::token::FencingToken;
 
-/// What a guard holds: where its key lives and the token of its grant.
+/// What a guard holds: where its key lives, the token of its grant and its
+/// lease deadline as last known to it.
 #[derive(Debug)]
 pub(crate) struct Held<K> {
-    pub(crate) hash: u64,
-    pub(crate) grant: Grant<K>,
+    hash: u64,
+    key: KeyPtr<K>,
+    token: FencingToken,
+    /// The lease deadline in nanoseconds after the table's epoch, plus one;
+    /// zero for no lease. Written only by this guard's own `renew`.
+    expires: AtomicU64,
+}
+
+fn encode(deadline: Option<Instant>, epoch: Instant) -> u64 {
+    deadline.map_or(0, |d| {
+        let nanos = d.saturating_duration_since(epoch).as_nanos();
+        u64::try_from(nanos).unwrap_or(u64::MAX - 1) + 1
+    })
+}
+
+fn decode(raw: u64, epoch: Instant) -> Option<Instant> {
+    (raw != 0).then(|| epoch + Duration::from_nanos(raw - 1))
 }
 
 impl<K> Held<K> {
-    #[inline]
-    fn key(&self) -> &K {
-        // SAFETY: the entry stays in the table while this grant's guard
-        // exists (the guard's release is what removes it).
-        unsafe { self.grant.key.get() }
+    pub(crate) fn new(hash: u64, grant: Grant<K>, epoch: Instant) -> Self {
+        Self {
+            hash,
+            key: grant.key,
+            token: grant.token,
+            expires: AtomicU64::new(encode(grant.deadline, epoch)),
+        }
     }
 
     #[inline]
-    fn key_ptr(&self) -> KeyPtr<K> {
-        self.grant.key
+    fn key(&self) -> &K {
+        // SAFETY: the entry stays in its table while this guard exists: its
+        // release (or, once fenced, its fenced count) keeps it there.
+        unsafe { self.key.get() }
     }
+
+    #[inline]
+    fn release<S>(&self, table: &LockTable<K, S>) {
+        table.release(self.hash, self.key, self.token);
+    }
+
+    fn check<S>(&self, table: &LockTable<K, S>) -> Result<FencingToken, LockError> {
+        table.check_grant(self.hash, self.key, self.token)
+    }
+
+    fn expires_at<S>(&self, table: &LockTable<K, S>) -> Option<Instant> {
+        decode(self.expires.load(Relaxed), table.epoch())
+    }
+
+    fn renew<S>(&self, table: &LockTable<K, S>, lease: Duration) -> Result<(), LockError> {
+        let deadline = table.renew_grant(self.hash, self.key, self.token, lease)?;
+        self.expires.store(encode(deadline, table.epoch()), Relaxed);
+        Ok(())
+    }
+}
+
+macro_rules! guard_methods {
+    () => {
+        /// The key this guard holds.
+        #[inline]
+        pub fn key(&self) -> &K {
+            self.held.key()
+        }
+
+        /// The fencing token of this grant; see [`FencingToken`].
+        #[inline]
+        pub fn token(&self) -> FencingToken {
+            self.held.token
+        }
+
+        /// Whether this grant has lost its authority: its lease lapsed (judged
+        /// now, on the monotonic clock) or it was revoked. Always equal to
+        /// `self.check().is_err()`.
+        pub fn is_expired(&self) -> bool {
+            self.check().is_err()
+        }
+
+        /// The commit-time fence: `Ok(token)` only while the grant's lease is
+        /// live and it was not revoked, judged at the moment of the call.
+        ///
+        /// # Errors
+        ///
+        /// [`LockError::Expired`] once the grant has lost the key.
+        pub fn check(&self) -> Result<FencingToken, LockError> {
+            self.held.check(&self.table)
+        }
+
+        /// When the lease ends (as granted or last renewed through this
+        /// guard), or `None` for a grant without a lease.
+        pub fn expires_at(&self) -> Option<Instant> {
+            self.held.expires_at(&self.table)
+        }
+
+        /// Sets the lease to end `lease` from now (shorter or longer; a grant
+        /// without a lease gets one). A lapsed or revoked grant is never
+        /// revived.
+        ///
+        /// # Errors
+        ///
+        /// [`LockError::InvalidOptions`] for a lease out of the table's range;
+        /// [`LockError::Expired`] if the grant has already lost the key.
+        pub fn renew(&self, lease: Duration) -> Result<(), LockError> {
+            self.held.renew(&self.table, lease)
+        }
+
+        /// Releases the key now; the same as dropping the guard.
+        #[inline]
+        pub fn release(self) {
+            drop(self);
+        }
+    };
 }
 
 /// Holds a key of a [`LockTable`]; dropping it releases the key to the oldest
 /// waiter.
 ///
+/// A guard whose lease lapsed or that was revoked is *fenced*: its
+/// [`check`](Self::check) fails and dropping it frees nothing that belongs to
+/// its successor.
+///
 /// ```
+/// use std::time::Duration;
 /// let table = keylock::LockTable::new();
-/// let guard = table.try_lock("k").unwrap();
-/// assert_eq!(*guard.key(), "k");
+/// let guard = table
+///     .try_lock_with("k", keylock::LockOptions::new().lease(Duration::from_secs(30)))
+///     .unwrap();
+/// let token = guard.check().expect("lease is live"); // fence the write with it
+/// assert_eq!(token, guard.token());
 /// guard.release();
 /// assert!(!table.is_locked("k"));
 /// ```
@@ -51,30 +159,13 @@ impl<'a, K, S> Guard<'a, K, S> {
         Self { table, held }
     }
 
-    /// The key this guard holds.
-    #[inline]
-    pub fn key(&self) -> &K {
-        self.held.key()
-    }
-
-    /// The fencing token of this grant; see [`FencingToken`].
-    #[inline]
-    pub fn token(&self) -> FencingToken {
-        self.held.grant.token
-    }
-
-    /// Releases the key now; the same as dropping the guard.
-    #[inline]
-    pub fn release(self) {
-        drop(self);
-    }
+    guard_methods!();
 }
 
 impl<K, S> Drop for Guard<'_, K, S> {
     #[inline]
     fn drop(&mut self) {
-        self.table
-            .release(self.held.hash, self.held.key_ptr(), self.held.grant.token);
+        self.held.release(self.table);
     }
 }
 
@@ -109,36 +200,19 @@ impl<K, S> OwnedGuard<K, S> {
         Self { table, held }
     }
 
-    /// The key this guard holds.
-    #[inline]
-    pub fn key(&self) -> &K {
-        self.held.key()
-    }
-
-    /// The fencing token of this grant; see [`FencingToken`].
-    #[inline]
-    pub fn token(&self) -> FencingToken {
-        self.held.grant.token
-    }
-
     /// The table this guard belongs to.
     #[inline]
     pub fn table(&self) -> &Arc<LockTable<K, S>> {
         &self.table
     }
 
-    /// Releases the key now; the same as dropping the guard.
-    #[inline]
-    pub fn release(self) {
-        drop(self);
-    }
+    guard_methods!();
 }
 
 impl<K, S> Drop for OwnedGuard<K, S> {
     #[inline]
     fn drop(&mut self) {
-        self.table
-            .release(self.held.hash, self.held.key_ptr(), self.held.grant.token);
+        self.held.release(&self.table);
     }
 }
 

@@ -86,7 +86,10 @@ impl<K> KeyPool<K> {
     /// Moves `key` into a slot, reusing a spare one when there is one.
     #[inline]
     pub(crate) fn store(&mut self, key: K) -> KeyPtr<K> {
-        let mut slot = self.spare.pop().unwrap_or_else(|| Box::new(MaybeUninit::uninit()));
+        let mut slot = self
+            .spare
+            .pop()
+            .unwrap_or_else(|| Box::new(MaybeUninit::uninit()));
         slot.write(key);
         // The slot is initialized now; its ownership passes to the entry.
         KeyPtr(NonNull::from(Box::leak(slot)).cast())

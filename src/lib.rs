@@ -50,22 +50,29 @@
 #![cfg_attr(docsrs, feature(doc_cfg))]
 
 mod acquire;
+mod clock;
 mod error;
 mod guard;
 mod key_slot;
+mod lease;
 mod loom;
 mod queue;
 mod stats;
 mod table;
+mod timer;
 mod token;
 
-pub use error::TryLockError;
+#[cfg(feature = "test-util")]
+#[cfg_attr(docsrs, doc(cfg(feature = "test-util")))]
+pub use clock::ManualClock;
+pub use error::{LockError, TryLockError};
 pub use guard::{Guard, OwnedGuard};
+pub use lease::{LockOptions, DEFAULT_MAX_LEASE};
 pub use stats::Stats;
 pub use table::{Builder, DefaultHashBuilder, LockTable};
 pub use token::FencingToken;
 
 /// The named futures returned by the table.
 pub mod futures {
-    pub use crate::acquire::{Lock, LockOwned};
+    pub use crate::acquire::{Lock, LockOwned, LockOwnedWith, LockWith};
 }

@@ -3,49 +3,74 @@
 //! A [`ShardState`] lives behind one shard lock. It holds the entry of every
 //! key of the shard that is held or awaited, and one slot per waiting future.
 //! Everything here runs under that lock and never wakes a waker or drops a
-//! key: operations return the [`Waker`] to wake and the key to drop, and the
-//! caller does both after unlocking.
+//! key: operations record the wakers to wake and the key to drop in a
+//! [`Ctx`], which the caller finishes after unlocking.
 //!
-//! # The state machine of one key
+//! See `docs/ARCHITECTURE.md` for the state machine of one key. In short:
 //!
-//! | state          | in the table | holder                         | queue    |
-//! |----------------|--------------|--------------------------------|----------|
-//! | idle           | no           | -                              | -        |
-//! | held           | yes          | a guard                        | any      |
-//! | granted        | yes          | a waiter slot that has not run | any      |
-//!
-//! - idle → held: a lock attempt finds no entry and inserts one.
-//! - held/granted + lock attempt: the attempt is queued at the tail (FIFO).
-//! - held → granted: the guard releases while a waiter is queued; the head
-//!   waiter is unlinked, marked granted with a fresh token, and its waker is
-//!   returned to be woken once.
-//! - held → idle: the guard releases with no waiter; the entry is removed.
-//! - granted → held: the granted waiter is polled and turns into a guard.
-//! - granted → granted/idle: the granted waiter is dropped before it ran; it
-//!   releases exactly as a guard would, so the grant passes on.
-//! - a waiting slot dropped: it is unlinked; the key's state does not change.
-//!
-//! An entry is in the table exactly while the key has a holder or a waiter,
-//! so an idle key occupies no memory.
+//! - an entry is in the table while its key has a holder, a waiter, or a
+//!   fenced guard that still points at the key;
+//! - the holder is a guard or a granted slot whose future has not run yet;
+//! - a release, a lapse or a revocation hands the key to the head waiter at
+//!   once (FIFO), with a fresh token, and wakes it once;
+//! - a lapse is noticed whenever the key is next touched (the head waiter's
+//!   timer touches it at the deadline); time is read only when a holder has a
+//!   lease.
 
+use std::borrow::Borrow;
 use std::task::Waker;
+use std::time::{Duration, Instant};
 
 use hashbrown::HashTable;
 use slab::Slab;
 
+use crate::clock::{Clock, Now};
+use crate::error::LockError;
 use crate::key_slot::{KeyPool, KeyPtr};
+use crate::stats::Counters;
 use crate::token::{FencingToken, TokenCounter};
 
 /// "No slot": the end of a queue.
 const NIL: u32 = u32::MAX;
 
-/// The state of one key that is held or awaited.
+/// Who holds a key.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum HeldBy {
+    /// A guard (the future that was granted has run).
+    Guard,
+    /// A granted slot whose future has not run yet.
+    Slot(u32),
+}
+
+/// The current grant of a key.
+#[derive(Debug, Clone, Copy)]
+struct Holder {
+    token: FencingToken,
+    /// When the grant loses its authority, if it has a lease.
+    deadline: Option<Instant>,
+    /// When the grant was made, if the clock was read then.
+    since: Option<Instant>,
+    by: HeldBy,
+}
+
+impl Holder {
+    /// Whether the grant still has authority at `now` (read only if needed).
+    #[inline]
+    fn is_live(&self, now: &mut Now<'_>) -> bool {
+        self.deadline.is_none_or(|d| now.get() < d)
+    }
+}
+
+/// The state of one key that is held, awaited or still pointed at.
 #[derive(Debug)]
 struct Entry<K> {
     hash: u64,
     key: KeyPtr<K>,
-    /// The token of the current grant, held by a guard or by a granted slot.
-    token: FencingToken,
+    /// The current grant; `None` once it lapsed or was revoked with nobody to
+    /// hand the key to.
+    holder: Option<Holder>,
+    /// Guards that lost the key (lapsed or revoked) but still exist.
+    fenced: u32,
     /// Oldest waiting slot, or `NIL`.
     head: u32,
     /// Newest waiting slot, or `NIL`.
@@ -54,12 +79,18 @@ struct Entry<K> {
     waiters: u32,
 }
 
+impl<K> Entry<K> {
+    fn is_unused(&self) -> bool {
+        self.holder.is_none() && self.head == NIL && self.fenced == 0
+    }
+}
+
 /// What a waiter slot knows.
-#[derive(Debug)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum SlotState {
     /// Linked into its key's queue.
     Waiting,
-    /// Unlinked and handed the key with this token; its future has not run yet.
+    /// Unlinked and handed the key with this token; its future has not run.
     Granted(FencingToken),
 }
 
@@ -68,15 +99,18 @@ enum SlotState {
 struct Slot {
     waker: Option<Waker>,
     state: SlotState,
+    /// The lease its grant will carry.
+    lease: Option<Duration>,
     prev: u32,
     next: u32,
 }
 
-/// A grant: the key's stable address and the token of the grant.
+/// A grant handed to a caller.
 #[derive(Debug)]
 pub(crate) struct Grant<K> {
     pub(crate) key: KeyPtr<K>,
     pub(crate) token: FencingToken,
+    pub(crate) deadline: Option<Instant>,
 }
 
 // Derived `Clone`/`Copy` would demand `K: Copy`.
@@ -90,40 +124,112 @@ impl<K> Copy for Grant<K> {}
 /// The outcome of a lock attempt that may wait.
 #[derive(Debug)]
 pub(crate) enum Attempt<K> {
-    /// The key was free and is now held by the caller.
+    /// The key was free and is now the caller's.
     Acquired(Grant<K>),
-    /// The key is busy; the caller waits in `slot`. `duplicate` is the key the
-    /// caller passed, not needed now that the entry's own key is used; drop it
-    /// after unlocking.
+    /// The key is busy; the caller waits in `slot`, and should be woken by
+    /// `wake_at` if it is set (it heads the queue of a leased holder).
     Queued {
         slot: u32,
         key: KeyPtr<K>,
-        duplicate: K,
+        wake_at: Option<Instant>,
     },
 }
 
-/// What a release leaves the caller to do after unlocking.
+/// A waiting slot, polled.
 #[derive(Debug)]
-#[must_use = "wake the waker and drop the key after unlocking"]
-pub(crate) struct Released<K> {
-    /// The waiter that was handed the key.
-    pub(crate) wake: Option<Waker>,
-    /// The key of an entry that went idle, to be dropped outside the lock.
-    pub(crate) key: Option<K>,
+pub(crate) enum SlotPoll<K> {
+    Granted(Grant<K>),
+    Waiting { wake_at: Option<Instant> },
 }
 
-impl<K> Released<K> {
-    /// Whether the key went to a waiter.
-    pub(crate) fn handed_off(&self) -> bool {
-        self.wake.is_some()
+/// Why a wait gave up, described at the moment it did.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Diagnosis {
+    pub(crate) holder: Option<FencingToken>,
+    pub(crate) held_for: Option<Duration>,
+    pub(crate) ahead: usize,
+}
+
+/// Wakers to wake after unlocking. One operation wakes at most a granted
+/// waiter and the next head (so it can arm its lease timer), twice over when
+/// a lapse is settled before the operation itself: four is enough, and a
+/// spill vector keeps it correct should that reasoning ever be wrong.
+#[derive(Debug, Default)]
+struct Wakes {
+    inline: [Option<Waker>; 4],
+    len: usize,
+    spill: Vec<Waker>,
+}
+
+impl Wakes {
+    fn push(&mut self, waker: Waker) {
+        if let Some(slot) = self.inline.get_mut(self.len) {
+            *slot = Some(waker);
+            self.len += 1;
+        } else {
+            self.spill.push(waker);
+        }
     }
 
-    /// Wakes and drops; call only after the shard lock is released.
+    fn wake_all(self) {
+        for waker in self.inline.into_iter().flatten() {
+            waker.wake();
+        }
+        for waker in self.spill {
+            waker.wake();
+        }
+    }
+}
+
+/// One operation's context: its view of the time, its counters, and what it
+/// leaves to do after unlocking (wakes, a key to drop).
+#[derive(Debug)]
+pub(crate) struct Ctx<'a, K> {
+    now: Now<'a>,
+    counters: &'a Counters,
+    wakes: Wakes,
+    drop_key: Option<K>,
+    /// The waker of a slot that left without being granted: dropped, not
+    /// woken, after unlocking (its `Drop` is foreign code).
+    drop_waker: Option<Waker>,
+}
+
+impl<'a, K> Ctx<'a, K> {
+    #[inline]
+    pub(crate) fn new(clock: &'a Clock, counters: &'a Counters) -> Self {
+        Self {
+            now: Now::new(clock),
+            counters,
+            wakes: Wakes::default(),
+            drop_key: None,
+            drop_waker: None,
+        }
+    }
+
+    /// The time this operation judged by (read now if it was not yet).
+    pub(crate) fn now(&mut self) -> Instant {
+        self.now.get()
+    }
+
+    /// Counts a wait that gave up without queueing.
+    pub(crate) fn count_timed_out(&self) {
+        self.counters.timed_out();
+    }
+
+    /// Keeps a key to drop after unlocking.
+    pub(crate) fn drop_later(&mut self, key: K) {
+        debug_assert!(self.drop_key.is_none());
+        self.drop_key = Some(key);
+    }
+
+    /// Drops the key of an emptied entry and wakes the waiters handed the key.
+    /// Call only after the shard lock is released.
     #[inline]
     pub(crate) fn finish(self) {
-        drop(self.key);
-        if let Some(waker) = self.wake {
-            waker.wake();
+        drop(self.drop_key);
+        drop(self.drop_waker);
+        if self.wakes.len > 0 {
+            self.wakes.wake_all();
         }
     }
 }
@@ -148,6 +254,151 @@ impl<K> std::fmt::Debug for ShardState<K> {
 /// Capacity above which an emptied table or slab gives its memory back.
 const SHRINK_ABOVE: usize = 1024;
 
+/// The slots of a shard and its token counter: what queue surgery needs
+/// beside one entry.
+struct Queues<'s> {
+    slots: &'s mut Slab<Slot>,
+    tokens: &'s mut TokenCounter,
+}
+
+impl Queues<'_> {
+    fn link_tail<K>(&mut self, entry: &mut Entry<K>, index: u32) {
+        let prev = entry.tail;
+        {
+            let s = &mut self.slots[index as usize];
+            s.state = SlotState::Waiting;
+            s.prev = prev;
+            s.next = NIL;
+        }
+        if prev == NIL {
+            entry.head = index;
+        } else {
+            self.slots[prev as usize].next = index;
+        }
+        entry.tail = index;
+        entry.waiters += 1;
+    }
+
+    fn unlink<K>(&mut self, entry: &mut Entry<K>, index: u32) {
+        let (prev, next) = {
+            let s = &self.slots[index as usize];
+            (s.prev, s.next)
+        };
+        if prev == NIL {
+            entry.head = next;
+        } else {
+            self.slots[prev as usize].next = next;
+        }
+        if next == NIL {
+            entry.tail = prev;
+        } else {
+            self.slots[next as usize].prev = prev;
+        }
+        entry.waiters -= 1;
+    }
+
+    /// The key has no holder: hands it to the head waiter, if any, and wakes
+    /// it (and the next head, so that it can arm its lease timer).
+    fn grant_head<K>(&mut self, entry: &mut Entry<K>, ctx: &mut Ctx<'_, K>) {
+        debug_assert!(entry.holder.is_none());
+        let head = entry.head;
+        if head == NIL {
+            return;
+        }
+        self.unlink(entry, head);
+        let token = self.tokens.mint();
+        let s = &mut self.slots[head as usize];
+        s.state = SlotState::Granted(token);
+        let (deadline, since) = match s.lease {
+            Some(lease) => {
+                let now = ctx.now.get();
+                (now.checked_add(lease), Some(now))
+            }
+            None => (None, None),
+        };
+        if let Some(waker) = s.waker.take() {
+            ctx.wakes.push(waker);
+        }
+        entry.holder = Some(Holder {
+            token,
+            deadline,
+            since,
+            by: HeldBy::Slot(head),
+        });
+        ctx.counters.handed_off();
+        self.wake_head_for_timer(entry, ctx);
+    }
+
+    /// The holder's deadline changed or the queue got a new head: wake the
+    /// head (keeping its registration) so that it re-arms its timer.
+    fn wake_head_for_timer<K>(&mut self, entry: &Entry<K>, ctx: &mut Ctx<'_, K>) {
+        let leased = entry.holder.is_some_and(|h| h.deadline.is_some());
+        if leased && entry.head != NIL {
+            if let Some(waker) = &self.slots[entry.head as usize].waker {
+                ctx.wakes.push(waker.clone());
+            }
+        }
+    }
+
+    /// Takes the key from its current holder (it lapsed or is revoked): a
+    /// guard is fenced, a granted slot goes back to the tail of the queue;
+    /// then the key goes to the head waiter.
+    fn displace<K>(&mut self, entry: &mut Entry<K>, ctx: &mut Ctx<'_, K>) -> Option<Holder> {
+        let holder = entry.holder.take()?;
+        match holder.by {
+            HeldBy::Guard => entry.fenced += 1,
+            HeldBy::Slot(index) => self.link_tail(entry, index),
+        }
+        self.grant_head(entry, ctx);
+        Some(holder)
+    }
+
+    /// Notices a lapsed lease: the holder is displaced and the key passes on.
+    #[inline]
+    fn settle<K>(&mut self, entry: &mut Entry<K>, ctx: &mut Ctx<'_, K>) {
+        if let Some(holder) = entry.holder {
+            if !holder.is_live(&mut ctx.now) {
+                self.displace(entry, ctx);
+                ctx.counters.expired();
+            }
+        }
+    }
+
+    /// A guard-to-be takes a key whose entry has no holder.
+    fn take_free<K>(
+        &mut self,
+        entry: &mut Entry<K>,
+        lease: Option<Duration>,
+        ctx: &mut Ctx<'_, K>,
+    ) -> Grant<K> {
+        debug_assert!(entry.holder.is_none() && entry.head == NIL);
+        let token = self.tokens.mint();
+        let (deadline, since) = lease_from(lease, &mut ctx.now);
+        ctx.counters.acquired(false);
+        entry.holder = Some(Holder {
+            token,
+            deadline,
+            since,
+            by: HeldBy::Guard,
+        });
+        Grant {
+            key: entry.key,
+            token,
+            deadline,
+        }
+    }
+}
+
+fn lease_from(lease: Option<Duration>, now: &mut Now<'_>) -> (Option<Instant>, Option<Instant>) {
+    match lease {
+        Some(lease) => {
+            let now = now.get();
+            (now.checked_add(lease), Some(now))
+        }
+        None => (None, None),
+    }
+}
+
 impl<K> ShardState<K> {
     pub(crate) fn new() -> Self {
         Self {
@@ -158,168 +409,318 @@ impl<K> ShardState<K> {
         }
     }
 
-    /// Keys held or awaited in this shard.
+    /// Keys held, awaited or pointed at by a fenced guard in this shard.
     pub(crate) fn len(&self) -> usize {
         self.entries.len()
     }
 
-    /// Finds a key's entry by a key the caller owns or borrows.
-    fn find_by<Q: ?Sized + Eq>(&self, hash: u64, key: &Q) -> Option<&Entry<K>>
+    /// Splits the shard into the entry of `key` and the queue machinery.
+    #[inline]
+    fn locate(&mut self, hash: u64, key: KeyPtr<K>) -> Option<(&mut Entry<K>, Queues<'_>)> {
+        let entry = self.entries.find_mut(hash, |e| e.key == key)?;
+        Some((
+            entry,
+            Queues {
+                slots: &mut self.slots,
+                tokens: &mut self.tokens,
+            },
+        ))
+    }
+
+    #[inline]
+    fn locate_by<Q>(&mut self, hash: u64, key: &Q) -> Option<(&mut Entry<K>, Queues<'_>)>
     where
-        K: std::borrow::Borrow<Q>,
+        K: Borrow<Q>,
+        Q: ?Sized + Eq,
     {
-        self.entries.find(hash, |e| {
+        let entry = self.entries.find_mut(hash, |e| {
             // SAFETY: `e` is in the table, so its key slot is live.
             let k: &K = unsafe { e.key.get() };
             k.borrow() == key
-        })
+        })?;
+        Some((
+            entry,
+            Queues {
+                slots: &mut self.slots,
+                tokens: &mut self.tokens,
+            },
+        ))
     }
 
-    fn entry_mut(&mut self, hash: u64, key: KeyPtr<K>) -> &mut Entry<K> {
-        self.entries
-            .find_mut(hash, |e| e.key == key)
-            .expect("keylock: an entry with a holder or waiter is always in its shard")
+    /// Removes the entry of `key` if nothing uses it any more, leaving its
+    /// key to be dropped after unlocking.
+    fn remove_if_unused(&mut self, hash: u64, key: KeyPtr<K>, ctx: &mut Ctx<'_, K>) {
+        let Ok(found) = self.entries.find_entry(hash, |e| e.key == key) else {
+            return;
+        };
+        if !found.get().is_unused() {
+            return;
+        }
+        let (removed, _) = found.remove();
+        // SAFETY: the entry was just removed from the table and nothing uses
+        // it: no holder, no waiter, no fenced guard.
+        ctx.drop_key = Some(unsafe { self.keys.take(removed.key) });
+        if self.entries.is_empty() && self.entries.capacity() > SHRINK_ABOVE {
+            self.entries = HashTable::new();
+        }
     }
 
-    /// Whether the key has a holder (a guard or a granted waiter).
-    pub(crate) fn is_held<Q: ?Sized + Eq>(&self, hash: u64, key: &Q) -> bool
+    /// Whether the key has a live holder now.
+    pub(crate) fn is_held<Q>(&mut self, hash: u64, key: &Q, ctx: &mut Ctx<'_, K>) -> bool
     where
-        K: std::borrow::Borrow<Q>,
+        K: Borrow<Q>,
+        Q: ?Sized + Eq,
     {
-        self.find_by(hash, key).is_some()
+        self.locate_by(hash, key)
+            .and_then(|(e, _)| e.holder)
+            .is_some_and(|h| h.is_live(&mut ctx.now))
     }
 
     /// How many futures wait for the key.
-    pub(crate) fn waiters<Q: ?Sized + Eq>(&self, hash: u64, key: &Q) -> usize
+    pub(crate) fn waiters<Q>(&mut self, hash: u64, key: &Q) -> usize
     where
-        K: std::borrow::Borrow<Q>,
+        K: Borrow<Q>,
+        Q: ?Sized + Eq,
     {
-        self.find_by(hash, key).map_or(0, |e| e.waiters as usize)
+        self.locate_by(hash, key)
+            .map_or(0, |(e, _)| e.waiters as usize)
     }
 
-    /// Takes the key if it is idle; otherwise gives the key back.
+    /// Takes the key if it has no live holder and no waiter; otherwise gives
+    /// the key back.
     #[inline]
-    pub(crate) fn try_acquire(&mut self, hash: u64, key: K) -> Result<Grant<K>, K>
+    pub(crate) fn try_acquire(
+        &mut self,
+        hash: u64,
+        key: K,
+        lease: Option<Duration>,
+        ctx: &mut Ctx<'_, K>,
+    ) -> Result<Grant<K>, K>
     where
         K: Eq,
     {
-        if self.find_by(hash, &key).is_some() {
-            return Err(key);
-        }
-        Ok(self.insert(hash, key))
-    }
-
-    /// Takes the key if it is idle; otherwise queues a slot woken by `waker`.
-    #[inline]
-    pub(crate) fn acquire_or_enqueue(&mut self, hash: u64, key: K, waker: &Waker) -> Attempt<K>
-    where
-        K: Eq,
-    {
-        let found = self.entries.find(hash, |e| {
-            // SAFETY: `e` is in the table, so its key slot is live.
-            unsafe { e.key.get() == &key }
-        });
-        match found {
-            None => Attempt::Acquired(self.insert(hash, key)),
-            Some(entry) => {
-                let entry_key = entry.key;
-                let slot = self.enqueue(hash, entry_key, waker.clone());
-                Attempt::Queued {
-                    slot,
-                    key: entry_key,
-                    duplicate: key,
+        match self.locate_by(hash, &key) {
+            None => Ok(self.insert(hash, key, lease, ctx)),
+            Some((entry, mut queues)) => {
+                queues.settle(entry, ctx);
+                if entry.holder.is_some() {
+                    return Err(key);
                 }
+                let grant = queues.take_free(entry, lease, ctx);
+                ctx.drop_key = Some(key);
+                Ok(grant)
             }
         }
     }
 
-    fn insert(&mut self, hash: u64, key: K) -> Grant<K> {
+    /// Takes the key if it is free; otherwise queues a slot woken by `waker`.
+    #[inline]
+    pub(crate) fn acquire_or_enqueue(
+        &mut self,
+        hash: u64,
+        key: K,
+        lease: Option<Duration>,
+        waker: &Waker,
+        ctx: &mut Ctx<'_, K>,
+    ) -> Attempt<K>
+    where
+        K: Eq,
+    {
+        let Some((entry, mut queues)) = self.locate_by(hash, &key) else {
+            return Attempt::Acquired(self.insert(hash, key, lease, ctx));
+        };
+        queues.settle(entry, ctx);
+        // The caller's key is not needed: the entry's own is used.
+        ctx.drop_key = Some(key);
+        if entry.holder.is_none() {
+            return Attempt::Acquired(queues.take_free(entry, lease, ctx));
+        }
+        let index = enqueue(&mut queues, entry, lease, waker.clone());
+        let wake_at = if entry.head == index {
+            entry.holder.and_then(|h| h.deadline)
+        } else {
+            None
+        };
+        Attempt::Queued {
+            slot: index,
+            key: entry.key,
+            wake_at,
+        }
+    }
+
+    fn insert(
+        &mut self,
+        hash: u64,
+        key: K,
+        lease: Option<Duration>,
+        ctx: &mut Ctx<'_, K>,
+    ) -> Grant<K> {
         let token = self.tokens.mint();
+        let (deadline, since) = lease_from(lease, &mut ctx.now);
+        ctx.counters.acquired(false);
         let key = self.keys.store(key);
         self.entries.insert_unique(
             hash,
             Entry {
                 hash,
                 key,
-                token,
+                holder: Some(Holder {
+                    token,
+                    deadline,
+                    since,
+                    by: HeldBy::Guard,
+                }),
+                fenced: 0,
                 head: NIL,
                 tail: NIL,
                 waiters: 0,
             },
             |e| e.hash,
         );
-        Grant { key, token }
+        Grant {
+            key,
+            token,
+            deadline,
+        }
     }
 
-    #[cold]
-    fn enqueue(&mut self, hash: u64, key: KeyPtr<K>, waker: Waker) -> u32 {
-        let vacant = self.slots.vacant_entry();
-        let index = u32::try_from(vacant.key())
-            .ok()
-            .filter(|&i| i != NIL)
-            .expect("keylock: more than 2^32 - 1 waiters in one shard");
-        let entry = self
-            .entries
-            .find_mut(hash, |e| e.key == key)
-            .expect("keylock: the entry being queued on is present");
-        let prev = entry.tail;
-        vacant.insert(Slot {
-            waker: Some(waker),
-            state: SlotState::Waiting,
-            prev,
-            next: NIL,
-        });
-        entry.tail = index;
-        if prev == NIL {
-            entry.head = index;
-        }
-        entry.waiters += 1;
-        if prev != NIL {
-            self.slots[prev as usize].next = index;
-        }
-        index
-    }
-
-    /// A waiting future was polled: returns its grant token (and frees its
-    /// slot) once the key was handed to it, or updates its waker in place.
+    /// A waiting future was polled: returns its grant (freeing its slot) once
+    /// the key is its, or updates its waker in place.
     #[inline]
-    pub(crate) fn poll_slot(&mut self, slot: u32, waker: &Waker) -> Option<FencingToken> {
-        let s = &mut self.slots[slot as usize];
+    pub(crate) fn poll_slot(
+        &mut self,
+        hash: u64,
+        key: KeyPtr<K>,
+        slot: u32,
+        waker: &Waker,
+        ctx: &mut Ctx<'_, K>,
+    ) -> SlotPoll<K> {
+        let (entry, mut queues) = self.locate(hash, key).expect(ENTRY_PRESENT);
+        // A grant that lapsed before its future ran is void: settling moves
+        // this slot back to the tail and passes the key on.
+        queues.settle(entry, ctx);
+        let s = &mut queues.slots[slot as usize];
         match s.state {
             SlotState::Granted(token) => {
+                let holder = entry.holder.as_mut().expect(ENTRY_PRESENT);
+                debug_assert_eq!(holder.by, HeldBy::Slot(slot));
+                holder.by = HeldBy::Guard;
+                let deadline = holder.deadline;
                 self.free_slot(slot);
-                Some(token)
+                ctx.counters.acquired(true);
+                SlotPoll::Granted(Grant {
+                    key,
+                    token,
+                    deadline,
+                })
             }
             SlotState::Waiting => {
                 match &mut s.waker {
                     Some(w) if w.will_wake(waker) => {}
                     w => *w = Some(waker.clone()),
                 }
-                None
+                let wake_at = if entry.head == slot {
+                    entry.holder.and_then(|h| h.deadline)
+                } else {
+                    None
+                };
+                SlotPoll::Waiting { wake_at }
             }
         }
     }
 
-    /// A waiting future was dropped. A granted but unobserved grant is
-    /// released as a guard would release it, so it passes on.
+    /// A waiting future was dropped. A grant it had not observed is released
+    /// as a guard would release it, so it passes on.
     #[cold]
-    pub(crate) fn cancel_slot(&mut self, hash: u64, key: KeyPtr<K>, slot: u32) -> Released<K> {
-        match self.slots[slot as usize].state {
-            SlotState::Granted(token) => {
-                self.free_slot(slot);
-                self.release(hash, key, token)
+    pub(crate) fn cancel_slot(
+        &mut self,
+        hash: u64,
+        key: KeyPtr<K>,
+        slot: u32,
+        ctx: &mut Ctx<'_, K>,
+    ) {
+        let (entry, mut queues) = self.locate(hash, key).expect(ENTRY_PRESENT);
+        match queues.slots[slot as usize].state {
+            SlotState::Granted(_) => {
+                entry.holder = None;
+                queues.grant_head(entry, ctx);
             }
             SlotState::Waiting => {
-                self.unlink(hash, key, slot);
-                // The waker may belong to a dropped runtime: drop it outside
-                // the lock, like every other piece of foreign code.
-                let wake = self.free_slot(slot);
-                drop(wake);
-                Released {
-                    wake: None,
-                    key: None,
+                let was_head = entry.head == slot;
+                queues.unlink(entry, slot);
+                if was_head {
+                    queues.wake_head_for_timer(entry, ctx);
                 }
             }
+        }
+        ctx.counters.cancelled();
+        let waker = self.free_slot(slot);
+        // The waker may belong to a dropped runtime: drop it outside the lock.
+        ctx.drop_waker = waker;
+        self.remove_if_unused(hash, key, ctx);
+    }
+
+    /// A waiting future's timeout ran out: it leaves the queue, unless the key
+    /// was handed to it first, in which case it takes it.
+    #[cold]
+    pub(crate) fn time_out_slot(
+        &mut self,
+        hash: u64,
+        key: KeyPtr<K>,
+        slot: u32,
+        waker: &Waker,
+        ctx: &mut Ctx<'_, K>,
+    ) -> Result<Grant<K>, Diagnosis> {
+        if let SlotPoll::Granted(grant) = self.poll_slot(hash, key, slot, waker, ctx) {
+            return Ok(grant);
+        }
+        let (entry, mut queues) = self.locate(hash, key).expect(ENTRY_PRESENT);
+        let mut ahead = 0;
+        let mut at = entry.head;
+        while at != slot && at != NIL {
+            ahead += 1;
+            at = queues.slots[at as usize].next;
+        }
+        let was_head = entry.head == slot;
+        queues.unlink(entry, slot);
+        if was_head {
+            queues.wake_head_for_timer(entry, ctx);
+        }
+        let holder = entry.holder;
+        let now = ctx.now.get();
+        let diagnosis = Diagnosis {
+            holder: holder.map(|h| h.token),
+            held_for: holder
+                .and_then(|h| h.since)
+                .map(|s| now.saturating_duration_since(s)),
+            ahead,
+        };
+        ctx.counters.timed_out();
+        ctx.drop_waker = self.free_slot(slot);
+        Err(diagnosis)
+    }
+
+    /// Describes why the key would make a caller wait, right now.
+    pub(crate) fn diagnose(&mut self, hash: u64, key: &K, ctx: &mut Ctx<'_, K>) -> Diagnosis
+    where
+        K: Eq,
+    {
+        let Some((entry, _)) = self.locate_by(hash, key) else {
+            return Diagnosis {
+                holder: None,
+                held_for: None,
+                ahead: 0,
+            };
+        };
+        let holder = entry.holder;
+        let held_for = match holder.and_then(|h| h.since) {
+            Some(since) => Some(ctx.now.get().saturating_duration_since(since)),
+            None => None,
+        };
+        Diagnosis {
+            holder: holder.map(|h| h.token),
+            held_for,
+            ahead: entry.waiters as usize,
         }
     }
 
@@ -331,90 +732,129 @@ impl<K> ShardState<K> {
         s.waker
     }
 
-    fn unlink(&mut self, hash: u64, key: KeyPtr<K>, slot: u32) {
-        let (prev, next) = {
-            let s = &self.slots[slot as usize];
-            (s.prev, s.next)
-        };
-        if prev != NIL {
-            self.slots[prev as usize].next = next;
-        }
-        if next != NIL {
-            self.slots[next as usize].prev = prev;
-        }
-        let entry = self.entry_mut(hash, key);
-        if entry.head == slot {
-            entry.head = next;
-        }
-        if entry.tail == slot {
-            entry.tail = prev;
-        }
-        entry.waiters -= 1;
-    }
-
-    /// The holder of `token` lets go of the key: the head waiter is granted it,
-    /// or the entry is removed. A token that is no longer the key's current
-    /// grant releases nothing.
+    /// The holder of `token` lets go of the key: it goes to the head waiter,
+    /// or the entry is removed. A guard that had lost the key (its token is
+    /// no longer current) frees nothing but its own claim on the entry.
     #[inline]
-    pub(crate) fn release(&mut self, hash: u64, key: KeyPtr<K>, token: FencingToken) -> Released<K> {
-        let Ok(found) = self.entries.find_entry(hash, |e| e.key == key) else {
-            return Released {
-                wake: None,
-                key: None,
-            };
+    pub(crate) fn release(
+        &mut self,
+        hash: u64,
+        key: KeyPtr<K>,
+        token: FencingToken,
+        ctx: &mut Ctx<'_, K>,
+    ) {
+        let Some((entry, mut queues)) = self.locate(hash, key) else {
+            debug_assert!(false, "{ENTRY_PRESENT}");
+            return;
         };
-        let entry = found.get();
-        if entry.token != token {
-            return Released {
-                wake: None,
-                key: None,
-            };
-        }
-        let head = entry.head;
-        if head == NIL {
-            let (removed, _) = found.remove();
-            // SAFETY: the entry was just removed from the table and its only
-            // holder is the caller, which is releasing it: nobody reads the
-            // slot again.
-            let key = unsafe { self.keys.take(removed.key) };
-            if self.entries.is_empty() && self.entries.capacity() > SHRINK_ABOVE {
-                self.entries = HashTable::new();
+        match entry.holder {
+            Some(holder) if holder.token == token => {
+                entry.holder = None;
+                if entry.head != NIL {
+                    queues.grant_head(entry, ctx);
+                    return;
+                }
             }
-            return Released {
-                wake: None,
-                key: Some(key),
-            };
+            _ => entry.fenced -= 1,
         }
-        self.hand_off(hash, key, head)
+        if entry.is_unused() {
+            self.remove_if_unused(hash, key, ctx);
+        }
     }
 
-    #[cold]
-    fn hand_off(&mut self, hash: u64, key: KeyPtr<K>, head: u32) -> Released<K> {
-        let token = self.tokens.mint();
-        let s = &mut self.slots[head as usize];
-        let next = s.next;
-        s.state = SlotState::Granted(token);
-        s.prev = NIL;
-        s.next = NIL;
-        let wake = s.waker.take();
-        if next != NIL {
-            self.slots[next as usize].prev = NIL;
+    /// Whether grant `token` still has authority; settles a lapse it finds.
+    pub(crate) fn check(
+        &mut self,
+        hash: u64,
+        key: KeyPtr<K>,
+        token: FencingToken,
+        ctx: &mut Ctx<'_, K>,
+    ) -> Result<FencingToken, LockError> {
+        let (entry, mut queues) = self.locate(hash, key).expect(ENTRY_PRESENT);
+        queues.settle(entry, ctx);
+        match entry.holder {
+            Some(h) if h.token == token => Ok(token),
+            _ => Err(LockError::Expired { token }),
         }
-        let entry = self.entry_mut(hash, key);
-        entry.token = token;
-        entry.head = next;
-        if next == NIL {
-            entry.tail = NIL;
-        }
-        entry.waiters -= 1;
-        Released { wake, key: None }
     }
+
+    /// Gives grant `token` a new deadline `lease` from now, if it still has
+    /// authority.
+    pub(crate) fn renew(
+        &mut self,
+        hash: u64,
+        key: KeyPtr<K>,
+        token: FencingToken,
+        lease: Duration,
+        ctx: &mut Ctx<'_, K>,
+    ) -> Result<Option<Instant>, LockError> {
+        let (entry, mut queues) = self.locate(hash, key).expect(ENTRY_PRESENT);
+        queues.settle(entry, ctx);
+        let Some(holder) = entry.holder.as_mut().filter(|h| h.token == token) else {
+            return Err(LockError::Expired { token });
+        };
+        let now = ctx.now.get();
+        holder.deadline = now.checked_add(lease);
+        holder.since.get_or_insert(now);
+        let deadline = holder.deadline;
+        queues.wake_head_for_timer(entry, ctx);
+        Ok(deadline)
+    }
+
+    /// Forces the live holder of a key out and passes the key on.
+    pub(crate) fn revoke<Q>(
+        &mut self,
+        hash: u64,
+        key: &Q,
+        ctx: &mut Ctx<'_, K>,
+    ) -> Option<FencingToken>
+    where
+        K: Borrow<Q>,
+        Q: ?Sized + Eq,
+    {
+        let (entry, mut queues) = self.locate_by(hash, key)?;
+        let live = entry.holder.is_some_and(|h| h.is_live(&mut ctx.now));
+        if !live {
+            queues.settle(entry, ctx);
+            return None;
+        }
+        let revoked = queues.displace(entry, ctx).map(|h| h.token);
+        ctx.counters.revoked();
+        revoked
+    }
+}
+
+const ENTRY_PRESENT: &str =
+    "keylock: an entry with a holder, waiter or fenced guard is in its shard";
+
+/// Links a new slot at the tail of `entry`'s queue.
+#[cold]
+fn enqueue<K>(
+    queues: &mut Queues<'_>,
+    entry: &mut Entry<K>,
+    lease: Option<Duration>,
+    waker: Waker,
+) -> u32 {
+    let vacant = queues.slots.vacant_entry();
+    let index = u32::try_from(vacant.key())
+        .ok()
+        .filter(|&i| i != NIL)
+        .expect("keylock: more than 2^32 - 1 waiters in one shard");
+    vacant.insert(Slot {
+        waker: Some(waker),
+        state: SlotState::Waiting,
+        lease,
+        prev: NIL,
+        next: NIL,
+    });
+    queues.link_tail(entry, index);
+    index
 }
 
 impl<K> Drop for ShardState<K> {
     fn drop(&mut self) {
         // Guards and futures borrow the table, so an entry left now belongs to
-        // a guard that was leaked with `mem::forget`: free its key.
+        // a guard leaked with `mem::forget`: free its key.
         for entry in self.entries.drain() {
             // SAFETY: nothing can reach the entry any more.
             drop(unsafe { self.keys.take(entry.key) });

@@ -29,6 +29,12 @@ pub struct Stats {
     pub handoffs: u64,
     /// Waits abandoned by dropping the future (before or after being granted).
     pub cancelled: u64,
+    /// Grants whose lease lapsed before they were released.
+    pub expired: u64,
+    /// Waits that ran out of time.
+    pub timed_out: u64,
+    /// Grants forced out by `revoke`.
+    pub revoked: u64,
 }
 
 /// One shard's counters.
@@ -38,6 +44,9 @@ pub(crate) struct Counters {
     contended: AtomicU64,
     handoffs: AtomicU64,
     cancelled: AtomicU64,
+    expired: AtomicU64,
+    timed_out: AtomicU64,
+    revoked: AtomicU64,
 }
 
 /// Adds one; the caller holds the shard lock, so no other writer races.
@@ -65,10 +74,28 @@ impl Counters {
         bump(&self.cancelled);
     }
 
+    #[inline]
+    pub(crate) fn expired(&self) {
+        bump(&self.expired);
+    }
+
+    #[inline]
+    pub(crate) fn timed_out(&self) {
+        bump(&self.timed_out);
+    }
+
+    #[inline]
+    pub(crate) fn revoked(&self) {
+        bump(&self.revoked);
+    }
+
     pub(crate) fn add_to(&self, stats: &mut Stats) {
         stats.acquisitions += self.acquisitions.load(Relaxed);
         stats.contended += self.contended.load(Relaxed);
         stats.handoffs += self.handoffs.load(Relaxed);
         stats.cancelled += self.cancelled.load(Relaxed);
+        stats.expired += self.expired.load(Relaxed);
+        stats.timed_out += self.timed_out.load(Relaxed);
+        stats.revoked += self.revoked.load(Relaxed);
     }
 }

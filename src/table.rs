@@ -9,16 +9,20 @@
 use std::borrow::Borrow;
 use std::fmt;
 use std::hash::{BuildHasher, Hash};
+use std::marker::PhantomData;
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use crossbeam_utils::CachePadded;
 
-use crate::acquire::{Lock, LockOwned};
-use crate::error::TryLockError;
+use crate::acquire::{Lock, LockOwned, LockOwnedWith, LockWith};
+use crate::clock::Clock;
+use crate::error::{LockError, TryLockError};
 use crate::guard::{Guard, Held, OwnedGuard};
 use crate::key_slot::KeyPtr;
+use crate::lease::{LeasePolicy, LockOptions, DEFAULT_MAX_LEASE, MIN_LEASE};
 use crate::loom::Mutex;
-use crate::queue::{Grant, Released, ShardState};
+use crate::queue::{Ctx, Grant, ShardState};
 use crate::stats::{Counters, Stats};
 use crate::token::FencingToken;
 
@@ -69,6 +73,10 @@ pub struct LockTable<K, S = DefaultHashBuilder> {
     shards: Box<[CachePadded<Shard<K>>]>,
     mask: usize,
     hasher: S,
+    clock: Clock,
+    leases: LeasePolicy,
+    /// An instant before every deadline of this table, to store them compactly.
+    epoch: Instant,
 }
 
 impl<K: Eq + Hash> LockTable<K> {
@@ -80,7 +88,7 @@ impl<K: Eq + Hash> LockTable<K> {
     /// ```
     #[must_use]
     pub fn new() -> Self {
-        Builder::new().build()
+        Self::builder().build()
     }
 
     /// Starts configuring a table.
@@ -89,8 +97,7 @@ impl<K: Eq + Hash> LockTable<K> {
     /// let table: keylock::LockTable<String> = keylock::LockTable::builder().shards(8).build();
     /// assert_eq!(table.shard_count(), 8);
     /// ```
-    #[must_use]
-    pub fn builder() -> Builder {
+    pub fn builder() -> Builder<K> {
         Builder::new()
     }
 }
@@ -112,6 +119,10 @@ impl<K, S> fmt::Debug for LockTable<K, S> {
 
 impl<K, S> LockTable<K, S> {
     /// Number of keys that are held or awaited.
+    ///
+    /// A key whose holder's lease lapsed, or whose fenced guard still exists,
+    /// may still be counted until that guard is dropped or the key is next
+    /// touched.
     ///
     /// ```
     /// let table = keylock::LockTable::new();
@@ -166,37 +177,71 @@ impl<K, S> LockTable<K, S> {
         &self.shards[(hash >> 32) as usize & self.mask]
     }
 
+    #[inline]
+    pub(crate) fn clock(&self) -> &Clock {
+        &self.clock
+    }
+
+    #[inline]
+    pub(crate) fn leases(&self) -> &LeasePolicy {
+        &self.leases
+    }
+
+    #[inline]
+    pub(crate) fn epoch(&self) -> Instant {
+        self.epoch
+    }
+
+    /// Runs `op` on the shard of `hash` under its lock, then wakes and drops
+    /// what it left to do, after unlocking.
+    #[inline]
+    fn with_shard<R>(
+        &self,
+        hash: u64,
+        op: impl FnOnce(&mut ShardState<K>, &mut Ctx<'_, K>) -> R,
+    ) -> R {
+        let shard = self.shard(hash);
+        let mut ctx = Ctx::new(&self.clock, &shard.counters);
+        let result = {
+            let mut state = shard.state.lock();
+            op(&mut state, &mut ctx)
+        };
+        ctx.finish();
+        result
+    }
+
     /// Releases the grant `token` of the key at `key`; the holder gives proof
     /// of ownership with its token, so a stale release frees nothing.
     #[inline]
     pub(crate) fn release(&self, hash: u64, key: KeyPtr<K>, token: FencingToken) {
-        let shard = self.shard(hash);
-        let released = {
-            let mut state = shard.state.lock();
-            let released = state.release(hash, key, token);
-            if released.handed_off() {
-                shard.counters.handed_off();
-            }
-            released
-        };
-        released.finish();
+        self.with_shard(hash, |state, ctx| state.release(hash, key, token, ctx));
     }
 
     /// Drops a waiting future's registration; a grant it had not observed yet
     /// passes on.
     #[cold]
     pub(crate) fn cancel(&self, hash: u64, key: KeyPtr<K>, slot: u32) {
-        let shard = self.shard(hash);
-        let released: Released<K> = {
-            let mut state = shard.state.lock();
-            let released = state.cancel_slot(hash, key, slot);
-            shard.counters.cancelled();
-            if released.handed_off() {
-                shard.counters.handed_off();
-            }
-            released
-        };
-        released.finish();
+        self.with_shard(hash, |state, ctx| state.cancel_slot(hash, key, slot, ctx));
+    }
+
+    pub(crate) fn check_grant(
+        &self,
+        hash: u64,
+        key: KeyPtr<K>,
+        token: FencingToken,
+    ) -> Result<FencingToken, LockError> {
+        self.with_shard(hash, |state, ctx| state.check(hash, key, token, ctx))
+    }
+
+    pub(crate) fn renew_grant(
+        &self,
+        hash: u64,
+        key: KeyPtr<K>,
+        token: FencingToken,
+        lease: Duration,
+    ) -> Result<Option<Instant>, LockError> {
+        let lease = self.leases.check(lease)?;
+        self.with_shard(hash, |state, ctx| state.renew(hash, key, token, lease, ctx))
     }
 }
 
@@ -230,8 +275,7 @@ where
     /// ```
     #[inline]
     pub fn lock(&self, key: K) -> Lock<'_, K, S> {
-        let hash = self.hash(&key);
-        Lock::new(self, hash, key)
+        Lock::new(self, key, None, None)
     }
 
     /// Like [`lock`](Self::lock), for a table behind an [`Arc`]: the guard
@@ -252,8 +296,63 @@ where
     /// ```
     #[inline]
     pub fn lock_owned(self: Arc<Self>, key: K) -> LockOwned<K, S> {
-        let hash = self.hash(&key);
-        LockOwned::new(self, hash, key)
+        LockOwned::new(self, key, None, None)
+    }
+
+    /// Like [`lock`](Self::lock), with a lease and/or a timeout.
+    ///
+    /// The lease (the call's own, else the table's default) is measured from
+    /// the moment the key is granted, even if this future runs later. Invalid
+    /// options fail on the first poll, before anything is queued.
+    ///
+    /// # Errors
+    ///
+    /// [`LockError::InvalidOptions`] for a lease out of range;
+    /// [`LockError::Timeout`] when the timeout ran out, naming the holder at
+    /// that moment.
+    ///
+    /// # Cancel safety
+    ///
+    /// Cancel-safe, as [`lock`](Self::lock).
+    ///
+    /// ```
+    /// # futures::executor::block_on(async {
+    /// use std::time::Duration;
+    /// use keylock::{LockError, LockOptions, LockTable};
+    /// let table = LockTable::new();
+    /// let held = table.lock("k").await;
+    /// let err = table
+    ///     .lock_with("k", LockOptions::new().timeout(Duration::from_millis(10)))
+    ///     .await
+    ///     .unwrap_err();
+    /// assert!(matches!(err, LockError::Timeout { holder: Some(t), .. } if t == held.token()));
+    /// # });
+    /// ```
+    pub fn lock_with(&self, key: K, opts: LockOptions) -> LockWith<'_, K, S> {
+        LockWith::new(self, key, opts.lease_duration(), opts.timeout_duration())
+    }
+
+    /// Like [`lock_with`](Self::lock_with), for a table behind an [`Arc`].
+    ///
+    /// # Errors
+    ///
+    /// As [`lock_with`](Self::lock_with).
+    ///
+    /// # Cancel safety
+    ///
+    /// Cancel-safe, as [`lock`](Self::lock).
+    ///
+    /// ```
+    /// # futures::executor::block_on(async {
+    /// use std::{sync::Arc, time::Duration};
+    /// let table = Arc::new(keylock::LockTable::new());
+    /// let opts = keylock::LockOptions::new().lease(Duration::from_secs(10));
+    /// let guard = table.clone().lock_owned_with(3, opts).await.unwrap();
+    /// assert!(guard.expires_at().is_some());
+    /// # });
+    /// ```
+    pub fn lock_owned_with(self: Arc<Self>, key: K, opts: LockOptions) -> LockOwnedWith<K, S> {
+        LockOwnedWith::new(self, key, opts.lease_duration(), opts.timeout_duration())
     }
 
     /// Takes `key` if it is free and nobody waits for it.
@@ -272,7 +371,34 @@ where
     #[inline]
     pub fn try_lock(&self, key: K) -> Result<Guard<'_, K, S>, TryLockError> {
         let hash = self.hash(&key);
-        self.try_acquire(hash, key).map(|grant| Guard::new(self, Held { hash, grant }))
+        let grant = self
+            .try_acquire(hash, key, self.leases.default)
+            .ok_or(TryLockError::WouldBlock)?;
+        Ok(Guard::new(self, Held::new(hash, grant, self.epoch)))
+    }
+
+    /// Like [`try_lock`](Self::try_lock), with a lease (the timeout, if any,
+    /// is ignored: this never waits).
+    ///
+    /// # Errors
+    ///
+    /// [`LockError::WouldBlock`] if the key is held or awaited;
+    /// [`LockError::InvalidOptions`] for a lease out of range.
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// let table = keylock::LockTable::new();
+    /// let opts = keylock::LockOptions::new().lease(Duration::from_secs(1));
+    /// let guard = table.try_lock_with("k", opts).unwrap();
+    /// assert!(!guard.is_expired());
+    /// ```
+    pub fn try_lock_with(&self, key: K, opts: LockOptions) -> Result<Guard<'_, K, S>, LockError> {
+        let lease = self.leases.resolve(opts.lease_duration())?;
+        let hash = self.hash(&key);
+        let grant = self
+            .try_acquire(hash, key, lease)
+            .ok_or(LockError::WouldBlock)?;
+        Ok(Guard::new(self, Held::new(hash, grant, self.epoch)))
     }
 
     /// Like [`try_lock`](Self::try_lock), for a table behind an [`Arc`].
@@ -290,25 +416,51 @@ where
     #[inline]
     pub fn try_lock_owned(self: Arc<Self>, key: K) -> Result<OwnedGuard<K, S>, TryLockError> {
         let hash = self.hash(&key);
-        let grant = self.try_acquire(hash, key)?;
-        Ok(OwnedGuard::new(self, Held { hash, grant }))
+        let grant = self
+            .try_acquire(hash, key, self.leases.default)
+            .ok_or(TryLockError::WouldBlock)?;
+        let held = Held::new(hash, grant, self.epoch);
+        Ok(OwnedGuard::new(self, held))
+    }
+
+    /// Like [`try_lock_with`](Self::try_lock_with), for a table behind an
+    /// [`Arc`].
+    ///
+    /// # Errors
+    ///
+    /// As [`try_lock_with`](Self::try_lock_with).
+    ///
+    /// ```
+    /// use std::sync::Arc;
+    /// let table = Arc::new(keylock::LockTable::new());
+    /// let guard = table.clone().try_lock_owned_with(1, Default::default()).unwrap();
+    /// assert_eq!(guard.expires_at(), None);
+    /// ```
+    pub fn try_lock_owned_with(
+        self: Arc<Self>,
+        key: K,
+        opts: LockOptions,
+    ) -> Result<OwnedGuard<K, S>, LockError> {
+        let lease = self.leases.resolve(opts.lease_duration())?;
+        let hash = self.hash(&key);
+        let grant = self
+            .try_acquire(hash, key, lease)
+            .ok_or(LockError::WouldBlock)?;
+        let held = Held::new(hash, grant, self.epoch);
+        Ok(OwnedGuard::new(self, held))
     }
 
     #[inline]
-    fn try_acquire(&self, hash: u64, key: K) -> Result<Grant<K>, TryLockError> {
-        let shard = self.shard(hash);
-        let mut state = shard.state.lock();
-        match state.try_acquire(hash, key) {
-            Ok(grant) => {
-                shard.counters.acquired(false);
-                Ok(grant)
+    fn try_acquire(&self, hash: u64, key: K, lease: Option<Duration>) -> Option<Grant<K>> {
+        self.with_shard(hash, |state, ctx| {
+            match state.try_acquire(hash, key, lease, ctx) {
+                Ok(grant) => Some(grant),
+                Err(key) => {
+                    ctx.drop_later(key);
+                    None
+                }
             }
-            Err(key) => {
-                drop(state);
-                drop(key);
-                Err(TryLockError::WouldBlock)
-            }
-        }
+        })
     }
 
     /// Blocks the current thread until `key` is free and takes it.
@@ -327,7 +479,52 @@ where
         futures_executor::block_on(self.lock(key))
     }
 
-    /// Whether `key` is held now.
+    /// Like [`blocking_lock`](Self::blocking_lock), with a lease and/or a
+    /// timeout. The thread is woken by the timer at a holder's lease deadline
+    /// or at its own timeout.
+    ///
+    /// # Errors
+    ///
+    /// As [`lock_with`](Self::lock_with).
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// let table = keylock::LockTable::new();
+    /// let _held = table.try_lock(1).unwrap();
+    /// let opts = keylock::LockOptions::new().timeout(Duration::ZERO);
+    /// assert!(table.blocking_lock_with(1, opts).is_err());
+    /// ```
+    pub fn blocking_lock_with(
+        &self,
+        key: K,
+        opts: LockOptions,
+    ) -> Result<Guard<'_, K, S>, LockError> {
+        futures_executor::block_on(self.lock_with(key, opts))
+    }
+
+    /// Forces the live holder of `key` out (an operator's action on a stuck
+    /// key) and returns its token; the key goes to the next waiter. The
+    /// revoked guard is fenced: its `check()` fails and dropping it frees
+    /// nothing. `None` if the key had no live holder.
+    ///
+    /// ```
+    /// let table = keylock::LockTable::new();
+    /// let stuck = table.try_lock("k").unwrap();
+    /// assert_eq!(table.revoke("k"), Some(stuck.token()));
+    /// assert!(stuck.is_expired());
+    /// assert!(table.try_lock("k").is_ok());
+    /// ```
+    pub fn revoke<Q>(&self, key: &Q) -> Option<FencingToken>
+    where
+        K: Borrow<Q>,
+        Q: Hash + Eq + ?Sized,
+    {
+        let hash = self.hash(key);
+        self.with_shard(hash, |state, ctx| state.revoke(hash, key, ctx))
+    }
+
+    /// Whether `key` has a live holder now (a holder whose lease lapsed does
+    /// not count).
     ///
     /// ```
     /// let table = keylock::LockTable::new();
@@ -341,7 +538,7 @@ where
         Q: Hash + Eq + ?Sized,
     {
         let hash = self.hash(key);
-        self.shard(hash).state.lock().is_held(hash, key)
+        self.with_shard(hash, |state, ctx| state.is_held(hash, key, ctx))
     }
 
     /// How many futures wait for `key` (not counting its holder).
@@ -356,7 +553,7 @@ where
         Q: Hash + Eq + ?Sized,
     {
         let hash = self.hash(key);
-        self.shard(hash).state.lock().waiters(hash, key)
+        self.with_shard(hash, |state, _| state.waiters(hash, key))
     }
 }
 
@@ -368,21 +565,29 @@ where
 /// ```
 #[derive(Debug, Clone)]
 #[must_use]
-pub struct Builder<S = DefaultHashBuilder> {
+pub struct Builder<K, S = DefaultHashBuilder> {
+    _keys: PhantomData<fn() -> K>,
     shards: Option<usize>,
     hasher: S,
+    default_lease: Option<Duration>,
+    max_lease: Duration,
+    clock: Clock,
 }
 
-impl Builder {
+impl<K> Builder<K> {
     fn new() -> Self {
         Self {
+            _keys: PhantomData,
             shards: None,
             hasher: DefaultHashBuilder::default(),
+            default_lease: None,
+            max_lease: DEFAULT_MAX_LEASE,
+            clock: Clock::default(),
         }
     }
 }
 
-impl<S> Builder<S> {
+impl<K, S> Builder<K, S> {
     /// Number of shards, rounded up to a power of two. More shards mean less
     /// contention between unrelated keys; the default is four per available
     /// core. Zero is rejected by [`build`](Self::build).
@@ -398,19 +603,75 @@ impl<S> Builder<S> {
     ///     keylock::LockTable::builder().hasher(std::hash::RandomState::new()).build();
     /// # drop(table);
     /// ```
-    pub fn hasher<T: BuildHasher>(self, hasher: T) -> Builder<T> {
+    pub fn hasher<T: BuildHasher>(self, hasher: T) -> Builder<K, T> {
         Builder {
+            _keys: PhantomData,
             shards: self.shards,
             hasher,
+            default_lease: self.default_lease,
+            max_lease: self.max_lease,
+            clock: self.clock,
         }
+    }
+
+    /// A lease for every grant that does not ask for its own, including plain
+    /// `lock`, `try_lock`, `blocking_lock` and `lock_owned`. Checked by
+    /// [`build`](Self::build): positive and at most the maximum lease.
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// let table = keylock::LockTable::builder().default_lease(Duration::from_secs(30)).build();
+    /// let guard = table.try_lock("k").unwrap();
+    /// assert!(guard.expires_at().is_some());
+    /// ```
+    pub fn default_lease(mut self, lease: Duration) -> Self {
+        self.default_lease = Some(lease);
+        self
+    }
+
+    /// The longest lease a lock or renewal may ask for (one hour unless set).
+    /// Must be positive.
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// let table = keylock::LockTable::builder().max_lease(Duration::from_secs(60)).build();
+    /// let opts = keylock::LockOptions::new().lease(Duration::from_secs(61));
+    /// assert!(table.try_lock_with("k", opts).is_err());
+    /// ```
+    pub fn max_lease(mut self, max: Duration) -> Self {
+        self.max_lease = max;
+        self
+    }
+
+    /// Judge leases and timeouts by a [`ManualClock`](crate::ManualClock)
+    /// that moves only when told to.
+    #[cfg(feature = "test-util")]
+    #[cfg_attr(docsrs, doc(cfg(feature = "test-util")))]
+    pub fn clock(mut self, clock: crate::clock::ManualClock) -> Self {
+        self.clock = Clock::Manual(clock);
+        self
     }
 
     /// Builds the table.
     ///
     /// # Panics
     ///
-    /// If `shards(0)` or more than 2^16 shards were asked for.
-    pub fn build<K>(self) -> LockTable<K, S> {
+    /// If `shards(0)` or more than 2^16 shards were asked for, if the maximum
+    /// lease is zero, or if the default lease is zero or above the maximum.
+    pub fn build(self) -> LockTable<K, S> {
+        assert!(
+            self.max_lease >= MIN_LEASE,
+            "keylock: Builder::max_lease must be positive, got {:?}",
+            self.max_lease
+        );
+        if let Some(lease) = self.default_lease {
+            assert!(
+                lease >= MIN_LEASE && lease <= self.max_lease,
+                "keylock: Builder::default_lease must be between {MIN_LEASE:?} and the maximum \
+                 lease {:?}, got {lease:?}",
+                self.max_lease
+            );
+        }
         let shards = match self.shards {
             Some(0) => panic!("keylock: Builder::shards must be at least 1, got 0"),
             Some(n) if n > MAX_SHARDS => {
@@ -428,10 +689,17 @@ impl<S> Builder<S> {
                 })
             })
             .collect();
+        let epoch = self.clock.now();
         LockTable {
             mask: shards.len() - 1,
             shards,
             hasher: self.hasher,
+            clock: self.clock,
+            leases: LeasePolicy {
+                default: self.default_lease,
+                max: self.max_lease,
+            },
+            epoch,
         }
     }
 }

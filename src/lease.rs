@@ -1,0 +1,99 @@
+//! Per-call options (lease, timeout) and their validation.
+//!
+//! A lease bounds how long a grant keeps its authority, measured on the
+//! table's monotonic clock from the moment the key is granted; a timeout
+//! bounds how long a caller waits. Both are checked here before anything is
+//! queued.
+
+use std::time::Duration;
+
+use crate::error::LockError;
+
+/// The longest lease a table accepts unless its builder says otherwise.
+pub const DEFAULT_MAX_LEASE: Duration = Duration::from_secs(3600);
+
+/// How to take one lock: with a lease, a timeout, both or neither.
+///
+/// ```
+/// use std::time::Duration;
+/// let opts = keylock::LockOptions::new()
+///     .lease(Duration::from_secs(30))
+///     .timeout(Duration::from_millis(500));
+/// assert_eq!(opts.lease_duration(), Some(Duration::from_secs(30)));
+/// ```
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct LockOptions {
+    lease: Option<Duration>,
+    timeout: Option<Duration>,
+}
+
+impl LockOptions {
+    /// No lease (unless the table has a default one) and no timeout.
+    #[must_use]
+    pub const fn new() -> Self {
+        Self {
+            lease: None,
+            timeout: None,
+        }
+    }
+
+    /// The grant loses its authority this long after it is made: `check()`
+    /// fails from then on and the key passes to the next waiter. Must be
+    /// positive and at most the table's `max_lease`.
+    #[must_use]
+    pub const fn lease(mut self, lease: Duration) -> Self {
+        self.lease = Some(lease);
+        self
+    }
+
+    /// Give up waiting after this long, with [`LockError::Timeout`]. Zero
+    /// means "do not wait"; a timeout too large for the clock to represent
+    /// means "wait for ever". `try_lock_with` ignores it.
+    #[must_use]
+    pub const fn timeout(mut self, timeout: Duration) -> Self {
+        self.timeout = Some(timeout);
+        self
+    }
+
+    /// The lease asked for, if any.
+    #[must_use]
+    pub const fn lease_duration(&self) -> Option<Duration> {
+        self.lease
+    }
+
+    /// The timeout asked for, if any.
+    #[must_use]
+    pub const fn timeout_duration(&self) -> Option<Duration> {
+        self.timeout
+    }
+}
+
+/// The lease limits of a table.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct LeasePolicy {
+    pub(crate) default: Option<Duration>,
+    pub(crate) max: Duration,
+}
+
+/// The smallest lease accepted.
+pub(crate) const MIN_LEASE: Duration = Duration::from_nanos(1);
+
+impl LeasePolicy {
+    /// Checks a lease against the table's bounds.
+    pub(crate) fn check(&self, lease: Duration) -> Result<Duration, LockError> {
+        if lease < MIN_LEASE || lease > self.max {
+            return Err(LockError::InvalidOptions {
+                option: "lease",
+                value: lease,
+                min: MIN_LEASE,
+                max: self.max,
+            });
+        }
+        Ok(lease)
+    }
+
+    /// The lease a call gets: its own, else the table's default; validated.
+    pub(crate) fn resolve(&self, asked: Option<Duration>) -> Result<Option<Duration>, LockError> {
+        asked.or(self.default).map(|l| self.check(l)).transpose()
+    }
+}

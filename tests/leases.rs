@@ -1,0 +1,430 @@
+//! Leases, fencing, renewals, revocation and timeouts, driven by a manual
+//! clock and by polling futures by hand.
+#![cfg(feature = "test-util")]
+
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicUsize, Ordering::SeqCst};
+use std::sync::Arc;
+use std::task::{Context, Poll, Wake, Waker};
+use std::time::Duration;
+
+use keylock::{LockError, LockOptions, LockTable, ManualClock};
+
+const SEC: Duration = Duration::from_secs(1);
+
+struct Counter(AtomicUsize);
+impl Wake for Counter {
+    fn wake(self: Arc<Self>) {
+        self.0.fetch_add(1, SeqCst);
+    }
+}
+
+fn counting() -> (Arc<Counter>, Waker) {
+    let c = Arc::new(Counter(AtomicUsize::new(0)));
+    (c.clone(), Waker::from(c))
+}
+
+fn wakes(c: &Counter) -> usize {
+    c.0.load(SeqCst)
+}
+
+fn poll<F: Future + Unpin>(f: &mut F, waker: &Waker) -> Poll<F::Output> {
+    Pin::new(f).poll(&mut Context::from_waker(waker))
+}
+
+fn table() -> (ManualClock, LockTable<&'static str>) {
+    let clock = ManualClock::new();
+    let table = LockTable::builder().clock(clock.clone()).build();
+    (clock, table)
+}
+
+fn lease(d: Duration) -> LockOptions {
+    LockOptions::new().lease(d)
+}
+
+#[test]
+fn lease_lapses_when_judged_now_without_any_timer() {
+    let (clock, table) = table();
+    let g = table.try_lock_with("k", lease(5 * SEC)).unwrap();
+    assert_eq!(g.expires_at(), Some(clock.now() + 5 * SEC));
+    clock.advance(5 * SEC - Duration::from_nanos(1));
+    assert_eq!(g.check(), Ok(g.token()));
+    assert!(!g.is_expired());
+    assert!(table.is_locked("k"));
+    clock.advance(Duration::from_nanos(1));
+    assert!(g.is_expired());
+    assert_eq!(g.check(), Err(LockError::Expired { token: g.token() }));
+    assert!(!table.is_locked("k"), "a lapsed holder does not count");
+    drop(g);
+    assert_eq!(table.len(), 0);
+    assert_eq!(table.stats().expired, 1);
+}
+
+#[test]
+fn lapse_hands_key_to_head_waiter_woken_by_its_timer() {
+    let (clock, table) = table();
+    let holder = table.try_lock_with("k", lease(2 * SEC)).unwrap();
+    let (c, w) = counting();
+    let mut waiter = table.lock("k");
+    assert!(poll(&mut waiter, &w).is_pending());
+    assert_eq!(
+        clock.sleepers(),
+        1,
+        "the head of a leased holder's queue arms one timer"
+    );
+    clock.advance(2 * SEC);
+    assert_eq!(wakes(&c), 1, "the timer woke the head at the deadline");
+    let g = match poll(&mut waiter, &w) {
+        Poll::Ready(g) => g,
+        Poll::Pending => panic!("lapsed key not handed over"),
+    };
+    assert!(g.token() > holder.token());
+    assert_eq!(
+        holder.check(),
+        Err(LockError::Expired {
+            token: holder.token()
+        })
+    );
+    // The stale guard's drop must not free the successor's key.
+    drop(holder);
+    assert!(table.is_locked("k"));
+    assert!(table.try_lock("k").is_err());
+    drop(g);
+    assert_eq!(table.len(), 0);
+    assert_eq!(clock.sleepers(), 0);
+}
+
+#[test]
+fn no_timer_without_leases_or_timeouts() {
+    let (clock, table) = table();
+    let holder = table.try_lock("k").unwrap();
+    let (_, w) = counting();
+    let mut waiter = table.lock("k");
+    assert!(poll(&mut waiter, &w).is_pending());
+    assert_eq!(clock.sleepers(), 0);
+    drop(holder);
+    assert!(poll(&mut waiter, &w).is_ready());
+}
+
+#[test]
+fn lease_runs_from_handoff_not_from_when_waiter_runs() {
+    let (clock, table) = table();
+    let holder = table.try_lock("k").unwrap();
+    let (_, w) = counting();
+    let mut waiter = table.lock_with("k", lease(3 * SEC));
+    assert!(poll(&mut waiter, &w).is_pending());
+    let granted_at = clock.now();
+    drop(holder);
+    clock.advance(SEC);
+    let g = match poll(&mut waiter, &w) {
+        Poll::Ready(r) => r.unwrap(),
+        Poll::Pending => panic!("not granted"),
+    };
+    assert_eq!(g.expires_at(), Some(granted_at + 3 * SEC));
+}
+
+#[test]
+fn grant_that_lapses_unobserved_is_void_and_requeued_at_back() {
+    let (clock, table) = table();
+    let holder = table.try_lock("k").unwrap();
+    let (ca, wa) = counting();
+    let (cb, wb) = counting();
+    let mut a = table.lock_with("k", lease(SEC));
+    let mut b = table.lock("k");
+    assert!(poll(&mut a, &wa).is_pending());
+    assert!(poll(&mut b, &wb).is_pending());
+    drop(holder); // a is granted with a one-second lease
+    assert_eq!(wakes(&ca), 1);
+    clock.advance(SEC); // ... which lapses before a runs
+                        // b is the head now and armed a timer when a was granted.
+    assert!(wakes(&cb) >= 1);
+    let gb = match poll(&mut b, &wb) {
+        Poll::Ready(g) => g,
+        Poll::Pending => panic!("b should get the key after a's grant lapsed"),
+    };
+    // a never resolves to a lapsed grant: it waits again, behind b.
+    assert!(poll(&mut a, &wa).is_pending());
+    assert_eq!(table.waiters("k"), 1);
+    drop(gb);
+    let ga = match poll(&mut a, &wa) {
+        Poll::Ready(r) => r.unwrap(),
+        Poll::Pending => panic!("a should be granted after b"),
+    };
+    assert!(!ga.is_expired());
+    drop(ga);
+    assert_eq!(table.len(), 0);
+}
+
+#[test]
+fn renew_extends_or_shortens_a_live_lease_and_never_revives() {
+    let (clock, table) = table();
+    let g = table.try_lock_with("k", lease(2 * SEC)).unwrap();
+    clock.advance(SEC);
+    g.renew(10 * SEC).unwrap();
+    assert_eq!(g.expires_at(), Some(clock.now() + 10 * SEC));
+    clock.advance(5 * SEC);
+    assert!(!g.is_expired());
+    g.renew(SEC).unwrap();
+    clock.advance(SEC);
+    assert!(g.is_expired());
+    assert_eq!(g.renew(SEC), Err(LockError::Expired { token: g.token() }));
+    assert!(g.is_expired());
+    let bad = g.renew(Duration::ZERO).unwrap_err();
+    assert!(matches!(
+        bad,
+        LockError::InvalidOptions {
+            option: "lease",
+            ..
+        }
+    ));
+}
+
+#[test]
+fn renew_gives_a_lease_to_a_guard_without_one() {
+    let (clock, table) = table();
+    let g = table.try_lock("k").unwrap();
+    assert_eq!(g.expires_at(), None);
+    g.renew(SEC).unwrap();
+    assert_eq!(g.expires_at(), Some(clock.now() + SEC));
+    clock.advance(SEC);
+    assert!(g.is_expired());
+}
+
+#[test]
+fn renew_rearms_the_head_waiters_timer() {
+    let (clock, table) = table();
+    let g = table.try_lock_with("k", lease(2 * SEC)).unwrap();
+    let (c, w) = counting();
+    let mut waiter = table.lock("k");
+    assert!(poll(&mut waiter, &w).is_pending());
+    g.renew(SEC / 2).unwrap();
+    assert_eq!(wakes(&c), 1, "head woken to re-arm for the shorter lease");
+    assert!(poll(&mut waiter, &w).is_pending());
+    clock.advance(SEC / 2);
+    assert!(wakes(&c) >= 2);
+    assert!(poll(&mut waiter, &w).is_ready());
+    assert!(g.is_expired());
+}
+
+#[test]
+fn revoke_fences_the_holder_and_passes_the_key_on() {
+    let (_clock, table) = table();
+    let g = table.try_lock("k").unwrap();
+    let (c, w) = counting();
+    let mut waiter = table.lock("k");
+    assert!(poll(&mut waiter, &w).is_pending());
+    assert_eq!(table.revoke("k"), Some(g.token()));
+    assert_eq!(wakes(&c), 1);
+    assert!(g.is_expired());
+    let next = match poll(&mut waiter, &w) {
+        Poll::Ready(g) => g,
+        Poll::Pending => panic!("revoked key not handed on"),
+    };
+    drop(g);
+    assert!(table.is_locked("k"), "a fenced drop frees nothing");
+    assert_eq!(table.revoke("nobody"), None);
+    drop(next);
+    assert_eq!(table.len(), 0);
+    assert_eq!(table.stats().revoked, 1);
+}
+
+#[test]
+fn revoke_of_a_lapsed_holder_returns_none_and_frees_the_key() {
+    let (clock, table) = table();
+    let g = table.try_lock_with("k", lease(SEC)).unwrap();
+    clock.advance(SEC);
+    assert_eq!(table.revoke("k"), None);
+    let again = table.try_lock("k").unwrap();
+    assert!(again.token() > g.token());
+    drop(g);
+    assert!(table.is_locked("k"));
+    drop(again);
+    assert_eq!(table.len(), 0);
+}
+
+#[test]
+fn timeout_removes_the_waiter_and_names_the_holder() {
+    let (clock, table) = table();
+    let g = table.try_lock_with("k", lease(100 * SEC)).unwrap();
+    clock.advance(SEC);
+    let (c, w) = counting();
+    let mut waiter = table.lock_with("k", LockOptions::new().timeout(3 * SEC));
+    assert!(poll(&mut waiter, &w).is_pending());
+    assert_eq!(table.waiters("k"), 1);
+    clock.advance(3 * SEC);
+    assert_eq!(wakes(&c), 1);
+    match poll(&mut waiter, &w) {
+        Poll::Ready(Err(LockError::Timeout {
+            waited,
+            holder,
+            held_for,
+            ahead,
+        })) => {
+            assert_eq!(waited, 3 * SEC);
+            assert_eq!(holder, Some(g.token()));
+            assert_eq!(held_for, Some(4 * SEC));
+            assert_eq!(ahead, 0);
+        }
+        other => panic!("expected a timeout, got {other:?}"),
+    }
+    assert_eq!(table.waiters("k"), 0);
+    assert_eq!(clock.sleepers(), 0);
+    drop(waiter);
+    drop(g);
+    assert_eq!(table.len(), 0);
+    assert_eq!(table.stats().timed_out, 1);
+}
+
+#[test]
+fn zero_timeout_does_not_wait() {
+    let (_clock, table) = table();
+    let g = table.try_lock("k").unwrap();
+    let (_, w) = counting();
+    let mut f = table.lock_with("k", LockOptions::new().timeout(Duration::ZERO));
+    match poll(&mut f, &w) {
+        Poll::Ready(Err(LockError::Timeout { holder, waited, .. })) => {
+            assert_eq!(holder, Some(g.token()));
+            assert_eq!(waited, Duration::ZERO);
+        }
+        other => panic!("expected an immediate timeout, got {other:?}"),
+    }
+    assert_eq!(table.waiters("k"), 0);
+    drop(g);
+    let mut f = table.lock_with("k", LockOptions::new().timeout(Duration::ZERO));
+    assert!(matches!(poll(&mut f, &w), Poll::Ready(Ok(_))));
+}
+
+#[test]
+fn huge_timeout_waits_for_ever() {
+    let (clock, table) = table();
+    let g = table.try_lock("k").unwrap();
+    let (_, w) = counting();
+    let mut f = table.lock_with("k", LockOptions::new().timeout(Duration::MAX));
+    assert!(poll(&mut f, &w).is_pending());
+    assert_eq!(clock.sleepers(), 0);
+    clock.advance(Duration::from_secs(1 << 40));
+    assert!(poll(&mut f, &w).is_pending());
+    drop(g);
+    assert!(matches!(poll(&mut f, &w), Poll::Ready(Ok(_))));
+}
+
+#[test]
+fn hundreds_of_timeouts_leak_nothing() {
+    let (clock, table) = table();
+    let g = table.try_lock("k").unwrap();
+    let (_, w) = counting();
+    let mut futs: Vec<_> = (0..300)
+        .map(|i| {
+            table.lock_with(
+                "k",
+                LockOptions::new().timeout(Duration::from_millis(1 + i % 7)),
+            )
+        })
+        .collect();
+    for f in &mut futs {
+        assert!(poll(f, &w).is_pending());
+    }
+    assert_eq!(table.waiters("k"), 300);
+    clock.advance(SEC);
+    for f in &mut futs {
+        assert!(matches!(
+            poll(f, &w),
+            Poll::Ready(Err(LockError::Timeout { .. }))
+        ));
+    }
+    assert_eq!(table.waiters("k"), 0);
+    assert_eq!(clock.sleepers(), 0);
+    drop(futs);
+    drop(g);
+    assert_eq!(table.len(), 0);
+    assert_eq!(table.stats().timed_out, 300);
+}
+
+#[test]
+fn invalid_options_are_refused_before_queueing() {
+    let clock = ManualClock::new();
+    let table: LockTable<u8> = LockTable::builder()
+        .clock(clock)
+        .max_lease(10 * SEC)
+        .build();
+    let held = table.try_lock(1).unwrap();
+    let err = table.try_lock_with(2, lease(11 * SEC)).unwrap_err();
+    assert_eq!(
+        err,
+        LockError::InvalidOptions {
+            option: "lease",
+            value: 11 * SEC,
+            min: Duration::from_nanos(1),
+            max: 10 * SEC
+        }
+    );
+    assert!(err.to_string().contains("11s") && err.to_string().contains("10s"));
+    let (_, w) = counting();
+    let mut f = table.lock_with(1, lease(Duration::ZERO));
+    assert!(matches!(
+        poll(&mut f, &w),
+        Poll::Ready(Err(LockError::InvalidOptions { .. }))
+    ));
+    assert_eq!(table.waiters(&1), 0);
+    drop(held);
+    assert_eq!(table.len(), 0);
+}
+
+#[test]
+#[should_panic(expected = "default_lease")]
+fn builder_rejects_a_zero_default_lease() {
+    let _t: LockTable<u8> = LockTable::builder().default_lease(Duration::ZERO).build();
+}
+
+#[test]
+#[should_panic(expected = "default_lease")]
+fn builder_rejects_a_default_lease_above_the_max() {
+    let _t: LockTable<u8> = LockTable::builder()
+        .max_lease(SEC)
+        .default_lease(2 * SEC)
+        .build();
+}
+
+#[test]
+fn default_lease_applies_to_plain_locks() {
+    let clock = ManualClock::new();
+    let table: LockTable<u8> = LockTable::builder()
+        .clock(clock.clone())
+        .default_lease(SEC)
+        .build();
+    let g = table.try_lock(1).unwrap();
+    assert_eq!(g.expires_at(), Some(clock.now() + SEC));
+    let b = table.blocking_lock(2);
+    assert_eq!(b.expires_at(), Some(clock.now() + SEC));
+    clock.advance(SEC);
+    assert!(g.is_expired() && b.is_expired());
+}
+
+#[test]
+fn is_expired_always_equals_check_is_err() {
+    let (clock, table) = table();
+    let a = table.try_lock_with("a", lease(SEC)).unwrap();
+    let b = table.try_lock("b").unwrap();
+    let c = table.try_lock_with("c", lease(10 * SEC)).unwrap();
+    table.revoke("b");
+    clock.advance(SEC);
+    for g in [&a, &b, &c] {
+        assert_eq!(g.is_expired(), g.check().is_err());
+    }
+    assert!(a.is_expired() && b.is_expired() && !c.is_expired());
+}
+
+#[test]
+fn tokens_increase_across_lapse_and_idle() {
+    let (clock, table) = table();
+    let mut last = None;
+    for _ in 0..5 {
+        let g = table.try_lock_with("k", lease(SEC)).unwrap();
+        assert!(last < Some(g.token()));
+        last = Some(g.token());
+        clock.advance(SEC);
+        drop(g);
+    }
+    assert_eq!(table.len(), 0);
+}
