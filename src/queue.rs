@@ -755,7 +755,13 @@ impl<K> ShardState<K> {
                     return;
                 }
             }
-            _ => entry.fenced -= 1,
+            _ => {
+                debug_assert!(
+                    entry.fenced > 0,
+                    "a stale release comes from a fenced guard"
+                );
+                entry.fenced = entry.fenced.saturating_sub(1);
+            }
         }
         if entry.is_unused() {
             self.remove_if_unused(hash, key, ctx);
@@ -851,6 +857,61 @@ fn enqueue<K>(
     index
 }
 
+#[cfg(any(test, feature = "test-util"))]
+impl<K> ShardState<K> {
+    /// Checks every structural invariant of the shard; panics naming the
+    /// first one broken.
+    pub(crate) fn validate(&self) {
+        let mut seen = vec![false; self.slots.capacity()];
+        for entry in &self.entries {
+            assert!(!entry.is_unused(), "an unused entry stayed in the table");
+            let mut count = 0;
+            let mut prev = NIL;
+            let mut at = entry.head;
+            while at != NIL {
+                let slot = &self.slots[at as usize];
+                assert_eq!(slot.state, SlotState::Waiting, "a linked slot is waiting");
+                assert_eq!(slot.prev, prev, "prev link of slot {at}");
+                assert!(
+                    !std::mem::replace(&mut seen[at as usize], true),
+                    "slot {at} linked twice"
+                );
+                count += 1;
+                prev = at;
+                at = slot.next;
+            }
+            assert_eq!(entry.tail, prev, "tail is the last linked slot");
+            assert_eq!(entry.waiters, count, "waiter count matches the queue");
+            if count > 0 {
+                assert!(
+                    entry.holder.is_some(),
+                    "a queue without a holder was not granted"
+                );
+            }
+            if let Some(Holder {
+                by: HeldBy::Slot(index),
+                token,
+                ..
+            }) = entry.holder
+            {
+                let slot = &self.slots[index as usize];
+                assert_eq!(
+                    slot.state,
+                    SlotState::Granted(token),
+                    "granted slot holds the token"
+                );
+                assert!(
+                    !std::mem::replace(&mut seen[index as usize], true),
+                    "slot {index} twice"
+                );
+            }
+        }
+        for (index, _) in &self.slots {
+            assert!(seen[index], "slot {index} is neither queued nor holding");
+        }
+    }
+}
+
 impl<K> Drop for ShardState<K> {
     fn drop(&mut self) {
         // Guards and futures borrow the table, so an entry left now belongs to
@@ -858,6 +919,166 @@ impl<K> Drop for ShardState<K> {
         for entry in self.entries.drain() {
             // SAFETY: nothing can reach the entry any more.
             drop(unsafe { self.keys.take(entry.key) });
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::atomic::{AtomicUsize, Ordering::SeqCst};
+    use std::sync::Arc;
+    use std::task::Wake;
+
+    use super::*;
+
+    struct Count(AtomicUsize);
+    impl Wake for Count {
+        fn wake(self: Arc<Self>) {
+            self.0.fetch_add(1, SeqCst);
+        }
+    }
+
+    fn waker() -> (Arc<Count>, Waker) {
+        let c = Arc::new(Count(AtomicUsize::new(0)));
+        (c.clone(), Waker::from(c))
+    }
+
+    struct Harness {
+        clock: Clock,
+        counters: Counters,
+        shard: ShardState<u32>,
+    }
+
+    impl Harness {
+        fn new() -> Self {
+            Self {
+                clock: Clock::Monotonic,
+                counters: Counters::default(),
+                shard: ShardState::new(),
+            }
+        }
+
+        fn run<R>(&mut self, op: impl FnOnce(&mut ShardState<u32>, &mut Ctx<'_, u32>) -> R) -> R {
+            let mut ctx = Ctx::new(&self.clock, &self.counters);
+            let r = op(&mut self.shard, &mut ctx);
+            ctx.finish();
+            self.shard.validate();
+            r
+        }
+
+        fn attempt(&mut self, key: u32, w: &Waker) -> Attempt<u32> {
+            self.run(|s, ctx| s.acquire_or_enqueue(u64::from(key), key, None, w, ctx))
+        }
+    }
+
+    fn queued(a: Attempt<u32>) -> (u32, KeyPtr<u32>) {
+        match a {
+            Attempt::Queued { slot, key, wake_at } => {
+                assert_eq!(wake_at, None);
+                (slot, key)
+            }
+            Attempt::Acquired(_) => panic!("expected to queue"),
+        }
+    }
+
+    #[test]
+    fn fifo_links_survive_cancelling_the_middle_waiter() {
+        let mut h = Harness::new();
+        let (_, w) = waker();
+        let Attempt::Acquired(first) = h.attempt(7, &w) else {
+            panic!()
+        };
+        let (a, key) = queued(h.attempt(7, &w));
+        let (b, _) = queued(h.attempt(7, &w));
+        let (c, _) = queued(h.attempt(7, &w));
+        h.run(|s, ctx| s.cancel_slot(7, key, b, ctx));
+        h.run(|s, ctx| s.release(7, key, first.token, ctx));
+        let SlotPoll::Granted(ga) = h.run(|s, ctx| s.poll_slot(7, key, a, &w, ctx)) else {
+            panic!("a is next")
+        };
+        assert!(matches!(
+            h.run(|s, ctx| s.poll_slot(7, key, c, &w, ctx)),
+            SlotPoll::Waiting { .. }
+        ));
+        h.run(|s, ctx| s.release(7, key, ga.token, ctx));
+        let SlotPoll::Granted(gc) = h.run(|s, ctx| s.poll_slot(7, key, c, &w, ctx)) else {
+            panic!("c is next")
+        };
+        assert!(gc.token > ga.token && ga.token > first.token);
+        h.run(|s, ctx| s.release(7, key, gc.token, ctx));
+        assert_eq!(h.shard.len(), 0);
+    }
+
+    #[test]
+    fn release_wakes_only_the_head_once() {
+        let mut h = Harness::new();
+        let Attempt::Acquired(first) = h.attempt(1, &waker().1) else {
+            panic!()
+        };
+        let (ca, wa) = waker();
+        let (cb, wb) = waker();
+        let (a, key) = queued(h.attempt(1, &wa));
+        let (b, _) = queued(h.attempt(1, &wb));
+        h.run(|s, ctx| s.release(1, key, first.token, ctx));
+        assert_eq!((ca.0.load(SeqCst), cb.0.load(SeqCst)), (1, 0));
+        // Re-polling the granted slot and the waiting one wakes nobody.
+        let SlotPoll::Granted(g) = h.run(|s, ctx| s.poll_slot(1, key, a, &wa, ctx)) else {
+            panic!()
+        };
+        h.run(|s, ctx| s.poll_slot(1, key, b, &wb, ctx));
+        assert_eq!((ca.0.load(SeqCst), cb.0.load(SeqCst)), (1, 0));
+        h.run(|s, ctx| s.cancel_slot(1, key, b, ctx));
+        h.run(|s, ctx| s.release(1, key, g.token, ctx));
+        assert_eq!(h.shard.len(), 0);
+    }
+
+    #[test]
+    fn a_cancelled_grant_passes_on_or_frees_the_key() {
+        let mut h = Harness::new();
+        let (_, w) = waker();
+        let Attempt::Acquired(first) = h.attempt(3, &w) else {
+            panic!()
+        };
+        let (a, key) = queued(h.attempt(3, &w));
+        let (b, _) = queued(h.attempt(3, &w));
+        h.run(|s, ctx| s.release(3, key, first.token, ctx));
+        h.run(|s, ctx| s.cancel_slot(3, key, a, ctx)); // granted, never observed
+        let SlotPoll::Granted(gb) = h.run(|s, ctx| s.poll_slot(3, key, b, &w, ctx)) else {
+            panic!("the grant passed to b")
+        };
+        let (c, _) = queued(h.attempt(3, &w));
+        h.run(|s, ctx| s.release(3, key, gb.token, ctx));
+        h.run(|s, ctx| s.cancel_slot(3, key, c, ctx));
+        assert_eq!(h.shard.len(), 0, "nobody left: the key is freed");
+        assert_eq!(h.counters_snapshot().cancelled, 2);
+    }
+
+    #[test]
+    fn a_stale_release_frees_nothing() {
+        let mut h = Harness::new();
+        let (_, w) = waker();
+        let Attempt::Acquired(first) = h.attempt(9, &w) else {
+            panic!()
+        };
+        let revoked = h.run(|s, ctx| s.revoke(9, &9, ctx));
+        assert_eq!(revoked, Some(first.token));
+        let Attempt::Acquired(second) = h.attempt(9, &w) else {
+            panic!("a revoked key with no waiter is free")
+        };
+        h.run(|s, ctx| s.release(9, first.key, first.token, ctx));
+        assert!(
+            h.run(|s, ctx| s.is_held(9, &9, ctx)),
+            "the successor still holds it"
+        );
+        h.run(|s, ctx| s.release(9, second.key, second.token, ctx));
+        assert_eq!(h.shard.len(), 0);
+    }
+
+    impl Harness {
+        fn counters_snapshot(&self) -> crate::Stats {
+            let mut stats = crate::Stats::default();
+            self.counters.add_to(&mut stats);
+            stats
         }
     }
 }

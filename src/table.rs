@@ -177,6 +177,17 @@ impl<K, S> LockTable<K, S> {
         &self.shards[(hash >> 32) as usize & self.mask]
     }
 
+    /// Checks the table's internal invariants (queue links, waiter counts,
+    /// every waiter slot accounted for, no idle entry kept), panicking with the
+    /// one broken. For tests and fuzzing.
+    #[cfg(feature = "test-util")]
+    #[doc(hidden)]
+    pub fn assert_consistent(&self) {
+        for shard in self.shards.iter() {
+            shard.state.lock().validate();
+        }
+    }
+
     #[inline]
     pub(crate) fn clock(&self) -> &Clock {
         &self.clock

@@ -57,6 +57,7 @@ fn lease_lapses_when_judged_now_without_any_timer() {
     assert_eq!(g.check(), Err(LockError::Expired { token: g.token() }));
     assert!(!table.is_locked("k"), "a lapsed holder does not count");
     drop(g);
+    table.assert_consistent();
     assert_eq!(table.len(), 0);
     assert_eq!(table.stats().expired, 1);
 }
@@ -91,6 +92,7 @@ fn lapse_hands_key_to_head_waiter_woken_by_its_timer() {
     assert!(table.is_locked("k"));
     assert!(table.try_lock("k").is_err());
     drop(g);
+    table.assert_consistent();
     assert_eq!(table.len(), 0);
     assert_eq!(clock.sleepers(), 0);
 }
@@ -153,6 +155,7 @@ fn grant_that_lapses_unobserved_is_void_and_requeued_at_back() {
     };
     assert!(!ga.is_expired());
     drop(ga);
+    table.assert_consistent();
     assert_eq!(table.len(), 0);
 }
 
@@ -225,6 +228,7 @@ fn revoke_fences_the_holder_and_passes_the_key_on() {
     assert!(table.is_locked("k"), "a fenced drop frees nothing");
     assert_eq!(table.revoke("nobody"), None);
     drop(next);
+    table.assert_consistent();
     assert_eq!(table.len(), 0);
     assert_eq!(table.stats().revoked, 1);
 }
@@ -240,6 +244,7 @@ fn revoke_of_a_lapsed_holder_returns_none_and_frees_the_key() {
     drop(g);
     assert!(table.is_locked("k"));
     drop(again);
+    table.assert_consistent();
     assert_eq!(table.len(), 0);
 }
 
@@ -272,6 +277,7 @@ fn timeout_removes_the_waiter_and_names_the_holder() {
     assert_eq!(clock.sleepers(), 0);
     drop(waiter);
     drop(g);
+    table.assert_consistent();
     assert_eq!(table.len(), 0);
     assert_eq!(table.stats().timed_out, 1);
 }
@@ -337,6 +343,7 @@ fn hundreds_of_timeouts_leak_nothing() {
     assert_eq!(clock.sleepers(), 0);
     drop(futs);
     drop(g);
+    table.assert_consistent();
     assert_eq!(table.len(), 0);
     assert_eq!(table.stats().timed_out, 300);
 }
@@ -368,6 +375,7 @@ fn invalid_options_are_refused_before_queueing() {
     ));
     assert_eq!(table.waiters(&1), 0);
     drop(held);
+    table.assert_consistent();
     assert_eq!(table.len(), 0);
 }
 
@@ -426,5 +434,6 @@ fn tokens_increase_across_lapse_and_idle() {
         clock.advance(SEC);
         drop(g);
     }
+    table.assert_consistent();
     assert_eq!(table.len(), 0);
 }
