@@ -48,6 +48,11 @@
 //! hand it to the storage you protect so that it can refuse a late writer.
 
 #![cfg_attr(docsrs, feature(doc_cfg))]
+#![doc(test(attr(deny(warnings))))]
+
+#[cfg(doctest)]
+#[doc = include_str!("../README.md")]
+struct ReadmeDoctests;
 
 mod acquire;
 mod clock;

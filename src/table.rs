@@ -555,8 +555,16 @@ where
     /// How many futures wait for `key` (not counting its holder).
     ///
     /// ```
+    /// # futures::executor::block_on(async {
+    /// use std::{future::Future, pin::pin, task::Context};
     /// let table = keylock::LockTable::new();
-    /// assert_eq!(table.waiters(&3), 0);
+    /// let held = table.lock(3).await;
+    /// let mut waiting = pin!(table.lock(3));
+    /// let mut cx = Context::from_waker(std::task::Waker::noop());
+    /// assert!(waiting.as_mut().poll(&mut cx).is_pending());
+    /// assert_eq!(table.waiters(&3), 1);
+    /// # drop(held);
+    /// # });
     /// ```
     pub fn waiters<Q>(&self, key: &Q) -> usize
     where
