@@ -27,7 +27,7 @@ impl Clock {
         match self {
             Self::Monotonic => Instant::now(),
             #[cfg(feature = "test-util")]
-            Self::Manual(clock) => clock.now(),
+            Self::Manual(clock) => clock.read(),
         }
     }
 }
@@ -52,6 +52,7 @@ impl<'a> Now<'a> {
 
 #[cfg(feature = "test-util")]
 mod manual {
+    use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
     use std::sync::Arc;
     use std::task::Waker;
     use std::time::{Duration, Instant};
@@ -87,6 +88,8 @@ mod manual {
     struct Inner {
         base: Instant,
         state: Mutex<State>,
+        /// How many times a table read this clock.
+        reads: AtomicU64,
     }
 
     #[derive(Debug, Default)]
@@ -109,6 +112,7 @@ mod manual {
                 inner: Arc::new(Inner {
                     base: Instant::now(),
                     state: Mutex::new(State::default()),
+                    reads: AtomicU64::new(0),
                 }),
             }
         }
@@ -117,6 +121,19 @@ mod manual {
         #[must_use]
         pub fn now(&self) -> Instant {
             self.inner.base + self.inner.state.lock().elapsed
+        }
+
+        /// How many times a table has read this clock (to show which paths
+        /// never do).
+        #[must_use]
+        pub fn reads(&self) -> u64 {
+            self.inner.reads.load(Relaxed)
+        }
+
+        /// A read by a table: counted.
+        pub(crate) fn read(&self) -> Instant {
+            self.inner.reads.fetch_add(1, Relaxed);
+            self.now()
         }
 
         /// Moves the clock forward and wakes every sleeper whose deadline it

@@ -459,7 +459,13 @@ impl<K> ShardState<K> {
         let (removed, _) = found.remove();
         // SAFETY: the entry was just removed from the table and nothing uses
         // it: no holder, no waiter, no fenced guard.
-        ctx.drop_key = Some(unsafe { self.keys.take(removed.key) });
+        ctx.drop_later(unsafe { self.keys.take(removed.key) });
+        self.shrink_if_empty();
+    }
+
+    /// Gives back the memory of a table emptied after a burst of keys.
+    #[inline]
+    fn shrink_if_empty(&mut self) {
         if self.entries.is_empty() && self.entries.capacity() > SHRINK_ABOVE {
             self.entries = HashTable::new();
         }
@@ -743,15 +749,22 @@ impl<K> ShardState<K> {
         token: FencingToken,
         ctx: &mut Ctx<'_, K>,
     ) {
-        let Some((entry, mut queues)) = self.locate(hash, key) else {
+        let ShardState {
+            entries,
+            slots,
+            keys,
+            tokens,
+        } = self;
+        let Ok(mut found) = entries.find_entry(hash, |e| e.key == key) else {
             debug_assert!(false, "{ENTRY_PRESENT}");
             return;
         };
+        let entry = found.get_mut();
         match entry.holder {
             Some(holder) if holder.token == token => {
                 entry.holder = None;
                 if entry.head != NIL {
-                    queues.grant_head(entry, ctx);
+                    Queues { slots, tokens }.grant_head(entry, ctx);
                     return;
                 }
             }
@@ -764,7 +777,11 @@ impl<K> ShardState<K> {
             }
         }
         if entry.is_unused() {
-            self.remove_if_unused(hash, key, ctx);
+            let (removed, _) = found.remove();
+            // SAFETY: the entry was just removed from the table and nothing
+            // uses it: no holder, no waiter, no fenced guard.
+            ctx.drop_later(unsafe { keys.take(removed.key) });
+            self.shrink_if_empty();
         }
     }
 

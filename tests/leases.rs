@@ -437,3 +437,26 @@ fn tokens_increase_across_lapse_and_idle() {
     table.assert_consistent();
     assert_eq!(table.len(), 0);
 }
+
+#[test]
+fn plain_locks_never_read_the_clock() {
+    let (clock, table) = table();
+    let before = clock.reads();
+    for _ in 0..100 {
+        drop(table.try_lock("k").unwrap());
+        let (_, w) = counting();
+        let mut f = table.lock("k");
+        let g = match poll(&mut f, &w) {
+            Poll::Ready(g) => g,
+            Poll::Pending => panic!("free key"),
+        };
+        // Contended, without lease or timeout: a handoff reads no clock either.
+        let mut waiter = table.lock("k");
+        assert!(poll(&mut waiter, &w).is_pending());
+        drop(g);
+        assert!(poll(&mut waiter, &w).is_ready());
+    }
+    assert_eq!(clock.reads(), before, "no lease, no timeout: no clock read");
+    drop(table.try_lock_with("k", lease(SEC)).unwrap());
+    assert!(clock.reads() > before, "a lease reads the clock");
+}
