@@ -1,0 +1,219 @@
+//! The uncontended path allocates nothing once the table is warm.
+//!
+//! A counting global allocator counts allocations (not frees) made by the
+//! current thread while counting is switched on for it, so the tests of this
+//! binary may run in parallel without seeing each other's allocations.
+
+use std::alloc::{GlobalAlloc, Layout, System};
+use std::cell::Cell;
+use std::future::Future;
+use std::hint::black_box;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+
+use futures::task::noop_waker_ref;
+use keylock::LockTable;
+
+struct Counting;
+
+thread_local! {
+    static ON: Cell<bool> = const { Cell::new(false) };
+    static ALLOCS: Cell<usize> = const { Cell::new(0) };
+}
+
+fn note() {
+    if ON.try_with(Cell::get).unwrap_or(false) {
+        let _ = ALLOCS.try_with(|a| a.set(a.get() + 1));
+    }
+}
+
+// SAFETY: every call is forwarded unchanged to `System`.
+unsafe impl GlobalAlloc for Counting {
+    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
+        note();
+        // SAFETY: forwarded with the caller's guarantees.
+        unsafe { System.alloc(layout) }
+    }
+    unsafe fn alloc_zeroed(&self, layout: Layout) -> *mut u8 {
+        note();
+        // SAFETY: forwarded with the caller's guarantees.
+        unsafe { System.alloc_zeroed(layout) }
+    }
+    unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
+        note();
+        // SAFETY: forwarded with the caller's guarantees.
+        unsafe { System.realloc(ptr, layout, new_size) }
+    }
+    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
+        // SAFETY: forwarded with the caller's guarantees.
+        unsafe { System.dealloc(ptr, layout) }
+    }
+}
+
+#[global_allocator]
+static GLOBAL: Counting = Counting;
+
+/// Allocations made by this thread while `f` runs.
+fn allocations(f: impl FnOnce()) -> usize {
+    ALLOCS.with(|a| a.set(0));
+    ON.with(|on| on.set(true));
+    f();
+    ON.with(|on| on.set(false));
+    ALLOCS.with(Cell::get)
+}
+
+const N: usize = 10_000;
+
+/// Polls `fut` once with a no-op waker and expects it to be ready.
+fn poll_ready<F: Future + Unpin>(mut fut: F) -> F::Output {
+    match std::pin::Pin::new(&mut fut).poll(&mut Context::from_waker(noop_waker_ref())) {
+        Poll::Ready(out) => out,
+        Poll::Pending => panic!("an uncontended lock must be ready at once"),
+    }
+}
+
+#[test]
+fn counter_sees_allocations() {
+    // The harness itself: an allocation made inside `allocations` is counted.
+    assert_eq!(allocations(|| drop(black_box(Box::new(1u64)))), 1);
+    assert_eq!(allocations(|| {}), 0);
+}
+
+#[test]
+fn uncontended_try_lock_u64_allocates_nothing() {
+    let table = LockTable::new();
+    for k in 0..N as u64 {
+        drop(table.try_lock(k).unwrap());
+    }
+    let n = allocations(|| {
+        for k in 0..N as u64 {
+            let g = table.try_lock(black_box(k)).unwrap();
+            black_box(g.token());
+            drop(g);
+        }
+    });
+    assert_eq!(n, 0);
+    assert_eq!(table.len(), 0);
+    assert_eq!(table.stats().acquisitions, 2 * N as u64);
+}
+
+#[test]
+fn uncontended_lock_await_u64_allocates_nothing() {
+    let table = LockTable::new();
+    let run = |table: &LockTable<u64>| {
+        for k in 0..N as u64 {
+            let g = futures::executor::block_on(table.lock(black_box(k)));
+            black_box(g.token());
+            drop(g);
+            let g = poll_ready(table.lock(black_box(k)));
+            drop(g);
+        }
+    };
+    run(&table);
+    assert_eq!(allocations(|| run(&table)), 0);
+    assert_eq!(table.len(), 0);
+}
+
+#[test]
+fn uncontended_string_keys_allocate_nothing() {
+    let table = LockTable::new();
+    let make = || {
+        (0..N)
+            .map(|i| format!("tenant-{i}"))
+            .collect::<Vec<String>>()
+    };
+    // Warm with the same key values, so every shard they land in is warm.
+    let (warm_try, warm_lock) = (make(), make());
+    let (keys_try, keys_lock) = (make(), make());
+    for k in warm_try {
+        drop(table.try_lock(k).unwrap());
+    }
+    for k in warm_lock {
+        // `block_on` sets up its thread-local notifier on first use.
+        drop(futures::executor::block_on(table.lock(k)));
+    }
+
+    let n = allocations(|| {
+        for k in keys_try {
+            let g = table.try_lock(k).unwrap();
+            black_box(g.key().len());
+            drop(g);
+        }
+        for k in keys_lock {
+            let g = futures::executor::block_on(table.lock(k));
+            black_box(g.key().len());
+            drop(g);
+        }
+    });
+    assert_eq!(n, 0);
+    // Lookups by `&str` allocate nothing either.
+    let n = allocations(|| {
+        for i in 0..100 {
+            black_box(table.is_locked(black_box(if i % 2 == 0 { "tenant-1" } else { "x" })));
+            black_box(table.waiters("tenant-2"));
+        }
+    });
+    assert_eq!(n, 0);
+    assert_eq!(table.len(), 0);
+}
+
+#[test]
+fn uncontended_owned_locks_on_an_arc_table_allocate_nothing() {
+    let table = Arc::new(LockTable::new());
+    let run = |table: &Arc<LockTable<u64>>| {
+        for k in 0..N as u64 {
+            let g = table.clone().try_lock_owned(black_box(k)).unwrap();
+            drop(g);
+            let g = futures::executor::block_on(table.clone().lock_owned(black_box(k)));
+            black_box(g.token());
+            drop(g);
+            drop(poll_ready(table.clone().lock_owned(k)));
+        }
+    };
+    run(&table);
+    assert_eq!(allocations(|| run(&table)), 0);
+    assert_eq!(table.len(), 0);
+    assert_eq!(Arc::strong_count(&table), 1);
+}
+
+#[test]
+fn holding_several_keys_at_once_allocates_nothing_once_warm() {
+    let table = LockTable::<u64>::builder().shards(4).build();
+    let run = |table: &LockTable<u64>| {
+        for round in 0..N as u64 / 8 {
+            let guards: [_; 8] =
+                std::array::from_fn(|i| table.try_lock(round * 8 + i as u64).unwrap());
+            assert_eq!(table.len(), 8);
+            drop(guards);
+        }
+    };
+    run(&table);
+    assert_eq!(allocations(|| run(&table)), 0);
+    assert_eq!(table.len(), 0);
+}
+
+#[test]
+fn a_warm_handoff_to_a_waiter_allocates_nothing() {
+    let table = LockTable::new();
+    let cx = &mut Context::from_waker(noop_waker_ref());
+    let run = |table: &LockTable<u64>, cx: &mut Context<'_>| {
+        for k in 0..N as u64 / 10 {
+            let holder = table.try_lock(k).unwrap();
+            let mut waiters = [table.lock(k), table.lock(k)];
+            for w in &mut waiters {
+                assert!(std::pin::Pin::new(w).poll(cx).is_pending());
+            }
+            drop(holder);
+            let [mut a, b] = waiters;
+            let Poll::Ready(g) = std::pin::Pin::new(&mut a).poll(cx) else {
+                panic!("the head waiter was handed the key");
+            };
+            drop(g);
+            drop(b); // granted, unobserved: frees the key
+        }
+    };
+    run(&table, cx);
+    assert_eq!(allocations(|| run(&table, cx)), 0);
+    assert_eq!(table.len(), 0);
+    assert_eq!(table.stats().handoffs, 2 * 2 * (N as u64 / 10));
+}
