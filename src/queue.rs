@@ -189,9 +189,10 @@ pub(crate) struct Ctx<'a, K> {
     counters: &'a Counters,
     wakes: Wakes,
     drop_key: Option<K>,
-    /// The waker of a slot that left without being granted: dropped, not
-    /// woken, after unlocking (its `Drop` is foreign code).
-    drop_waker: Option<Waker>,
+    /// Wakers of slots that left without being granted, or that a re-poll
+    /// replaced: dropped, not woken, after unlocking (their `Drop` is foreign
+    /// code). One operation discards at most two.
+    drop_wakers: [Option<Waker>; 2],
 }
 
 impl<'a, K> Ctx<'a, K> {
@@ -202,7 +203,7 @@ impl<'a, K> Ctx<'a, K> {
             counters,
             wakes: Wakes::default(),
             drop_key: None,
-            drop_waker: None,
+            drop_wakers: [None, None],
         }
     }
 
@@ -216,6 +217,17 @@ impl<'a, K> Ctx<'a, K> {
         self.counters.timed_out();
     }
 
+    /// Keeps a discarded waker to drop after unlocking.
+    fn drop_waker_later(&mut self, waker: Option<Waker>) {
+        let Some(waker) = waker else { return };
+        match self.drop_wakers.iter_mut().find(|w| w.is_none()) {
+            Some(free) => *free = Some(waker),
+            // Not reached (see the field); waking spuriously is harmless,
+            // dropping under the lock is not.
+            None => self.wakes.push(waker),
+        }
+    }
+
     /// Keeps a key to drop after unlocking.
     pub(crate) fn drop_later(&mut self, key: K) {
         debug_assert!(self.drop_key.is_none());
@@ -227,7 +239,7 @@ impl<'a, K> Ctx<'a, K> {
     #[inline]
     pub(crate) fn finish(self) {
         drop(self.drop_key);
-        drop(self.drop_waker);
+        drop(self.drop_wakers);
         if self.wakes.len > 0 {
             self.wakes.wake_all();
         }
@@ -623,7 +635,10 @@ impl<K> ShardState<K> {
             SlotState::Waiting => {
                 match &mut s.waker {
                     Some(w) if w.will_wake(waker) => {}
-                    w => *w = Some(waker.clone()),
+                    w => {
+                        let old = w.replace(waker.clone());
+                        ctx.drop_waker_later(old);
+                    }
                 }
                 let wake_at = if entry.head == slot {
                     entry.holder.and_then(|h| h.deadline)
@@ -662,7 +677,7 @@ impl<K> ShardState<K> {
         ctx.counters.cancelled();
         let waker = self.free_slot(slot);
         // The waker may belong to a dropped runtime: drop it outside the lock.
-        ctx.drop_waker = waker;
+        ctx.drop_waker_later(waker);
         self.remove_if_unused(hash, key, ctx);
     }
 
@@ -702,7 +717,7 @@ impl<K> ShardState<K> {
             ahead,
         };
         ctx.counters.timed_out();
-        ctx.drop_waker = self.free_slot(slot);
+        ctx.drop_waker_later(self.free_slot(slot));
         Err(diagnosis)
     }
 

@@ -647,7 +647,6 @@ fn cancelling_a_waiter_drops_its_waker_outside_the_shard_lock() {
 /// Same promise on the re-poll path: replacing a waiter's waker with a new one
 /// drops the old handle, which must happen outside the shard lock too.
 #[test]
-#[ignore = "bug in src/queue.rs poll_slot: `*w = Some(waker.clone())` drops the replaced waker under the shard lock"]
 fn replacing_a_waiters_waker_drops_the_old_one_outside_the_shard_lock() {
     let blocked = drops_under_lock(|table, w| {
         let holder = table.try_lock(1).unwrap();
