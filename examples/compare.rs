@@ -1,0 +1,389 @@
+//! keylock against the keyed-lock options people write today, side by side.
+//!
+//! ```text
+//! cargo run --release --example compare              # full run, ~2 minutes on 2 cores
+//! cargo run --release --example compare -- --quick   # CI smoke, a few seconds
+//! cargo run --release --example compare -- --only W1,W3 --impl keylock,tokio
+//! ```
+//!
+//! Runs every workload (see `compare/workloads.rs`) for every implementation
+//! (see `compare/impls.rs`), repeats each measurement, interleaving the
+//! implementations so that machine noise spreads over all of them, and prints
+//! markdown tables: the median ns/op, and keylock's time divided by each
+//! anchor's (below 1: keylock is faster). Progress goes to stderr, tables to
+//! stdout.
+
+#[path = "compare/impls.rs"]
+mod impls;
+#[path = "compare/workloads.rs"]
+mod workloads;
+
+use std::fmt::Write as _;
+use std::mem::{size_of, size_of_val};
+use std::sync::Arc;
+
+use impls::KeyedLock;
+use tokio::runtime::Runtime;
+use workloads::{Outcome, Workload};
+
+type RunFn = fn(&Runtime, Workload, u64, &Arc<Vec<Vec<u64>>>) -> Option<Outcome>;
+
+/// One implementation, erased.
+struct Contender {
+    name: &'static str,
+    keyed: bool,
+    run: RunFn,
+    self_check: fn(&Runtime) -> Option<usize>,
+    /// Size of its lock future (as created, not polled) and of its guard.
+    sizes: fn() -> (usize, usize),
+}
+
+const fn contender<I: KeyedLock>() -> Contender {
+    Contender {
+        name: I::NAME,
+        keyed: I::KEYED,
+        run: workloads::run::<I>,
+        self_check: workloads::self_check::<I>,
+        sizes: sizes::<I>,
+    }
+}
+
+fn sizes<I: KeyedLock>() -> (usize, usize) {
+    let table = I::create();
+    let future = table.lock(1);
+    let future_size = size_of_val(&future);
+    drop(future);
+    (future_size, size_of::<I::Guard<'static>>())
+}
+
+/// keylock first: every ratio is against it.
+const CONTENDERS: &[Contender] = &[
+    contender::<impls::Keylock>(),
+    contender::<impls::DashMapLeak>(),
+    contender::<impls::DashMapCleanup>(),
+    contender::<impls::Lockable>(),
+    contender::<impls::TokioMutex>(),
+    contender::<impls::AsyncLockMutex>(),
+    contender::<impls::FuturesMutex>(),
+    contender::<impls::ParkingLot>(),
+];
+
+struct Config {
+    quick: bool,
+    reps: usize,
+    workloads: Vec<Workload>,
+    impls: Vec<&'static Contender>,
+}
+
+impl Config {
+    /// Operations per measurement.
+    fn ops(&self, w: Workload) -> u64 {
+        let full = match w {
+            Workload::W1 => 2_000_000,
+            Workload::W2 => 1_000_000,
+            Workload::W3 => 256_000,
+            Workload::W4 => 512_000,
+            Workload::W5 => 1_048_576,
+        };
+        if self.quick {
+            full / 20
+        } else {
+            full
+        }
+    }
+
+    fn parse() -> Self {
+        let mut quick = false;
+        let mut reps = None;
+        let mut only: Option<Vec<String>> = None;
+        let mut filter: Option<Vec<String>> = None;
+        let mut args = std::env::args().skip(1);
+        let list = |s: Option<String>| -> Vec<String> {
+            s.unwrap_or_else(|| usage())
+                .split(',')
+                .map(|x| x.trim().to_ascii_lowercase())
+                .collect()
+        };
+        while let Some(arg) = args.next() {
+            match arg.as_str() {
+                "--quick" => quick = true,
+                "--reps" => {
+                    reps = Some(
+                        args.next()
+                            .and_then(|n| n.parse().ok())
+                            .filter(|&n| n > 0)
+                            .unwrap_or_else(|| usage()),
+                    )
+                }
+                "--only" => only = Some(list(args.next())),
+                "--impl" => filter = Some(list(args.next())),
+                // `cargo bench` passes this to every target it runs.
+                "--bench" => {}
+                _ => usage(),
+            }
+        }
+        let workloads = Workload::ALL
+            .into_iter()
+            .filter(|w| {
+                only.as_ref()
+                    .is_none_or(|o| o.iter().any(|x| x == &w.id().to_ascii_lowercase()))
+            })
+            .collect();
+        let impls = CONTENDERS
+            .iter()
+            .filter(|c| {
+                filter.as_ref().is_none_or(|f| {
+                    f.iter()
+                        .any(|x| c.name.to_ascii_lowercase().contains(x.as_str()))
+                })
+            })
+            .collect();
+        Self {
+            quick,
+            reps: reps.unwrap_or(if quick { 3 } else { 5 }),
+            workloads,
+            impls,
+        }
+    }
+}
+
+fn usage() -> ! {
+    eprintln!("usage: compare [--quick] [--reps N] [--only W1,W2,...] [--impl keylock,tokio,...]");
+    std::process::exit(2)
+}
+
+/// All repetitions of one implementation on one workload.
+#[derive(Default, Clone)]
+struct Cell {
+    samples: Vec<Outcome>,
+}
+
+impl Cell {
+    fn ns(&self) -> Vec<f64> {
+        let mut ns: Vec<f64> = self.samples.iter().map(Outcome::ns_per_op).collect();
+        ns.sort_by(f64::total_cmp);
+        ns
+    }
+
+    fn median(&self) -> Option<f64> {
+        let ns = self.ns();
+        (!ns.is_empty()).then(|| {
+            let m = ns.len() / 2;
+            if ns.len() % 2 == 1 {
+                ns[m]
+            } else {
+                (ns[m - 1] + ns[m]) / 2.0
+            }
+        })
+    }
+
+    /// (max - min) / median, in percent.
+    fn spread(&self) -> Option<f64> {
+        let ns = self.ns();
+        let med = self.median()?;
+        Some((ns[ns.len() - 1] - ns[0]) / med * 100.0)
+    }
+
+    fn last(&self) -> Option<&Outcome> {
+        self.samples.last()
+    }
+}
+
+fn main() {
+    let cfg = Config::parse();
+    let rt = workloads::runtime();
+    let started = std::time::Instant::now();
+
+    let zipf = if cfg.workloads.contains(&Workload::W4) {
+        let per_task = cfg.ops(Workload::W4).div_ceil(workloads::TASKS as u64) as usize;
+        workloads::zipf_sequences(per_task)
+    } else {
+        Arc::new(Vec::new())
+    };
+
+    // Not timed: what each leaves behind when a waiter is cancelled after
+    // the holder left (reported with the tables).
+    let leftovers: Vec<Option<usize>> = cfg.impls.iter().map(|c| (c.self_check)(&rt)).collect();
+
+    // results[w][i]
+    let mut results = vec![vec![Cell::default(); cfg.impls.len()]; cfg.workloads.len()];
+    for (wi, &w) in cfg.workloads.iter().enumerate() {
+        eprintln!(
+            "== {} ({} ops x {} reps): {}",
+            w.id(),
+            cfg.ops(w),
+            cfg.reps,
+            w.describe()
+        );
+        for rep in 0..cfg.reps {
+            for (ii, c) in cfg.impls.iter().enumerate() {
+                let Some(out) = (c.run)(&rt, w, cfg.ops(w), &zipf) else {
+                    continue;
+                };
+                eprintln!(
+                    "   [{} {}/{}] {:<20} {:>10.1} ns/op",
+                    w.id(),
+                    rep + 1,
+                    cfg.reps,
+                    c.name,
+                    out.ns_per_op()
+                );
+                results[wi][ii].samples.push(out);
+            }
+        }
+    }
+    let wall = started.elapsed();
+    eprintln!("done in {:.1} s", wall.as_secs_f64());
+
+    print!("{}", report(&cfg, &results, &leftovers, wall));
+}
+
+fn report(
+    cfg: &Config,
+    results: &[Vec<Cell>],
+    leftovers: &[Option<usize>],
+    wall: std::time::Duration,
+) -> String {
+    let mut out = String::new();
+    let o = &mut out;
+    let keylock = cfg
+        .impls
+        .iter()
+        .position(|c| c.name == impls::Keylock::NAME);
+    let header = |o: &mut String, first: &str| {
+        write!(o, "| {first} |").unwrap();
+        for w in &cfg.workloads {
+            write!(o, " {} |", w.id()).unwrap();
+        }
+        o.push('\n');
+        write!(o, "|---|").unwrap();
+        for _ in &cfg.workloads {
+            write!(o, "---:|").unwrap();
+        }
+        o.push('\n');
+    };
+
+    writeln!(
+        o,
+        "### Median ns/op ({} reps{}), ratio = keylock / anchor (< 1: keylock faster)\n",
+        cfg.reps,
+        if cfg.quick { ", --quick" } else { "" }
+    )
+    .unwrap();
+    header(o, "implementation");
+    for (ii, c) in cfg.impls.iter().enumerate() {
+        let name = if c.keyed {
+            c.name.to_string()
+        } else {
+            format!("{} (one lock, all keys)", c.name)
+        };
+        write!(o, "| {name} |").unwrap();
+        for (wi, _) in cfg.workloads.iter().enumerate() {
+            let cell = &results[wi][ii];
+            match cell.median() {
+                None => write!(o, " n/a |").unwrap(),
+                Some(ns) => {
+                    let ratio = keylock
+                        .filter(|&k| k != ii)
+                        .and_then(|k| results[wi][k].median())
+                        .map(|k| format!(" ({:.2}x)", k / ns))
+                        .unwrap_or_default();
+                    write!(o, " {}{ratio} |", fmt_ns(ns)).unwrap();
+                }
+            }
+        }
+        o.push('\n');
+    }
+
+    writeln!(o, "\n### Spread of the repetitions: (max - min) / median\n").unwrap();
+    header(o, "implementation");
+    for (ii, c) in cfg.impls.iter().enumerate() {
+        write!(o, "| {} |", c.name).unwrap();
+        for (wi, _) in cfg.workloads.iter().enumerate() {
+            match results[wi][ii].spread() {
+                None => write!(o, " n/a |").unwrap(),
+                Some(s) => write!(o, " {s:.0}% |").unwrap(),
+            }
+        }
+        o.push('\n');
+    }
+
+    writeln!(
+        o,
+        "\n### Entries left after the last repetition (- : keeps no map); W3 handoffs\n"
+    )
+    .unwrap();
+    header(o, "implementation");
+    for (ii, c) in cfg.impls.iter().enumerate() {
+        write!(o, "| {} |", c.name).unwrap();
+        for (wi, &w) in cfg.workloads.iter().enumerate() {
+            match results[wi][ii].last() {
+                None => write!(o, " n/a |").unwrap(),
+                Some(s) => {
+                    let entries = s
+                        .entries_left
+                        .map_or_else(|| "-".to_string(), |n| n.to_string());
+                    match s.handoffs {
+                        Some(h) if w == Workload::W3 => write!(
+                            o,
+                            " {entries}, {:.1}% handoffs |",
+                            h as f64 / s.ops as f64 * 100.0
+                        )
+                        .unwrap(),
+                        _ => write!(o, " {entries} |").unwrap(),
+                    }
+                }
+            }
+        }
+        o.push('\n');
+    }
+
+    writeln!(
+        o,
+        "\n### Entries left by a waiter cancelled after the holder released\n\n\
+         (Hold k; poll a second `lock(k)` once; drop the guard; drop the waiter.)\n\n\
+         | implementation | entries left |\n|---|---:|"
+    )
+    .unwrap();
+    for (c, left) in cfg.impls.iter().zip(leftovers) {
+        let left = left.map_or_else(|| "-".to_string(), |n| n.to_string());
+        writeln!(o, "| {} | {left} |", c.name).unwrap();
+    }
+
+    writeln!(o, "\n### Sizes (bytes): lock future as created, guard\n").unwrap();
+    writeln!(o, "| implementation | future | guard |\n|---|---:|---:|").unwrap();
+    for c in &cfg.impls {
+        let (f, g) = (c.sizes)();
+        writeln!(o, "| {} | {f} | {g} |", c.name).unwrap();
+    }
+    writeln!(
+        o,
+        "| keylock `LockOwned<u64>` / `OwnedGuard<u64>` | {} | {} |",
+        size_of::<keylock::futures::LockOwned<u64>>(),
+        size_of::<keylock::OwnedGuard<u64>>()
+    )
+    .unwrap();
+
+    writeln!(o, "\nWorkloads:\n").unwrap();
+    for w in &cfg.workloads {
+        writeln!(
+            o,
+            "- {} (criterion group `{}`): {} ({} ops)",
+            w.id(),
+            w.group(),
+            w.describe(),
+            cfg.ops(*w)
+        )
+        .unwrap();
+    }
+    writeln!(o, "\nTotal wall time: {:.1} s", wall.as_secs_f64()).unwrap();
+    out
+}
+
+fn fmt_ns(ns: f64) -> String {
+    if ns >= 100.0 {
+        format!("{ns:.0}")
+    } else {
+        format!("{ns:.1}")
+    }
+}

@@ -1,0 +1,388 @@
+//! The workloads, written once against [`KeyedLock`] and shared by
+//! `examples/compare.rs` and `benches/compare.rs`.
+//!
+//! Every workload runs on a tokio multi-thread runtime with two workers; the
+//! timed part runs in spawned tasks, never in `block_on`'s thread, except the
+//! holder of W5's key. Each call builds a fresh lock table and drops it
+//! outside the timed region.
+
+use std::future::{poll_fn, Future};
+use std::hint::black_box;
+use std::pin::pin;
+use std::sync::atomic::{AtomicUsize, Ordering::Relaxed};
+use std::sync::Arc;
+use std::task::Poll;
+use std::time::{Duration, Instant};
+
+use rand::{Rng, SeedableRng};
+use tokio::runtime::Runtime;
+
+use super::impls::KeyedLock;
+
+/// Tasks of the contended workloads (W3, W4, W5).
+pub(crate) const TASKS: usize = 64;
+/// Distinct keys of W4.
+pub(crate) const ZIPF_KEYS: usize = 1024;
+/// Zipf exponent of W4.
+pub(crate) const ZIPF_S: f64 = 1.0;
+/// Waiters each W5 task registers before cancelling them all.
+pub(crate) const W5_BATCH: usize = 16;
+
+/// The key of the single-key workloads.
+const HOT: u64 = 0x5EED;
+
+/// Spreads small integers over `u64` (a bijection, so distinct stays distinct).
+#[inline]
+pub(crate) fn scramble(i: u64) -> u64 {
+    i.wrapping_mul(0x9E37_79B9_7F4A_7C15)
+}
+
+/// The workloads, in table order.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Workload {
+    W1,
+    W2,
+    W3,
+    W4,
+    W5,
+}
+
+impl Workload {
+    pub(crate) const ALL: [Workload; 5] = [Self::W1, Self::W2, Self::W3, Self::W4, Self::W5];
+
+    pub(crate) fn id(self) -> &'static str {
+        match self {
+            Self::W1 => "W1",
+            Self::W2 => "W2",
+            Self::W3 => "W3",
+            Self::W4 => "W4",
+            Self::W5 => "W5",
+        }
+    }
+
+    /// The criterion group name.
+    pub(crate) fn group(self) -> &'static str {
+        match self {
+            Self::W1 => "w1_hot_key_uncontended",
+            Self::W2 => "w2_distinct_keys",
+            Self::W3 => "w3_handoff_64_tasks_1_key",
+            Self::W4 => "w4_zipf_64_tasks_1024_keys",
+            Self::W5 => "w5_cancellation_storm",
+        }
+    }
+
+    pub(crate) fn describe(self) -> &'static str {
+        match self {
+            Self::W1 => "one task, one key: lock+unlock loop",
+            Self::W2 => "one task, every key distinct, each locked once",
+            Self::W3 => "64 tasks, one key, guard held across a yield: every acquisition a handoff",
+            Self::W4 => "64 tasks, 1,024 keys Zipf(s=1), guard held across a yield",
+            Self::W5 => "64 tasks register 16 waiters each on a held key, yield, then drop them",
+        }
+    }
+
+    /// Whether an implementation that cannot hold a guard across `.await`
+    /// can run it.
+    pub(crate) fn needs_async(self) -> bool {
+        matches!(self, Self::W3 | Self::W4 | Self::W5)
+    }
+}
+
+/// What one run measured.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Outcome {
+    pub(crate) elapsed: Duration,
+    /// Operations timed: acquisitions (W1-W4) or cancelled waits (W5).
+    pub(crate) ops: u64,
+    /// Entries the implementation still keeps once everything is released.
+    pub(crate) entries_left: Option<usize>,
+    /// Acquisitions that went to a different task than the previous one (W3).
+    pub(crate) handoffs: Option<u64>,
+}
+
+impl Outcome {
+    pub(crate) fn ns_per_op(&self) -> f64 {
+        self.elapsed.as_nanos() as f64 / self.ops.max(1) as f64
+    }
+}
+
+/// The tokio runtime every workload runs on: multi-thread, two workers.
+pub(crate) fn runtime() -> Runtime {
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .expect("tokio runtime")
+}
+
+/// Runs `workload` for about `ops` operations; `None` if `I` cannot run it.
+pub(crate) fn run<I: KeyedLock>(
+    rt: &Runtime,
+    workload: Workload,
+    ops: u64,
+    zipf: &Arc<Vec<Vec<u64>>>,
+) -> Option<Outcome> {
+    if workload.needs_async() && !I::ASYNC {
+        return None;
+    }
+    Some(match workload {
+        Workload::W1 => w1_hot_key::<I>(rt, ops),
+        Workload::W2 => w2_distinct_keys::<I>(rt, ops),
+        Workload::W3 => w3_handoff::<I>(rt, ops),
+        Workload::W4 => w4_zipf::<I>(rt, ops, zipf),
+        Workload::W5 => w5_cancel_storm::<I>(rt, ops),
+    })
+}
+
+/// Spawns `fut` on a worker and waits for it.
+fn on_worker<T: Send + 'static>(rt: &Runtime, fut: impl Future<Output = T> + Send + 'static) -> T {
+    rt.block_on(rt.spawn(fut)).expect("workload task panicked")
+}
+
+/// Checks that `I` leaves no entry behind in the case that is easiest to get
+/// wrong: a waiter cancelled after the key was released to it (or, for
+/// barging locks, after the holder left). Returns the entries left.
+pub(crate) fn self_check<I: KeyedLock>(rt: &Runtime) -> Option<usize> {
+    if !I::ASYNC {
+        return I::create().entries();
+    }
+    rt.block_on(async {
+        let table = I::create();
+        let held = table.lock(HOT).await;
+        let mut waiter = Box::pin(table.lock(HOT));
+        assert!(futures::poll!(&mut waiter).is_pending());
+        drop(held);
+        drop(waiter);
+        table.entries()
+    })
+}
+
+/// W1: one task locks and unlocks one key `iters` times.
+pub(crate) fn w1_hot_key<I: KeyedLock>(rt: &Runtime, iters: u64) -> Outcome {
+    let table = Arc::new(I::create());
+    let t = Arc::clone(&table);
+    let elapsed = on_worker(rt, async move {
+        let start = Instant::now();
+        for _ in 0..iters {
+            let guard = t.lock(black_box(HOT)).await;
+            black_box(&guard);
+            drop(guard);
+        }
+        start.elapsed()
+    });
+    Outcome {
+        elapsed,
+        ops: iters,
+        entries_left: table.entries(),
+        handoffs: None,
+    }
+}
+
+/// W2: one task locks `keys` distinct keys, each once.
+pub(crate) fn w2_distinct_keys<I: KeyedLock>(rt: &Runtime, keys: u64) -> Outcome {
+    let table = Arc::new(I::create());
+    let t = Arc::clone(&table);
+    let elapsed = on_worker(rt, async move {
+        let start = Instant::now();
+        for i in 0..keys {
+            let guard = t.lock(scramble(i)).await;
+            black_box(&guard);
+            drop(guard);
+        }
+        start.elapsed()
+    });
+    let entries_left = table.entries();
+    // Dropping a table that leaked a million entries is not part of the run.
+    drop(table);
+    Outcome {
+        elapsed,
+        ops: keys,
+        entries_left,
+        handoffs: None,
+    }
+}
+
+/// W3: `TASKS` tasks take one key in turn, each holding it across a
+/// `yield_now`, so that every other task has queued behind it by the time it
+/// releases: for a FIFO lock every acquisition is a handoff. Counts the
+/// acquisitions that went to another task than the previous holder.
+pub(crate) fn w3_handoff<I: KeyedLock>(rt: &Runtime, total: u64) -> Outcome {
+    let per_task = total.div_ceil(TASKS as u64).max(1);
+    let table = Arc::new(I::create());
+    let last = Arc::new(AtomicUsize::new(usize::MAX));
+    let start = Instant::now();
+    let handles: Vec<_> = (0..TASKS)
+        .map(|id| {
+            let t = Arc::clone(&table);
+            let last = Arc::clone(&last);
+            rt.spawn(async move {
+                let mut handoffs = 0u64;
+                for _ in 0..per_task {
+                    let guard = t.lock(HOT).await;
+                    if last.swap(id, Relaxed) != id {
+                        handoffs += 1;
+                    }
+                    tokio::task::yield_now().await;
+                    drop(guard);
+                }
+                handoffs
+            })
+        })
+        .collect();
+    let handoffs: u64 = rt.block_on(async {
+        let mut sum = 0;
+        for h in handles {
+            sum += h.await.expect("W3 task panicked");
+        }
+        sum
+    });
+    let elapsed = start.elapsed();
+    Outcome {
+        elapsed,
+        ops: per_task * TASKS as u64,
+        entries_left: table.entries(),
+        handoffs: Some(handoffs),
+    }
+}
+
+/// The Zipf(`ZIPF_S`) key sequences of W4: one per task, `per_task` keys
+/// each, over `ZIPF_KEYS` keys, drawn by inverse CDF from a fixed seed.
+pub(crate) fn zipf_sequences(per_task: usize) -> Arc<Vec<Vec<u64>>> {
+    let mut cdf: Vec<f64> = (1..=ZIPF_KEYS)
+        .map(|rank| 1.0 / (rank as f64).powf(ZIPF_S))
+        .collect();
+    let mut acc = 0.0;
+    for w in &mut cdf {
+        acc += *w;
+        *w = acc;
+    }
+    for w in &mut cdf {
+        *w /= acc;
+    }
+    let mut rng = rand::rngs::StdRng::seed_from_u64(0x2151_F00D);
+    Arc::new(
+        (0..TASKS)
+            .map(|_| {
+                (0..per_task)
+                    .map(|_| {
+                        let u: f64 = rng.gen();
+                        let rank = cdf.partition_point(|&c| c < u).min(ZIPF_KEYS - 1);
+                        scramble(rank as u64)
+                    })
+                    .collect()
+            })
+            .collect(),
+    )
+}
+
+/// W4: `TASKS` tasks each walk their Zipf key sequence (cycling it if `total`
+/// asks for more), holding each key across a `yield_now`.
+pub(crate) fn w4_zipf<I: KeyedLock>(
+    rt: &Runtime,
+    total: u64,
+    zipf: &Arc<Vec<Vec<u64>>>,
+) -> Outcome {
+    assert_eq!(zipf.len(), TASKS);
+    let per_task = total.div_ceil(TASKS as u64).max(1);
+    let table = Arc::new(I::create());
+    let start = Instant::now();
+    let handles: Vec<_> = (0..TASKS)
+        .map(|id| {
+            let t = Arc::clone(&table);
+            let zipf = Arc::clone(zipf);
+            rt.spawn(async move {
+                let keys = &zipf[id];
+                for &key in keys.iter().cycle().take(per_task as usize) {
+                    let guard = t.lock(key).await;
+                    tokio::task::yield_now().await;
+                    drop(guard);
+                }
+            })
+        })
+        .collect();
+    rt.block_on(async {
+        for h in handles {
+            h.await.expect("W4 task panicked");
+        }
+    });
+    let elapsed = start.elapsed();
+    Outcome {
+        elapsed,
+        ops: per_task * TASKS as u64,
+        entries_left: table.entries(),
+        handoffs: None,
+    }
+}
+
+/// W5: the key is held throughout; `TASKS` tasks, round after round, each
+/// create `W5_BATCH` lock futures for it, poll each once (so it registers as
+/// a waiter), yield (so that all tasks' waiters are queued together, up to
+/// `TASKS * W5_BATCH` deep), then drop them all. Reports time per cancelled
+/// wait, creation and registration included.
+pub(crate) fn w5_cancel_storm<I: KeyedLock>(rt: &Runtime, total: u64) -> Outcome {
+    let per_round = (TASKS * W5_BATCH) as u64;
+    let rounds = total.div_ceil(per_round).max(1);
+    let table = Arc::new(I::create());
+    let elapsed = rt.block_on(async {
+        let held = table.lock(HOT).await;
+        let start = Instant::now();
+        let handles: Vec<_> = (0..TASKS)
+            .map(|_| {
+                let t = Arc::clone(&table);
+                tokio::spawn(async move {
+                    for _ in 0..rounds {
+                        register_then_cancel(&*t).await;
+                    }
+                })
+            })
+            .collect();
+        for h in handles {
+            h.await.expect("W5 task panicked");
+        }
+        let elapsed = start.elapsed();
+        drop(held);
+        elapsed
+    });
+    Outcome {
+        elapsed,
+        ops: rounds * per_round,
+        entries_left: table.entries(),
+        handoffs: None,
+    }
+}
+
+/// One W5 round of one task.
+async fn register_then_cancel<I: KeyedLock>(t: &I) {
+    let waiters: [_; W5_BATCH] = std::array::from_fn(|_| t.lock(HOT));
+    let mut waiters = pin!(waiters);
+    poll_fn(|cx| {
+        for i in 0..W5_BATCH {
+            // SAFETY: the array is pinned, so each element is pinned too
+            // (structural pinning); no element is ever moved out of it.
+            let waiter = unsafe { waiters.as_mut().map_unchecked_mut(|a| &mut a[i]) };
+            assert!(
+                waiter.poll(cx).is_pending(),
+                "W5: the key is held, a waiter cannot be granted"
+            );
+        }
+        Poll::Ready(())
+    })
+    .await;
+    tokio::task::yield_now().await;
+    // The array drops here, at the end of the round: every waiter is
+    // cancelled, oldest first.
+}
+
+/// TODO(issue 5, later): W6, leased / timeout locks.
+///
+/// Not measured yet. When this harness was written keylock had no leases or
+/// timeouts; `LockOptions` (`lease`, `timeout`) and `lock_with` have since
+/// appeared in `src/` and are still moving. Once that API settles, add W6
+/// here: holders that overrun their lease while others wait (cost of expiry
+/// and of the grant passing on) and waits that time out, against
+/// `tokio::time::timeout` around each anchor's `lock()`; then add it to
+/// `Workload::ALL`, to `run` and to the criterion groups.
+#[allow(dead_code)]
+pub(crate) fn w6_leased_todo() {
+    unimplemented!("TODO(issue 5): W6 leased/timeout locks not benchmarked yet")
+}
