@@ -22,22 +22,23 @@ enum State<K> {
     /// Not polled yet: owns the key it was given.
     Start(K),
     /// The options were invalid; reported on the first poll.
-    Invalid(LockError),
+    Invalid(Box<LockError>),
     /// Registered in `slot` of the key's queue.
     Waiting { slot: u32, key: KeyPtr<K> },
     /// Completed; the grant belongs to a guard now.
     Done,
 }
 
-/// The caller's bound on its wait.
-#[derive(Debug, Clone, Copy)]
-enum Patience {
-    /// Wait as long as it takes.
-    Forever,
-    /// Not started yet: starts at the first poll.
-    For(Duration),
-    /// Started at `start`; gives up at `until`.
-    Until { start: Instant, until: Instant },
+/// The clock state of a wait that needs one: a timeout, or a timer at the
+/// holder's lease deadline. Boxed, so that a plain lock future stays small
+/// and only waits that use time pay for it.
+#[derive(Debug)]
+struct Timing {
+    /// When the wait started (`None` until it first had to wait).
+    start: Option<Instant>,
+    /// When the caller gives up; `None` to wait for ever.
+    until: Option<Instant>,
+    sleep: Option<Sleep>,
 }
 
 /// The acquisition state machine shared by every lock future.
@@ -48,8 +49,8 @@ struct Acquire<T: TableHandle<K>, K> {
     hash: u64,
     state: State<K>,
     lease: Option<Duration>,
-    patience: Patience,
-    sleep: Option<Sleep>,
+    timeout: Option<Duration>,
+    timing: Option<Box<Timing>>,
 }
 
 impl<T, K, S> Acquire<T, K>
@@ -58,23 +59,30 @@ where
     K: Eq + Hash,
     S: BuildHasher,
 {
+    #[inline]
     fn new(table: T, key: K, lease: Option<Duration>, timeout: Option<Duration>) -> Self {
         let hash = table.hash(&key);
         let (state, lease) = match table.leases().resolve(lease) {
             Ok(lease) => (State::Start(key), lease),
-            Err(err) => (State::Invalid(err), None),
+            Err(err) => (State::Invalid(Box::new(err)), None),
         };
         Self {
             table: Some(table),
             hash,
             state,
             lease,
-            patience: timeout.map_or(Patience::Forever, Patience::For),
-            sleep: None,
+            timeout,
+            timing: None,
         }
     }
 
+    /// When the caller gives up, if it has started waiting with a timeout.
+    fn until(&self) -> Option<Instant> {
+        self.timing.as_ref().and_then(|t| t.until)
+    }
+
     /// Polls for the grant; on `Ready(Ok)` also gives back the table handle.
+    #[inline]
     fn poll_acquire(&mut self, cx: &mut Context<'_>) -> Poll<Result<(T, Held<K>), LockError>> {
         loop {
             let table = self
@@ -83,99 +91,90 @@ where
                 .expect("keylock: lock future polled after it completed");
             let shard = table.shard(self.hash);
             let mut ctx = Ctx::new(table.clock(), &shard.counters);
-            let (outcome, wake_at) = match std::mem::replace(&mut self.state, State::Done) {
-                State::Invalid(err) => return Poll::Ready(Err(err)),
-                State::Done => panic!("keylock: lock future polled after it completed"),
+            let wake_at = match std::mem::replace(&mut self.state, State::Done) {
                 State::Start(key) => {
-                    if let Patience::For(timeout) = self.patience {
-                        let start = ctx.now();
-                        self.patience = match start.checked_add(timeout) {
-                            Some(until) => Patience::Until { start, until },
-                            // Too far to represent: wait for ever.
-                            None => Patience::Forever,
-                        };
-                        if timeout.is_zero() {
-                            let lease = self.lease;
-                            return Poll::Ready(
-                                match try_once(table, self.hash, key, lease, ctx) {
-                                    Ok(grant) => Ok(self.finish(grant)),
-                                    Err(diagnosis) => Err(self.timeout_error(None, diagnosis)),
-                                },
-                            );
-                        }
+                    if self.timeout == Some(Duration::ZERO) {
+                        let lease = self.lease;
+                        return Poll::Ready(match try_once(table, self.hash, key, lease, ctx) {
+                            Ok(grant) => Ok(self.finish(grant)),
+                            Err(diagnosis) => Err(timeout_error(Duration::ZERO, diagnosis)),
+                        });
                     }
-                    let mut state = shard.state.lock();
-                    let attempt =
-                        state.acquire_or_enqueue(self.hash, key, self.lease, cx.waker(), &mut ctx);
-                    drop(state);
+                    let attempt = {
+                        let mut state = shard.state.lock();
+                        state.acquire_or_enqueue(self.hash, key, self.lease, cx.waker(), &mut ctx)
+                    };
+                    let started = match (&attempt, self.timeout) {
+                        (Attempt::Queued { .. }, Some(timeout)) => {
+                            let start = ctx.now();
+                            // Too far to represent: wait for ever.
+                            Some((start, start.checked_add(timeout)))
+                        }
+                        _ => None,
+                    };
                     ctx.finish();
                     match attempt {
-                        Attempt::Acquired(grant) => (Ok(grant), None),
+                        Attempt::Acquired(grant) => return Poll::Ready(Ok(self.finish(grant))),
                         Attempt::Queued { slot, key, wake_at } => {
                             self.state = State::Waiting { slot, key };
-                            (Err(None), wake_at)
+                            if let Some((start, until)) = started {
+                                self.timing = Some(Box::new(Timing {
+                                    start: Some(start),
+                                    until,
+                                    sleep: None,
+                                }));
+                            }
+                            wake_at
                         }
                     }
                 }
                 State::Waiting { slot, key } => {
-                    let gave_up = match self.patience {
-                        Patience::Until { until, .. } => ctx.now() >= until,
-                        _ => false,
-                    };
-                    let mut state = shard.state.lock();
-                    let result = if gave_up {
-                        match state.time_out_slot(self.hash, key, slot, cx.waker(), &mut ctx) {
-                            Ok(grant) => (Ok(grant), None),
-                            Err(diagnosis) => (Err(Some(diagnosis)), None),
-                        }
-                    } else {
-                        match state.poll_slot(self.hash, key, slot, cx.waker(), &mut ctx) {
-                            SlotPoll::Granted(grant) => (Ok(grant), None),
-                            SlotPoll::Waiting { wake_at } => {
-                                self.state = State::Waiting { slot, key };
-                                (Err(None), wake_at)
+                    let gave_up = self.until().is_some_and(|until| ctx.now() >= until);
+                    let polled = {
+                        let mut state = shard.state.lock();
+                        if gave_up {
+                            match state.time_out_slot(self.hash, key, slot, cx.waker(), &mut ctx) {
+                                Ok(grant) => Polled::Granted(grant),
+                                Err(diagnosis) => Polled::GaveUp(diagnosis),
+                            }
+                        } else {
+                            match state.poll_slot(self.hash, key, slot, cx.waker(), &mut ctx) {
+                                SlotPoll::Granted(grant) => Polled::Granted(grant),
+                                SlotPoll::Waiting { wake_at } => Polled::Waiting(wake_at),
                             }
                         }
                     };
-                    drop(state);
                     let now = gave_up.then(|| ctx.now());
                     ctx.finish();
-                    match result {
-                        (Err(Some(diagnosis)), _) => {
-                            self.sleep = None;
-                            return Poll::Ready(Err(self.timeout_error(now, diagnosis)));
+                    match polled {
+                        Polled::Granted(grant) => return Poll::Ready(Ok(self.finish(grant))),
+                        Polled::GaveUp(diagnosis) => {
+                            let start = self.timing.take().and_then(|t| t.start);
+                            let waited = match (start, now) {
+                                (Some(start), Some(now)) => now.saturating_duration_since(start),
+                                _ => Duration::ZERO,
+                            };
+                            return Poll::Ready(Err(timeout_error(waited, diagnosis)));
                         }
-                        other => other,
+                        Polled::Waiting(wake_at) => {
+                            self.state = State::Waiting { slot, key };
+                            wake_at
+                        }
                     }
                 }
+                State::Invalid(err) => return Poll::Ready(Err(*err)),
+                State::Done => panic!("keylock: lock future polled after it completed"),
             };
-            match outcome {
-                Ok(grant) => return Poll::Ready(Ok(self.finish(grant))),
-                Err(_) => {
-                    if self.arm_timer(wake_at, cx).is_pending() {
-                        return Poll::Pending;
-                    }
-                    // A deadline has already passed: judge again.
-                }
+            if self.arm_timer(wake_at, cx).is_pending() {
+                return Poll::Pending;
             }
+            // A deadline has already passed: judge again.
         }
     }
 
-    fn timeout_error(&self, now: Option<Instant>, diagnosis: Diagnosis) -> LockError {
-        let waited = match (self.patience, now) {
-            (Patience::Until { start, .. }, Some(now)) => now.saturating_duration_since(start),
-            _ => Duration::ZERO,
-        };
-        LockError::Timeout {
-            waited,
-            holder: diagnosis.holder,
-            held_for: diagnosis.held_for,
-            ahead: diagnosis.ahead,
-        }
-    }
-
+    #[inline]
     fn finish(&mut self, grant: Grant<K>) -> (T, Held<K>) {
-        self.sleep = None;
+        self.timing = None;
         let table = self.table.take().expect("present until completion");
         let held = Held::new(self.hash, grant, table.epoch());
         (table, held)
@@ -184,29 +183,48 @@ where
     /// Arms the timer for the earliest of the holder's lease deadline (when
     /// this waiter heads the queue) and the caller's own timeout.
     fn arm_timer(&mut self, wake_at: Option<Instant>, cx: &mut Context<'_>) -> Poll<()> {
-        let until = match self.patience {
-            Patience::Until { until, .. } => Some(until),
-            _ => None,
-        };
-        let at = match (wake_at, until) {
+        let at = match (wake_at, self.until()) {
             (Some(a), Some(b)) => a.min(b),
-            (a, b) => match a.or(b) {
-                Some(at) => at,
-                None => {
-                    self.sleep = None;
-                    return Poll::Pending;
+            (Some(at), None) | (None, Some(at)) => at,
+            (None, None) => {
+                if let Some(timing) = &mut self.timing {
+                    timing.sleep = None;
                 }
-            },
+                return Poll::Pending;
+            }
         };
         let table = self.table.as_deref().expect("present until completion");
-        let sleep = match &mut self.sleep {
+        let timing = self.timing.get_or_insert_with(|| {
+            Box::new(Timing {
+                start: None,
+                until: None,
+                sleep: None,
+            })
+        });
+        let sleep = match &mut timing.sleep {
             Some(sleep) => {
                 sleep.reset(at);
                 sleep
             }
-            None => self.sleep.insert(Sleep::new(table.clock(), at)),
+            None => timing.sleep.insert(Sleep::new(table.clock(), at)),
         };
         sleep.poll(cx)
+    }
+}
+
+/// What polling a waiting slot found.
+enum Polled<K> {
+    Granted(Grant<K>),
+    GaveUp(Diagnosis),
+    Waiting(Option<Instant>),
+}
+
+fn timeout_error(waited: Duration, diagnosis: Diagnosis) -> LockError {
+    LockError::Timeout {
+        waited,
+        holder: diagnosis.holder,
+        held_for: diagnosis.held_for,
+        ahead: diagnosis.ahead,
     }
 }
 
@@ -272,7 +290,8 @@ impl<T: TableHandle<K>, K> fmt::Debug for Acquire<T, K> {
         f.debug_struct("Acquire")
             .field("state", &state)
             .field("lease", &self.lease)
-            .field("patience", &self.patience)
+            .field("timeout", &self.timeout)
+            .field("timing", &self.timing)
             .finish()
     }
 }

@@ -150,29 +150,26 @@ pub(crate) struct Diagnosis {
     pub(crate) ahead: usize,
 }
 
-/// Wakers to wake after unlocking. One operation wakes at most a granted
-/// waiter and the next head (so it can arm its lease timer), twice over when
-/// a lapse is settled before the operation itself: four is enough, and a
-/// spill vector keeps it correct should that reasoning ever be wrong.
+/// Wakers to wake, and wakers to drop, after unlocking.
+///
+/// One operation wakes at most a granted waiter and the next head (so it can
+/// arm its lease timer), twice over when a lapse is settled before the
+/// operation itself: four is enough, and a spill vector keeps it correct
+/// should that reasoning ever be wrong. It discards at most two wakers (a
+/// cancelled slot's, a replaced one).
 #[derive(Debug, Default)]
-struct Wakes {
-    inline: [Option<Waker>; 4],
+struct Deferred {
+    wake: [Option<Waker>; 4],
     len: usize,
     spill: Vec<Waker>,
+    discard: [Option<Waker>; 2],
 }
 
-impl Wakes {
-    fn push(&mut self, waker: Waker) {
-        if let Some(slot) = self.inline.get_mut(self.len) {
-            *slot = Some(waker);
-            self.len += 1;
-        } else {
-            self.spill.push(waker);
-        }
-    }
-
-    fn wake_all(self) {
-        for waker in self.inline.into_iter().flatten() {
+impl Deferred {
+    #[cold]
+    fn run(self) {
+        drop(self.discard);
+        for waker in self.wake.into_iter().flatten() {
             waker.wake();
         }
         for waker in self.spill {
@@ -183,16 +180,15 @@ impl Wakes {
 
 /// One operation's context: its view of the time, its counters, and what it
 /// leaves to do after unlocking (wakes, a key to drop).
+///
+/// Most operations defer nothing but the drop of a key, so the wake lists
+/// are created only when first needed.
 #[derive(Debug)]
 pub(crate) struct Ctx<'a, K> {
     now: Now<'a>,
     counters: &'a Counters,
-    wakes: Wakes,
     drop_key: Option<K>,
-    /// Wakers of slots that left without being granted, or that a re-poll
-    /// replaced: dropped, not woken, after unlocking (their `Drop` is foreign
-    /// code). One operation discards at most two.
-    drop_wakers: [Option<Waker>; 2],
+    deferred: Option<Deferred>,
 }
 
 impl<'a, K> Ctx<'a, K> {
@@ -201,9 +197,8 @@ impl<'a, K> Ctx<'a, K> {
         Self {
             now: Now::new(clock),
             counters,
-            wakes: Wakes::default(),
             drop_key: None,
-            drop_wakers: [None, None],
+            deferred: None,
         }
     }
 
@@ -212,20 +207,36 @@ impl<'a, K> Ctx<'a, K> {
         self.now.get()
     }
 
+    fn deferred(&mut self) -> &mut Deferred {
+        self.deferred.get_or_insert_with(Deferred::default)
+    }
+
+    /// Wakes `waker` after unlocking.
+    fn wake_later(&mut self, waker: Waker) {
+        let deferred = self.deferred();
+        if let Some(slot) = deferred.wake.get_mut(deferred.len) {
+            *slot = Some(waker);
+            deferred.len += 1;
+        } else {
+            deferred.spill.push(waker);
+        }
+    }
+
+    /// Keeps a discarded waker to drop (not wake) after unlocking.
+    fn drop_waker_later(&mut self, waker: Option<Waker>) {
+        let Some(waker) = waker else { return };
+        let deferred = self.deferred();
+        match deferred.discard.iter_mut().find(|w| w.is_none()) {
+            Some(free) => *free = Some(waker),
+            // Not reached (see `Deferred`); waking spuriously is harmless,
+            // dropping under the lock is not.
+            None => deferred.spill.push(waker),
+        }
+    }
+
     /// Counts a wait that gave up without queueing.
     pub(crate) fn count_timed_out(&self) {
         self.counters.timed_out();
-    }
-
-    /// Keeps a discarded waker to drop after unlocking.
-    fn drop_waker_later(&mut self, waker: Option<Waker>) {
-        let Some(waker) = waker else { return };
-        match self.drop_wakers.iter_mut().find(|w| w.is_none()) {
-            Some(free) => *free = Some(waker),
-            // Not reached (see the field); waking spuriously is harmless,
-            // dropping under the lock is not.
-            None => self.wakes.push(waker),
-        }
     }
 
     /// Keeps a key to drop after unlocking.
@@ -236,12 +247,11 @@ impl<'a, K> Ctx<'a, K> {
 
     /// Drops the key of an emptied entry and wakes the waiters handed the key.
     /// Call only after the shard lock is released.
-    #[inline]
+    #[inline(always)]
     pub(crate) fn finish(self) {
         drop(self.drop_key);
-        drop(self.drop_wakers);
-        if self.wakes.len > 0 {
-            self.wakes.wake_all();
+        if let Some(deferred) = self.deferred {
+            deferred.run();
         }
     }
 }
@@ -329,7 +339,7 @@ impl Queues<'_> {
             None => (None, None),
         };
         if let Some(waker) = s.waker.take() {
-            ctx.wakes.push(waker);
+            ctx.wake_later(waker);
         }
         entry.holder = Some(Holder {
             token,
@@ -347,7 +357,7 @@ impl Queues<'_> {
         let leased = entry.holder.is_some_and(|h| h.deadline.is_some());
         if leased && entry.head != NIL {
             if let Some(waker) = &self.slots[entry.head as usize].waker {
-                ctx.wakes.push(waker.clone());
+                ctx.wake_later(waker.clone());
             }
         }
     }
@@ -401,6 +411,7 @@ impl Queues<'_> {
     }
 }
 
+#[inline]
 fn lease_from(lease: Option<Duration>, now: &mut Now<'_>) -> (Option<Instant>, Option<Instant>) {
     match lease {
         Some(lease) => {
@@ -504,6 +515,63 @@ impl<K> ShardState<K> {
             .map_or(0, |(e, _)| e.waiters as usize)
     }
 
+    /// Takes the key if it has no entry (one probe); otherwise returns the
+    /// key's entry and the queues, and gives the caller's key back.
+    #[inline]
+    fn claim(
+        &mut self,
+        hash: u64,
+        key: K,
+        lease: Option<Duration>,
+        ctx: &mut Ctx<'_, K>,
+    ) -> Result<Grant<K>, (K, &mut Entry<K>, Queues<'_>)>
+    where
+        K: Eq,
+    {
+        let ShardState {
+            entries,
+            slots,
+            keys,
+            tokens,
+        } = self;
+        let found = entries.entry(
+            hash,
+            // SAFETY: `e` is in the table, so its key slot is live.
+            |e| unsafe { e.key.get() } == &key,
+            |e| e.hash,
+        );
+        match found {
+            hashbrown::hash_table::Entry::Occupied(entry) => {
+                Err((key, entry.into_mut(), Queues { slots, tokens }))
+            }
+            hashbrown::hash_table::Entry::Vacant(vacant) => {
+                let token = tokens.mint();
+                let (deadline, since) = lease_from(lease, &mut ctx.now);
+                ctx.counters.acquired(false);
+                let key = keys.store(key);
+                vacant.insert(Entry {
+                    hash,
+                    key,
+                    holder: Some(Holder {
+                        token,
+                        deadline,
+                        since,
+                        by: HeldBy::Guard,
+                    }),
+                    fenced: 0,
+                    head: NIL,
+                    tail: NIL,
+                    waiters: 0,
+                });
+                Ok(Grant {
+                    key,
+                    token,
+                    deadline,
+                })
+            }
+        }
+    }
+
     /// Takes the key if it has no live holder and no waiter; otherwise gives
     /// the key back.
     #[inline]
@@ -517,18 +585,17 @@ impl<K> ShardState<K> {
     where
         K: Eq,
     {
-        match self.locate_by(hash, &key) {
-            None => Ok(self.insert(hash, key, lease, ctx)),
-            Some((entry, mut queues)) => {
-                queues.settle(entry, ctx);
-                if entry.holder.is_some() {
-                    return Err(key);
-                }
-                let grant = queues.take_free(entry, lease, ctx);
-                ctx.drop_key = Some(key);
-                Ok(grant)
-            }
+        let (key, entry, mut queues) = match self.claim(hash, key, lease, ctx) {
+            Ok(grant) => return Ok(grant),
+            Err(busy) => busy,
+        };
+        queues.settle(entry, ctx);
+        if entry.holder.is_some() {
+            return Err(key);
         }
+        let grant = queues.take_free(entry, lease, ctx);
+        ctx.drop_later(key);
+        Ok(grant)
     }
 
     /// Takes the key if it is free; otherwise queues a slot woken by `waker`.
@@ -544,12 +611,13 @@ impl<K> ShardState<K> {
     where
         K: Eq,
     {
-        let Some((entry, mut queues)) = self.locate_by(hash, &key) else {
-            return Attempt::Acquired(self.insert(hash, key, lease, ctx));
+        let (key, entry, mut queues) = match self.claim(hash, key, lease, ctx) {
+            Ok(grant) => return Attempt::Acquired(grant),
+            Err(busy) => busy,
         };
         queues.settle(entry, ctx);
         // The caller's key is not needed: the entry's own is used.
-        ctx.drop_key = Some(key);
+        ctx.drop_later(key);
         if entry.holder.is_none() {
             return Attempt::Acquired(queues.take_free(entry, lease, ctx));
         }
@@ -563,42 +631,6 @@ impl<K> ShardState<K> {
             slot: index,
             key: entry.key,
             wake_at,
-        }
-    }
-
-    fn insert(
-        &mut self,
-        hash: u64,
-        key: K,
-        lease: Option<Duration>,
-        ctx: &mut Ctx<'_, K>,
-    ) -> Grant<K> {
-        let token = self.tokens.mint();
-        let (deadline, since) = lease_from(lease, &mut ctx.now);
-        ctx.counters.acquired(false);
-        let key = self.keys.store(key);
-        self.entries.insert_unique(
-            hash,
-            Entry {
-                hash,
-                key,
-                holder: Some(Holder {
-                    token,
-                    deadline,
-                    since,
-                    by: HeldBy::Guard,
-                }),
-                fenced: 0,
-                head: NIL,
-                tail: NIL,
-                waiters: 0,
-            },
-            |e| e.hash,
-        );
-        Grant {
-            key,
-            token,
-            deadline,
         }
     }
 
