@@ -24,6 +24,7 @@ pub(crate) struct Held<K> {
     expires: AtomicU64,
 }
 
+#[inline]
 fn encode(deadline: Option<Instant>, epoch: Instant) -> u64 {
     deadline.map_or(0, |d| {
         let nanos = d.saturating_duration_since(epoch).as_nanos();
@@ -36,6 +37,7 @@ fn decode(raw: u64, epoch: Instant) -> Option<Instant> {
 }
 
 impl<K> Held<K> {
+    #[inline]
     pub(crate) fn new(hash: u64, grant: Grant<K>, epoch: Instant) -> Self {
         Self {
             hash,

@@ -80,6 +80,7 @@ pub(crate) const MIN_LEASE: Duration = Duration::from_nanos(1);
 
 impl LeasePolicy {
     /// Checks a lease against the table's bounds.
+    #[inline]
     pub(crate) fn check(&self, lease: Duration) -> Result<Duration, LockError> {
         if lease < MIN_LEASE || lease > self.max {
             return Err(LockError::InvalidOptions {
@@ -93,7 +94,12 @@ impl LeasePolicy {
     }
 
     /// The lease a call gets: its own, else the table's default; validated.
+    #[inline]
     pub(crate) fn resolve(&self, asked: Option<Duration>) -> Result<Option<Duration>, LockError> {
-        asked.or(self.default).map(|l| self.check(l)).transpose()
+        match asked {
+            // The default was validated when the table was built.
+            None => Ok(self.default),
+            Some(lease) => self.check(lease).map(Some),
+        }
     }
 }

@@ -62,6 +62,7 @@ mod key_slot;
 mod lease;
 mod loom;
 mod queue;
+mod shard_lock;
 mod stats;
 mod table;
 mod timer;

@@ -40,3 +40,68 @@ impl<T> Mutex<T> {
         self.0.lock()
     }
 }
+
+#[cfg(loom)]
+pub(crate) use loom::cell::{MutPtr, UnsafeCell};
+#[cfg(loom)]
+pub(crate) use loom::sync::atomic::AtomicBool;
+#[cfg(not(loom))]
+pub(crate) use std::sync::atomic::AtomicBool;
+
+/// `std`'s `UnsafeCell` behind loom's API, so that code written once is
+/// checked by loom and compiles to a plain cell otherwise.
+#[cfg(not(loom))]
+#[derive(Debug, Default)]
+pub(crate) struct UnsafeCell<T>(std::cell::UnsafeCell<T>);
+
+#[cfg(not(loom))]
+impl<T> UnsafeCell<T> {
+    pub(crate) const fn new(value: T) -> Self {
+        Self(std::cell::UnsafeCell::new(value))
+    }
+
+    /// A pointer for exclusive access; see [`MutPtr::deref`].
+    #[inline]
+    pub(crate) fn get_mut(&self) -> MutPtr<T> {
+        MutPtr(self.0.get())
+    }
+}
+
+/// A pointer to the contents of an [`UnsafeCell`], as loom's `MutPtr`.
+#[cfg(not(loom))]
+#[derive(Debug)]
+pub(crate) struct MutPtr<T>(*mut T);
+
+#[cfg(not(loom))]
+impl<T> MutPtr<T> {
+    /// Exclusive access to the cell's contents.
+    ///
+    /// # Safety
+    ///
+    /// No other reference to the contents may exist while the returned one
+    /// is used.
+    #[inline]
+    #[allow(clippy::mut_from_ref)]
+    pub(crate) unsafe fn deref(&self) -> &mut T {
+        // SAFETY: the caller guarantees exclusive access.
+        unsafe { &mut *self.0 }
+    }
+}
+
+/// Waits a little inside a spin loop: exponential spinning, then yielding the
+/// thread (under loom, a yield every time so the model makes progress).
+#[derive(Debug, Default)]
+pub(crate) struct Spin {
+    #[cfg(not(loom))]
+    backoff: crossbeam_utils::Backoff,
+}
+
+impl Spin {
+    #[inline]
+    pub(crate) fn wait(&self) {
+        #[cfg(loom)]
+        loom::thread::yield_now();
+        #[cfg(not(loom))]
+        self.backoff.snooze();
+    }
+}

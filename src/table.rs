@@ -21,8 +21,8 @@ use crate::error::{LockError, TryLockError};
 use crate::guard::{Guard, Held, OwnedGuard};
 use crate::key_slot::KeyPtr;
 use crate::lease::{LeasePolicy, LockOptions, DEFAULT_MAX_LEASE, MIN_LEASE};
-use crate::loom::Mutex;
 use crate::queue::{Ctx, Grant, ShardState};
+use crate::shard_lock::ShardMutex;
 use crate::stats::{Counters, Stats};
 use crate::token::FencingToken;
 
@@ -31,7 +31,7 @@ pub type DefaultHashBuilder = foldhash::fast::RandomState;
 
 /// One shard: its lock-protected state and its counters.
 pub(crate) struct Shard<K> {
-    pub(crate) state: Mutex<ShardState<K>>,
+    pub(crate) state: ShardMutex<ShardState<K>>,
     pub(crate) counters: Counters,
 }
 
@@ -703,7 +703,7 @@ impl<K, S> Builder<K, S> {
         let shards: Box<[CachePadded<Shard<K>>]> = (0..shards)
             .map(|_| {
                 CachePadded::new(Shard {
-                    state: Mutex::new(ShardState::new()),
+                    state: ShardMutex::new(ShardState::new()),
                     counters: Counters::default(),
                 })
             })
