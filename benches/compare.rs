@@ -60,6 +60,8 @@ fn compare(c: &mut Criterion) {
             .measurement_time(Duration::from_secs(2))
             .sample_size(20);
         bench_one::<impls::Keylock>(&mut group, &rt, workload, &zipf);
+        bench_one::<impls::KeylockLease>(&mut group, &rt, workload, &zipf);
+        bench_one::<impls::KeylockTimeout>(&mut group, &rt, workload, &zipf);
         bench_one::<impls::DashMapLeak>(&mut group, &rt, workload, &zipf);
         bench_one::<impls::DashMapCleanup>(&mut group, &rt, workload, &zipf);
         bench_one::<impls::Lockable>(&mut group, &rt, workload, &zipf);

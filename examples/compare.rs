@@ -59,6 +59,8 @@ fn sizes<I: KeyedLock>() -> (usize, usize) {
 /// keylock first: every ratio is against it.
 const CONTENDERS: &[Contender] = &[
     contender::<impls::Keylock>(),
+    contender::<impls::KeylockLease>(),
+    contender::<impls::KeylockTimeout>(),
     contender::<impls::DashMapLeak>(),
     contender::<impls::DashMapCleanup>(),
     contender::<impls::Lockable>(),

@@ -32,6 +32,15 @@ fn main() {
                 drop(black_box(guard));
             }
         }
+        "lease" => {
+            let opts = keylock::LockOptions::new().lease(std::time::Duration::from_secs(3600));
+            for _ in 0..n {
+                let guard = table
+                    .try_lock_with(black_box(7), opts)
+                    .expect("uncontended");
+                drop(black_box(guard));
+            }
+        }
         "lock" => {
             let mut cx = Context::from_waker(futures::task::noop_waker_ref());
             for _ in 0..n {

@@ -176,7 +176,7 @@ where
     fn finish(&mut self, grant: Grant<K>) -> (T, Held<K>) {
         self.timing = None;
         let table = self.table.take().expect("present until completion");
-        let held = Held::new(self.hash, grant, table.epoch());
+        let held = Held::new(self.hash, grant);
         (table, held)
     }
 

@@ -5,7 +5,7 @@
 //! [`ManualClock`] moves only when told to, so tests, loom models and the fuzz
 //! harness drive leases and timeouts by hand.
 
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 #[cfg(feature = "test-util")]
 pub use manual::ManualClock;
@@ -21,7 +21,27 @@ pub(crate) enum Clock {
     Manual(ManualClock),
 }
 
+/// Leases at least this long start from the coarse clock (see
+/// [`Clock::grant_time`]); shorter ones from the precise clock.
+pub(crate) const COARSE_LEASE: Duration = Duration::from_secs(1);
+
 impl Clock {
+    /// The time a grant with a lease of `lease` starts from.
+    ///
+    /// For a long lease, the kernel's coarse monotonic clock: a few times
+    /// cheaper to read than the precise one, and never ahead of it (it is the
+    /// same clock, read at the last tick), so a deadline computed from it can
+    /// only come out up to one tick (a few milliseconds) *earlier*: a lease
+    /// is never extended, at most shortened by well under 1% of its length.
+    /// Authority is always judged against the precise clock.
+    #[inline]
+    pub(crate) fn grant_time(&self, lease: Duration) -> Instant {
+        match self {
+            Self::Monotonic if lease >= COARSE_LEASE => coarse::now(),
+            _ => self.now(),
+        }
+    }
+
     #[inline]
     pub(crate) fn now(&self) -> Instant {
         match self {
@@ -47,6 +67,66 @@ impl<'a> Now<'a> {
     #[inline]
     pub(crate) fn get(&mut self) -> Instant {
         *self.at.get_or_insert_with(|| self.clock.now())
+    }
+
+    /// The start of a grant with a lease of `lease`: the time already read by
+    /// this operation, else [`Clock::grant_time`].
+    #[inline]
+    pub(crate) fn for_lease(&mut self, lease: Duration) -> Instant {
+        match self.at {
+            Some(at) => at,
+            None => self.clock.grant_time(lease),
+        }
+    }
+}
+
+/// The coarse monotonic clock as an [`Instant`].
+#[cfg(target_os = "linux")]
+mod coarse {
+    use std::sync::OnceLock;
+    use std::time::{Duration, Instant};
+
+    /// An `Instant` and a raw `CLOCK_MONOTONIC` reading taken just after it:
+    /// the raw reading is not earlier than the `Instant`, so times mapped
+    /// through this pair come out no later than the truth.
+    static ANCHOR: OnceLock<(Instant, Duration)> = OnceLock::new();
+
+    fn read(clock: libc::clockid_t) -> Duration {
+        let mut ts = libc::timespec {
+            tv_sec: 0,
+            tv_nsec: 0,
+        };
+        // SAFETY: `ts` is a valid, writable timespec; both clock ids exist on
+        // every Linux since 2.6.32, and on failure `ts` stays zero, which maps
+        // to the anchor (never later than now).
+        unsafe { libc::clock_gettime(clock, &mut ts) };
+        Duration::new(
+            u64::try_from(ts.tv_sec).unwrap_or(0),
+            u32::try_from(ts.tv_nsec).unwrap_or(0),
+        )
+    }
+
+    /// Now, at the resolution of the kernel tick, never later than
+    /// `Instant::now()`.
+    #[inline]
+    pub(super) fn now() -> Instant {
+        let &(instant, raw) = ANCHOR.get_or_init(|| {
+            let instant = Instant::now();
+            (instant, read(libc::CLOCK_MONOTONIC))
+        });
+        let coarse = read(libc::CLOCK_MONOTONIC_COARSE);
+        // Before the anchor (its tick had not ended): the anchor itself,
+        // which is still not later than now.
+        instant + coarse.saturating_sub(raw)
+    }
+}
+
+/// Elsewhere: the precise clock.
+#[cfg(not(target_os = "linux"))]
+mod coarse {
+    #[inline]
+    pub(super) fn now() -> std::time::Instant {
+        std::time::Instant::now()
     }
 }
 
@@ -189,6 +269,36 @@ mod manual {
 
         pub(crate) fn cancel_sleep(&self, id: usize) {
             self.inner.state.lock().sleepers.remove(id);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::{Duration, Instant};
+
+    use super::{coarse, Clock, COARSE_LEASE};
+
+    #[test]
+    fn coarse_time_is_never_later_than_the_precise_clock() {
+        for _ in 0..10_000 {
+            let coarse = coarse::now();
+            let precise = Instant::now();
+            assert!(coarse <= precise, "{coarse:?} > {precise:?}");
+        }
+    }
+
+    #[test]
+    fn a_long_lease_never_ends_after_now_plus_lease() {
+        let clock = Clock::Monotonic;
+        for lease in [
+            COARSE_LEASE,
+            Duration::from_secs(30),
+            Duration::from_millis(10),
+        ] {
+            let start = clock.grant_time(lease);
+            let after = Instant::now();
+            assert!(start <= after, "a lease would start in the future");
         }
     }
 }

@@ -19,31 +19,42 @@ pub(crate) struct Held<K> {
     hash: u64,
     key: KeyPtr<K>,
     token: FencingToken,
-    /// The lease deadline in nanoseconds after the table's epoch, plus one;
-    /// zero for no lease. Written only by this guard's own `renew`.
-    expires: AtomicU64,
+    /// The lease deadline of the grant.
+    granted_until: Option<Instant>,
+    /// The lease deadline set by this guard's last `renew`, in nanoseconds
+    /// after the table's epoch, plus one; zero if it never renewed. Written
+    /// only by `renew`, so the grant path stores no more than a copy.
+    renewed_until: AtomicU64,
 }
 
 #[inline]
 fn encode(deadline: Option<Instant>, epoch: Instant) -> u64 {
     deadline.map_or(0, |d| {
-        let nanos = d.saturating_duration_since(epoch).as_nanos();
-        u64::try_from(nanos).unwrap_or(u64::MAX - 1) + 1
+        let since = d.saturating_duration_since(epoch);
+        let nanos = since
+            .as_secs()
+            .saturating_mul(1_000_000_000)
+            .saturating_add(u64::from(since.subsec_nanos()));
+        nanos.min(u64::MAX - 2) + 1
     })
 }
 
 fn decode(raw: u64, epoch: Instant) -> Option<Instant> {
-    (raw != 0).then(|| epoch + Duration::from_nanos(raw - 1))
+    match raw {
+        0 | u64::MAX => None,
+        raw => epoch.checked_add(Duration::from_nanos(raw - 1)),
+    }
 }
 
 impl<K> Held<K> {
     #[inline]
-    pub(crate) fn new(hash: u64, grant: Grant<K>, epoch: Instant) -> Self {
+    pub(crate) fn new(hash: u64, grant: Grant<K>) -> Self {
         Self {
             hash,
             key: grant.key,
             token: grant.token,
-            expires: AtomicU64::new(encode(grant.deadline, epoch)),
+            granted_until: grant.deadline,
+            renewed_until: AtomicU64::new(0),
         }
     }
 
@@ -64,12 +75,21 @@ impl<K> Held<K> {
     }
 
     fn expires_at<S>(&self, table: &LockTable<K, S>) -> Option<Instant> {
-        decode(self.expires.load(Relaxed), table.epoch())
+        match self.renewed_until.load(Relaxed) {
+            0 => self.granted_until,
+            raw => decode(raw, table.epoch()),
+        }
     }
 
     fn renew<S>(&self, table: &LockTable<K, S>, lease: Duration) -> Result<(), LockError> {
         let deadline = table.renew_grant(self.hash, self.key, self.token, lease)?;
-        self.expires.store(encode(deadline, table.epoch()), Relaxed);
+        // A lease too long for the clock to represent never ends: `MAX`
+        // reads back as no deadline.
+        let raw = match deadline {
+            Some(_) => encode(deadline, table.epoch()),
+            None => u64::MAX,
+        };
+        self.renewed_until.store(raw, Relaxed);
         Ok(())
     }
 }

@@ -7,7 +7,7 @@
 
 #[cfg(loom)]
 pub(crate) use loom::sync::MutexGuard;
-#[cfg(not(loom))]
+#[cfg(all(not(loom), feature = "test-util"))]
 pub(crate) use parking_lot::MutexGuard;
 
 /// A mutex without poisoning.
@@ -15,12 +15,14 @@ pub(crate) use parking_lot::MutexGuard;
 /// No user code runs while a shard is locked except `K`'s `Eq`, which can only
 /// panic before the shard's state is changed, so a shard whose lock was
 /// released by a panic is still consistent and is used as is.
+#[cfg(any(loom, feature = "test-util"))]
 #[derive(Debug, Default)]
 pub(crate) struct Mutex<T>(
     #[cfg(loom)] loom::sync::Mutex<T>,
     #[cfg(not(loom))] parking_lot::Mutex<T>,
 );
 
+#[cfg(any(loom, feature = "test-util"))]
 impl<T> Mutex<T> {
     pub(crate) fn new(value: T) -> Self {
         #[cfg(loom)]

@@ -331,13 +331,7 @@ impl Queues<'_> {
         let token = self.tokens.mint();
         let s = &mut self.slots[head as usize];
         s.state = SlotState::Granted(token);
-        let (deadline, since) = match s.lease {
-            Some(lease) => {
-                let now = ctx.now.get();
-                (now.checked_add(lease), Some(now))
-            }
-            None => (None, None),
-        };
+        let (deadline, since) = lease_from(s.lease, &mut ctx.now);
         if let Some(waker) = s.waker.take() {
             ctx.wake_later(waker);
         }
@@ -415,8 +409,8 @@ impl Queues<'_> {
 fn lease_from(lease: Option<Duration>, now: &mut Now<'_>) -> (Option<Instant>, Option<Instant>) {
     match lease {
         Some(lease) => {
-            let now = now.get();
-            (now.checked_add(lease), Some(now))
+            let start = now.for_lease(lease);
+            (start.checked_add(lease), Some(start))
         }
         None => (None, None),
     }
@@ -863,9 +857,9 @@ impl<K> ShardState<K> {
         let Some(holder) = entry.holder.as_mut().filter(|h| h.token == token) else {
             return Err(LockError::Expired { token });
         };
-        let now = ctx.now.get();
-        holder.deadline = now.checked_add(lease);
-        holder.since.get_or_insert(now);
+        let start = ctx.now.for_lease(lease);
+        holder.deadline = start.checked_add(lease);
+        holder.since.get_or_insert(start);
         let deadline = holder.deadline;
         queues.wake_head_for_timer(entry, ctx);
         Ok(deadline)

@@ -385,7 +385,7 @@ where
         let grant = self
             .try_acquire(hash, key, self.leases.default)
             .ok_or(TryLockError::WouldBlock)?;
-        Ok(Guard::new(self, Held::new(hash, grant, self.epoch)))
+        Ok(Guard::new(self, Held::new(hash, grant)))
     }
 
     /// Like [`try_lock`](Self::try_lock), with a lease (the timeout, if any,
@@ -409,7 +409,7 @@ where
         let grant = self
             .try_acquire(hash, key, lease)
             .ok_or(LockError::WouldBlock)?;
-        Ok(Guard::new(self, Held::new(hash, grant, self.epoch)))
+        Ok(Guard::new(self, Held::new(hash, grant)))
     }
 
     /// Like [`try_lock`](Self::try_lock), for a table behind an [`Arc`].
@@ -430,7 +430,7 @@ where
         let grant = self
             .try_acquire(hash, key, self.leases.default)
             .ok_or(TryLockError::WouldBlock)?;
-        let held = Held::new(hash, grant, self.epoch);
+        let held = Held::new(hash, grant);
         Ok(OwnedGuard::new(self, held))
     }
 
@@ -457,7 +457,7 @@ where
         let grant = self
             .try_acquire(hash, key, lease)
             .ok_or(LockError::WouldBlock)?;
-        let held = Held::new(hash, grant, self.epoch);
+        let held = Held::new(hash, grant);
         Ok(OwnedGuard::new(self, held))
     }
 

@@ -9,6 +9,7 @@ use std::future::Future;
 use std::sync::Arc;
 
 use dashmap::DashMap;
+use futures::FutureExt as _;
 use parking_lot::lock_api::RawMutex as _;
 
 /// One keyed-lock implementation.
@@ -52,6 +53,56 @@ impl KeyedLock for Keylock {
 
     fn lock(&self, key: u64) -> impl Future<Output = Self::Guard<'_>> + Send + '_ {
         self.0.lock(key)
+    }
+
+    fn entries(&self) -> Option<usize> {
+        Some(self.0.len())
+    }
+}
+
+/// A lease long enough never to lapse during a run: what it costs is the
+/// clock read at the grant and the deadline kept with it.
+const LONG_LEASE: std::time::Duration = std::time::Duration::from_secs(3600);
+
+/// keylock, every lock with a lease (`lock_with(k, lease)`).
+pub(crate) struct KeylockLease(keylock::LockTable<u64>);
+
+impl KeyedLock for KeylockLease {
+    type Guard<'a> = keylock::Guard<'a, u64>;
+    const NAME: &'static str = "keylock+lease";
+
+    fn create() -> Self {
+        Self(keylock::LockTable::new())
+    }
+
+    fn lock(&self, key: u64) -> impl Future<Output = Self::Guard<'_>> + Send + '_ {
+        let opts = keylock::LockOptions::new().lease(LONG_LEASE);
+        self.0
+            .lock_with(key, opts)
+            .map(|r| r.expect("no timeout, valid lease"))
+    }
+
+    fn entries(&self) -> Option<usize> {
+        Some(self.0.len())
+    }
+}
+
+/// keylock, every lock with a timeout (`lock_with(k, timeout)`).
+pub(crate) struct KeylockTimeout(keylock::LockTable<u64>);
+
+impl KeyedLock for KeylockTimeout {
+    type Guard<'a> = keylock::Guard<'a, u64>;
+    const NAME: &'static str = "keylock+timeout";
+
+    fn create() -> Self {
+        Self(keylock::LockTable::new())
+    }
+
+    fn lock(&self, key: u64) -> impl Future<Output = Self::Guard<'_>> + Send + '_ {
+        let opts = keylock::LockOptions::new().timeout(LONG_LEASE);
+        self.0
+            .lock_with(key, opts)
+            .map(|r| r.expect("never times out in a run"))
     }
 
     fn entries(&self) -> Option<usize> {

@@ -372,17 +372,3 @@ async fn register_then_cancel<I: KeyedLock>(t: &I) {
     // The array drops here, at the end of the round: every waiter is
     // cancelled, oldest first.
 }
-
-/// TODO(issue 5, later): W6, leased / timeout locks.
-///
-/// Not measured yet. When this harness was written keylock had no leases or
-/// timeouts; `LockOptions` (`lease`, `timeout`) and `lock_with` have since
-/// appeared in `src/` and are still moving. Once that API settles, add W6
-/// here: holders that overrun their lease while others wait (cost of expiry
-/// and of the grant passing on) and waits that time out, against
-/// `tokio::time::timeout` around each anchor's `lock()`; then add it to
-/// `Workload::ALL`, to `run` and to the criterion groups.
-#[allow(dead_code)]
-pub(crate) fn w6_leased_todo() {
-    unimplemented!("TODO(issue 5): W6 leased/timeout locks not benchmarked yet")
-}
