@@ -29,7 +29,10 @@ pub struct Stats {
     pub handoffs: u64,
     /// Waits abandoned by dropping the future (before or after being granted).
     pub cancelled: u64,
-    /// Grants whose lease lapsed before they were released.
+    /// Grants whose lease was found lapsed (by a waiter's timer, a `check`,
+    /// or any touch of the key) before their holder released them. A holder
+    /// that releases after its deadline but before anyone noticed is counted
+    /// as a plain release: nobody was kept waiting by it.
     pub expired: u64,
     /// Waits that ran out of time.
     pub timed_out: u64,
