@@ -1,0 +1,495 @@
+//! Two threads run random operations on one shared `LockTable`, and check the
+//! invariants that survive concurrency:
+//!
+//! - mutual exclusion: without leases or revocation, a per-key "inside"
+//!   counter never exceeds one, and every `check()` passes;
+//! - with leases and revocation: a grant never passes `check()` (or renew, or
+//!   is revoked as live, or is handed out) once a later grant of the same key
+//!   has been seen live — authority never goes backwards;
+//! - fencing tokens strictly increase per key as seen by each thread;
+//! - no lost wakeup: at the end each thread releases everything and then
+//!   polls its remaining futures *only when woken*; they must all complete;
+//! - no panics; with everything dropped `len() == 0`, no timer is left armed,
+//!   and the counters the threads can tally exactly (acquisitions, contended,
+//!   cancelled, timed_out, revoked) match `stats()`; `contended` is bounded.
+
+#![no_main]
+
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicI64, AtomicU64, Ordering::SeqCst};
+use std::sync::{Arc, Barrier};
+use std::task::{Context, Poll, Wake, Waker};
+use std::time::{Duration, Instant};
+
+use arbitrary::Arbitrary;
+use keylock::futures::LockWith;
+use keylock::{Guard, LockError, LockOptions, LockTable, ManualClock};
+use libfuzzer_sys::fuzz_target;
+
+const KEYS: usize = 4;
+const MAX_OPS: usize = 128;
+const MAX_FUTS: usize = 6;
+const MAX_GUARDS: usize = 3;
+/// How long the final drain may go without any progress before it is
+/// declared stuck (a lost wakeup).
+const STUCK_AFTER: Duration = Duration::from_secs(10);
+
+#[derive(Arbitrary, Debug)]
+struct Input {
+    /// A real (monotonic) clock instead of a shared `ManualClock`.
+    real_clock: bool,
+    /// Allow leases, renewals and revocation (else mutual exclusion is exact).
+    leases: bool,
+    /// 1 or 4 shards.
+    one_shard: bool,
+    a: Vec<TOp>,
+    b: Vec<TOp>,
+}
+
+#[derive(Arbitrary, Debug, Clone, Copy)]
+enum TOp {
+    TryLock {
+        key: u8,
+        lease: Option<u8>,
+    },
+    /// `lock_with` and poll once.
+    Start {
+        key: u8,
+        lease: Option<u8>,
+        timeout: Option<u8>,
+    },
+    Poll {
+        fut: u8,
+    },
+    PollWoken,
+    DropFuture {
+        fut: u8,
+    },
+    Release {
+        guard: u8,
+    },
+    Renew {
+        guard: u8,
+        lease: u8,
+    },
+    Check {
+        guard: u8,
+    },
+    /// A short critical section with the guard.
+    Work {
+        guard: u8,
+    },
+    Revoke {
+        key: u8,
+    },
+    /// Advance the manual clock, or spin a little on the real one.
+    Advance {
+        by: u8,
+    },
+    Yield,
+}
+
+struct Counter(AtomicU64);
+impl Wake for Counter {
+    fn wake(self: Arc<Self>) {
+        self.0.fetch_add(1, SeqCst);
+    }
+    fn wake_by_ref(self: &Arc<Self>) {
+        self.0.fetch_add(1, SeqCst);
+    }
+}
+
+struct Shared {
+    clock: Option<ManualClock>,
+    leases: bool,
+    /// Threads inside a critical section of the key (exact only without leases).
+    inside: [AtomicI64; KEYS],
+    /// The largest token of the key ever observed live.
+    max_live: [AtomicU64; KEYS],
+}
+
+impl Shared {
+    /// One time unit: a millisecond on the manual clock, 20 µs on the real one.
+    fn unit(&self) -> Duration {
+        if self.clock.is_some() {
+            Duration::from_millis(1)
+        } else {
+            Duration::from_micros(20)
+        }
+    }
+
+    fn lease(&self, x: u8) -> Duration {
+        if x >= 248 && self.clock.is_none() {
+            // Long enough for the real clock's coarse lease start.
+            return Duration::from_secs(1) + self.unit() * u32::from(x - 248);
+        }
+        self.unit() * (u32::from(x % 8) + 1)
+    }
+
+    fn observed_live(&self, what: &str, k: usize, token: u64, before: u64) {
+        assert!(
+            token >= before,
+            "{what}: grant {token} of key {k} is live after grant {before} was seen live"
+        );
+        self.max_live[k].fetch_max(token, SeqCst);
+    }
+}
+
+#[derive(Default, Debug, Clone, Copy)]
+struct Tally {
+    acquisitions: u64,
+    /// Futures that returned `Pending` and then a guard: contended for sure.
+    contended: u64,
+    /// Futures that returned a guard on their first poll. They may have been
+    /// contended too: a first poll that queues can find the holder's lease
+    /// already lapsed when it arms its timer, and judge again at once.
+    first_poll_ok: u64,
+    cancelled: u64,
+    timed_out: u64,
+    revoked: u64,
+}
+
+struct TFut<'a> {
+    key: usize,
+    fut: LockWith<'a, u8>,
+    counter: Arc<Counter>,
+    waker: Waker,
+    seen: u64,
+    pended: bool,
+    /// `max_live` of its key before it was first polled.
+    before: u64,
+}
+
+struct Worker<'a> {
+    table: &'a LockTable<u8>,
+    shared: &'a Shared,
+    futs: Vec<TFut<'a>>,
+    guards: Vec<(usize, Guard<'a, u8>)>,
+    last_token: [u64; KEYS],
+    tally: Tally,
+}
+
+impl<'a> Worker<'a> {
+    fn got(&mut self, what: &str, k: usize, g: Guard<'a, u8>, before: u64) {
+        let t = g.token().get();
+        assert_eq!(usize::from(*g.key()), k);
+        assert!(
+            t > before,
+            "{what}: new grant {t} of key {k} not above {before}, seen live before"
+        );
+        self.shared.observed_live(what, k, t, before);
+        assert!(
+            t > self.last_token[k],
+            "{what}: token of key {k} went from {} to {t} in one thread",
+            self.last_token[k]
+        );
+        self.last_token[k] = t;
+        if !self.shared.leases {
+            let was = self.shared.inside[k].fetch_add(1, SeqCst);
+            assert_eq!(was, 0, "{what}: two holders of key {k} at once");
+        }
+        self.tally.acquisitions += 1;
+        self.guards.push((k, g));
+    }
+
+    fn release(&mut self, i: usize) {
+        let (k, g) = self.guards.remove(i);
+        if !self.shared.leases {
+            let was = self.shared.inside[k].fetch_sub(1, SeqCst);
+            assert_eq!(was, 1, "inside counter of key {k} on release");
+        }
+        drop(g);
+    }
+
+    fn check(&mut self, i: usize) {
+        let (k, g) = &self.guards[i];
+        let before = self.shared.max_live[*k].load(SeqCst);
+        match g.check() {
+            Ok(t) => {
+                assert_eq!(t, g.token());
+                self.shared.observed_live("check", *k, t.get(), before);
+            }
+            Err(LockError::Expired { token }) => {
+                assert_eq!(token, g.token());
+                assert!(
+                    self.shared.leases,
+                    "check() failed without leases or revoke"
+                );
+            }
+            Err(e) => panic!("check(): {e:?}"),
+        }
+    }
+
+    /// Polls future `i`; true if it completed.
+    fn poll(&mut self, i: usize) -> bool {
+        let f = &mut self.futs[i];
+        let k = f.key;
+        f.seen = f.counter.0.load(SeqCst);
+        if !f.pended {
+            f.before = self.shared.max_live[k].load(SeqCst);
+        }
+        let mut cx = Context::from_waker(&f.waker);
+        let r = match Pin::new(&mut f.fut).poll(&mut cx) {
+            Poll::Pending => {
+                f.pended = true;
+                return false;
+            }
+            Poll::Ready(r) => r,
+        };
+        let f = self.futs.remove(i);
+        match r {
+            Ok(g) => {
+                if f.pended {
+                    self.tally.contended += 1;
+                } else {
+                    self.tally.first_poll_ok += 1;
+                }
+                self.got("lock", k, g, f.before);
+            }
+            Err(LockError::Timeout { .. }) => self.tally.timed_out += 1,
+            Err(e) => panic!("lock_with: {e:?}"),
+        }
+        true
+    }
+
+    fn drop_fut(&mut self, i: usize) {
+        let f = self.futs.remove(i);
+        if f.pended {
+            self.tally.cancelled += 1;
+        }
+    }
+
+    fn step(&mut self, op: TOp) {
+        let sh = self.shared;
+        match op {
+            TOp::TryLock { key, lease } => {
+                if self.guards.len() >= MAX_GUARDS {
+                    return;
+                }
+                let k = usize::from(key) % KEYS;
+                let before = sh.max_live[k].load(SeqCst);
+                let r = match lease.filter(|_| sh.leases) {
+                    Some(l) => self
+                        .table
+                        .try_lock_with(k as u8, LockOptions::new().lease(sh.lease(l))),
+                    None => self.table.try_lock(k as u8).map_err(LockError::from),
+                };
+                match r {
+                    Ok(g) => self.got("try_lock", k, g, before),
+                    Err(LockError::WouldBlock) => {}
+                    Err(e) => panic!("try_lock: {e:?}"),
+                }
+            }
+            TOp::Start {
+                key,
+                lease,
+                timeout,
+            } => {
+                if self.futs.len() >= MAX_FUTS {
+                    return;
+                }
+                let k = usize::from(key) % KEYS;
+                let mut opts = LockOptions::new();
+                if let Some(l) = lease.filter(|_| sh.leases) {
+                    opts = opts.lease(sh.lease(l));
+                }
+                if let Some(t) = timeout {
+                    opts = opts.timeout(sh.unit() * u32::from(t % 12));
+                }
+                let counter = Arc::new(Counter(AtomicU64::new(0)));
+                self.futs.push(TFut {
+                    key: k,
+                    fut: self.table.lock_with(k as u8, opts),
+                    waker: Waker::from(Arc::clone(&counter)),
+                    counter,
+                    seen: 0,
+                    pended: false,
+                    before: 0,
+                });
+                self.poll(self.futs.len() - 1);
+            }
+            TOp::Poll { fut } => {
+                if !self.futs.is_empty() {
+                    self.poll(usize::from(fut) % self.futs.len());
+                }
+            }
+            TOp::PollWoken => {
+                let mut i = 0;
+                while i < self.futs.len() {
+                    let f = &self.futs[i];
+                    if f.counter.0.load(SeqCst) > f.seen && self.poll(i) {
+                        continue;
+                    }
+                    i += 1;
+                }
+            }
+            TOp::DropFuture { fut } => {
+                if !self.futs.is_empty() {
+                    self.drop_fut(usize::from(fut) % self.futs.len());
+                }
+            }
+            TOp::Release { guard } => {
+                if !self.guards.is_empty() {
+                    self.release(usize::from(guard) % self.guards.len());
+                }
+            }
+            TOp::Renew { guard, lease } => {
+                if sh.leases && !self.guards.is_empty() {
+                    let i = usize::from(guard) % self.guards.len();
+                    let (k, g) = &self.guards[i];
+                    let before = sh.max_live[*k].load(SeqCst);
+                    match g.renew(sh.lease(lease)) {
+                        Ok(()) => sh.observed_live("renew", *k, g.token().get(), before),
+                        Err(LockError::Expired { token }) => assert_eq!(token, g.token()),
+                        Err(e) => panic!("renew: {e:?}"),
+                    }
+                }
+            }
+            TOp::Check { guard } => {
+                if !self.guards.is_empty() {
+                    self.check(usize::from(guard) % self.guards.len());
+                }
+            }
+            TOp::Work { guard } => {
+                if !self.guards.is_empty() {
+                    let i = usize::from(guard) % self.guards.len();
+                    let k = self.guards[i].0;
+                    for _ in 0..3 {
+                        if !sh.leases {
+                            assert_eq!(sh.inside[k].load(SeqCst), 1, "exclusion of key {k}");
+                        }
+                        std::thread::yield_now();
+                    }
+                    self.check(i);
+                }
+            }
+            TOp::Revoke { key } => {
+                if sh.leases {
+                    let k = usize::from(key) % KEYS;
+                    let before = sh.max_live[k].load(SeqCst);
+                    if let Some(t) = self.table.revoke(&(k as u8)) {
+                        sh.observed_live("revoke", k, t.get(), before);
+                        self.tally.revoked += 1;
+                    }
+                }
+            }
+            TOp::Advance { by } => match &sh.clock {
+                Some(clock) => clock.advance(sh.unit() * u32::from(by % 4)),
+                None => {
+                    let until = Instant::now() + sh.unit() * u32::from(by % 4);
+                    while Instant::now() < until {
+                        std::hint::spin_loop();
+                    }
+                }
+            },
+            TOp::Yield => {
+                std::thread::yield_now();
+                self.table.assert_consistent();
+            }
+        }
+    }
+
+    /// Releases every guard, then completes every future, polling each only
+    /// when it was woken.
+    fn drain(&mut self, barrier: &Barrier) {
+        while !self.guards.is_empty() {
+            self.release(self.guards.len() - 1);
+        }
+        barrier.wait();
+        let mut last_progress = Instant::now();
+        while !self.futs.is_empty() {
+            let mut progressed = false;
+            let mut i = 0;
+            while i < self.futs.len() {
+                let f = &self.futs[i];
+                if f.counter.0.load(SeqCst) > f.seen {
+                    progressed = true;
+                    if self.poll(i) {
+                        // Hand the key straight on.
+                        while !self.guards.is_empty() {
+                            self.release(self.guards.len() - 1);
+                        }
+                        continue;
+                    }
+                }
+                i += 1;
+            }
+            if progressed {
+                last_progress = Instant::now();
+            } else {
+                assert!(
+                    last_progress.elapsed() < STUCK_AFTER,
+                    "lost wakeup: {} future(s) never woken: keys {:?}",
+                    self.futs.len(),
+                    self.futs.iter().map(|f| f.key).collect::<Vec<_>>()
+                );
+                std::thread::yield_now();
+            }
+        }
+    }
+}
+
+fn work(table: &LockTable<u8>, shared: &Shared, barrier: &Barrier, ops: &[TOp]) -> Tally {
+    let mut w = Worker {
+        table,
+        shared,
+        futs: Vec::new(),
+        guards: Vec::new(),
+        last_token: [0; KEYS],
+        tally: Tally::default(),
+    };
+    barrier.wait();
+    for &op in ops.iter().take(MAX_OPS) {
+        w.step(op);
+    }
+    w.drain(barrier);
+    w.tally
+}
+
+fn run(input: Input) {
+    let clock = (!input.real_clock).then(ManualClock::new);
+    let mut builder = LockTable::builder().shards(if input.one_shard { 1 } else { 4 });
+    if let Some(c) = &clock {
+        builder = builder.clock(c.clone());
+    }
+    let table: LockTable<u8> = builder.build();
+    let shared = Shared {
+        clock: clock.clone(),
+        leases: input.leases,
+        inside: Default::default(),
+        max_live: Default::default(),
+    };
+    let barrier = Barrier::new(2);
+    let (ta, tb) = std::thread::scope(|s| {
+        let a = s.spawn(|| work(&table, &shared, &barrier, &input.a));
+        let b = s.spawn(|| work(&table, &shared, &barrier, &input.b));
+        (a.join(), b.join())
+    });
+    let (ta, tb) = match (ta, tb) {
+        (Ok(a), Ok(b)) => (a, b),
+        (Err(e), _) | (_, Err(e)) => std::panic::resume_unwind(e),
+    };
+    table.assert_consistent();
+    assert_eq!(table.len(), 0, "len() with everything dropped");
+    assert!(table.is_empty());
+    if let Some(c) = &clock {
+        assert_eq!(c.sleepers(), 0, "timers left armed");
+    }
+    let st = table.stats();
+    assert_eq!(st.acquisitions, ta.acquisitions + tb.acquisitions, "{st:?}");
+    assert!(st.contended >= ta.contended + tb.contended, "{st:?}");
+    assert!(
+        st.contended <= ta.contended + tb.contended + ta.first_poll_ok + tb.first_poll_ok,
+        "{st:?}"
+    );
+    assert_eq!(st.cancelled, ta.cancelled + tb.cancelled, "{st:?}");
+    assert_eq!(st.timed_out, ta.timed_out + tb.timed_out, "{st:?}");
+    assert_eq!(st.revoked, ta.revoked + tb.revoked, "{st:?}");
+    assert!(st.handoffs >= st.contended, "{st:?}");
+    for k in 0..KEYS {
+        assert_eq!(shared.inside[k].load(SeqCst), 0);
+    }
+}
+
+fuzz_target!(|input: Input| run(input));
