@@ -582,7 +582,6 @@ where
 /// let table: keylock::LockTable<u32> = keylock::LockTable::builder().shards(16).build();
 /// assert_eq!(table.shard_count(), 16);
 /// ```
-#[derive(Debug, Clone)]
 #[must_use]
 pub struct Builder<K, S = DefaultHashBuilder> {
     _keys: PhantomData<fn() -> K>,
@@ -591,6 +590,31 @@ pub struct Builder<K, S = DefaultHashBuilder> {
     default_lease: Option<Duration>,
     max_lease: Duration,
     clock: Clock,
+}
+
+// Written out: derived impls would demand `K: Clone + Debug`.
+impl<K, S: Clone> Clone for Builder<K, S> {
+    fn clone(&self) -> Self {
+        Self {
+            _keys: PhantomData,
+            shards: self.shards,
+            hasher: self.hasher.clone(),
+            default_lease: self.default_lease,
+            max_lease: self.max_lease,
+            clock: self.clock.clone(),
+        }
+    }
+}
+
+impl<K, S> fmt::Debug for Builder<K, S> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Builder")
+            .field("shards", &self.shards)
+            .field("default_lease", &self.default_lease)
+            .field("max_lease", &self.max_lease)
+            .field("clock", &self.clock)
+            .finish_non_exhaustive()
+    }
 }
 
 impl<K> Builder<K> {
