@@ -55,8 +55,8 @@ pub enum LockError {
         waited: Duration,
         /// The token of the key's holder when the caller gave up, if any.
         holder: Option<FencingToken>,
-        /// How long that holder had held the key, when known (the grant read
-        /// the clock: it had a lease or was a handoff).
+        /// How long that holder had held the key, when known: the grant had
+        /// a lease (or was renewed), so its start was read from the clock.
         held_for: Option<Duration>,
         /// How many others were still queued ahead of the caller.
         ahead: usize,

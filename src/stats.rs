@@ -25,7 +25,8 @@ pub struct Stats {
     pub acquisitions: u64,
     /// Grants that had to wait behind another holder.
     pub contended: u64,
-    /// Releases that passed the key straight to a waiter.
+    /// Grants made to a queued waiter: the key passed straight on, after a
+    /// release, a lapse, a revocation or a dropped grant.
     pub handoffs: u64,
     /// Waits abandoned by dropping the future (before or after being granted).
     pub cancelled: u64,

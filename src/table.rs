@@ -518,6 +518,11 @@ where
     /// revoked guard is fenced: its `check()` fails and dropping it frees
     /// nothing. `None` if the key had no live holder.
     ///
+    /// A waiter that had been handed the key but has not run yet is forced
+    /// out too: it goes back to the tail of the queue. If nobody else waits,
+    /// it is granted the key again at once (with a new token), so the key is
+    /// not freed until that future runs or is dropped.
+    ///
     /// ```
     /// let table = keylock::LockTable::new();
     /// let stuck = table.try_lock("k").unwrap();
