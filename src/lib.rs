@@ -57,6 +57,7 @@ struct ReadmeDoctests;
 mod acquire;
 mod clock;
 mod error;
+mod fairness;
 mod guard;
 mod key_slot;
 mod lease;
@@ -72,6 +73,7 @@ mod token;
 #[cfg_attr(docsrs, doc(cfg(feature = "test-util")))]
 pub use clock::ManualClock;
 pub use error::{LockError, TryLockError};
+pub use fairness::Fairness;
 pub use guard::{Guard, OwnedGuard};
 pub use lease::{LockOptions, DEFAULT_MAX_LEASE};
 pub use stats::Stats;

@@ -18,6 +18,7 @@ use crossbeam_utils::CachePadded;
 use crate::acquire::{Lock, LockOwned, LockOwnedWith, LockWith};
 use crate::clock::Clock;
 use crate::error::{LockError, TryLockError};
+use crate::fairness::Fairness;
 use crate::guard::{Guard, Held, OwnedGuard};
 use crate::key_slot::KeyPtr;
 use crate::lease::{LeasePolicy, LockOptions, DEFAULT_MAX_LEASE, MIN_LEASE};
@@ -77,6 +78,7 @@ pub struct LockTable<K, S = DefaultHashBuilder> {
     leases: LeasePolicy,
     /// An instant before every deadline of this table, to store them compactly.
     epoch: Instant,
+    fairness: Fairness,
 }
 
 impl<K: Eq + Hash> LockTable<K> {
@@ -153,6 +155,16 @@ impl<K, S> LockTable<K, S> {
     /// ```
     pub fn shard_count(&self) -> usize {
         self.shards.len()
+    }
+
+    /// The fairness policy the table was built with.
+    ///
+    /// ```
+    /// let table: keylock::LockTable<u8> = keylock::LockTable::new();
+    /// assert_eq!(table.fairness(), keylock::Fairness::Strict);
+    /// ```
+    pub fn fairness(&self) -> Fairness {
+        self.fairness
     }
 
     /// Cumulative counters, summed over the shards without locking them.
@@ -490,6 +502,20 @@ where
         futures_executor::block_on(self.lock(key))
     }
 
+    /// Like [`blocking_lock`](Self::blocking_lock), for a table behind an
+    /// [`Arc`]: the guard keeps the table alive and is `'static`.
+    ///
+    /// ```
+    /// use std::sync::Arc;
+    /// let table = Arc::new(keylock::LockTable::new());
+    /// let guard = table.clone().blocking_lock_owned("job");
+    /// std::thread::spawn(move || drop(guard)).join().unwrap();
+    /// assert!(table.is_empty());
+    /// ```
+    pub fn blocking_lock_owned(self: Arc<Self>, key: K) -> OwnedGuard<K, S> {
+        futures_executor::block_on(self.lock_owned(key))
+    }
+
     /// Like [`blocking_lock`](Self::blocking_lock), with a lease and/or a
     /// timeout. The thread is woken by the timer at a holder's lease deadline
     /// or at its own timeout.
@@ -595,6 +621,7 @@ pub struct Builder<K, S = DefaultHashBuilder> {
     default_lease: Option<Duration>,
     max_lease: Duration,
     clock: Clock,
+    fairness: Fairness,
 }
 
 // Written out: derived impls would demand `K: Clone + Debug`.
@@ -607,6 +634,7 @@ impl<K, S: Clone> Clone for Builder<K, S> {
             default_lease: self.default_lease,
             max_lease: self.max_lease,
             clock: self.clock.clone(),
+            fairness: self.fairness,
         }
     }
 }
@@ -618,6 +646,7 @@ impl<K, S> fmt::Debug for Builder<K, S> {
             .field("default_lease", &self.default_lease)
             .field("max_lease", &self.max_lease)
             .field("clock", &self.clock)
+            .field("fairness", &self.fairness)
             .finish_non_exhaustive()
     }
 }
@@ -631,6 +660,7 @@ impl<K> Builder<K> {
             default_lease: None,
             max_lease: DEFAULT_MAX_LEASE,
             clock: Clock::default(),
+            fairness: Fairness::Strict,
         }
     }
 }
@@ -659,6 +689,7 @@ impl<K, S> Builder<K, S> {
             default_lease: self.default_lease,
             max_lease: self.max_lease,
             clock: self.clock,
+            fairness: self.fairness,
         }
     }
 
@@ -688,6 +719,19 @@ impl<K, S> Builder<K, S> {
     /// ```
     pub fn max_lease(mut self, max: Duration) -> Self {
         self.max_lease = max;
+        self
+    }
+
+    /// The fairness policy: [`Fairness::Strict`] (the default) or
+    /// [`Fairness::Eventual`] for throughput on hot keys.
+    ///
+    /// ```
+    /// let table: keylock::LockTable<u8> =
+    ///     keylock::LockTable::builder().fairness(keylock::Fairness::Eventual).build();
+    /// # drop(table);
+    /// ```
+    pub fn fairness(mut self, fairness: Fairness) -> Self {
+        self.fairness = fairness;
         self
     }
 
@@ -748,6 +792,7 @@ impl<K, S> Builder<K, S> {
                 max: self.max_lease,
             },
             epoch,
+            fairness: self.fairness,
         }
     }
 }
