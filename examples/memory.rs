@@ -64,7 +64,7 @@ fn rss_kib() -> u64 {
 fn storm(table: &LockTable<u64>) -> (f64, i64) {
     let held = table.try_lock(1).expect("free");
     let mut cx = Context::from_waker(std::task::Waker::noop());
-    let mut waiters: Vec<_> = (0..WAITERS).map(|_| table.lock(1)).collect();
+    let mut waiters: Vec<_> = (0..WAITERS).map(|_| Box::pin(table.lock(1))).collect();
     let before = live();
     for w in &mut waiters {
         assert!(matches!(std::pin::Pin::new(w).poll(&mut cx), Poll::Pending));

@@ -7,15 +7,17 @@ use std::hash::{BuildHasher, Hash};
 use std::ops::Deref;
 use std::pin::Pin;
 use std::sync::Arc;
-use std::task::{Context, Poll};
+use std::task::{Context, Poll, Waker};
 use std::time::{Duration, Instant};
 
+use crate::deferred::{Ctx, Leftovers};
 use crate::error::LockError;
 use crate::guard::{Guard, Held, OwnedGuard};
 use crate::key_slot::KeyPtr;
-use crate::queue::{Attempt, Ctx, Diagnosis, Grant, SlotPoll};
+use crate::queue::{Attempt, Diagnosis, Grant, Polled};
 use crate::table::{DefaultHashBuilder, LockTable};
 use crate::timer::Sleep;
+use crate::waiter::{Armed, Granted, Seen, Waiter};
 
 /// Where an acquisition stands.
 enum State<K> {
@@ -23,8 +25,9 @@ enum State<K> {
     Start(K),
     /// The options were invalid; reported on the first poll.
     Invalid(Box<LockError>),
-    /// Registered in `slot` of the key's queue.
-    Waiting { slot: u32, key: KeyPtr<K> },
+    /// The waiter node is linked into the queue of the key at `key` (or was
+    /// granted it and has not looked yet).
+    Linked { key: KeyPtr<K> },
     /// Completed; the grant belongs to a guard now.
     Done,
 }
@@ -44,6 +47,12 @@ struct Timing {
 /// The acquisition state machine shared by every lock future.
 ///
 /// `T` is how it reaches the table: a borrow or an `Arc`.
+///
+/// # Pinning
+///
+/// `waiter` is linked into the key's queue by address while the state is
+/// `Linked`, so the future is `!Unpin` and the waiter never moves once polled:
+/// `poll` reaches it only through `Pin`, and `Drop` unlinks it.
 struct Acquire<T: TableHandle<K>, K> {
     table: Option<T>,
     hash: u64,
@@ -51,6 +60,9 @@ struct Acquire<T: TableHandle<K>, K> {
     lease: Option<Duration>,
     timeout: Option<Duration>,
     timing: Option<Box<Timing>>,
+    /// What the last poll left to do after building its output.
+    leftovers: Option<Leftovers<K>>,
+    waiter: Waiter,
 }
 
 impl<T, K, S> Acquire<T, K>
@@ -73,6 +85,8 @@ where
             lease,
             timeout,
             timing: None,
+            leftovers: None,
+            waiter: Waiter::new(),
         }
     }
 
@@ -82,98 +96,242 @@ where
     }
 
     /// Polls for the grant; on `Ready(Ok)` also gives back the table handle.
+    /// Work left for after the output is built goes to `self.leftovers`.
+    ///
+    /// # Panics
+    ///
+    /// User code (the key's `Drop`, a waker's `clone`, `wake` or `drop`) may
+    /// panic out of this; the state is then always consistent: the waiter is
+    /// `Linked` while it is in a queue, and `Drop` unlinks it.
     #[inline]
-    fn poll_acquire(&mut self, cx: &mut Context<'_>) -> Poll<Result<(T, Held<K>), LockError>> {
+    fn poll_acquire(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Result<(T, Held<K>), LockError>> {
+        // SAFETY: `waiter` is never moved out of `this`, and nothing else
+        // is structurally pinned.
+        let this = unsafe { self.get_unchecked_mut() };
         loop {
-            let table = self
-                .table
-                .as_deref()
-                .expect("keylock: lock future polled after it completed");
-            let shard = table.shard(self.hash);
-            let mut ctx = Ctx::new(table.clock(), &shard.counters);
-            let wake_at = match std::mem::replace(&mut self.state, State::Done) {
-                State::Start(key) => {
-                    if self.timeout == Some(Duration::ZERO) {
-                        let lease = self.lease;
-                        return Poll::Ready(match try_once(table, self.hash, key, lease, ctx) {
-                            Ok(grant) => Ok(self.finish(grant)),
-                            Err(diagnosis) => Err(timeout_error(Duration::ZERO, diagnosis)),
-                        });
-                    }
-                    let attempt = {
-                        let mut state = shard.state.lock();
-                        state.acquire_or_enqueue(self.hash, key, self.lease, cx.waker(), &mut ctx)
+            let wake_at = match &this.state {
+                State::Start(_) => {
+                    let State::Start(key) = std::mem::replace(&mut this.state, State::Done) else {
+                        unreachable!()
                     };
-                    let started = match (&attempt, self.timeout) {
-                        (Attempt::Queued { .. }, Some(timeout)) => {
-                            let start = ctx.now();
-                            // Too far to represent: wait for ever.
-                            Some((start, start.checked_add(timeout)))
-                        }
-                        _ => None,
-                    };
-                    ctx.finish();
-                    match attempt {
-                        Attempt::Acquired(grant) => return Poll::Ready(Ok(self.finish(grant))),
-                        Attempt::Queued { slot, key, wake_at } => {
-                            self.state = State::Waiting { slot, key };
-                            if let Some((start, until)) = started {
-                                self.timing = Some(Box::new(Timing {
-                                    start: Some(start),
-                                    until,
-                                    sleep: None,
-                                }));
-                            }
-                            wake_at
-                        }
+                    match this.start(key, cx)? {
+                        Step::Ready(out) => return Poll::Ready(Ok(out)),
+                        Step::Wait(at) => at,
+                        Step::Again => continue,
                     }
                 }
-                State::Waiting { slot, key } => {
-                    let gave_up = self.until().is_some_and(|until| ctx.now() >= until);
-                    let polled = {
-                        let mut state = shard.state.lock();
-                        if gave_up {
-                            match state.time_out_slot(self.hash, key, slot, cx.waker(), &mut ctx) {
-                                Ok(grant) => Polled::Granted(grant),
-                                Err(diagnosis) => Polled::GaveUp(diagnosis),
-                            }
-                        } else {
-                            match state.poll_slot(self.hash, key, slot, cx.waker(), &mut ctx) {
-                                SlotPoll::Granted(grant) => Polled::Granted(grant),
-                                SlotPoll::Waiting { wake_at } => Polled::Waiting(wake_at),
-                            }
-                        }
+                &State::Linked { key } => match this.poll_linked(key, cx)? {
+                    Step::Ready(out) => return Poll::Ready(Ok(out)),
+                    Step::Wait(at) => at,
+                    Step::Again => continue,
+                },
+                State::Invalid(_) => {
+                    let State::Invalid(err) = std::mem::replace(&mut this.state, State::Done)
+                    else {
+                        unreachable!()
                     };
-                    let now = gave_up.then(|| ctx.now());
-                    ctx.finish();
-                    match polled {
-                        Polled::Granted(grant) => return Poll::Ready(Ok(self.finish(grant))),
-                        Polled::GaveUp(diagnosis) => {
-                            let start = self.timing.take().and_then(|t| t.start);
-                            let waited = match (start, now) {
-                                (Some(start), Some(now)) => now.saturating_duration_since(start),
-                                _ => Duration::ZERO,
-                            };
-                            return Poll::Ready(Err(timeout_error(waited, diagnosis)));
-                        }
-                        Polled::Waiting(wake_at) => {
-                            self.state = State::Waiting { slot, key };
-                            wake_at
-                        }
-                    }
+                    return Poll::Ready(Err(*err));
                 }
-                State::Invalid(err) => return Poll::Ready(Err(*err)),
                 State::Done => panic!("keylock: lock future polled after it completed"),
             };
-            if self.arm_timer(wake_at, cx).is_pending() {
+            if this.arm_timer(wake_at, cx).is_pending() {
                 return Poll::Pending;
             }
             // A deadline has already passed: judge again.
         }
     }
 
+    /// The first poll: take the key, or link the waiter and arm its waker.
+    #[inline]
+    fn start(&mut self, key: K, cx: &mut Context<'_>) -> Result<Step<(T, Held<K>)>, LockError> {
+        let table = self.table.as_deref().expect("present until completion");
+        if self.timeout == Some(Duration::ZERO) {
+            return match try_once(table, self.hash, key, self.lease) {
+                (Ok(grant), left) => {
+                    self.leftovers = Some(left);
+                    Ok(Step::Ready(self.finish(grant)))
+                }
+                (Err(diagnosis), left) => {
+                    drop(left);
+                    Err(timeout_error(Duration::ZERO, diagnosis))
+                }
+            };
+        }
+        let shard = table.shard(self.hash);
+        // Declared before the shard guard: if `K: Eq` panics during the
+        // probe, the guard unlocks first and the key is dropped after.
+        let mut key = Some(key);
+        let mut ctx = Ctx::new(table.clock(), &shard.counters);
+        let attempt = {
+            let mut state = shard.state.lock();
+            // SAFETY: the waiter is idle and pinned (we are, through `Pin`),
+            // and `Drop` unlinks it before it is freed.
+            unsafe {
+                state.acquire_or_enqueue(
+                    self.hash,
+                    &mut key,
+                    self.lease,
+                    table.fairness(),
+                    &self.waiter,
+                    &mut ctx,
+                )
+            }
+        };
+        let started = match (&attempt, self.timeout) {
+            (Attempt::Queued { .. }, Some(timeout)) => {
+                let start = ctx.now();
+                // Too far to represent: wait for ever.
+                Some((start, start.checked_add(timeout)))
+            }
+            _ => None,
+        };
+        let mut left = ctx.into_leftovers();
+        if let Some(key) = key {
+            left.drop_key_later(key);
+        }
+        match attempt {
+            Attempt::Acquired(grant) => {
+                self.leftovers = Some(left);
+                Ok(Step::Ready(self.finish(grant)))
+            }
+            Attempt::Queued { key, wake_at } => {
+                // Recorded before any user code runs: from here on `Drop`
+                // unlinks the waiter whatever panics.
+                self.state = State::Linked { key };
+                if let Some((start, until)) = started {
+                    self.timing = Some(Box::new(Timing {
+                        start: Some(start),
+                        until,
+                        sleep: None,
+                    }));
+                }
+                drop(left);
+                // SAFETY: our own waiter, just linked, armed once.
+                match unsafe { self.waiter.arm_unlocked(cx.waker().clone()) } {
+                    Armed::Armed => Ok(Step::Wait(wake_at)),
+                    Armed::Granted(spare) => {
+                        let granted = self.waiter.granted();
+                        let out = self.finish_granted(key, granted);
+                        self.leftovers
+                            .get_or_insert_with(Leftovers::default)
+                            .drop_waker_later(spare);
+                        Ok(Step::Ready(out))
+                    }
+                    Armed::Nudged(spare) => {
+                        drop(spare);
+                        Ok(Step::Again)
+                    }
+                }
+            }
+        }
+    }
+
+    /// A later poll of a linked waiter.
+    #[inline]
+    fn poll_linked(
+        &mut self,
+        key: KeyPtr<K>,
+        cx: &mut Context<'_>,
+    ) -> Result<Step<(T, Held<K>)>, LockError> {
+        // The grant is published through the waiter: no lock needed to see it.
+        if self.waiter.seen() == Seen::Granted {
+            let granted = self.waiter.granted();
+            return Ok(Step::Ready(self.finish_granted(key, granted)));
+        }
+        match self.poll_linked_locked(key, cx, None)? {
+            Step::Again => {
+                // The waker must be stored anew: clone it outside the lock.
+                let fresh = cx.waker().clone();
+                self.poll_linked_locked(key, cx, Some(fresh))
+            }
+            step => Ok(step),
+        }
+    }
+
+    #[cold]
+    fn poll_linked_locked(
+        &mut self,
+        key: KeyPtr<K>,
+        cx: &mut Context<'_>,
+        fresh: Option<Waker>,
+    ) -> Result<Step<(T, Held<K>)>, LockError> {
+        let table = self.table.as_deref().expect("present until completion");
+        let shard = table.shard(self.hash);
+        let mut ctx = Ctx::new(table.clock(), &shard.counters);
+        let gave_up = self.until().is_some_and(|until| ctx.now() >= until);
+        let polled = {
+            let mut state = shard.state.lock();
+            if gave_up {
+                // SAFETY: our own waiter, linked into `key`'s queue.
+                match unsafe {
+                    state.leave(
+                        self.hash,
+                        key,
+                        &self.waiter,
+                        true,
+                        table.fairness(),
+                        &mut ctx,
+                    )
+                } {
+                    Ok(diagnosis) => Outcome::GaveUp(diagnosis),
+                    Err(granted) => Outcome::Granted(granted),
+                }
+            } else {
+                // SAFETY: as above. `fresh` was cloned before locking:
+                // `Waker::clone` is user code.
+                match unsafe {
+                    state.poll_waiter(self.hash, key, &self.waiter, cx.waker(), fresh, &mut ctx)
+                } {
+                    Polled::Granted(granted) => Outcome::Granted(granted),
+                    Polled::Waiting { wake_at } => Outcome::Waiting(wake_at),
+                    Polled::NeedWaker => Outcome::NeedWaker,
+                }
+            }
+        };
+        let now = gave_up.then(|| ctx.now());
+        let left = ctx.into_leftovers();
+        match polled {
+            Outcome::Granted(granted) => {
+                let out = self.finish_granted(key, granted);
+                self.leftovers = Some(left);
+                Ok(Step::Ready(out))
+            }
+            Outcome::Waiting(wake_at) => {
+                drop(left);
+                Ok(Step::Wait(wake_at))
+            }
+            Outcome::NeedWaker => {
+                drop(left);
+                Ok(Step::Again)
+            }
+            Outcome::GaveUp(diagnosis) => {
+                self.state = State::Done;
+                drop(left);
+                let start = self.timing.take().and_then(|t| t.start);
+                let waited = match (start, now) {
+                    (Some(start), Some(now)) => now.saturating_duration_since(start),
+                    _ => Duration::ZERO,
+                };
+                Err(timeout_error(waited, diagnosis))
+            }
+        }
+    }
+
+    #[inline]
+    fn finish_granted(&mut self, key: KeyPtr<K>, granted: Granted) -> (T, Held<K>) {
+        self.finish(Grant {
+            key,
+            token: granted.token,
+            deadline: granted.deadline,
+        })
+    }
+
     #[inline]
     fn finish(&mut self, grant: Grant<K>) -> (T, Held<K>) {
+        self.state = State::Done;
         self.timing = None;
         let table = self.table.take().expect("present until completion");
         let held = Held::new(self.hash, grant);
@@ -212,11 +370,21 @@ where
     }
 }
 
-/// What polling a waiting slot found.
-enum Polled<K> {
-    Granted(Grant<K>),
-    GaveUp(Diagnosis),
+/// What a locked poll of a linked waiter found.
+enum Outcome {
+    Granted(Granted),
     Waiting(Option<Instant>),
+    NeedWaker,
+    GaveUp(Diagnosis),
+}
+
+/// What one step of a poll came to.
+enum Step<O> {
+    Ready(O),
+    /// Waiting; arm a timer for this instant if set.
+    Wait(Option<Instant>),
+    /// Poll again at once (nudged while registering).
+    Again,
 }
 
 fn timeout_error(waited: Duration, diagnosis: Diagnosis) -> LockError {
@@ -234,28 +402,36 @@ fn try_once<K: Eq + Hash, S: BuildHasher>(
     hash: u64,
     key: K,
     lease: Option<Duration>,
-    mut ctx: Ctx<'_, K>,
-) -> Result<Grant<K>, Diagnosis> {
-    let mut state = table.shard(hash).state.lock();
-    let result = match state.try_acquire(hash, key, lease, &mut ctx) {
-        Ok(grant) => Ok(grant),
-        Err(key) => {
-            let diagnosis = state.diagnose(hash, &key, &mut ctx);
-            ctx.count_timed_out();
-            ctx.drop_later(key);
-            Err(diagnosis)
+) -> (Result<Grant<K>, Diagnosis>, Leftovers<K>) {
+    let shard = table.shard(hash);
+    let mut key = Some(key);
+    let mut ctx = Ctx::new(table.clock(), &shard.counters);
+    let result = {
+        let mut state = shard.state.lock();
+        match state.try_acquire(hash, &mut key, lease, table.fairness(), &mut ctx) {
+            Some(grant) => Ok(grant),
+            None => {
+                let probe = key.as_ref().expect("kept on failure");
+                let diagnosis = state.diagnose(hash, probe, &mut ctx);
+                ctx.counters().timed_out();
+                Err(diagnosis)
+            }
         }
     };
-    drop(state);
-    ctx.finish();
-    result
+    let mut left = ctx.into_leftovers();
+    if let Some(key) = key {
+        left.drop_key_later(key);
+    }
+    (result, left)
 }
 
 impl<T: TableHandle<K>, K> Drop for Acquire<T, K> {
     fn drop(&mut self) {
-        if let State::Waiting { slot, key } = self.state {
+        if let State::Linked { key } = self.state {
             if let Some(table) = self.table.as_ref() {
-                table.cancel(self.hash, key, slot);
+                // The waiter is unlinked (or its unobserved grant released)
+                // before its memory goes.
+                table.leave(self.hash, key, &self.waiter);
             }
         }
     }
@@ -263,19 +439,19 @@ impl<T: TableHandle<K>, K> Drop for Acquire<T, K> {
 
 /// How an acquisition reaches its table: a borrow or an `Arc`.
 pub(crate) trait TableHandle<K> {
-    /// Drops the registration in `slot`; see [`LockTable::cancel`].
-    fn cancel(&self, hash: u64, key: KeyPtr<K>, slot: u32);
+    /// Unlinks a dropped future's waiter; see [`LockTable::leave`].
+    fn leave(&self, hash: u64, key: KeyPtr<K>, waiter: &Waiter);
 }
 
 impl<K, S> TableHandle<K> for &LockTable<K, S> {
-    fn cancel(&self, hash: u64, key: KeyPtr<K>, slot: u32) {
-        LockTable::cancel(self, hash, key, slot);
+    fn leave(&self, hash: u64, key: KeyPtr<K>, waiter: &Waiter) {
+        LockTable::leave(self, hash, key, waiter);
     }
 }
 
 impl<K, S> TableHandle<K> for Arc<LockTable<K, S>> {
-    fn cancel(&self, hash: u64, key: KeyPtr<K>, slot: u32) {
-        LockTable::cancel(self, hash, key, slot);
+    fn leave(&self, hash: u64, key: KeyPtr<K>, waiter: &Waiter) {
+        LockTable::leave(self, hash, key, waiter);
     }
 }
 
@@ -284,7 +460,7 @@ impl<T: TableHandle<K>, K> fmt::Debug for Acquire<T, K> {
         let state = match self.state {
             State::Start(_) => "start",
             State::Invalid(_) => "invalid",
-            State::Waiting { .. } => "waiting",
+            State::Linked { .. } => "waiting",
             State::Done => "done",
         };
         f.debug_struct("Acquire")
@@ -292,7 +468,7 @@ impl<T: TableHandle<K>, K> fmt::Debug for Acquire<T, K> {
             .field("lease", &self.lease)
             .field("timeout", &self.timeout)
             .field("timing", &self.timing)
-            .finish()
+            .finish_non_exhaustive()
     }
 }
 
@@ -325,16 +501,19 @@ macro_rules! lock_future {
             type Output = $out;
 
             #[inline]
-            fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
-                self.inner
-                    .poll_acquire(cx)
-                    .map(|r| lock_future!(@$result r.map(|($table, $held)| $make)))
+            fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+                // SAFETY: `inner` is pinned with `self` (structural pinning);
+                // it is never moved out.
+                let mut inner = unsafe { self.map_unchecked_mut(|f| &mut f.inner) };
+                let polled = inner.as_mut().poll_acquire(cx);
+                let out = polled.map(|r| lock_future!(@$result r.map(|($table, $held)| $make)));
+                // After the guard exists: should dropping a key or a waker
+                // panic now, unwinding drops the guard, which releases.
+                // SAFETY: `leftovers` is not structurally pinned.
+                drop(unsafe { inner.get_unchecked_mut() }.leftovers.take());
+                out
             }
         }
-
-        // The key is never pinned: it is moved into the table on the first
-        // poll, and the timer is boxed by its own crate or polled by `&mut`.
-        impl<$($lt,)? K, S> Unpin for $name<$($lt,)? K, S> {}
 
         impl<$($lt,)? K, S> fmt::Debug for $name<$($lt,)? K, S> {
             fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {

@@ -55,7 +55,9 @@
 struct ReadmeDoctests;
 
 mod acquire;
+mod blocking;
 mod clock;
+mod deferred;
 mod error;
 mod fairness;
 mod guard;
@@ -68,6 +70,7 @@ mod stats;
 mod table;
 mod timer;
 mod token;
+mod waiter;
 
 #[cfg(feature = "test-util")]
 #[cfg_attr(docsrs, doc(cfg(feature = "test-util")))]

@@ -1,9 +1,10 @@
 //! The one place the crate takes its synchronization primitives from.
 //!
-//! Under `--cfg loom` these are loom's model-checked types; otherwise the
-//! shard lock is parking_lot's mutex (one compare-and-swap to lock, one to
-//! unlock, no poisoning to track). Every lock the table takes goes through
-//! [`Mutex`] so that the loom models explore exactly the code that ships.
+//! Under `--cfg loom` these are loom's model-checked types; otherwise std's
+//! atomics and a plain cell. The shard lock (`shard_lock.rs`) and the waiter
+//! node (`waiter.rs`) are built from these, so the loom models explore the
+//! code that ships. [`Mutex`] is the manual clock's lock (and, under loom,
+//! the table's: see `shard_lock.rs`).
 
 #[cfg(loom)]
 pub(crate) use loom::sync::MutexGuard;
@@ -46,9 +47,9 @@ impl<T> Mutex<T> {
 #[cfg(loom)]
 pub(crate) use loom::cell::{MutPtr, UnsafeCell};
 #[cfg(loom)]
-pub(crate) use loom::sync::atomic::AtomicBool;
+pub(crate) use loom::sync::atomic::{AtomicBool, AtomicU8};
 #[cfg(not(loom))]
-pub(crate) use std::sync::atomic::AtomicBool;
+pub(crate) use std::sync::atomic::{AtomicBool, AtomicU8};
 
 /// `std`'s `UnsafeCell` behind loom's API, so that code written once is
 /// checked by loom and compiles to a plain cell otherwise.

@@ -21,9 +21,10 @@ use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 #[non_exhaustive]
 pub struct Stats {
-    /// Grants handed to a caller, waited for or not.
+    /// Grants made, waited for or not. A grant to a waiting future counts
+    /// when it is made, even if the future is dropped before it runs.
     pub acquisitions: u64,
-    /// Grants that had to wait behind another holder.
+    /// Grants made to a future that had queued behind another holder.
     pub contended: u64,
     /// Grants made to a queued waiter: the key passed straight on, after a
     /// release, a lapse, a revocation or a dropped grant.

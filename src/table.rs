@@ -17,15 +17,17 @@ use crossbeam_utils::CachePadded;
 
 use crate::acquire::{Lock, LockOwned, LockOwnedWith, LockWith};
 use crate::clock::Clock;
+use crate::deferred::Ctx;
 use crate::error::{LockError, TryLockError};
 use crate::fairness::Fairness;
 use crate::guard::{Guard, Held, OwnedGuard};
 use crate::key_slot::KeyPtr;
 use crate::lease::{LeasePolicy, LockOptions, DEFAULT_MAX_LEASE, MIN_LEASE};
-use crate::queue::{Ctx, Grant, ShardState};
+use crate::queue::{Grant, ShardState};
 use crate::shard_lock::ShardMutex;
 use crate::stats::{Counters, Stats};
 use crate::token::FencingToken;
+use crate::waiter::Waiter;
 
 /// The hasher a table uses unless told otherwise: fast, and seeded per table.
 pub type DefaultHashBuilder = foldhash::fast::RandomState;
@@ -196,7 +198,7 @@ impl<K, S> LockTable<K, S> {
     #[doc(hidden)]
     pub fn assert_consistent(&self) {
         for shard in self.shards.iter() {
-            shard.state.lock().validate();
+            shard.state.lock().validate(self.fairness);
         }
     }
 
@@ -237,14 +239,22 @@ impl<K, S> LockTable<K, S> {
     /// of ownership with its token, so a stale release frees nothing.
     #[inline]
     pub(crate) fn release(&self, hash: u64, key: KeyPtr<K>, token: FencingToken) {
-        self.with_shard(hash, |state, ctx| state.release(hash, key, token, ctx));
+        let fairness = self.fairness;
+        self.with_shard(hash, |state, ctx| {
+            state.release(hash, key, token, fairness, ctx);
+        });
     }
 
-    /// Drops a waiting future's registration; a grant it had not observed yet
-    /// passes on.
+    /// Unlinks a dropped future's waiter; a grant it had not observed yet is
+    /// released as a guard would release it.
     #[cold]
-    pub(crate) fn cancel(&self, hash: u64, key: KeyPtr<K>, slot: u32) {
-        self.with_shard(hash, |state, ctx| state.cancel_slot(hash, key, slot, ctx));
+    pub(crate) fn leave(&self, hash: u64, key: KeyPtr<K>, waiter: &Waiter) {
+        let fairness = self.fairness;
+        self.with_shard(hash, |state, ctx| {
+            // SAFETY: called only by the waiter's owner, from its `Drop`,
+            // while the waiter is linked into `key`'s queue or granted.
+            let _ = unsafe { state.leave(hash, key, waiter, false, fairness, ctx) };
+        });
     }
 
     pub(crate) fn check_grant(
@@ -475,22 +485,29 @@ where
 
     #[inline]
     fn try_acquire(&self, hash: u64, key: K, lease: Option<Duration>) -> Option<Grant<K>> {
+        // Outside the shard lock: if `K: Eq` panics during the probe, the
+        // lock is released before the key is dropped.
+        let mut key = Some(key);
+        let fairness = self.fairness;
         self.with_shard(hash, |state, ctx| {
-            match state.try_acquire(hash, key, lease, ctx) {
-                Ok(grant) => Some(grant),
-                Err(key) => {
-                    ctx.drop_later(key);
-                    None
-                }
-            }
+            state.try_acquire(hash, &mut key, lease, fairness, ctx)
         })
     }
 
     /// Blocks the current thread until `key` is free and takes it.
     ///
-    /// For plain threads only: calling it from async code blocks the executor
-    /// thread, and deadlocks it if the holder runs on that same thread. Use
-    /// [`lock`](Self::lock) there.
+    /// The thread parks (it does not spin) and is unparked when the key is
+    /// handed to it. No executor is entered, so this works on any thread,
+    /// including inside another executor's `block_on`.
+    ///
+    /// # Blocking inside async code
+    ///
+    /// On a runtime's worker thread this blocks the worker, and every task
+    /// queued on it, until the key comes: if the holder is a task that needs
+    /// that worker to run (a current-thread runtime, or all workers blocked
+    /// this way), it never runs and the thread waits for ever. Use
+    /// [`lock`](Self::lock) in async code, or move the call off the runtime
+    /// (`tokio::task::spawn_blocking`, `smol::unblock`).
     ///
     /// ```
     /// let table = keylock::LockTable::new();
@@ -499,7 +516,7 @@ where
     /// # drop(guard);
     /// ```
     pub fn blocking_lock(&self, key: K) -> Guard<'_, K, S> {
-        futures_executor::block_on(self.lock(key))
+        crate::blocking::block_on(self.lock(key))
     }
 
     /// Like [`blocking_lock`](Self::blocking_lock), for a table behind an
@@ -513,7 +530,7 @@ where
     /// assert!(table.is_empty());
     /// ```
     pub fn blocking_lock_owned(self: Arc<Self>, key: K) -> OwnedGuard<K, S> {
-        futures_executor::block_on(self.lock_owned(key))
+        crate::blocking::block_on(self.lock_owned(key))
     }
 
     /// Like [`blocking_lock`](Self::blocking_lock), with a lease and/or a
@@ -536,7 +553,7 @@ where
         key: K,
         opts: LockOptions,
     ) -> Result<Guard<'_, K, S>, LockError> {
-        futures_executor::block_on(self.lock_with(key, opts))
+        crate::blocking::block_on(self.lock_with(key, opts))
     }
 
     /// Forces the live holder of `key` out (an operator's action on a stuck
@@ -544,10 +561,10 @@ where
     /// revoked guard is fenced: its `check()` fails and dropping it frees
     /// nothing. `None` if the key had no live holder.
     ///
-    /// A waiter that had been handed the key but has not run yet is forced
-    /// out too: it goes back to the tail of the queue. If nobody else waits,
-    /// it is granted the key again at once (with a new token), so the key is
-    /// not freed until that future runs or is dropped.
+    /// A waiter that had been handed the key but has not run yet is treated
+    /// exactly like a guard: it is fenced, and when it runs it resolves to a
+    /// guard whose `check()` fails. It is not queued again, so a future that
+    /// never runs cannot keep a key.
     ///
     /// ```
     /// let table = keylock::LockTable::new();

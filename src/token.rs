@@ -64,11 +64,19 @@ impl TokenCounter {
     /// token that does not increase.
     #[inline]
     pub(crate) fn mint(&mut self) -> FencingToken {
+        self.check_available();
         let token = FencingToken::from_raw(self.next);
-        self.next = self
-            .next
-            .checked_add(1)
-            .expect("keylock: fencing token space of a shard exhausted (2^64 grants)");
+        self.next += 1;
         token
+    }
+
+    /// Panics, as [`mint`](Self::mint) would, if no token is left; for
+    /// callers that must fail before they change anything.
+    #[inline]
+    pub(crate) fn check_available(&self) {
+        assert!(
+            self.next != u64::MAX,
+            "keylock: fencing token space of a shard exhausted (2^64 grants)"
+        );
     }
 }

@@ -65,8 +65,8 @@ fn allocations(f: impl FnOnce()) -> usize {
 const N: usize = 10_000;
 
 /// Polls `fut` once with a no-op waker and expects it to be ready.
-fn poll_ready<F: Future + Unpin>(mut fut: F) -> F::Output {
-    match std::pin::Pin::new(&mut fut).poll(&mut Context::from_waker(noop_waker_ref())) {
+fn poll_ready<F: Future>(fut: F) -> F::Output {
+    match std::pin::pin!(fut).poll(&mut Context::from_waker(noop_waker_ref())) {
         Poll::Ready(out) => out,
         Poll::Pending => panic!("an uncontended lock must be ready at once"),
     }
@@ -199,13 +199,12 @@ fn a_warm_handoff_to_a_waiter_allocates_nothing() {
     let run = |table: &LockTable<u64>, cx: &mut Context<'_>| {
         for k in 0..N as u64 / 10 {
             let holder = table.try_lock(k).unwrap();
-            let mut waiters = [table.lock(k), table.lock(k)];
-            for w in &mut waiters {
-                assert!(std::pin::Pin::new(w).poll(cx).is_pending());
-            }
+            let mut a = std::pin::pin!(table.lock(k));
+            let mut b = std::pin::pin!(table.lock(k));
+            assert!(a.as_mut().poll(cx).is_pending());
+            assert!(b.as_mut().poll(cx).is_pending());
             drop(holder);
-            let [mut a, b] = waiters;
-            let Poll::Ready(g) = std::pin::Pin::new(&mut a).poll(cx) else {
+            let Poll::Ready(g) = a.as_mut().poll(cx) else {
                 panic!("the head waiter was handed the key");
             };
             drop(g);

@@ -67,7 +67,7 @@ fn lapse_hands_key_to_head_waiter_woken_by_its_timer() {
     let (clock, table) = table();
     let holder = table.try_lock_with("k", lease(2 * SEC)).unwrap();
     let (c, w) = counting();
-    let mut waiter = table.lock("k");
+    let mut waiter = Box::pin(table.lock("k"));
     assert!(poll(&mut waiter, &w).is_pending());
     assert_eq!(
         clock.sleepers(),
@@ -102,7 +102,7 @@ fn no_timer_without_leases_or_timeouts() {
     let (clock, table) = table();
     let holder = table.try_lock("k").unwrap();
     let (_, w) = counting();
-    let mut waiter = table.lock("k");
+    let mut waiter = Box::pin(table.lock("k"));
     assert!(poll(&mut waiter, &w).is_pending());
     assert_eq!(clock.sleepers(), 0);
     drop(holder);
@@ -114,7 +114,7 @@ fn lease_runs_from_handoff_not_from_when_waiter_runs() {
     let (clock, table) = table();
     let holder = table.try_lock("k").unwrap();
     let (_, w) = counting();
-    let mut waiter = table.lock_with("k", lease(3 * SEC));
+    let mut waiter = Box::pin(table.lock_with("k", lease(3 * SEC)));
     assert!(poll(&mut waiter, &w).is_pending());
     let granted_at = clock.now();
     drop(holder);
@@ -127,13 +127,13 @@ fn lease_runs_from_handoff_not_from_when_waiter_runs() {
 }
 
 #[test]
-fn grant_that_lapses_unobserved_is_void_and_requeued_at_back() {
+fn grant_that_lapses_unobserved_is_fenced_like_a_guard_and_not_requeued() {
     let (clock, table) = table();
     let holder = table.try_lock("k").unwrap();
     let (ca, wa) = counting();
     let (cb, wb) = counting();
-    let mut a = table.lock_with("k", lease(SEC));
-    let mut b = table.lock("k");
+    let mut a = Box::pin(table.lock_with("k", lease(SEC)));
+    let mut b = Box::pin(table.lock("k"));
     assert!(poll(&mut a, &wa).is_pending());
     assert!(poll(&mut b, &wb).is_pending());
     drop(holder); // a is granted with a one-second lease
@@ -145,18 +145,24 @@ fn grant_that_lapses_unobserved_is_void_and_requeued_at_back() {
         Poll::Ready(g) => g,
         Poll::Pending => panic!("b should get the key after a's grant lapsed"),
     };
-    // a never resolves to a lapsed grant: it waits again, behind b.
-    assert!(poll(&mut a, &wa).is_pending());
-    assert_eq!(table.waiters("k"), 1);
-    drop(gb);
+    // a is not queued again: a future that never runs costs the key one
+    // lease in all. When it runs, it holds a fenced guard.
+    assert_eq!(table.waiters("k"), 0);
     let ga = match poll(&mut a, &wa) {
         Poll::Ready(r) => r.unwrap(),
-        Poll::Pending => panic!("a should be granted after b"),
+        Poll::Pending => panic!("a resolves to its (lapsed) grant"),
     };
-    assert!(!ga.is_expired());
+    assert!(ga.is_expired());
+    assert_eq!(ga.check(), Err(LockError::Expired { token: ga.token() }));
+    assert!(ga.token() < gb.token());
+    // Its release frees nothing of b's.
     drop(ga);
+    assert!(table.is_locked("k"));
+    assert!(gb.check().is_ok());
+    drop(gb);
     table.assert_consistent();
     assert_eq!(table.len(), 0);
+    assert!(table.try_lock("k").is_ok());
 }
 
 #[test]
@@ -199,7 +205,7 @@ fn renew_rearms_the_head_waiters_timer() {
     let (clock, table) = table();
     let g = table.try_lock_with("k", lease(2 * SEC)).unwrap();
     let (c, w) = counting();
-    let mut waiter = table.lock("k");
+    let mut waiter = Box::pin(table.lock("k"));
     assert!(poll(&mut waiter, &w).is_pending());
     g.renew(SEC / 2).unwrap();
     assert_eq!(wakes(&c), 1, "head woken to re-arm for the shorter lease");
@@ -215,7 +221,7 @@ fn revoke_fences_the_holder_and_passes_the_key_on() {
     let (_clock, table) = table();
     let g = table.try_lock("k").unwrap();
     let (c, w) = counting();
-    let mut waiter = table.lock("k");
+    let mut waiter = Box::pin(table.lock("k"));
     assert!(poll(&mut waiter, &w).is_pending());
     assert_eq!(table.revoke("k"), Some(g.token()));
     assert_eq!(wakes(&c), 1);
@@ -254,7 +260,7 @@ fn timeout_removes_the_waiter_and_names_the_holder() {
     let g = table.try_lock_with("k", lease(100 * SEC)).unwrap();
     clock.advance(SEC);
     let (c, w) = counting();
-    let mut waiter = table.lock_with("k", LockOptions::new().timeout(3 * SEC));
+    let mut waiter = Box::pin(table.lock_with("k", LockOptions::new().timeout(3 * SEC)));
     assert!(poll(&mut waiter, &w).is_pending());
     assert_eq!(table.waiters("k"), 1);
     clock.advance(3 * SEC);
@@ -287,7 +293,7 @@ fn zero_timeout_does_not_wait() {
     let (_clock, table) = table();
     let g = table.try_lock("k").unwrap();
     let (_, w) = counting();
-    let mut f = table.lock_with("k", LockOptions::new().timeout(Duration::ZERO));
+    let mut f = Box::pin(table.lock_with("k", LockOptions::new().timeout(Duration::ZERO)));
     match poll(&mut f, &w) {
         Poll::Ready(Err(LockError::Timeout { holder, waited, .. })) => {
             assert_eq!(holder, Some(g.token()));
@@ -297,7 +303,7 @@ fn zero_timeout_does_not_wait() {
     }
     assert_eq!(table.waiters("k"), 0);
     drop(g);
-    let mut f = table.lock_with("k", LockOptions::new().timeout(Duration::ZERO));
+    let mut f = Box::pin(table.lock_with("k", LockOptions::new().timeout(Duration::ZERO)));
     assert!(matches!(poll(&mut f, &w), Poll::Ready(Ok(_))));
 }
 
@@ -306,7 +312,7 @@ fn huge_timeout_waits_for_ever() {
     let (clock, table) = table();
     let g = table.try_lock("k").unwrap();
     let (_, w) = counting();
-    let mut f = table.lock_with("k", LockOptions::new().timeout(Duration::MAX));
+    let mut f = Box::pin(table.lock_with("k", LockOptions::new().timeout(Duration::MAX)));
     assert!(poll(&mut f, &w).is_pending());
     assert_eq!(clock.sleepers(), 0);
     clock.advance(Duration::from_secs(1 << 40));
@@ -322,10 +328,10 @@ fn hundreds_of_timeouts_leak_nothing() {
     let (_, w) = counting();
     let mut futs: Vec<_> = (0..300)
         .map(|i| {
-            table.lock_with(
+            Box::pin(table.lock_with(
                 "k",
                 LockOptions::new().timeout(Duration::from_millis(1 + i % 7)),
-            )
+            ))
         })
         .collect();
     for f in &mut futs {
@@ -368,7 +374,7 @@ fn invalid_options_are_refused_before_queueing() {
     );
     assert!(err.to_string().contains("11s") && err.to_string().contains("10s"));
     let (_, w) = counting();
-    let mut f = table.lock_with(1, lease(Duration::ZERO));
+    let mut f = Box::pin(table.lock_with(1, lease(Duration::ZERO)));
     assert!(matches!(
         poll(&mut f, &w),
         Poll::Ready(Err(LockError::InvalidOptions { .. }))
@@ -445,13 +451,13 @@ fn plain_locks_never_read_the_clock() {
     for _ in 0..100 {
         drop(table.try_lock("k").unwrap());
         let (_, w) = counting();
-        let mut f = table.lock("k");
+        let mut f = Box::pin(table.lock("k"));
         let g = match poll(&mut f, &w) {
             Poll::Ready(g) => g,
             Poll::Pending => panic!("free key"),
         };
         // Contended, without lease or timeout: a handoff reads no clock either.
-        let mut waiter = table.lock("k");
+        let mut waiter = Box::pin(table.lock("k"));
         assert!(poll(&mut waiter, &w).is_pending());
         drop(g);
         assert!(poll(&mut waiter, &w).is_ready());

@@ -38,12 +38,15 @@ fn table_is_shareable() {
 }
 
 #[test]
-fn futures_are_send_and_unpin() {
+fn futures_are_send_and_sync() {
+    // The futures are `!Unpin`: a waiting future's queue node lives inside
+    // it. Poll them by hand through `pin!` or `Box::pin`, which are `Unpin`.
     send::<Lock<'_, String>>();
-    unpin::<Lock<'_, String>>();
+    sync::<Lock<'_, String>>();
+    unpin::<std::pin::Pin<Box<Lock<'_, String>>>>();
     debug::<Lock<'_, String>>();
     send::<LockOwned<String>>();
-    unpin::<LockOwned<String>>();
+    sync::<LockOwned<String>>();
     static_::<LockOwned<String>>();
     debug::<LockOwned<String>>();
 

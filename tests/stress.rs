@@ -67,7 +67,11 @@ impl Shared {
         );
         assert!(self.inside.iter().all(|c| c.load(SeqCst) == 0));
         assert_eq!(self.table.len(), 0);
-        assert_eq!(stats.acquisitions, self.acquired.load(SeqCst));
+        // Every grant is counted when made; the ones the test never saw went
+        // to futures dropped before they ran, each counted as cancelled.
+        let acquired = self.acquired.load(SeqCst);
+        assert!(stats.acquisitions >= acquired);
+        assert!(stats.acquisitions - acquired <= stats.cancelled);
         assert!(stats.contended <= stats.acquisitions);
         // Every give-up the test saw registered first, so it was counted.
         assert!(stats.cancelled >= self.gave_up.load(SeqCst));
@@ -135,7 +139,7 @@ fn tokio_stress(shards: usize) {
                                 let wait = Duration::from_micros(rng.gen_range(0..300));
                                 match tokio::time::timeout(
                                     wait,
-                                    shared.table.clone().lock_owned(key),
+                                    Box::pin(shared.table.clone().lock_owned(key)),
                                 )
                                 .await
                                 {
@@ -204,7 +208,7 @@ fn threads_mixing_blocking_lock_try_lock_and_abandoned_waits() {
                         2 => {
                             // Poll a few times without waiting, then give up:
                             // the future may be queued, granted, or done.
-                            let mut fut = shared.table.lock(key);
+                            let mut fut = Box::pin(shared.table.lock(key));
                             let mut got = None;
                             for _ in 0..rng.gen_range(1..4) {
                                 if let std::task::Poll::Ready(g) =
@@ -221,8 +225,9 @@ fn threads_mixing_blocking_lock_try_lock_and_abandoned_waits() {
                             got
                         }
                         _ => {
-                            let g =
-                                futures::executor::block_on(shared.table.clone().lock_owned(key));
+                            let g = futures::executor::block_on(Box::pin(
+                                shared.table.clone().lock_owned(key),
+                            ));
                             shared.enter(key, g.token());
                             std::thread::yield_now();
                             shared.exit(key);

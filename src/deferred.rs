@@ -1,0 +1,202 @@
+//! What an operation leaves to do after it unlocks its shard: wake wakers,
+//! drop wakers and keys. This is where user code runs, never under a lock.
+//!
+//! Every table operation runs as *lock → mutate → unlock → finish*. Under the
+//! lock, transitions record in a [`Ctx`] the wakers to wake, the wakers and
+//! the key to drop; [`Ctx`]'s drop (after the unlock) does them. Each is user
+//! code (`Waker::wake`, `Waker::drop`, `K::drop`) and may panic: every waker
+//! due a wake is woken and everything is dropped even if one of them panics,
+//! and the first panic is resumed afterwards (or swallowed if the thread is
+//! already unwinding, where a second panic would abort).
+
+use std::any::Any;
+use std::panic::{catch_unwind, resume_unwind, AssertUnwindSafe};
+use std::task::Waker;
+use std::time::Instant;
+
+use crate::clock::{Clock, Now};
+use crate::stats::Counters;
+
+/// Wakers to wake and to drop after unlocking.
+///
+/// One operation wakes at most a granted waiter and a head that must arm a
+/// timer, twice over when a lapse is settled first: four fit inline, and a
+/// spill vector keeps it correct should that ever be wrong.
+#[derive(Debug, Default)]
+struct Deferred {
+    wake: [Option<Waker>; 4],
+    len: usize,
+    spill: Vec<Waker>,
+    discard: [Option<Waker>; 2],
+}
+
+/// One operation's context: its view of the time, its counters, and what it
+/// leaves to do after unlocking (its [`Leftovers`]).
+///
+/// Dropping it does that work; drop it only after the shard is unlocked.
+#[derive(Debug)]
+pub(crate) struct Ctx<'a, K> {
+    now: Now<'a>,
+    counters: &'a Counters,
+    left: Leftovers<K>,
+}
+
+/// The work an operation leaves for after the unlock: keys to drop, wakers to
+/// wake and to drop. Owned, so that it can outlive the borrow of the table
+/// (a lock future builds its guard first, then drops these: a panic here
+/// then drops the guard, which releases the key).
+///
+/// Most operations defer nothing, so the lists are created when first needed.
+#[derive(Debug)]
+pub(crate) struct Leftovers<K> {
+    keys: [Option<K>; 2],
+    deferred: Option<Deferred>,
+}
+
+impl<K> Default for Leftovers<K> {
+    #[inline]
+    fn default() -> Self {
+        Self {
+            keys: [None, None],
+            deferred: None,
+        }
+    }
+}
+
+impl<'a, K> Ctx<'a, K> {
+    #[inline]
+    pub(crate) fn new(clock: &'a Clock, counters: &'a Counters) -> Self {
+        Self {
+            now: Now::new(clock),
+            counters,
+            left: Leftovers::default(),
+        }
+    }
+
+    /// The time this operation judges by (read now if it was not yet).
+    #[inline]
+    pub(crate) fn now(&mut self) -> Instant {
+        self.now.get()
+    }
+
+    /// The operation's lazily read clock.
+    #[inline]
+    pub(crate) fn clock(&mut self) -> &mut Now<'a> {
+        &mut self.now
+    }
+
+    #[inline]
+    pub(crate) fn counters(&self) -> &'a Counters {
+        self.counters
+    }
+
+    /// Wakes `waker` after unlocking.
+    #[inline]
+    pub(crate) fn wake_later(&mut self, waker: Waker) {
+        self.left.wake_later(waker);
+    }
+
+    /// Drops `waker` (without waking it) after unlocking.
+    #[inline]
+    pub(crate) fn drop_waker_later(&mut self, waker: Option<Waker>) {
+        self.left.drop_waker_later(waker);
+    }
+
+    /// Drops `key` after unlocking.
+    #[inline]
+    pub(crate) fn drop_key_later(&mut self, key: K) {
+        self.left.drop_key_later(key);
+    }
+
+    /// What is left to do after unlocking, to be dropped later.
+    #[inline]
+    pub(crate) fn into_leftovers(self) -> Leftovers<K> {
+        self.left
+    }
+
+    /// Does the deferred work now. The same as dropping the context; call
+    /// only after the shard is unlocked.
+    #[inline]
+    pub(crate) fn finish(self) {}
+}
+
+impl<K> Leftovers<K> {
+    fn deferred(&mut self) -> &mut Deferred {
+        self.deferred.get_or_insert_with(Deferred::default)
+    }
+
+    /// Wakes `waker` when dropped.
+    pub(crate) fn wake_later(&mut self, waker: Waker) {
+        let deferred = self.deferred();
+        if let Some(slot) = deferred.wake.get_mut(deferred.len) {
+            *slot = Some(waker);
+            deferred.len += 1;
+        } else {
+            deferred.spill.push(waker);
+        }
+    }
+
+    /// Drops `waker` (without waking it) when dropped.
+    pub(crate) fn drop_waker_later(&mut self, waker: Option<Waker>) {
+        let Some(waker) = waker else { return };
+        let deferred = self.deferred();
+        match deferred.discard.iter_mut().find(|w| w.is_none()) {
+            Some(free) => *free = Some(waker),
+            // A spurious wake is harmless; dropping under the lock is not.
+            None => deferred.spill.push(waker),
+        }
+    }
+
+    /// Drops `key` when dropped (at most two keys: the caller's own, and
+    /// that of an entry the operation removed).
+    pub(crate) fn drop_key_later(&mut self, key: K) {
+        match self.keys.iter_mut().find(|k| k.is_none()) {
+            Some(free) => *free = Some(key),
+            None => unreachable!("keylock: an operation drops at most two keys"),
+        }
+    }
+
+    #[cold]
+    #[inline(never)]
+    fn run(&mut self) {
+        let mut first: Option<Box<dyn Any + Send>> = None;
+        let mut note = |r: Result<(), Box<dyn Any + Send>>| {
+            if let Err(p) = r {
+                first.get_or_insert(p);
+            }
+        };
+        if let Some(deferred) = self.deferred.take() {
+            let Deferred {
+                wake,
+                spill,
+                discard,
+                ..
+            } = deferred;
+            for waker in wake.into_iter().flatten().chain(spill) {
+                note(catch_unwind(AssertUnwindSafe(|| waker.wake())));
+            }
+            for waker in discard.into_iter().flatten() {
+                note(catch_unwind(AssertUnwindSafe(|| drop(waker))));
+            }
+        }
+        for key in &mut self.keys {
+            if let Some(key) = key.take() {
+                note(catch_unwind(AssertUnwindSafe(|| drop(key))));
+            }
+        }
+        if let Some(panic) = first {
+            if !std::thread::panicking() {
+                resume_unwind(panic);
+            }
+        }
+    }
+}
+
+impl<K> Drop for Leftovers<K> {
+    #[inline]
+    fn drop(&mut self) {
+        if self.deferred.is_some() || self.keys.iter().any(Option::is_some) {
+            self.run();
+        }
+    }
+}

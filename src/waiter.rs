@@ -1,0 +1,518 @@
+//! The waiter node a waiting future carries, and the protocol by which a
+//! grant is published into it.
+//!
+//! A lock future that has to wait links a [`Waiter`] that lives inside the
+//! (pinned) future into its key's FIFO queue: an intrusive doubly linked
+//! list, so waiting allocates nothing and the table keeps no per-waiter state
+//! of its own. The queue links and the grant are written only under the
+//! shard lock; the node's `state` word lets the owner learn of its grant, and
+//! hand over its waker, without taking that lock.
+//!
+//! # States
+//!
+//! | `state`   | linked | waker cell            | grant cell                    |
+//! |-----------|--------|-----------------------|-------------------------------|
+//! | `IDLE`    | no     | owner's               | owner's                       |
+//! | `WAITING` | yes    | owner's (no waker yet, or it was taken to wake the owner) | table's (under the lock) |
+//! | `ARMED`   | yes    | table's (under the lock) | table's (under the lock)    |
+//! | `NUDGED`  | yes    | owner's (its waker was taken and woken, or it is registering) | table's (under the lock) |
+//! | `GRANTED` | no     | owner's               | owner's, read-only: the grant |
+//!
+//! Transitions, and who makes them:
+//!
+//! - `IDLE → WAITING`: the owner links the node, under the lock.
+//! - `WAITING → ARMED`: the owner, after writing its waker into the waker
+//!   cell; a compare-and-swap, *without* the lock (right after linking) or a
+//!   store under it (re-registering on a later poll).
+//! - `ARMED | WAITING → NUDGED`: the table *nudges* the owner without
+//!   granting (so that it arms a timer, or retries a free key under eventual
+//!   fairness), under the lock: from `ARMED` it takes the waker out to wake
+//!   it; from `WAITING` (the owner is between linking and arming) it only
+//!   flips the word, so that the owner's compare-and-swap fails and it polls
+//!   again instead of sleeping.
+//! - `NUDGED → ARMED`: the owner re-registers on its next poll, under the lock.
+//! - `WAITING | ARMED | NUDGED → GRANTED`: the table, under the lock, after unlinking
+//!   the node, writing the grant and taking the waker (if `ARMED`). It is the
+//!   table's **last access to the node**: from then on the owner may read the
+//!   grant, complete, and free the node, with no lock.
+//! - `WAITING | ARMED → IDLE`: the owner unlinks itself (cancel, timeout, or
+//!   taking a free key under eventual fairness), under the lock.
+//!
+//! # Why no wakeup is lost
+//!
+//! The owner's lock-free registration writes the waker and then
+//! compare-and-swaps `WAITING → ARMED`; a grant compare-and-swaps `WAITING →
+//! GRANTED` or, having seen `ARMED`, takes the waker before storing
+//! `GRANTED`. The two compare-and-swaps on one word are ordered: either the
+//! owner armed first (the table takes and wakes its waker), or the grant came
+//! first (the owner's compare-and-swap fails, and it is still running, so it
+//! takes its grant at once). A nudge is ordered the same way. Neither ever
+//! reads the waker cell unless it saw `ARMED`, which the owner sets only
+//! after its write (release/acquire).
+
+use std::marker::PhantomPinned;
+use std::ptr::NonNull;
+use std::sync::atomic::Ordering::{AcqRel, Acquire, Relaxed, Release};
+use std::task::Waker;
+use std::time::{Duration, Instant};
+
+use crate::loom::{AtomicU8, UnsafeCell};
+use crate::token::FencingToken;
+
+const IDLE: u8 = 0;
+const WAITING: u8 = 1;
+const ARMED: u8 = 2;
+const GRANTED: u8 = 3;
+const NUDGED: u8 = 4;
+
+/// A pointer to a linked waiter. Dereferenced only under the shard lock
+/// while the node is linked (see [`Waiter`]'s invariants).
+pub(crate) type WaiterPtr = NonNull<Waiter>;
+
+/// A waiting future's node: its one wake slot and its place in the queue.
+///
+/// # Invariants
+///
+/// - While `state` is `WAITING` or `ARMED` the node is linked into exactly one
+///   key's queue, its memory is pinned, and the future that owns it unlinks it
+///   (under the shard lock) before its memory is released: its `Drop` does.
+/// - The table dereferences a [`WaiterPtr`] only under the shard lock and only
+///   while the node is linked; the store of `GRANTED` is its last access.
+#[derive(Debug)]
+pub(crate) struct Waiter {
+    state: AtomicU8,
+    /// The owner's waker; see the module's state table for who may touch it.
+    waker: UnsafeCell<Option<Waker>>,
+    /// Links, the lease asked for, and the grant once made.
+    node: UnsafeCell<Node>,
+    _pinned: PhantomPinned,
+}
+
+/// The part of a waiter written under the shard lock.
+#[derive(Debug)]
+struct Node {
+    prev: Option<WaiterPtr>,
+    next: Option<WaiterPtr>,
+    /// The lease the grant will carry.
+    lease: Option<Duration>,
+    /// The grant, once made.
+    token: u64,
+    deadline: Option<Instant>,
+}
+
+/// How the owner's lock-free registration went.
+#[derive(Debug)]
+pub(crate) enum Armed {
+    /// The waker is stored; the table will wake it.
+    Armed,
+    /// The node was granted meanwhile; here is the unused waker.
+    Granted(Option<Waker>),
+    /// The node was nudged meanwhile: poll again; here is the unused waker.
+    Nudged(Option<Waker>),
+}
+
+/// A grant read out of a waiter.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Granted {
+    pub(crate) token: FencingToken,
+    pub(crate) deadline: Option<Instant>,
+}
+
+/// What a waiter's state word says, for its owner.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Seen {
+    /// Not linked.
+    Idle,
+    /// Linked, waiting.
+    Waiting,
+    /// Granted: the table is done with the node.
+    Granted,
+}
+
+// SAFETY: the cells are shared between the owner and the table under the
+// protocol above (the shard lock, or the state word's release/acquire
+// handover); a `Waker` is `Send + Sync`.
+unsafe impl Send for Waiter {}
+// SAFETY: as above.
+unsafe impl Sync for Waiter {}
+
+impl Waiter {
+    pub(crate) fn new() -> Self {
+        Self {
+            state: AtomicU8::new(IDLE),
+            waker: UnsafeCell::new(None),
+            node: UnsafeCell::new(Node {
+                prev: None,
+                next: None,
+                lease: None,
+                token: 0,
+                deadline: None,
+            }),
+            _pinned: PhantomPinned,
+        }
+    }
+
+    /// The owner's view of the state (acquire: a `Granted` answer makes the
+    /// grant readable).
+    #[inline]
+    pub(crate) fn seen(&self) -> Seen {
+        match self.state.load(Acquire) {
+            IDLE => Seen::Idle,
+            GRANTED => Seen::Granted,
+            _ => Seen::Waiting,
+        }
+    }
+
+    /// The grant, once [`seen`](Self::seen) answered `Granted` (or under the
+    /// shard lock after the table granted it).
+    #[inline]
+    pub(crate) fn granted(&self) -> Granted {
+        debug_assert_eq!(self.state.load(Relaxed), GRANTED);
+        // SAFETY: `GRANTED` was observed with acquire ordering (or under the
+        // lock that the table's store happened under): the table wrote the
+        // grant before its release store of `GRANTED` and never touches the
+        // node again, so this read races with nothing.
+        let node = self.node.get_mut();
+        let node = unsafe { node.deref() };
+        Granted {
+            token: FencingToken::from_raw(node.token),
+            deadline: node.deadline,
+        }
+    }
+
+    /// Prepares an idle node for linking: records the lease its grant will
+    /// carry. Owner only, while idle.
+    ///
+    /// # Safety
+    ///
+    /// The node must be idle (not linked) and owned by the caller.
+    #[inline]
+    pub(crate) unsafe fn prepare(&self, lease: Option<Duration>) {
+        debug_assert_eq!(self.state.load(Relaxed), IDLE);
+        let node = self.node.get_mut();
+        // SAFETY: an idle node is its owner's alone (caller's contract).
+        let node = unsafe { node.deref() };
+        node.lease = lease;
+        node.prev = None;
+        node.next = None;
+    }
+
+    /// Registers the owner's waker right after linking, without the lock.
+    ///
+    /// # Safety
+    ///
+    /// Owner only, once per link, right after linking (the node is the
+    /// owner's, pinned, and linked with no waker).
+    #[inline]
+    pub(crate) unsafe fn arm_unlocked(&self, waker: Waker) -> Armed {
+        // The table reads the waker cell only in `ARMED`, which only we set.
+        let cell = self.waker.get_mut();
+        // SAFETY: before `ARMED` the waker cell is the owner's.
+        let old = unsafe { cell.deref() }.replace(waker);
+        drop(cell);
+        debug_assert!(old.is_none(), "an unarmed node holds no waker");
+        match self
+            .state
+            .compare_exchange(WAITING, ARMED, Release, Acquire)
+        {
+            Ok(_) => Armed::Armed,
+            Err(state) => {
+                let cell = self.waker.get_mut();
+                // SAFETY: granted or nudged: the waker cell is still the
+                // owner's (the table reads it only in `ARMED`).
+                let waker = unsafe { cell.deref() }.take();
+                if state == GRANTED {
+                    Armed::Granted(waker)
+                } else {
+                    debug_assert_eq!(state, NUDGED);
+                    Armed::Nudged(waker)
+                }
+            }
+        }
+    }
+
+    /// Keeps the stored waker if it wakes the same task as `current`;
+    /// otherwise stores `fresh` (a clone of `current` the owner made before
+    /// locking). Returns the waker no longer needed, to drop after unlocking,
+    /// or `Err(())` if a waker must be stored and the owner brought none.
+    ///
+    /// # Safety
+    ///
+    /// Under the shard lock, by the owner, while the node is linked.
+    pub(crate) unsafe fn arm_locked(
+        &self,
+        current: &Waker,
+        fresh: &mut Option<Waker>,
+    ) -> Result<Option<Waker>, ()> {
+        let cell = self.waker.get_mut();
+        // SAFETY: under the lock, the owner is the only other party, and it is
+        // the caller.
+        let slot = unsafe { cell.deref() };
+        let armed = self.state.load(Relaxed) == ARMED;
+        if armed && slot.as_ref().is_some_and(|w| w.will_wake(current)) {
+            return Ok(fresh.take());
+        }
+        let fresh = fresh.take().ok_or(())?;
+        let old = slot.replace(fresh);
+        self.state.store(ARMED, Release);
+        Ok(old)
+    }
+
+    /// Nudges the owner of a linked node without granting: returns its waker
+    /// to wake, if it was armed (otherwise it is registering right now, or
+    /// was nudged already, and will poll again by itself).
+    ///
+    /// # Safety
+    ///
+    /// Under the shard lock, while the node is linked.
+    pub(crate) unsafe fn nudge(this: WaiterPtr) -> Option<Waker> {
+        // SAFETY: linked, under the lock: alive.
+        let me = unsafe { this.as_ref() };
+        match me.state.load(Acquire) {
+            ARMED => {
+                let cell = me.waker.get_mut();
+                // SAFETY: in `ARMED` the waker cell is the table's.
+                let waker = unsafe { cell.deref() }.take();
+                drop(cell);
+                me.state.store(NUDGED, Relaxed);
+                waker
+            }
+            WAITING => {
+                // The owner is between linking and arming: make its
+                // compare-and-swap fail, so that it polls again.
+                let _ = me.state.compare_exchange(WAITING, NUDGED, AcqRel, Acquire);
+                // Armed meanwhile: take the waker after all.
+                if me.state.load(Acquire) == ARMED {
+                    // SAFETY: as above.
+                    return unsafe { Self::nudge(this) };
+                }
+                None
+            }
+            _ => None,
+        }
+    }
+
+    /// Publishes a grant to an unlinked node and returns its waker to wake.
+    /// The node must not be touched again: its owner may free it at once.
+    ///
+    /// # Safety
+    ///
+    /// Under the shard lock; the node was linked and has just been unlinked.
+    pub(crate) unsafe fn grant(
+        this: WaiterPtr,
+        token: FencingToken,
+        deadline: Option<Instant>,
+    ) -> Option<Waker> {
+        // SAFETY: linked until just now, so alive (the owner unlinks under
+        // the lock before it frees the node, and we hold it).
+        let me = unsafe { this.as_ref() };
+        {
+            let node = me.node.get_mut();
+            // SAFETY: the grant cell is the table's under the lock.
+            let node = unsafe { node.deref() };
+            node.token = token.get();
+            node.deadline = deadline;
+        }
+        let mut state = me.state.load(Acquire);
+        loop {
+            if state == ARMED {
+                let cell = me.waker.get_mut();
+                // SAFETY: in `ARMED` the waker cell is the table's (the owner
+                // changes an armed node only under the lock, which we hold).
+                let waker = unsafe { cell.deref() }.take();
+                drop(cell);
+                me.state.store(GRANTED, Release);
+                return waker;
+            }
+            debug_assert!(state == WAITING || state == NUDGED);
+            match me.state.compare_exchange(state, GRANTED, AcqRel, Acquire) {
+                // The owner had not armed (it is running, or was woken by a
+                // nudge) and will see this when it polls.
+                Ok(_) => return None,
+                Err(now) => state = now,
+            }
+        }
+    }
+
+    /// Marks an unlinked node idle again (cancelled, or took a free key
+    /// itself) and takes its waker, to drop after unlocking.
+    ///
+    /// # Safety
+    ///
+    /// Under the shard lock, by the owner, the node just unlinked.
+    pub(crate) unsafe fn retire(&self) -> Option<Waker> {
+        let cell = self.waker.get_mut();
+        // SAFETY: under the lock, by the owner: nobody else touches it.
+        let waker = unsafe { cell.deref() }.take();
+        self.state.store(IDLE, Relaxed);
+        waker
+    }
+
+    /// The lease the node's grant will carry (under the lock, while linked).
+    ///
+    /// # Safety
+    ///
+    /// Under the shard lock, while linked.
+    pub(crate) unsafe fn lease(this: WaiterPtr) -> Option<Duration> {
+        // SAFETY: linked, under the lock (caller's contract).
+        let node = unsafe { this.as_ref() }.node.get_mut();
+        // SAFETY: as above: the node cell is the table's.
+        unsafe { node.deref() }.lease
+    }
+}
+
+/// A key's FIFO queue of waiters, threaded through the waiters themselves.
+/// Touched only under the shard lock.
+#[derive(Debug, Default)]
+pub(crate) struct WaitList {
+    head: Option<WaiterPtr>,
+    tail: Option<WaiterPtr>,
+    len: u32,
+}
+
+// SAFETY: the list only holds pointers to `Waiter`s, which are `Send + Sync`,
+// and it is touched only under the shard lock.
+unsafe impl Send for WaitList {}
+
+impl WaitList {
+    #[inline]
+    pub(crate) fn is_empty(&self) -> bool {
+        self.head.is_none()
+    }
+
+    #[inline]
+    pub(crate) fn len(&self) -> usize {
+        self.len as usize
+    }
+
+    #[inline]
+    pub(crate) fn head(&self) -> Option<WaiterPtr> {
+        self.head
+    }
+
+    /// Whether `waiter` heads the queue.
+    #[inline]
+    pub(crate) fn is_head(&self, waiter: &Waiter) -> bool {
+        self.head == Some(NonNull::from(waiter))
+    }
+
+    /// Links `waiter` at the tail.
+    ///
+    /// # Safety
+    ///
+    /// Under the shard lock; `waiter` is idle, prepared, pinned, and its owner
+    /// unlinks it before freeing it.
+    pub(crate) unsafe fn push_back(&mut self, waiter: &Waiter) {
+        let ptr = NonNull::from(waiter);
+        {
+            let node = waiter.node.get_mut();
+            // SAFETY: an idle node is touched by nobody else.
+            let node = unsafe { node.deref() };
+            node.prev = self.tail;
+            node.next = None;
+        }
+        match self.tail {
+            // SAFETY: the tail is linked, and we hold the lock.
+            Some(tail) => unsafe { set_next(tail, Some(ptr)) },
+            None => self.head = Some(ptr),
+        }
+        self.tail = Some(ptr);
+        self.len = self
+            .len
+            .checked_add(1)
+            .expect("keylock: more than 2^32 - 1 waiters on one key");
+        waiter.state.store(WAITING, Relaxed);
+    }
+
+    /// Unlinks `waiter` from anywhere in the queue.
+    ///
+    /// # Safety
+    ///
+    /// Under the shard lock; `waiter` is linked into this list.
+    pub(crate) unsafe fn remove(&mut self, waiter: WaiterPtr) {
+        let (prev, next) = {
+            // SAFETY: linked, under the lock.
+            let node = unsafe { waiter.as_ref() }.node.get_mut();
+            // SAFETY: as above.
+            let node = unsafe { node.deref() };
+            (node.prev.take(), node.next.take())
+        };
+        match prev {
+            // SAFETY: linked neighbours, under the lock.
+            Some(prev) => unsafe { set_next(prev, next) },
+            None => self.head = next,
+        }
+        match next {
+            // SAFETY: as above.
+            Some(next) => unsafe { set_prev(next, prev) },
+            None => self.tail = prev,
+        }
+        self.len -= 1;
+    }
+
+    /// Unlinks the head, returning it and the lease it asked for.
+    ///
+    /// # Safety
+    ///
+    /// Under the shard lock.
+    pub(crate) unsafe fn pop_front(&mut self) -> Option<(WaiterPtr, Option<Duration>)> {
+        let head = self.head?;
+        // SAFETY: the head is linked, under the lock.
+        let lease = unsafe { Waiter::lease(head) };
+        // SAFETY: as above.
+        unsafe { self.remove(head) };
+        Some((head, lease))
+    }
+
+    /// Visits every linked waiter, head first: its address, its `prev` link
+    /// and its raw state word.
+    ///
+    /// # Safety
+    ///
+    /// Under the shard lock.
+    pub(crate) unsafe fn walk(&self, mut visit: impl FnMut(WaiterPtr, Option<WaiterPtr>, u8)) {
+        let mut at = self.head;
+        while let Some(ptr) = at {
+            // SAFETY: linked, under the lock.
+            let me = unsafe { ptr.as_ref() };
+            let node = me.node.get_mut();
+            // SAFETY: as above.
+            let node = unsafe { node.deref() };
+            let (prev, next) = (node.prev, node.next);
+            visit(ptr, prev, me.state.load(Relaxed));
+            at = next;
+        }
+    }
+}
+
+/// Whether a raw state word (from [`WaitList::walk`]) is a linked state.
+#[cfg(any(test, feature = "test-util"))]
+pub(crate) fn is_linked_state(state: u8) -> bool {
+    state == WAITING || state == ARMED || state == NUDGED
+}
+
+/// Whether a raw state word (from [`WaitList::walk`]) says "nudged".
+#[cfg(any(test, feature = "test-util"))]
+pub(crate) fn is_nudged_state(state: u8) -> bool {
+    state == NUDGED
+}
+
+/// # Safety
+///
+/// Under the shard lock; `at` is linked.
+unsafe fn set_next(at: WaiterPtr, next: Option<WaiterPtr>) {
+    // SAFETY: caller's contract.
+    let node = unsafe { at.as_ref() }.node.get_mut();
+    // SAFETY: as above.
+    unsafe { node.deref() }.next = next;
+}
+
+/// # Safety
+///
+/// Under the shard lock; `at` is linked.
+unsafe fn set_prev(at: WaiterPtr, prev: Option<WaiterPtr>) {
+    // SAFETY: caller's contract.
+    let node = unsafe { at.as_ref() }.node.get_mut();
+    // SAFETY: as above.
+    unsafe { node.deref() }.prev = prev;
+}
