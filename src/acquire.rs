@@ -60,8 +60,6 @@ struct Acquire<T: TableHandle<K>, K> {
     lease: Option<Duration>,
     timeout: Option<Duration>,
     timing: Option<Box<Timing>>,
-    /// What the last poll left to do after building its output.
-    leftovers: Option<Leftovers<K>>,
     waiter: Waiter,
 }
 
@@ -85,7 +83,6 @@ where
             lease,
             timeout,
             timing: None,
-            leftovers: None,
             waiter: Waiter::new(),
         }
     }
@@ -96,7 +93,8 @@ where
     }
 
     /// Polls for the grant; on `Ready(Ok)` also gives back the table handle.
-    /// Work left for after the output is built goes to `self.leftovers`.
+    /// Work left for after the output is built goes to `left`, which the
+    /// caller drops after building its guard.
     ///
     /// # Panics
     ///
@@ -107,6 +105,7 @@ where
     fn poll_acquire(
         self: Pin<&mut Self>,
         cx: &mut Context<'_>,
+        left: &mut Leftovers<K>,
     ) -> Poll<Result<(T, Held<K>), LockError>> {
         // SAFETY: `waiter` is never moved out of `this`, and nothing else
         // is structurally pinned.
@@ -117,13 +116,13 @@ where
                     let State::Start(key) = std::mem::replace(&mut this.state, State::Done) else {
                         unreachable!()
                     };
-                    match this.start(key, cx)? {
+                    match this.start(key, cx, left)? {
                         Step::Ready(out) => return Poll::Ready(Ok(out)),
                         Step::Wait(at) => at,
                         Step::Again => continue,
                     }
                 }
-                &State::Linked { key } => match this.poll_linked(key, cx)? {
+                &State::Linked { key } => match this.poll_linked(key, cx, left)? {
                     Step::Ready(out) => return Poll::Ready(Ok(out)),
                     Step::Wait(at) => at,
                     Step::Again => continue,
@@ -146,25 +145,24 @@ where
 
     /// The first poll: take the key, or link the waiter and arm its waker.
     #[inline]
-    fn start(&mut self, key: K, cx: &mut Context<'_>) -> Result<Step<(T, Held<K>)>, LockError> {
+    fn start(
+        &mut self,
+        key: K,
+        cx: &mut Context<'_>,
+        left: &mut Leftovers<K>,
+    ) -> Result<Step<(T, Held<K>)>, LockError> {
         let table = self.table.as_deref().expect("present until completion");
         if self.timeout == Some(Duration::ZERO) {
-            return match try_once(table, self.hash, key, self.lease) {
-                (Ok(grant), left) => {
-                    self.leftovers = Some(left);
-                    Ok(Step::Ready(self.finish(grant)))
-                }
-                (Err(diagnosis), left) => {
-                    drop(left);
-                    Err(timeout_error(Duration::ZERO, diagnosis))
-                }
+            return match try_once(table, self.hash, key, self.lease, left) {
+                Ok(grant) => Ok(Step::Ready(self.finish(grant))),
+                Err(diagnosis) => Err(timeout_error(Duration::ZERO, diagnosis)),
             };
         }
         let shard = table.shard(self.hash);
         // Declared before the shard guard: if `K: Eq` panics during the
         // probe, the guard unlocks first and the key is dropped after.
         let mut key = Some(key);
-        let mut ctx = Ctx::new(table.clock(), &shard.counters);
+        let mut ctx = Ctx::new(table.clock(), &shard.counters, left);
         let attempt = {
             let mut state = shard.state.lock();
             // SAFETY: the waiter is idle and pinned (we are, through `Pin`),
@@ -188,15 +186,11 @@ where
             }
             _ => None,
         };
-        let mut left = ctx.into_leftovers();
         if let Some(key) = key {
-            left.drop_key_later(key);
+            ctx.drop_key_later(key);
         }
         match attempt {
-            Attempt::Acquired(grant) => {
-                self.leftovers = Some(left);
-                Ok(Step::Ready(self.finish(grant)))
-            }
+            Attempt::Acquired(grant) => Ok(Step::Ready(self.finish(grant))),
             Attempt::Queued { key, wake_at } => {
                 // Recorded before any user code runs: from here on `Drop`
                 // unlinks the waiter whatever panics.
@@ -208,17 +202,13 @@ where
                         sleep: None,
                     }));
                 }
-                drop(left);
                 // SAFETY: our own waiter, just linked, armed once.
                 match unsafe { self.waiter.arm_unlocked(cx.waker().clone()) } {
                     Armed::Armed => Ok(Step::Wait(wake_at)),
                     Armed::Granted(spare) => {
                         let granted = self.waiter.granted();
-                        let out = self.finish_granted(key, granted);
-                        self.leftovers
-                            .get_or_insert_with(Leftovers::default)
-                            .drop_waker_later(spare);
-                        Ok(Step::Ready(out))
+                        left.drop_waker_later(spare);
+                        Ok(Step::Ready(self.finish_granted(key, granted)))
                     }
                     Armed::Nudged(spare) => {
                         drop(spare);
@@ -235,17 +225,18 @@ where
         &mut self,
         key: KeyPtr<K>,
         cx: &mut Context<'_>,
+        left: &mut Leftovers<K>,
     ) -> Result<Step<(T, Held<K>)>, LockError> {
         // The grant is published through the waiter: no lock needed to see it.
         if self.waiter.seen() == Seen::Granted {
             let granted = self.waiter.granted();
             return Ok(Step::Ready(self.finish_granted(key, granted)));
         }
-        match self.poll_linked_locked(key, cx, None)? {
+        match self.poll_linked_locked(key, cx, None, left)? {
             Step::Again => {
                 // The waker must be stored anew: clone it outside the lock.
                 let fresh = cx.waker().clone();
-                self.poll_linked_locked(key, cx, Some(fresh))
+                self.poll_linked_locked(key, cx, Some(fresh), left)
             }
             step => Ok(step),
         }
@@ -257,10 +248,11 @@ where
         key: KeyPtr<K>,
         cx: &mut Context<'_>,
         fresh: Option<Waker>,
+        left: &mut Leftovers<K>,
     ) -> Result<Step<(T, Held<K>)>, LockError> {
         let table = self.table.as_deref().expect("present until completion");
         let shard = table.shard(self.hash);
-        let mut ctx = Ctx::new(table.clock(), &shard.counters);
+        let mut ctx = Ctx::new(table.clock(), &shard.counters, left);
         let gave_up = self.until().is_some_and(|until| ctx.now() >= until);
         let polled = {
             let mut state = shard.state.lock();
@@ -292,24 +284,12 @@ where
             }
         };
         let now = gave_up.then(|| ctx.now());
-        let left = ctx.into_leftovers();
         match polled {
-            Outcome::Granted(granted) => {
-                let out = self.finish_granted(key, granted);
-                self.leftovers = Some(left);
-                Ok(Step::Ready(out))
-            }
-            Outcome::Waiting(wake_at) => {
-                drop(left);
-                Ok(Step::Wait(wake_at))
-            }
-            Outcome::NeedWaker => {
-                drop(left);
-                Ok(Step::Again)
-            }
+            Outcome::Granted(granted) => Ok(Step::Ready(self.finish_granted(key, granted))),
+            Outcome::Waiting(wake_at) => Ok(Step::Wait(wake_at)),
+            Outcome::NeedWaker => Ok(Step::Again),
             Outcome::GaveUp(diagnosis) => {
                 self.state = State::Done;
-                drop(left);
                 let start = self.timing.take().and_then(|t| t.start);
                 let waited = match (start, now) {
                     (Some(start), Some(now)) => now.saturating_duration_since(start),
@@ -402,10 +382,11 @@ fn try_once<K: Eq + Hash, S: BuildHasher>(
     hash: u64,
     key: K,
     lease: Option<Duration>,
-) -> (Result<Grant<K>, Diagnosis>, Leftovers<K>) {
+    left: &mut Leftovers<K>,
+) -> Result<Grant<K>, Diagnosis> {
     let shard = table.shard(hash);
     let mut key = Some(key);
-    let mut ctx = Ctx::new(table.clock(), &shard.counters);
+    let mut ctx = Ctx::new(table.clock(), &shard.counters, left);
     let result = {
         let mut state = shard.state.lock();
         match state.try_acquire(hash, &mut key, lease, table.fairness(), &mut ctx) {
@@ -418,11 +399,10 @@ fn try_once<K: Eq + Hash, S: BuildHasher>(
             }
         }
     };
-    let mut left = ctx.into_leftovers();
     if let Some(key) = key {
-        left.drop_key_later(key);
+        ctx.drop_key_later(key);
     }
-    (result, left)
+    result
 }
 
 impl<T: TableHandle<K>, K> Drop for Acquire<T, K> {
@@ -504,13 +484,13 @@ macro_rules! lock_future {
             fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
                 // SAFETY: `inner` is pinned with `self` (structural pinning);
                 // it is never moved out.
-                let mut inner = unsafe { self.map_unchecked_mut(|f| &mut f.inner) };
-                let polled = inner.as_mut().poll_acquire(cx);
+                let inner = unsafe { self.map_unchecked_mut(|f| &mut f.inner) };
+                let mut left = Leftovers::default();
+                let polled = inner.poll_acquire(cx, &mut left);
                 let out = polled.map(|r| lock_future!(@$result r.map(|($table, $held)| $make)));
                 // After the guard exists: should dropping a key or a waker
                 // panic now, unwinding drops the guard, which releases.
-                // SAFETY: `leftovers` is not structurally pinned.
-                drop(unsafe { inner.get_unchecked_mut() }.leftovers.take());
+                drop(left);
                 out
             }
         }

@@ -2,14 +2,16 @@
 //! drop wakers and keys. This is where user code runs, never under a lock.
 //!
 //! Every table operation runs as *lock → mutate → unlock → finish*. Under the
-//! lock, transitions record in a [`Ctx`] the wakers to wake, the wakers and
-//! the key to drop; [`Ctx`]'s drop (after the unlock) does them. Each is user
+//! lock, transitions record through a [`Ctx`] the wakers to wake, the wakers
+//! and the keys to drop, into [`Leftovers`] that the caller owns; dropping
+//! those (after the unlock) does the work. Each is user
 //! code (`Waker::wake`, `Waker::drop`, `K::drop`) and may panic: every waker
 //! due a wake is woken and everything is dropped even if one of them panics,
 //! and the first panic is resumed afterwards (or swallowed if the thread is
 //! already unwinding, where a second panic would abort).
 
 use std::any::Any;
+use std::mem::ManuallyDrop;
 use std::panic::{catch_unwind, resume_unwind, AssertUnwindSafe};
 use std::task::Waker;
 use std::time::Instant;
@@ -30,46 +32,54 @@ struct Deferred {
     discard: [Option<Waker>; 2],
 }
 
-/// One operation's context: its view of the time, its counters, and what it
-/// leaves to do after unlocking (its [`Leftovers`]).
-///
-/// Dropping it does that work; drop it only after the shard is unlocked.
+/// One operation's context: its view of the time, its counters, and where
+/// it records what it leaves to do after unlocking (the caller's
+/// [`Leftovers`], dropped after the unlock).
 #[derive(Debug)]
-pub(crate) struct Ctx<'a, K> {
+pub(crate) struct Ctx<'a, 'l, K> {
     now: Now<'a>,
     counters: &'a Counters,
-    left: Leftovers<K>,
+    left: &'l mut Leftovers<K>,
 }
 
-/// The work an operation leaves for after the unlock: keys to drop, wakers to
-/// wake and to drop. Owned, so that it can outlive the borrow of the table
-/// (a lock future builds its guard first, then drops these: a panic here
-/// then drops the guard, which releases the key).
+/// The work operations leave for after the unlock: keys to drop, wakers to
+/// wake and to drop. Dropping it does that work. Owned by the caller's frame,
+/// outside the shard lock's scope: a lock future builds its guard first and
+/// drops these after, so that if one of them panics, unwinding drops the
+/// guard, which releases the key.
 ///
 /// Most operations defer nothing, so the lists are created when first needed.
 #[derive(Debug)]
 pub(crate) struct Leftovers<K> {
-    keys: [Option<K>; 2],
-    deferred: Option<Deferred>,
+    /// Whether anything was recorded: the one flag `drop` reads on the
+    /// uncontended path (the fields below have no drop glue of their own).
+    dirty: bool,
+    keys: ManuallyDrop<[Option<K>; 2]>,
+    deferred: ManuallyDrop<Option<Deferred>>,
 }
 
 impl<K> Default for Leftovers<K> {
     #[inline]
     fn default() -> Self {
         Self {
-            keys: [None, None],
-            deferred: None,
+            dirty: false,
+            keys: ManuallyDrop::new([None, None]),
+            deferred: ManuallyDrop::new(None),
         }
     }
 }
 
-impl<'a, K> Ctx<'a, K> {
+impl<'a, 'l, K> Ctx<'a, 'l, K> {
     #[inline]
-    pub(crate) fn new(clock: &'a Clock, counters: &'a Counters) -> Self {
+    pub(crate) fn new(
+        clock: &'a Clock,
+        counters: &'a Counters,
+        left: &'l mut Leftovers<K>,
+    ) -> Self {
         Self {
             now: Now::new(clock),
             counters,
-            left: Leftovers::default(),
+            left,
         }
     }
 
@@ -107,21 +117,11 @@ impl<'a, K> Ctx<'a, K> {
     pub(crate) fn drop_key_later(&mut self, key: K) {
         self.left.drop_key_later(key);
     }
-
-    /// What is left to do after unlocking, to be dropped later.
-    #[inline]
-    pub(crate) fn into_leftovers(self) -> Leftovers<K> {
-        self.left
-    }
-
-    /// Does the deferred work now. The same as dropping the context; call
-    /// only after the shard is unlocked.
-    #[inline]
-    pub(crate) fn finish(self) {}
 }
 
 impl<K> Leftovers<K> {
     fn deferred(&mut self) -> &mut Deferred {
+        self.dirty = true;
         self.deferred.get_or_insert_with(Deferred::default)
     }
 
@@ -149,7 +149,15 @@ impl<K> Leftovers<K> {
 
     /// Drops `key` when dropped (at most two keys: the caller's own, and
     /// that of an entry the operation removed).
+    #[inline]
     pub(crate) fn drop_key_later(&mut self, key: K) {
+        if !std::mem::needs_drop::<K>() {
+            // Dropping it does nothing, so it cannot panic: skip the
+            // bookkeeping.
+            std::mem::forget(key);
+            return;
+        }
+        self.dirty = true;
         match self.keys.iter_mut().find(|k| k.is_none()) {
             Some(free) => *free = Some(key),
             None => unreachable!("keylock: an operation drops at most two keys"),
@@ -179,7 +187,7 @@ impl<K> Leftovers<K> {
                 note(catch_unwind(AssertUnwindSafe(|| drop(waker))));
             }
         }
-        for key in &mut self.keys {
+        for key in self.keys.iter_mut() {
             if let Some(key) = key.take() {
                 note(catch_unwind(AssertUnwindSafe(|| drop(key))));
             }
@@ -195,7 +203,9 @@ impl<K> Leftovers<K> {
 impl<K> Drop for Leftovers<K> {
     #[inline]
     fn drop(&mut self) {
-        if self.deferred.is_some() || self.keys.iter().any(Option::is_some) {
+        // `run` empties both fields, so nothing is left for them to drop
+        // (they are `ManuallyDrop`, and hold only `None`s otherwise).
+        if self.dirty {
             self.run();
         }
     }

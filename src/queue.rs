@@ -150,7 +150,7 @@ struct Keys<'s> {
 impl Keys<'_> {
     /// The key has no holder and a waiter: hands it to the head, wakes it
     /// (and the next head, if it must arm a lease timer).
-    fn hand_off<K>(&mut self, entry: &mut Entry<K>, ctx: &mut Ctx<'_, K>) {
+    fn hand_off<K>(&mut self, entry: &mut Entry<K>, ctx: &mut Ctx<'_, '_, K>) {
         debug_assert!(entry.holder.is_none());
         // Panics (token space exhausted) before anything changes.
         let token = self.tokens.mint();
@@ -177,7 +177,7 @@ impl Keys<'_> {
     /// A holder let go of a key that has waiters: hand it to the head
     /// (strict), or, under eventual fairness while the shard's fairness
     /// deadline has not come, free it and nudge the head to retry.
-    fn pass_on<K>(&mut self, entry: &mut Entry<K>, fairness: Fairness, ctx: &mut Ctx<'_, K>) {
+    fn pass_on<K>(&mut self, entry: &mut Entry<K>, fairness: Fairness, ctx: &mut Ctx<'_, '_, K>) {
         if fairness == Fairness::Eventual {
             let now = ctx.now();
             match *self.fair_at {
@@ -197,7 +197,7 @@ impl Keys<'_> {
 
     /// Takes the key from its current holder (it lapsed or is revoked): the
     /// holder is fenced, and the key goes to the head waiter.
-    fn displace<K>(&mut self, entry: &mut Entry<K>, ctx: &mut Ctx<'_, K>) -> Option<Holder> {
+    fn displace<K>(&mut self, entry: &mut Entry<K>, ctx: &mut Ctx<'_, '_, K>) -> Option<Holder> {
         let holder = entry.holder?;
         // Checked first, so that a panic changes nothing.
         let fenced = entry
@@ -217,7 +217,7 @@ impl Keys<'_> {
 
     /// Notices a lapsed lease: the holder is displaced and the key passes on.
     #[inline]
-    fn settle<K>(&mut self, entry: &mut Entry<K>, ctx: &mut Ctx<'_, K>) {
+    fn settle<K>(&mut self, entry: &mut Entry<K>, ctx: &mut Ctx<'_, '_, K>) {
         if let Some(holder) = entry.holder {
             if !holder.is_live(ctx.clock()) {
                 self.displace(entry, ctx);
@@ -232,7 +232,7 @@ impl Keys<'_> {
         entry: &mut Entry<K>,
         lease: Option<Duration>,
         contended: bool,
-        ctx: &mut Ctx<'_, K>,
+        ctx: &mut Ctx<'_, '_, K>,
     ) -> Grant<K> {
         debug_assert!(entry.holder.is_none());
         let token = self.tokens.mint();
@@ -253,14 +253,14 @@ impl Keys<'_> {
 
 /// The holder's deadline changed or the queue got a new head: nudge the head
 /// so that it (re)arms its timer.
-fn nudge_head_for_timer<K>(entry: &Entry<K>, ctx: &mut Ctx<'_, K>) {
+fn nudge_head_for_timer<K>(entry: &Entry<K>, ctx: &mut Ctx<'_, '_, K>) {
     if entry.holder.is_some_and(|h| h.deadline.is_some()) {
         nudge_head(entry, ctx);
     }
 }
 
 /// Nudges the head waiter, if any.
-fn nudge_head<K>(entry: &Entry<K>, ctx: &mut Ctx<'_, K>) {
+fn nudge_head<K>(entry: &Entry<K>, ctx: &mut Ctx<'_, '_, K>) {
     if let Some(head) = entry.queue.head() {
         // SAFETY: the head is linked, and we hold the shard lock.
         if let Some(waker) = unsafe { Waiter::nudge(head) } {
@@ -338,7 +338,7 @@ impl<K> ShardState<K> {
 
     /// Removes the entry at `key` if nothing uses it any more; its key is
     /// dropped after unlocking.
-    fn remove_if_unused(&mut self, hash: u64, key: KeyPtr<K>, ctx: &mut Ctx<'_, K>) {
+    fn remove_if_unused(&mut self, hash: u64, key: KeyPtr<K>, ctx: &mut Ctx<'_, '_, K>) {
         let Ok(found) = self.entries.find_entry(hash, |e| e.key == key) else {
             return;
         };
@@ -360,7 +360,7 @@ impl<K> ShardState<K> {
     }
 
     /// Whether the key has a live holder now.
-    pub(crate) fn is_held<Q>(&mut self, hash: u64, key: &Q, ctx: &mut Ctx<'_, K>) -> bool
+    pub(crate) fn is_held<Q>(&mut self, hash: u64, key: &Q, ctx: &mut Ctx<'_, '_, K>) -> bool
     where
         K: Borrow<Q>,
         Q: ?Sized + Eq,
@@ -389,7 +389,7 @@ impl<K> ShardState<K> {
         hash: u64,
         key: &mut Option<K>,
         lease: Option<Duration>,
-        ctx: &mut Ctx<'_, K>,
+        ctx: &mut Ctx<'_, '_, K>,
     ) -> Result<Grant<K>, (&mut Entry<K>, Keys<'_>)>
     where
         K: Eq,
@@ -446,7 +446,7 @@ impl<K> ShardState<K> {
         key: &mut Option<K>,
         lease: Option<Duration>,
         fairness: Fairness,
-        ctx: &mut Ctx<'_, K>,
+        ctx: &mut Ctx<'_, '_, K>,
     ) -> Option<Grant<K>>
     where
         K: Eq,
@@ -477,7 +477,7 @@ impl<K> ShardState<K> {
         lease: Option<Duration>,
         fairness: Fairness,
         waiter: &Waiter,
-        ctx: &mut Ctx<'_, K>,
+        ctx: &mut Ctx<'_, '_, K>,
     ) -> Attempt<K>
     where
         K: Eq,
@@ -523,7 +523,7 @@ impl<K> ShardState<K> {
         waiter: &Waiter,
         current: &std::task::Waker,
         mut fresh: Option<std::task::Waker>,
-        ctx: &mut Ctx<'_, K>,
+        ctx: &mut Ctx<'_, '_, K>,
     ) -> Polled {
         let (entry, mut keys) = self.locate(hash, key);
         keys.settle(entry, ctx);
@@ -577,7 +577,7 @@ impl<K> ShardState<K> {
         waiter: &Waiter,
         timed_out: bool,
         fairness: Fairness,
-        ctx: &mut Ctx<'_, K>,
+        ctx: &mut Ctx<'_, '_, K>,
     ) -> Result<Diagnosis, Granted> {
         if waiter.seen() == crate::waiter::Seen::Granted {
             let granted = waiter.granted();
@@ -636,7 +636,7 @@ impl<K> ShardState<K> {
     }
 
     /// Describes why the key would make a caller wait, right now.
-    pub(crate) fn diagnose(&mut self, hash: u64, key: &K, ctx: &mut Ctx<'_, K>) -> Diagnosis
+    pub(crate) fn diagnose(&mut self, hash: u64, key: &K, ctx: &mut Ctx<'_, '_, K>) -> Diagnosis
     where
         K: Eq,
     {
@@ -666,7 +666,7 @@ impl<K> ShardState<K> {
         key: KeyPtr<K>,
         token: FencingToken,
         fairness: Fairness,
-        ctx: &mut Ctx<'_, K>,
+        ctx: &mut Ctx<'_, '_, K>,
     ) {
         let ShardState {
             entries,
@@ -710,7 +710,7 @@ impl<K> ShardState<K> {
         hash: u64,
         key: KeyPtr<K>,
         token: FencingToken,
-        ctx: &mut Ctx<'_, K>,
+        ctx: &mut Ctx<'_, '_, K>,
     ) -> Result<FencingToken, LockError> {
         let (entry, mut keys) = self.locate(hash, key);
         keys.settle(entry, ctx);
@@ -728,7 +728,7 @@ impl<K> ShardState<K> {
         key: KeyPtr<K>,
         token: FencingToken,
         lease: Duration,
-        ctx: &mut Ctx<'_, K>,
+        ctx: &mut Ctx<'_, '_, K>,
     ) -> Result<Option<Instant>, LockError> {
         let (entry, mut keys) = self.locate(hash, key);
         keys.settle(entry, ctx);
@@ -748,7 +748,7 @@ impl<K> ShardState<K> {
         &mut self,
         hash: u64,
         key: &Q,
-        ctx: &mut Ctx<'_, K>,
+        ctx: &mut Ctx<'_, '_, K>,
     ) -> Option<FencingToken>
     where
         K: Borrow<Q>,

@@ -17,7 +17,7 @@ use crossbeam_utils::CachePadded;
 
 use crate::acquire::{Lock, LockOwned, LockOwnedWith, LockWith};
 use crate::clock::Clock;
-use crate::deferred::Ctx;
+use crate::deferred::{Ctx, Leftovers};
 use crate::error::{LockError, TryLockError};
 use crate::fairness::Fairness;
 use crate::guard::{Guard, Held, OwnedGuard};
@@ -223,15 +223,15 @@ impl<K, S> LockTable<K, S> {
     fn with_shard<R>(
         &self,
         hash: u64,
-        op: impl FnOnce(&mut ShardState<K>, &mut Ctx<'_, K>) -> R,
+        op: impl FnOnce(&mut ShardState<K>, &mut Ctx<'_, '_, K>) -> R,
     ) -> R {
         let shard = self.shard(hash);
-        let mut ctx = Ctx::new(&self.clock, &shard.counters);
-        let result = {
-            let mut state = shard.state.lock();
-            op(&mut state, &mut ctx)
-        };
-        ctx.finish();
+        let mut left = Leftovers::default();
+        let mut ctx = Ctx::new(&self.clock, &shard.counters, &mut left);
+        let mut state = shard.state.lock();
+        let result = op(&mut state, &mut ctx);
+        drop(state);
+        drop(left);
         result
     }
 
