@@ -141,6 +141,26 @@ mod manual {
 
     use crate::loom::Mutex;
 
+    /// `elapsed + by`, cut down so that `base + result` is representable.
+    fn saturating_elapsed(base: Instant, elapsed: Duration, by: Duration) -> Duration {
+        let want = elapsed.saturating_add(by);
+        if base.checked_add(want).is_some() {
+            return want;
+        }
+        // Binary search for the largest representable offset in
+        // [elapsed, want].
+        let (mut lo, mut hi) = (elapsed, want);
+        while hi.saturating_sub(lo) > Duration::from_nanos(1) {
+            let mid = lo + (hi - lo) / 2;
+            if base.checked_add(mid).is_some() {
+                lo = mid;
+            } else {
+                hi = mid;
+            }
+        }
+        lo
+    }
+
     /// A clock that moves only when [`advance`](Self::advance) is called.
     ///
     /// Give it to a table with [`Builder::clock`](crate::Builder::clock); every
@@ -217,12 +237,13 @@ mod manual {
         }
 
         /// Moves the clock forward and wakes every sleeper whose deadline it
-        /// reached.
+        /// reached. Saturates: past the latest instant the platform can
+        /// represent, the clock stays there.
         pub fn advance(&self, by: Duration) {
             let mut wake = Vec::new();
             {
                 let mut state = self.inner.state.lock();
-                state.elapsed += by;
+                state.elapsed = saturating_elapsed(self.inner.base, state.elapsed, by);
                 let now = self.inner.base + state.elapsed;
                 for (_, (at, waker)) in state.sleepers.iter_mut() {
                     if *at <= now {
