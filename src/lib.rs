@@ -61,6 +61,7 @@ mod deferred;
 mod error;
 mod fairness;
 mod guard;
+mod key_map;
 mod key_slot;
 mod lease;
 mod loom;

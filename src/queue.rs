@@ -24,7 +24,7 @@
 use std::borrow::Borrow;
 use std::time::{Duration, Instant};
 
-use hashbrown::HashTable;
+use crate::key_map::KeyMap;
 
 use crate::clock::Now;
 use crate::deferred::Ctx;
@@ -55,7 +55,6 @@ impl Holder {
 /// The state of one key that is held, awaited or still pointed at.
 #[derive(Debug)]
 struct Entry<K> {
-    hash: u64,
     key: KeyPtr<K>,
     /// The current grant; `None` once it was released (under eventual
     /// fairness, with waiters left), lapsed or was revoked with nobody to
@@ -116,7 +115,7 @@ pub(crate) struct Diagnosis {
 
 /// All keys of one shard. Touched only under the shard lock.
 pub(crate) struct ShardState<K> {
-    entries: HashTable<Entry<K>>,
+    entries: KeyMap<Entry<K>>,
     keys: KeyPool<K>,
     tokens: TokenCounter,
     /// Under eventual fairness: from when on a release must hand its key to
@@ -137,9 +136,6 @@ impl<K> std::fmt::Debug for ShardState<K> {
             .finish_non_exhaustive()
     }
 }
-
-/// Capacity above which an emptied table gives its memory back.
-const SHRINK_ABOVE: usize = 1024;
 
 /// What queue surgery needs beside one entry.
 struct Keys<'s> {
@@ -286,7 +282,7 @@ const ENTRY_PRESENT: &str =
 impl<K> ShardState<K> {
     pub(crate) fn new() -> Self {
         Self {
-            entries: HashTable::new(),
+            entries: KeyMap::new(),
             keys: KeyPool::new(),
             tokens: TokenCounter::new(),
             fair_at: None,
@@ -302,10 +298,11 @@ impl<K> ShardState<K> {
     /// the machinery to change it.
     #[inline]
     fn locate(&mut self, hash: u64, key: KeyPtr<K>) -> (&mut Entry<K>, Keys<'_>) {
-        let entry = self
+        let index = self
             .entries
-            .find_mut(hash, |e| e.key == key)
+            .find(hash, |e| e.key == key)
             .expect(ENTRY_PRESENT);
+        let entry = self.entries.get_mut(index);
         (
             entry,
             Keys {
@@ -322,11 +319,12 @@ impl<K> ShardState<K> {
         K: Borrow<Q>,
         Q: ?Sized + Eq,
     {
-        let entry = self.entries.find_mut(hash, |e| {
+        let index = self.entries.find(hash, |e| {
             // SAFETY: `e` is in the table, so its key cell is live.
             let k: &K = unsafe { e.key.get() };
             k.borrow() == key
         })?;
+        let entry = self.entries.get_mut(index);
         Some((
             entry,
             Keys {
@@ -339,23 +337,15 @@ impl<K> ShardState<K> {
     /// Removes the entry at `key` if nothing uses it any more; its key is
     /// dropped after unlocking.
     fn remove_if_unused(&mut self, hash: u64, key: KeyPtr<K>, ctx: &mut Ctx<'_, '_, K>) {
-        let Ok(found) = self.entries.find_entry(hash, |e| e.key == key) else {
+        let Some(index) = self.entries.find(hash, |e| e.key == key) else {
             return;
         };
-        if found.get().is_unused() {
-            let (removed, _) = found.remove();
+        if self.entries.get(index).is_unused() {
+            // The map shrinks (with hysteresis) as entries leave.
+            let removed = self.entries.remove(index);
             // SAFETY: the entry was just removed from the table and nothing
             // uses it: no holder, no waiter, no fenced guard.
             ctx.drop_key_later(unsafe { self.keys.take(removed.key) });
-            self.shrink_if_empty();
-        }
-    }
-
-    /// Gives back the memory of a table emptied after a burst of keys.
-    #[inline]
-    fn shrink_if_empty(&mut self) {
-        if self.entries.is_empty() && self.entries.capacity() > SHRINK_ABOVE {
-            self.entries = HashTable::new();
         }
     }
 
@@ -401,33 +391,28 @@ impl<K> ShardState<K> {
             fair_at,
         } = self;
         let probe = key.as_ref().expect("keylock: the caller's key is present");
-        let found = entries.entry(
-            hash,
-            // SAFETY: `e` is in the table, so its key cell is live.
-            |e| unsafe { e.key.get() } == probe,
-            |e| e.hash,
-        );
-        match found {
-            hashbrown::hash_table::Entry::Occupied(entry) => {
-                Err((entry.into_mut(), Keys { tokens, fair_at }))
-            }
-            hashbrown::hash_table::Entry::Vacant(vacant) => {
+        // SAFETY: `e` is in the table, so its key cell is live.
+        match entries.find_or_vacant(hash, |e| unsafe { e.key.get() } == probe) {
+            Ok(index) => Err((entries.get_mut(index), Keys { tokens, fair_at })),
+            Err(vacant) => {
                 // Everything that can panic comes before any change.
                 let token = tokens.mint();
                 let (deadline, since) = lease_from(lease, ctx.clock());
                 let cell = keys.store(key.take().expect("present"));
                 ctx.counters().acquired(false);
-                vacant.insert(Entry {
-                    hash,
-                    key: cell,
-                    holder: Some(Holder {
-                        token,
-                        deadline,
-                        since,
-                    }),
-                    fenced: 0,
-                    queue: WaitList::default(),
-                });
+                vacant.insert(
+                    entries,
+                    Entry {
+                        key: cell,
+                        holder: Some(Holder {
+                            token,
+                            deadline,
+                            since,
+                        }),
+                        fenced: 0,
+                        queue: WaitList::default(),
+                    },
+                );
                 Ok(Grant {
                     key: cell,
                     token,
@@ -674,11 +659,11 @@ impl<K> ShardState<K> {
             tokens,
             fair_at,
         } = self;
-        let Ok(mut found) = entries.find_entry(hash, |e| e.key == key) else {
+        let Some(index) = entries.find(hash, |e| e.key == key) else {
             debug_assert!(false, "{ENTRY_PRESENT}");
             return;
         };
-        let entry = found.get_mut();
+        let entry = entries.get_mut(index);
         match entry.holder {
             Some(holder) if holder.token == token => {
                 if !entry.queue.is_empty() {
@@ -696,11 +681,10 @@ impl<K> ShardState<K> {
             }
         }
         if entry.is_unused() {
-            let (removed, _) = found.remove();
+            let removed = entries.remove(index);
             // SAFETY: the entry was just removed from the table and nothing
             // uses it: no holder, no waiter, no fenced guard.
             ctx.drop_key_later(unsafe { keys.take(removed.key) });
-            self.shrink_if_empty();
         }
     }
 
@@ -777,7 +761,7 @@ impl<K> ShardState<K> {
     /// Checks every structural invariant of the shard; panics naming the
     /// first one broken.
     pub(crate) fn validate(&self, fairness: Fairness) {
-        for entry in &self.entries {
+        for (_, entry) in self.entries.iter() {
             assert!(!entry.is_unused(), "an unused entry stayed in the table");
             let mut count = 0;
             let mut expect_prev = None;
