@@ -251,7 +251,18 @@ mod manual {
                     }
                 }
             }
-            wake.into_iter().for_each(Waker::wake);
+            // Every due sleeper is woken even if a waker panics; the first
+            // panic is resumed afterwards.
+            let mut first = None;
+            for waker in wake {
+                let woke = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| waker.wake()));
+                if let Err(panic) = woke {
+                    first.get_or_insert(panic);
+                }
+            }
+            if let Some(panic) = first {
+                std::panic::resume_unwind(panic);
+            }
         }
 
         /// Number of armed timers (sleepers registered and not yet fired).
