@@ -14,6 +14,7 @@ use crate::deferred::{Ctx, Leftovers};
 use crate::error::LockError;
 use crate::guard::{Guard, Held, OwnedGuard};
 use crate::key_slot::KeyPtr;
+use crate::lease::PackedDuration;
 use crate::queue::{Attempt, Diagnosis, Grant, Polled};
 use crate::table::{DefaultHashBuilder, LockTable};
 use crate::timer::Sleep;
@@ -57,8 +58,8 @@ struct Acquire<T: TableHandle<K>, K> {
     table: Option<T>,
     hash: u64,
     state: State<K>,
-    lease: Option<Duration>,
-    timeout: Option<Duration>,
+    lease: PackedDuration,
+    timeout: PackedDuration,
     timing: Option<Box<Timing>>,
     waiter: Waiter,
 }
@@ -80,8 +81,8 @@ where
             table: Some(table),
             hash,
             state,
-            lease,
-            timeout,
+            lease: PackedDuration::pack(lease),
+            timeout: PackedDuration::pack(timeout),
             timing: None,
             waiter: Waiter::new(),
         }
@@ -106,7 +107,7 @@ where
         self: Pin<&mut Self>,
         cx: &mut Context<'_>,
         left: &mut Leftovers<K>,
-    ) -> Poll<Result<(T, Held<K>), LockError>> {
+    ) -> Poll<Acquired<T, K>> {
         // SAFETY: `waiter` is never moved out of `this`, and nothing else
         // is structurally pinned.
         let this = unsafe { self.get_unchecked_mut() };
@@ -132,7 +133,7 @@ where
                     else {
                         unreachable!()
                     };
-                    return Poll::Ready(Err(*err));
+                    return Poll::Ready(Err(err));
                 }
                 State::Done => panic!("keylock: lock future polled after it completed"),
             };
@@ -144,18 +145,20 @@ where
     }
 
     /// The first poll: take the key, or link the waiter and arm its waker.
-    #[inline]
+    #[inline(always)]
     fn start(
         &mut self,
         key: K,
         cx: &mut Context<'_>,
         left: &mut Leftovers<K>,
-    ) -> Result<Step<(T, Held<K>)>, LockError> {
+    ) -> Result<Step<(T, Held<K>)>, Box<LockError>> {
         let table = self.table.as_deref().expect("present until completion");
-        if self.timeout == Some(Duration::ZERO) {
-            return match try_once(table, self.hash, key, self.lease, left) {
+        let lease = self.lease.get();
+        let timeout = self.timeout.get();
+        if timeout == Some(Duration::ZERO) {
+            return match try_once(table, self.hash, key, lease, left) {
                 Ok(grant) => Ok(Step::Ready(self.finish(grant))),
-                Err(diagnosis) => Err(timeout_error(Duration::ZERO, diagnosis)),
+                Err(diagnosis) => Err(Box::new(timeout_error(Duration::ZERO, diagnosis))),
             };
         }
         let shard = table.shard(self.hash);
@@ -171,14 +174,14 @@ where
                 state.acquire_or_enqueue(
                     self.hash,
                     &mut key,
-                    self.lease,
+                    lease,
                     table.fairness(),
                     &self.waiter,
                     &mut ctx,
                 )
             }
         };
-        let started = match (&attempt, self.timeout) {
+        let started = match (&attempt, timeout) {
             (Attempt::Queued { .. }, Some(timeout)) => {
                 let start = ctx.now();
                 // Too far to represent: wait for ever.
@@ -204,7 +207,7 @@ where
                 }
                 // SAFETY: our own waiter, just linked, armed once.
                 match unsafe { self.waiter.arm_unlocked(cx.waker().clone()) } {
-                    Armed::Armed => Ok(Step::Wait(wake_at)),
+                    Armed::Stored => Ok(Step::Wait(wake_at)),
                     Armed::Granted(spare) => {
                         let granted = self.waiter.granted();
                         left.drop_waker_later(spare);
@@ -226,7 +229,7 @@ where
         key: KeyPtr<K>,
         cx: &mut Context<'_>,
         left: &mut Leftovers<K>,
-    ) -> Result<Step<(T, Held<K>)>, LockError> {
+    ) -> Result<Step<(T, Held<K>)>, Box<LockError>> {
         // The grant is published through the waiter: no lock needed to see it.
         if self.waiter.seen() == Seen::Granted {
             let granted = self.waiter.granted();
@@ -249,7 +252,7 @@ where
         cx: &mut Context<'_>,
         fresh: Option<Waker>,
         left: &mut Leftovers<K>,
-    ) -> Result<Step<(T, Held<K>)>, LockError> {
+    ) -> Result<Step<(T, Held<K>)>, Box<LockError>> {
         let table = self.table.as_deref().expect("present until completion");
         let shard = table.shard(self.hash);
         let mut ctx = Ctx::new(table.clock(), &shard.counters, left);
@@ -295,7 +298,7 @@ where
                     (Some(start), Some(now)) => now.saturating_duration_since(start),
                     _ => Duration::ZERO,
                 };
-                Err(timeout_error(waited, diagnosis))
+                Err(Box::new(timeout_error(waited, diagnosis)))
             }
         }
     }
@@ -309,7 +312,7 @@ where
         })
     }
 
-    #[inline]
+    #[inline(always)]
     fn finish(&mut self, grant: Grant<K>) -> (T, Held<K>) {
         self.state = State::Done;
         self.timing = None;
@@ -349,6 +352,9 @@ where
         sleep.poll(cx)
     }
 }
+
+/// A completed acquisition: the table handle and the grant, or why it failed.
+type Acquired<T, K> = Result<(T, Held<K>), Box<LockError>>;
 
 /// What a locked poll of a linked waiter found.
 enum Outcome {
@@ -490,7 +496,7 @@ macro_rules! lock_future {
                 let out = polled.map(|r| lock_future!(@$result r.map(|($table, $held)| $make)));
                 // After the guard exists: should dropping a key or a waker
                 // panic now, unwinding drops the guard, which releases.
-                drop(left);
+                left.flush();
                 out
             }
         }
@@ -510,7 +516,7 @@ macro_rules! lock_future {
         }
     };
     (@fallible $r:expr) => {
-        $r
+        $r.map_err(|err| *err)
     };
 }
 

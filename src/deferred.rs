@@ -11,7 +11,7 @@
 //! already unwinding, where a second panic would abort).
 
 use std::any::Any;
-use std::mem::ManuallyDrop;
+use std::mem::MaybeUninit;
 use std::panic::{catch_unwind, resume_unwind, AssertUnwindSafe};
 use std::task::Waker;
 use std::time::Instant;
@@ -54,8 +54,15 @@ pub(crate) struct Leftovers<K> {
     /// Whether anything was recorded: the one flag `drop` reads on the
     /// uncontended path (the fields below have no drop glue of their own).
     dirty: bool,
-    keys: ManuallyDrop<[Option<K>; 2]>,
-    deferred: ManuallyDrop<Option<Deferred>>,
+    /// Initialized exactly while `dirty` is set.
+    work: MaybeUninit<Work<K>>,
+}
+
+/// The recorded work itself.
+#[derive(Debug)]
+struct Work<K> {
+    keys: [Option<K>; 2],
+    deferred: Deferred,
 }
 
 impl<K> Default for Leftovers<K> {
@@ -63,8 +70,7 @@ impl<K> Default for Leftovers<K> {
     fn default() -> Self {
         Self {
             dirty: false,
-            keys: ManuallyDrop::new([None, None]),
-            deferred: ManuallyDrop::new(None),
+            work: MaybeUninit::uninit(),
         }
     }
 }
@@ -120,9 +126,22 @@ impl<'a, 'l, K> Ctx<'a, 'l, K> {
 }
 
 impl<K> Leftovers<K> {
+    /// The recorded work, created on first use.
+    #[inline]
+    fn work(&mut self) -> &mut Work<K> {
+        if !self.dirty {
+            self.work.write(Work {
+                keys: [None, None],
+                deferred: Deferred::default(),
+            });
+            self.dirty = true;
+        }
+        // SAFETY: `dirty` is set, so `work` is initialized.
+        unsafe { self.work.assume_init_mut() }
+    }
+
     fn deferred(&mut self) -> &mut Deferred {
-        self.dirty = true;
-        self.deferred.get_or_insert_with(Deferred::default)
+        &mut self.work().deferred
     }
 
     /// Wakes `waker` when dropped.
@@ -157,40 +176,49 @@ impl<K> Leftovers<K> {
             std::mem::forget(key);
             return;
         }
-        self.dirty = true;
-        match self.keys.iter_mut().find(|k| k.is_none()) {
+        match self.work().keys.iter_mut().find(|k| k.is_none()) {
             Some(free) => *free = Some(key),
             None => unreachable!("keylock: an operation drops at most two keys"),
+        }
+    }
+
+    /// Does the work now (wakes, drops), in place: calling it instead of
+    /// `drop(leftovers)` avoids moving the whole struct.
+    #[inline]
+    pub(crate) fn flush(&mut self) {
+        if self.dirty {
+            self.run();
         }
     }
 
     #[cold]
     #[inline(never)]
     fn run(&mut self) {
+        debug_assert!(self.dirty);
+        self.dirty = false;
+        // SAFETY: `dirty` was set, so `work` is initialized; clearing the flag
+        // first hands it over to this function, which reads it out once.
+        let Work { keys, deferred } = unsafe { self.work.assume_init_read() };
         let mut first: Option<Box<dyn Any + Send>> = None;
         let mut note = |r: Result<(), Box<dyn Any + Send>>| {
             if let Err(p) = r {
                 first.get_or_insert(p);
             }
         };
-        if let Some(deferred) = self.deferred.take() {
-            let Deferred {
-                wake,
-                spill,
-                discard,
-                ..
-            } = deferred;
-            for waker in wake.into_iter().flatten().chain(spill) {
-                note(catch_unwind(AssertUnwindSafe(|| waker.wake())));
-            }
-            for waker in discard.into_iter().flatten() {
-                note(catch_unwind(AssertUnwindSafe(|| drop(waker))));
-            }
+        let Deferred {
+            wake,
+            spill,
+            discard,
+            ..
+        } = deferred;
+        for waker in wake.into_iter().flatten().chain(spill) {
+            note(catch_unwind(AssertUnwindSafe(|| waker.wake())));
         }
-        for key in self.keys.iter_mut() {
-            if let Some(key) = key.take() {
-                note(catch_unwind(AssertUnwindSafe(|| drop(key))));
-            }
+        for waker in discard.into_iter().flatten() {
+            note(catch_unwind(AssertUnwindSafe(|| drop(waker))));
+        }
+        for key in keys.into_iter().flatten() {
+            note(catch_unwind(AssertUnwindSafe(|| drop(key))));
         }
         if let Some(panic) = first {
             if !std::thread::panicking() {
@@ -203,8 +231,7 @@ impl<K> Leftovers<K> {
 impl<K> Drop for Leftovers<K> {
     #[inline]
     fn drop(&mut self) {
-        // `run` empties both fields, so nothing is left for them to drop
-        // (they are `ManuallyDrop`, and hold only `None`s otherwise).
+        // `work` is `MaybeUninit`: `run` is what drops it, when it is there.
         if self.dirty {
             self.run();
         }

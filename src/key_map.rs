@@ -20,19 +20,27 @@ use std::fmt;
 const MIN_SLOTS: usize = 8;
 
 /// The maximum load, in eighths of the slots: a table of `n` slots holds at
-/// most `n * MAX_LOAD_EIGHTHS / 8` values before it doubles.
-const MAX_LOAD_EIGHTHS: usize = 6;
+/// most `n * MAX_LOAD_EIGHTHS / 8` values before it doubles. Measured with
+/// `benches/key_map.rs`: small tables run the same at any load up to 7/8,
+/// but a table of a few thousand keys near a load of 3/4 takes twice as long
+/// per cycle as at 1/2 (long probes for absent keys, long backward shifts).
+const MAX_LOAD_EIGHTHS: usize = 4;
 
 /// A table larger than [`MIN_SLOTS`] shrinks once fewer than one slot in
 /// `SHRINK_BELOW` is in use, ...
 const SHRINK_BELOW: usize = 8;
 
 /// ... to the smallest size (at least [`MIN_SLOTS`]) at which at most one
-/// slot in `SHRINK_TO` is in use. Between `1 / SHRINK_TO` and the maximum load lie enough inserts to
-/// pay for the reallocation, and between half the maximum load (just after
-/// doubling) and `1 / SHRINK_BELOW` enough removals: no workload can make the
-/// table reallocate more than once every `O(capacity)` operations.
+/// slot in `SHRINK_TO` is in use. Between `1 / SHRINK_TO` and the maximum
+/// load lie enough inserts to pay for the next reallocation, and between half
+/// the maximum load (just after doubling) and `1 / SHRINK_BELOW` enough
+/// removals: no workload makes the table reallocate more than once every
+/// `O(slots)` operations.
 const SHRINK_TO: usize = 4;
+
+// The hysteresis: a shrunk table is below the maximum load, and a table just
+// doubled is above the load that shrinks it.
+const _: () = assert!(SHRINK_TO * MAX_LOAD_EIGHTHS > 8 && SHRINK_BELOW * MAX_LOAD_EIGHTHS > 16);
 
 /// How many values a table of `slots` slots holds before it grows.
 #[inline]
@@ -259,6 +267,7 @@ impl<V> KeyMap<V> {
     /// # Panics
     ///
     /// If `index` is stale and its slot is now empty or gone.
+    #[inline]
     pub(crate) fn remove(&mut self, index: Index) -> V {
         #[cfg(debug_assertions)]
         debug_assert_eq!(index.stamp, self.stamp, "stale KeyMap index");
@@ -284,9 +293,15 @@ impl<V> KeyMap<V> {
             }
         }
         if self.len < self.slots.len() / SHRINK_BELOW && self.slots.len() > MIN_SLOTS {
-            self.resize(Self::shrunk_slots(self.len));
+            self.shrink();
         }
         value
+    }
+
+    #[cold]
+    #[inline(never)]
+    fn shrink(&mut self) {
+        self.resize(Self::shrunk_slots(self.len));
     }
 
     /// Every value with its hash, in no particular order.

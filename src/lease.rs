@@ -103,3 +103,30 @@ impl LeasePolicy {
         }
     }
 }
+
+/// An optional duration in one word (nanoseconds; `u64::MAX` for none), so
+/// that lock futures and waiter nodes stay small. A duration of 584 years or
+/// more is kept as the longest representable one, which no clock reaches.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct PackedDuration(u64);
+
+impl PackedDuration {
+    pub(crate) const NONE: Self = Self(u64::MAX);
+
+    #[inline]
+    pub(crate) fn pack(duration: Option<Duration>) -> Self {
+        match duration {
+            None => Self::NONE,
+            Some(d) => Self(
+                u64::try_from(d.as_nanos())
+                    .unwrap_or(u64::MAX - 1)
+                    .min(u64::MAX - 1),
+            ),
+        }
+    }
+
+    #[inline]
+    pub(crate) fn get(self) -> Option<Duration> {
+        (self.0 != u64::MAX).then(|| Duration::from_nanos(self.0))
+    }
+}

@@ -31,6 +31,7 @@ use crate::deferred::Ctx;
 use crate::error::LockError;
 use crate::fairness::Fairness;
 use crate::key_slot::{KeyPool, KeyPtr};
+use crate::lease::PackedDuration;
 use crate::token::{FencingToken, TokenCounter};
 use crate::waiter::{Granted, WaitList, Waiter};
 
@@ -477,7 +478,7 @@ impl<K> ShardState<K> {
         }
         // SAFETY: the caller's contract; under the shard lock.
         unsafe {
-            waiter.prepare(lease);
+            waiter.prepare(PackedDuration::pack(lease));
             entry.queue.push_back(waiter);
         }
         let wake_at = if entry.queue.is_head(waiter) {
@@ -603,10 +604,9 @@ impl<K> ShardState<K> {
         let diagnosis = if timed_out {
             ctx.counters().timed_out();
             let holder = entry.holder;
-            let held_for = match holder.and_then(|h| h.since) {
-                Some(since) => Some(ctx.now().saturating_duration_since(since)),
-                None => None,
-            };
+            let held_for = holder
+                .and_then(|h| h.since)
+                .map(|since| ctx.now().saturating_duration_since(since));
             Diagnosis {
                 holder: holder.map(|h| h.token),
                 held_for,
@@ -630,10 +630,9 @@ impl<K> ShardState<K> {
         };
         let holder = entry.holder;
         let ahead = entry.queue.len();
-        let held_for = match holder.and_then(|h| h.since) {
-            Some(since) => Some(ctx.now().saturating_duration_since(since)),
-            None => None,
-        };
+        let held_for = holder
+            .and_then(|h| h.since)
+            .map(|since| ctx.now().saturating_duration_since(since));
         Diagnosis {
             holder: holder.map(|h| h.token),
             held_for,

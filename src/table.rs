@@ -231,7 +231,7 @@ impl<K, S> LockTable<K, S> {
         let mut state = shard.state.lock();
         let result = op(&mut state, &mut ctx);
         drop(state);
-        drop(left);
+        left.flush();
         result
     }
 

@@ -56,6 +56,7 @@ use std::sync::atomic::Ordering::{AcqRel, Acquire, Relaxed, Release};
 use std::task::Waker;
 use std::time::{Duration, Instant};
 
+use crate::lease::PackedDuration;
 use crate::loom::{AtomicU8, UnsafeCell};
 use crate::token::FencingToken;
 
@@ -83,7 +84,7 @@ pub(crate) struct Waiter {
     state: AtomicU8,
     /// The owner's waker; see the module's state table for who may touch it.
     waker: UnsafeCell<Option<Waker>>,
-    /// Links, the lease asked for, and the grant once made.
+    /// Links and the lease asked for while linked; the grant once made.
     node: UnsafeCell<Node>,
     _pinned: PhantomPinned,
 }
@@ -91,20 +92,47 @@ pub(crate) struct Waiter {
 /// The part of a waiter written under the shard lock.
 #[derive(Debug)]
 struct Node {
-    prev: Option<WaiterPtr>,
-    next: Option<WaiterPtr>,
+    slot: NodeSlot,
     /// The lease the grant will carry.
-    lease: Option<Duration>,
-    /// The grant, once made.
-    token: u64,
-    deadline: Option<Instant>,
+    lease: PackedDuration,
+}
+
+/// A linked node's links, or, once unlinked and granted, its grant: the
+/// links are dead by then, so the grant reuses their room (the future stays
+/// small, and moving it stays cheap).
+#[derive(Debug, Clone, Copy)]
+enum NodeSlot {
+    Links {
+        prev: Option<WaiterPtr>,
+        next: Option<WaiterPtr>,
+    },
+    Grant {
+        token: FencingToken,
+        deadline: Option<Instant>,
+    },
+}
+
+impl Node {
+    #[inline]
+    fn links(&mut self) -> (&mut Option<WaiterPtr>, &mut Option<WaiterPtr>) {
+        if !matches!(self.slot, NodeSlot::Links { .. }) {
+            self.slot = NodeSlot::Links {
+                prev: None,
+                next: None,
+            };
+        }
+        match &mut self.slot {
+            NodeSlot::Links { prev, next } => (prev, next),
+            NodeSlot::Grant { .. } => unreachable!(),
+        }
+    }
 }
 
 /// How the owner's lock-free registration went.
 #[derive(Debug)]
 pub(crate) enum Armed {
     /// The waker is stored; the table will wake it.
-    Armed,
+    Stored,
     /// The node was granted meanwhile; here is the unused waker.
     Granted(Option<Waker>),
     /// The node was nudged meanwhile: poll again; here is the unused waker.
@@ -142,11 +170,11 @@ impl Waiter {
             state: AtomicU8::new(IDLE),
             waker: UnsafeCell::new(None),
             node: UnsafeCell::new(Node {
-                prev: None,
-                next: None,
-                lease: None,
-                token: 0,
-                deadline: None,
+                slot: NodeSlot::Links {
+                    prev: None,
+                    next: None,
+                },
+                lease: PackedDuration::NONE,
             }),
             _pinned: PhantomPinned,
         }
@@ -168,15 +196,15 @@ impl Waiter {
     #[inline]
     pub(crate) fn granted(&self) -> Granted {
         debug_assert_eq!(self.state.load(Relaxed), GRANTED);
+        let node = self.node.get_mut();
         // SAFETY: `GRANTED` was observed with acquire ordering (or under the
         // lock that the table's store happened under): the table wrote the
         // grant before its release store of `GRANTED` and never touches the
         // node again, so this read races with nothing.
-        let node = self.node.get_mut();
-        let node = unsafe { node.deref() };
-        Granted {
-            token: FencingToken::from_raw(node.token),
-            deadline: node.deadline,
+        let slot = unsafe { node.deref() }.slot;
+        match slot {
+            NodeSlot::Grant { token, deadline } => Granted { token, deadline },
+            NodeSlot::Links { .. } => unreachable!("keylock: a granted node holds its grant"),
         }
     }
 
@@ -187,14 +215,16 @@ impl Waiter {
     ///
     /// The node must be idle (not linked) and owned by the caller.
     #[inline]
-    pub(crate) unsafe fn prepare(&self, lease: Option<Duration>) {
+    pub(crate) unsafe fn prepare(&self, lease: PackedDuration) {
         debug_assert_eq!(self.state.load(Relaxed), IDLE);
         let node = self.node.get_mut();
         // SAFETY: an idle node is its owner's alone (caller's contract).
         let node = unsafe { node.deref() };
         node.lease = lease;
-        node.prev = None;
-        node.next = None;
+        node.slot = NodeSlot::Links {
+            prev: None,
+            next: None,
+        };
     }
 
     /// Registers the owner's waker right after linking, without the lock.
@@ -206,16 +236,17 @@ impl Waiter {
     #[inline]
     pub(crate) unsafe fn arm_unlocked(&self, waker: Waker) -> Armed {
         // The table reads the waker cell only in `ARMED`, which only we set.
-        let cell = self.waker.get_mut();
-        // SAFETY: before `ARMED` the waker cell is the owner's.
-        let old = unsafe { cell.deref() }.replace(waker);
-        drop(cell);
+        let old = {
+            let cell = self.waker.get_mut();
+            // SAFETY: before `ARMED` the waker cell is the owner's.
+            unsafe { cell.deref() }.replace(waker)
+        };
         debug_assert!(old.is_none(), "an unarmed node holds no waker");
         match self
             .state
             .compare_exchange(WAITING, ARMED, Release, Acquire)
         {
-            Ok(_) => Armed::Armed,
+            Ok(_) => Armed::Stored,
             Err(state) => {
                 let cell = self.waker.get_mut();
                 // SAFETY: granted or nudged: the waker cell is still the
@@ -270,10 +301,11 @@ impl Waiter {
         let me = unsafe { this.as_ref() };
         match me.state.load(Acquire) {
             ARMED => {
-                let cell = me.waker.get_mut();
-                // SAFETY: in `ARMED` the waker cell is the table's.
-                let waker = unsafe { cell.deref() }.take();
-                drop(cell);
+                let waker = {
+                    let cell = me.waker.get_mut();
+                    // SAFETY: in `ARMED` the waker cell is the table's.
+                    unsafe { cell.deref() }.take()
+                };
                 me.state.store(NUDGED, Relaxed);
                 waker
             }
@@ -309,18 +341,18 @@ impl Waiter {
         {
             let node = me.node.get_mut();
             // SAFETY: the grant cell is the table's under the lock.
-            let node = unsafe { node.deref() };
-            node.token = token.get();
-            node.deadline = deadline;
+            unsafe { node.deref() }.slot = NodeSlot::Grant { token, deadline };
         }
         let mut state = me.state.load(Acquire);
         loop {
             if state == ARMED {
-                let cell = me.waker.get_mut();
-                // SAFETY: in `ARMED` the waker cell is the table's (the owner
-                // changes an armed node only under the lock, which we hold).
-                let waker = unsafe { cell.deref() }.take();
-                drop(cell);
+                let waker = {
+                    let cell = me.waker.get_mut();
+                    // SAFETY: in `ARMED` the waker cell is the table's (the
+                    // owner changes an armed node only under the lock, which
+                    // we hold).
+                    unsafe { cell.deref() }.take()
+                };
                 me.state.store(GRANTED, Release);
                 return waker;
             }
@@ -357,7 +389,7 @@ impl Waiter {
         // SAFETY: linked, under the lock (caller's contract).
         let node = unsafe { this.as_ref() }.node.get_mut();
         // SAFETY: as above: the node cell is the table's.
-        unsafe { node.deref() }.lease
+        unsafe { node.deref() }.lease.get()
     }
 }
 
@@ -407,9 +439,9 @@ impl WaitList {
         {
             let node = waiter.node.get_mut();
             // SAFETY: an idle node is touched by nobody else.
-            let node = unsafe { node.deref() };
-            node.prev = self.tail;
-            node.next = None;
+            let (prev, next) = unsafe { node.deref() }.links();
+            *prev = self.tail;
+            *next = None;
         }
         match self.tail {
             // SAFETY: the tail is linked, and we hold the lock.
@@ -434,8 +466,8 @@ impl WaitList {
             // SAFETY: linked, under the lock.
             let node = unsafe { waiter.as_ref() }.node.get_mut();
             // SAFETY: as above.
-            let node = unsafe { node.deref() };
-            (node.prev.take(), node.next.take())
+            let (prev, next) = unsafe { node.deref() }.links();
+            (prev.take(), next.take())
         };
         match prev {
             // SAFETY: linked neighbours, under the lock.
@@ -477,8 +509,8 @@ impl WaitList {
             let me = unsafe { ptr.as_ref() };
             let node = me.node.get_mut();
             // SAFETY: as above.
-            let node = unsafe { node.deref() };
-            let (prev, next) = (node.prev, node.next);
+            let (prev, next) = unsafe { node.deref() }.links();
+            let (prev, next) = (*prev, *next);
             visit(ptr, prev, me.state.load(Relaxed));
             at = next;
         }
@@ -504,7 +536,7 @@ unsafe fn set_next(at: WaiterPtr, next: Option<WaiterPtr>) {
     // SAFETY: caller's contract.
     let node = unsafe { at.as_ref() }.node.get_mut();
     // SAFETY: as above.
-    unsafe { node.deref() }.next = next;
+    *unsafe { node.deref() }.links().1 = next;
 }
 
 /// # Safety
@@ -514,5 +546,5 @@ unsafe fn set_prev(at: WaiterPtr, prev: Option<WaiterPtr>) {
     // SAFETY: caller's contract.
     let node = unsafe { at.as_ref() }.node.get_mut();
     // SAFETY: as above.
-    unsafe { node.deref() }.prev = prev;
+    *unsafe { node.deref() }.links().0 = prev;
 }

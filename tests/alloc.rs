@@ -208,7 +208,8 @@ fn a_warm_handoff_to_a_waiter_allocates_nothing() {
                 panic!("the head waiter was handed the key");
             };
             drop(g);
-            drop(b); // granted, unobserved: frees the key
+            // b, granted and unobserved, is dropped at the end of the
+            // iteration and frees the key.
         }
     };
     run(&table, cx);
