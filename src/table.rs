@@ -496,8 +496,9 @@ where
 
     /// Blocks the current thread until `key` is free and takes it.
     ///
-    /// The thread parks (it does not spin) and is unparked when the key is
-    /// handed to it. No executor is entered, so this works on any thread,
+    /// The thread parks and is unparked when the key is handed to it (under
+    /// [`Fairness::Eventual`] it first spins briefly, taking the key as soon
+    /// as it is free). No executor is entered, so this works on any thread,
     /// including inside another executor's `block_on`.
     ///
     /// # Blocking inside async code
@@ -516,7 +517,39 @@ where
     /// # drop(guard);
     /// ```
     pub fn blocking_lock(&self, key: K) -> Guard<'_, K, S> {
+        let hash = self.hash(&key);
+        let mut key = Some(key);
+        if let Some(grant) = self.spin_for(hash, &mut key) {
+            return Guard::new(self, Held::new(hash, grant));
+        }
+        let key = key.expect("kept while not acquired");
         crate::blocking::block_on(self.lock(key))
+    }
+
+    /// Under eventual fairness, a blocking locker first spins briefly, taking
+    /// the key as soon as it is free (as parking_lot's mutex does), so that a
+    /// short critical section costs no park and unpark. Under strict
+    /// fairness a free key goes to the queue, so spinning would not help.
+    #[inline]
+    fn spin_for(&self, hash: u64, key: &mut Option<K>) -> Option<Grant<K>> {
+        if self.fairness != Fairness::Eventual {
+            return None;
+        }
+        let lease = self.leases.default;
+        let backoff = crossbeam_utils::Backoff::new();
+        while !backoff.is_completed() {
+            let fairness = self.fairness;
+            let grant = self.with_shard(hash, |state, ctx| {
+                state.try_acquire(hash, key, lease, fairness, ctx)
+            });
+            if grant.is_some() {
+                return grant;
+            }
+            // Spins, then yields the thread (as parking_lot does), a bounded
+            // number of times.
+            backoff.snooze();
+        }
+        None
     }
 
     /// Like [`blocking_lock`](Self::blocking_lock), for a table behind an
