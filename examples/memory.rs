@@ -1,5 +1,7 @@
-//! What the table costs in memory: per idle key, per waiting future, and
-//! after a storm of a million waiters on one key that are all cancelled.
+//! What the table costs in memory: per idle key, per waiting future, after a
+//! storm of a million waiters on one key that are all cancelled, and whether
+//! memory follows the live set when a storm leaves one key or one waiter
+//! behind.
 //!
 //! Run with `cargo run --release --example memory`. Memory is counted as the
 //! heap bytes live (a counting global allocator), which is exact; resident
@@ -77,6 +79,45 @@ fn storm(table: &LockTable<u64>) -> (f64, i64) {
     (per_waiter, live())
 }
 
+/// Holds `WAITERS` distinct keys at once, then releases all but one: the
+/// table's heap with one key left, minus before the storm.
+fn key_storm_leaving_one(table: &LockTable<u64>) -> (i64, i64) {
+    let before = live();
+    let mut guards: Vec<_> = (2_000_000..2_000_000 + WAITERS as u64)
+        .map(|k| table.try_lock(k).expect("free"))
+        .collect();
+    // The guards' own vector is not the table's: count it out.
+    let vec_bytes = (guards.capacity() * std::mem::size_of::<keylock::Guard<'_, u64>>()) as i64;
+    let peak = live() - before - vec_bytes;
+    let last = guards.pop().expect("one");
+    drop(guards);
+    let left = live() - before;
+    assert_eq!(table.len(), 1);
+    drop(last);
+    (peak, left)
+}
+
+/// Queues `WAITERS` waiters on a held key and drops all but one: the table's
+/// heap with one waiter left, minus before (the futures' own boxes are
+/// counted out).
+fn waiter_storm_leaving_one(table: &LockTable<u64>) -> i64 {
+    let held = table.try_lock(3).expect("free");
+    let mut cx = Context::from_waker(std::task::Waker::noop());
+    let mut waiters: Vec<_> = (0..WAITERS).map(|_| Box::pin(table.lock(3))).collect();
+    for w in &mut waiters {
+        assert!(matches!(std::pin::Pin::new(w).poll(&mut cx), Poll::Pending));
+    }
+    let mut last = waiters.pop().expect("one");
+    drop(waiters);
+    assert_eq!(table.waiters(&3), 1);
+    let future_bytes = std::mem::size_of_val(&*last) as i64;
+    let left = live() - future_bytes;
+    drop(held);
+    assert!(matches!(last.as_mut().poll(&mut cx), Poll::Ready(_)));
+    drop(last);
+    left
+}
+
 fn main() {
     let table = LockTable::<u64>::new();
     // Warm every shard once (its hash table and key-cell pool): what stays
@@ -97,6 +138,11 @@ fn main() {
     let (per_waiter_1, after_1) = storm(&table);
     let (per_waiter_2, after_2) = storm(&table);
 
+    let (key_peak, key_left) = key_storm_leaving_one(&table);
+    let before_waiters = live();
+    let waiter_left = waiter_storm_leaving_one(&table) - before_waiters;
+    let after_all = live();
+
     println!("| measure | value |");
     println!("|---|---:|");
     println!(
@@ -114,7 +160,22 @@ fn main() {
         "| heap after storm 2, minus after storm 1 | {} bytes |",
         after_2 - after_1
     );
+    println!(
+        "| table heap at the peak of 1M keys held at once | {:.1} MiB |",
+        key_peak as f64 / (1 << 20) as f64
+    );
+    println!("| table heap with 1 of those keys still held | {key_left} bytes |");
+    println!("| table heap with 1 waiter left of 1M cancelled | {waiter_left} bytes |");
+    println!(
+        "| heap after everything, minus the warm baseline | {} bytes |",
+        after_all - baseline
+    );
     println!("| RSS before / after both storms | {baseline_rss} KiB / {} KiB (allocator keeps freed pages) |", rss_kib());
     assert!(after_idle - baseline <= 0, "idle keys must take no memory");
     assert!(after_2 <= after_1, "a second storm must not grow the heap");
+    assert!(
+        key_left < 64 << 10,
+        "one key left after a storm must not keep the storm's table"
+    );
+    assert!(waiter_left <= 0, "waiters take no table memory");
 }
