@@ -30,9 +30,23 @@
 //!
 //! # Fairness
 //!
-//! Strict FIFO per key. A release hands the key directly to the oldest waiter
-//! and wakes exactly that waiter, once; until it runs the key is its, and
-//! neither newcomers nor [`LockTable::try_lock`] can take it.
+//! Strict FIFO per key by default ([`Fairness::Strict`]). A release hands the
+//! key directly to the oldest waiter and wakes exactly that waiter, once;
+//! until it runs the key is its, and neither newcomers nor
+//! [`LockTable::try_lock`] can take it. The woken waiter learns of its grant
+//! without taking any lock.
+//!
+//! For throughput on hot keys, a table built with [`Fairness::Eventual`] lets
+//! a caller that is already running take a just-released key instead of
+//! waiting for the parked oldest waiter, and forces a direct handoff once a
+//! shard has gone [`Fairness::EVENTUAL_BOUND`] (500 µs) without one, so every
+//! waiter is served.
+//!
+//! # Futures
+//!
+//! The lock futures ([`futures`]) are `!Unpin`: a waiting future carries its
+//! own queue node, so waiting allocates nothing. `.await` them as usual; to
+//! poll one by hand, pin it (`std::pin::pin!` or `Box::pin`).
 //!
 //! # Cancel safety
 //!
