@@ -18,7 +18,7 @@ use crate::lease::PackedDuration;
 use crate::queue::{Attempt, Diagnosis, Grant, Polled};
 use crate::table::{DefaultHashBuilder, LockTable};
 use crate::timer::Sleep;
-use crate::waiter::{Armed, Granted, Seen, Waiter};
+use crate::waiter::{Armed, Granted, LazyWaiter, Seen, Waiter};
 
 /// Where an acquisition stands.
 enum State<K> {
@@ -61,7 +61,8 @@ struct Acquire<T: TableHandle<K>, K> {
     lease: PackedDuration,
     timeout: PackedDuration,
     timing: Option<Box<Timing>>,
-    waiter: Waiter,
+    /// The queue node, written only when the future first has to wait.
+    waiter: LazyWaiter,
 }
 
 impl<T, K, S> Acquire<T, K>
@@ -84,7 +85,7 @@ where
             lease: PackedDuration::pack(lease),
             timeout: PackedDuration::pack(timeout),
             timing: None,
-            waiter: Waiter::new(),
+            waiter: LazyWaiter::new(),
         }
     }
 
@@ -176,7 +177,7 @@ where
                     &mut key,
                     lease,
                     table.fairness(),
-                    &self.waiter,
+                    &mut self.waiter,
                     &mut ctx,
                 )
             }
@@ -206,10 +207,10 @@ where
                     }));
                 }
                 // SAFETY: our own waiter, just linked, armed once.
-                match unsafe { self.waiter.arm_unlocked(cx.waker().clone()) } {
+                match unsafe { self.waiter.get().arm_unlocked(cx.waker().clone()) } {
                     Armed::Stored => Ok(Step::Wait(wake_at)),
                     Armed::Granted(spare) => {
-                        let granted = self.waiter.granted();
+                        let granted = self.waiter.get().granted();
                         left.drop_waker_later(spare);
                         Ok(Step::Ready(self.finish_granted(key, granted)))
                     }
@@ -231,8 +232,8 @@ where
         left: &mut Leftovers<K>,
     ) -> Result<Step<(T, Held<K>)>, Box<LockError>> {
         // The grant is published through the waiter: no lock needed to see it.
-        if self.waiter.seen() == Seen::Granted {
-            let granted = self.waiter.granted();
+        if self.waiter.get().seen() == Seen::Granted {
+            let granted = self.waiter.get().granted();
             return Ok(Step::Ready(self.finish_granted(key, granted)));
         }
         match self.poll_linked_locked(key, cx, None, left)? {
@@ -265,7 +266,7 @@ where
                     state.leave(
                         self.hash,
                         key,
-                        &self.waiter,
+                        self.waiter.get(),
                         true,
                         table.fairness(),
                         &mut ctx,
@@ -278,7 +279,14 @@ where
                 // SAFETY: as above. `fresh` was cloned before locking:
                 // `Waker::clone` is user code.
                 match unsafe {
-                    state.poll_waiter(self.hash, key, &self.waiter, cx.waker(), fresh, &mut ctx)
+                    state.poll_waiter(
+                        self.hash,
+                        key,
+                        self.waiter.get(),
+                        cx.waker(),
+                        fresh,
+                        &mut ctx,
+                    )
                 } {
                     Polled::Granted(granted) => Outcome::Granted(granted),
                     Polled::Waiting { wake_at } => Outcome::Waiting(wake_at),
@@ -417,7 +425,7 @@ impl<T: TableHandle<K>, K> Drop for Acquire<T, K> {
             if let Some(table) = self.table.as_ref() {
                 // The waiter is unlinked (or its unobserved grant released)
                 // before its memory goes.
-                table.leave(self.hash, key, &self.waiter);
+                table.leave(self.hash, key, self.waiter.get());
             }
         }
     }

@@ -52,6 +52,53 @@ impl Clock {
     }
 }
 
+/// An optional instant in one word, for the table's per-key state: 1 plus the
+/// nanoseconds after a process-wide epoch, or 0 for none.
+///
+/// The epoch lies a century before the first stamp is taken (where the
+/// platform can represent that; otherwise at that moment), so every instant
+/// a table meets is after it. An instant more than 584 years after the epoch
+/// is stored as none: for a deadline that means "never", as a deadline too
+/// far to represent as an `Instant` already does.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub(crate) struct Stamp(u64);
+
+impl Stamp {
+    pub(crate) const NONE: Self = Self(0);
+
+    fn epoch() -> Instant {
+        static EPOCH: std::sync::OnceLock<Instant> = std::sync::OnceLock::new();
+        *EPOCH.get_or_init(|| {
+            let now = Instant::now();
+            now.checked_sub(Duration::from_secs(100 * 365 * 24 * 3600))
+                .unwrap_or(now)
+        })
+    }
+
+    #[inline]
+    pub(crate) fn new(at: Option<Instant>) -> Self {
+        let Some(at) = at else { return Self::NONE };
+        let nanos = at.saturating_duration_since(Self::epoch()).as_nanos();
+        match u64::try_from(nanos) {
+            Ok(n) if n < u64::MAX - 1 => Self(n + 1),
+            _ => Self::NONE,
+        }
+    }
+
+    #[inline]
+    pub(crate) fn get(self) -> Option<Instant> {
+        match self.0 {
+            0 => None,
+            n => Self::epoch().checked_add(Duration::from_nanos(n - 1)),
+        }
+    }
+
+    #[inline]
+    pub(crate) fn is_some(self) -> bool {
+        self.0 != 0
+    }
+}
+
 /// The current time, read at most once per operation and only if needed.
 #[derive(Debug)]
 pub(crate) struct Now<'a> {

@@ -84,7 +84,7 @@ impl<K> KeyPool<K> {
     }
 
     /// Moves `key` into a slot, reusing a spare one when there is one.
-    #[inline]
+    #[inline(always)]
     pub(crate) fn store(&mut self, key: K) -> KeyPtr<K> {
         let mut slot = self
             .spare
@@ -102,7 +102,7 @@ impl<K> KeyPool<K> {
     /// `ptr` must come from [`store`](Self::store) on this pool, its entry must
     /// just have been removed from the table (so nothing will read it again),
     /// and `take` must not be called twice for one `store`.
-    #[inline]
+    #[inline(always)]
     pub(crate) unsafe fn take(&mut self, ptr: KeyPtr<K>) -> K {
         // SAFETY: `ptr` came from `Box::leak` in `store`, so it is a unique
         // allocation of a `MaybeUninit<K>` that nobody else owns now.

@@ -106,7 +106,8 @@ impl LeasePolicy {
 
 /// An optional duration in one word (nanoseconds; `u64::MAX` for none), so
 /// that lock futures and waiter nodes stay small. A duration of 584 years or
-/// more is kept as the longest representable one, which no clock reaches.
+/// more reads back as `Duration::MAX`: "too long to represent", which the
+/// callers treat as for ever.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct PackedDuration(u64);
 
@@ -125,8 +126,17 @@ impl PackedDuration {
         }
     }
 
-    #[inline]
+    #[inline(always)]
     pub(crate) fn get(self) -> Option<Duration> {
-        (self.0 != u64::MAX).then(|| Duration::from_nanos(self.0))
+        if self.0 == u64::MAX {
+            return None;
+        }
+        Some(if self.0 == Self::HUGE {
+            Duration::MAX
+        } else {
+            Duration::from_nanos(self.0)
+        })
     }
+
+    const HUGE: u64 = u64::MAX - 1;
 }

@@ -26,30 +26,30 @@ use std::time::{Duration, Instant};
 
 use crate::key_map::KeyMap;
 
-use crate::clock::Now;
+use crate::clock::{Now, Stamp};
 use crate::deferred::Ctx;
 use crate::error::LockError;
 use crate::fairness::Fairness;
 use crate::key_slot::{KeyPool, KeyPtr};
 use crate::lease::PackedDuration;
 use crate::token::{FencingToken, TokenCounter};
-use crate::waiter::{Granted, WaitList, Waiter};
+use crate::waiter::{Granted, LazyWaiter, WaitList, Waiter};
 
 /// The current grant of a key.
 #[derive(Debug, Clone, Copy)]
 struct Holder {
     token: FencingToken,
     /// When the grant loses its authority, if it has a lease.
-    deadline: Option<Instant>,
+    deadline: Stamp,
     /// When the grant was made, if the clock was read then.
-    since: Option<Instant>,
+    since: Stamp,
 }
 
 impl Holder {
     /// Whether the grant still has authority at `now` (read only if needed).
     #[inline]
     fn is_live(&self, now: &mut Now<'_>) -> bool {
-        self.deadline.is_none_or(|d| now.get() < d)
+        self.deadline.get().is_none_or(|d| now.get() < d)
     }
 }
 
@@ -160,7 +160,7 @@ impl Keys<'_> {
         let waker = unsafe { Waiter::grant(head, token, deadline) };
         entry.holder = Some(Holder {
             token,
-            deadline,
+            deadline: Stamp::new(deadline),
             since,
         });
         ctx.counters().handed_off();
@@ -237,7 +237,7 @@ impl Keys<'_> {
         ctx.counters().acquired(contended);
         entry.holder = Some(Holder {
             token,
-            deadline,
+            deadline: Stamp::new(deadline),
             since,
         });
         Grant {
@@ -267,13 +267,13 @@ fn nudge_head<K>(entry: &Entry<K>, ctx: &mut Ctx<'_, '_, K>) {
 }
 
 #[inline]
-fn lease_from(lease: Option<Duration>, now: &mut Now<'_>) -> (Option<Instant>, Option<Instant>) {
+fn lease_from(lease: Option<Duration>, now: &mut Now<'_>) -> (Option<Instant>, Stamp) {
     match lease {
         Some(lease) => {
             let start = now.for_lease(lease);
-            (start.checked_add(lease), Some(start))
+            (start.checked_add(lease), Stamp::new(Some(start)))
         }
-        None => (None, None),
+        None => (None, Stamp::NONE),
     }
 }
 
@@ -407,7 +407,7 @@ impl<K> ShardState<K> {
                         key: cell,
                         holder: Some(Holder {
                             token,
-                            deadline,
+                            deadline: Stamp::new(deadline),
                             since,
                         }),
                         fenced: 0,
@@ -462,7 +462,7 @@ impl<K> ShardState<K> {
         key: &mut Option<K>,
         lease: Option<Duration>,
         fairness: Fairness,
-        waiter: &Waiter,
+        waiter: &mut LazyWaiter,
         ctx: &mut Ctx<'_, '_, K>,
     ) -> Attempt<K>
     where
@@ -476,13 +476,14 @@ impl<K> ShardState<K> {
         if entry.holder.is_none() && (fairness == Fairness::Eventual || entry.queue.is_empty()) {
             return Attempt::Acquired(keys.take_free(entry, lease, false, ctx));
         }
+        let waiter = waiter.get_or_init();
         // SAFETY: the caller's contract; under the shard lock.
         unsafe {
             waiter.prepare(PackedDuration::pack(lease));
             entry.queue.push_back(waiter);
         }
         let wake_at = if entry.queue.is_head(waiter) {
-            entry.holder.and_then(|h| h.deadline)
+            entry.holder.and_then(|h| h.deadline.get())
         } else {
             None
         };
@@ -541,7 +542,7 @@ impl<K> ShardState<K> {
             Err(()) => return Polled::NeedWaker,
         }
         let wake_at = if is_head {
-            entry.holder.and_then(|h| h.deadline)
+            entry.holder.and_then(|h| h.deadline.get())
         } else {
             None
         };
@@ -605,7 +606,7 @@ impl<K> ShardState<K> {
             ctx.counters().timed_out();
             let holder = entry.holder;
             let held_for = holder
-                .and_then(|h| h.since)
+                .and_then(|h| h.since.get())
                 .map(|since| ctx.now().saturating_duration_since(since));
             Diagnosis {
                 holder: holder.map(|h| h.token),
@@ -631,7 +632,7 @@ impl<K> ShardState<K> {
         let holder = entry.holder;
         let ahead = entry.queue.len();
         let held_for = holder
-            .and_then(|h| h.since)
+            .and_then(|h| h.since.get())
             .map(|since| ctx.now().saturating_duration_since(since));
         Diagnosis {
             holder: holder.map(|h| h.token),
@@ -719,9 +720,11 @@ impl<K> ShardState<K> {
             return Err(LockError::Expired { token });
         };
         let start = ctx.clock().for_lease(lease);
-        holder.deadline = start.checked_add(lease);
-        holder.since.get_or_insert(start);
-        let deadline = holder.deadline;
+        let deadline = start.checked_add(lease);
+        holder.deadline = Stamp::new(deadline);
+        if !holder.since.is_some() {
+            holder.since = Stamp::new(Some(start));
+        }
         nudge_head_for_timer(entry, ctx);
         Ok(deadline)
     }

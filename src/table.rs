@@ -188,7 +188,11 @@ impl<K, S> LockTable<K, S> {
     pub(crate) fn shard(&self, hash: u64) -> &Shard<K> {
         // The low bits pick a bucket inside the shard's table and the top
         // seven its tag: take the shard from the bits in between.
-        &self.shards[(hash >> 32) as usize & self.mask]
+        let index = (hash >> 32) as usize & self.mask;
+        debug_assert!(index < self.shards.len());
+        // SAFETY: `mask` is the shard count (a power of two) minus one, so
+        // `index` is in bounds.
+        unsafe { self.shards.get_unchecked(index) }
     }
 
     /// Checks the table's internal invariants (queue links, waiter counts,

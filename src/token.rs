@@ -23,20 +23,19 @@ use std::fmt;
 /// assert!(second > first);
 /// ```
 #[derive(Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Debug)]
-pub struct FencingToken(u64);
+pub struct FencingToken(std::num::NonZeroU64);
 
 impl FencingToken {
     /// The token as a number, to store beside the data it fences.
     #[inline]
     #[must_use]
     pub fn get(self) -> u64 {
-        self.0
+        self.0.get()
     }
 
     #[inline]
     pub(crate) fn from_raw(raw: u64) -> Self {
-        debug_assert!(raw != 0);
-        Self(raw)
+        Self(std::num::NonZeroU64::new(raw).expect("keylock: a fencing token is never zero"))
     }
 }
 

@@ -128,6 +128,57 @@ impl Node {
     }
 }
 
+/// A future's waiter node, written only when the future first has to wait,
+/// so that a lock that does not wait writes one flag, not the node.
+#[derive(Debug)]
+pub(crate) struct LazyWaiter {
+    live: bool,
+    node: std::mem::MaybeUninit<Waiter>,
+}
+
+impl LazyWaiter {
+    #[inline]
+    pub(crate) const fn new() -> Self {
+        Self {
+            live: false,
+            node: std::mem::MaybeUninit::uninit(),
+        }
+    }
+
+    /// The node, initialized now if it was not.
+    #[inline]
+    pub(crate) fn get_or_init(&mut self) -> &Waiter {
+        if !self.live {
+            self.node.write(Waiter::new());
+            self.live = true;
+        }
+        // SAFETY: `live` is set, so the node is initialized.
+        unsafe { self.node.assume_init_ref() }
+    }
+
+    /// The node, which a linked or granted future has initialized.
+    ///
+    /// # Panics
+    ///
+    /// If it was never initialized (a bug in the caller).
+    #[inline]
+    pub(crate) fn get(&self) -> &Waiter {
+        assert!(self.live, "keylock: the waiter node is initialized");
+        // SAFETY: `live` is set, so the node is initialized.
+        unsafe { self.node.assume_init_ref() }
+    }
+}
+
+impl Drop for LazyWaiter {
+    fn drop(&mut self) {
+        if self.live {
+            // SAFETY: initialized (`live`), dropped once, here; the owner
+            // unlinked it first (its `Drop` runs before the fields').
+            unsafe { self.node.assume_init_drop() };
+        }
+    }
+}
+
 /// How the owner's lock-free registration went.
 #[derive(Debug)]
 pub(crate) enum Armed {
