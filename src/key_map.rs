@@ -268,7 +268,7 @@ impl<V> KeyMap<V> {
     /// # Panics
     ///
     /// If `index` is stale and its slot is now empty or gone.
-    #[inline]
+    #[inline(always)]
     pub(crate) fn remove(&mut self, index: Index) -> V {
         #[cfg(debug_assertions)]
         debug_assert_eq!(index.stamp, self.stamp, "stale KeyMap index");
