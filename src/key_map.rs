@@ -27,11 +27,16 @@ const MIN_SLOTS: usize = 8;
 /// absent keys, long backward shifts).
 const MAX_LOAD_EIGHTHS: usize = 4;
 
-/// A table larger than [`MIN_SLOTS`] shrinks once fewer than one slot in
+/// A table never shrinks below this many slots (4 KiB of entries in a shard
+/// of the lock table): a shard whose live set wobbles around a few dozen
+/// keys never reallocates, and what a storm leaves behind is this small.
+const KEEP_SLOTS: usize = 64;
+
+/// A table larger than [`KEEP_SLOTS`] shrinks once fewer than one slot in
 /// `SHRINK_BELOW` is in use, ...
 const SHRINK_BELOW: usize = 8;
 
-/// ... to the smallest size (at least [`MIN_SLOTS`]) at which at most one
+/// ... to the smallest size (at least [`KEEP_SLOTS`]) at which at most one
 /// slot in `SHRINK_TO` is in use. Between `1 / SHRINK_TO` and the maximum
 /// load lie enough inserts to pay for the next reallocation, and between half
 /// the maximum load (just after doubling) and `1 / SHRINK_BELOW` enough
@@ -293,7 +298,7 @@ impl<V> KeyMap<V> {
                 hole = i;
             }
         }
-        if self.len < self.slots.len() / SHRINK_BELOW && self.slots.len() > MIN_SLOTS {
+        if self.len < self.slots.len() / SHRINK_BELOW && self.slots.len() > KEEP_SLOTS {
             self.shrink();
         }
         value
@@ -332,7 +337,7 @@ impl<V> KeyMap<V> {
 
     /// The slot count a table of `len` values shrinks to.
     fn shrunk_slots(len: usize) -> usize {
-        (len * SHRINK_TO).next_power_of_two().max(MIN_SLOTS)
+        (len * SHRINK_TO).next_power_of_two().max(KEEP_SLOTS)
     }
 
     /// The first empty slot from the home of `hash` on. The table must have
@@ -738,9 +743,9 @@ mod tests {
         }
         map.check();
         assert_eq!(map.len(), 1);
-        // Back to the smallest table: a few hundred bytes for the shard.
-        assert_eq!(map.slot_count(), MIN_SLOTS);
-        assert!(map.slot_count() * std::mem::size_of::<Slot<u64>>() <= 256);
+        // Back to the kept size: a kilobyte or so for the shard.
+        assert_eq!(map.slot_count(), KEEP_SLOTS);
+        assert!(map.slot_count() * std::mem::size_of::<Slot<u64>>() <= 2048);
         // Halving at most once per halving of the live set.
         let shrinks = map.reallocs - grown;
         assert!(
