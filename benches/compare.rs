@@ -5,11 +5,13 @@
 //! ```text
 //! cargo bench --bench compare                      # all groups, a few minutes
 //! cargo bench --bench compare -- w3_handoff        # one group
+//! cargo bench --bench compare -- w6_counter        # one group
 //! ```
 //!
-//! Criterion reports the time of one operation: one lock+unlock (W1-W4) or
-//! one cancelled wait (W5). Workloads that split their operations over 64
+//! Criterion reports the time of one operation: one lock+unlock (W1-W4, W6)
+//! or one cancelled wait (W5). Workloads that split their operations over 64
 //! tasks round the count up; the time is scaled back to the count asked for.
+//! W6's share of handoffs is printed by `examples/compare.rs`, not here.
 
 // Shared with the example, which uses every item; here some go unused.
 #[allow(dead_code)]

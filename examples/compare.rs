@@ -1,26 +1,34 @@
 //! keylock against the keyed-lock options people write today, side by side.
 //!
 //! ```text
-//! cargo run --release --example compare              # full run, ~2 minutes on 2 cores
+//! cargo run --release --example compare              # full run, ~1-2 minutes on 2 cores
 //! cargo run --release --example compare -- --quick   # CI smoke, a few seconds
-//! cargo run --release --example compare -- --only W1,W3 --impl keylock,tokio
+//! cargo run --release --example compare -- --only W1,W6 --impl keylock,tokio
 //! ```
 //!
 //! Runs every workload (see `compare/workloads.rs`) for every implementation
 //! (see `compare/impls.rs`), repeats each measurement, interleaving the
 //! implementations so that machine noise spreads over all of them, and prints
 //! markdown tables: the median ns/op, and keylock's time divided by each
-//! anchor's (below 1: keylock is faster). Progress goes to stderr, tables to
+//! anchor's (below 1: keylock is faster). An anchor is any implementation
+//! keylock is measured against: the keyed locks people write today (DashMap
+//! of mutexes, lockable) and single, non-keyed mutexes (one lock for every
+//! key). With W1 it also times each implementation as a plain loop
+//! (`compare/plain.rs`) to check that the harness runs every anchor at the
+//! cost a plain loop measures for it. Progress goes to stderr, tables to
 //! stdout.
 
 #[path = "compare/impls.rs"]
 mod impls;
+#[path = "compare/plain.rs"]
+mod plain;
 #[path = "compare/workloads.rs"]
 mod workloads;
 
 use std::fmt::Write as _;
 use std::mem::{size_of, size_of_val};
 use std::sync::Arc;
+use std::time::Duration;
 
 use impls::KeyedLock;
 use tokio::runtime::Runtime;
@@ -36,15 +44,18 @@ struct Contender {
     self_check: fn(&Runtime) -> Option<usize>,
     /// Size of its lock future (as created, not polled) and of its guard.
     sizes: fn() -> (usize, usize),
+    /// W1 as a plain loop, without the harness.
+    plain_w1: fn(&Runtime, u64) -> Duration,
 }
 
-const fn contender<I: KeyedLock>() -> Contender {
+const fn contender<I: KeyedLock>(plain_w1: fn(&Runtime, u64) -> Duration) -> Contender {
     Contender {
         name: I::NAME,
         keyed: I::KEYED,
         run: workloads::run::<I>,
         self_check: workloads::self_check::<I>,
         sizes: sizes::<I>,
+        plain_w1,
     }
 }
 
@@ -58,17 +69,21 @@ fn sizes<I: KeyedLock>() -> (usize, usize) {
 
 /// keylock first: every ratio is against it.
 const CONTENDERS: &[Contender] = &[
-    contender::<impls::Keylock>(),
-    contender::<impls::KeylockLease>(),
-    contender::<impls::KeylockTimeout>(),
-    contender::<impls::DashMapLeak>(),
-    contender::<impls::DashMapCleanup>(),
-    contender::<impls::Lockable>(),
-    contender::<impls::TokioMutex>(),
-    contender::<impls::AsyncLockMutex>(),
-    contender::<impls::FuturesMutex>(),
-    contender::<impls::ParkingLot>(),
+    contender::<impls::Keylock>(plain::keylock),
+    contender::<impls::KeylockLease>(plain::keylock_lease),
+    contender::<impls::KeylockTimeout>(plain::keylock_timeout),
+    contender::<impls::DashMapLeak>(plain::dashmap_leak),
+    contender::<impls::DashMapCleanup>(plain::dashmap_cleanup),
+    contender::<impls::Lockable>(plain::lockable),
+    contender::<impls::TokioMutex>(plain::tokio_mutex),
+    contender::<impls::AsyncLockMutex>(plain::async_lock_mutex),
+    contender::<impls::FuturesMutex>(plain::futures_mutex),
+    contender::<impls::ParkingLot>(plain::parking_lot_mutex),
 ];
+
+/// Above this, harness / plain loop is flagged in the W1 check: the
+/// repetitions of one cell disagree by about this much on a busy machine.
+const PLAIN_TOLERANCE: f64 = 1.15;
 
 struct Config {
     quick: bool,
@@ -86,11 +101,14 @@ impl Config {
             Workload::W3 => 256_000,
             Workload::W4 => 512_000,
             Workload::W5 => 1_048_576,
+            Workload::W6 => 1_000_000,
         };
-        if self.quick {
-            full / 20
-        } else {
-            full
+        match (self.quick, w) {
+            (false, _) => full,
+            // At 1/20, most of W6's tasks finished before another one ran
+            // beside them: almost no acquisition waited or was a handoff.
+            (true, Workload::W6) => full / 4,
+            (true, _) => full / 20,
         }
     }
 
@@ -158,6 +176,20 @@ fn usage() -> ! {
 #[derive(Default, Clone)]
 struct Cell {
     samples: Vec<Outcome>,
+    /// W1 only: the plain loop's ns/op, one per repetition.
+    plain: Vec<f64>,
+}
+
+fn median(mut ns: Vec<f64>) -> Option<f64> {
+    ns.sort_by(f64::total_cmp);
+    (!ns.is_empty()).then(|| {
+        let m = ns.len() / 2;
+        if ns.len() % 2 == 1 {
+            ns[m]
+        } else {
+            (ns[m - 1] + ns[m]) / 2.0
+        }
+    })
 }
 
 impl Cell {
@@ -168,15 +200,7 @@ impl Cell {
     }
 
     fn median(&self) -> Option<f64> {
-        let ns = self.ns();
-        (!ns.is_empty()).then(|| {
-            let m = ns.len() / 2;
-            if ns.len() % 2 == 1 {
-                ns[m]
-            } else {
-                (ns[m - 1] + ns[m]) / 2.0
-            }
-        })
+        median(self.ns())
     }
 
     /// (max - min) / median, in percent.
@@ -231,6 +255,19 @@ fn main() {
                     out.ns_per_op()
                 );
                 results[wi][ii].samples.push(out);
+                if w == Workload::W1 {
+                    let ops = cfg.ops(w);
+                    let ns = (c.plain_w1)(&rt, ops).as_nanos() as f64 / ops as f64;
+                    eprintln!(
+                        "   [{} {}/{}] {:<20} {:>10.1} ns/op (plain loop)",
+                        w.id(),
+                        rep + 1,
+                        cfg.reps,
+                        c.name,
+                        ns
+                    );
+                    results[wi][ii].plain.push(ns);
+                }
             }
         }
     }
@@ -267,7 +304,15 @@ fn report(
 
     writeln!(
         o,
-        "### Median ns/op ({} reps{}), ratio = keylock / anchor (< 1: keylock faster)\n",
+        "### Median ns/op ({} reps{}), ratio = keylock / anchor (< 1: keylock faster)\n\n\
+         An anchor is an implementation keylock is measured against, in the same \
+         run: the keyed locks people write today (DashMap of mutexes, lockable) \
+         and single non-keyed mutexes (\"one lock, all keys\": the floor on one \
+         key, what keylock replaces on many). Ratio = keylock's median ns/op \
+         divided by the anchor's: below 1, keylock takes less time per operation \
+         (0.50x: twice as fast); above 1, the anchor is faster. The \
+         keylock+lease and keylock+timeout rows are keylock itself: their ratio \
+         is plain keylock over them, the cost of the lease or timeout.\n",
         cfg.reps,
         if cfg.quick { ", --quick" } else { "" }
     )
@@ -310,9 +355,45 @@ fn report(
         o.push('\n');
     }
 
+    if let Some(w1) = cfg.workloads.iter().position(|&w| w == Workload::W1) {
+        writeln!(
+            o,
+            "\n### W1 check: the harness against a plain loop (median ns/op)\n\n\
+             A harness must not flatter us: each anchor runs at the cost a plain \
+             loop measures for it. The plain loop (`compare/plain.rs`) is W1 \
+             written with the implementation's own types, no trait, run \
+             interleaved with the harness; harness / plain above {PLAIN_TOLERANCE} \
+             is flagged.\n\n\
+             | implementation | harness | plain loop | harness / plain |\n|---|---:|---:|---:|"
+        )
+        .unwrap();
+        for (ii, c) in cfg.impls.iter().enumerate() {
+            let cell = &results[w1][ii];
+            let (Some(h), Some(p)) = (cell.median(), median(cell.plain.clone())) else {
+                continue;
+            };
+            let flag = if h / p > PLAIN_TOLERANCE {
+                " **harness slower**"
+            } else if p / h > PLAIN_TOLERANCE {
+                " **harness faster**"
+            } else {
+                ""
+            };
+            writeln!(
+                o,
+                "| {} | {} | {} | {:.2}{flag} |",
+                c.name,
+                fmt_ns(h),
+                fmt_ns(p),
+                h / p
+            )
+            .unwrap();
+        }
+    }
+
     writeln!(
         o,
-        "\n### Entries left after the last repetition (- : keeps no map); W3 handoffs\n"
+        "\n### Entries left after the last repetition (- : keeps no map); W3, W6 handoffs\n"
     )
     .unwrap();
     header(o, "implementation");
@@ -326,7 +407,7 @@ fn report(
                         .entries_left
                         .map_or_else(|| "-".to_string(), |n| n.to_string());
                     match s.handoffs {
-                        Some(h) if w == Workload::W3 => write!(
+                        Some(h) if w.counts_handoffs() => write!(
                             o,
                             " {entries}, {:.1}% handoffs |",
                             h as f64 / s.ops as f64 * 100.0

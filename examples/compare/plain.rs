@@ -1,0 +1,112 @@
+//! W1 written as plain loops, one per implementation, with its own types and
+//! no [`KeyedLock`](super::impls::KeyedLock) trait in between: what anyone
+//! timing one of these locks by hand would write. `compare` runs them next to
+//! the harness's W1 to check that the harness charges no implementation more
+//! (or less) than its plain loop costs.
+//!
+//! Like the harness, each loop runs in a spawned task on the two-worker
+//! runtime, times only the loop, and passes the key through `black_box` (the
+//! non-keyed locks ignore it). The lock is a local of the task.
+
+use std::hint::black_box;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use tokio::runtime::Runtime;
+
+use super::impls::LONG_LEASE;
+use super::workloads::{on_worker, HOT};
+
+/// Times `$iters` runs of `$body` (one lock+unlock of `$key` on `$lock`) in
+/// a task on a worker.
+macro_rules! plain_loop {
+    ($rt:expr, $iters:expr, $make:expr, |$lock:ident, $key:ident| $body:block) => {{
+        let iters: u64 = $iters;
+        on_worker($rt, async move {
+            let $lock = $make;
+            let start = Instant::now();
+            for _ in 0..iters {
+                let $key = black_box(HOT);
+                $body
+            }
+            start.elapsed()
+        })
+    }};
+}
+
+pub(crate) fn keylock(rt: &Runtime, iters: u64) -> Duration {
+    plain_loop!(rt, iters, keylock::LockTable::<u64>::new(), |t, k| {
+        let guard = t.lock(k).await;
+        drop(guard);
+    })
+}
+
+pub(crate) fn keylock_lease(rt: &Runtime, iters: u64) -> Duration {
+    plain_loop!(rt, iters, keylock::LockTable::<u64>::new(), |t, k| {
+        let opts = keylock::LockOptions::new().lease(LONG_LEASE);
+        let guard = t.lock_with(k, opts).await.expect("valid lease");
+        drop(guard);
+    })
+}
+
+pub(crate) fn keylock_timeout(rt: &Runtime, iters: u64) -> Duration {
+    plain_loop!(rt, iters, keylock::LockTable::<u64>::new(), |t, k| {
+        let opts = keylock::LockOptions::new().timeout(LONG_LEASE);
+        let guard = t.lock_with(k, opts).await.expect("uncontended");
+        drop(guard);
+    })
+}
+
+type Map = dashmap::DashMap<u64, Arc<tokio::sync::Mutex<()>>>;
+
+pub(crate) fn dashmap_leak(rt: &Runtime, iters: u64) -> Duration {
+    plain_loop!(rt, iters, Map::new(), |m, k| {
+        let mutex = Arc::clone(&m.entry(k).or_default());
+        let guard = mutex.lock_owned().await;
+        drop(guard);
+    })
+}
+
+pub(crate) fn dashmap_cleanup(rt: &Runtime, iters: u64) -> Duration {
+    plain_loop!(rt, iters, Map::new(), |m, k| {
+        let mutex = Arc::clone(&m.entry(k).or_default());
+        let guard = mutex.lock_owned().await;
+        drop(guard);
+        m.remove_if(&k, |_, m| Arc::strong_count(m) == 1);
+    })
+}
+
+pub(crate) fn lockable(rt: &Runtime, iters: u64) -> Duration {
+    plain_loop!(rt, iters, lockable::LockPool::<u64>::new(), |p, k| {
+        let guard = p.async_lock(k).await;
+        drop(guard);
+    })
+}
+
+pub(crate) fn tokio_mutex(rt: &Runtime, iters: u64) -> Duration {
+    plain_loop!(rt, iters, tokio::sync::Mutex::new(()), |m, _k| {
+        let guard = m.lock().await;
+        drop(guard);
+    })
+}
+
+pub(crate) fn async_lock_mutex(rt: &Runtime, iters: u64) -> Duration {
+    plain_loop!(rt, iters, async_lock::Mutex::new(()), |m, _k| {
+        let guard = m.lock().await;
+        drop(guard);
+    })
+}
+
+pub(crate) fn futures_mutex(rt: &Runtime, iters: u64) -> Duration {
+    plain_loop!(rt, iters, futures::lock::Mutex::new(()), |m, _k| {
+        let guard = m.lock().await;
+        drop(guard);
+    })
+}
+
+pub(crate) fn parking_lot_mutex(rt: &Runtime, iters: u64) -> Duration {
+    plain_loop!(rt, iters, parking_lot::Mutex::new(()), |m, _k| {
+        let guard = m.lock();
+        drop(guard);
+    })
+}
