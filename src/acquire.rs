@@ -479,6 +479,7 @@ macro_rules! lock_future {
         }
 
         impl<$($lt,)? K: Eq + Hash, S: BuildHasher> $name<$($lt,)? K, S> {
+            #[inline]
             pub(crate) fn new(
                 table: $handle,
                 key: K,

@@ -365,6 +365,7 @@ where
     /// assert!(matches!(err, LockError::Timeout { holder: Some(t), .. } if t == held.token()));
     /// # });
     /// ```
+    #[inline]
     pub fn lock_with(&self, key: K, opts: LockOptions) -> LockWith<'_, K, S> {
         LockWith::new(self, key, opts.lease_duration(), opts.timeout_duration())
     }
@@ -388,6 +389,7 @@ where
     /// assert!(guard.expires_at().is_some());
     /// # });
     /// ```
+    #[inline]
     pub fn lock_owned_with(self: Arc<Self>, key: K, opts: LockOptions) -> LockOwnedWith<K, S> {
         LockOwnedWith::new(self, key, opts.lease_duration(), opts.timeout_duration())
     }
