@@ -5,7 +5,7 @@
 //!
 //! Run with (what `.ci/run` does, then again without `LOOM_MAX_PREEMPTIONS`,
 //! which explores every interleaving; each model takes well under a second
-//! either way):
+//! either way, except (b) and (f), a few seconds each when exhaustive):
 //!
 //! ```text
 //! RUSTC_WRAPPER="$PWD/.ci/loom-rustc" LOOM_MAX_PREEMPTIONS=3 \
@@ -19,27 +19,38 @@
 //! `.ci/loom-rustc`. The file uses nothing but keylock, loom (default
 //! features) and std.
 //!
-//! Under `--cfg loom` the shard locks are loom's (`src/loom.rs`). Shared
-//! state outside them stays `std` and is not modeled: the per-shard
-//! statistics (counters only, written under the shard lock) and a guard's
-//! cached lease deadline. The models use no leases or timeouts: those wait on
-//! async-io timers, which do not run under loom.
+//! Under `--cfg loom` the shard locks are loom's, and so are the waiter
+//! node's state word and cells (`src/loom.rs`, `src/waiter.rs`): a grant is
+//! published into the node of a waiting future, which its owner takes
+//! without the shard lock, and the owner registers its waker without the
+//! lock right after linking. Loom explores those lock-free races and checks
+//! every access to the node's cells for a data race. Shared state outside
+//! them stays `std` and is not modeled: the per-shard statistics (counters
+//! only, written under the shard lock) and a guard's cached lease deadline.
+//! The models use no leases or timeouts: those wait on async-io timers,
+//! which do not run under loom (`tests/loom_leases.rs` drives them with the
+//! manual clock, and models eventual fairness, which reads it).
 //!
 //! Every model uses one shard and a deterministic hasher, so the state is
-//! small and every loom replay sees the same hashes. Futures are polled by
-//! hand with a waker that counts its wakes in a loom atomic, so the models can
-//! assert "woken exactly once" and "never woken". "Never two holders" is a
-//! loom atomic counter that every holder raises while it holds the key (from
-//! the moment it acquires until just before it releases) and that must never
-//! exceed one.
+//! small and every loom replay sees the same hashes. Lock futures are
+//! `!Unpin` (their waiter node is linked by address), so each is pinned in a
+//! box and polled by hand with a waker that counts its wakes in a loom
+//! atomic: the models assert "woken exactly once", "never woken", and, once
+//! no other thread is left, that a pending future was woken since its last
+//! poll started (else its wake-up was lost: an executor would never poll it
+//! again). "Never two holders" is a loom atomic counter that every holder
+//! raises while it holds the key (from the moment it acquires until just
+//! before it releases) and that must never exceed one. Models with several
+//! outcomes check that every one of them is reached by some interleaving.
 #![cfg(loom)]
 
 use std::collections::hash_map::DefaultHasher;
+use std::collections::BTreeSet;
 use std::future::Future;
 use std::hash::BuildHasherDefault;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicUsize as StdAtomicUsize, Ordering::Relaxed};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex as StdMutex};
 use std::task::{Context, Poll, Wake, Waker};
 use std::time::Instant;
 
@@ -62,11 +73,16 @@ fn block_on<F: Future>(fut: F) -> F::Output {
             self.0.unpark();
         }
     }
-    let mut fut = std::pin::pin!(fut);
+    // Pinned in a box that is leaked if the model fails meanwhile (loom
+    // reports a deadlock by panicking in `park`): dropping the future would
+    // touch loom while unwinding, which aborts the test binary and hides the
+    // failure's message.
+    let mut fut = std::mem::ManuallyDrop::new(Box::pin(fut));
     let waker = Waker::from(Arc::new(Unpark(thread::current())));
     let mut cx = Context::from_waker(&waker);
     loop {
         if let Poll::Ready(out) = fut.as_mut().poll(&mut cx) {
+            drop(std::mem::ManuallyDrop::into_inner(fut));
             return out;
         }
         thread::park();
@@ -89,25 +105,42 @@ fn table() -> Arc<Table> {
     )
 }
 
-/// Runs one model with the loom settings from the environment and prints how
-/// many interleavings it explored and how long that took.
-fn model<F>(name: &str, f: F)
+/// The outcomes the interleavings of one model reached (plain std: written
+/// by the model's threads, read once loom is done).
+#[derive(Default)]
+struct Seen(StdMutex<BTreeSet<&'static str>>);
+
+impl Seen {
+    fn note(&self, outcome: &'static str) {
+        self.0.lock().unwrap().insert(outcome);
+    }
+}
+
+/// Runs one model with the loom settings from the environment, prints how
+/// many interleavings it explored and how long that took, and checks that
+/// every outcome in `expect` was reached by some interleaving (so that no
+/// branch of the model's assertions is vacuous) and no other was.
+fn model<F>(name: &str, expect: &[&'static str], f: F)
 where
-    F: Fn() + Sync + Send + 'static,
+    F: Fn(&Seen) + Sync + Send + 'static,
 {
     let iterations = Arc::new(StdAtomicUsize::new(0));
+    let seen = Arc::new(Seen::default());
     let start = Instant::now();
-    let counter = iterations.clone();
+    let (counter, outcomes) = (iterations.clone(), seen.clone());
     loom::model(move || {
         counter.fetch_add(1, Relaxed);
-        f();
+        f(&outcomes);
     });
+    let seen = seen.0.lock().unwrap().clone();
     eprintln!(
-        "loom model {name}: {} interleavings in {:.2?} (LOOM_MAX_PREEMPTIONS={})",
+        "loom model {name}: {} interleavings in {:.2?} (LOOM_MAX_PREEMPTIONS={}); outcomes {seen:?}",
         iterations.load(Relaxed),
         start.elapsed(),
         std::env::var("LOOM_MAX_PREEMPTIONS").unwrap_or_else(|_| "unbounded".into()),
     );
+    let expect: BTreeSet<_> = expect.iter().copied().collect();
+    assert_eq!(seen, expect, "outcomes reached (left) vs expected (right)");
 }
 
 // ---------------------------------------------------------------------------
@@ -141,27 +174,35 @@ impl Wake for CountingWaker {
     }
 }
 
-/// A future polled by hand with a counting waker.
-struct Polled<F> {
-    fut: Option<F>,
+/// A future polled by hand with a counting waker. Lock futures are `!Unpin`
+/// (their waiter node is linked into the queue by address), so the future is
+/// pinned in a box before its first poll and moved only as that box.
+struct Polled<F: Future> {
+    fut: Option<Pin<Box<F>>>,
     counter: Arc<CountingWaker>,
     waker: Waker,
+    /// The current waker's wakes when the last poll started: a wake counted
+    /// above it came during or after that poll, so an executor would poll
+    /// the future again.
+    polled_at: usize,
 }
 
-impl<F: Future + Unpin> Polled<F> {
+impl<F: Future> Polled<F> {
     fn new(fut: F) -> Self {
         let counter = CountingWaker::new();
         Self {
-            fut: Some(fut),
+            fut: Some(Box::pin(fut)),
             waker: Waker::from(counter.clone()),
             counter,
+            polled_at: 0,
         }
     }
 
     /// Polls once; `Some` when the future completed (it is gone then).
     fn poll(&mut self) -> Option<F::Output> {
         let fut = self.fut.as_mut().expect("polled after completion");
-        match Pin::new(fut).poll(&mut Context::from_waker(&self.waker)) {
+        self.polled_at = self.counter.wakes();
+        match fut.as_mut().poll(&mut Context::from_waker(&self.waker)) {
             Poll::Ready(out) => {
                 self.fut = None;
                 Some(out)
@@ -180,11 +221,18 @@ impl<F: Future + Unpin> Polled<F> {
         self.counter.wakes()
     }
 
+    /// Whether the current waker was woken since the last poll started (an
+    /// executor would poll the future again).
+    fn woken(&self) -> bool {
+        self.wakes() > self.polled_at
+    }
+
     /// Switches to a fresh waker for the next polls (as a task that moved to
     /// another executor would); returns the old one's counter.
     fn switch_waker(&mut self) -> Arc<CountingWaker> {
         let fresh = CountingWaker::new();
         self.waker = Waker::from(fresh.clone());
+        self.polled_at = 0;
         std::mem::replace(&mut self.counter, fresh)
     }
 
@@ -192,6 +240,32 @@ impl<F: Future + Unpin> Polled<F> {
     fn cancel(&mut self) {
         self.fut = None;
     }
+}
+
+impl<F: Future> Drop for Polled<F> {
+    fn drop(&mut self) {
+        if std::thread::panicking() {
+            // As `Holding`'s drop: leak the (pinned, so never freed) future.
+            std::mem::forget(self.fut.take());
+        }
+    }
+}
+
+/// Drives a pending future to completion once no other thread is left, as an
+/// executor would: it is polled only if woken since its last poll started,
+/// so a future left pending and unwoken is a lost wake-up (a real task would
+/// sleep for ever).
+fn finish<F: Future>(w: &mut Polled<F>, what: &str) -> F::Output {
+    for _ in 0..3 {
+        assert!(
+            w.woken(),
+            "{what}: pending and not woken since its last poll (lost wake-up)"
+        );
+        if let Some(out) = w.poll() {
+            return out;
+        }
+    }
+    panic!("{what}: woken three times and still pending with nothing left to wait for");
 }
 
 /// How many holders the key has, as the holders themselves see it.
@@ -237,6 +311,13 @@ impl Holding<Guard> {
 
 impl<G> Drop for Holding<G> {
     fn drop(&mut self) {
+        if std::thread::panicking() {
+            // A model failed: leak the guard rather than touch the table
+            // (and loom) while unwinding, which would abort the test binary
+            // and hide the failure's message.
+            std::mem::forget(self.guard.take());
+            return;
+        }
         // Leave before releasing: once released the successor may enter.
         self.inside.exit();
         drop(self.guard.take());
@@ -254,35 +335,57 @@ impl<G> Drop for Holding<G> {
 /// first (A's release then finds no waiter and frees the key), or the release
 /// grants the waiter and B's drop releases that unobserved grant. Either way
 /// nobody holds a guard afterwards, so the key must be free, the table empty
-/// and the key lockable again; the waiter is woken at most once.
+/// and the key lockable again; the waiter is woken at most once. A grant
+/// counts as an acquisition when it is made, even if its future is dropped
+/// before it runs.
 #[test]
 fn release_vs_cancel_of_granted_waiter() {
-    model("a: release vs cancel", || {
-        let table = table();
-        let inside = Inside::new();
-        let holder = Holding::new(table.clone().try_lock_owned(KEY).unwrap(), &inside);
-        let mut waiter = Polled::new(table.clone().lock_owned(KEY));
-        assert!(waiter.poll().is_none(), "the key is held: must queue");
-        assert_eq!(table.waiters(&KEY), 1);
+    model(
+        "a: release vs cancel",
+        &[
+            "dropped before the grant",
+            "dropped with an unobserved grant",
+        ],
+        |seen| {
+            let table = table();
+            let inside = Inside::new();
+            let holder = Holding::new(table.clone().try_lock_owned(KEY).unwrap(), &inside);
+            let mut waiter = Polled::new(table.clone().lock_owned(KEY));
+            assert!(waiter.poll().is_none(), "the key is held: must queue");
+            assert_eq!(table.waiters(&KEY), 1);
 
-        let a = thread::spawn(move || drop(holder));
-        let b = thread::spawn(move || {
-            waiter.cancel();
-            waiter
-        });
-        a.join().unwrap();
-        let waiter = b.join().unwrap();
+            let a = thread::spawn(move || drop(holder));
+            let b = thread::spawn(move || {
+                waiter.cancel();
+                waiter
+            });
+            a.join().unwrap();
+            let waiter = b.join().unwrap();
 
-        assert!(!table.is_locked(&KEY), "key held with no guard alive");
-        assert_eq!(table.waiters(&KEY), 0);
-        assert_eq!(table.len(), 0, "entry leaked");
-        assert!(waiter.wakes() <= 1, "waiter woken {} times", waiter.wakes());
-        drop(Holding::new(
-            table.clone().try_lock_owned(KEY).expect("key must be free"),
-            &inside,
-        ));
-        assert_eq!(table.len(), 0);
-    });
+            assert!(!table.is_locked(&KEY), "key held with no guard alive");
+            assert_eq!(table.waiters(&KEY), 0);
+            assert_eq!(table.len(), 0, "entry leaked");
+            assert!(waiter.wakes() <= 1, "waiter woken {} times", waiter.wakes());
+            let stats = table.stats();
+            assert_eq!(stats.cancelled, 1);
+            assert_eq!(
+                stats.acquisitions,
+                1 + stats.handoffs,
+                "a grant made was not counted"
+            );
+            seen.note(if stats.handoffs == 1 {
+                "dropped with an unobserved grant"
+            } else {
+                "dropped before the grant"
+            });
+            drop(Holding::new(
+                table.clone().try_lock_owned(KEY).expect("key must be free"),
+                &inside,
+            ));
+            table.assert_consistent();
+            assert_eq!(table.len(), 0);
+        },
+    );
 }
 
 /// (a2) Release vs cancel of the head waiter, with a second waiter behind it
@@ -294,7 +397,7 @@ fn release_vs_cancel_of_granted_waiter() {
 /// been or is now granted. Never two holders; table empty at the end.
 #[test]
 fn release_vs_cancel_passes_grant_on() {
-    model("a2: release vs cancel, successor polls", || {
+    model("a2: release vs cancel, successor polls", &[], |_| {
         let table = table();
         let inside = Inside::new();
         let holder = Holding::new(table.clone().try_lock_owned(KEY).unwrap(), &inside);
@@ -333,6 +436,7 @@ fn release_vs_cancel_passes_grant_on() {
             let g = next.poll().expect("successor woken but not granted");
             drop(Holding::new(g, &inside));
         }
+        table.assert_consistent();
         assert_eq!(table.len(), 0, "entry leaked");
     });
 }
@@ -347,7 +451,7 @@ fn release_vs_cancel_passes_grant_on() {
 /// table is empty once everything is dropped.
 #[test]
 fn two_waiters_and_release() {
-    model("b: two waiters + release", || {
+    model("b: two waiters + release", &[], |_| {
         let table = table();
         let inside = Inside::new();
         let grants = Arc::new(Mutex::new(Vec::new()));
@@ -408,6 +512,7 @@ fn two_waiters_and_release() {
             first_token < grants[0].1 && grants[0].1 < grants[1].1,
             "tokens not increasing: {first_token:?} {grants:?}"
         );
+        table.assert_consistent();
         assert_eq!(table.len(), 0, "entry leaked");
     });
 }
@@ -419,7 +524,7 @@ fn two_waiters_and_release() {
 /// granted with a larger token.
 #[test]
 fn lock_vs_lock_on_free_key() {
-    model("c: lock vs lock", || {
+    model("c: lock vs lock", &[], |_| {
         let table = table();
         let inside = Inside::new();
         let locker = || {
@@ -460,6 +565,7 @@ fn lock_vs_lock_on_free_key() {
         let h = Holding::new(waiter.poll().expect("woken waiter not granted"), &inside);
         assert!(h.token() > first, "token did not increase");
         drop(h);
+        table.assert_consistent();
         assert_eq!(table.len(), 0, "entry leaked");
     });
 }
@@ -469,7 +575,7 @@ fn lock_vs_lock_on_free_key() {
 /// loom reports as a deadlock.
 #[test]
 fn lock_vs_lock_block_on() {
-    model("c2: lock vs lock, block_on", || {
+    model("c2: lock vs lock, block_on", &[], |_| {
         let table = table();
         let inside = Inside::new();
         let threads: Vec<_> = (0..2)
@@ -485,6 +591,7 @@ fn lock_vs_lock_block_on() {
         for t in threads {
             t.join().unwrap();
         }
+        table.assert_consistent();
         assert_eq!(table.len(), 0, "entry leaked");
         assert_eq!(table.stats().acquisitions, 2);
     });
@@ -497,7 +604,7 @@ fn lock_vs_lock_block_on() {
 /// Never two holders; table empty at the end; waiter woken at most once.
 #[test]
 fn release_vs_cancel_vs_try_lock() {
-    model("d: release vs cancel vs try_lock", || {
+    model("d: release vs cancel vs try_lock", &[], |_| {
         let table = table();
         let inside = Inside::new();
         let released = Arc::new(AtomicBool::new(false));
@@ -540,6 +647,7 @@ fn release_vs_cancel_vs_try_lock() {
         c.join().unwrap();
 
         assert!(waiter.wakes() <= 1, "waiter woken {} times", waiter.wakes());
+        table.assert_consistent();
         assert_eq!(table.len(), 0, "entry leaked");
     });
 }
@@ -551,7 +659,7 @@ fn release_vs_cancel_vs_try_lock() {
 /// (woken exactly once, granted on the next poll). Never two holders.
 #[test]
 fn release_vs_cancel_vs_newcomer() {
-    model("d2: release vs cancel vs newcomer lock", || {
+    model("d2: release vs cancel vs newcomer lock", &[], |_| {
         let table = table();
         let inside = Inside::new();
         let holder = Holding::new(table.clone().try_lock_owned(KEY).unwrap(), &inside);
@@ -594,6 +702,7 @@ fn release_vs_cancel_vs_newcomer() {
                 "newcomer acquired directly but was woken"
             );
         }
+        table.assert_consistent();
         assert_eq!(table.len(), 0, "entry leaked");
     });
 }
@@ -607,7 +716,7 @@ fn release_vs_cancel_vs_newcomer() {
 /// stayed pending, waker 2 must be woken and waker 1 never.
 #[test]
 fn release_vs_repoll_with_new_waker() {
-    model("e: release vs re-poll with a new waker", || {
+    model("e: release vs re-poll with a new waker", &[], |_| {
         let table = table();
         let inside = Inside::new();
         let holder = Holding::new(table.clone().try_lock_owned(KEY).unwrap(), &inside);
@@ -641,6 +750,7 @@ fn release_vs_repoll_with_new_waker() {
                 "new waker woken after the grant was taken"
             );
         }
+        table.assert_consistent();
         assert_eq!(table.len(), 0, "entry leaked");
     });
 }
@@ -653,7 +763,7 @@ fn release_vs_repoll_with_new_waker() {
 /// table at the end.
 #[test]
 fn blocking_lockers_and_abandoned_future() {
-    model("f: 2 blocking lockers + 1 abandoned future", || {
+    model("f: 2 blocking lockers + 1 abandoned future", &[], |_| {
         let table = table();
         let inside = Inside::new();
         let mut threads: Vec<_> = (0..2)
@@ -680,6 +790,141 @@ fn blocking_lockers_and_abandoned_future() {
         for t in threads {
             t.join().unwrap();
         }
+        table.assert_consistent();
         assert_eq!(table.len(), 0, "entry leaked");
     });
+}
+
+/// (g) Release vs the head waiter's lock-free poll, then its drop, with a
+/// successor queued behind it.
+///
+/// The key is held; W1 then W2 queue. Thread A drops the guard, which grants
+/// W1: it unlinks W1, writes the grant into W1's node and publishes it with
+/// a release store of the node's state word. Thread B polls W1 once (a grant
+/// already published is taken without the shard lock: loom checks that the
+/// grant's cells are read only after the granter's writes) and, if it is
+/// granted, holds the key and releases it; otherwise it drops W1, which may
+/// race the grant itself: the drop either unlinks W1 before it is granted or
+/// releases its unobserved grant. In every order the key reaches W2 once: W2
+/// is woken exactly once and granted on its next poll. Never two holders;
+/// every grant made counts as an acquisition; the table is clean at the end.
+#[test]
+fn release_vs_head_poll_then_drop() {
+    model(
+        "g: release vs the head's lock-free poll / drop",
+        &[
+            "head served",
+            "head dropped before its grant",
+            "head dropped with an unobserved grant",
+        ],
+        |seen| {
+            let table = table();
+            let inside = Inside::new();
+            let holder = Holding::new(table.clone().try_lock_owned(KEY).unwrap(), &inside);
+            let mut w1 = Polled::new(table.clone().lock_owned(KEY));
+            let mut w2 = Polled::new(table.clone().lock_owned(KEY));
+            assert!(w1.poll().is_none());
+            assert!(w2.poll().is_none());
+
+            let a = thread::spawn(move || drop(holder));
+            let b = {
+                let inside = inside.clone();
+                thread::spawn(move || match w1.poll() {
+                    Some(g) => {
+                        drop(Holding::new(g, &inside));
+                        (true, w1)
+                    }
+                    None => {
+                        w1.cancel();
+                        (false, w1)
+                    }
+                })
+            };
+            a.join().unwrap();
+            let (served, w1) = b.join().unwrap();
+            assert!(w1.wakes() <= 1, "W1 woken {} times", w1.wakes());
+            assert!(w2.pending(), "W2 cannot complete without being polled");
+            table.assert_consistent();
+
+            let g = finish(&mut w2, "W2 (the key passed on)");
+            assert_eq!(w2.wakes(), 1, "W2 woken {} times", w2.wakes());
+            drop(Holding::new(g, &inside));
+            let stats = table.stats();
+            assert_eq!(
+                stats.acquisitions,
+                1 + stats.handoffs,
+                "a grant made was not counted"
+            );
+            seen.note(match (served, stats.handoffs) {
+                (true, 2) => "head served",
+                (false, 1) => "head dropped before its grant",
+                (false, 2) => "head dropped with an unobserved grant",
+                other => panic!("unexpected outcome {other:?}"),
+            });
+            assert_eq!(stats.cancelled, u64::from(!served));
+            table.assert_consistent();
+            assert_eq!(table.len(), 0, "entry leaked");
+        },
+    );
+}
+
+/// (h) A first poll that queues and registers its waker without the lock,
+/// vs the holder's release.
+///
+/// The key is held. Thread A drops the guard; thread B creates a lock future
+/// and polls it once: it takes the free key, or links its waiter and then,
+/// after unlocking, stores its waker and compare-and-swaps the node's state
+/// `WAITING → ARMED`, racing the release's grant (a compare-and-swap
+/// `WAITING → GRANTED`, or, if it sees `ARMED`, taking the waker and storing
+/// `GRANTED`). No wake-up is lost: B's poll either returns the key at once
+/// (free, or granted while it registered: then nobody wakes it), or it is
+/// woken exactly once and granted on its next poll.
+#[test]
+fn first_poll_registration_vs_release() {
+    model(
+        "h: first poll's lock-free registration vs release",
+        &[
+            "took the free key",
+            "granted while registering",
+            "woken by the grant",
+        ],
+        |seen| {
+            let table = table();
+            let inside = Inside::new();
+            let holder = Holding::new(table.clone().try_lock_owned(KEY).unwrap(), &inside);
+
+            let a = thread::spawn(move || drop(holder));
+            let b = {
+                let (table, inside) = (table.clone(), inside.clone());
+                thread::spawn(move || {
+                    let mut w = Polled::new(table.lock_owned(KEY));
+                    let ready = w.poll().map(|g| drop(Holding::new(g, &inside)));
+                    (ready.is_some(), w)
+                })
+            };
+            a.join().unwrap();
+            let (ready, mut w) = b.join().unwrap();
+            table.assert_consistent();
+
+            let handoffs = table.stats().handoffs;
+            if ready {
+                assert_eq!(w.wakes(), 0, "completed on its first poll, yet woken");
+                seen.note(if handoffs == 0 {
+                    "took the free key"
+                } else {
+                    "granted while registering"
+                });
+            } else {
+                let g = finish(&mut w, "the queued first poll");
+                assert_eq!(w.wakes(), 1, "woken {} times", w.wakes());
+                assert_eq!(handoffs, 1);
+                drop(Holding::new(g, &inside));
+                seen.note("woken by the grant");
+            }
+            let stats = table.stats();
+            assert_eq!((stats.acquisitions, stats.contended), (2, handoffs));
+            table.assert_consistent();
+            assert_eq!(table.len(), 0, "entry leaked");
+        },
+    );
 }
