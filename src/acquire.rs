@@ -74,15 +74,19 @@ where
     #[inline]
     fn new(table: T, key: K, lease: Option<Duration>, timeout: Option<Duration>) -> Self {
         let hash = table.hash(&key);
-        let (state, lease) = match table.leases().resolve(lease) {
-            Ok(lease) => (State::Start(key), lease),
-            Err(err) => (State::Invalid(Box::new(err)), None),
+        let (state, lease) = match lease {
+            // The default was validated when the table was built.
+            None => (State::Start(key), table.leases().default_packed),
+            Some(asked) => match table.leases().check(asked) {
+                Ok(lease) => (State::Start(key), PackedDuration::pack(Some(lease))),
+                Err(err) => (State::Invalid(Box::new(err)), PackedDuration::NONE),
+            },
         };
         Self {
             table: Some(table),
             hash,
             state,
-            lease: PackedDuration::pack(lease),
+            lease,
             timeout: PackedDuration::pack(timeout),
             timing: None,
             waiter: LazyWaiter::new(),
@@ -155,7 +159,11 @@ where
     ) -> Result<Step<(T, Held<K>)>, Box<LockError>> {
         let table = self.table.as_deref().expect("present until completion");
         let lease = self.lease.get();
-        let timeout = self.timeout.get();
+        let timeout = if self.timeout == PackedDuration::NONE {
+            None
+        } else {
+            self.timeout.get()
+        };
         if timeout == Some(Duration::ZERO) {
             return match try_once(table, self.hash, key, lease, left) {
                 Ok(grant) => Ok(Step::Ready(self.finish(grant))),
@@ -260,7 +268,30 @@ where
         let gave_up = self.until().is_some_and(|until| ctx.now() >= until);
         let polled = {
             let mut state = shard.state.lock();
-            if gave_up {
+            // A wait past its deadline still takes the key if it is its by
+            // now: a lapse settled first, or (eventual fairness) a free key
+            // at the head. Only then does it give up.
+            let won = if gave_up {
+                // SAFETY: our own waiter, linked into `key`'s queue.
+                match unsafe {
+                    state.poll_waiter(
+                        self.hash,
+                        key,
+                        self.waiter.get(),
+                        cx.waker(),
+                        None,
+                        &mut ctx,
+                    )
+                } {
+                    Polled::Granted(granted) => Some(granted),
+                    Polled::Waiting { .. } | Polled::NeedWaker => None,
+                }
+            } else {
+                None
+            };
+            if let Some(granted) = won {
+                Outcome::Granted(granted)
+            } else if gave_up {
                 // SAFETY: our own waiter, linked into `key`'s queue.
                 match unsafe {
                     state.leave(
@@ -501,8 +532,10 @@ macro_rules! lock_future {
                 // it is never moved out.
                 let inner = unsafe { self.map_unchecked_mut(|f| &mut f.inner) };
                 let mut left = Leftovers::default();
-                let polled = inner.poll_acquire(cx, &mut left);
-                let out = polled.map(|r| lock_future!(@$result r.map(|($table, $held)| $make)));
+                let out = match inner.poll_acquire(cx, &mut left) {
+                    Poll::Ready(r) => Poll::Ready(lock_future!(@$result r.map(|($table, $held)| $make))),
+                    Poll::Pending => Poll::Pending,
+                };
                 // After the guard exists: should dropping a key or a waker
                 // panic now, unwinding drops the guard, which releases.
                 left.flush();

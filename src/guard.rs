@@ -65,7 +65,7 @@ impl<K> Held<K> {
         unsafe { self.key.get() }
     }
 
-    #[inline]
+    #[inline(always)]
     fn release<S>(&self, table: &LockTable<K, S>) {
         table.release(self.hash, self.key, self.token);
     }
@@ -185,7 +185,7 @@ impl<'a, K, S> Guard<'a, K, S> {
 }
 
 impl<K, S> Drop for Guard<'_, K, S> {
-    #[inline]
+    #[inline(always)]
     fn drop(&mut self) {
         self.held.release(self.table);
     }

@@ -67,29 +67,39 @@ impl<K> KeyPtr<K> {
 
 /// The per-shard pool of empty key slots. Touched only under the shard lock.
 pub(crate) struct KeyPool<K> {
-    spare: Vec<Box<MaybeUninit<K>>>,
+    /// `spare[..count]` are empty slots; the rest are `None`. A fixed array
+    /// rather than a `Vec`: pushing and popping compile to a few moves.
+    spare: [Option<Box<MaybeUninit<K>>>; POOL_CAPACITY],
+    count: usize,
 }
 
 impl<K> std::fmt::Debug for KeyPool<K> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("KeyPool")
-            .field("spare", &self.spare.len())
+            .field("spare", &self.count)
             .finish()
     }
 }
 
 impl<K> KeyPool<K> {
     pub(crate) fn new() -> Self {
-        Self { spare: Vec::new() }
+        Self {
+            spare: std::array::from_fn(|_| None),
+            count: 0,
+        }
     }
 
     /// Moves `key` into a slot, reusing a spare one when there is one.
     #[inline(always)]
     pub(crate) fn store(&mut self, key: K) -> KeyPtr<K> {
-        let mut slot = self
-            .spare
-            .pop()
-            .unwrap_or_else(|| Box::new(MaybeUninit::uninit()));
+        let spare = match self.count.checked_sub(1) {
+            Some(top) => {
+                self.count = top;
+                self.spare.get_mut(top).and_then(Option::take)
+            }
+            None => None,
+        };
+        let mut slot = spare.unwrap_or_else(|| Box::new(MaybeUninit::uninit()));
         slot.write(key);
         // The slot is initialized now; its ownership passes to the entry.
         KeyPtr(NonNull::from(Box::leak(slot)).cast())
@@ -109,8 +119,9 @@ impl<K> KeyPool<K> {
         let slot = unsafe { Box::from_raw(ptr.0.cast::<MaybeUninit<K>>().as_ptr()) };
         // SAFETY: the slot was initialized by `store` and not read out since.
         let key = unsafe { slot.assume_init_read() };
-        if self.spare.len() < POOL_CAPACITY {
-            self.spare.push(slot);
+        if let Some(free) = self.spare.get_mut(self.count) {
+            *free = Some(slot);
+            self.count += 1;
         }
         key
     }

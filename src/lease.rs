@@ -72,6 +72,8 @@ impl LockOptions {
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct LeasePolicy {
     pub(crate) default: Option<Duration>,
+    /// `default`, packed once (what a plain `lock` carries).
+    pub(crate) default_packed: PackedDuration,
     pub(crate) max: Duration,
 }
 

@@ -174,6 +174,7 @@ impl Keys<'_> {
     /// A holder let go of a key that has waiters: hand it to the head
     /// (strict), or, under eventual fairness while the shard's fairness
     /// deadline has not come, free it and nudge the head to retry.
+    #[inline(never)]
     fn pass_on<K>(&mut self, entry: &mut Entry<K>, fairness: Fairness, ctx: &mut Ctx<'_, '_, K>) {
         if fairness == Fairness::Eventual {
             let now = ctx.now();
@@ -644,7 +645,7 @@ impl<K> ShardState<K> {
     /// The holder of `token` lets go of the key: it goes to the head waiter,
     /// or the entry is removed. A grant that had lost the key (its token is
     /// no longer current) frees nothing but its own claim on the entry.
-    #[inline]
+    #[inline(always)]
     pub(crate) fn release(
         &mut self,
         hash: u64,

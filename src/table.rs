@@ -223,7 +223,7 @@ impl<K, S> LockTable<K, S> {
 
     /// Runs `op` on the shard of `hash` under its lock, then wakes and drops
     /// what it left to do, after unlocking.
-    #[inline]
+    #[inline(always)]
     fn with_shard<R>(
         &self,
         hash: u64,
@@ -241,7 +241,7 @@ impl<K, S> LockTable<K, S> {
 
     /// Releases the grant `token` of the key at `key`; the holder gives proof
     /// of ownership with its token, so a stale release frees nothing.
-    #[inline]
+    #[inline(always)]
     pub(crate) fn release(&self, hash: u64, key: KeyPtr<K>, token: FencingToken) {
         let fairness = self.fairness;
         self.with_shard(hash, |state, ctx| {
@@ -845,6 +845,7 @@ impl<K, S> Builder<K, S> {
             clock: self.clock,
             leases: LeasePolicy {
                 default: self.default_lease,
+                default_packed: crate::lease::PackedDuration::pack(self.default_lease),
                 max: self.max_lease,
             },
             epoch,

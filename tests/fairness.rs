@@ -242,3 +242,29 @@ fn eventual_tokio_tasks_on_one_key_all_finish() {
     assert_eq!(count.load(SeqCst), 32 * 500);
     assert!(table.is_empty());
 }
+
+#[test]
+fn eventual_a_nudged_head_past_its_timeout_takes_the_free_key() {
+    // Regression: under eventual fairness a poll past its timeout gave up
+    // although a release had freed the key and nudged this waiter, the head.
+    let (clock, table) = eventual();
+    let holder = table.try_lock(1).unwrap();
+    let (_, w) = counting();
+    let mut a = Box::pin(table.lock(1));
+    assert!(poll(&mut a, &w).is_pending());
+    drop(holder); // fair: starts the fairness deadline
+    let Poll::Ready(ga) = poll(&mut a, &w) else {
+        panic!()
+    };
+    let opts = keylock::LockOptions::new().timeout(std::time::Duration::from_micros(100));
+    let mut b = Box::pin(table.lock_with(1, opts));
+    assert!(poll(&mut b, &w).is_pending());
+    drop(ga); // before the deadline: frees the key, nudges b
+    clock.advance(std::time::Duration::from_micros(100));
+    match poll(&mut b, &w) {
+        Poll::Ready(Ok(g)) => drop(g),
+        other => panic!("b heads the queue of a free key, got {other:?}"),
+    }
+    table.assert_consistent();
+    assert!(table.is_empty());
+}

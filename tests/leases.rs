@@ -466,3 +466,26 @@ fn plain_locks_never_read_the_clock() {
     drop(table.try_lock_with("k", lease(SEC)).unwrap());
     assert!(clock.reads() > before, "a lease reads the clock");
 }
+
+#[test]
+fn a_timeout_after_the_holders_lease_lapsed_takes_the_key_instead_of_giving_up() {
+    // Regression: a poll past its timeout gave up without settling the
+    // holder's lapse first, and named the lapsed holder in its error.
+    let (clock, table) = table();
+    let holder = table.try_lock_with("k", lease(2 * SEC)).unwrap();
+    let (_, w) = counting();
+    let mut f = Box::pin(table.lock_with("k", LockOptions::new().timeout(3 * SEC)));
+    assert!(poll(&mut f, &w).is_pending());
+    clock.advance(3 * SEC);
+    let guard = match poll(&mut f, &w) {
+        Poll::Ready(Ok(g)) => g,
+        other => panic!("the key was the waiter's from 2 s on, got {other:?}"),
+    };
+    assert!(guard.token() > holder.token());
+    assert!(holder.is_expired());
+    drop(holder);
+    assert!(table.is_locked("k"));
+    drop(guard);
+    table.assert_consistent();
+    assert!(table.is_empty());
+}

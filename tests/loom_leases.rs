@@ -622,7 +622,6 @@ fn b_timeout_vs_grant() {
 }
 
 #[test]
-#[ignore = "bug: a timed-out poll (ShardState::leave with timed_out) gives up without settling a lapsed holder first, so the head times out although the holder's lease lapsed at (or before) its timeout and the key was due to it; the Timeout then names the lapsed holder"]
 fn b2_timeout_vs_grant_lapse_at_the_same_instant() {
     model(
         "b2: timeout vs grant, lapse at the timeout",
@@ -763,7 +762,6 @@ fn b3_timeout_vs_grant_vs_poll() {
 }
 
 #[test]
-#[ignore = "bug: under eventual fairness a timed-out poll (ShardState::leave with timed_out) gives up although its waiter heads the queue of a key that a release freed before that poll (nudging it to take the key), where strict fairness would have granted it; the Timeout reports no holder and nobody ahead"]
 fn b4_eventual_timeout_vs_release_vs_poll() {
     model(
         "b4: eventual: timeout vs release vs the waiter's poll",
