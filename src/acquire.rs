@@ -71,7 +71,7 @@ where
     K: Eq + Hash,
     S: BuildHasher,
 {
-    #[inline]
+    #[inline(always)]
     fn new(table: T, key: K, lease: Option<Duration>, timeout: Option<Duration>) -> Self {
         let hash = table.hash(&key);
         let (state, lease) = match lease {
@@ -107,7 +107,7 @@ where
     /// User code (the key's `Drop`, a waker's `clone`, `wake` or `drop`) may
     /// panic out of this; the state is then always consistent: the waiter is
     /// `Linked` while it is in a queue, and `Drop` unlinks it.
-    #[inline]
+    #[inline(always)]
     fn poll_acquire(
         self: Pin<&mut Self>,
         cx: &mut Context<'_>,
@@ -451,13 +451,22 @@ fn try_once<K: Eq + Hash, S: BuildHasher>(
 }
 
 impl<T: TableHandle<K>, K> Drop for Acquire<T, K> {
+    #[inline(always)]
     fn drop(&mut self) {
         if let State::Linked { key } = self.state {
-            if let Some(table) = self.table.as_ref() {
-                // The waiter is unlinked (or its unobserved grant released)
-                // before its memory goes.
-                table.leave(self.hash, key, self.waiter.get());
-            }
+            self.leave(key);
+        }
+    }
+}
+
+impl<T: TableHandle<K>, K> Acquire<T, K> {
+    #[cold]
+    #[inline(never)]
+    fn leave(&mut self, key: KeyPtr<K>) {
+        if let Some(table) = self.table.as_ref() {
+            // The waiter is unlinked (or its unobserved grant released)
+            // before its memory goes.
+            table.leave(self.hash, key, self.waiter.get());
         }
     }
 }
@@ -526,7 +535,7 @@ macro_rules! lock_future {
         impl<$($lt,)? K: Eq + Hash, S: BuildHasher> Future for $name<$($lt,)? K, S> {
             type Output = $out;
 
-            #[inline]
+            #[inline(always)]
             fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
                 // SAFETY: `inner` is pinned with `self` (structural pinning);
                 // it is never moved out.

@@ -97,6 +97,17 @@ impl Stamp {
     pub(crate) fn is_some(self) -> bool {
         self.0 != 0
     }
+
+    /// The stamp as one word, to keep in an atomic.
+    #[inline]
+    pub(crate) fn to_raw(self) -> u64 {
+        self.0
+    }
+
+    #[inline]
+    pub(crate) fn from_raw(raw: u64) -> Self {
+        Self(raw)
+    }
 }
 
 /// The current time, read at most once per operation and only if needed.

@@ -6,6 +6,7 @@ use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use crate::clock::Stamp;
 use crate::error::LockError;
 use crate::key_slot::KeyPtr;
 use crate::queue::Grant;
@@ -19,31 +20,10 @@ pub(crate) struct Held<K> {
     hash: u64,
     key: KeyPtr<K>,
     token: FencingToken,
-    /// The lease deadline of the grant.
-    granted_until: Option<Instant>,
-    /// The lease deadline set by this guard's last `renew`, in nanoseconds
-    /// after the table's epoch, plus one; zero if it never renewed. Written
-    /// only by `renew`, so the grant path stores no more than a copy.
-    renewed_until: AtomicU64,
-}
-
-#[inline]
-fn encode(deadline: Option<Instant>, epoch: Instant) -> u64 {
-    deadline.map_or(0, |d| {
-        let since = d.saturating_duration_since(epoch);
-        let nanos = since
-            .as_secs()
-            .saturating_mul(1_000_000_000)
-            .saturating_add(u64::from(since.subsec_nanos()));
-        nanos.min(u64::MAX - 2) + 1
-    })
-}
-
-fn decode(raw: u64, epoch: Instant) -> Option<Instant> {
-    match raw {
-        0 | u64::MAX => None,
-        raw => epoch.checked_add(Duration::from_nanos(raw - 1)),
-    }
+    /// The lease deadline as granted or last renewed through this guard, as
+    /// a [`Stamp`] (zero: no deadline). One word, so that a guard is five
+    /// words and cheap to move.
+    deadline: AtomicU64,
 }
 
 impl<K> Held<K> {
@@ -53,8 +33,7 @@ impl<K> Held<K> {
             hash,
             key: grant.key,
             token: grant.token,
-            granted_until: grant.deadline,
-            renewed_until: AtomicU64::new(0),
+            deadline: AtomicU64::new(Stamp::new(grant.deadline).to_raw()),
         }
     }
 
@@ -74,22 +53,15 @@ impl<K> Held<K> {
         table.check_grant(self.hash, self.key, self.token)
     }
 
-    fn expires_at<S>(&self, table: &LockTable<K, S>) -> Option<Instant> {
-        match self.renewed_until.load(Relaxed) {
-            0 => self.granted_until,
-            raw => decode(raw, table.epoch()),
-        }
+    fn expires_at(&self) -> Option<Instant> {
+        Stamp::from_raw(self.deadline.load(Relaxed)).get()
     }
 
     fn renew<S>(&self, table: &LockTable<K, S>, lease: Duration) -> Result<(), LockError> {
         let deadline = table.renew_grant(self.hash, self.key, self.token, lease)?;
-        // A lease too long for the clock to represent never ends: `MAX`
-        // reads back as no deadline.
-        let raw = match deadline {
-            Some(_) => encode(deadline, table.epoch()),
-            None => u64::MAX,
-        };
-        self.renewed_until.store(raw, Relaxed);
+        // A lease too long for the clock to represent never ends: it reads
+        // back as no deadline.
+        self.deadline.store(Stamp::new(deadline).to_raw(), Relaxed);
         Ok(())
     }
 }
@@ -128,7 +100,7 @@ macro_rules! guard_methods {
         /// When the lease ends (as granted or last renewed through this
         /// guard), or `None` for a grant without a lease.
         pub fn expires_at(&self) -> Option<Instant> {
-            self.held.expires_at(&self.table)
+            self.held.expires_at()
         }
 
         /// Sets the lease to end `lease` from now (shorter or longer; a grant

@@ -78,8 +78,6 @@ pub struct LockTable<K, S = DefaultHashBuilder> {
     hasher: S,
     clock: Clock,
     leases: LeasePolicy,
-    /// An instant before every deadline of this table, to store them compactly.
-    epoch: Instant,
     fairness: Fairness,
 }
 
@@ -214,11 +212,6 @@ impl<K, S> LockTable<K, S> {
     #[inline]
     pub(crate) fn leases(&self) -> &LeasePolicy {
         &self.leases
-    }
-
-    #[inline]
-    pub(crate) fn epoch(&self) -> Instant {
-        self.epoch
     }
 
     /// Runs `op` on the shard of `hash` under its lock, then wakes and drops
@@ -837,7 +830,6 @@ impl<K, S> Builder<K, S> {
                 })
             })
             .collect();
-        let epoch = self.clock.now();
         LockTable {
             mask: shards.len() - 1,
             shards,
@@ -848,7 +840,6 @@ impl<K, S> Builder<K, S> {
                 default_packed: crate::lease::PackedDuration::pack(self.default_lease),
                 max: self.max_lease,
             },
-            epoch,
             fairness: self.fairness,
         }
     }

@@ -170,6 +170,7 @@ impl LazyWaiter {
 }
 
 impl Drop for LazyWaiter {
+    #[inline(always)]
     fn drop(&mut self) {
         if self.live {
             // SAFETY: initialized (`live`), dropped once, here; the owner
