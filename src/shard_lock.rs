@@ -44,7 +44,11 @@ pub(crate) type ShardMutex<T> = crate::loom::Mutex<T>;
 /// `value` is accessed only through a [`ShardGuard`], and at most one guard
 /// exists at a time: one is made only by the thread whose compare-and-swap
 /// turned `locked` from `false` to `true`.
+///
+/// `repr(C)`: the lock word comes first, on the same cache line as the
+/// front of the value it guards.
 #[derive(Debug, Default)]
+#[repr(C)]
 pub(crate) struct ShardLock<T> {
     locked: AtomicBool,
     value: UnsafeCell<T>,

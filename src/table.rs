@@ -32,7 +32,9 @@ use crate::waiter::Waiter;
 /// The hasher a table uses unless told otherwise: fast, and seeded per table.
 pub type DefaultHashBuilder = foldhash::fast::RandomState;
 
-/// One shard: its lock-protected state and its counters.
+/// One shard: its lock-protected state and its counters (after it, in
+/// order: the lock and the hot part of the state share the first cache line).
+#[repr(C)]
 pub(crate) struct Shard<K> {
     pub(crate) state: ShardMutex<ShardState<K>>,
     pub(crate) counters: Counters,
