@@ -174,9 +174,11 @@ where
         // Declared before the shard guard: if `K: Eq` panics during the
         // probe, the guard unlocks first and the key is dropped after.
         let mut key = Some(key);
+        let mut state = shard.state.lock();
+        // Made after locking: stores made before a locked compare-and-swap
+        // must drain before it completes.
         let mut ctx = Ctx::new(table.clock(), &shard.counters, left);
         let attempt = {
-            let mut state = shard.state.lock();
             // SAFETY: the waiter is idle and pinned (we are, through `Pin`),
             // and `Drop` unlinks it before it is freed.
             unsafe {
@@ -190,6 +192,7 @@ where
                 )
             }
         };
+        drop(state);
         let started = match (&attempt, timeout) {
             (Attempt::Queued { .. }, Some(timeout)) => {
                 let start = ctx.now();

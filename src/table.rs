@@ -226,8 +226,10 @@ impl<K, S> LockTable<K, S> {
     ) -> R {
         let shard = self.shard(hash);
         let mut left = Leftovers::default();
-        let mut ctx = Ctx::new(&self.clock, &shard.counters, &mut left);
         let mut state = shard.state.lock();
+        // Made after locking: stores made before a locked compare-and-swap
+        // must drain before it completes.
+        let mut ctx = Ctx::new(&self.clock, &shard.counters, &mut left);
         let result = op(&mut state, &mut ctx);
         drop(state);
         left.flush();
