@@ -98,6 +98,24 @@ impl Stamp {
         self.0 != 0
     }
 
+    /// This stamp plus `d`; none stays none, and an overflow is none ("too
+    /// far to represent": never).
+    #[inline]
+    pub(crate) fn plus(self, d: Duration) -> Self {
+        if self.0 == 0 {
+            return Self::NONE;
+        }
+        let nanos = d
+            .as_secs()
+            .checked_mul(1_000_000_000)
+            .and_then(|n| n.checked_add(u64::from(d.subsec_nanos())))
+            .and_then(|n| n.checked_add(self.0));
+        match nanos {
+            Some(n) if n < u64::MAX => Self(n),
+            _ => Self::NONE,
+        }
+    }
+
     /// The stamp as one word, to keep in an atomic.
     #[inline]
     pub(crate) fn to_raw(self) -> u64 {

@@ -33,7 +33,7 @@ impl<K> Held<K> {
             hash,
             key: grant.key,
             token: grant.token,
-            deadline: AtomicU64::new(Stamp::new(grant.deadline).to_raw()),
+            deadline: AtomicU64::new(grant.deadline.to_raw()),
         }
     }
 
@@ -61,7 +61,7 @@ impl<K> Held<K> {
         let deadline = table.renew_grant(self.hash, self.key, self.token, lease)?;
         // A lease too long for the clock to represent never ends: it reads
         // back as no deadline.
-        self.deadline.store(Stamp::new(deadline).to_raw(), Relaxed);
+        self.deadline.store(deadline.to_raw(), Relaxed);
         Ok(())
     }
 }

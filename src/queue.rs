@@ -78,7 +78,7 @@ impl<K> Entry<K> {
 pub(crate) struct Grant<K> {
     pub(crate) key: KeyPtr<K>,
     pub(crate) token: FencingToken,
-    pub(crate) deadline: Option<Instant>,
+    pub(crate) deadline: Stamp,
 }
 
 /// The outcome of a lock attempt that may wait.
@@ -166,7 +166,7 @@ impl Keys<'_> {
         let waker = unsafe { Waiter::grant(head, token, deadline) };
         entry.holder = Some(Holder {
             token,
-            deadline: Stamp::new(deadline),
+            deadline,
             since,
         });
         ctx.counters().handed_off();
@@ -244,7 +244,7 @@ impl Keys<'_> {
         ctx.counters().acquired(contended);
         entry.holder = Some(Holder {
             token,
-            deadline: Stamp::new(deadline),
+            deadline,
             since,
         });
         Grant {
@@ -273,14 +273,17 @@ fn nudge_head<K>(entry: &Entry<K>, ctx: &mut Ctx<'_, '_, K>) {
     }
 }
 
+/// The deadline and start of a grant with `lease`: one clock read and one
+/// conversion to a stamp; the deadline is the start plus the lease, in
+/// nanoseconds.
 #[inline]
-fn lease_from(lease: Option<Duration>, now: &mut Now<'_>) -> (Option<Instant>, Stamp) {
+fn lease_from(lease: Option<Duration>, now: &mut Now<'_>) -> (Stamp, Stamp) {
     match lease {
         Some(lease) => {
-            let start = now.for_lease(lease);
-            (start.checked_add(lease), Stamp::new(Some(start)))
+            let since = Stamp::new(Some(now.for_lease(lease)));
+            (since.plus(lease), since)
         }
-        None => (None, Stamp::NONE),
+        None => (Stamp::NONE, Stamp::NONE),
     }
 }
 
@@ -414,7 +417,7 @@ impl<K> ShardState<K> {
                         key: cell,
                         holder: Some(Holder {
                             token,
-                            deadline: Stamp::new(deadline),
+                            deadline,
                             since,
                         }),
                         fenced: 0,
@@ -720,17 +723,18 @@ impl<K> ShardState<K> {
         token: FencingToken,
         lease: Duration,
         ctx: &mut Ctx<'_, '_, K>,
-    ) -> Result<Option<Instant>, LockError> {
+    ) -> Result<Stamp, LockError> {
         let (entry, mut keys) = self.locate(hash, key);
         keys.settle(entry, ctx);
         let Some(holder) = entry.holder.as_mut().filter(|h| h.token == token) else {
             return Err(LockError::Expired { token });
         };
         let start = ctx.clock().for_lease(lease);
-        let deadline = start.checked_add(lease);
-        holder.deadline = Stamp::new(deadline);
+        let start = Stamp::new(Some(start));
+        let deadline = start.plus(lease);
+        holder.deadline = deadline;
         if !holder.since.is_some() {
-            holder.since = Stamp::new(Some(start));
+            holder.since = start;
         }
         nudge_head_for_timer(entry, ctx);
         Ok(deadline)

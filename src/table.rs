@@ -11,7 +11,7 @@ use std::fmt;
 use std::hash::{BuildHasher, Hash};
 use std::marker::PhantomData;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use crossbeam_utils::CachePadded;
 
@@ -273,7 +273,7 @@ impl<K, S> LockTable<K, S> {
         key: KeyPtr<K>,
         token: FencingToken,
         lease: Duration,
-    ) -> Result<Option<Instant>, LockError> {
+    ) -> Result<crate::clock::Stamp, LockError> {
         let lease = self.leases.check(lease)?;
         self.with_shard(hash, |state, ctx| state.renew(hash, key, token, lease, ctx))
     }

@@ -54,8 +54,9 @@ use std::marker::PhantomPinned;
 use std::ptr::NonNull;
 use std::sync::atomic::Ordering::{AcqRel, Acquire, Relaxed, Release};
 use std::task::Waker;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
+use crate::clock::Stamp;
 use crate::lease::PackedDuration;
 use crate::loom::{AtomicU8, UnsafeCell};
 use crate::token::FencingToken;
@@ -108,7 +109,7 @@ enum NodeSlot {
     },
     Grant {
         token: FencingToken,
-        deadline: Option<Instant>,
+        deadline: Stamp,
     },
 }
 
@@ -195,7 +196,7 @@ pub(crate) enum Armed {
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct Granted {
     pub(crate) token: FencingToken,
-    pub(crate) deadline: Option<Instant>,
+    pub(crate) deadline: Stamp,
 }
 
 /// What a waiter's state word says, for its owner.
@@ -385,7 +386,7 @@ impl Waiter {
     pub(crate) unsafe fn grant(
         this: WaiterPtr,
         token: FencingToken,
-        deadline: Option<Instant>,
+        deadline: Stamp,
     ) -> Option<Waker> {
         // SAFETY: linked until just now, so alive (the owner unlinks under
         // the lock before it frees the node, and we hold it).
