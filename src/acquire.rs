@@ -544,7 +544,18 @@ macro_rules! lock_future {
                 // it is never moved out.
                 let inner = unsafe { self.map_unchecked_mut(|f| &mut f.inner) };
                 let mut left = Leftovers::default();
-                let out = match inner.poll_acquire(cx, &mut left) {
+                let polled = inner.poll_acquire(cx, &mut left);
+                if !left.is_dirty() {
+                    // Nothing deferred, so no user code left to run: build
+                    // the output straight from the poll's result, without
+                    // keeping it in memory across a flush (moving it out of
+                    // there after word-sized stores stalls the load).
+                    return match polled {
+                        Poll::Ready(r) => Poll::Ready(lock_future!(@$result r.map(|($table, $held)| $make))),
+                        Poll::Pending => Poll::Pending,
+                    };
+                }
+                let out = match polled {
                     Poll::Ready(r) => Poll::Ready(lock_future!(@$result r.map(|($table, $held)| $make))),
                     Poll::Pending => Poll::Pending,
                 };

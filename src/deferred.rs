@@ -182,6 +182,12 @@ impl<K> Leftovers<K> {
         }
     }
 
+    /// Whether any work was recorded.
+    #[inline(always)]
+    pub(crate) fn is_dirty(&self) -> bool {
+        self.dirty
+    }
+
     /// Does the work now (wakes, drops), in place: calling it instead of
     /// `drop(leftovers)` avoids moving the whole struct.
     #[inline]
