@@ -519,12 +519,19 @@ pub(crate) fn w6_counter<I: KeyedLock>(rt: &Runtime, total: u64) -> Outcome {
         count: AtomicU64::new(0),
         last: AtomicUsize::new(usize::MAX),
     });
+    // All tasks start together, so that both workers contend from the
+    // first acquisition: otherwise a lock that never yields to the scheduler
+    // can let one worker run task after task uncontended while the other is
+    // still idle, and W6 measures no handoff at all.
+    let barrier = Arc::new(tokio::sync::Barrier::new(TASKS));
     let start = Instant::now();
     let handles: Vec<_> = (0..TASKS)
         .map(|id| {
             let t = Arc::clone(&table);
             let state = Arc::clone(&state);
+            let barrier = Arc::clone(&barrier);
             rt.spawn(async move {
+                barrier.wait().await;
                 let mut handoffs = 0u64;
                 for _ in 0..per_task {
                     let guard = t.lock(HOT).await;
