@@ -4,14 +4,21 @@
 //! - mutual exclusion: without leases or revocation, a per-key "inside"
 //!   counter never exceeds one, and every `check()` passes;
 //! - with leases and revocation: a grant never passes `check()` (or renew, or
-//!   is revoked as live, or is handed out) once a later grant of the same key
-//!   has been seen live — authority never goes backwards;
-//! - fencing tokens strictly increase per key as seen by each thread;
+//!   is revoked as live, or is handed out live) once a later grant of the
+//!   same key has been seen live — authority never goes backwards;
+//! - fencing tokens strictly increase per key as seen by each thread, except
+//!   for a future granted the key whose grant lapsed or was revoked before it
+//!   ran: it resolves to that older grant, which must fail `check()`;
 //! - no lost wakeup: at the end each thread releases everything and then
 //!   polls its remaining futures *only when woken*; they must all complete;
 //! - no panics; with everything dropped `len() == 0`, no timer is left armed,
-//!   and the counters the threads can tally exactly (acquisitions, contended,
-//!   cancelled, timed_out, revoked) match `stats()`; `contended` is bounded.
+//!   the counters the threads can tally exactly (cancelled, timed_out,
+//!   revoked) match `stats()`, and `acquisitions`, `contended` and
+//!   `handoffs` lie within the bounds the threads' tallies allow (a grant is
+//!   counted when it is made, even if its future is dropped before it runs).
+//!
+//! The table is strict FIFO or, by a flag of the input, `Fairness::Eventual`
+//! (a release may free the key for a running caller to take first).
 
 #![no_main]
 
@@ -24,7 +31,7 @@ use std::time::{Duration, Instant};
 
 use arbitrary::Arbitrary;
 use keylock::futures::LockWith;
-use keylock::{Guard, LockError, LockOptions, LockTable, ManualClock};
+use keylock::{Fairness, Guard, LockError, LockOptions, LockTable, ManualClock};
 use libfuzzer_sys::fuzz_target;
 
 const KEYS: usize = 4;
@@ -39,8 +46,9 @@ const STUCK_AFTER: Duration = Duration::from_secs(10);
 struct Input {
     /// A real (monotonic) clock instead of a shared `ManualClock`.
     real_clock: bool,
-    /// Allow leases, renewals and revocation (else mutual exclusion is exact).
-    leases: bool,
+    /// Bit 0: allow leases, renewals and revocation (else mutual exclusion
+    /// is exact). Bit 1: `Fairness::Eventual`.
+    flags: u8,
     /// 1 or 4 shards.
     one_shard: bool,
     a: Vec<TOp>,
@@ -138,6 +146,7 @@ impl Shared {
 
 #[derive(Default, Debug, Clone, Copy)]
 struct Tally {
+    /// Guards obtained (`try_lock`, or a future that resolved to one).
     acquisitions: u64,
     /// Futures that returned `Pending` and then a guard: contended for sure.
     contended: u64,
@@ -150,9 +159,22 @@ struct Tally {
     revoked: u64,
 }
 
+impl Tally {
+    fn plus(self, o: Self) -> Self {
+        Self {
+            acquisitions: self.acquisitions + o.acquisitions,
+            contended: self.contended + o.contended,
+            first_poll_ok: self.first_poll_ok + o.first_poll_ok,
+            cancelled: self.cancelled + o.cancelled,
+            timed_out: self.timed_out + o.timed_out,
+            revoked: self.revoked + o.revoked,
+        }
+    }
+}
+
 struct TFut<'a> {
     key: usize,
-    fut: LockWith<'a, u8>,
+    fut: Pin<Box<LockWith<'a, u8>>>,
     counter: Arc<Counter>,
     waker: Waker,
     seen: u64,
@@ -178,13 +200,24 @@ impl<'a> Worker<'a> {
             t > before,
             "{what}: new grant {t} of key {k} not above {before}, seen live before"
         );
-        self.shared.observed_live(what, k, t, before);
-        assert!(
-            t > self.last_token[k],
-            "{what}: token of key {k} went from {} to {t} in one thread",
-            self.last_token[k]
-        );
-        self.last_token[k] = t;
+        if t > self.last_token[k] {
+            self.shared.observed_live(what, k, t, before);
+            self.last_token[k] = t;
+        } else {
+            // A future granted the key whose grant lapsed or was revoked
+            // before it ran resolves to that (fenced) grant: older than one
+            // this thread has seen since, and never live again.
+            assert!(
+                self.shared.leases,
+                "{what}: token of key {k} went from {} to {t} in one thread",
+                self.last_token[k]
+            );
+            assert!(
+                g.check().is_err(),
+                "{what}: grant {t} of key {k} is live after grant {} was seen in this thread",
+                self.last_token[k]
+            );
+        }
         if !self.shared.leases {
             let was = self.shared.inside[k].fetch_add(1, SeqCst);
             assert_eq!(was, 0, "{what}: two holders of key {k} at once");
@@ -230,7 +263,7 @@ impl<'a> Worker<'a> {
             f.before = self.shared.max_live[k].load(SeqCst);
         }
         let mut cx = Context::from_waker(&f.waker);
-        let r = match Pin::new(&mut f.fut).poll(&mut cx) {
+        let r = match f.fut.as_mut().poll(&mut cx) {
             Poll::Pending => {
                 f.pended = true;
                 return false;
@@ -300,7 +333,7 @@ impl<'a> Worker<'a> {
                 let counter = Arc::new(Counter(AtomicU64::new(0)));
                 self.futs.push(TFut {
                     key: k,
-                    fut: self.table.lock_with(k as u8, opts),
+                    fut: Box::pin(self.table.lock_with(k as u8, opts)),
                     waker: Waker::from(Arc::clone(&counter)),
                     counter,
                     seen: 0,
@@ -449,14 +482,22 @@ fn work(table: &LockTable<u8>, shared: &Shared, barrier: &Barrier, ops: &[TOp]) 
 
 fn run(input: Input) {
     let clock = (!input.real_clock).then(ManualClock::new);
-    let mut builder = LockTable::builder().shards(if input.one_shard { 1 } else { 4 });
+    let leases = input.flags & 1 != 0;
+    let eventual = input.flags & 2 != 0;
+    let mut builder = LockTable::builder()
+        .shards(if input.one_shard { 1 } else { 4 })
+        .fairness(if eventual {
+            Fairness::Eventual
+        } else {
+            Fairness::Strict
+        });
     if let Some(c) = &clock {
         builder = builder.clock(c.clone());
     }
     let table: LockTable<u8> = builder.build();
     let shared = Shared {
         clock: clock.clone(),
-        leases: input.leases,
+        leases,
         inside: Default::default(),
         max_live: Default::default(),
     };
@@ -477,16 +518,28 @@ fn run(input: Input) {
         assert_eq!(c.sleepers(), 0, "timers left armed");
     }
     let st = table.stats();
-    assert_eq!(st.acquisitions, ta.acquisitions + tb.acquisitions, "{st:?}");
-    assert!(st.contended >= ta.contended + tb.contended, "{st:?}");
+    let t = ta.plus(tb);
+    // A grant is counted when it is made: a future dropped (cancelled) after
+    // its grant was made, before it ran, counts as acquired and contended.
+    assert!(st.acquisitions >= t.acquisitions, "{st:?} {t:?}");
     assert!(
-        st.contended <= ta.contended + tb.contended + ta.first_poll_ok + tb.first_poll_ok,
-        "{st:?}"
+        st.acquisitions <= t.acquisitions + t.cancelled,
+        "{st:?} {t:?}"
     );
-    assert_eq!(st.cancelled, ta.cancelled + tb.cancelled, "{st:?}");
-    assert_eq!(st.timed_out, ta.timed_out + tb.timed_out, "{st:?}");
-    assert_eq!(st.revoked, ta.revoked + tb.revoked, "{st:?}");
-    assert!(st.handoffs >= st.contended, "{st:?}");
+    assert!(st.contended >= t.contended, "{st:?} {t:?}");
+    assert!(
+        st.contended <= t.contended + t.first_poll_ok + t.cancelled,
+        "{st:?} {t:?}"
+    );
+    assert_eq!(st.cancelled, t.cancelled, "{st:?}");
+    assert_eq!(st.timed_out, t.timed_out, "{st:?}");
+    assert_eq!(st.revoked, t.revoked, "{st:?}");
+    if eventual {
+        // A head that takes a key freed for it is contended, not handed off.
+        assert!(st.handoffs <= st.contended, "{st:?}");
+    } else {
+        assert_eq!(st.handoffs, st.contended, "{st:?}");
+    }
     for k in 0..KEYS {
         assert_eq!(shared.inside[k].load(SeqCst), 0);
     }
