@@ -93,6 +93,12 @@ where
         }
     }
 
+    /// Takes the timer state out, to drop once the output exists.
+    #[inline]
+    fn take_timing(&mut self) -> Option<Box<Timing>> {
+        self.timing.take()
+    }
+
     /// When the caller gives up, if it has started waiting with a timeout.
     fn until(&self) -> Option<Instant> {
         self.timing.as_ref().and_then(|t| t.until)
@@ -357,7 +363,8 @@ where
     #[inline(always)]
     fn finish(&mut self, grant: Grant<K>) -> (T, Held<K>) {
         self.state = State::Done;
-        self.timing = None;
+        // The timing (an armed timer holds a clone of a waker, user code to
+        // drop) stays until the future is dropped, after its guard exists.
         let table = self.table.take().expect("present until completion");
         let held = Held::new(self.hash, grant);
         (table, held)
@@ -542,10 +549,15 @@ macro_rules! lock_future {
             fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
                 // SAFETY: `inner` is pinned with `self` (structural pinning);
                 // it is never moved out.
-                let inner = unsafe { self.map_unchecked_mut(|f| &mut f.inner) };
+                let mut inner = unsafe { self.map_unchecked_mut(|f| &mut f.inner) };
                 let mut left = Leftovers::default();
-                let polled = inner.poll_acquire(cx, &mut left);
-                if !left.is_dirty() {
+                let polled = inner.as_mut().poll_acquire(cx, &mut left);
+                // A completed wait's timer (its sleeper holds a clone of a
+                // waker, user code to drop) goes after the guard exists too.
+                // SAFETY: `timing` is not structurally pinned.
+                let inner = unsafe { inner.get_unchecked_mut() };
+                let timing = if polled.is_ready() { inner.take_timing() } else { None };
+                if !left.is_dirty() && timing.is_none() {
                     // Nothing deferred, so no user code left to run: build
                     // the output straight from the poll's result, without
                     // keeping it in memory across a flush (moving it out of
@@ -561,6 +573,7 @@ macro_rules! lock_future {
                 };
                 // After the guard exists: should dropping a key or a waker
                 // panic now, unwinding drops the guard, which releases.
+                drop(timing);
                 left.flush();
                 out
             }

@@ -541,6 +541,9 @@ impl<K> ShardState<K> {
             ctx.drop_waker_later(unsafe { waiter.retire() });
             ctx.drop_waker_later(fresh);
             let grant = keys.take_free(entry, lease, true, ctx);
+            // The next head must arm a timer for this grant's lease, as
+            // after a handoff.
+            nudge_head_for_timer(entry, ctx);
             return Polled::Granted(Granted {
                 token: grant.token,
                 deadline: grant.deadline,

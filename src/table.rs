@@ -407,10 +407,12 @@ where
     #[inline]
     pub fn try_lock(&self, key: K) -> Result<Guard<'_, K, S>, TryLockError> {
         let hash = self.hash(&key);
-        let grant = self
-            .try_acquire(hash, key, self.leases.default)
-            .ok_or(TryLockError::WouldBlock)?;
-        Ok(Guard::new(self, Held::new(hash, grant)))
+        let (grant, spare) = self.try_acquire(hash, key, self.leases.default);
+        let guard = grant.map(|grant| Guard::new(self, Held::new(hash, grant)));
+        // After the guard exists: if the spare key's drop panics, unwinding
+        // drops the guard, which releases.
+        drop(spare);
+        guard.ok_or(TryLockError::WouldBlock)
     }
 
     /// Like [`try_lock`](Self::try_lock), with a lease (the timeout, if any,
@@ -431,10 +433,10 @@ where
     pub fn try_lock_with(&self, key: K, opts: LockOptions) -> Result<Guard<'_, K, S>, LockError> {
         let lease = self.leases.resolve(opts.lease_duration())?;
         let hash = self.hash(&key);
-        let grant = self
-            .try_acquire(hash, key, lease)
-            .ok_or(LockError::WouldBlock)?;
-        Ok(Guard::new(self, Held::new(hash, grant)))
+        let (grant, spare) = self.try_acquire(hash, key, lease);
+        let guard = grant.map(|grant| Guard::new(self, Held::new(hash, grant)));
+        drop(spare);
+        guard.ok_or(LockError::WouldBlock)
     }
 
     /// Like [`try_lock`](Self::try_lock), for a table behind an [`Arc`].
@@ -452,11 +454,10 @@ where
     #[inline]
     pub fn try_lock_owned(self: Arc<Self>, key: K) -> Result<OwnedGuard<K, S>, TryLockError> {
         let hash = self.hash(&key);
-        let grant = self
-            .try_acquire(hash, key, self.leases.default)
-            .ok_or(TryLockError::WouldBlock)?;
-        let held = Held::new(hash, grant);
-        Ok(OwnedGuard::new(self, held))
+        let (grant, spare) = self.try_acquire(hash, key, self.leases.default);
+        let guard = grant.map(|grant| OwnedGuard::new(self, Held::new(hash, grant)));
+        drop(spare);
+        guard.ok_or(TryLockError::WouldBlock)
     }
 
     /// Like [`try_lock_with`](Self::try_lock_with), for a table behind an
@@ -479,22 +480,29 @@ where
     ) -> Result<OwnedGuard<K, S>, LockError> {
         let lease = self.leases.resolve(opts.lease_duration())?;
         let hash = self.hash(&key);
-        let grant = self
-            .try_acquire(hash, key, lease)
-            .ok_or(LockError::WouldBlock)?;
-        let held = Held::new(hash, grant);
-        Ok(OwnedGuard::new(self, held))
+        let (grant, spare) = self.try_acquire(hash, key, lease);
+        let guard = grant.map(|grant| OwnedGuard::new(self, Held::new(hash, grant)));
+        drop(spare);
+        guard.ok_or(LockError::WouldBlock)
     }
 
+    /// One attempt; returns the grant, and the caller's key if the table
+    /// did not keep it, for the caller to drop once its guard exists.
     #[inline]
-    fn try_acquire(&self, hash: u64, key: K, lease: Option<Duration>) -> Option<Grant<K>> {
+    fn try_acquire(
+        &self,
+        hash: u64,
+        key: K,
+        lease: Option<Duration>,
+    ) -> (Option<Grant<K>>, Option<K>) {
         // Outside the shard lock: if `K: Eq` panics during the probe, the
         // lock is released before the key is dropped.
         let mut key = Some(key);
         let fairness = self.fairness;
-        self.with_shard(hash, |state, ctx| {
+        let grant = self.with_shard(hash, |state, ctx| {
             state.try_acquire(hash, &mut key, lease, fairness, ctx)
-        })
+        });
+        (grant, key)
     }
 
     /// Blocks the current thread until `key` is free and takes it.
@@ -523,7 +531,10 @@ where
         let hash = self.hash(&key);
         let mut key = Some(key);
         if let Some(grant) = self.spin_for(hash, &mut key) {
-            return Guard::new(self, Held::new(hash, grant));
+            let guard = Guard::new(self, Held::new(hash, grant));
+            // After the guard exists (see `try_lock`).
+            drop(key);
+            return guard;
         }
         let key = key.expect("kept while not acquired");
         crate::blocking::block_on(self.lock(key))
