@@ -360,23 +360,36 @@ mod manual {
             at: Instant,
             waker: &Waker,
         ) -> bool {
-            let mut state = self.inner.state.lock();
-            let now = self.inner.base + state.elapsed;
-            if at <= now {
-                if let Some(i) = id.take() {
-                    state.sleepers.remove(i);
+            // User code (`Waker::clone`, `Waker::drop`) runs outside the
+            // clock's lock: a waker may call back into a table that reads
+            // this clock.
+            let fresh = waker.clone();
+            let old = {
+                let mut state = self.inner.state.lock();
+                let now = self.inner.base + state.elapsed;
+                if at <= now {
+                    let removed = id.take().map(|i| state.sleepers.remove(i));
+                    drop(state);
+                    drop(removed);
+                    drop(fresh);
+                    return true;
                 }
-                return true;
-            }
-            match *id {
-                Some(i) => state.sleepers[i] = (at, Some(waker.clone())),
-                None => *id = Some(state.sleepers.insert((at, Some(waker.clone())))),
-            }
+                match *id {
+                    Some(i) => std::mem::replace(&mut state.sleepers[i], (at, Some(fresh))).1,
+                    None => {
+                        *id = Some(state.sleepers.insert((at, Some(fresh))));
+                        None
+                    }
+                }
+            };
+            drop(old);
             false
         }
 
         pub(crate) fn cancel_sleep(&self, id: usize) {
-            self.inner.state.lock().sleepers.remove(id);
+            let removed = self.inner.state.lock().sleepers.remove(id);
+            // Dropped after the clock's lock (user code).
+            drop(removed);
         }
     }
 }

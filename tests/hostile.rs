@@ -811,6 +811,50 @@ fn a_waker_clone_that_reenters_the_table_does_not_deadlock() {
     });
 }
 
+/// A waker whose clone asks the table about a *leased* key (which reads the
+/// manual clock) is cloned by a waiter arming its timer on that clock: the
+/// clock must not hold its own lock while it clones or drops wakers.
+#[test]
+fn a_waker_clone_that_reads_the_manual_clock_does_not_deadlock_the_timer() {
+    watchdog("clock-reentrant-clone", || {
+        let clock = ManualClock::new();
+        let table: Arc<LockTable<u32>> =
+            Arc::new(LockTable::builder().shards(1).clock(clock.clone()).build());
+        // A leased key: asking whether it is locked reads the clock.
+        let other = table.try_lock_with(99, leased()).expect("key 99 is free");
+        let reentries = Arc::new(AtomicUsize::new(0));
+        let hostile = {
+            let table = Arc::downgrade(&table);
+            let reentries = reentries.clone();
+            Hostile::on_clone(move || {
+                if let Some(table) = table.upgrade() {
+                    if table.is_locked(&99) {
+                        reentries.fetch_add(1, SeqCst);
+                    }
+                }
+            })
+        };
+        let waker = hostile.waker();
+        let holder = table.try_lock_with(1, leased()).expect("key 1 is free");
+        // The head of a leased holder's queue arms a timer on the clock,
+        // which registers (clones) this waker.
+        let mut f = Box::pin(table.lock_with(1, leased()));
+        pending(&mut f, &waker, "the waiter queues and arms its timer");
+        pending(&mut f, &waker, "the waiter re-arms its timer");
+        assert!(clock.sleepers() >= 1, "precondition: a timer is armed");
+        drop(holder);
+        let g = ready(&mut f, &waker, "the waiter is granted").expect("no timeout");
+        assert!(
+            reentries.load(SeqCst) > 0,
+            "precondition: the clock cloned the re-entrant waker"
+        );
+        drop(g);
+        drop(f);
+        drop(other);
+        assert_table_empty(&*table, 2, "after the clock's re-entrant waker");
+    });
+}
+
 /// A waiter's waker panics on clone. That panic may surface in the poll of
 /// the future that owns the waker, never in another caller's `renew`,
 /// release or `revoke` (which wake the head waiter for its lease timer); and
