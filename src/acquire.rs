@@ -275,34 +275,35 @@ where
         let shard = table.shard(self.hash);
         let mut ctx = Ctx::new(table.clock(), &shard.counters, left);
         let gave_up = self.until().is_some_and(|until| ctx.now() >= until);
+        // A wait that gives up stores no waker; its clone is dropped here,
+        // before locking (`Waker::drop` is user code).
+        let fresh = if gave_up {
+            drop(fresh);
+            None
+        } else {
+            fresh
+        };
         let polled = {
             let mut state = shard.state.lock();
-            // A wait past its deadline still takes the key if it is its by
-            // now: a lapse settled first, or (eventual fairness) a free key
-            // at the head. Only then does it give up.
-            let won = if gave_up {
-                // SAFETY: our own waiter, linked into `key`'s queue.
-                match unsafe {
-                    state.poll_waiter(
-                        self.hash,
-                        key,
-                        self.waiter.get(),
-                        cx.waker(),
-                        None,
-                        &mut ctx,
-                    )
-                } {
-                    Polled::Granted(granted) => Some(granted),
-                    Polled::Waiting { .. } | Polled::NeedWaker => None,
-                }
-            } else {
-                None
+            // Polled first even past its deadline: the wait still takes the
+            // key if it is its by now (a lapse settled, or under eventual
+            // fairness a free key at the head); only then does it give up.
+            // SAFETY: our own waiter, linked into `key`'s queue. `fresh` was
+            // cloned before locking: `Waker::clone` is user code.
+            let polled = unsafe {
+                state.poll_waiter(
+                    self.hash,
+                    key,
+                    self.waiter.get(),
+                    cx.waker(),
+                    fresh,
+                    &mut ctx,
+                )
             };
-            if let Some(granted) = won {
-                Outcome::Granted(granted)
-            } else if gave_up {
-                // SAFETY: our own waiter, linked into `key`'s queue.
-                match unsafe {
+            match polled {
+                Polled::Granted(granted) => Outcome::Granted(granted),
+                // SAFETY: as above.
+                _ if gave_up => match unsafe {
                     state.leave(
                         self.hash,
                         key,
@@ -314,24 +315,9 @@ where
                 } {
                     Ok(diagnosis) => Outcome::GaveUp(diagnosis),
                     Err(granted) => Outcome::Granted(granted),
-                }
-            } else {
-                // SAFETY: as above. `fresh` was cloned before locking:
-                // `Waker::clone` is user code.
-                match unsafe {
-                    state.poll_waiter(
-                        self.hash,
-                        key,
-                        self.waiter.get(),
-                        cx.waker(),
-                        fresh,
-                        &mut ctx,
-                    )
-                } {
-                    Polled::Granted(granted) => Outcome::Granted(granted),
-                    Polled::Waiting { wake_at } => Outcome::Waiting(wake_at),
-                    Polled::NeedWaker => Outcome::NeedWaker,
-                }
+                },
+                Polled::Waiting { wake_at } => Outcome::Waiting(wake_at),
+                Polled::NeedWaker => Outcome::NeedWaker,
             }
         };
         let now = gave_up.then(|| ctx.now());

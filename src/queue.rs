@@ -71,6 +71,18 @@ impl<K> Entry<K> {
     fn is_unused(&self) -> bool {
         self.holder.is_none() && self.queue.is_empty() && self.fenced == 0
     }
+
+    /// What a caller waiting behind `ahead` others would be told now.
+    fn diagnosis(&self, ahead: usize, ctx: &mut Ctx<'_, '_, K>) -> Diagnosis {
+        let holder = self.holder;
+        Diagnosis {
+            holder: holder.map(|h| h.token),
+            held_for: holder
+                .and_then(|h| h.since.get())
+                .map(|since| ctx.now().saturating_duration_since(since)),
+            ahead,
+        }
+    }
 }
 
 /// A grant handed to a caller.
@@ -617,15 +629,7 @@ impl<K> ShardState<K> {
         }
         let diagnosis = if timed_out {
             ctx.counters().timed_out();
-            let holder = entry.holder;
-            let held_for = holder
-                .and_then(|h| h.since.get())
-                .map(|since| ctx.now().saturating_duration_since(since));
-            Diagnosis {
-                holder: holder.map(|h| h.token),
-                held_for,
-                ahead,
-            }
+            entry.diagnosis(ahead, ctx)
         } else {
             ctx.counters().cancelled();
             NO_DIAGNOSIS
@@ -642,16 +646,8 @@ impl<K> ShardState<K> {
         let Some((entry, _)) = self.locate_by(hash, key) else {
             return NO_DIAGNOSIS;
         };
-        let holder = entry.holder;
         let ahead = entry.queue.len();
-        let held_for = holder
-            .and_then(|h| h.since.get())
-            .map(|since| ctx.now().saturating_duration_since(since));
-        Diagnosis {
-            holder: holder.map(|h| h.token),
-            held_for,
-            ahead,
-        }
+        entry.diagnosis(ahead, ctx)
     }
 
     /// The holder of `token` lets go of the key: it goes to the head waiter,
