@@ -60,7 +60,7 @@ impl Clock {
 /// a table meets is after it. An instant more than 584 years after the epoch
 /// is stored as none: for a deadline that means "never", as a deadline too
 /// far to represent as an `Instant` already does.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Default)]
 pub(crate) struct Stamp(u64);
 
 impl Stamp {

@@ -99,7 +99,7 @@ pub(crate) enum Attempt<K> {
     /// The key was free and is now the caller's.
     Acquired(Grant<K>),
     /// The key is busy; the caller's waiter is linked, and should be woken
-    /// by `wake_at` if it is set (it heads the queue of a leased holder).
+    /// by `wake_at` if it is set (the lease deadline of the holder it waits on).
     Queued {
         key: KeyPtr<K>,
         wake_at: Option<Instant>,
@@ -268,11 +268,38 @@ impl Keys<'_> {
 }
 
 /// The holder's deadline changed or the queue got a new head: nudge the head
-/// so that it (re)arms its timer.
+/// so that it re-arms its timer, unless the timer it armed already fires by
+/// the holder's deadline (every waiter arms for the holder it saw, so with
+/// leases of one length a handoff nudges nobody).
 fn nudge_head_for_timer<K>(entry: &Entry<K>, ctx: &mut Ctx<'_, '_, K>) {
-    if entry.holder.is_some_and(|h| h.deadline.is_some()) {
-        nudge_head(entry, ctx);
+    let Some(deadline) = entry.holder.map(|h| h.deadline) else {
+        return;
+    };
+    if !deadline.is_some() {
+        return;
     }
+    if let Some(head) = entry.queue.head() {
+        // SAFETY: the head is linked, and we hold the shard lock.
+        let armed = unsafe { Waiter::timer_at(head) };
+        if !armed.is_some() || armed > deadline {
+            nudge_head(entry, ctx);
+        }
+    }
+}
+
+/// The holder deadline a waiter of `entry` arms its timer for (any waiter,
+/// not only the head: when it heads the queue later, its timer already
+/// covers a holder whose lease is as long), recorded in its node.
+///
+/// # Safety
+///
+/// `waiter` is linked into `entry`'s queue, by its owner, under the lock.
+#[inline]
+unsafe fn holder_timer<K>(entry: &Entry<K>, waiter: &Waiter) -> Option<Instant> {
+    let deadline = entry.holder.map_or(Stamp::NONE, |h| h.deadline);
+    // SAFETY: the caller's contract.
+    unsafe { waiter.set_timer_at(deadline) };
+    deadline.get()
 }
 
 /// Nudges the head waiter, if any.
@@ -504,11 +531,8 @@ impl<K> ShardState<K> {
             waiter.prepare(PackedDuration::pack(lease));
             entry.queue.push_back(waiter);
         }
-        let wake_at = if entry.queue.is_head(waiter) {
-            entry.holder.and_then(|h| h.deadline.get())
-        } else {
-            None
-        };
+        // SAFETY: just linked, under the lock.
+        let wake_at = unsafe { holder_timer(entry, waiter) };
         Attempt::Queued {
             key: entry.key,
             wake_at,
@@ -566,11 +590,8 @@ impl<K> ShardState<K> {
             Ok(spare) => ctx.drop_waker_later(spare),
             Err(()) => return Polled::NeedWaker,
         }
-        let wake_at = if is_head {
-            entry.holder.and_then(|h| h.deadline.get())
-        } else {
-            None
-        };
+        // SAFETY: linked, under the lock, by the owner.
+        let wake_at = unsafe { holder_timer(entry, waiter) };
         Polled::Waiting { wake_at }
     }
 

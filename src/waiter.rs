@@ -96,6 +96,11 @@ struct Node {
     slot: NodeSlot,
     /// The lease the grant will carry.
     lease: PackedDuration,
+    /// The holder's lease deadline this waiter's timer covers, as last told
+    /// under the lock (none: no timer for the holder). A release that makes
+    /// a holder with an earlier deadline nudges the head to re-arm; one with
+    /// the same or a later deadline does not.
+    timer_at: Stamp,
 }
 
 /// A linked node's links, or, once unlinked and granted, its grant: the
@@ -228,6 +233,7 @@ impl Waiter {
                     next: None,
                 },
                 lease: PackedDuration::NONE,
+                timer_at: Stamp::NONE,
             }),
             _pinned: PhantomPinned,
         }
@@ -274,6 +280,7 @@ impl Waiter {
         // SAFETY: an idle node is its owner's alone (caller's contract).
         let node = unsafe { node.deref() };
         node.lease = lease;
+        node.timer_at = Stamp::NONE;
         node.slot = NodeSlot::Links {
             prev: None,
             next: None,
@@ -443,6 +450,33 @@ impl Waiter {
         let node = unsafe { this.as_ref() }.node.get_mut();
         // SAFETY: as above: the node cell is the table's.
         unsafe { node.deref() }.lease.get()
+    }
+}
+
+impl Waiter {
+    /// Records the holder deadline the owner is about to arm its timer for.
+    ///
+    /// # Safety
+    ///
+    /// Under the shard lock, by the owner, while linked.
+    #[inline]
+    pub(crate) unsafe fn set_timer_at(&self, at: Stamp) {
+        let node = self.node.get_mut();
+        // SAFETY: linked, under the lock (caller's contract).
+        unsafe { node.deref() }.timer_at = at;
+    }
+
+    /// The holder deadline a linked waiter's timer covers.
+    ///
+    /// # Safety
+    ///
+    /// Under the shard lock, while linked.
+    #[inline]
+    pub(crate) unsafe fn timer_at(this: WaiterPtr) -> Stamp {
+        // SAFETY: linked, under the lock (caller's contract).
+        let node = unsafe { this.as_ref() }.node.get_mut();
+        // SAFETY: as above: the node cell is the table's.
+        unsafe { node.deref() }.timer_at
     }
 }
 

@@ -961,8 +961,9 @@ fn every_waker_due_a_wake_is_woken_even_if_an_earlier_one_panics() {
         let clock = ManualClock::new();
         let table: LockTable<u32> = LockTable::builder().clock(clock.clone()).build();
 
-        // revoke of a leased holder with two waiters.
-        let holder = table.try_lock_with(1, leased()).expect("key 1 is free");
+        // revoke of a holder without a lease, two leased waiters: B's timer
+        // covers no holder deadline, so A's leased grant nudges it.
+        let holder = table.try_lock(1).expect("key 1 is free");
         let pa = Hostile::new();
         let wa = pa.waker();
         let mut a = Box::pin(table.lock_with(1, leased()));

@@ -489,3 +489,112 @@ fn a_timeout_after_the_holders_lease_lapsed_takes_the_key_instead_of_giving_up()
     table.assert_consistent();
     assert!(table.is_empty());
 }
+
+/// Every waiter arms its timer for the holder it saw; a handoff to a grant
+/// whose lease ends no earlier than that wakes nobody but the new holder.
+#[test]
+fn handoff_between_leases_of_one_length_wakes_only_the_new_holder() {
+    let (clock, table) = table();
+    let holder = table.try_lock_with("k", lease(10 * SEC)).unwrap();
+    let (ca, wa) = counting();
+    let (cb, wb) = counting();
+    let mut a = Box::pin(table.lock_with("k", lease(10 * SEC)));
+    let mut b = Box::pin(table.lock_with("k", lease(10 * SEC)));
+    assert!(poll(&mut a, &wa).is_pending());
+    assert!(poll(&mut b, &wb).is_pending());
+    assert_eq!(
+        clock.sleepers(),
+        2,
+        "each waiter arms for the holder's lease"
+    );
+    clock.advance(SEC);
+    drop(holder);
+    assert_eq!(wakes(&ca), 1, "A is granted");
+    assert_eq!(wakes(&cb), 0, "B's timer already covers A's later deadline");
+    let ga = match poll(&mut a, &wa) {
+        Poll::Ready(g) => g.unwrap(),
+        Poll::Pending => panic!("A was granted"),
+    };
+    // A's lease ends 11 s from the start; B's timer (armed for 10 s) fires
+    // first and B re-arms for A's deadline.
+    clock.advance(9 * SEC);
+    assert_eq!(wakes(&cb), 1, "B's early timer fired");
+    assert!(poll(&mut b, &wb).is_pending(), "A's lease is live");
+    clock.advance(SEC);
+    assert_eq!(wakes(&cb), 2, "B re-armed for A's deadline");
+    let gb = match poll(&mut b, &wb) {
+        Poll::Ready(g) => g.unwrap(),
+        Poll::Pending => panic!("A's lease lapsed: B takes the key"),
+    };
+    assert!(ga.is_expired());
+    assert!(gb.token() > ga.token());
+    drop((ga, gb, a, b));
+    assert_eq!(table.len(), 0);
+    assert_eq!(clock.sleepers(), 0);
+}
+
+/// A handoff to a grant whose lease ends before the next head's timer
+/// would fire nudges that head to re-arm: it takes the key at the earlier
+/// deadline.
+#[test]
+fn handoff_to_a_shorter_lease_rearms_the_next_heads_timer() {
+    let (clock, table) = table();
+    let holder = table.try_lock_with("k", lease(10 * SEC)).unwrap();
+    let (ca, wa) = counting();
+    let (cb, wb) = counting();
+    let mut a = Box::pin(table.lock_with("k", lease(SEC)));
+    let mut b = Box::pin(table.lock("k"));
+    assert!(poll(&mut a, &wa).is_pending());
+    assert!(poll(&mut b, &wb).is_pending());
+    drop(holder);
+    assert_eq!(wakes(&ca), 1, "A is granted");
+    assert_eq!(
+        wakes(&cb),
+        1,
+        "B is nudged: A's lease ends before B's timer"
+    );
+    assert!(poll(&mut b, &wb).is_pending(), "B re-arms for A's deadline");
+    let ga = match poll(&mut a, &wa) {
+        Poll::Ready(g) => g.unwrap(),
+        Poll::Pending => panic!("A was granted"),
+    };
+    clock.advance(SEC);
+    assert_eq!(wakes(&cb), 2, "B's timer fired at A's deadline");
+    let gb = match poll(&mut b, &wb) {
+        Poll::Ready(g) => g,
+        Poll::Pending => panic!("A's 1 s lease lapsed: B takes the key"),
+    };
+    assert!(ga.is_expired());
+    drop((ga, gb, a, b));
+    assert_eq!(table.len(), 0);
+}
+
+/// A holder without a lease, then a leased grant: the next head had no
+/// timer, so it is nudged to arm one.
+#[test]
+fn handoff_from_an_unleased_to_a_leased_grant_arms_the_next_head() {
+    let (clock, table) = table();
+    let holder = table.try_lock("k").unwrap();
+    let (_ca, wa) = counting();
+    let (cb, wb) = counting();
+    let mut a = Box::pin(table.lock_with("k", lease(SEC)));
+    let mut b = Box::pin(table.lock("k"));
+    assert!(poll(&mut a, &wa).is_pending());
+    assert!(poll(&mut b, &wb).is_pending());
+    assert_eq!(clock.sleepers(), 0, "no lease, no timeout: no timer");
+    drop(holder);
+    assert_eq!(wakes(&cb), 1, "B is nudged to arm a timer for A's lease");
+    assert!(poll(&mut b, &wb).is_pending());
+    assert_eq!(clock.sleepers(), 1);
+    let ga = match poll(&mut a, &wa) {
+        Poll::Ready(g) => g.unwrap(),
+        Poll::Pending => panic!("A was granted"),
+    };
+    clock.advance(SEC);
+    let gb = match poll(&mut b, &wb) {
+        Poll::Ready(g) => g,
+        Poll::Pending => panic!("A's lease lapsed: B takes the key"),
+    };
+    drop((ga, gb, a, b));
+    assert_eq!(table.len(), 0);
+}
