@@ -93,6 +93,23 @@ where
         }
     }
 
+    /// Under a tokio table, one unit of the task's cooperative budget: a
+    /// poll that finds the budget spent returns `Pending` (having scheduled
+    /// the task again) before touching the table.
+    #[cfg(feature = "tokio")]
+    #[inline(always)]
+    fn poll_budget(
+        &self,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<tokio::task::coop::RestoreOnPending>> {
+        match self.table.as_deref() {
+            Some(table) if table.clock().is_tokio() => {
+                tokio::task::coop::poll_proceed(cx).map(Some)
+            }
+            _ => Poll::Ready(None),
+        }
+    }
+
     /// Takes the timer state out, to drop once the output exists.
     #[inline]
     fn take_timing(&mut self) -> Option<Box<Timing>> {
@@ -536,8 +553,19 @@ macro_rules! lock_future {
                 // SAFETY: `inner` is pinned with `self` (structural pinning);
                 // it is never moved out.
                 let mut inner = unsafe { self.map_unchecked_mut(|f| &mut f.inner) };
+                #[cfg(feature = "tokio")]
+                let coop = match inner.as_ref().get_ref().poll_budget(cx) {
+                    Poll::Ready(coop) => coop,
+                    Poll::Pending => return Poll::Pending,
+                };
                 let mut left = Leftovers::default();
                 let polled = inner.as_mut().poll_acquire(cx, &mut left);
+                #[cfg(feature = "tokio")]
+                if polled.is_ready() {
+                    if let Some(coop) = coop {
+                        coop.made_progress();
+                    }
+                }
                 // A completed wait's timer (its sleeper holds a clone of a
                 // waker, user code to drop) goes after the guard exists too.
                 // SAFETY: `timing` is not structurally pinned.

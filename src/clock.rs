@@ -13,9 +13,15 @@ pub use manual::ManualClock;
 /// Which clock a table reads.
 #[derive(Debug, Clone, Default)]
 pub(crate) enum Clock {
-    /// `Instant::now()`.
+    /// `Instant::now()`, and the crate's timer thread.
     #[default]
     Monotonic,
+    /// tokio's clock (`tokio::time::Instant`, paused time included) and
+    /// timer.
+    #[cfg(feature = "tokio")]
+    Tokio,
+    /// The application's own.
+    Custom(std::sync::Arc<dyn crate::time_source::TimeSource>),
     /// Time that moves by hand.
     #[cfg(feature = "test-util")]
     Manual(ManualClock),
@@ -46,9 +52,22 @@ impl Clock {
     pub(crate) fn now(&self) -> Instant {
         match self {
             Self::Monotonic => Instant::now(),
+            #[cfg(feature = "tokio")]
+            Self::Tokio => tokio::time::Instant::now().into_std(),
+            Self::Custom(source) => source.now(),
             #[cfg(feature = "test-util")]
             Self::Manual(clock) => clock.read(),
         }
+    }
+
+    /// Whether the table's futures take part in tokio's cooperative budget.
+    #[inline(always)]
+    pub(crate) fn is_tokio(&self) -> bool {
+        #[cfg(feature = "tokio")]
+        if let Self::Tokio = self {
+            return true;
+        }
+        false
     }
 }
 

@@ -83,7 +83,9 @@ mod queue;
 mod shard_lock;
 mod stats;
 mod table;
+mod time_source;
 mod timer;
+mod timer_driver;
 mod token;
 mod waiter;
 
@@ -96,6 +98,7 @@ pub use guard::{Guard, OwnedGuard};
 pub use lease::{LockOptions, DEFAULT_MAX_LEASE};
 pub use stats::Stats;
 pub use table::{Builder, DefaultHashBuilder, LockTable};
+pub use time_source::TimeSource;
 pub use token::FencingToken;
 
 /// The named futures returned by the table.

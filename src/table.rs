@@ -799,6 +799,41 @@ impl<K, S> Builder<K, S> {
         self
     }
 
+    /// Judge leases and timeouts by tokio's clock and timer
+    /// (`tokio::time::Instant`, `tokio::time::sleep_until`), so that paused
+    /// and auto-advanced test time drive them; and make the table's lock
+    /// futures take part in tokio's cooperative budget, as tokio's own
+    /// `Mutex` does, so that a loop of always-free locks yields to the other
+    /// tasks of its worker.
+    ///
+    /// A wait with a timer outside any tokio runtime (`blocking_lock_with` on
+    /// a plain thread) uses the crate's own timer at the same instant.
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread", start_paused = true)]
+    /// # async fn main() {
+    /// use std::time::Duration;
+    /// let table = keylock::LockTable::builder().tokio_time().build();
+    /// let lease = keylock::LockOptions::new().lease(Duration::from_secs(5));
+    /// let guard = table.lock_with("k", lease).await.unwrap();
+    /// tokio::time::sleep(Duration::from_secs(6)).await; // virtual seconds
+    /// assert!(guard.is_expired());
+    /// # }
+    /// ```
+    #[cfg(feature = "tokio")]
+    #[cfg_attr(docsrs, doc(cfg(feature = "tokio")))]
+    pub fn tokio_time(mut self) -> Self {
+        self.clock = Clock::Tokio;
+        self
+    }
+
+    /// Judge leases and timeouts by the application's own clock and timer;
+    /// see [`TimeSource`](crate::TimeSource).
+    pub fn time_source(mut self, source: impl crate::TimeSource) -> Self {
+        self.clock = Clock::Custom(std::sync::Arc::new(source));
+        self
+    }
+
     /// Judge leases and timeouts by a [`ManualClock`](crate::ManualClock)
     /// that moves only when told to.
     #[cfg(feature = "test-util")]

@@ -1,22 +1,37 @@
-//! The one place that talks to a timer crate.
+//! The one place a wait meets a timer.
 //!
-//! A [`Sleep`] wakes a waiting future at an instant: the head of a queue at its
-//! holder's lease deadline, or a waiter at its timeout. A timer is only an
-//! early wake-up: whoever is woken judges the time again under the shard lock,
-//! so a late or lost timer delays a handoff but never breaks it. Real time uses
-//! async-io's `Timer`, whose single driver thread serves every table and every
-//! runtime; the manual clock keeps its own sleepers.
+//! A [`Sleep`] wakes a waiting future at an instant: a waiter at the lease
+//! deadline of the holder it waits on, or at its own timeout. A timer is only
+//! an early wake-up: whoever is woken judges the time again under the shard
+//! lock, so a late or lost timer delays a handoff but never breaks it.
+//!
+//! Real time uses the crate's own timer thread ([`crate::timer_driver`]),
+//! which serves every table and every runtime and costs a heap push, not a
+//! cross-thread wake-up, per registration. A tokio table uses tokio's timer
+//! (so paused time works), a custom [`TimeSource`](crate::TimeSource) its own
+//! sleeps, and the manual clock keeps its own sleepers.
 
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::Instant;
 
 use crate::clock::Clock;
+use crate::time_source::TimeSource;
+use crate::timer_driver::{Driver, Registration};
 
 /// A re-armable timer bound to a table's clock.
-#[derive(Debug)]
 pub(crate) enum Sleep {
     Real {
-        timer: async_io::Timer,
+        registration: Option<Registration>,
+        at: Instant,
+    },
+    #[cfg(feature = "tokio")]
+    Tokio(Pin<Box<tokio::time::Sleep>>),
+    Custom {
+        source: Arc<dyn TimeSource>,
+        sleep: Pin<Box<dyn Future<Output = ()> + Send + Sync>>,
         at: Instant,
     },
     #[cfg(feature = "test-util")]
@@ -27,11 +42,43 @@ pub(crate) enum Sleep {
     },
 }
 
+impl std::fmt::Debug for Sleep {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let (kind, at) = match self {
+            Self::Real { at, .. } => ("real", Some(*at)),
+            #[cfg(feature = "tokio")]
+            Self::Tokio(sleep) => ("tokio", Some(sleep.deadline().into_std())),
+            Self::Custom { at, .. } => ("custom", Some(*at)),
+            #[cfg(feature = "test-util")]
+            Self::Manual { at, .. } => ("manual", Some(*at)),
+        };
+        f.debug_struct("Sleep")
+            .field("clock", &kind)
+            .field("at", &at)
+            .finish()
+    }
+}
+
 impl Sleep {
     pub(crate) fn new(clock: &Clock, at: Instant) -> Self {
         match clock {
             Clock::Monotonic => Self::Real {
-                timer: async_io::Timer::at(at),
+                registration: None,
+                at,
+            },
+            #[cfg(feature = "tokio")]
+            Clock::Tokio => match tokio::runtime::Handle::try_current() {
+                Ok(_) => Self::Tokio(Box::pin(tokio::time::sleep_until(at.into()))),
+                // Outside a runtime (a blocking lock on a plain thread): the
+                // real timer, at the same instant.
+                Err(_) => Self::Real {
+                    registration: None,
+                    at,
+                },
+            },
+            Clock::Custom(source) => Self::Custom {
+                sleep: source.sleep_until(at),
+                source: source.clone(),
                 at,
             },
             #[cfg(feature = "test-util")]
@@ -46,10 +93,18 @@ impl Sleep {
     /// Moves the deadline (a no-op when unchanged).
     pub(crate) fn reset(&mut self, to: Instant) {
         match self {
-            Self::Real { timer, at } => {
+            // Applied by the next poll, which always follows.
+            Self::Real { at, .. } => *at = to,
+            #[cfg(feature = "tokio")]
+            Self::Tokio(sleep) => {
+                if sleep.deadline().into_std() != to {
+                    sleep.as_mut().reset(to.into());
+                }
+            }
+            Self::Custom { source, sleep, at } => {
                 if *at != to {
                     *at = to;
-                    timer.set_at(to);
+                    *sleep = source.sleep_until(to);
                 }
             }
             #[cfg(feature = "test-util")]
@@ -60,7 +115,10 @@ impl Sleep {
     /// Ready once the deadline has passed; otherwise registers `cx`'s waker.
     pub(crate) fn poll(&mut self, cx: &mut Context<'_>) -> Poll<()> {
         match self {
-            Self::Real { timer, .. } => std::pin::Pin::new(timer).poll(cx).map(drop),
+            Self::Real { registration, at } => poll_real(registration, *at, cx),
+            #[cfg(feature = "tokio")]
+            Self::Tokio(sleep) => sleep.as_mut().poll(cx),
+            Self::Custom { sleep, .. } => sleep.as_mut().poll(cx),
             #[cfg(feature = "test-util")]
             Self::Manual { clock, id, at } => {
                 if clock.poll_sleep(id, *at, cx.waker()) {
@@ -73,18 +131,42 @@ impl Sleep {
     }
 }
 
-#[cfg(feature = "test-util")]
+/// The real timer: ready once `at` has passed on the monotonic clock;
+/// otherwise armed with the process's timer thread to wake `cx`.
+fn poll_real(registration: &mut Option<Registration>, at: Instant, cx: &Context<'_>) -> Poll<()> {
+    let driver = Driver::get();
+    if Instant::now() >= at {
+        if let Some(registration) = registration.take() {
+            driver.cancel(registration);
+        }
+        return Poll::Ready(());
+    }
+    match *registration {
+        // `Waker::clone` is user code: cloned before the driver locks.
+        None => *registration = Some(driver.register(at, cx.waker().clone())),
+        Some(armed) => {
+            if driver.rearm(armed, at, cx.waker()).is_some() {
+                driver.set_waker(armed, cx.waker().clone());
+            }
+        }
+    }
+    Poll::Pending
+}
+
 impl Drop for Sleep {
     fn drop(&mut self) {
-        if let Self::Manual {
-            clock,
-            id: Some(id),
-            ..
-        } = self
-        {
-            clock.cancel_sleep(*id);
+        match self {
+            Self::Real {
+                registration: Some(registration),
+                ..
+            } => Driver::get().cancel(*registration),
+            #[cfg(feature = "test-util")]
+            Self::Manual {
+                clock,
+                id: Some(id),
+                ..
+            } => clock.cancel_sleep(*id),
+            _ => {}
         }
     }
 }
-
-use std::future::Future as _;
