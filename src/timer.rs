@@ -19,7 +19,7 @@ use std::time::Instant;
 
 use crate::clock::Clock;
 use crate::time_source::TimeSource;
-use crate::timer_driver::{Driver, Registration};
+use crate::timer_driver::{Driver, Registration, TimerState};
 
 /// A re-armable timer bound to a table's clock.
 pub(crate) enum Sleep {
@@ -131,26 +131,28 @@ impl Sleep {
     }
 }
 
-/// The real timer: ready once `at` has passed on the monotonic clock;
-/// otherwise armed with the process's timer thread to wake `cx`.
+/// The real timer: ready once the process's timer thread fired it for `at`
+/// (no clock read here: the waiter judges the time itself once woken).
 fn poll_real(registration: &mut Option<Registration>, at: Instant, cx: &Context<'_>) -> Poll<()> {
     let driver = Driver::get();
-    if Instant::now() >= at {
-        if let Some(registration) = registration.take() {
-            driver.cancel(registration);
-        }
-        return Poll::Ready(());
-    }
-    match *registration {
+    let Some(armed) = *registration else {
         // `Waker::clone` is user code: cloned before the driver locks.
-        None => *registration = Some(driver.register(at, cx.waker().clone())),
-        Some(armed) => {
-            if driver.rearm(armed, at, cx.waker()).is_some() {
+        *registration = Some(driver.register(at, cx.waker().clone()));
+        return Poll::Pending;
+    };
+    match driver.poll(armed, at, cx.waker()) {
+        TimerState::Fired => {
+            *registration = None;
+            driver.cancel(armed);
+            Poll::Ready(())
+        }
+        TimerState::Armed { needs_waker } => {
+            if needs_waker {
                 driver.set_waker(armed, cx.waker().clone());
             }
+            Poll::Pending
         }
     }
-    Poll::Pending
 }
 
 impl Drop for Sleep {

@@ -27,26 +27,47 @@
 //! - A timer is only an early wake-up: the woken future judges the time again
 //!   itself, so a late fire delays, never breaks.
 
+use std::cell::Cell;
 use std::cmp::Reverse;
 use std::collections::BinaryHeap;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering::Relaxed, Ordering::SeqCst};
 use std::sync::{Mutex, MutexGuard, OnceLock, PoisonError};
 use std::task::Waker;
 use std::thread::Thread;
 use std::time::{Duration, Instant};
 
+use crossbeam_utils::CachePadded;
+
 use crate::clock::Stamp;
 
-/// One armed timer: which slot, and which use of it.
+/// One armed timer: which wheel, which slot, and which use of it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct Registration {
+    wheel: u32,
     slot: u32,
     generation: u32,
 }
 
+/// What polling an armed timer found.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum TimerState {
+    /// It fired for the deadline asked about (or a later one).
+    Fired,
+    /// Armed; `needs_waker`: its waker does not wake the polling task.
+    Armed { needs_waker: bool },
+}
+
+/// Wheels, each behind its own lock; a thread registers in the wheel it was
+/// given on first use, so threads rarely share one.
+const WHEELS: usize = 8;
+
 /// The process's timer.
 #[derive(Debug)]
 pub(crate) struct Driver {
-    wheel: Mutex<Wheel>,
+    wheels: [CachePadded<Mutex<Wheel>>; WHEELS],
+    /// The earliest deadline the thread will wake for (a raw stamp;
+    /// `u64::MAX`: none). Lowered by registrations, which then unpark it.
+    target: AtomicU64,
     thread: OnceLock<Thread>,
 }
 
@@ -58,8 +79,6 @@ struct Wheel {
     free: Vec<u32>,
     /// Heap entries that match no slot any more (an upper bound).
     stale: usize,
-    /// The deadline the thread sleeps toward (`u64::MAX`: none).
-    target: u64,
 }
 
 #[derive(Debug, Default)]
@@ -67,14 +86,36 @@ struct Slot {
     generation: u32,
     /// The deadline, as a raw [`Stamp`].
     at: u64,
+    /// A heap entry for `at` exists; false once it fired.
     queued: bool,
     waker: Option<Waker>,
 }
 
 static DRIVER: Driver = Driver {
-    wheel: Mutex::new(Wheel::new()),
+    wheels: [const { CachePadded::new(Mutex::new(Wheel::new())) }; WHEELS],
+    target: AtomicU64::new(u64::MAX),
     thread: OnceLock::new(),
 };
+
+thread_local! {
+    /// The wheel this thread registers in.
+    static WHEEL: Cell<Option<u32>> = const { Cell::new(None) };
+}
+
+/// Hands out wheels to threads, round robin.
+static NEXT_WHEEL: AtomicUsize = AtomicUsize::new(0);
+
+fn my_wheel() -> u32 {
+    WHEEL
+        .try_with(|cell| {
+            *cell.get().get_or_insert_with(|| {
+                let wheel = (NEXT_WHEEL.fetch_add(1, Relaxed) % WHEELS) as u32;
+                cell.set(Some(wheel));
+                wheel
+            })
+        })
+        .unwrap_or(0)
+}
 
 impl Driver {
     /// The process's timer, its thread started on first use.
@@ -94,102 +135,109 @@ impl Driver {
         &DRIVER
     }
 
-    fn unpark(&self) {
-        if let Some(thread) = self.thread.get() {
-            thread.unpark();
+    fn lock(&self, wheel: u32) -> MutexGuard<'_, Wheel> {
+        // Nothing panics under these locks but allocation; the state stays
+        // consistent, so a poisoned lock is used as is.
+        self.wheels[wheel as usize]
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Makes sure the thread wakes by `at`.
+    fn wake_by(&self, at: u64) {
+        if at < self.target.fetch_min(at, SeqCst) {
+            if let Some(thread) = self.thread.get() {
+                thread.unpark();
+            }
         }
     }
 
-    fn lock(&self) -> MutexGuard<'_, Wheel> {
-        // Nothing panics under this lock but allocation; the state stays
-        // consistent, so a poisoned lock is used as is.
-        self.wheel.lock().unwrap_or_else(PoisonError::into_inner)
-    }
-
-    /// Arms a new timer for `at`, to wake `waker`.
+    /// Arms a new timer for `at`, to wake `waker`. Does not read the clock:
+    /// a deadline already past fires at once, from the timer thread.
     pub(crate) fn register(&self, at: Instant, waker: Waker) -> Registration {
         let at = raw(at);
-        let (registration, unpark) = {
-            let mut wheel = self.lock();
-            let slot = match wheel.free.pop() {
+        let wheel = my_wheel();
+        let registration = {
+            let mut guard = self.lock(wheel);
+            let w = &mut *guard;
+            let slot = match w.free.pop() {
                 Some(slot) => slot,
                 None => {
-                    let slot = u32::try_from(wheel.slots.len())
-                        .expect("keylock: more than 2^32 armed timers");
-                    wheel.slots.push(Slot::default());
+                    let slot =
+                        u32::try_from(w.slots.len()).expect("keylock: more than 2^32 armed timers");
+                    w.slots.push(Slot::default());
                     slot
                 }
             };
-            let entry = &mut wheel.slots[slot as usize];
+            let entry = &mut w.slots[slot as usize];
             entry.at = at;
             entry.waker = Some(waker);
             entry.queued = true;
             let registration = Registration {
+                wheel,
                 slot,
                 generation: entry.generation,
             };
-            wheel
-                .heap
-                .push(Reverse((at, slot, registration.generation)));
-            (registration, wheel.lower_target(at))
+            w.heap.push(Reverse((at, slot, registration.generation)));
+            registration
         };
-        if unpark {
-            self.unpark();
-        }
+        self.wake_by(at);
         registration
     }
 
-    /// Moves a timer to `at`. Keeps its waker if that wakes the same task as
-    /// `current` and answers `None`; otherwise answers `Some(())`: the caller
-    /// clones `current` (outside any lock) and calls [`set_waker`](Self::set_waker).
-    pub(crate) fn rearm(
+    /// Polls an armed timer for deadline `at` (which may have moved since it
+    /// was armed): `Ready` if it fired for `at` or a later deadline, without
+    /// reading the clock. Otherwise it is (re)armed for `at`, and keeps its
+    /// waker if that wakes the same task as `current`; when it does not,
+    /// `Pending(true)` asks the caller to clone `current` (outside any lock)
+    /// and hand it to [`set_waker`](Self::set_waker).
+    pub(crate) fn poll(
         &self,
         registration: Registration,
         at: Instant,
         current: &Waker,
-    ) -> Option<()> {
+    ) -> TimerState {
         let at = raw(at);
-        let (needs_waker, unpark) = {
-            let mut wheel = self.lock();
-            let unpark = wheel.move_to(registration, at);
+        let needs_waker = {
+            let mut wheel = self.lock(registration.wheel);
             let slot = &wheel.slots[registration.slot as usize];
-            let keeps = slot.waker.as_ref().is_some_and(|w| w.will_wake(current));
-            (!keeps, unpark)
+            debug_assert_eq!(slot.generation, registration.generation);
+            if !slot.queued && at <= slot.at {
+                return TimerState::Fired;
+            }
+            wheel.move_to(registration, at);
+            let slot = &wheel.slots[registration.slot as usize];
+            !slot.waker.as_ref().is_some_and(|w| w.will_wake(current))
         };
-        if unpark {
-            self.unpark();
-        }
-        needs_waker.then_some(())
+        self.wake_by(at);
+        TimerState::Armed { needs_waker }
     }
 
-    /// Stores a fresh waker in a timer (after [`rearm`](Self::rearm) asked
+    /// Stores a fresh waker in a timer (after [`poll`](Self::poll) asked
     /// for one); the old one is dropped after unlocking.
     pub(crate) fn set_waker(&self, registration: Registration, waker: Waker) {
-        let (old, unpark) = {
-            let mut wheel = self.lock();
+        let (old, at) = {
+            let mut wheel = self.lock(registration.wheel);
             let slot = &mut wheel.slots[registration.slot as usize];
             debug_assert_eq!(slot.generation, registration.generation);
             let old = slot.waker.replace(waker);
             let at = slot.at;
-            // Fired meanwhile (its waker taken, or missing): queue it again,
-            // so that the new waker is woken at once.
-            let unpark = if slot.queued {
-                false
-            } else {
-                wheel.move_to(registration, at)
-            };
-            (old, unpark)
+            // Fired meanwhile, without a waker to wake: queue it again, so
+            // that the new waker is woken.
+            if !slot.queued {
+                wheel.move_to(registration, at);
+            }
+            (old, at)
         };
-        if unpark {
-            self.unpark();
-        }
+        self.wake_by(at);
         drop(old);
     }
 
     /// Disarms a timer; its waker is dropped after unlocking.
     pub(crate) fn cancel(&self, registration: Registration) {
         let waker = {
-            let mut wheel = self.lock();
+            let mut guard = self.lock(registration.wheel);
+            let wheel = &mut *guard;
             let slot = &mut wheel.slots[registration.slot as usize];
             debug_assert_eq!(slot.generation, registration.generation);
             let was_queued = slot.queued;
@@ -208,23 +256,37 @@ impl Driver {
     }
 
     /// The timer thread: fire what is due, sleep until the next deadline.
+    ///
+    /// Before it looks at the wheels it raises the target to "none": a
+    /// registration made while it looks lowers the target and unparks it
+    /// (the permit makes the coming park return at once), so no deadline
+    /// is slept through.
     fn run(&self) -> ! {
         let mut due = Vec::new();
         loop {
-            let sleep = {
-                let mut wheel = self.lock();
-                let now = raw(Instant::now());
+            self.target.store(u64::MAX, SeqCst);
+            let now = raw(Instant::now());
+            let mut next = u64::MAX;
+            for wheel in 0..WHEELS as u32 {
+                let mut wheel = self.lock(wheel);
                 wheel.pop_due(now, &mut due);
-                wheel.target = wheel.heap.peek().map_or(u64::MAX, |e| e.0 .0);
-                (wheel.target != u64::MAX).then(|| Duration::from_nanos(wheel.target - now))
-            };
+                if let Some(e) = wheel.heap.peek() {
+                    next = next.min(e.0 .0);
+                }
+            }
             for waker in due.drain(..) {
                 // A waker that panics must not stop the process's timer.
                 let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| waker.wake()));
             }
-            match sleep {
-                Some(d) => std::thread::park_timeout(d),
-                None => std::thread::park(),
+            self.target.fetch_min(next, SeqCst);
+            match self.target.load(SeqCst) {
+                u64::MAX => std::thread::park(),
+                target => {
+                    let now = raw(Instant::now());
+                    if target > now {
+                        std::thread::park_timeout(Duration::from_nanos(target - now));
+                    }
+                }
             }
         }
     }
@@ -237,28 +299,16 @@ impl Wheel {
             slots: Vec::new(),
             free: Vec::new(),
             stale: 0,
-            target: u64::MAX,
-        }
-    }
-
-    /// Lowers the thread's target to `at` if earlier; `true` if the thread
-    /// must be woken to see it.
-    fn lower_target(&mut self, at: u64) -> bool {
-        if at < self.target {
-            self.target = at;
-            true
-        } else {
-            false
         }
     }
 
     /// Sets a slot's deadline, queueing a heap entry for it unless one is
-    /// already queued for that deadline; `true` if the thread must be woken.
-    fn move_to(&mut self, registration: Registration, at: u64) -> bool {
+    /// already queued for that deadline.
+    fn move_to(&mut self, registration: Registration, at: u64) {
         let slot = &mut self.slots[registration.slot as usize];
         debug_assert_eq!(slot.generation, registration.generation);
         if slot.queued && slot.at == at {
-            return false;
+            return;
         }
         if slot.queued {
             self.stale += 1;
@@ -267,9 +317,7 @@ impl Wheel {
         slot.queued = true;
         self.heap
             .push(Reverse((at, registration.slot, registration.generation)));
-        let unpark = self.lower_target(at);
         self.compact_if_stale();
-        unpark
     }
 
     /// Pops every entry due at `now`, collecting the wakers of live ones.
@@ -339,6 +387,7 @@ mod tests {
         let slot = wheel.slots.len() as u32;
         wheel.slots.push(Slot::default());
         let registration = Registration {
+            wheel: 0,
             slot,
             generation: 0,
         };
@@ -354,7 +403,11 @@ mod tests {
         let mut wheel = wheel();
         arm(&mut wheel, 10, &waker);
         arm(&mut wheel, 30, &waker);
-        assert_eq!(wheel.target, 10, "the earliest deadline is the target");
+        assert_eq!(
+            wheel.heap.peek().map(|e| e.0 .0),
+            Some(10),
+            "earliest first"
+        );
         let mut due = Vec::new();
         wheel.pop_due(20, &mut due);
         assert_eq!(due.len(), 1, "only the entry due by 20 fires");
@@ -369,16 +422,18 @@ mod tests {
         let waker = Waker::from(count.clone());
         let mut wheel = wheel();
         let r = arm(&mut wheel, 10, &waker);
-        assert!(!wheel.move_to(r, 50), "a later deadline wakes no thread");
+        wheel.move_to(r, 50);
         let mut due = Vec::new();
         wheel.pop_due(40, &mut due);
         assert!(due.is_empty(), "the stale entry at 10 does not fire");
         wheel.pop_due(50, &mut due);
         assert_eq!(due.len(), 1);
-        assert!(
-            wheel.move_to(r, 5),
-            "an earlier deadline than the target wakes the thread"
-        );
+        assert!(!wheel.slots[r.slot as usize].queued, "fired: not queued");
+        due.clear();
+        wheel.slots[r.slot as usize].waker = Some(waker.clone());
+        wheel.move_to(r, 60);
+        wheel.pop_due(60, &mut due);
+        assert_eq!(due.len(), 1, "re-armed after firing, it fires again");
     }
 
     #[test]
@@ -406,13 +461,34 @@ mod tests {
     fn the_thread_wakes_a_registered_waker_at_its_deadline() {
         let count = Arc::new(Count(AtomicUsize::new(0)));
         let driver = Driver::get();
-        let r = driver.register(Instant::now(), Waker::from(count.clone()));
+        let at = Instant::now() + Duration::from_millis(1);
+        let waker = Waker::from(count.clone());
+        let r = driver.register(at, waker.clone());
         // Bounded only so that a bug fails instead of hanging.
         let give_up = Instant::now() + Duration::from_secs(30);
         while count.0.load(SeqCst) == 0 {
             assert!(Instant::now() < give_up, "the timer thread never fired");
             std::thread::yield_now();
         }
+        assert!(Instant::now() >= at, "fired before its deadline");
+        assert_eq!(driver.poll(r, at, &waker), TimerState::Fired);
+        let later = at + Duration::from_millis(1);
+        assert_eq!(
+            driver.poll(r, later, &waker),
+            TimerState::Armed { needs_waker: true },
+            "moved past the deadline it fired for: armed again, its waker spent"
+        );
+        driver.set_waker(r, waker.clone());
+        assert_eq!(
+            driver.poll(r, later, &waker),
+            TimerState::Armed { needs_waker: false },
+            "the same task's waker is kept"
+        );
+        while count.0.load(SeqCst) == 1 {
+            assert!(Instant::now() < give_up, "the re-armed timer never fired");
+            std::thread::yield_now();
+        }
+        assert!(Instant::now() >= later);
         driver.cancel(r);
     }
 }
