@@ -10,7 +10,7 @@ use std::sync::Arc;
 use std::task::{Context, Poll, Waker};
 use std::time::{Duration, Instant};
 
-use crate::deferred::{Ctx, Leftovers};
+use crate::deferred::Leftovers;
 use crate::error::LockError;
 use crate::guard::{Guard, Held, OwnedGuard};
 use crate::key_slot::KeyPtr;
@@ -200,7 +200,7 @@ where
         let mut state = shard.state.lock();
         // Made after locking: stores made before a locked compare-and-swap
         // must drain before it completes.
-        let mut ctx = Ctx::new(table.clock(), &shard.counters, left);
+        let mut ctx = shard.ctx(table.clock(), left);
         let attempt = {
             // SAFETY: the waiter is idle and pinned (we are, through `Pin`),
             // and `Drop` unlinks it before it is freed.
@@ -209,6 +209,7 @@ where
                     self.hash,
                     &mut key,
                     lease,
+                    timeout,
                     table.fairness(),
                     &mut self.waiter,
                     &mut ctx,
@@ -290,7 +291,7 @@ where
     ) -> Result<Step<(T, Held<K>)>, Box<LockError>> {
         let table = self.table.as_deref().expect("present until completion");
         let shard = table.shard(self.hash);
-        let mut ctx = Ctx::new(table.clock(), &shard.counters, left);
+        let mut ctx = shard.ctx(table.clock(), left);
         let gave_up = self.until().is_some_and(|until| ctx.now() >= until);
         // A wait that gives up stores no waker; its clone is dropped here,
         // before locking (`Waker::drop` is user code).
@@ -376,6 +377,11 @@ where
     /// Arms the timer for the earliest of the holder's lease deadline (when
     /// this waiter heads the queue) and the caller's own timeout.
     fn arm_timer(&mut self, wake_at: Option<Instant>, cx: &mut Context<'_>) -> Poll<()> {
+        let table = self.table.as_deref().expect("present until completion");
+        if table.clock().uses_shard_timers() {
+            // The shard's timer wakes this waiter at its deadlines.
+            return Poll::Pending;
+        }
         let at = match (wake_at, self.until()) {
             (Some(a), Some(b)) => a.min(b),
             (Some(at), None) | (None, Some(at)) => at,
@@ -386,7 +392,6 @@ where
                 return Poll::Pending;
             }
         };
-        let table = self.table.as_deref().expect("present until completion");
         let timing = self.timing.get_or_insert_with(|| {
             Box::new(Timing {
                 start: None,
@@ -444,7 +449,7 @@ fn try_once<K: Eq + Hash, S: BuildHasher>(
 ) -> Result<Grant<K>, Diagnosis> {
     let shard = table.shard(hash);
     let mut key = Some(key);
-    let mut ctx = Ctx::new(table.clock(), &shard.counters, left);
+    let mut ctx = shard.ctx(table.clock(), left);
     let result = {
         let mut state = shard.state.lock();
         match state.try_acquire(hash, &mut key, lease, table.fairness(), &mut ctx) {

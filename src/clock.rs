@@ -60,6 +60,13 @@ impl Clock {
         }
     }
 
+    /// Whether waiters are woken at their deadlines by their shard's timer
+    /// (the real clock) rather than each by its own.
+    #[inline(always)]
+    pub(crate) fn uses_shard_timers(&self) -> bool {
+        matches!(self, Self::Monotonic)
+    }
+
     /// Whether the table's futures take part in tokio's cooperative budget.
     #[inline(always)]
     pub(crate) fn is_tokio(&self) -> bool {

@@ -16,8 +16,9 @@ use std::panic::{catch_unwind, resume_unwind, AssertUnwindSafe};
 use std::task::Waker;
 use std::time::Instant;
 
-use crate::clock::{Clock, Now};
+use crate::clock::{Clock, Now, Stamp};
 use crate::stats::Counters;
+use crate::timer_driver::{ShardHook, ShardTimer};
 
 /// Wakers to wake and to drop after unlocking.
 ///
@@ -39,6 +40,9 @@ struct Deferred {
 pub(crate) struct Ctx<'a, 'l, K> {
     now: Now<'a>,
     counters: &'a Counters,
+    /// The shard's timer, when the table's clock uses shard timers (the
+    /// real clock); otherwise each waiter arms its own.
+    timer: Option<(&'a ShardTimer, ShardHook)>,
     left: &'l mut Leftovers<K>,
 }
 
@@ -63,6 +67,8 @@ pub(crate) struct Leftovers<K> {
 struct Work<K> {
     keys: [Option<K>; 2],
     deferred: Deferred,
+    /// A shard timer to arm by a deadline (raw stamp).
+    arm: Option<(std::ptr::NonNull<ShardTimer>, ShardHook, u64)>,
 }
 
 impl<K> Default for Leftovers<K> {
@@ -80,13 +86,28 @@ impl<'a, 'l, K> Ctx<'a, 'l, K> {
     pub(crate) fn new(
         clock: &'a Clock,
         counters: &'a Counters,
+        timer: Option<(&'a ShardTimer, ShardHook)>,
         left: &'l mut Leftovers<K>,
     ) -> Self {
         Self {
             now: Now::new(clock),
             counters,
+            timer,
             left,
         }
+    }
+
+    /// Makes sure the shard's timer fires by `at` (none: nothing to do);
+    /// `false` if the table has no shard timers.
+    #[inline]
+    pub(crate) fn cover(&mut self, at: Stamp) -> bool {
+        let Some((timer, hook)) = self.timer else {
+            return false;
+        };
+        if at.is_some() && timer.lower(at.to_raw()) {
+            self.left.arm_later(timer, hook, at.to_raw());
+        }
+        true
     }
 
     /// The time this operation judges by (read now if it was not yet).
@@ -133,6 +154,7 @@ impl<K> Leftovers<K> {
             self.work.write(Work {
                 keys: [None, None],
                 deferred: Deferred::default(),
+                arm: None,
             });
             self.dirty = true;
         }
@@ -163,6 +185,15 @@ impl<K> Leftovers<K> {
             Some(free) => *free = Some(waker),
             // A spurious wake is harmless; dropping under the lock is not.
             None => deferred.spill.push(waker),
+        }
+    }
+
+    /// Arms the shard timer `timer` by `at` when dropped.
+    fn arm_later(&mut self, timer: &ShardTimer, hook: ShardHook, at: u64) {
+        let arm = &mut self.work().arm;
+        match arm {
+            Some((_, _, earlier)) if *earlier <= at => {}
+            _ => *arm = Some((std::ptr::NonNull::from(timer), hook, at)),
         }
     }
 
@@ -204,13 +235,24 @@ impl<K> Leftovers<K> {
         self.dirty = false;
         // SAFETY: `dirty` was set, so `work` is initialized; clearing the flag
         // first hands it over to this function, which reads it out once.
-        let Work { keys, deferred } = unsafe { self.work.assume_init_read() };
+        let Work {
+            keys,
+            deferred,
+            arm,
+        } = unsafe { self.work.assume_init_read() };
         let mut first: Option<Box<dyn Any + Send>> = None;
         let mut note = |r: Result<(), Box<dyn Any + Send>>| {
             if let Err(p) = r {
                 first.get_or_insert(p);
             }
         };
+        if let Some((timer, hook, at)) = arm {
+            // SAFETY: the operation that recorded it borrows the table, whose
+            // shard owns the timer, until after this runs.
+            let timer = unsafe { timer.as_ref() };
+            // Only fails if the timer thread cannot start.
+            note(catch_unwind(AssertUnwindSafe(|| timer.arm(hook, at))));
+        }
         let Deferred {
             wake,
             spill,

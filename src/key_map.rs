@@ -311,7 +311,6 @@ impl<V> KeyMap<V> {
     }
 
     /// Every value with its hash, in no particular order.
-    #[cfg(any(test, feature = "test-util"))]
     pub(crate) fn iter(&self) -> impl Iterator<Item = (u64, &V)> {
         self.slots
             .iter()

@@ -33,7 +33,7 @@ use crate::fairness::Fairness;
 use crate::key_slot::{KeyPool, KeyPtr};
 use crate::lease::PackedDuration;
 use crate::token::{FencingToken, TokenCounter};
-use crate::waiter::{Granted, LazyWaiter, WaitList, Waiter};
+use crate::waiter::{Granted, LazyWaiter, WaitList, Waiter, WaiterPtr};
 
 /// The current grant of a key.
 #[derive(Debug, Clone, Copy)]
@@ -267,10 +267,12 @@ impl Keys<'_> {
     }
 }
 
-/// The holder's deadline changed or the queue got a new head: nudge the head
-/// so that it re-arms its timer, unless the timer it armed already fires by
-/// the holder's deadline (every waiter arms for the holder it saw, so with
-/// leases of one length a handoff nudges nobody).
+/// The holder's deadline changed or the queue got a new head: make sure the
+/// head is woken by the holder's deadline. With shard timers, the shard's
+/// timer covers it. Otherwise nudge the head so that it re-arms its own
+/// timer, unless the timer it armed already fires by then (every waiter
+/// arms for the holder it saw, so with leases of one length a handoff nudges
+/// nobody).
 fn nudge_head_for_timer<K>(entry: &Entry<K>, ctx: &mut Ctx<'_, '_, K>) {
     let Some(deadline) = entry.holder.map(|h| h.deadline) else {
         return;
@@ -278,25 +280,38 @@ fn nudge_head_for_timer<K>(entry: &Entry<K>, ctx: &mut Ctx<'_, '_, K>) {
     if !deadline.is_some() {
         return;
     }
-    if let Some(head) = entry.queue.head() {
-        // SAFETY: the head is linked, and we hold the shard lock.
-        let armed = unsafe { Waiter::timer_at(head) };
-        if !armed.is_some() || armed > deadline {
-            nudge_head(entry, ctx);
-        }
+    let Some(head) = entry.queue.head() else {
+        return;
+    };
+    if ctx.cover(deadline) {
+        return;
+    }
+    // SAFETY: the head is linked, and we hold the shard lock.
+    let armed = unsafe { Waiter::timer_at(head) };
+    if !armed.is_some() || armed > deadline {
+        nudge_head(entry, ctx);
     }
 }
 
-/// The holder deadline a waiter of `entry` arms its timer for (any waiter,
-/// not only the head: when it heads the queue later, its timer already
-/// covers a holder whose lease is as long), recorded in its node.
+/// The holder deadline a waiter of `entry` must be woken by: covered by the
+/// shard's timer (`None` returned), or returned for the waiter's own timer
+/// (any waiter arms one, not only the head: when it heads the queue later,
+/// its timer already covers a holder whose lease is as long), recorded in
+/// its node.
 ///
 /// # Safety
 ///
 /// `waiter` is linked into `entry`'s queue, by its owner, under the lock.
 #[inline]
-unsafe fn holder_timer<K>(entry: &Entry<K>, waiter: &Waiter) -> Option<Instant> {
+unsafe fn holder_timer<K>(
+    entry: &Entry<K>,
+    waiter: &Waiter,
+    ctx: &mut Ctx<'_, '_, K>,
+) -> Option<Instant> {
     let deadline = entry.holder.map_or(Stamp::NONE, |h| h.deadline);
+    if ctx.cover(deadline) {
+        return None;
+    }
     // SAFETY: the caller's contract.
     unsafe { waiter.set_timer_at(deadline) };
     deadline.get()
@@ -510,6 +525,7 @@ impl<K> ShardState<K> {
         hash: u64,
         key: &mut Option<K>,
         lease: Option<Duration>,
+        timeout: Option<Duration>,
         fairness: Fairness,
         waiter: &mut LazyWaiter,
         ctx: &mut Ctx<'_, '_, K>,
@@ -527,12 +543,16 @@ impl<K> ShardState<K> {
         }
         let waiter = waiter.get_or_init();
         // SAFETY: the caller's contract; under the shard lock.
+        // When the caller gives up (too far to represent: never), from the
+        // time this operation judges by, which the caller reads back.
+        let until = timeout.map_or(Stamp::NONE, |t| Stamp::new(Some(ctx.now())).plus(t));
+        ctx.cover(until);
         unsafe {
-            waiter.prepare(PackedDuration::pack(lease));
+            waiter.prepare(PackedDuration::pack(lease), until);
             entry.queue.push_back(waiter);
         }
         // SAFETY: just linked, under the lock.
-        let wake_at = unsafe { holder_timer(entry, waiter) };
+        let wake_at = unsafe { holder_timer(entry, waiter, ctx) };
         Attempt::Queued {
             key: entry.key,
             wake_at,
@@ -591,7 +611,7 @@ impl<K> ShardState<K> {
             Err(()) => return Polled::NeedWaker,
         }
         // SAFETY: linked, under the lock, by the owner.
-        let wake_at = unsafe { holder_timer(entry, waiter) };
+        let wake_at = unsafe { holder_timer(entry, waiter, ctx) };
         Polled::Waiting { wake_at }
     }
 
@@ -780,6 +800,44 @@ impl<K> ShardState<K> {
         let revoked = keys.displace(entry, ctx).map(|h| h.token);
         ctx.counters().revoked();
         revoked
+    }
+}
+
+impl<K> ShardState<K> {
+    /// The shard's timer fired at `now` (a raw stamp): nudges every waiter
+    /// whose timeout has come and the head of every queue whose holder's
+    /// lease has lapsed, each of which settles when it polls, collecting
+    /// their wakers into `wakers`; returns the earliest deadline still to
+    /// come (`u64::MAX`: none). Touches no key.
+    pub(crate) fn fire_timers(&mut self, now: u64, wakers: &mut Vec<std::task::Waker>) -> u64 {
+        let mut next = u64::MAX;
+        let mut due = |at: Stamp, waiter: WaiterPtr, wakers: &mut Vec<_>| {
+            let at = at.to_raw();
+            if at == 0 {
+                return;
+            }
+            if at <= now {
+                // SAFETY: linked, under the shard lock.
+                wakers.extend(unsafe { Waiter::nudge(waiter) });
+            } else {
+                next = next.min(at);
+            }
+        };
+        for (_, entry) in self.entries.iter() {
+            let Some(head) = entry.queue.head() else {
+                continue;
+            };
+            if let Some(holder) = entry.holder {
+                due(holder.deadline, head, wakers);
+            }
+            // SAFETY: under the shard lock; every visited waiter is linked.
+            unsafe {
+                entry
+                    .queue
+                    .walk(|waiter, _, _| due(Waiter::until(waiter), waiter, wakers));
+            }
+        }
+        next
     }
 }
 

@@ -27,6 +27,7 @@ use crate::queue::{Grant, ShardState};
 use crate::shard_lock::ShardMutex;
 use crate::stats::{Counters, Stats};
 use crate::token::FencingToken;
+use crate::timer_driver::{ShardHook, ShardTimer};
 use crate::waiter::Waiter;
 
 /// The hasher a table uses unless told otherwise: fast, and seeded per table.
@@ -38,6 +39,43 @@ pub type DefaultHashBuilder = foldhash::fast::RandomState;
 pub(crate) struct Shard<K> {
     pub(crate) state: ShardMutex<ShardState<K>>,
     pub(crate) counters: Counters,
+    /// Wakes the shard's waiters at their deadlines (real clock only).
+    pub(crate) timer: ShardTimer,
+}
+
+impl<K> Shard<K> {
+    /// An operation's context on this shard, made after locking it.
+    #[inline(always)]
+    pub(crate) fn ctx<'a, 'l>(
+        &'a self,
+        clock: &'a Clock,
+        left: &'l mut Leftovers<K>,
+    ) -> Ctx<'a, 'l, K> {
+        let timer = clock.uses_shard_timers().then(|| {
+            let hook = ShardHook {
+                ptr: std::ptr::from_ref(self).cast(),
+                fire: fire_shard::<K>,
+            };
+            (&self.timer, hook)
+        });
+        Ctx::new(clock, &self.counters, timer, left)
+    }
+}
+
+/// The timer thread fires a shard's timer: nudges the waiters due at `now`
+/// and returns the shard's next deadline.
+///
+/// # Safety
+///
+/// `ptr` is a `&Shard<K>` of a table that still exists (a table cancels its
+/// shards' timers when it is dropped; see [`ShardHook`]).
+unsafe fn fire_shard<K>(ptr: *const (), now: u64, wakers: &mut Vec<std::task::Waker>) -> u64 {
+    // SAFETY: the caller's contract.
+    let shard = unsafe { &*ptr.cast::<Shard<K>>() };
+    let mut state = shard.state.lock();
+    let next = state.fire_timers(now, wakers);
+    shard.timer.set_armed(next);
+    next
 }
 
 /// A table of exclusive locks, one per key, whose waits are futures.
@@ -109,6 +147,15 @@ impl<K: Eq + Hash> LockTable<K> {
 impl<K: Eq + Hash> Default for LockTable<K> {
     fn default() -> Self {
         Self::new()
+    }
+}
+
+impl<K, S> Drop for LockTable<K, S> {
+    fn drop(&mut self) {
+        // After this, the timer thread never touches the shards again.
+        for shard in self.shards.iter() {
+            shard.timer.cancel();
+        }
     }
 }
 
@@ -229,7 +276,7 @@ impl<K, S> LockTable<K, S> {
         let mut state = shard.state.lock();
         // Made after locking: stores made before a locked compare-and-swap
         // must drain before it completes.
-        let mut ctx = Ctx::new(&self.clock, &shard.counters, &mut left);
+        let mut ctx = shard.ctx(&self.clock, &mut left);
         let result = op(&mut state, &mut ctx);
         drop(state);
         left.flush();
@@ -877,6 +924,7 @@ impl<K, S> Builder<K, S> {
                 CachePadded::new(Shard {
                     state: ShardMutex::new(ShardState::new()),
                     counters: Counters::default(),
+                    timer: ShardTimer::new(),
                 })
             })
             .collect();

@@ -89,6 +89,81 @@ struct Slot {
     /// A heap entry for `at` exists; false once it fired.
     queued: bool,
     waker: Option<Waker>,
+    /// A shard's timer: fired by calling into the shard, not by a waker.
+    hook: Option<ShardHook>,
+}
+
+/// How the timer thread fires a shard's timer: `fire(ptr, now, wakers)` locks
+/// the shard, collects the wakers of the waiters due at `now` and returns the
+/// shard's next deadline (a raw stamp; `u64::MAX`: none).
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct ShardHook {
+    pub(crate) ptr: *const (),
+    pub(crate) fire: unsafe fn(*const (), u64, &mut Vec<Waker>) -> u64,
+}
+
+// SAFETY: `ptr` is only passed back to `fire`, which reaches the shard under
+// its lock (touching no key), and only while the shard's table exists: the
+// table cancels its shards' timers before its memory goes, and a fire runs
+// under the wheel lock that the cancel takes.
+unsafe impl Send for ShardHook {}
+
+/// A shard's timer: the earliest deadline it is armed for (raw stamp;
+/// `u64::MAX`: none), read and lowered under the shard lock, and its
+/// registration with the driver, made on first use.
+///
+/// Invariant: every deadline in the shard (a waiter's timeout, the lease of a
+/// holder with waiters) is at or after `armed`, and the driver fires the
+/// shard by `armed`, or is about to be told so by the operation that lowered
+/// it (after that operation unlocks the shard).
+#[derive(Debug)]
+pub(crate) struct ShardTimer {
+    armed: AtomicU64,
+    registration: OnceLock<Registration>,
+}
+
+impl ShardTimer {
+    pub(crate) const fn new() -> Self {
+        Self {
+            armed: AtomicU64::new(u64::MAX),
+            registration: OnceLock::new(),
+        }
+    }
+
+    /// Under the shard lock: lowers the armed deadline to `at` if it is
+    /// earlier; `true` if the driver must then be told ([`arm`](Self::arm),
+    /// after unlocking).
+    #[inline]
+    pub(crate) fn lower(&self, at: u64) -> bool {
+        if at < self.armed.load(Relaxed) {
+            self.armed.store(at, Relaxed);
+            true
+        } else {
+            false
+        }
+    }
+
+    /// Under the shard lock, from a fire: the deadline it is armed for now.
+    pub(crate) fn set_armed(&self, at: u64) {
+        self.armed.store(at, Relaxed);
+    }
+
+    /// After unlocking: makes sure the driver fires the shard by `at`.
+    pub(crate) fn arm(&self, hook: ShardHook, at: u64) {
+        let driver = Driver::get();
+        let registration = *self
+            .registration
+            .get_or_init(|| driver.register_hook(hook));
+        driver.arm_hook(registration, at);
+    }
+
+    /// Disarms the shard's timer for good; once this returns, the driver no
+    /// longer touches the shard.
+    pub(crate) fn cancel(&self) {
+        if let Some(registration) = self.registration.get() {
+            Driver::get().cancel(*registration);
+        }
+    }
 }
 
 static DRIVER: Driver = Driver {
@@ -150,6 +225,35 @@ impl Driver {
                 thread.unpark();
             }
         }
+    }
+
+    /// A slot for a shard's timer, not armed yet.
+    fn register_hook(&self, hook: ShardHook) -> Registration {
+        let wheel = ((hook.ptr as usize >> 6) % WHEELS) as u32;
+        let mut guard = self.lock(wheel);
+        let w = &mut *guard;
+        let slot = w.allocate();
+        let entry = &mut w.slots[slot as usize];
+        entry.hook = Some(hook);
+        entry.at = u64::MAX;
+        Registration {
+            wheel,
+            slot,
+            generation: entry.generation,
+        }
+    }
+
+    /// Makes sure a shard's timer fires by `at`.
+    fn arm_hook(&self, registration: Registration, at: u64) {
+        {
+            let mut wheel = self.lock(registration.wheel);
+            let slot = &wheel.slots[registration.slot as usize];
+            if slot.queued && slot.at <= at {
+                return;
+            }
+            wheel.move_to(registration, at);
+        }
+        self.wake_by(at);
     }
 
     /// Arms a new timer for `at`, to wake `waker`. Does not read the clock:
@@ -245,6 +349,7 @@ impl Driver {
             slot.generation = slot.generation.wrapping_add(1);
             slot.queued = false;
             slot.at = 0;
+            slot.hook = None;
             wheel.free.push(registration.slot);
             if was_queued {
                 wheel.stale += 1;
@@ -293,6 +398,18 @@ impl Driver {
 }
 
 impl Wheel {
+    fn allocate(&mut self) -> u32 {
+        match self.free.pop() {
+            Some(slot) => slot,
+            None => {
+                let slot =
+                    u32::try_from(self.slots.len()).expect("keylock: more than 2^32 armed timers");
+                self.slots.push(Slot::default());
+                slot
+            }
+        }
+    }
+
     const fn new() -> Self {
         Self {
             heap: BinaryHeap::new(),
@@ -320,8 +437,11 @@ impl Wheel {
         self.compact_if_stale();
     }
 
-    /// Pops every entry due at `now`, collecting the wakers of live ones.
+    /// Pops every entry due at `now`, collecting the wakers of live ones and
+    /// firing the shards' timers (each locks its shard; see [`ShardHook`]),
+    /// which are queued again for their shards' next deadlines.
     fn pop_due(&mut self, now: u64, due: &mut Vec<Waker>) {
+        let mut fired = Vec::new();
         while let Some(&Reverse((at, slot, generation))) = self.heap.peek() {
             if at > now {
                 break;
@@ -330,9 +450,28 @@ impl Wheel {
             let entry = &mut self.slots[slot as usize];
             if entry.generation == generation && entry.queued && entry.at == at {
                 entry.queued = false;
-                due.extend(entry.waker.take());
+                match entry.hook {
+                    Some(hook) => fired.push((slot, generation, hook)),
+                    None => due.extend(entry.waker.take()),
+                }
             } else {
                 self.stale = self.stale.saturating_sub(1);
+            }
+        }
+        for (slot, generation, hook) in fired {
+            // SAFETY: the shard exists: its table cancels this slot (under
+            // this wheel's lock, which we hold) before it goes.
+            let next = unsafe { (hook.fire)(hook.ptr, now, due) };
+            let entry = &self.slots[slot as usize];
+            if next != u64::MAX && (!entry.queued || next < entry.at) {
+                self.move_to(
+                    Registration {
+                        wheel: 0,
+                        slot,
+                        generation,
+                    },
+                    next,
+                );
             }
         }
     }

@@ -101,6 +101,8 @@ struct Node {
     /// a holder with an earlier deadline nudges the head to re-arm; one with
     /// the same or a later deadline does not.
     timer_at: Stamp,
+    /// When the owner gives up waiting (none: never), for the shard's timer.
+    until: Stamp,
 }
 
 /// A linked node's links, or, once unlinked and granted, its grant: the
@@ -234,6 +236,7 @@ impl Waiter {
                 },
                 lease: PackedDuration::NONE,
                 timer_at: Stamp::NONE,
+                until: Stamp::NONE,
             }),
             _pinned: PhantomPinned,
         }
@@ -274,13 +277,14 @@ impl Waiter {
     ///
     /// The node must be idle (not linked) and owned by the caller.
     #[inline]
-    pub(crate) unsafe fn prepare(&self, lease: PackedDuration) {
+    pub(crate) unsafe fn prepare(&self, lease: PackedDuration, until: Stamp) {
         debug_assert_eq!(self.state.load(Relaxed), IDLE);
         let node = self.node.get_mut();
         // SAFETY: an idle node is its owner's alone (caller's contract).
         let node = unsafe { node.deref() };
         node.lease = lease;
         node.timer_at = Stamp::NONE;
+        node.until = until;
         node.slot = NodeSlot::Links {
             prev: None,
             next: None,
@@ -466,6 +470,19 @@ impl Waiter {
         unsafe { node.deref() }.timer_at = at;
     }
 
+    /// When a linked waiter gives up (none: never).
+    ///
+    /// # Safety
+    ///
+    /// Under the shard lock, while linked.
+    #[inline]
+    pub(crate) unsafe fn until(this: WaiterPtr) -> Stamp {
+        // SAFETY: linked, under the lock (caller's contract).
+        let node = unsafe { this.as_ref() }.node.get_mut();
+        // SAFETY: as above: the node cell is the table's.
+        unsafe { node.deref() }.until
+    }
+
     /// The holder deadline a linked waiter's timer covers.
     ///
     /// # Safety
@@ -594,10 +611,13 @@ impl WaitList {
         while let Some(ptr) = at {
             // SAFETY: linked, under the lock.
             let me = unsafe { ptr.as_ref() };
-            let node = me.node.get_mut();
-            // SAFETY: as above.
-            let (prev, next) = unsafe { node.deref() }.links();
-            let (prev, next) = (*prev, *next);
+            let (prev, next) = {
+                let node = me.node.get_mut();
+                // SAFETY: as above.
+                let (prev, next) = unsafe { node.deref() }.links();
+                (*prev, *next)
+            };
+            // The node's cell is released first: `visit` may read it.
             visit(ptr, prev, me.state.load(Relaxed));
             at = next;
         }
