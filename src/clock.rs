@@ -435,17 +435,88 @@ mod tests {
         }
     }
 
+    /// The kernel's tick, as the resolution of the coarse clock.
+    #[cfg(target_os = "linux")]
+    fn tick() -> Duration {
+        let mut ts = libc::timespec {
+            tv_sec: 0,
+            tv_nsec: 0,
+        };
+        // SAFETY: `ts` is a valid, writable timespec and the clock id exists
+        // on every Linux since 2.6.32.
+        let ok = unsafe { libc::clock_getres(libc::CLOCK_MONOTONIC_COARSE, &mut ts) };
+        assert_eq!(ok, 0, "clock_getres(CLOCK_MONOTONIC_COARSE)");
+        Duration::new(
+            u64::try_from(ts.tv_sec).unwrap(),
+            u32::try_from(ts.tv_nsec).unwrap(),
+        )
+    }
+
+    /// Elsewhere there is no coarse clock: long leases use the precise one.
+    #[cfg(not(target_os = "linux"))]
+    fn tick() -> Duration {
+        Duration::ZERO
+    }
+
+    /// A lease starts no later than its grant (so it never ends after now
+    /// plus the lease); a short one starts exactly at the grant on the
+    /// precise clock, a long one at the coarse clock's reading then, which is
+    /// the precise clock as of the last tick.
     #[test]
-    fn a_long_lease_never_ends_after_now_plus_lease() {
+    fn a_lease_never_ends_after_now_plus_lease_nor_starts_before_its_clock() {
         let clock = Clock::Monotonic;
-        for lease in [
+        let tick = tick();
+        let leases = [
+            Duration::from_millis(10),
+            COARSE_LEASE - Duration::from_nanos(1),
             COARSE_LEASE,
             Duration::from_secs(30),
-            Duration::from_millis(10),
-        ] {
-            let start = clock.grant_time(lease);
-            let after = Instant::now();
-            assert!(start <= after, "a lease would start in the future");
+        ];
+        // How far behind the precise clock each long lease's start came out.
+        let mut behind = Vec::new();
+        let began = Instant::now();
+        let mut rounds = 0;
+        // Many ticks long, so that a start stuck at an old reading, or
+        // drifting behind, shows.
+        while rounds < 10_000 || began.elapsed() < 50 * tick {
+            rounds += 1;
+            for lease in leases {
+                let coarse_before = coarse::now();
+                let before = Instant::now();
+                let start = clock.grant_time(lease);
+                let after = Instant::now();
+                assert!(
+                    start <= after,
+                    "a {lease:?} lease would start in the future"
+                );
+                if lease < COARSE_LEASE {
+                    assert!(
+                        start >= before,
+                        "a {lease:?} lease starts {:?} before its grant: not from the \
+                         precise clock",
+                        before - start
+                    );
+                } else {
+                    assert!(
+                        start >= coarse_before,
+                        "a {lease:?} lease starts {:?} before the coarse clock read just \
+                         before its grant",
+                        coarse_before - start
+                    );
+                    behind.push(before.saturating_duration_since(start));
+                }
+            }
         }
+        // Up to a tick behind. Not asserted of every start: a loaded host may
+        // process a tick late, leaving the coarse clock behind by more for a
+        // while. But most starts must be: the coarse clock is the precise
+        // one as of the last tick, not an older or offset time.
+        behind.sort_unstable();
+        let quartile = behind[behind.len() / 4];
+        assert!(
+            quartile <= tick,
+            "three quarters of the long leases started {quartile:?} or more before their \
+             grant: more than a tick ({tick:?})"
+        );
     }
 }
