@@ -520,6 +520,7 @@ impl<K> ShardState<K> {
     /// `waiter` is idle, pinned, and its owner unlinks it (through
     /// [`cancel`](Self::cancel) or a poll that completes) before freeing it.
     #[inline]
+    #[allow(clippy::too_many_arguments)] // the one entry point of a wait
     pub(crate) unsafe fn acquire_or_enqueue(
         &mut self,
         hash: u64,
@@ -542,11 +543,11 @@ impl<K> ShardState<K> {
             return Attempt::Acquired(keys.take_free(entry, lease, false, ctx));
         }
         let waiter = waiter.get_or_init();
-        // SAFETY: the caller's contract; under the shard lock.
         // When the caller gives up (too far to represent: never), from the
         // time this operation judges by, which the caller reads back.
         let until = timeout.map_or(Stamp::NONE, |t| Stamp::new(Some(ctx.now())).plus(t));
         ctx.cover(until);
+        // SAFETY: the caller's contract; under the shard lock.
         unsafe {
             waiter.prepare(PackedDuration::pack(lease), until);
             entry.queue.push_back(waiter);
