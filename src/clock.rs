@@ -64,7 +64,12 @@ impl Clock {
     /// (the real clock) rather than each by its own.
     #[inline(always)]
     pub(crate) fn uses_shard_timers(&self) -> bool {
-        matches!(self, Self::Monotonic)
+        match self {
+            Self::Monotonic => true,
+            #[cfg(feature = "test-util")]
+            Self::Manual(clock) => clock.uses_shard_timers(),
+            _ => false,
+        }
     }
 
     /// Whether the table's futures take part in tokio's cooperative budget.
@@ -166,6 +171,12 @@ impl<'a> Now<'a> {
         Self { clock, at: None }
     }
 
+    /// The clock this reads.
+    #[inline]
+    pub(crate) fn clock(&self) -> &'a Clock {
+        self.clock
+    }
+
     #[inline]
     pub(crate) fn get(&mut self) -> Instant {
         *self.at.get_or_insert_with(|| self.clock.now())
@@ -234,14 +245,15 @@ mod coarse {
 
 #[cfg(feature = "test-util")]
 mod manual {
-    use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+    use std::sync::atomic::Ordering::{Relaxed, SeqCst};
     use std::sync::Arc;
     use std::task::Waker;
     use std::time::{Duration, Instant};
 
     use slab::Slab;
 
-    use crate::loom::Mutex;
+    use crate::loom::{AtomicU64, Mutex};
+    use crate::timer_driver::ShardHook;
 
     /// `elapsed + by`, cut down so that `base + result` is representable.
     fn saturating_elapsed(base: Instant, elapsed: Duration, by: Duration) -> Duration {
@@ -269,6 +281,12 @@ mod manual {
     /// lease and timeout of that table is then judged against it, and
     /// advancing it wakes the waiters whose deadline it passed.
     ///
+    /// By default each waiter that needs a timer arms its own sleeper
+    /// ([`sleepers`](Self::sleepers) counts them). A clock made with
+    /// [`with_shard_timers`](Self::with_shard_timers) drives tables the way
+    /// the real clock does: each shard keeps one timer for the earliest
+    /// deadline of its waiters, and advancing the clock fires the shards due.
+    ///
     /// ```
     /// use std::time::Duration;
     /// use keylock::{LockOptions, LockTable, ManualClock};
@@ -289,15 +307,23 @@ mod manual {
     #[derive(Debug)]
     struct Inner {
         base: Instant,
+        /// Nanoseconds since `base`, readable without the lock: a table
+        /// reads the clock under a shard lock, and a fire takes a shard lock
+        /// under this clock's lock.
+        elapsed: AtomicU64,
         state: Mutex<State>,
         /// How many times a table read this clock.
-        reads: AtomicU64,
+        reads: std::sync::atomic::AtomicU64,
+        shard_timers: bool,
     }
 
     #[derive(Debug, Default)]
     struct State {
         elapsed: Duration,
         sleepers: Slab<(Instant, Option<Waker>)>,
+        /// Shard timers: the shard's address, how to fire it, and the
+        /// deadline it is armed for (a raw stamp; `u64::MAX`: none).
+        shards: Vec<(usize, ShardHook, u64)>,
     }
 
     impl Default for ManualClock {
@@ -310,11 +336,42 @@ mod manual {
         /// A clock standing at an arbitrary instant.
         #[must_use]
         pub fn new() -> Self {
+            Self::make(false)
+        }
+
+        /// A clock standing at an arbitrary instant whose tables keep one
+        /// timer per shard, as tables on the real clock do.
+        ///
+        /// ```
+        /// use std::future::Future;
+        /// use std::time::Duration;
+        /// use keylock::{LockOptions, LockTable, ManualClock};
+        ///
+        /// let clock = ManualClock::with_shard_timers();
+        /// let table = LockTable::builder().clock(clock.clone()).build();
+        /// let _holder = table.try_lock("k").unwrap();
+        /// let mut wait = Box::pin(table.lock_with("k", LockOptions::new().timeout(Duration::from_secs(1))));
+        /// let waker = futures::task::noop_waker();
+        /// let mut cx = std::task::Context::from_waker(&waker);
+        /// assert!(wait.as_mut().poll(&mut cx).is_pending());
+        /// assert_eq!(clock.armed_shards(), 1);
+        /// assert_eq!(clock.sleepers(), 0);
+        /// clock.advance(Duration::from_secs(1));
+        /// assert!(wait.as_mut().poll(&mut cx).is_ready());
+        /// ```
+        #[must_use]
+        pub fn with_shard_timers() -> Self {
+            Self::make(true)
+        }
+
+        fn make(shard_timers: bool) -> Self {
             Self {
                 inner: Arc::new(Inner {
                     base: Instant::now(),
+                    elapsed: AtomicU64::new(0),
                     state: Mutex::new(State::default()),
-                    reads: AtomicU64::new(0),
+                    reads: std::sync::atomic::AtomicU64::new(0),
+                    shard_timers,
                 }),
             }
         }
@@ -322,7 +379,7 @@ mod manual {
         /// The clock's current time.
         #[must_use]
         pub fn now(&self) -> Instant {
-            self.inner.base + self.inner.state.lock().elapsed
+            self.inner.base + Duration::from_nanos(self.inner.elapsed.load(SeqCst))
         }
 
         /// How many times a table has read this clock (to show which paths
@@ -338,18 +395,35 @@ mod manual {
             self.now()
         }
 
+        pub(crate) fn uses_shard_timers(&self) -> bool {
+            self.inner.shard_timers
+        }
+
         /// Moves the clock forward and wakes every sleeper whose deadline it
-        /// reached. Saturates: past the latest instant the platform can
-        /// represent, the clock stays there.
+        /// reached, and fires every shard timer it reached. Saturates: past
+        /// the latest instant the platform can represent, the clock stays
+        /// there.
         pub fn advance(&self, by: Duration) {
             let mut wake = Vec::new();
             {
                 let mut state = self.inner.state.lock();
                 state.elapsed = saturating_elapsed(self.inner.base, state.elapsed, by);
+                let nanos = u64::try_from(state.elapsed.as_nanos()).unwrap_or(u64::MAX);
+                self.inner.elapsed.store(nanos, SeqCst);
                 let now = self.inner.base + state.elapsed;
                 for (_, (at, waker)) in state.sleepers.iter_mut() {
                     if *at <= now {
                         wake.extend(waker.take());
+                    }
+                }
+                // Fired under this clock's lock, which `cancel_shard` takes:
+                // a table cancels before its shards go.
+                let now = super::Stamp::new(Some(now)).to_raw();
+                for (_, hook, at) in state.shards.iter_mut() {
+                    if *at <= now {
+                        // SAFETY: the shard's table is alive: it cancels
+                        // its shards' timers (under this lock) when dropped.
+                        *at = unsafe { (hook.fire)(hook.ptr, now, &mut wake) };
                     }
                 }
             }
@@ -376,6 +450,34 @@ mod manual {
                 .iter()
                 .filter(|(_, (_, w))| w.is_some())
                 .count()
+        }
+
+        /// Number of shard timers armed for a deadline (clocks made with
+        /// [`with_shard_timers`](Self::with_shard_timers)).
+        #[must_use]
+        pub fn armed_shards(&self) -> usize {
+            let state = self.inner.state.lock();
+            state
+                .shards
+                .iter()
+                .filter(|(_, _, at)| *at != u64::MAX)
+                .count()
+        }
+
+        /// Makes sure shard `hook` fires by `at` (a raw stamp).
+        pub(crate) fn arm_shard(&self, hook: ShardHook, at: u64) {
+            let mut state = self.inner.state.lock();
+            let key = hook.ptr as usize;
+            match state.shards.iter_mut().find(|(p, _, _)| *p == key) {
+                Some((_, _, armed)) => *armed = (*armed).min(at),
+                None => state.shards.push((key, hook, at)),
+            }
+        }
+
+        /// Forgets shard `ptr`'s timer; it is never fired again.
+        pub(crate) fn cancel_shard(&self, ptr: *const ()) {
+            let mut state = self.inner.state.lock();
+            state.shards.retain(|(p, _, _)| *p != ptr as usize);
         }
 
         /// Registers (or re-registers) sleeper `id` until `at`; `true` if

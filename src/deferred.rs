@@ -67,8 +67,13 @@ pub(crate) struct Leftovers<K> {
 struct Work<K> {
     keys: [Option<K>; 2],
     deferred: Deferred,
-    /// A shard timer to arm by a deadline (raw stamp).
-    arm: Option<(std::ptr::NonNull<ShardTimer>, ShardHook, u64)>,
+    /// A shard timer to arm by a deadline (raw stamp), on the table's clock.
+    arm: Option<(
+        std::ptr::NonNull<ShardTimer>,
+        std::ptr::NonNull<Clock>,
+        ShardHook,
+        u64,
+    )>,
 }
 
 impl<K> Default for Leftovers<K> {
@@ -105,7 +110,8 @@ impl<'a, 'l, K> Ctx<'a, 'l, K> {
             return false;
         };
         if at.is_some() && timer.lower(at.to_raw()) {
-            self.left.arm_later(timer, hook, at.to_raw());
+            self.left
+                .arm_later(timer, self.now.clock(), hook, at.to_raw());
         }
         true
     }
@@ -189,11 +195,18 @@ impl<K> Leftovers<K> {
     }
 
     /// Arms the shard timer `timer` by `at` when dropped.
-    fn arm_later(&mut self, timer: &ShardTimer, hook: ShardHook, at: u64) {
+    fn arm_later(&mut self, timer: &ShardTimer, clock: &Clock, hook: ShardHook, at: u64) {
         let arm = &mut self.work().arm;
         match arm {
-            Some((_, _, earlier)) if *earlier <= at => {}
-            _ => *arm = Some((std::ptr::NonNull::from(timer), hook, at)),
+            Some((_, _, _, earlier)) if *earlier <= at => {}
+            _ => {
+                *arm = Some((
+                    std::ptr::NonNull::from(timer),
+                    std::ptr::NonNull::from(clock),
+                    hook,
+                    at,
+                ));
+            }
         }
     }
 
@@ -246,12 +259,15 @@ impl<K> Leftovers<K> {
                 first.get_or_insert(p);
             }
         };
-        if let Some((timer, hook, at)) = arm {
-            // SAFETY: the operation that recorded it borrows the table, whose
-            // shard owns the timer, until after this runs.
-            let timer = unsafe { timer.as_ref() };
+        if let Some((timer, clock, hook, at)) = arm {
+            // SAFETY: the operation that recorded these borrows the table,
+            // which owns the shard's timer and the clock, until after this
+            // runs.
+            let (timer, clock) = unsafe { (timer.as_ref(), clock.as_ref()) };
             // Only fails if the timer thread cannot start.
-            note(catch_unwind(AssertUnwindSafe(|| timer.arm(hook, at))));
+            note(catch_unwind(AssertUnwindSafe(|| {
+                timer.arm(clock, hook, at)
+            })));
         }
         let Deferred {
             wake,

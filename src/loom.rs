@@ -47,9 +47,10 @@ impl<T> Mutex<T> {
 #[cfg(loom)]
 pub(crate) use loom::cell::{MutPtr, UnsafeCell};
 #[cfg(loom)]
-pub(crate) use loom::sync::atomic::{AtomicBool, AtomicU8};
+pub(crate) use loom::sync::atomic::{AtomicBool, AtomicU64, AtomicU8};
 #[cfg(not(loom))]
-pub(crate) use std::sync::atomic::{AtomicBool, AtomicU8};
+#[allow(unused_imports)]
+pub(crate) use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8};
 
 /// `std`'s `UnsafeCell` behind loom's API, so that code written once is
 /// checked by loom and compiles to a plain cell otherwise.

@@ -26,8 +26,8 @@ use crate::lease::{LeasePolicy, LockOptions, DEFAULT_MAX_LEASE, MIN_LEASE};
 use crate::queue::{Grant, ShardState};
 use crate::shard_lock::ShardMutex;
 use crate::stats::{Counters, Stats};
-use crate::token::FencingToken;
 use crate::timer_driver::{ShardHook, ShardTimer};
+use crate::token::FencingToken;
 use crate::waiter::Waiter;
 
 /// The hasher a table uses unless told otherwise: fast, and seeded per table.
@@ -154,7 +154,8 @@ impl<K, S> Drop for LockTable<K, S> {
     fn drop(&mut self) {
         // After this, the timer thread never touches the shards again.
         for shard in self.shards.iter() {
-            shard.timer.cancel();
+            let ptr: *const Shard<K> = &**shard;
+            shard.timer.cancel(&self.clock, ptr.cast());
         }
     }
 }

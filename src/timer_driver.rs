@@ -38,7 +38,7 @@ use std::time::{Duration, Instant};
 
 use crossbeam_utils::CachePadded;
 
-use crate::clock::Stamp;
+use crate::clock::{Clock, Stamp};
 
 /// One armed timer: which wheel, which slot, and which use of it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -148,18 +148,27 @@ impl ShardTimer {
         self.armed.store(at, Relaxed);
     }
 
-    /// After unlocking: makes sure the driver fires the shard by `at`.
-    pub(crate) fn arm(&self, hook: ShardHook, at: u64) {
+    /// After unlocking: makes sure `clock`'s timer fires the shard by `at`.
+    pub(crate) fn arm(&self, clock: &Clock, hook: ShardHook, at: u64) {
+        #[cfg(feature = "test-util")]
+        if let Clock::Manual(manual) = clock {
+            manual.arm_shard(hook, at);
+            return;
+        }
+        let _ = clock;
         let driver = Driver::get();
-        let registration = *self
-            .registration
-            .get_or_init(|| driver.register_hook(hook));
+        let registration = *self.registration.get_or_init(|| driver.register_hook(hook));
         driver.arm_hook(registration, at);
     }
 
-    /// Disarms the shard's timer for good; once this returns, the driver no
-    /// longer touches the shard.
-    pub(crate) fn cancel(&self) {
+    /// Disarms the timer of the shard at `ptr` for good; once this returns,
+    /// no timer touches the shard again.
+    pub(crate) fn cancel(&self, clock: &Clock, ptr: *const ()) {
+        #[cfg(feature = "test-util")]
+        if let Clock::Manual(manual) = clock {
+            manual.cancel_shard(ptr);
+        }
+        let _ = (clock, ptr);
         if let Some(registration) = self.registration.get() {
             Driver::get().cancel(*registration);
         }

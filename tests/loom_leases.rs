@@ -75,6 +75,21 @@ fn table(clock: &ManualClock) -> Arc<Table> {
     )
 }
 
+/// A manual clock whose tables keep one timer per shard (as on the real
+/// clock) or one per waiter.
+fn manual(shard_timers: bool) -> ManualClock {
+    if shard_timers {
+        ManualClock::with_shard_timers()
+    } else {
+        ManualClock::new()
+    }
+}
+
+/// Armed timers of either kind.
+fn timers(clock: &ManualClock) -> usize {
+    clock.sleepers() + clock.armed_shards()
+}
+
 fn lease(d: Duration) -> LockOptions {
     LockOptions::new().lease(d)
 }
@@ -343,9 +358,9 @@ fn assert_holds(table: &Arc<Table>, h: &Holding, what: &str) {
 /// queued again: its re-poll completes with that grant, fenced like a guard
 /// whose lease lapsed (`check()` fails, counted as expired), and the key is
 /// free for anyone else (its guard keeps the entry until it is dropped).
-fn lapse_vs_release(seen: &Seen, waiter_lease: Option<Duration>) {
+fn lapse_vs_release(seen: &Seen, waiter_lease: Option<Duration>, shard_timers: bool) {
     const L: Duration = Duration::from_secs(2);
-    let clock = ManualClock::new();
+    let clock = manual(shard_timers);
     let table = table(&clock);
     let inside = Inside::new();
     let holder = Holding::new(
@@ -360,7 +375,7 @@ fn lapse_vs_release(seen: &Seen, waiter_lease: Option<Duration>) {
     };
     let mut waiter = Polled::new(table.clone().lock_owned_with(KEY, opts));
     assert!(waiter.poll().is_none(), "the key is held: must queue");
-    assert_eq!(clock.sleepers(), 1, "the head arms a timer at the deadline");
+    assert_eq!(timers(&clock), 1, "the head arms a timer at the deadline");
     let advanced = Arc::new(AtomicBool::new(false));
     let granted = Arc::new(AtomicBool::new(false));
 
@@ -371,8 +386,12 @@ fn lapse_vs_release(seen: &Seen, waiter_lease: Option<Duration>) {
             holder_auth.end(); // the lapse ends it, if the release has not
             clock.advance(L);
             advanced.store(true, SeqCst);
+            // A waiter's own timer holds a clone of its waker and fires
+            // whatever happened; a shard's timer nudges only waiters still
+            // queued, so a grant made by the release may still be on its way
+            // to the waker (the end of the model checks no wake is lost).
             assert!(
-                waiter.woken(),
+                shard_timers || waiter.woken(),
                 "the lapse did not wake the head waiter (its timer), nor did the release"
             );
             let g = waiter
@@ -423,7 +442,7 @@ fn lapse_vs_release(seen: &Seen, waiter_lease: Option<Duration>) {
     });
 
     assert_eq!(table.waiters(&KEY), 0);
-    assert_eq!(clock.sleepers(), 0, "a timer stayed armed");
+    assert_eq!(timers(&clock), 0, "a timer stayed armed");
     // A lapse is counted when it is noticed: a holder that releases after
     // the advance but before anything judged its lease is not counted.
     let expired = table.stats().expired;
@@ -471,7 +490,7 @@ fn a_lapse_vs_release() {
             "lapse counted",
             "no lapse counted",
         ],
-        |seen| lapse_vs_release(seen, None),
+        |seen| lapse_vs_release(seen, None, false),
     );
 }
 
@@ -486,7 +505,7 @@ fn a2_lapse_vs_release_leased_waiter() {
             "no lapse counted",
             "unobserved grant lapsed: fenced",
         ],
-        |seen| lapse_vs_release(seen, Some(Duration::from_secs(2))),
+        |seen| lapse_vs_release(seen, Some(Duration::from_secs(2)), false),
     );
 }
 
@@ -509,9 +528,9 @@ fn a2_lapse_vs_release_leased_waiter() {
 /// - With `holder_lease = Some(T)` the lapse and the timeout coincide: the
 ///   lapse is settled first, so the waiter always gets the key.
 /// - `Ok` means a live grant with a newer token; never two holders.
-fn timeout_vs_grant(seen: &Seen, holder_lease: Option<Duration>) {
+fn timeout_vs_grant(seen: &Seen, holder_lease: Option<Duration>, shard_timers: bool) {
     const T: Duration = Duration::from_secs(3);
-    let clock = ManualClock::new();
+    let clock = manual(shard_timers);
     let table = table(&clock);
     let inside = Inside::new();
     let opts = match holder_lease {
@@ -530,7 +549,7 @@ fn timeout_vs_grant(seen: &Seen, holder_lease: Option<Duration>) {
             .lock_owned_with(KEY, LockOptions::new().timeout(T)),
     );
     assert!(waiter.poll().is_none(), "the key is held: must queue");
-    assert_eq!(clock.sleepers(), 1, "one timer: the timeout (or the lapse)");
+    assert_eq!(timers(&clock), 1, "one timer: the timeout (or the lapse)");
     let released = Arc::new(AtomicBool::new(false));
 
     let t1 = {
@@ -540,7 +559,11 @@ fn timeout_vs_grant(seen: &Seen, holder_lease: Option<Duration>) {
                 holder_auth.end(); // the advance lapses it
             }
             clock.advance(T);
-            assert!(waiter.wakes() >= 1, "the timer did not wake the waiter");
+            // As in (a): a shard timer does not wake a granted waiter.
+            assert!(
+                shard_timers || waiter.wakes() >= 1,
+                "the timer did not wake the waiter"
+            );
             let saw_released = released.load(SeqCst);
             let out = waiter
                 .poll()
@@ -583,7 +606,7 @@ fn timeout_vs_grant(seen: &Seen, holder_lease: Option<Duration>) {
     t2.join().unwrap();
 
     assert_eq!(table.waiters(&KEY), 0, "a waiter is left");
-    assert_eq!(clock.sleepers(), 0, "a timer stayed armed");
+    assert_eq!(timers(&clock), 0, "a timer stayed armed");
     match out {
         Ok(h) => {
             assert_holds(&table, &h, "waiter granted before its timeout");
@@ -613,11 +636,43 @@ fn timeout_vs_grant(seen: &Seen, holder_lease: Option<Duration>) {
 }
 
 #[test]
+fn a3_lapse_vs_release_shard_timers() {
+    model(
+        "a3: lapse vs release, shard timers",
+        &[
+            "holder checked Ok",
+            "holder checked Err",
+            "lapse counted",
+            "no lapse counted",
+        ],
+        |seen| lapse_vs_release(seen, None, true),
+    );
+}
+
+#[test]
+fn b5_timeout_vs_grant_shard_timers() {
+    model(
+        "b5: timeout vs grant, shard timers",
+        &["granted by the release", "timed out"],
+        |seen| timeout_vs_grant(seen, None, true),
+    );
+}
+
+#[test]
+fn b6_timeout_vs_grant_lapse_at_the_same_instant_shard_timers() {
+    model(
+        "b6: timeout vs grant, lapse at the timeout, shard timers",
+        &["granted by the lapse", "granted by the release"],
+        |seen| timeout_vs_grant(seen, Some(Duration::from_secs(3)), true),
+    );
+}
+
+#[test]
 fn b_timeout_vs_grant() {
     model(
         "b: timeout vs grant",
         &["granted by the release", "timed out"],
-        |seen| timeout_vs_grant(seen, None),
+        |seen| timeout_vs_grant(seen, None, false),
     );
 }
 
@@ -626,7 +681,7 @@ fn b2_timeout_vs_grant_lapse_at_the_same_instant() {
     model(
         "b2: timeout vs grant, lapse at the timeout",
         &["granted by the lapse", "granted by the release"],
-        |seen| timeout_vs_grant(seen, Some(Duration::from_secs(3))),
+        |seen| timeout_vs_grant(seen, Some(Duration::from_secs(3)), false),
     );
 }
 
@@ -1185,11 +1240,11 @@ fn f2_lapsed_unobserved_grant_dropped_vs_next_head_poll() {
 ///   revived: `check()` fails now and after more time, `expires_at()` is
 ///   unchanged, and the key is free or the waiter's.
 /// - Thread 1 saw the advance done before renewing ⇒ `Err(Expired)`.
-fn renew_vs_lapse(seen: &Seen, with_waiter: bool) {
+fn renew_vs_lapse(seen: &Seen, with_waiter: bool, shard_timers: bool) {
     const L: Duration = Duration::from_secs(2);
     const L2: Duration = Duration::from_secs(5);
     const PAST: Duration = Duration::from_secs(3);
-    let clock = ManualClock::new();
+    let clock = manual(shard_timers);
     let table = table(&clock);
     let inside = Inside::new();
     let t0 = clock.now();
@@ -1202,7 +1257,7 @@ fn renew_vs_lapse(seen: &Seen, with_waiter: bool) {
     let mut waiter = with_waiter.then(|| {
         let mut w = Polled::new(table.clone().lock_owned(KEY));
         assert!(w.poll().is_none(), "the key is held: must queue");
-        assert_eq!(clock.sleepers(), 1);
+        assert_eq!(timers(&clock), 1);
         w
     });
     let advanced = Arc::new(AtomicBool::new(false));
@@ -1265,7 +1320,7 @@ fn renew_vs_lapse(seen: &Seen, with_waiter: bool) {
                     "waiter granted while the renewed lease is live"
                 );
                 assert_eq!(table.waiters(&KEY), 1);
-                assert_eq!(clock.sleepers(), 1, "the head re-arms at the new deadline");
+                assert_eq!(timers(&clock), 1, "the head re-arms at the new deadline");
             }
             clock.advance(L2 - PAST - NANO);
             assert_eq!(
@@ -1318,7 +1373,7 @@ fn renew_vs_lapse(seen: &Seen, with_waiter: bool) {
         drop(holder);
         assert!(!table.is_locked(&KEY));
     }
-    assert_eq!(clock.sleepers(), 0, "a timer stayed armed");
+    assert_eq!(timers(&clock), 0, "a timer stayed armed");
     table.assert_consistent();
     assert_eq!(table.len(), 0, "entry leaked");
 }
@@ -1328,7 +1383,7 @@ fn d_renew_vs_lapse() {
     model(
         "d: renew vs lapse",
         &["renewed", "renewal refused: lapsed"],
-        |seen| renew_vs_lapse(seen, false),
+        |seen| renew_vs_lapse(seen, false, false),
     );
 }
 
@@ -1337,7 +1392,16 @@ fn d2_renew_vs_lapse_with_waiter() {
     model(
         "d2: renew vs lapse, waiter queued",
         &["renewed", "renewal refused: lapsed"],
-        |seen| renew_vs_lapse(seen, true),
+        |seen| renew_vs_lapse(seen, true, false),
+    );
+}
+
+#[test]
+fn d3_renew_vs_lapse_with_waiter_shard_timers() {
+    model(
+        "d3: renew vs lapse, waiter queued, shard timers",
+        &["renewed", "renewal refused: lapsed"],
+        |seen| renew_vs_lapse(seen, true, true),
     );
 }
 
