@@ -49,7 +49,7 @@ impl Holder {
     /// Whether the grant still has authority at `now` (read only if needed).
     #[inline]
     fn is_live(&self, now: &mut Now<'_>) -> bool {
-        self.deadline.get().is_none_or(|d| now.get() < d)
+        !self.deadline.is_some() || now.is_before(self.deadline)
     }
 }
 
@@ -334,7 +334,7 @@ fn nudge_head<K>(entry: &Entry<K>, ctx: &mut Ctx<'_, '_, K>) {
 fn lease_from(lease: Option<Duration>, now: &mut Now<'_>) -> (Stamp, Stamp) {
     match lease {
         Some(lease) => {
-            let since = Stamp::new(Some(now.for_lease(lease)));
+            let since = now.lease_start(lease);
             (since.plus(lease), since)
         }
         None => (Stamp::NONE, Stamp::NONE),
@@ -770,8 +770,7 @@ impl<K> ShardState<K> {
         let Some(holder) = entry.holder.as_mut().filter(|h| h.token == token) else {
             return Err(LockError::Expired { token });
         };
-        let start = ctx.clock().for_lease(lease);
-        let start = Stamp::new(Some(start));
+        let start = ctx.clock().lease_start(lease);
         let deadline = start.plus(lease);
         holder.deadline = deadline;
         if !holder.since.is_some() {

@@ -33,6 +33,9 @@ pub(crate) enum Sleep {
         source: Arc<dyn TimeSource>,
         sleep: Pin<Box<dyn Future<Output = ()> + Send + Sync>>,
         at: Instant,
+        /// The sleep completed: a future that completed is never polled
+        /// again, so a re-arm at the same deadline makes a new one.
+        done: bool,
     },
     #[cfg(feature = "test-util")]
     Manual {
@@ -80,6 +83,7 @@ impl Sleep {
                 sleep: source.sleep_until(at),
                 source: source.clone(),
                 at,
+                done: false,
             },
             #[cfg(feature = "test-util")]
             Clock::Manual(clock) => Self::Manual {
@@ -101,9 +105,18 @@ impl Sleep {
                     sleep.as_mut().reset(to.into());
                 }
             }
-            Self::Custom { source, sleep, at } => {
-                if *at != to {
+            Self::Custom {
+                source,
+                sleep,
+                at,
+                done,
+            } => {
+                // A sleep that completed while the table's clock had not
+                // reached its deadline (the source's timer ran early) is
+                // re-armed, never polled again.
+                if *at != to || *done {
                     *at = to;
+                    *done = false;
                     *sleep = source.sleep_until(to);
                 }
             }
@@ -118,7 +131,14 @@ impl Sleep {
             Self::Real { registration, at } => poll_real(registration, *at, cx),
             #[cfg(feature = "tokio")]
             Self::Tokio(sleep) => sleep.as_mut().poll(cx),
-            Self::Custom { sleep, .. } => sleep.as_mut().poll(cx),
+            Self::Custom { sleep, done, .. } => {
+                if *done {
+                    return Poll::Ready(());
+                }
+                let polled = sleep.as_mut().poll(cx);
+                *done = polled.is_ready();
+                polled
+            }
             #[cfg(feature = "test-util")]
             Self::Manual { clock, id, at } => {
                 if clock.poll_sleep(id, *at, cx.waker()) {
