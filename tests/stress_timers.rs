@@ -1,9 +1,11 @@
-//! The real clock's shard timers under load: tokio (multi-thread), async-std
-//! and plain threads on one default table, taking a few keys with leases of
-//! a few milliseconds and short timeouts. Some holders stall past their lease
-//! without releasing (only a shard timer can then move the key on to a
-//! waiter without a timeout of its own), waits are cancelled at random, and
-//! tasks are aborted.
+//! Timers under load: tokio (multi-thread), async-std and plain threads on
+//! one table, taking a few keys with leases of a few milliseconds and short
+//! timeouts. Some holders stall past their lease without releasing (only a
+//! timer can then move the key on to a waiter without a timeout of its own),
+//! waits are cancelled at random, and tasks are aborted. The load runs on the
+//! default table (the real clock's shard timers), on a `tokio_time()` table
+//! and on one with a custom time source (whose waiters arm timers of their
+//! own).
 //!
 //! What is asserted, and why it is sound:
 //!
@@ -339,11 +341,50 @@ fn thread_worker(table: &'static Table, ledger: &Arc<Ledger>, seed: u64) {
 
 #[test]
 fn shard_timers_under_load_across_tokio_async_std_and_threads() {
+    run(LockTable::builder().shards(2).build());
+}
+
+/// The same load on a table whose waiters each arm their own timer: tokio's
+/// in tokio tasks, the crate's timer elsewhere (async-std, plain threads).
+#[cfg(feature = "tokio")]
+#[test]
+fn tokio_time_waiter_timers_under_load_across_tokio_async_std_and_threads() {
+    run(LockTable::builder().shards(2).tokio_time().build());
+}
+
+/// The monotonic clock with async-io's timer, as an application's own
+/// [`keylock::TimeSource`]: each waiter sleeps on its own timer, from any
+/// runtime or thread.
+#[derive(Debug)]
+struct AsyncIoTime;
+
+impl keylock::TimeSource for AsyncIoTime {
+    fn now(&self) -> Instant {
+        Instant::now()
+    }
+    fn sleep_until(
+        &self,
+        deadline: Instant,
+    ) -> std::pin::Pin<Box<dyn std::future::Future<Output = ()> + Send + Sync>> {
+        let wait = deadline.saturating_duration_since(Instant::now());
+        Box::pin(async_std::task::sleep(wait))
+    }
+}
+
+#[test]
+fn custom_time_source_timers_under_load_across_tokio_async_std_and_threads() {
+    run(LockTable::builder()
+        .shards(2)
+        .time_source(AsyncIoTime)
+        .build());
+}
+
+fn run(table: Table) {
     let seed: u64 = rand::random();
     eprintln!("seed {seed}");
-    // One table for the whole process: borrowed guards must be `'static` to
-    // move between the ledger and spawned tasks.
-    let arc: Arc<Table> = Arc::new(LockTable::builder().shards(2).build());
+    // Leaked: borrowed guards must be `'static` to move between the ledger
+    // and spawned tasks.
+    let arc: Arc<Table> = Arc::new(table);
     let table: &'static Table = Box::leak(Box::new(arc.clone()));
     let ledger = Arc::new(Ledger::default());
     let started = Instant::now();
