@@ -213,9 +213,7 @@ impl<'a> Now<'a> {
                 return true;
             }
         }
-        deadline
-            .get()
-            .is_none_or(|deadline| self.get() < deadline)
+        deadline.get().is_none_or(|deadline| self.get() < deadline)
     }
 }
 

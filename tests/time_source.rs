@@ -395,7 +395,6 @@ fn a_renewal_re_arms_the_waiters_sleep_at_the_new_deadline() {
 /// if it were still pending (a completed future may panic, or stay ready and
 /// spin the lock future inside one `poll`): the waiter asks for a new sleep.
 #[test]
-#[ignore = "bug: a custom sleep that completes before the table's clock reaches its deadline is polled again in a loop (spins inside one poll) instead of being re-armed"]
 fn a_sleep_that_fires_early_is_re_armed() {
     let (time, table) = table();
     let stuck = table.try_lock_with("k", lease(5 * SEC)).unwrap();
@@ -430,7 +429,6 @@ fn a_sleep_that_fires_early_is_re_armed() {
 
 /// The same, for a timeout's sleep.
 #[test]
-#[ignore = "bug: a custom timeout sleep that completes early is polled again in a loop (spins inside one poll) instead of being re-armed"]
 fn a_timeout_sleep_that_fires_early_is_re_armed() {
     let (time, table) = table();
     let _held = table.try_lock("k").unwrap();
