@@ -10,6 +10,7 @@ use std::sync::Arc;
 use std::task::{Context, Poll, Waker};
 use std::time::{Duration, Instant};
 
+use crate::clock::Stamp;
 use crate::deferred::Leftovers;
 use crate::error::LockError;
 use crate::guard::{Guard, Held, OwnedGuard};
@@ -33,16 +34,13 @@ enum State<K> {
     Done,
 }
 
-/// The clock state of a wait that needs one: a timeout, or a timer at the
-/// holder's lease deadline. Boxed, so that a plain lock future stays small
-/// and only waits that use time pay for it.
-#[derive(Debug)]
+/// When a wait with a timeout started and when it gives up, as stamps (one
+/// word each, none until it first waits; `until` none also when the timeout
+/// is too long to represent: it waits for ever).
+#[derive(Debug, Clone, Copy, Default)]
 struct Timing {
-    /// When the wait started (`None` until it first had to wait).
-    start: Option<Instant>,
-    /// When the caller gives up; `None` to wait for ever.
-    until: Option<Instant>,
-    sleep: Option<Sleep>,
+    start: Stamp,
+    until: Stamp,
 }
 
 /// The acquisition state machine shared by every lock future.
@@ -60,7 +58,10 @@ struct Acquire<T: TableHandle<K>, K> {
     state: State<K>,
     lease: PackedDuration,
     timeout: PackedDuration,
-    timing: Option<Box<Timing>>,
+    timing: Timing,
+    /// The waiter's own timer, on clocks without shard timers (boxed: most
+    /// waits never need one, so a lock future stays small).
+    sleep: Option<Box<Sleep>>,
     /// The queue node, written only when the future first has to wait.
     waiter: LazyWaiter,
 }
@@ -88,7 +89,8 @@ where
             state,
             lease,
             timeout: PackedDuration::pack(timeout),
-            timing: None,
+            timing: Timing::default(),
+            sleep: None,
             waiter: LazyWaiter::new(),
         }
     }
@@ -112,13 +114,13 @@ where
 
     /// Takes the timer state out, to drop once the output exists.
     #[inline]
-    fn take_timing(&mut self) -> Option<Box<Timing>> {
-        self.timing.take()
+    fn take_timing(&mut self) -> Option<Box<Sleep>> {
+        self.sleep.take()
     }
 
     /// When the caller gives up, if it has started waiting with a timeout.
     fn until(&self) -> Option<Instant> {
-        self.timing.as_ref().and_then(|t| t.until)
+        self.timing.until.get()
     }
 
     /// Polls for the grant; on `Ready(Ok)` also gives back the table handle.
@@ -217,30 +219,21 @@ where
             }
         };
         drop(state);
-        let started = match (&attempt, timeout) {
-            (Attempt::Queued { .. }, Some(timeout)) => {
-                let start = ctx.now();
-                // Too far to represent: wait for ever.
-                Some((start, start.checked_add(timeout)))
-            }
-            _ => None,
-        };
         if let Some(key) = key {
             ctx.drop_key_later(key);
         }
         match attempt {
             Attempt::Acquired(grant) => Ok(Step::Ready(self.finish(grant))),
-            Attempt::Queued { key, wake_at } => {
+            Attempt::Queued {
+                key,
+                wake_at,
+                start,
+                until,
+            } => {
                 // Recorded before any user code runs: from here on `Drop`
                 // unlinks the waiter whatever panics.
                 self.state = State::Linked { key };
-                if let Some((start, until)) = started {
-                    self.timing = Some(Box::new(Timing {
-                        start: Some(start),
-                        until,
-                        sleep: None,
-                    }));
-                }
+                self.timing = Timing { start, until };
                 // SAFETY: our own waiter, just linked, armed once.
                 match unsafe { self.waiter.get().arm_unlocked(cx.waker().clone()) } {
                     Armed::Stored => Ok(Step::Wait(wake_at)),
@@ -345,7 +338,7 @@ where
             Outcome::NeedWaker => Ok(Step::Again),
             Outcome::GaveUp(diagnosis) => {
                 self.state = State::Done;
-                let start = self.timing.take().and_then(|t| t.start);
+                let start = self.timing.start.get();
                 let waited = match (start, now) {
                     (Some(start), Some(now)) => now.saturating_duration_since(start),
                     _ => Duration::ZERO,
@@ -386,25 +379,16 @@ where
             (Some(a), Some(b)) => a.min(b),
             (Some(at), None) | (None, Some(at)) => at,
             (None, None) => {
-                if let Some(timing) = &mut self.timing {
-                    timing.sleep = None;
-                }
+                self.sleep = None;
                 return Poll::Pending;
             }
         };
-        let timing = self.timing.get_or_insert_with(|| {
-            Box::new(Timing {
-                start: None,
-                until: None,
-                sleep: None,
-            })
-        });
-        let sleep = match &mut timing.sleep {
+        let sleep = match &mut self.sleep {
             Some(sleep) => {
                 sleep.reset(at);
                 sleep
             }
-            None => timing.sleep.insert(Sleep::new(table.clock(), at)),
+            None => self.sleep.insert(Box::new(Sleep::new(table.clock(), at))),
         };
         sleep.poll(cx)
     }
@@ -520,6 +504,7 @@ impl<T: TableHandle<K>, K> fmt::Debug for Acquire<T, K> {
             .field("lease", &self.lease)
             .field("timeout", &self.timeout)
             .field("timing", &self.timing)
+            .field("sleep", &self.sleep)
             .finish_non_exhaustive()
     }
 }

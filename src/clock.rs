@@ -191,10 +191,12 @@ impl<'a> Now<'a> {
         *self.at.get_or_insert_with(|| self.clock.now())
     }
 
-    /// The start of a grant with a lease of `lease`: the time already read by
-    /// this operation, else [`Clock::grant_stamp`].
+    /// The start of a lease, or of a wait with a timeout, of `lease`: the
+    /// time already read by this operation, else [`Clock::grant_stamp`] (so
+    /// a timeout of 10 s or more may give up early by the coarse clock's
+    /// lag, as such a lease may end early).
     #[inline]
-    pub(crate) fn lease_start(&mut self, lease: Duration) -> Stamp {
+    pub(crate) fn start_for(&mut self, lease: Duration) -> Stamp {
         match self.at {
             Some(at) => Stamp::new(Some(at)),
             None => self.clock.grant_stamp(lease),

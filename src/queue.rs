@@ -103,6 +103,9 @@ pub(crate) enum Attempt<K> {
     Queued {
         key: KeyPtr<K>,
         wake_at: Option<Instant>,
+        /// With a timeout: when the wait started and when it gives up.
+        start: Stamp,
+        until: Stamp,
     },
 }
 
@@ -334,7 +337,7 @@ fn nudge_head<K>(entry: &Entry<K>, ctx: &mut Ctx<'_, '_, K>) {
 fn lease_from(lease: Option<Duration>, now: &mut Now<'_>) -> (Stamp, Stamp) {
     match lease {
         Some(lease) => {
-            let since = now.lease_start(lease);
+            let since = now.start_for(lease);
             (since.plus(lease), since)
         }
         None => (Stamp::NONE, Stamp::NONE),
@@ -545,7 +548,13 @@ impl<K> ShardState<K> {
         let waiter = waiter.get_or_init();
         // When the caller gives up (too far to represent: never), from the
         // time this operation judges by, which the caller reads back.
-        let until = timeout.map_or(Stamp::NONE, |t| Stamp::new(Some(ctx.now())).plus(t));
+        let (start, until) = match timeout {
+            Some(timeout) => {
+                let start = ctx.clock().start_for(timeout);
+                (start, start.plus(timeout))
+            }
+            None => (Stamp::NONE, Stamp::NONE),
+        };
         ctx.cover(until);
         // SAFETY: the caller's contract; under the shard lock.
         unsafe {
@@ -557,6 +566,8 @@ impl<K> ShardState<K> {
         Attempt::Queued {
             key: entry.key,
             wake_at,
+            start,
+            until,
         }
     }
 
@@ -770,7 +781,7 @@ impl<K> ShardState<K> {
         let Some(holder) = entry.holder.as_mut().filter(|h| h.token == token) else {
             return Err(LockError::Expired { token });
         };
-        let start = ctx.clock().lease_start(lease);
+        let start = ctx.clock().start_for(lease);
         let deadline = start.plus(lease);
         holder.deadline = deadline;
         if !holder.since.is_some() {
