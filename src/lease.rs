@@ -120,10 +120,13 @@ impl PackedDuration {
     pub(crate) fn pack(duration: Option<Duration>) -> Self {
         match duration {
             None => Self::NONE,
+            // Word arithmetic, not `as_nanos`'s 128 bits: this runs on every
+            // lock with a lease or timeout.
             Some(d) => Self(
-                u64::try_from(d.as_nanos())
-                    .unwrap_or(u64::MAX - 1)
-                    .min(u64::MAX - 1),
+                d.as_secs()
+                    .checked_mul(1_000_000_000)
+                    .and_then(|n| n.checked_add(u64::from(d.subsec_nanos())))
+                    .map_or(Self::HUGE, |n| n.min(Self::HUGE)),
             ),
         }
     }
