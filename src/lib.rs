@@ -56,6 +56,38 @@
 //! aborted task, a dropped runtime or a panicking thread leaves nothing
 //! behind.
 //!
+//! # Time
+//!
+//! Leases and timeouts are judged on the table's clock. By default that is
+//! the monotonic clock ([`Instant`](std::time::Instant)), served by the
+//! crate's own timer thread under any runtime or none: each shard keeps one
+//! timer for the earliest deadline of its waiters, so a lock with a lease or
+//! a timeout costs about what a plain one does. With the `tokio` feature,
+//! [`Builder::tokio_time`] makes a table follow tokio's clock and timer (so
+//! `#[tokio::test(start_paused = true)]` drives its leases) and take part in
+//! tokio's cooperative budget; [`Builder::time_source`] takes any
+//! [`TimeSource`].
+//!
+//! For tests, the `test-util` feature adds `ManualClock`, which moves only
+//! when told to:
+//!
+//! ```
+//! # #[cfg(feature = "test-util")]
+//! # {
+//! use std::time::Duration;
+//! use keylock::{LockOptions, LockTable, ManualClock};
+//!
+//! let clock = ManualClock::new();
+//! let table = LockTable::builder().clock(clock.clone()).build();
+//! let guard = table
+//!     .try_lock_with("job-9", LockOptions::new().lease(Duration::from_secs(30)))
+//!     .unwrap();
+//! clock.advance(Duration::from_secs(30));
+//! assert!(guard.check().is_err(), "the lease lapsed: the guard is fenced");
+//! assert!(table.try_lock("job-9").is_ok(), "and the key is free again");
+//! # }
+//! ```
+//!
 //! # Fencing
 //!
 //! Every grant carries a [`FencingToken`] that strictly increases per key;

@@ -855,7 +855,9 @@ impl<K, S> Builder<K, S> {
     /// tasks of its worker.
     ///
     /// A wait with a timer outside any tokio runtime (`blocking_lock_with` on
-    /// a plain thread) uses the crate's own timer at the same instant.
+    /// a plain thread) uses the crate's own timer at the same instant; inside
+    /// one, the runtime must have its timer enabled (`enable_time`, or
+    /// `enable_all`), as for any `tokio::time::sleep`.
     ///
     /// ```
     /// # #[tokio::main(flavor = "current_thread", start_paused = true)]
