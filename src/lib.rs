@@ -58,8 +58,11 @@
 //!
 //! # Fencing
 //!
-//! Every grant carries a [`FencingToken`] that strictly increases per key;
-//! hand it to the storage you protect so that it can refuse a late writer.
+//! Every grant carries a [`FencingToken`], unique across the table and
+//! strictly increasing per key; hand it to the storage you protect so that it
+//! can refuse a late writer. To keep that working across a restart, build the
+//! new table with a [`Builder::token_floor`] at least every token the old one
+//! handed out.
 
 #![cfg_attr(docsrs, feature(doc_cfg))]
 #![doc(test(attr(deny(warnings))))]

@@ -303,11 +303,12 @@ const ENTRY_PRESENT: &str =
     "keylock: an entry with a holder, waiter or fenced guard is in its shard";
 
 impl<K> ShardState<K> {
-    pub(crate) fn new() -> Self {
+    /// An empty shard minting its tokens from `tokens`.
+    pub(crate) fn new(tokens: TokenCounter) -> Self {
         Self {
             entries: KeyMap::new(),
             keys: KeyPool::new(),
-            tokens: TokenCounter::new(),
+            tokens,
             fair_at: None,
         }
     }

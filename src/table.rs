@@ -26,7 +26,7 @@ use crate::lease::{LeasePolicy, LockOptions, DEFAULT_MAX_LEASE, MIN_LEASE};
 use crate::queue::{Grant, ShardState};
 use crate::shard_lock::ShardMutex;
 use crate::stats::{Counters, Stats};
-use crate::token::FencingToken;
+use crate::token::{FencingToken, TokenCounter};
 use crate::waiter::Waiter;
 
 /// The hasher a table uses unless told otherwise: fast, and seeded per table.
@@ -81,6 +81,7 @@ pub struct LockTable<K, S = DefaultHashBuilder> {
     clock: Clock,
     leases: LeasePolicy,
     fairness: Fairness,
+    token_floor: u64,
 }
 
 impl<K: Eq + Hash> LockTable<K> {
@@ -167,6 +168,18 @@ impl<K, S> LockTable<K, S> {
     /// ```
     pub fn fairness(&self) -> Fairness {
         self.fairness
+    }
+
+    /// The floor the table was built with: every token it mints is greater
+    /// (see [`Builder::token_floor`]).
+    ///
+    /// ```
+    /// let table: keylock::LockTable<u8> = keylock::LockTable::builder().token_floor(41).build();
+    /// assert_eq!(table.token_floor(), 41);
+    /// assert!(table.try_lock(0).unwrap().token().get() > 41);
+    /// ```
+    pub fn token_floor(&self) -> u64 {
+        self.token_floor
     }
 
     /// Cumulative counters, summed over the shards without locking them.
@@ -686,6 +699,7 @@ pub struct Builder<K, S = DefaultHashBuilder> {
     max_lease: Duration,
     clock: Clock,
     fairness: Fairness,
+    token_floor: u64,
 }
 
 // Written out: derived impls would demand `K: Clone + Debug`.
@@ -699,6 +713,7 @@ impl<K, S: Clone> Clone for Builder<K, S> {
             max_lease: self.max_lease,
             clock: self.clock.clone(),
             fairness: self.fairness,
+            token_floor: self.token_floor,
         }
     }
 }
@@ -711,6 +726,7 @@ impl<K, S> fmt::Debug for Builder<K, S> {
             .field("max_lease", &self.max_lease)
             .field("clock", &self.clock)
             .field("fairness", &self.fairness)
+            .field("token_floor", &self.token_floor)
             .finish_non_exhaustive()
     }
 }
@@ -725,6 +741,7 @@ impl<K> Builder<K> {
             max_lease: DEFAULT_MAX_LEASE,
             clock: Clock::default(),
             fairness: Fairness::Strict,
+            token_floor: 0,
         }
     }
 }
@@ -754,6 +771,7 @@ impl<K, S> Builder<K, S> {
             max_lease: self.max_lease,
             clock: self.clock,
             fairness: self.fairness,
+            token_floor: self.token_floor,
         }
     }
 
@@ -799,6 +817,58 @@ impl<K, S> Builder<K, S> {
         self
     }
 
+    /// Every [`FencingToken`] the table mints is greater than `floor` (0
+    /// unless set).
+    ///
+    /// This is how to fence a store across restarts. A new table mints its
+    /// tokens afresh, so without a floor they may be smaller than tokens the
+    /// store already accepted from the table before the restart: a store that
+    /// refuses any token not greater than the last one it accepted would
+    /// refuse the new process, and one that forgets would accept a late write
+    /// from the old one. At startup, give the new table a floor at least every
+    /// token the old table handed out:
+    ///
+    /// - the largest token the store accepted (read it back from the store),
+    ///   if every grant of the old table that may still write has written
+    ///   once (a grant that never wrote may carry a larger token); or the
+    ///   largest token your application recorded durably as it got its grants;
+    /// - or an epoch, bumped durably at every start and shifted above the
+    ///   tokens of one run, e.g. `epoch << 32`, as long as no run's tokens
+    ///   reach the next epoch's floor (2^32 above its own: about 2^32 grants
+    ///   spread over the shards; shift further for busier runs).
+    ///
+    /// Every token of the new table is then greater than any of the old one.
+    ///
+    /// Checked by [`build`](Self::build): the floor must leave at least one
+    /// token for every shard, i.e. be at most `u64::MAX` minus the shard
+    /// count. Tokens above a high floor run out sooner (minting panics once a
+    /// shard's run out, before anything changes).
+    ///
+    /// ```
+    /// use std::sync::atomic::{AtomicU64, Ordering::SeqCst};
+    ///
+    /// // The store keeps the largest token it accepted, durably.
+    /// let last_accepted = AtomicU64::new(0);
+    /// let write = |token: keylock::FencingToken| {
+    ///     last_accepted.fetch_max(token.get(), SeqCst) < token.get()
+    /// };
+    ///
+    /// let before_restart = keylock::LockTable::new();
+    /// let stale = before_restart.try_lock("row").unwrap().token();
+    /// assert!(write(stale));
+    ///
+    /// // The process restarts: the new table starts above what the store saw.
+    /// let table = keylock::LockTable::builder()
+    ///     .token_floor(last_accepted.load(SeqCst))
+    ///     .build();
+    /// assert!(write(table.try_lock("row").unwrap().token()));
+    /// assert!(!write(stale), "the old holder's late write is refused");
+    /// ```
+    pub fn token_floor(mut self, floor: u64) -> Self {
+        self.token_floor = floor;
+        self
+    }
+
     /// Judge leases and timeouts by a [`ManualClock`](crate::ManualClock)
     /// that moves only when told to.
     #[cfg(feature = "test-util")]
@@ -813,7 +883,9 @@ impl<K, S> Builder<K, S> {
     /// # Panics
     ///
     /// If `shards(0)` or more than 2^16 shards were asked for, if the maximum
-    /// lease is zero, or if the default lease is zero or above the maximum.
+    /// lease is zero, if the default lease is zero or above the maximum, or
+    /// if the token floor leaves no token for some shard (it is above
+    /// `u64::MAX` minus the shard count).
     pub fn build(self) -> LockTable<K, S> {
         assert!(
             self.max_lease >= MIN_LEASE,
@@ -837,10 +909,17 @@ impl<K, S> Builder<K, S> {
             None => default_shards(),
         }
         .next_power_of_two();
+        let floor = self.token_floor;
+        assert!(
+            floor <= u64::MAX - shards as u64,
+            "keylock: Builder::token_floor must leave a token for each of the {shards} shards \
+             (be at most u64::MAX - {shards}), got {floor}"
+        );
         let shards: Box<[CachePadded<Shard<K>>]> = (0..shards)
-            .map(|_| {
+            .map(|index| {
+                let tokens = TokenCounter::new(floor, index as u64, shards as u64);
                 CachePadded::new(Shard {
-                    state: ShardMutex::new(ShardState::new()),
+                    state: ShardMutex::new(ShardState::new(tokens)),
                     counters: Counters::default(),
                 })
             })
@@ -856,6 +935,7 @@ impl<K, S> Builder<K, S> {
                 max: self.max_lease,
             },
             fairness: self.fairness,
+            token_floor: floor,
         }
     }
 }

@@ -105,8 +105,10 @@ struct Config {
     /// The first input byte: `% 3` picks 1, 2 or 4 shards; bit 7 picks
     /// `Fairness::Eventual` (else `Strict`).
     shards: u8,
-    /// Every key gets the same hash (one shard, one hash bucket chain).
-    collide: bool,
+    /// Bit 0: every key gets the same hash (one shard, one hash bucket
+    /// chain). The other bits pick the table's token floor: see
+    /// [`floor_of`].
+    collide: u8,
     /// The table's default lease, in units (clamped to `1..=max`).
     default_lease: Option<u8>,
     /// The table's maximum lease, in units (`1..=8`); `None` = the crate's default.
@@ -425,10 +427,25 @@ fn shard_of(cfg: &TableCfg, k: usize) -> usize {
 
 type Table = LockTable<Key, KeyHash>;
 
+/// The token floor picked by bits 1..8 of the config's second byte (`v`):
+/// none, an epoch (`v << 32`), near the top of the token space (a million
+/// tokens per shard left: a run mints far fewer, so none runs out), or an
+/// arbitrary value.
+fn floor_of(byte: u8, shards: usize) -> u64 {
+    let v = u64::from(byte >> 1);
+    match v % 4 {
+        0 => 0,
+        1 => v << 32,
+        2 => u64::MAX - shards as u64 * (1 << 20) - v,
+        _ => v.wrapping_mul(0x9e37_79b9_7f4a_7c15) >> 2,
+    }
+}
+
 #[derive(Debug, Clone, Copy)]
 struct TableCfg {
     shards: usize,
     collide: bool,
+    token_floor: u64,
     default_lease: Option<u64>,
     max_lease: u64,
     eventual: bool,
@@ -446,7 +463,8 @@ impl TableCfg {
             .map(|d| (u64::from(d % 9) * UNIT).clamp(1, max_lease));
         Self {
             shards,
-            collide: c.collide,
+            collide: c.collide & 1 == 1,
+            token_floor: floor_of(c.collide, shards),
             default_lease,
             max_lease,
             eventual: c.shards & 0x80 != 0,
@@ -850,10 +868,16 @@ impl Model {
         lease >= 1 && lease <= self.cfg.max_lease
     }
 
+    /// Shard `s` of `S` mints `floor + 1 + s + n * S`, `n = 0, 1, ...`.
     fn mint(&mut self, k: usize) -> u64 {
         let s = shard_of(&self.cfg, k);
+        let n = self.shard_tokens[s];
         self.shard_tokens[s] += 1;
-        let t = self.shard_tokens[s];
+        let t = self.cfg.token_floor + 1 + s as u64 + n * self.cfg.shards as u64;
+        assert!(
+            t > self.cfg.token_floor,
+            "model: tokens are above the floor"
+        );
         assert!(
             t > self.keys[k].last_token,
             "model: tokens increase per key"
@@ -1666,6 +1690,9 @@ struct Harness<'a> {
     next_fid: Fid,
     /// Per key, the largest token seen on a live grant.
     last_seen: [u64; KEYS],
+    /// Every token a guard was handed out with: a grant has one guard at
+    /// most, and tokens are unique across the table.
+    handed_out: std::collections::HashSet<u64>,
     trace: bool,
     /// A lease or a timeout has been asked for (or the table has a default
     /// lease): until then the table must never read its clock.
@@ -1765,6 +1792,14 @@ impl<'a> Harness<'a> {
         assert_eq!(guard.key(), key, "{what}: guard of the wrong key");
         assert_eq!(guard.token().get(), want.token, "{what}: token");
         let t = want.token;
+        assert!(
+            t > self.model.cfg.token_floor,
+            "{what}: token {t} not above the floor"
+        );
+        assert!(
+            self.handed_out.insert(t),
+            "{what}: token {t} handed out twice in one table"
+        );
         let current = self.model.keys[key].holder.is_some_and(|h| h.token == t);
         if current {
             assert!(
@@ -2424,6 +2459,7 @@ fn run(input: Input) {
         .clock(clock.clone())
         .shards(cfg.shards)
         .max_lease(ns(cfg.max_lease))
+        .token_floor(cfg.token_floor)
         .fairness(if cfg.eventual {
             Fairness::Eventual
         } else {
@@ -2445,6 +2481,7 @@ fn run(input: Input) {
         model: Model::new(cfg, known_bugs),
         next_fid: 0,
         last_seen: [0; KEYS],
+        handed_out: std::collections::HashSet::new(),
         trace,
         loose_wakes,
         known_bugs,
