@@ -55,7 +55,9 @@ pub enum LockError {
         waited: Duration,
         /// The token of the key's holder when the caller gave up, if any.
         /// Tokens are unique across the table, so it names exactly one grant
-        /// (compare it with a guard's [`token`](crate::Guard::token)).
+        /// (compare it with a guard's [`token`](crate::Guard::token), or
+        /// revoke that grant alone with
+        /// [`revoke_grant`](crate::LockTable::revoke_grant)).
         holder: Option<FencingToken>,
         /// How long that holder had held the key, when known: the grant had
         /// a lease (or was renewed), so its start was read from the clock.

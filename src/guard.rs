@@ -21,8 +21,9 @@ pub(crate) struct Held<K> {
     key: KeyPtr<K>,
     token: FencingToken,
     /// The lease deadline as granted or last renewed through this guard, as
-    /// a [`Stamp`] (zero: no deadline). One word, so that a guard is five
-    /// words and cheap to move.
+    /// a [`Stamp`] (zero: no deadline), kept to report when a lapsed grant
+    /// ended once the table has let go of it. One word, so that a guard is
+    /// five words and cheap to move. Written under the shard lock.
     deadline: AtomicU64,
 }
 
@@ -53,16 +54,21 @@ impl<K> Held<K> {
         table.check_grant(self.hash, self.key, self.token)
     }
 
-    fn expires_at(&self) -> Option<Instant> {
-        Stamp::from_raw(self.deadline.load(Relaxed)).get()
+    /// The deadline as the table knows it while the grant is current; once
+    /// it lost the key, its last known deadline if that has passed, else
+    /// the time of the call (the table does not keep when it was revoked).
+    fn expires_at<S>(&self, table: &LockTable<K, S>) -> Option<Instant> {
+        match table.grant_deadline(self.hash, self.key, self.token) {
+            Ok(deadline) => deadline.get(),
+            Err(now) => Some(match Stamp::from_raw(self.deadline.load(Relaxed)).get() {
+                Some(deadline) => deadline.min(now),
+                None => now,
+            }),
+        }
     }
 
     fn renew<S>(&self, table: &LockTable<K, S>, lease: Duration) -> Result<(), LockError> {
-        let deadline = table.renew_grant(self.hash, self.key, self.token, lease)?;
-        // A lease too long for the clock to represent never ends: it reads
-        // back as no deadline.
-        self.deadline.store(deadline.to_raw(), Relaxed);
-        Ok(())
+        table.renew_grant(self.hash, self.key, self.token, lease, &self.deadline)
     }
 }
 
@@ -97,10 +103,19 @@ macro_rules! guard_methods {
             self.held.check(&self.table)
         }
 
-        /// When the lease ends (as granted or last renewed through this
-        /// guard), or `None` for a grant without a lease.
+        /// When this grant's authority ends, judged now by the table: the
+        /// lease deadline (as granted or last renewed), or `None` for a live
+        /// grant without a lease (it never lapses).
+        ///
+        /// Once the grant has lost the key it reports an instant not later
+        /// than the call: its deadline if the lease lapsed, else (it was
+        /// revoked by [`LockTable::revoke`] or
+        /// [`LockTable::revoke_grant`]) the time of the call. So
+        /// `expires_at()` is `Some(t)` with `t` in the past exactly when
+        /// [`is_expired`](Self::is_expired) is true. Takes the shard's lock;
+        /// never changes anything.
         pub fn expires_at(&self) -> Option<Instant> {
-            self.held.expires_at()
+            self.held.expires_at(&self.table)
         }
 
         /// Sets the lease to end `lease` from now (shorter or longer; a grant

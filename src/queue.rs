@@ -740,6 +740,53 @@ impl<K> ShardState<K> {
         Ok(deadline)
     }
 
+    /// The deadline of grant `token` as the table knows it, judged now
+    /// without settling anything: `Ok` while it is the key's current grant
+    /// (its deadline, which has passed if it lapsed unnoticed), `Err(now)`
+    /// once it lost the key.
+    pub(crate) fn deadline_of(
+        &mut self,
+        hash: u64,
+        key: KeyPtr<K>,
+        token: FencingToken,
+        ctx: &mut Ctx<'_, '_, K>,
+    ) -> Result<Stamp, Instant> {
+        let (entry, _) = self.locate(hash, key);
+        match entry.holder {
+            Some(h) if h.token == token => Ok(h.deadline),
+            _ => Err(ctx.now()),
+        }
+    }
+
+    /// Forces grant `token` of a key out, if it is the key's live holder,
+    /// and passes the key on; `false` (after settling a lapse it finds) if
+    /// the key changed hands, lapsed, or has no entry.
+    pub(crate) fn revoke_grant<Q>(
+        &mut self,
+        hash: u64,
+        key: &Q,
+        token: FencingToken,
+        ctx: &mut Ctx<'_, '_, K>,
+    ) -> bool
+    where
+        K: Borrow<Q>,
+        Q: ?Sized + Eq,
+    {
+        let Some((entry, mut keys)) = self.locate_by(hash, key) else {
+            return false;
+        };
+        let ours = entry
+            .holder
+            .is_some_and(|h| h.token == token && h.is_live(ctx.clock()));
+        if !ours {
+            keys.settle(entry, ctx);
+            return false;
+        }
+        keys.displace(entry, ctx);
+        ctx.counters().revoked();
+        true
+    }
+
     /// Forces the live holder of a key out and passes the key on.
     pub(crate) fn revoke<Q>(
         &mut self,

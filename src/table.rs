@@ -10,6 +10,7 @@ use std::borrow::Borrow;
 use std::fmt;
 use std::hash::{BuildHasher, Hash};
 use std::marker::PhantomData;
+use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -280,15 +281,35 @@ impl<K, S> LockTable<K, S> {
         self.with_shard(hash, |state, ctx| state.check(hash, key, token, ctx))
     }
 
+    /// Renews grant `token`; on success its new deadline is stored into
+    /// `cache` (the guard's copy) under the shard lock, so the copy is never
+    /// behind the table, even if waking the head waiter then panics.
     pub(crate) fn renew_grant(
         &self,
         hash: u64,
         key: KeyPtr<K>,
         token: FencingToken,
         lease: Duration,
-    ) -> Result<crate::clock::Stamp, LockError> {
+        cache: &AtomicU64,
+    ) -> Result<(), LockError> {
         let lease = self.leases.check(lease)?;
-        self.with_shard(hash, |state, ctx| state.renew(hash, key, token, lease, ctx))
+        self.with_shard(hash, |state, ctx| {
+            let deadline = state.renew(hash, key, token, lease, ctx)?;
+            // A lease too long for the clock to represent never ends: it
+            // reads back as no deadline.
+            cache.store(deadline.to_raw(), Relaxed);
+            Ok(())
+        })
+    }
+
+    /// See [`ShardState::deadline_of`].
+    pub(crate) fn grant_deadline(
+        &self,
+        hash: u64,
+        key: KeyPtr<K>,
+        token: FencingToken,
+    ) -> Result<crate::clock::Stamp, std::time::Instant> {
+        self.with_shard(hash, |state, ctx| state.deadline_of(hash, key, token, ctx))
     }
 }
 
@@ -619,7 +640,11 @@ where
     /// Forces the live holder of `key` out (an operator's action on a stuck
     /// key) and returns its token; the key goes to the next waiter. The
     /// revoked guard is fenced: its `check()` fails and dropping it frees
-    /// nothing. `None` if the key had no live holder.
+    /// nothing, and its `expires_at()` reports an instant not later than
+    /// now. `None` if the key had no live holder.
+    ///
+    /// To revoke one particular grant, and not whoever holds the key by the
+    /// time the call runs, use [`revoke_grant`](Self::revoke_grant).
     ///
     /// A waiter that had been handed the key but has not run yet is treated
     /// exactly like a guard: it is fenced, and when it runs it resolves to a
@@ -640,6 +665,39 @@ where
     {
         let hash = self.hash(key);
         self.with_shard(hash, |state, ctx| state.revoke(hash, key, ctx))
+    }
+
+    /// Forces out grant `token` of `key`, if it is still the key's live
+    /// holder, and passes the key on to the next waiter, as
+    /// [`revoke`](Self::revoke) does; returns whether it did.
+    ///
+    /// Unlike `revoke`, it never takes the key from someone else: if the key
+    /// changed hands since `token` was seen (released, lapsed, revoked,
+    /// handed to the next waiter), this does nothing and returns `false`.
+    /// Use it to act on a diagnosis: the token a [`LockError::Timeout`]
+    /// names, or one reported by a monitor, names exactly one grant of the
+    /// table.
+    ///
+    /// ```
+    /// let table = keylock::LockTable::new();
+    /// let first = table.try_lock("k").unwrap();
+    /// let stale = first.token();
+    /// drop(first);
+    /// let second = table.try_lock("k").unwrap();
+    /// // The grant that was seen stuck has gone: the new holder is left alone.
+    /// assert!(!table.revoke_grant("k", stale));
+    /// assert!(!second.is_expired());
+    /// assert!(table.revoke_grant("k", second.token()));
+    /// assert!(second.is_expired());
+    /// assert!(second.expires_at().unwrap() <= std::time::Instant::now());
+    /// ```
+    pub fn revoke_grant<Q>(&self, key: &Q, token: FencingToken) -> bool
+    where
+        K: Borrow<Q>,
+        Q: Hash + Eq + ?Sized,
+    {
+        let hash = self.hash(key);
+        self.with_shard(hash, |state, ctx| state.revoke_grant(hash, key, token, ctx))
     }
 
     /// Whether `key` has a live holder now (a holder whose lease lapsed does

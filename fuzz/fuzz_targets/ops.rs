@@ -164,6 +164,9 @@ enum Op {
         guard: u8,
         lease: u8,
     },
+    /// `revoke(key % KEYS)`; with bit 7 of `key` set, `revoke_grant` of that
+    /// key and a token picked by bits 2..7 among the tokens of the guards
+    /// and those the harness has seen (see [`Harness::revoke_grant`]).
     Revoke {
         key: u8,
     },
@@ -1435,7 +1438,36 @@ impl Model {
         }
         let h = self.displace(k).unwrap();
         self.stats.revoked += 1;
+        // The revoked guard's `expires_at()` reads the clock (it reports
+        // the time of the call).
+        self.read_clock = true;
         Some(h.token)
+    }
+
+    /// queue.rs `revoke_grant`: only grant `t`, if it is the live holder.
+    fn revoke_grant(&mut self, k: usize, t: u64) -> bool {
+        if self.keys[k].unused() {
+            return false;
+        }
+        if self.live_holder(k).is_some_and(|h| h.token == t) {
+            self.displace(k);
+            self.stats.revoked += 1;
+            self.read_clock = true;
+            return true;
+        }
+        self.settle(k);
+        false
+    }
+
+    /// What guard `g`'s `expires_at()` reports: its grant's deadline while
+    /// it is the key's current grant (lapsed or not); once it lost the key,
+    /// its deadline if that has passed, else the time of the call.
+    fn expires_at(&self, g: Gid) -> Option<u64> {
+        let guard = &self.guards[&g];
+        match self.keys[guard.key].holder {
+            Some(h) if h.token == guard.token => h.deadline,
+            _ => Some(guard.expires.map_or(self.now, |d| d.min(self.now))),
+        }
     }
 
     fn advance(&mut self, by: u64) {
@@ -1693,6 +1725,8 @@ struct Harness<'a> {
     /// Every token a guard was handed out with: a grant has one guard at
     /// most, and tokens are unique across the table.
     handed_out: std::collections::HashSet<u64>,
+    /// Tokens seen lately (guards', a timeout's holder), for `revoke_grant`.
+    tokens_seen: Vec<FencingToken>,
     trace: bool,
     /// A lease or a timeout has been asked for (or the table has a default
     /// lease): until then the table must never read its clock.
@@ -1810,9 +1844,10 @@ impl<'a> Harness<'a> {
         }
         assert_eq!(
             guard.expires_at(),
-            want.deadline.map(|d| self.at(d)),
+            self.model.expires_at(want.gid).map(|d| self.at(d)),
             "{what}: expires_at"
         );
+        self.seen_token(guard.token());
         self.guards.push(HGuard {
             id: want.gid,
             guard,
@@ -1917,14 +1952,21 @@ impl<'a> Harness<'a> {
                     self.renew(i, lease_of(lease));
                 }
             }
+            Op::Revoke { key } if key & 0x80 != 0 => {
+                let (k, _) = key_of(key);
+                self.revoke_grant(k, usize::from((key >> 2) & 0x1f));
+            }
             Op::Revoke { key } => {
                 let (k, _) = key_of(key);
                 let want = self.model.revoke(k);
                 let expect = self.flush(false);
-                let got = catch(|| self.table.revoke(&(k as u8)).map(FencingToken::get));
+                let got = catch(|| self.table.revoke(&(k as u8)));
                 self.expect_panic("revoke", got.map(drop), expect);
                 if let Ok(got) = got {
-                    assert_eq!(got, want, "revoke({k})");
+                    assert_eq!(got.map(FencingToken::get), want, "revoke({k})");
+                    if let Some(t) = got {
+                        self.seen_token(t);
+                    }
                 }
                 self.check_reentry("revoke");
             }
@@ -2077,33 +2119,58 @@ impl<'a> Harness<'a> {
     fn renew(&mut self, i: usize, lease: u64) {
         self.timed = true;
         let gid = self.guards[i].id;
-        let before = self.model.guards[&gid].expires;
         let want = self.model.renew(gid, lease);
         let expect = self.flush(false);
         let got = catch(|| self.guards[i].guard.renew(ns(lease)));
         self.expect_panic("renew", got.as_ref().map(drop).map_err(|p| *p), expect);
         match (&got, want) {
-            (Err(_), _) => {
-                // The result is lost; the guard's own copy of its deadline
-                // may or may not have been updated.
-                let seen = self.guards[i].guard.expires_at();
-                let now = self.model.guards[&gid].expires;
-                assert!(
-                    seen == before.map(|d| self.at(d)) || seen == now.map(|d| self.at(d)),
-                    "expires_at after a renew that panicked"
-                );
-                if seen == before.map(|d| self.at(d)) {
-                    self.model.guards.get_mut(&gid).unwrap().expires = before;
-                }
-            }
+            // The result is lost to a panic (a wake after the unlock); the
+            // guard's copy of its deadline was written under the lock, so it
+            // is checked below like any other.
+            (Err(_), _) => {}
             (Ok(Ok(())), Ok(())) => {}
             (Ok(Err(e)), Err(w)) => self.expect_err("renew", e, w),
             _ => panic!("renew: crate {got:?}, model {want:?}"),
         }
         let g = &self.guards[i];
-        let want = self.model.guards[&g.id].expires.map(|d| self.at(d));
+        let want = self.model.expires_at(g.id).map(|d| self.at(d));
         assert_eq!(g.guard.expires_at(), want, "expires_at after renew");
         self.check_reentry("renew");
+    }
+
+    /// `revoke_grant(k, t)`, `t` the `pick`-th (modulo) of the guards'
+    /// tokens followed by the tokens seen before (released, fenced, of
+    /// other keys, named by a timeout): only a live holder's own token
+    /// revokes anything.
+    fn revoke_grant(&mut self, k: usize, pick: usize) {
+        let candidates: Vec<FencingToken> = self
+            .guards
+            .iter()
+            .map(|g| g.guard.token())
+            .chain(self.tokens_seen.iter().copied())
+            .collect();
+        if candidates.is_empty() {
+            return;
+        }
+        let t = candidates[pick % candidates.len()];
+        let want = self.model.revoke_grant(k, t.get());
+        let expect = self.flush(false);
+        let got = catch(|| self.table.revoke_grant(&(k as u8), t));
+        self.expect_panic("revoke_grant", got.map(drop), expect);
+        if let Ok(got) = got {
+            assert_eq!(got, want, "revoke_grant({k}, {t})");
+        }
+        self.check_reentry("revoke_grant");
+    }
+
+    /// Remembers a token for `revoke_grant` to pick (the last few).
+    fn seen_token(&mut self, t: FencingToken) {
+        if !self.tokens_seen.contains(&t) {
+            if self.tokens_seen.len() == 16 {
+                self.tokens_seen.remove(0);
+            }
+            self.tokens_seen.push(t);
+        }
     }
 
     fn advance(&mut self, by: u64) {
@@ -2171,7 +2238,7 @@ impl<'a> Harness<'a> {
         if let (Ok(expired), Some(live)) = (expired, live) {
             assert_eq!(expired, !live, "is_expired() == check().is_err()");
         }
-        let want = self.model.guards[&id].expires.map(|d| self.at(d));
+        let want = self.model.expires_at(id).map(|d| self.at(d));
         assert_eq!(self.guards[i].guard.expires_at(), want, "expires_at");
         live
     }
@@ -2255,6 +2322,12 @@ impl<'a> Harness<'a> {
             }
             (Poll::Ready(Err(e)), MPoll::Ready(Err(w))) => {
                 self.expect_err("poll", &e, w);
+                if let LockError::Timeout {
+                    holder: Some(t), ..
+                } = e
+                {
+                    self.seen_token(t);
+                }
                 let f = self.futs.remove(i);
                 self.retire(f);
             }
@@ -2351,7 +2424,7 @@ impl<'a> Harness<'a> {
             );
         }
         for g in &self.guards {
-            let want = self.model.guards[&g.id].expires.map(|d| self.at(d));
+            let want = self.model.expires_at(g.id).map(|d| self.at(d));
             assert_eq!(g.guard.expires_at(), want, "expires_at of guard {}", g.id);
         }
         for f in self.futs.iter().chain(&self.abandoned) {
@@ -2482,6 +2555,7 @@ fn run(input: Input) {
         next_fid: 0,
         last_seen: [0; KEYS],
         handed_out: std::collections::HashSet::new(),
+        tokens_seen: Vec::new(),
         trace,
         loose_wakes,
         known_bugs,
