@@ -4,11 +4,14 @@
 use std::fmt;
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::sync::Arc;
+use std::task::Waker;
 use std::time::{Duration, Instant};
 
 use crate::clock::Stamp;
 use crate::error::LockError;
+use crate::keep_alive::KeepAlive;
 use crate::key_slot::KeyPtr;
+use crate::lost::{Lost, Watch};
 use crate::queue::Grant;
 use crate::table::{DefaultHashBuilder, LockTable};
 use crate::token::FencingToken;
@@ -36,6 +39,26 @@ impl<K> Held<K> {
             token: grant.token,
             deadline: AtomicU64::new(grant.deadline.to_raw()),
         }
+    }
+
+    #[inline]
+    pub(crate) fn token(&self) -> FencingToken {
+        self.token
+    }
+
+    /// See [`LockTable::watch_loss`].
+    pub(crate) fn watch<S>(
+        &self,
+        table: &LockTable<K, S>,
+        slot: &mut Option<usize>,
+        current: &Waker,
+        fresh: Option<Waker>,
+    ) -> Watch {
+        table.watch_loss(self.hash, self.key, self.token, slot, current, fresh)
+    }
+
+    pub(crate) fn unwatch<S>(&self, table: &LockTable<K, S>, slot: usize) {
+        table.unwatch_loss(self.hash, slot);
     }
 
     #[inline]
@@ -67,7 +90,11 @@ impl<K> Held<K> {
         }
     }
 
-    fn renew<S>(&self, table: &LockTable<K, S>, lease: Duration) -> Result<(), LockError> {
+    pub(crate) fn renew<S>(
+        &self,
+        table: &LockTable<K, S>,
+        lease: Duration,
+    ) -> Result<(), LockError> {
         table.renew_grant(self.hash, self.key, self.token, lease, &self.deadline)
     }
 }
@@ -128,6 +155,61 @@ macro_rules! guard_methods {
         /// [`LockError::Expired`] if the grant has already lost the key.
         pub fn renew(&self, lease: Duration) -> Result<(), LockError> {
             self.held.renew(&self.table, lease)
+        }
+
+        /// A future that resolves when this grant loses its authority: its
+        /// lease lapses (woken by a timer at the deadline; a renewal
+        /// meanwhile is taken into account) or it is revoked (woken at
+        /// once). It resolves to [`LockError::Expired`] with this grant's
+        /// token, immediately if that has already happened.
+        ///
+        /// Several may be made and awaited at once (say, one per task that
+        /// works under the guard); each is woken. Creating none costs
+        /// nothing.
+        ///
+        /// # Cancel safety
+        ///
+        /// Cancel-safe: dropping it changes nothing.
+        ///
+        /// ```
+        /// # futures::executor::block_on(async {
+        /// use futures::future::{select, Either};
+        /// let table = keylock::LockTable::new();
+        /// let guard = table.lock("job").await;
+        /// table.revoke("job"); // an operator takes the key away
+        /// let work = std::future::pending::<()>(); // long work under the guard
+        /// match select(std::pin::pin!(work), guard.lost()).await {
+        ///     Either::Left(_) => unreachable!(),
+        ///     Either::Right((why, _)) => assert!(why.to_string().contains("lost the key")),
+        /// };
+        /// # });
+        /// ```
+        pub fn lost(&self) -> Lost<'_, K, S> {
+            Lost::new(&*self.table, &self.held)
+        }
+
+        /// A future that keeps this grant's lease alive: it renews it with
+        /// `lease` on its first poll and then every `interval` until it is
+        /// dropped, and resolves at the first failure with the reason (a
+        /// revocation is noticed at once); see [`KeepAlive`]. Add more
+        /// guards with [`KeepAlive::and`].
+        ///
+        /// # Cancel safety
+        ///
+        /// Cancel-safe: dropping it stops the renewals.
+        ///
+        /// ```
+        /// # futures::executor::block_on(async {
+        /// use std::time::Duration;
+        /// let table = keylock::LockTable::new();
+        /// let guard = table.lock("job").await;
+        /// let keep = guard.keep_alive(Duration::from_secs(30), Duration::ZERO);
+        /// let err = keep.await; // a zero lease is refused at once
+        /// assert!(matches!(err, keylock::LockError::InvalidOptions { option: "lease", .. }));
+        /// # });
+        /// ```
+        pub fn keep_alive(&self, interval: Duration, lease: Duration) -> KeepAlive<'_, K, S> {
+            KeepAlive::new(self.lost(), interval, lease)
         }
 
         /// Releases the key now; the same as dropping the guard.

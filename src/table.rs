@@ -302,6 +302,26 @@ impl<K, S> LockTable<K, S> {
         })
     }
 
+    /// See [`ShardState::watch_loss`].
+    pub(crate) fn watch_loss(
+        &self,
+        hash: u64,
+        key: KeyPtr<K>,
+        token: FencingToken,
+        slot: &mut Option<usize>,
+        current: &std::task::Waker,
+        fresh: Option<std::task::Waker>,
+    ) -> crate::lost::Watch {
+        self.with_shard(hash, |state, ctx| {
+            state.watch_loss(hash, key, token, slot, current, fresh, ctx)
+        })
+    }
+
+    /// See [`ShardState::unwatch_loss`].
+    pub(crate) fn unwatch_loss(&self, hash: u64, slot: usize) {
+        self.with_shard(hash, |state, ctx| state.unwatch_loss(slot, ctx));
+    }
+
     /// See [`ShardState::deadline_of`].
     pub(crate) fn grant_deadline(
         &self,
