@@ -6,7 +6,8 @@
 //! nudges the head, racing bargers, the head's poll and the fairness
 //! deadline, which is judged by the clock), and loss notification (a
 //! `Lost` future racing a lapse, a `revoke_grant`, and its own drop and the
-//! guard's release racing a `revoke`).
+//! guard's release racing a `revoke`; a keep-alive's renewal racing a
+//! `revoke_grant`).
 //!
 //! Time is a [`ManualClock`]: under `--cfg loom` its internal mutex is loom's
 //! (`src/loom.rs`), so `clock.advance()` on one loom thread races, at every
@@ -1872,6 +1873,62 @@ fn l3_loss_dropped_and_release_vs_revoke() {
                 1,
                 "the table kept a handle of the waker"
             );
+            table.assert_consistent();
+            assert_eq!(table.len(), 0, "entry leaked");
+        },
+    );
+}
+
+/// (l4) A keep-alive's renewal vs `revoke_grant` of its grant.
+///
+/// The holder has lease `L`; its keep-alive (interval `L / 2`) is polled for
+/// the first time, which renews the lease and registers its `Lost`, while
+/// thread 1 revokes the grant by its token.
+///
+/// - The revoke always succeeds: the grant is live until it comes, and a
+///   renewal never revives a revoked grant.
+/// - The keep-alive resolves to `Expired` with the token: in the race (its
+///   renewal was refused, or its `Lost` found the grant revoked), or, left
+///   pending, it was woken by the revoke (no lost wake-up: the revocation is
+///   noticed at once, not at the next renewal) and resolves when polled.
+#[test]
+fn l4_keep_alive_renewal_vs_revoke_grant() {
+    model(
+        "l4: keep-alive renewal vs revoke_grant",
+        &["noticed in the race", "woken by the revoke"],
+        |seen| {
+            const L: Duration = Duration::from_secs(4);
+            let clock = ManualClock::new();
+            let table = table(&clock);
+            let guard = table.clone().try_lock_owned_with(KEY, lease(L)).unwrap();
+            let token = guard.token();
+            let mut keep = Polled::new(guard.keep_alive(L / 2, L));
+
+            let t1 = {
+                let table = table.clone();
+                thread::spawn(move || {
+                    assert!(table.revoke_grant(&KEY, token), "the live grant is revoked");
+                })
+            };
+            let raced = keep.poll();
+            t1.join().unwrap();
+
+            let out = match raced {
+                Some(out) => {
+                    seen.note("noticed in the race");
+                    out
+                }
+                None => {
+                    seen.note("woken by the revoke");
+                    finish(&mut keep, "the keep-alive after the revoke")
+                }
+            };
+            assert_eq!(out, LockError::Expired { token });
+            assert!(guard.is_expired(), "revived by a renewal");
+            assert_eq!(table.stats().revoked, 1);
+            drop(keep);
+            assert_eq!(clock.sleepers(), 0, "a timer stayed armed");
+            drop(guard);
             table.assert_consistent();
             assert_eq!(table.len(), 0, "entry leaked");
         },

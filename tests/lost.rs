@@ -2,7 +2,8 @@
 //! authority (a lapse, noticed by its own timer or by anyone; a revoke, by
 //! key or by token), not before, and not on a renewal that moves the
 //! deadline; every `Lost` of a grant is woken; dropping one unregisters it.
-//! Time is a `ManualClock`; futures are polled by hand.
+//! Time is a `ManualClock`; futures are polled by hand, then awaited under
+//! tokio, async-std and on a plain thread.
 #![cfg(feature = "test-util")]
 
 use std::future::Future;
@@ -313,4 +314,57 @@ fn lost_costs_nothing_until_asked_and_never_reads_the_clock_without_a_lease() {
     drop(lost);
     drop(g);
     assert_eq!(clock.reads(), reads);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tokio_a_task_awaiting_lost_ends_when_the_grant_is_revoked() {
+    let table = Arc::new(LockTable::<&str>::new());
+    let guard = table.clone().lock_owned("job").await;
+    let token = guard.token();
+    let (registered_tx, registered_rx) = tokio::sync::oneshot::channel();
+    let task = tokio::spawn(async move {
+        let mut lost = guard.lost();
+        assert!(futures::poll!(&mut lost).is_pending(), "live: pending");
+        registered_tx.send(()).unwrap();
+        let why = lost.await;
+        (why, guard.is_expired())
+    });
+    registered_rx.await.unwrap();
+    assert!(table.revoke_grant("job", token));
+    assert_eq!(task.await.unwrap(), (LockError::Expired { token }, true));
+    assert!(table.is_empty());
+}
+
+#[async_std::test]
+async fn async_std_lost_resolves_on_revoke_from_another_task() {
+    let table = Arc::new(LockTable::<u32>::new());
+    let guard = table.clone().lock_owned(1).await;
+    let token = guard.token();
+    let revoker = async_std::task::spawn({
+        let table = table.clone();
+        async move { table.revoke(&1) }
+    });
+    // Registered before or after the revoke: it resolves either way.
+    assert_eq!(guard.lost().await, LockError::Expired { token });
+    assert_eq!(revoker.await, Some(token));
+}
+
+#[test]
+fn threads_lost_blocks_a_thread_until_the_revoke() {
+    let table = Arc::new(LockTable::<u32>::new());
+    let guard = table.clone().try_lock_owned(1).unwrap();
+    let token = guard.token();
+    let (tx, rx) = std::sync::mpsc::channel();
+    let watcher = std::thread::spawn(move || {
+        let mut lost = guard.lost();
+        let waker = Waker::noop();
+        assert!(Pin::new(&mut lost)
+            .poll(&mut Context::from_waker(waker))
+            .is_pending());
+        tx.send(()).unwrap();
+        futures::executor::block_on(lost)
+    });
+    rx.recv().unwrap();
+    assert!(table.revoke_grant(&1, token));
+    assert_eq!(watcher.join().unwrap(), LockError::Expired { token });
 }
