@@ -199,6 +199,10 @@ impl Keys<'_> {
     /// deadline has not come, free it and nudge the head to retry.
     #[inline(never)]
     fn pass_on<K>(&mut self, entry: &mut Entry<K>, fairness: Fairness, ctx: &mut Ctx<'_, '_, K>) {
+        // The waiters need a token, now (a handoff) or when the nudged head
+        // takes the key: if none is left, fail before the holder or the
+        // fairness deadline changes.
+        self.tokens.check_available();
         if fairness == Fairness::Eventual {
             let now = ctx.now();
             match *self.fair_at {

@@ -320,3 +320,28 @@ fn a_timeout_names_the_holders_grant_of_this_table() {
         "{text}"
     );
 }
+
+#[test]
+fn exhaustion_at_a_release_with_waiters_panics_before_anything_changes() {
+    for fairness in [keylock::Fairness::Strict, keylock::Fairness::Eventual] {
+        let table = LockTable::builder()
+            .shards(1)
+            .fairness(fairness)
+            .token_floor(u64::MAX - 1)
+            .build();
+        let holder = table.try_lock(1u64).unwrap();
+        let mut waiter = Box::pin(table.lock(1u64));
+        let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
+        assert!(waiter.as_mut().poll(&mut cx).is_pending());
+        // Handing the key to the waiter needs a token: none is left.
+        let released = catch_unwind(AssertUnwindSafe(|| drop(holder)));
+        assert!(released.is_err(), "{fairness:?}: a handoff without a token");
+        // Nothing changed: the grant still holds the key, the waiter waits.
+        assert!(table.is_locked(&1), "{fairness:?}");
+        assert_eq!(table.waiters(&1), 1, "{fairness:?}");
+        table.assert_consistent();
+        drop(waiter);
+        assert_eq!(table.waiters(&1), 0);
+        table.assert_consistent();
+    }
+}
