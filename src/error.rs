@@ -54,6 +54,10 @@ pub enum LockError {
         /// How long the caller waited.
         waited: Duration,
         /// The token of the key's holder when the caller gave up, if any.
+        /// Tokens are unique across the table, so it names exactly one grant
+        /// (compare it with a guard's [`token`](crate::Guard::token), or
+        /// revoke that grant alone with
+        /// [`revoke_grant`](crate::LockTable::revoke_grant)).
         holder: Option<FencingToken>,
         /// How long that holder had held the key, when known: the grant had
         /// a lease (or was renewed), so its start was read from the clock.
@@ -94,7 +98,7 @@ impl fmt::Display for LockError {
             } => {
                 write!(f, "timed out after {waited:?} waiting for the key")?;
                 match holder {
-                    Some(token) => write!(f, "; held by grant {token}")?,
+                    Some(token) => write!(f, "; held by grant {token} of this table")?,
                     None => f.write_str("; it had no live holder")?,
                 }
                 if let Some(held) = held_for {

@@ -4,11 +4,14 @@
 use std::fmt;
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::sync::Arc;
+use std::task::Waker;
 use std::time::{Duration, Instant};
 
 use crate::clock::Stamp;
 use crate::error::LockError;
+use crate::keep_alive::KeepAlive;
 use crate::key_slot::KeyPtr;
+use crate::lost::{Lost, Watch};
 use crate::queue::Grant;
 use crate::table::{DefaultHashBuilder, LockTable};
 use crate::token::FencingToken;
@@ -21,8 +24,9 @@ pub(crate) struct Held<K> {
     key: KeyPtr<K>,
     token: FencingToken,
     /// The lease deadline as granted or last renewed through this guard, as
-    /// a [`Stamp`] (zero: no deadline). One word, so that a guard is five
-    /// words and cheap to move.
+    /// a [`Stamp`] (zero: no deadline), kept to report when a lapsed grant
+    /// ended once the table has let go of it. One word, so that a guard is
+    /// five words and cheap to move. Written under the shard lock.
     deadline: AtomicU64,
 }
 
@@ -35,6 +39,26 @@ impl<K> Held<K> {
             token: grant.token,
             deadline: AtomicU64::new(grant.deadline.to_raw()),
         }
+    }
+
+    #[inline]
+    pub(crate) fn token(&self) -> FencingToken {
+        self.token
+    }
+
+    /// See [`LockTable::watch_loss`].
+    pub(crate) fn watch<S>(
+        &self,
+        table: &LockTable<K, S>,
+        slot: &mut Option<usize>,
+        current: &Waker,
+        fresh: Option<Waker>,
+    ) -> Watch {
+        table.watch_loss(self.hash, self.key, self.token, slot, current, fresh)
+    }
+
+    pub(crate) fn unwatch<S>(&self, table: &LockTable<K, S>, slot: usize) {
+        table.unwatch_loss(self.hash, slot);
     }
 
     #[inline]
@@ -53,16 +77,25 @@ impl<K> Held<K> {
         table.check_grant(self.hash, self.key, self.token)
     }
 
-    fn expires_at(&self) -> Option<Instant> {
-        Stamp::from_raw(self.deadline.load(Relaxed)).get()
+    /// The deadline as the table knows it while the grant is current; once
+    /// it lost the key, its last known deadline if that has passed, else
+    /// the time of the call (the table does not keep when it was revoked).
+    fn expires_at<S>(&self, table: &LockTable<K, S>) -> Option<Instant> {
+        match table.grant_deadline(self.hash, self.key, self.token) {
+            Ok(deadline) => deadline.get(),
+            Err(now) => Some(match Stamp::from_raw(self.deadline.load(Relaxed)).get() {
+                Some(deadline) => deadline.min(now),
+                None => now,
+            }),
+        }
     }
 
-    fn renew<S>(&self, table: &LockTable<K, S>, lease: Duration) -> Result<(), LockError> {
-        let deadline = table.renew_grant(self.hash, self.key, self.token, lease)?;
-        // A lease too long for the clock to represent never ends: it reads
-        // back as no deadline.
-        self.deadline.store(deadline.to_raw(), Relaxed);
-        Ok(())
+    pub(crate) fn renew<S>(
+        &self,
+        table: &LockTable<K, S>,
+        lease: Duration,
+    ) -> Result<(), LockError> {
+        table.renew_grant(self.hash, self.key, self.token, lease, &self.deadline)
     }
 }
 
@@ -97,10 +130,19 @@ macro_rules! guard_methods {
             self.held.check(&self.table)
         }
 
-        /// When the lease ends (as granted or last renewed through this
-        /// guard), or `None` for a grant without a lease.
+        /// When this grant's authority ends, judged now by the table: the
+        /// lease deadline (as granted or last renewed), or `None` for a live
+        /// grant without a lease (it never lapses).
+        ///
+        /// Once the grant has lost the key it reports an instant not later
+        /// than the call: its deadline if the lease lapsed, else (it was
+        /// revoked by [`LockTable::revoke`] or
+        /// [`LockTable::revoke_grant`]) the time of the call. So
+        /// `expires_at()` is `Some(t)` with `t` in the past exactly when
+        /// [`is_expired`](Self::is_expired) is true. Takes the shard's lock;
+        /// never changes anything.
         pub fn expires_at(&self) -> Option<Instant> {
-            self.held.expires_at()
+            self.held.expires_at(&self.table)
         }
 
         /// Sets the lease to end `lease` from now (shorter or longer; a grant
@@ -113,6 +155,61 @@ macro_rules! guard_methods {
         /// [`LockError::Expired`] if the grant has already lost the key.
         pub fn renew(&self, lease: Duration) -> Result<(), LockError> {
             self.held.renew(&self.table, lease)
+        }
+
+        /// A future that resolves when this grant loses its authority: its
+        /// lease lapses (woken by a timer at the deadline; a renewal
+        /// meanwhile is taken into account) or it is revoked (woken at
+        /// once). It resolves to [`LockError::Expired`] with this grant's
+        /// token, immediately if that has already happened.
+        ///
+        /// Several may be made and awaited at once (say, one per task that
+        /// works under the guard); each is woken. Creating none costs
+        /// nothing.
+        ///
+        /// # Cancel safety
+        ///
+        /// Cancel-safe: dropping it changes nothing.
+        ///
+        /// ```
+        /// # futures::executor::block_on(async {
+        /// use futures::future::{select, Either};
+        /// let table = keylock::LockTable::new();
+        /// let guard = table.lock("job").await;
+        /// table.revoke("job"); // an operator takes the key away
+        /// let work = std::future::pending::<()>(); // long work under the guard
+        /// match select(std::pin::pin!(work), guard.lost()).await {
+        ///     Either::Left(_) => unreachable!(),
+        ///     Either::Right((why, _)) => assert!(why.to_string().contains("lost the key")),
+        /// };
+        /// # });
+        /// ```
+        pub fn lost(&self) -> Lost<'_, K, S> {
+            Lost::new(&*self.table, &self.held)
+        }
+
+        /// A future that keeps this grant's lease alive: it renews it with
+        /// `lease` on its first poll and then every `interval` until it is
+        /// dropped, and resolves at the first failure with the reason (a
+        /// revocation is noticed at once); see [`KeepAlive`]. Add more
+        /// guards with [`KeepAlive::and`].
+        ///
+        /// # Cancel safety
+        ///
+        /// Cancel-safe: dropping it stops the renewals.
+        ///
+        /// ```
+        /// # futures::executor::block_on(async {
+        /// use std::time::Duration;
+        /// let table = keylock::LockTable::new();
+        /// let guard = table.lock("job").await;
+        /// let keep = guard.keep_alive(Duration::from_secs(30), Duration::ZERO);
+        /// let err = keep.await; // a zero lease is refused at once
+        /// assert!(matches!(err, keylock::LockError::InvalidOptions { option: "lease", .. }));
+        /// # });
+        /// ```
+        pub fn keep_alive(&self, interval: Duration, lease: Duration) -> KeepAlive<'_, K, S> {
+            KeepAlive::new(self.lost(), interval, lease)
         }
 
         /// Releases the key now; the same as dropping the guard.

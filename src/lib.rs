@@ -90,8 +90,22 @@
 //!
 //! # Fencing
 //!
-//! Every grant carries a [`FencingToken`] that strictly increases per key;
-//! hand it to the storage you protect so that it can refuse a late writer.
+//! Every grant carries a [`FencingToken`], unique across the table and
+//! strictly increasing per key; hand it to the storage you protect so that it
+//! can refuse a late writer. To keep that working across a restart, build the
+//! new table with a [`Builder::token_floor`] at least every token the old one
+//! handed out.
+//!
+//! # Leases
+//!
+//! A grant may carry a lease ([`LockOptions::lease`], or the table's
+//! default): its authority ends at the deadline unless renewed
+//! ([`Guard::renew`]), judged at the moment it is asked ([`Guard::check`]).
+//! An operator can take a key away ([`LockTable::revoke`]) or one named
+//! grant ([`LockTable::revoke_grant`]). To learn of the loss as it happens,
+//! await [`Guard::lost`] beside the work; to keep a lease alive while the
+//! work runs, run [`Guard::keep_alive`], which also resolves at once on a
+//! loss.
 
 #![cfg_attr(docsrs, feature(doc_cfg))]
 #![doc(test(attr(deny(warnings))))]
@@ -107,10 +121,12 @@ mod deferred;
 mod error;
 mod fairness;
 mod guard;
+mod keep_alive;
 mod key_map;
 mod key_slot;
 mod lease;
 mod loom;
+mod lost;
 mod queue;
 mod shard_lock;
 mod stats;
@@ -136,4 +152,6 @@ pub use token::FencingToken;
 /// The named futures returned by the table.
 pub mod futures {
     pub use crate::acquire::{Lock, LockOwned, LockOwnedWith, LockWith};
+    pub use crate::keep_alive::KeepAlive;
+    pub use crate::lost::Lost;
 }

@@ -32,6 +32,7 @@ use crate::error::LockError;
 use crate::fairness::Fairness;
 use crate::key_slot::{KeyPool, KeyPtr};
 use crate::lease::PackedDuration;
+use crate::lost::{LossWatchers, Watch};
 use crate::token::{FencingToken, TokenCounter};
 use crate::waiter::{Granted, LazyWaiter, WaitList, Waiter, WaiterPtr};
 
@@ -143,6 +144,9 @@ pub(crate) struct ShardState<K> {
     /// the head waiter directly (`None`: at the next release).
     fair_at: Option<Instant>,
     keys: KeyPool<K>,
+    /// The wakers of `Lost` futures of this shard's grants (empty unless
+    /// loss notification is used).
+    loss: LossWatchers,
 }
 
 // SAFETY: the entries' wait lists point at `Waiter`s owned by futures on
@@ -163,6 +167,7 @@ impl<K> std::fmt::Debug for ShardState<K> {
 struct Keys<'s> {
     tokens: &'s mut TokenCounter,
     fair_at: &'s mut Option<Instant>,
+    loss: &'s mut LossWatchers,
 }
 
 impl Keys<'_> {
@@ -197,6 +202,10 @@ impl Keys<'_> {
     /// deadline has not come, free it and nudge the head to retry.
     #[inline(never)]
     fn pass_on<K>(&mut self, entry: &mut Entry<K>, fairness: Fairness, ctx: &mut Ctx<'_, '_, K>) {
+        // The waiters need a token, now (a handoff) or when the nudged head
+        // takes the key: if none is left, fail before the holder or the
+        // fairness deadline changes.
+        self.tokens.check_available();
         if fairness == Fairness::Eventual {
             let now = ctx.now();
             match *self.fair_at {
@@ -231,6 +240,8 @@ impl Keys<'_> {
         if !entry.queue.is_empty() {
             self.hand_off(entry, ctx);
         }
+        // Its `Lost` futures, if any (one check when there are none).
+        self.loss.wake(holder.token, ctx);
         Some(holder)
     }
 
@@ -348,12 +359,14 @@ const ENTRY_PRESENT: &str =
     "keylock: an entry with a holder, waiter or fenced guard is in its shard";
 
 impl<K> ShardState<K> {
-    pub(crate) fn new() -> Self {
+    /// An empty shard minting its tokens from `tokens`.
+    pub(crate) fn new(tokens: TokenCounter) -> Self {
         Self {
             entries: KeyMap::new(),
             keys: KeyPool::new(),
-            tokens: TokenCounter::new(),
+            tokens,
             fair_at: None,
+            loss: LossWatchers::default(),
         }
     }
 
@@ -376,6 +389,7 @@ impl<K> ShardState<K> {
             Keys {
                 tokens: &mut self.tokens,
                 fair_at: &mut self.fair_at,
+                loss: &mut self.loss,
             },
         )
     }
@@ -398,6 +412,7 @@ impl<K> ShardState<K> {
             Keys {
                 tokens: &mut self.tokens,
                 fair_at: &mut self.fair_at,
+                loss: &mut self.loss,
             },
         ))
     }
@@ -457,11 +472,19 @@ impl<K> ShardState<K> {
             keys,
             tokens,
             fair_at,
+            loss,
         } = self;
         let probe = key.as_ref().expect("keylock: the caller's key is present");
         // SAFETY: `e` is in the table, so its key cell is live.
         match entries.find_or_vacant(hash, |e| unsafe { e.key.get() } == probe) {
-            Ok(index) => Err((entries.get_mut(index), Keys { tokens, fair_at })),
+            Ok(index) => Err((
+                entries.get_mut(index),
+                Keys {
+                    tokens,
+                    fair_at,
+                    loss,
+                },
+            )),
             Err(vacant) => {
                 // Everything that can panic comes before any change.
                 let token = tokens.mint();
@@ -720,6 +743,7 @@ impl<K> ShardState<K> {
             keys,
             tokens,
             fair_at,
+            loss,
         } = self;
         let Some(index) = entries.find(hash, |e| e.key == key) else {
             debug_assert!(false, "{ENTRY_PRESENT}");
@@ -729,7 +753,12 @@ impl<K> ShardState<K> {
         match entry.holder {
             Some(holder) if holder.token == token => {
                 if !entry.queue.is_empty() {
-                    Keys { tokens, fair_at }.pass_on(entry, fairness, ctx);
+                    Keys {
+                        tokens,
+                        fair_at,
+                        loss,
+                    }
+                    .pass_on(entry, fairness, ctx);
                     return;
                 }
                 entry.holder = None;
@@ -783,12 +812,103 @@ impl<K> ShardState<K> {
         };
         let start = ctx.clock().start_for(lease);
         let deadline = start.plus(lease);
-        holder.deadline = deadline;
+        let before = std::mem::replace(&mut holder.deadline, deadline);
         if !holder.since.is_some() {
             holder.since = start;
         }
         nudge_head_for_timer(entry, ctx);
+        // The grant's `Lost` futures armed their timers at the old deadline:
+        // an earlier one (or a first one) needs them to re-arm; a later one
+        // does not (they fire early, find the grant live, and re-arm).
+        if deadline.is_some() && (!before.is_some() || deadline.to_raw() < before.to_raw()) {
+            keys.loss.wake(token, ctx);
+        }
         Ok(deadline)
+    }
+
+    /// The deadline of grant `token` as the table knows it, judged now
+    /// without settling anything: `Ok` while it is the key's current grant
+    /// (its deadline, which has passed if it lapsed unnoticed), `Err(now)`
+    /// once it lost the key.
+    pub(crate) fn deadline_of(
+        &mut self,
+        hash: u64,
+        key: KeyPtr<K>,
+        token: FencingToken,
+        ctx: &mut Ctx<'_, '_, K>,
+    ) -> Result<Stamp, Instant> {
+        let (entry, _) = self.locate(hash, key);
+        match entry.holder {
+            Some(h) if h.token == token => Ok(h.deadline),
+            _ => Err(ctx.now()),
+        }
+    }
+
+    /// A `Lost` future of grant `token` asks whether it still holds its key
+    /// (settling a lapse first, which wakes every watcher of the grant) and
+    /// registers, or unregisters once it lost it; see [`LossWatchers::watch`].
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn watch_loss(
+        &mut self,
+        hash: u64,
+        key: KeyPtr<K>,
+        token: FencingToken,
+        slot: &mut Option<usize>,
+        current: &std::task::Waker,
+        fresh: Option<std::task::Waker>,
+        ctx: &mut Ctx<'_, '_, K>,
+    ) -> Watch {
+        let (entry, mut keys) = self.locate(hash, key);
+        if entry
+            .holder
+            .is_some_and(|h| h.token == token && !h.is_live(ctx.clock()))
+        {
+            // The settle below ends this grant and wakes its watchers; this
+            // one is running: unregister it first rather than wake it.
+            if let Some(i) = slot.take() {
+                keys.loss.unwatch(i, ctx);
+            }
+        }
+        keys.settle(entry, ctx);
+        let live = match entry.holder {
+            Some(h) if h.token == token => Some(h.deadline.get()),
+            _ => None,
+        };
+        keys.loss.watch(slot, token, live, current, fresh, ctx)
+    }
+
+    /// A `Lost` future in `slot` is dropped.
+    pub(crate) fn unwatch_loss(&mut self, slot: usize, ctx: &mut Ctx<'_, '_, K>) {
+        self.loss.unwatch(slot, ctx);
+    }
+
+    /// Forces grant `token` of a key out, if it is the key's live holder,
+    /// and passes the key on; `false` (after settling a lapse it finds) if
+    /// the key changed hands, lapsed, or has no entry.
+    pub(crate) fn revoke_grant<Q>(
+        &mut self,
+        hash: u64,
+        key: &Q,
+        token: FencingToken,
+        ctx: &mut Ctx<'_, '_, K>,
+    ) -> bool
+    where
+        K: Borrow<Q>,
+        Q: ?Sized + Eq,
+    {
+        let Some((entry, mut keys)) = self.locate_by(hash, key) else {
+            return false;
+        };
+        let ours = entry
+            .holder
+            .is_some_and(|h| h.token == token && h.is_live(ctx.clock()));
+        if !ours {
+            keys.settle(entry, ctx);
+            return false;
+        }
+        keys.displace(entry, ctx);
+        ctx.counters().revoked();
+        true
     }
 
     /// Forces the live holder of a key out and passes the key on.
@@ -863,6 +983,7 @@ impl<K> ShardState<K> {
     /// Checks every structural invariant of the shard; panics naming the
     /// first one broken.
     pub(crate) fn validate(&self, fairness: Fairness) {
+        self.loss.validate();
         for (_, entry) in self.entries.iter() {
             assert!(!entry.is_unused(), "an unused entry stayed in the table");
             let mut count = 0;

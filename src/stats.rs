@@ -38,7 +38,7 @@ pub struct Stats {
     pub expired: u64,
     /// Waits that ran out of time.
     pub timed_out: u64,
-    /// Grants forced out by `revoke`.
+    /// Grants forced out by `revoke` or `revoke_grant`.
     pub revoked: u64,
 }
 

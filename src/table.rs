@@ -10,6 +10,7 @@ use std::borrow::Borrow;
 use std::fmt;
 use std::hash::{BuildHasher, Hash};
 use std::marker::PhantomData;
+use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -27,7 +28,7 @@ use crate::queue::{Grant, ShardState};
 use crate::shard_lock::ShardMutex;
 use crate::stats::{Counters, Stats};
 use crate::timer_driver::{ShardHook, ShardTimer};
-use crate::token::FencingToken;
+use crate::token::{FencingToken, TokenCounter};
 use crate::waiter::Waiter;
 
 /// The hasher a table uses unless told otherwise: fast, and seeded per table.
@@ -119,6 +120,7 @@ pub struct LockTable<K, S = DefaultHashBuilder> {
     clock: Clock,
     leases: LeasePolicy,
     fairness: Fairness,
+    token_floor: u64,
 }
 
 impl<K: Eq + Hash> LockTable<K> {
@@ -215,6 +217,18 @@ impl<K, S> LockTable<K, S> {
     /// ```
     pub fn fairness(&self) -> Fairness {
         self.fairness
+    }
+
+    /// The floor the table was built with: every token it mints is greater
+    /// (see [`Builder::token_floor`]).
+    ///
+    /// ```
+    /// let table: keylock::LockTable<u8> = keylock::LockTable::builder().token_floor(41).build();
+    /// assert_eq!(table.token_floor(), 41);
+    /// assert!(table.try_lock(0).unwrap().token().get() > 41);
+    /// ```
+    pub fn token_floor(&self) -> u64 {
+        self.token_floor
     }
 
     /// Cumulative counters, summed over the shards without locking them.
@@ -315,15 +329,55 @@ impl<K, S> LockTable<K, S> {
         self.with_shard(hash, |state, ctx| state.check(hash, key, token, ctx))
     }
 
+    /// Renews grant `token`; on success its new deadline is stored into
+    /// `cache` (the guard's copy) under the shard lock, so the copy is never
+    /// behind the table, even if waking the head waiter then panics.
     pub(crate) fn renew_grant(
         &self,
         hash: u64,
         key: KeyPtr<K>,
         token: FencingToken,
         lease: Duration,
-    ) -> Result<crate::clock::Stamp, LockError> {
+        cache: &AtomicU64,
+    ) -> Result<(), LockError> {
         let lease = self.leases.check(lease)?;
-        self.with_shard(hash, |state, ctx| state.renew(hash, key, token, lease, ctx))
+        self.with_shard(hash, |state, ctx| {
+            let deadline = state.renew(hash, key, token, lease, ctx)?;
+            // A lease too long for the clock to represent never ends: it
+            // reads back as no deadline.
+            cache.store(deadline.to_raw(), Relaxed);
+            Ok(())
+        })
+    }
+
+    /// See [`ShardState::watch_loss`].
+    pub(crate) fn watch_loss(
+        &self,
+        hash: u64,
+        key: KeyPtr<K>,
+        token: FencingToken,
+        slot: &mut Option<usize>,
+        current: &std::task::Waker,
+        fresh: Option<std::task::Waker>,
+    ) -> crate::lost::Watch {
+        self.with_shard(hash, |state, ctx| {
+            state.watch_loss(hash, key, token, slot, current, fresh, ctx)
+        })
+    }
+
+    /// See [`ShardState::unwatch_loss`].
+    pub(crate) fn unwatch_loss(&self, hash: u64, slot: usize) {
+        self.with_shard(hash, |state, ctx| state.unwatch_loss(slot, ctx));
+    }
+
+    /// See [`ShardState::deadline_of`].
+    pub(crate) fn grant_deadline(
+        &self,
+        hash: u64,
+        key: KeyPtr<K>,
+        token: FencingToken,
+    ) -> Result<crate::clock::Stamp, std::time::Instant> {
+        self.with_shard(hash, |state, ctx| state.deadline_of(hash, key, token, ctx))
     }
 }
 
@@ -654,7 +708,11 @@ where
     /// Forces the live holder of `key` out (an operator's action on a stuck
     /// key) and returns its token; the key goes to the next waiter. The
     /// revoked guard is fenced: its `check()` fails and dropping it frees
-    /// nothing. `None` if the key had no live holder.
+    /// nothing, and its `expires_at()` reports an instant not later than
+    /// now. `None` if the key had no live holder.
+    ///
+    /// To revoke one particular grant, and not whoever holds the key by the
+    /// time the call runs, use [`revoke_grant`](Self::revoke_grant).
     ///
     /// A waiter that had been handed the key but has not run yet is treated
     /// exactly like a guard: it is fenced, and when it runs it resolves to a
@@ -675,6 +733,39 @@ where
     {
         let hash = self.hash(key);
         self.with_shard(hash, |state, ctx| state.revoke(hash, key, ctx))
+    }
+
+    /// Forces out grant `token` of `key`, if it is still the key's live
+    /// holder, and passes the key on to the next waiter, as
+    /// [`revoke`](Self::revoke) does; returns whether it did.
+    ///
+    /// Unlike `revoke`, it never takes the key from someone else: if the key
+    /// changed hands since `token` was seen (released, lapsed, revoked,
+    /// handed to the next waiter), this does nothing and returns `false`.
+    /// Use it to act on a diagnosis: the token a [`LockError::Timeout`]
+    /// names, or one reported by a monitor, names exactly one grant of the
+    /// table.
+    ///
+    /// ```
+    /// let table = keylock::LockTable::new();
+    /// let first = table.try_lock("k").unwrap();
+    /// let stale = first.token();
+    /// drop(first);
+    /// let second = table.try_lock("k").unwrap();
+    /// // The grant that was seen stuck has gone: the new holder is left alone.
+    /// assert!(!table.revoke_grant("k", stale));
+    /// assert!(!second.is_expired());
+    /// assert!(table.revoke_grant("k", second.token()));
+    /// assert!(second.is_expired());
+    /// assert!(second.expires_at().unwrap() <= std::time::Instant::now());
+    /// ```
+    pub fn revoke_grant<Q>(&self, key: &Q, token: FencingToken) -> bool
+    where
+        K: Borrow<Q>,
+        Q: Hash + Eq + ?Sized,
+    {
+        let hash = self.hash(key);
+        self.with_shard(hash, |state, ctx| state.revoke_grant(hash, key, token, ctx))
     }
 
     /// Whether `key` has a live holder now (a holder whose lease lapsed does
@@ -734,6 +825,7 @@ pub struct Builder<K, S = DefaultHashBuilder> {
     max_lease: Duration,
     clock: Clock,
     fairness: Fairness,
+    token_floor: u64,
 }
 
 // Written out: derived impls would demand `K: Clone + Debug`.
@@ -747,6 +839,7 @@ impl<K, S: Clone> Clone for Builder<K, S> {
             max_lease: self.max_lease,
             clock: self.clock.clone(),
             fairness: self.fairness,
+            token_floor: self.token_floor,
         }
     }
 }
@@ -759,6 +852,7 @@ impl<K, S> fmt::Debug for Builder<K, S> {
             .field("max_lease", &self.max_lease)
             .field("clock", &self.clock)
             .field("fairness", &self.fairness)
+            .field("token_floor", &self.token_floor)
             .finish_non_exhaustive()
     }
 }
@@ -773,6 +867,7 @@ impl<K> Builder<K> {
             max_lease: DEFAULT_MAX_LEASE,
             clock: Clock::default(),
             fairness: Fairness::Strict,
+            token_floor: 0,
         }
     }
 }
@@ -802,6 +897,7 @@ impl<K, S> Builder<K, S> {
             max_lease: self.max_lease,
             clock: self.clock,
             fairness: self.fairness,
+            token_floor: self.token_floor,
         }
     }
 
@@ -884,6 +980,58 @@ impl<K, S> Builder<K, S> {
         self
     }
 
+    /// Every [`FencingToken`] the table mints is greater than `floor` (0
+    /// unless set).
+    ///
+    /// This is how to fence a store across restarts. A new table mints its
+    /// tokens afresh, so without a floor they may be smaller than tokens the
+    /// store already accepted from the table before the restart: a store that
+    /// refuses any token not greater than the last one it accepted would
+    /// refuse the new process, and one that forgets would accept a late write
+    /// from the old one. At startup, give the new table a floor at least every
+    /// token the old table handed out:
+    ///
+    /// - the largest token the store accepted (read it back from the store),
+    ///   if every grant of the old table that may still write has written
+    ///   once (a grant that never wrote may carry a larger token); or the
+    ///   largest token your application recorded durably as it got its grants;
+    /// - or an epoch, bumped durably at every start and shifted above the
+    ///   tokens of one run, e.g. `epoch << 32`, as long as no run's tokens
+    ///   reach the next epoch's floor (2^32 above its own: about 2^32 grants
+    ///   spread over the shards; shift further for busier runs).
+    ///
+    /// Every token of the new table is then greater than any of the old one.
+    ///
+    /// Checked by [`build`](Self::build): the floor must leave at least one
+    /// token for every shard, i.e. be at most `u64::MAX` minus the shard
+    /// count. Tokens above a high floor run out sooner (minting panics once a
+    /// shard's run out, before anything changes).
+    ///
+    /// ```
+    /// use std::sync::atomic::{AtomicU64, Ordering::SeqCst};
+    ///
+    /// // The store keeps the largest token it accepted, durably.
+    /// let last_accepted = AtomicU64::new(0);
+    /// let write = |token: keylock::FencingToken| {
+    ///     last_accepted.fetch_max(token.get(), SeqCst) < token.get()
+    /// };
+    ///
+    /// let before_restart = keylock::LockTable::new();
+    /// let stale = before_restart.try_lock("row").unwrap().token();
+    /// assert!(write(stale));
+    ///
+    /// // The process restarts: the new table starts above what the store saw.
+    /// let table = keylock::LockTable::builder()
+    ///     .token_floor(last_accepted.load(SeqCst))
+    ///     .build();
+    /// assert!(write(table.try_lock("row").unwrap().token()));
+    /// assert!(!write(stale), "the old holder's late write is refused");
+    /// ```
+    pub fn token_floor(mut self, floor: u64) -> Self {
+        self.token_floor = floor;
+        self
+    }
+
     /// Judge leases and timeouts by a [`ManualClock`](crate::ManualClock)
     /// that moves only when told to.
     #[cfg(feature = "test-util")]
@@ -898,7 +1046,9 @@ impl<K, S> Builder<K, S> {
     /// # Panics
     ///
     /// If `shards(0)` or more than 2^16 shards were asked for, if the maximum
-    /// lease is zero, or if the default lease is zero or above the maximum.
+    /// lease is zero, if the default lease is zero or above the maximum, or
+    /// if the token floor leaves no token for some shard (it is above
+    /// `u64::MAX` minus the shard count).
     pub fn build(self) -> LockTable<K, S> {
         assert!(
             self.max_lease >= MIN_LEASE,
@@ -922,10 +1072,17 @@ impl<K, S> Builder<K, S> {
             None => default_shards(),
         }
         .next_power_of_two();
+        let floor = self.token_floor;
+        assert!(
+            floor <= u64::MAX - shards as u64,
+            "keylock: Builder::token_floor must leave a token for each of the {shards} shards \
+             (be at most u64::MAX - {shards}), got {floor}"
+        );
         let shards: Box<[CachePadded<Shard<K>>]> = (0..shards)
-            .map(|_| {
+            .map(|index| {
+                let tokens = TokenCounter::new(floor, index as u64, shards as u64);
                 CachePadded::new(Shard {
-                    state: ShardMutex::new(ShardState::new()),
+                    state: ShardMutex::new(ShardState::new(tokens)),
                     counters: Counters::default(),
                     timer: ShardTimer::new(),
                 })
@@ -942,6 +1099,7 @@ impl<K, S> Builder<K, S> {
                 max: self.max_lease,
             },
             fairness: self.fairness,
+            token_floor: floor,
         }
     }
 }

@@ -2,25 +2,36 @@
 
 use std::fmt;
 
-/// A number that identifies one grant of one key.
+/// A number that identifies one grant of a [`LockTable`](crate::LockTable).
 ///
 /// # Invariants
 ///
-/// - The tokens of successive grants of the same key strictly increase, even
-///   across the key's entry being removed from the table while idle and created
-///   again later (tokens are drawn from a per-shard counter and a key always
-///   lives in the same shard).
-/// - A token is never zero.
+/// - **Unique across the table**: no two grants of one table, of the same key
+///   or of different keys, ever carry the same token.
+/// - **Strictly increasing per key**: the tokens of successive grants of the
+///   same key strictly increase, even across the key's entry being removed
+///   from the table while idle and created again later.
+/// - **Above the floor**: every token is greater than the table's
+///   [`token_floor`](crate::Builder::token_floor) (0 unless set), so a token
+///   is never zero.
 ///
-/// Pass it to the storage you protect and have that storage reject writes that
-/// carry a token smaller than one it has already seen: a holder that lost its
-/// authority can then never overwrite its successor's work.
+/// Tokens of *different* keys are not ordered by time: each shard of the
+/// table mints its own, without a counter shared by the whole table.
+///
+/// Pass it to the storage you protect and have that storage refuse writes
+/// that carry a token not greater than the last one it accepted: a holder
+/// that lost its authority can then never overwrite its successor's work.
+/// To keep that true across a restart of the process, give the new table a
+/// floor at least the largest token the storage has seen (see
+/// [`Builder::token_floor`](crate::Builder::token_floor)).
 ///
 /// ```
 /// let table = keylock::LockTable::new();
 /// let first = table.try_lock("row-7").unwrap().token();
 /// let second = table.try_lock("row-7").unwrap().token();
 /// assert!(second > first);
+/// let other = table.try_lock("row-8").unwrap().token();
+/// assert!(other != first && other != second);
 /// ```
 #[derive(Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Debug)]
 pub struct FencingToken(std::num::NonZeroU64);
@@ -46,26 +57,55 @@ impl fmt::Display for FencingToken {
 }
 
 /// The source of a shard's tokens. Touched only under the shard lock.
+///
+/// Shard `index` of a table of `stride` shards (a power of two) mints
+/// `floor + 1 + index + n * stride` for `n = 0, 1, 2, ...`: the shards'
+/// sequences are disjoint, so tokens are unique across the table, and each
+/// strictly increases, so the tokens of a key (which always lives in the same
+/// shard) do too, with no counter shared between shards.
+///
+/// # Invariants
+///
+/// `next` is the token the next [`mint`](Self::mint) returns, or 0 once the
+/// sequence has passed `u64::MAX` (0 is never a token: every token is above
+/// the floor).
 #[derive(Debug)]
 pub(crate) struct TokenCounter {
     next: u64,
+    stride: u64,
 }
 
 impl TokenCounter {
-    pub(crate) fn new() -> Self {
-        Self { next: 1 }
+    /// The counter of shard `index` of `stride` shards, minting tokens above
+    /// `floor`.
+    ///
+    /// # Panics
+    ///
+    /// If `floor + 1 + index` does not fit in a `u64` (the builder checks
+    /// this first, with a message naming the option), or the stride is zero.
+    pub(crate) fn new(floor: u64, index: u64, stride: u64) -> Self {
+        assert!(
+            stride > 0 && index < stride,
+            "keylock: shard index in range"
+        );
+        let next = floor
+            .checked_add(1)
+            .and_then(|n| n.checked_add(index))
+            .expect("keylock: the token floor leaves room for every shard's first token");
+        Self { next, stride }
     }
 
     /// Mints the next token.
     ///
-    /// At one grant per nanosecond the counter lasts 584 years; should it ever
-    /// run out, this panics before any state is changed rather than hand out a
+    /// At one grant per nanosecond a shard's sequence lasts 584 years divided
+    /// by the shard count (and less above a high floor); should it ever run
+    /// out, this panics before any state is changed rather than hand out a
     /// token that does not increase.
     #[inline]
     pub(crate) fn mint(&mut self) -> FencingToken {
         self.check_available();
         let token = FencingToken::from_raw(self.next);
-        self.next += 1;
+        self.next = self.next.checked_add(self.stride).unwrap_or(0);
         token
     }
 
@@ -74,8 +114,51 @@ impl TokenCounter {
     #[inline]
     pub(crate) fn check_available(&self) {
         assert!(
-            self.next != u64::MAX,
-            "keylock: fencing token space of a shard exhausted (2^64 grants)"
+            self.next != 0,
+            "keylock: fencing token space of a shard exhausted (no token left above \
+             u64::MAX - shard count; lower the table's token floor)"
         );
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::TokenCounter;
+
+    #[test]
+    fn shards_mint_disjoint_increasing_sequences_above_the_floor() {
+        let mut counters: Vec<_> = (0..4).map(|i| TokenCounter::new(100, i, 4)).collect();
+        let mut all = std::collections::BTreeSet::new();
+        for (i, counter) in counters.iter_mut().enumerate() {
+            let mut last = 100;
+            for n in 0..50u64 {
+                let t = counter.mint().get();
+                assert_eq!(t, 101 + i as u64 + 4 * n);
+                assert!(t > last);
+                last = t;
+                assert!(all.insert(t), "token {t} minted twice");
+            }
+        }
+    }
+
+    #[test]
+    fn the_last_token_is_u64_max_then_minting_panics() {
+        let mut c = TokenCounter::new(u64::MAX - 2, 0, 1);
+        assert_eq!(c.mint().get(), u64::MAX - 1);
+        assert_eq!(c.mint().get(), u64::MAX);
+        let exhausted = std::panic::catch_unwind(move || c.check_available());
+        assert!(exhausted.is_err());
+    }
+
+    #[test]
+    fn a_stride_that_steps_past_u64_max_exhausts_the_shard() {
+        // Shard 1 of 2 above u64::MAX - 3: u64::MAX - 1, then u64::MAX + 1
+        // (none).
+        let mut c = TokenCounter::new(u64::MAX - 3, 1, 2);
+        assert_eq!(c.mint().get(), u64::MAX - 1);
+        let exhausted = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| c.mint()));
+        assert!(exhausted.is_err());
+        // Still exhausted, and nothing was handed out.
+        assert!(std::panic::catch_unwind(move || c.check_available()).is_err());
     }
 }

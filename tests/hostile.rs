@@ -280,6 +280,8 @@ struct Hostile {
     clone_armed: AtomicBool,
     /// Run by every clone, before it returns (for re-entrance).
     on_clone: Option<Hook>,
+    /// Run by every wake, before it is counted (for re-entrance).
+    on_wake: Option<Hook>,
 }
 
 impl Hostile {
@@ -291,6 +293,14 @@ impl Hostile {
     fn on_clone(hook: impl Fn() + Send + Sync + 'static) -> Arc<Self> {
         Arc::new(Self {
             on_clone: Some(Box::new(hook)),
+            ..Self::default()
+        })
+    }
+
+    /// A waker whose every wake runs `hook` first.
+    fn on_wake(hook: impl Fn() + Send + Sync + 'static) -> Arc<Self> {
+        Arc::new(Self {
+            on_wake: Some(Box::new(hook)),
             ..Self::default()
         })
     }
@@ -336,6 +346,9 @@ impl Hostile {
     }
 
     fn woken(&self) {
+        if let Some(hook) = &self.on_wake {
+            hook();
+        }
         if self.wake_armed.swap(false, SeqCst) && !thread::panicking() {
             self.wake_panics.fetch_add(1, SeqCst);
             plant("Waker::wake");
@@ -1410,6 +1423,142 @@ fn manual_clock_advance_by_duration_max_saturates_instead_of_panicking() {
         assert_key_free(&table, || 3, "key 3");
 
         assert_table_empty(&table, 4, "after saturating the clock");
+    });
+}
+
+// ---------------------------------------------------------------------------
+// 8b. Loss notification with hostile wakers.
+// ---------------------------------------------------------------------------
+
+/// `Lost` futures are woken after the unlock, by a revoke or by the lapse
+/// their timer finds. Of three on one grant, one's wake panics, one's wake
+/// re-enters the table (it revokes another key's grant, reads the key it
+/// watched and takes and releases a third key), one is plain: every one is
+/// woken, the revoke's own work is complete (the key passed to the waiter),
+/// the panic surfaces only in the revoking call, and nothing is stranded.
+/// Then a `Lost` whose waker's clone panics is not registered (nothing to
+/// wake), and one whose waker's drop panics is unregistered all the same
+/// when dropped.
+#[test]
+fn lost_futures_whose_wakers_panic_or_reenter_strand_nothing() {
+    watchdog("lost-hostile-wakers", || {
+        let clock = ManualClock::new();
+        let table: Arc<LockTable<u32>> =
+            Arc::new(LockTable::builder().clock(clock.clone()).build());
+
+        // A revoke wakes all three.
+        let holder = table.try_lock_with(1, leased()).expect("key 1 is free");
+        let other = table.try_lock(2).expect("key 2 is free");
+        let pw = Hostile::new();
+        let ww = pw.waker();
+        let mut next = Box::pin(table.lock(1));
+        pending(&mut next, &ww, "a waiter queues behind the holder");
+
+        let pa = Hostile::new();
+        pa.arm_wake_panic();
+        let reentered = Arc::new(AtomicUsize::new(0));
+        let pb = {
+            let (table, reentered) = (table.clone(), reentered.clone());
+            Hostile::on_wake(move || {
+                table.revoke(&2);
+                assert!(table.is_locked(&1), "the key passed on before the wake");
+                drop(table.try_lock(3).expect("key 3 is free"));
+                reentered.fetch_add(1, SeqCst);
+            })
+        };
+        let pc = Hostile::new();
+        let (wa, wb, wc) = (pa.waker(), pb.waker(), pc.waker());
+        let (mut la, mut lb, mut lc) = (holder.lost(), holder.lost(), holder.lost());
+        pending(&mut la, &wa, "A watches");
+        pending(&mut lb, &wb, "B watches");
+        pending(&mut lc, &wc, "C watches");
+
+        let revoked = planted_or("revoke() waking the watchers", || table.revoke(&1));
+        assert_eq!(pa.wake_panics(), 1, "A's wake ran (and panicked)");
+        assert_eq!(
+            reentered.load(SeqCst),
+            1,
+            "B's wake ran, re-entering the table"
+        );
+        assert_eq!(pc.wakes(), 1, "C was woken although A's wake panicked");
+        assert_eq!(pw.wakes(), 1, "the waiter was handed the key and woken");
+        if let Some(revoked) = revoked {
+            assert_eq!(revoked, Some(holder.token()));
+        }
+        assert!(holder.is_expired());
+        assert!(other.is_expired(), "B's re-entrant revoke took effect");
+        let expired = LockError::Expired {
+            token: holder.token(),
+        };
+        assert_eq!(ready(&mut la, &wa, "A after the revoke"), expired);
+        assert_eq!(ready(&mut lb, &wb, "B after the revoke"), expired);
+        assert_eq!(ready(&mut lc, &wc, "C after the revoke"), expired);
+        let g = ready(&mut next, &ww, "the waiter holds the key");
+        assert_eq!(g.check(), Ok(g.token()));
+        drop((la, lb, lc));
+        drop((g, next));
+        drop((holder, other));
+        assert_key_free(&table, || 1, "after the revoke");
+        assert_key_free(&table, || 2, "after the re-entrant revoke");
+
+        // A lapse found by the timer: the clock's advance wakes the watcher,
+        // whose wake panics and re-enters; the watcher then settles the
+        // lapse, and the key passes on.
+        let holder = table.try_lock_with(4, leased()).expect("key 4 is free");
+        let mut next = Box::pin(table.lock(4));
+        pending(&mut next, &ww, "a waiter queues behind the leased holder");
+        let pl = {
+            let table = table.clone();
+            Hostile::on_wake(move || {
+                assert!(!table.is_locked(&4), "judged now: the lease lapsed");
+            })
+        };
+        pl.arm_wake_panic();
+        let wl = pl.waker();
+        let mut lost = holder.lost();
+        pending(&mut lost, &wl, "the watcher arms its timer");
+        planted_or("advance() past the lease", || clock.advance(LEASE));
+        assert_eq!(pl.wake_panics(), 1, "the watcher's timer fired");
+        assert!(matches!(
+            ready(&mut lost, &wl, "the watcher after the lapse"),
+            LockError::Expired { .. }
+        ));
+        let g = ready(&mut next, &ww, "the lapse handed the key on");
+        drop(lost);
+        drop((g, next, holder));
+        assert_key_free(&table, || 4, "after the lapse");
+
+        // A watcher whose clone panics registers nothing; one whose drop
+        // panics is still unregistered.
+        let holder = table.try_lock(5).expect("key 5 is free");
+        let pk = Hostile::new();
+        pk.arm_clone_panic();
+        let wk = pk.waker();
+        let mut lk = holder.lost();
+        assert!(pending_or_planted(&mut lk, &wk, "a watcher whose clone panics").is_some());
+        pk.disarm_clone_panic();
+        let pd = Hostile::new();
+        let wd = pd.waker();
+        let mut ld = holder.lost();
+        pending(&mut ld, &wd, "a watcher whose drop will panic");
+        pd.arm_drop_panic();
+        planted_or("dropping the watcher", || drop(ld));
+        assert_eq!(pd.drop_panics(), 1, "the registered handle was dropped");
+        table.assert_consistent();
+        assert_eq!(table.revoke(&5), Some(holder.token()));
+        assert_eq!(
+            (pk.wakes(), pd.wakes()),
+            (0, 0),
+            "an unregistered watcher was woken"
+        );
+        assert!(matches!(
+            ready(&mut lk, &wk, "the first watcher"),
+            LockError::Expired { .. }
+        ));
+        drop(lk);
+        drop(holder);
+        assert_key_free(&table, || 5, "after the hostile watchers");
+        assert_table_empty(&table, 6, "after the hostile watchers");
     });
 }
 

@@ -4,7 +4,10 @@
 //! that lapses before its future runs (it is fenced like a guard, never
 //! queued again), and eventual fairness (a release that frees the key and
 //! nudges the head, racing bargers, the head's poll and the fairness
-//! deadline, which is judged by the clock).
+//! deadline, which is judged by the clock), and loss notification (a
+//! `Lost` future racing a lapse, a `revoke_grant`, and its own drop and the
+//! guard's release racing a `revoke`; a keep-alive's renewal racing a
+//! `revoke_grant`).
 //!
 //! Time is a [`ManualClock`]: under `--cfg loom` its internal mutex is loom's
 //! (`src/loom.rs`), so `clock.advance()` on one loom thread races, at every
@@ -1742,6 +1745,254 @@ fn e5_eventual_release_vs_head_poll_then_drop() {
             drop(Holding::new(g, &inside));
             let stats = table.stats();
             assert_eq!(stats.handoffs, 1, "handed off before the fairness deadline");
+            table.assert_consistent();
+            assert_eq!(table.len(), 0, "entry leaked");
+        },
+    );
+}
+
+// ---------------------------------------------------------------------------
+// (l) loss notification
+// ---------------------------------------------------------------------------
+
+/// (l1) A `Lost` future's poll vs the lapse of its grant.
+///
+/// The holder has lease `L`; its `Lost` was polled once (registered, its
+/// timer armed at the deadline). Thread 1 advances the clock by `L`; the
+/// main thread polls the `Lost` meanwhile, which reads the clock under the
+/// shard lock and re-registers its timer with the clock.
+///
+/// - A poll that started after seeing the advance done resolves.
+/// - A `Lost` still pending afterwards was woken (its timer, or the settle
+///   of the lapse: no lost wake-up) and resolves on its next poll, to
+///   `Expired` with the holder's token; the lapse is counted once; no timer
+///   is left armed.
+#[test]
+fn l1_loss_vs_lapse() {
+    model(
+        "l1: loss vs lapse",
+        &["lost in the race", "lost when woken"],
+        |seen| {
+            const L: Duration = Duration::from_secs(2);
+            let clock = ManualClock::new();
+            let table = table(&clock);
+            let guard = table.clone().try_lock_owned_with(KEY, lease(L)).unwrap();
+            let token = guard.token();
+            let mut lost = Polled::new(guard.lost());
+            assert!(lost.poll().is_none(), "live: pending");
+            assert_eq!(clock.sleepers(), 1, "a timer at the deadline");
+            let advanced = Arc::new(AtomicBool::new(false));
+
+            let t1 = {
+                let (clock, advanced) = (clock.clone(), advanced.clone());
+                thread::spawn(move || {
+                    clock.advance(L);
+                    advanced.store(true, SeqCst);
+                })
+            };
+            let saw_advanced = advanced.load(SeqCst);
+            let raced = lost.poll();
+            if saw_advanced {
+                assert!(raced.is_some(), "polled after the lapse, still pending");
+            }
+            t1.join().unwrap();
+
+            let out = match raced {
+                Some(out) => {
+                    seen.note("lost in the race");
+                    out
+                }
+                None => {
+                    seen.note("lost when woken");
+                    finish(&mut lost, "the loss future after the lapse")
+                }
+            };
+            assert_eq!(out, LockError::Expired { token });
+            assert!(guard.is_expired());
+            assert_eq!(table.stats().expired, 1, "the lapse counted once");
+            assert_eq!(clock.sleepers(), 0, "a timer stayed armed");
+            drop(lost);
+            drop(guard);
+            table.assert_consistent();
+            assert_eq!(table.len(), 0, "entry leaked");
+        },
+    );
+}
+
+/// (l2) A `Lost` future's first poll (its registration, which clones the
+/// waker outside the shard lock between two locked sections) vs
+/// `revoke_grant` of its grant.
+///
+/// - `revoke_grant` names the live holder: it always revokes.
+/// - A poll that started after seeing the revocation done resolves; one
+///   left pending was registered before the revocation, which woke it (no
+///   lost wake-up), and it resolves on its next poll.
+/// - The revoked guard reports it at once: `is_expired()`, and
+///   `expires_at()` not later than now.
+#[test]
+fn l2_loss_vs_revoke_grant() {
+    model(
+        "l2: loss vs revoke_grant",
+        &["found it revoked", "woken by the revoke"],
+        |seen| {
+            let clock = ManualClock::new();
+            let table = table(&clock);
+            let guard = table.clone().try_lock_owned(KEY).unwrap();
+            let token = guard.token();
+            let mut lost = Polled::new(guard.lost());
+            let revoked = Arc::new(AtomicBool::new(false));
+
+            let t1 = {
+                let (table, revoked) = (table.clone(), revoked.clone());
+                thread::spawn(move || {
+                    assert!(
+                        table.revoke_grant(&KEY, token),
+                        "the live holder is revoked"
+                    );
+                    revoked.store(true, SeqCst);
+                })
+            };
+            let saw_revoked = revoked.load(SeqCst);
+            let raced = lost.poll();
+            if saw_revoked {
+                assert!(raced.is_some(), "polled after the revoke, still pending");
+            }
+            t1.join().unwrap();
+
+            let out = match raced {
+                Some(out) => {
+                    seen.note("found it revoked");
+                    out
+                }
+                None => {
+                    seen.note("woken by the revoke");
+                    finish(&mut lost, "the loss future after the revoke")
+                }
+            };
+            assert_eq!(out, LockError::Expired { token });
+            assert!(guard.is_expired());
+            assert!(guard.expires_at().unwrap() <= clock.now());
+            assert_eq!(table.stats().revoked, 1);
+            drop(lost);
+            drop(guard);
+            table.assert_consistent();
+            assert_eq!(table.len(), 0, "entry leaked");
+        },
+    );
+}
+
+/// (l3) The owner drops its `Lost` future and releases its guard vs a
+/// `revoke` of the key.
+///
+/// - `revoke` returns the holder's token iff it came before the release
+///   (there is no waiter), and wakes the `Lost` only if it came before the
+///   `Lost` was dropped.
+/// - Whichever order: the registry keeps no handle of the waker (its wake
+///   consumed it, or the drop removed it), the table ends empty and
+///   consistent (the registry's own invariants included).
+#[test]
+fn l3_loss_dropped_and_release_vs_revoke() {
+    model(
+        "l3: loss dropped, release vs revoke",
+        &[
+            "revoked while watched",
+            "revoked after the watcher left",
+            "released before the revoke",
+        ],
+        |seen| {
+            let clock = ManualClock::new();
+            let table = table(&clock);
+            let guard = table.clone().try_lock_owned(KEY).unwrap();
+            let token = guard.token();
+            let mut lost = Polled::new(guard.lost());
+            assert!(lost.poll().is_none(), "live: pending");
+            let counter = lost.counter.clone();
+
+            let t1 = {
+                let table = table.clone();
+                thread::spawn(move || table.revoke(&KEY))
+            };
+            drop(lost);
+            drop(guard);
+            let revoked = t1.join().unwrap();
+
+            let wakes = counter.wakes.load(SeqCst);
+            match revoked {
+                Some(t) => {
+                    assert_eq!(t, token, "revoked something else");
+                    seen.note(if wakes == 1 {
+                        "revoked while watched"
+                    } else {
+                        "revoked after the watcher left"
+                    });
+                }
+                None => {
+                    assert_eq!(wakes, 0, "woken without a revoke");
+                    seen.note("released before the revoke");
+                }
+            }
+            assert!(wakes <= 1, "woken {wakes} times");
+            assert_eq!(
+                Arc::strong_count(&counter),
+                1,
+                "the table kept a handle of the waker"
+            );
+            table.assert_consistent();
+            assert_eq!(table.len(), 0, "entry leaked");
+        },
+    );
+}
+
+/// (l4) A keep-alive's renewal vs `revoke_grant` of its grant.
+///
+/// The holder has lease `L`; its keep-alive (interval `L / 2`) is polled for
+/// the first time, which renews the lease and registers its `Lost`, while
+/// thread 1 revokes the grant by its token.
+///
+/// - The revoke always succeeds: the grant is live until it comes, and a
+///   renewal never revives a revoked grant.
+/// - The keep-alive resolves to `Expired` with the token: in the race (its
+///   renewal was refused, or its `Lost` found the grant revoked), or, left
+///   pending, it was woken by the revoke (no lost wake-up: the revocation is
+///   noticed at once, not at the next renewal) and resolves when polled.
+#[test]
+fn l4_keep_alive_renewal_vs_revoke_grant() {
+    model(
+        "l4: keep-alive renewal vs revoke_grant",
+        &["noticed in the race", "woken by the revoke"],
+        |seen| {
+            const L: Duration = Duration::from_secs(4);
+            let clock = ManualClock::new();
+            let table = table(&clock);
+            let guard = table.clone().try_lock_owned_with(KEY, lease(L)).unwrap();
+            let token = guard.token();
+            let mut keep = Polled::new(guard.keep_alive(L / 2, L));
+
+            let t1 = {
+                let table = table.clone();
+                thread::spawn(move || {
+                    assert!(table.revoke_grant(&KEY, token), "the live grant is revoked");
+                })
+            };
+            let raced = keep.poll();
+            t1.join().unwrap();
+
+            let out = match raced {
+                Some(out) => {
+                    seen.note("noticed in the race");
+                    out
+                }
+                None => {
+                    seen.note("woken by the revoke");
+                    finish(&mut keep, "the keep-alive after the revoke")
+                }
+            };
+            assert_eq!(out, LockError::Expired { token });
+            assert!(guard.is_expired(), "revived by a renewal");
+            assert_eq!(table.stats().revoked, 1);
+            drop(keep);
+            assert_eq!(clock.sleepers(), 0, "a timer stayed armed");
+            drop(guard);
             table.assert_consistent();
             assert_eq!(table.len(), 0, "entry leaked");
         },

@@ -5,8 +5,9 @@ use std::error::Error;
 use std::fmt::{Debug, Display};
 use std::hash::Hash;
 use std::sync::Arc;
+use std::time::Duration;
 
-use keylock::futures::{Lock, LockOwned};
+use keylock::futures::{KeepAlive, Lock, LockOwned, Lost};
 use keylock::{FencingToken, Guard, LockTable, OwnedGuard, Stats, TryLockError};
 
 fn send<T: Send>() {}
@@ -61,6 +62,31 @@ fn futures_are_send_and_sync() {
         let g = table.clone().lock_owned("b".to_owned()).await;
         std::future::ready(()).await;
         drop(g);
+    });
+}
+
+#[test]
+fn loss_and_keep_alive_futures_are_send_sync_and_unpin() {
+    // They hold no queue node: `Unpin`, so `select!` and hand polling need
+    // no pinning.
+    send::<Lost<'_, String>>();
+    sync::<Lost<'_, String>>();
+    unpin::<Lost<'_, String>>();
+    debug::<Lost<'_, String>>();
+    send::<KeepAlive<'_, String>>();
+    sync::<KeepAlive<'_, String>>();
+    unpin::<KeepAlive<'_, String>>();
+    debug::<KeepAlive<'_, String>>();
+
+    // Awaited inside a spawned task, beside the work, they keep it `Send`.
+    fn spawnable<F: std::future::Future + Send + 'static>(_: F) {}
+    let table: Arc<LockTable<String>> = Arc::default();
+    spawnable(async move {
+        let g = table.clone().lock_owned("a".to_owned()).await;
+        let _ = g.lost().await;
+        let _ = g
+            .keep_alive(Duration::from_secs(1), Duration::from_secs(2))
+            .await;
     });
 }
 

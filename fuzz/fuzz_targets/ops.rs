@@ -105,8 +105,10 @@ struct Config {
     /// The first input byte: `% 3` picks 1, 2 or 4 shards; bit 7 picks
     /// `Fairness::Eventual` (else `Strict`).
     shards: u8,
-    /// Every key gets the same hash (one shard, one hash bucket chain).
-    collide: bool,
+    /// Bit 0: every key gets the same hash (one shard, one hash bucket
+    /// chain). The other bits pick the table's token floor: see
+    /// [`floor_of`].
+    collide: u8,
     /// The table's default lease, in units (clamped to `1..=max`).
     default_lease: Option<u8>,
     /// The table's maximum lease, in units (`1..=8`); `None` = the crate's default.
@@ -162,6 +164,9 @@ enum Op {
         guard: u8,
         lease: u8,
     },
+    /// `revoke(key % KEYS)`; with bit 7 of `key` set, `revoke_grant` of that
+    /// key and a token picked by bits 2..7 among the tokens of the guards
+    /// and those the harness has seen (see [`Harness::revoke_grant`]).
     Revoke {
         key: u8,
     },
@@ -425,10 +430,25 @@ fn shard_of(cfg: &TableCfg, k: usize) -> usize {
 
 type Table = LockTable<Key, KeyHash>;
 
+/// The token floor picked by bits 1..8 of the config's second byte (`v`):
+/// none, an epoch (`v << 32`), near the top of the token space (a million
+/// tokens per shard left: a run mints far fewer, so none runs out), or an
+/// arbitrary value.
+fn floor_of(byte: u8, shards: usize) -> u64 {
+    let v = u64::from(byte >> 1);
+    match v % 4 {
+        0 => 0,
+        1 => v << 32,
+        2 => u64::MAX - shards as u64 * (1 << 20) - v,
+        _ => v.wrapping_mul(0x9e37_79b9_7f4a_7c15) >> 2,
+    }
+}
+
 #[derive(Debug, Clone, Copy)]
 struct TableCfg {
     shards: usize,
     collide: bool,
+    token_floor: u64,
     default_lease: Option<u64>,
     max_lease: u64,
     eventual: bool,
@@ -446,7 +466,8 @@ impl TableCfg {
             .map(|d| (u64::from(d % 9) * UNIT).clamp(1, max_lease));
         Self {
             shards,
-            collide: c.collide,
+            collide: c.collide & 1 == 1,
+            token_floor: floor_of(c.collide, shards),
             default_lease,
             max_lease,
             eventual: c.shards & 0x80 != 0,
@@ -850,10 +871,16 @@ impl Model {
         lease >= 1 && lease <= self.cfg.max_lease
     }
 
+    /// Shard `s` of `S` mints `floor + 1 + s + n * S`, `n = 0, 1, ...`.
     fn mint(&mut self, k: usize) -> u64 {
         let s = shard_of(&self.cfg, k);
+        let n = self.shard_tokens[s];
         self.shard_tokens[s] += 1;
-        let t = self.shard_tokens[s];
+        let t = self.cfg.token_floor + 1 + s as u64 + n * self.cfg.shards as u64;
+        assert!(
+            t > self.cfg.token_floor,
+            "model: tokens are above the floor"
+        );
         assert!(
             t > self.keys[k].last_token,
             "model: tokens increase per key"
@@ -1411,7 +1438,36 @@ impl Model {
         }
         let h = self.displace(k).unwrap();
         self.stats.revoked += 1;
+        // The revoked guard's `expires_at()` reads the clock (it reports
+        // the time of the call).
+        self.read_clock = true;
         Some(h.token)
+    }
+
+    /// queue.rs `revoke_grant`: only grant `t`, if it is the live holder.
+    fn revoke_grant(&mut self, k: usize, t: u64) -> bool {
+        if self.keys[k].unused() {
+            return false;
+        }
+        if self.live_holder(k).is_some_and(|h| h.token == t) {
+            self.displace(k);
+            self.stats.revoked += 1;
+            self.read_clock = true;
+            return true;
+        }
+        self.settle(k);
+        false
+    }
+
+    /// What guard `g`'s `expires_at()` reports: its grant's deadline while
+    /// it is the key's current grant (lapsed or not); once it lost the key,
+    /// its deadline if that has passed, else the time of the call.
+    fn expires_at(&self, g: Gid) -> Option<u64> {
+        let guard = &self.guards[&g];
+        match self.keys[guard.key].holder {
+            Some(h) if h.token == guard.token => h.deadline,
+            _ => Some(guard.expires.map_or(self.now, |d| d.min(self.now))),
+        }
     }
 
     fn advance(&mut self, by: u64) {
@@ -1666,6 +1722,11 @@ struct Harness<'a> {
     next_fid: Fid,
     /// Per key, the largest token seen on a live grant.
     last_seen: [u64; KEYS],
+    /// Every token a guard was handed out with: a grant has one guard at
+    /// most, and tokens are unique across the table.
+    handed_out: std::collections::HashSet<u64>,
+    /// Tokens seen lately (guards', a timeout's holder), for `revoke_grant`.
+    tokens_seen: Vec<FencingToken>,
     trace: bool,
     /// A lease or a timeout has been asked for (or the table has a default
     /// lease): until then the table must never read its clock.
@@ -1765,6 +1826,14 @@ impl<'a> Harness<'a> {
         assert_eq!(guard.key(), key, "{what}: guard of the wrong key");
         assert_eq!(guard.token().get(), want.token, "{what}: token");
         let t = want.token;
+        assert!(
+            t > self.model.cfg.token_floor,
+            "{what}: token {t} not above the floor"
+        );
+        assert!(
+            self.handed_out.insert(t),
+            "{what}: token {t} handed out twice in one table"
+        );
         let current = self.model.keys[key].holder.is_some_and(|h| h.token == t);
         if current {
             assert!(
@@ -1775,9 +1844,10 @@ impl<'a> Harness<'a> {
         }
         assert_eq!(
             guard.expires_at(),
-            want.deadline.map(|d| self.at(d)),
+            self.model.expires_at(want.gid).map(|d| self.at(d)),
             "{what}: expires_at"
         );
+        self.seen_token(guard.token());
         self.guards.push(HGuard {
             id: want.gid,
             guard,
@@ -1882,14 +1952,21 @@ impl<'a> Harness<'a> {
                     self.renew(i, lease_of(lease));
                 }
             }
+            Op::Revoke { key } if key & 0x80 != 0 => {
+                let (k, _) = key_of(key);
+                self.revoke_grant(k, usize::from((key >> 2) & 0x1f));
+            }
             Op::Revoke { key } => {
                 let (k, _) = key_of(key);
                 let want = self.model.revoke(k);
                 let expect = self.flush(false);
-                let got = catch(|| self.table.revoke(&(k as u8)).map(FencingToken::get));
+                let got = catch(|| self.table.revoke(&(k as u8)));
                 self.expect_panic("revoke", got.map(drop), expect);
                 if let Ok(got) = got {
-                    assert_eq!(got, want, "revoke({k})");
+                    assert_eq!(got.map(FencingToken::get), want, "revoke({k})");
+                    if let Some(t) = got {
+                        self.seen_token(t);
+                    }
                 }
                 self.check_reentry("revoke");
             }
@@ -2042,33 +2119,58 @@ impl<'a> Harness<'a> {
     fn renew(&mut self, i: usize, lease: u64) {
         self.timed = true;
         let gid = self.guards[i].id;
-        let before = self.model.guards[&gid].expires;
         let want = self.model.renew(gid, lease);
         let expect = self.flush(false);
         let got = catch(|| self.guards[i].guard.renew(ns(lease)));
         self.expect_panic("renew", got.as_ref().map(drop).map_err(|p| *p), expect);
         match (&got, want) {
-            (Err(_), _) => {
-                // The result is lost; the guard's own copy of its deadline
-                // may or may not have been updated.
-                let seen = self.guards[i].guard.expires_at();
-                let now = self.model.guards[&gid].expires;
-                assert!(
-                    seen == before.map(|d| self.at(d)) || seen == now.map(|d| self.at(d)),
-                    "expires_at after a renew that panicked"
-                );
-                if seen == before.map(|d| self.at(d)) {
-                    self.model.guards.get_mut(&gid).unwrap().expires = before;
-                }
-            }
+            // The result is lost to a panic (a wake after the unlock); the
+            // guard's copy of its deadline was written under the lock, so it
+            // is checked below like any other.
+            (Err(_), _) => {}
             (Ok(Ok(())), Ok(())) => {}
             (Ok(Err(e)), Err(w)) => self.expect_err("renew", e, w),
             _ => panic!("renew: crate {got:?}, model {want:?}"),
         }
         let g = &self.guards[i];
-        let want = self.model.guards[&g.id].expires.map(|d| self.at(d));
+        let want = self.model.expires_at(g.id).map(|d| self.at(d));
         assert_eq!(g.guard.expires_at(), want, "expires_at after renew");
         self.check_reentry("renew");
+    }
+
+    /// `revoke_grant(k, t)`, `t` the `pick`-th (modulo) of the guards'
+    /// tokens followed by the tokens seen before (released, fenced, of
+    /// other keys, named by a timeout): only a live holder's own token
+    /// revokes anything.
+    fn revoke_grant(&mut self, k: usize, pick: usize) {
+        let candidates: Vec<FencingToken> = self
+            .guards
+            .iter()
+            .map(|g| g.guard.token())
+            .chain(self.tokens_seen.iter().copied())
+            .collect();
+        if candidates.is_empty() {
+            return;
+        }
+        let t = candidates[pick % candidates.len()];
+        let want = self.model.revoke_grant(k, t.get());
+        let expect = self.flush(false);
+        let got = catch(|| self.table.revoke_grant(&(k as u8), t));
+        self.expect_panic("revoke_grant", got.map(drop), expect);
+        if let Ok(got) = got {
+            assert_eq!(got, want, "revoke_grant({k}, {t})");
+        }
+        self.check_reentry("revoke_grant");
+    }
+
+    /// Remembers a token for `revoke_grant` to pick (the last few).
+    fn seen_token(&mut self, t: FencingToken) {
+        if !self.tokens_seen.contains(&t) {
+            if self.tokens_seen.len() == 16 {
+                self.tokens_seen.remove(0);
+            }
+            self.tokens_seen.push(t);
+        }
     }
 
     fn advance(&mut self, by: u64) {
@@ -2136,7 +2238,7 @@ impl<'a> Harness<'a> {
         if let (Ok(expired), Some(live)) = (expired, live) {
             assert_eq!(expired, !live, "is_expired() == check().is_err()");
         }
-        let want = self.model.guards[&id].expires.map(|d| self.at(d));
+        let want = self.model.expires_at(id).map(|d| self.at(d));
         assert_eq!(self.guards[i].guard.expires_at(), want, "expires_at");
         live
     }
@@ -2220,6 +2322,12 @@ impl<'a> Harness<'a> {
             }
             (Poll::Ready(Err(e)), MPoll::Ready(Err(w))) => {
                 self.expect_err("poll", &e, w);
+                if let LockError::Timeout {
+                    holder: Some(t), ..
+                } = e
+                {
+                    self.seen_token(t);
+                }
                 let f = self.futs.remove(i);
                 self.retire(f);
             }
@@ -2316,7 +2424,7 @@ impl<'a> Harness<'a> {
             );
         }
         for g in &self.guards {
-            let want = self.model.guards[&g.id].expires.map(|d| self.at(d));
+            let want = self.model.expires_at(g.id).map(|d| self.at(d));
             assert_eq!(g.guard.expires_at(), want, "expires_at of guard {}", g.id);
         }
         for f in self.futs.iter().chain(&self.abandoned) {
@@ -2424,6 +2532,7 @@ fn run(input: Input) {
         .clock(clock.clone())
         .shards(cfg.shards)
         .max_lease(ns(cfg.max_lease))
+        .token_floor(cfg.token_floor)
         .fairness(if cfg.eventual {
             Fairness::Eventual
         } else {
@@ -2445,6 +2554,8 @@ fn run(input: Input) {
         model: Model::new(cfg, known_bugs),
         next_fid: 0,
         last_seen: [0; KEYS],
+        handed_out: std::collections::HashSet::new(),
+        tokens_seen: Vec::new(),
         trace,
         loose_wakes,
         known_bugs,

@@ -4,8 +4,11 @@
 //! - mutual exclusion: without leases or revocation, a per-key "inside"
 //!   counter never exceeds one, and every `check()` passes;
 //! - with leases and revocation: a grant never passes `check()` (or renew, or
-//!   is revoked as live, or is handed out live) once a later grant of the
-//!   same key has been seen live — authority never goes backwards;
+//!   is revoked as live by `revoke` or `revoke_grant`, or is handed out live)
+//!   once a later grant of the same key has been seen live — authority never
+//!   goes backwards; `revoke_grant` revokes only a grant of the key it names,
+//!   whose guard then reports `is_expired()` and an `expires_at()` not later
+//!   than the call;
 //! - fencing tokens strictly increase per key as seen by each thread, except
 //!   for a future granted the key whose grant lapsed or was revoked before it
 //!   ran: it resolves to that older grant, which must fail `check()`;
@@ -133,6 +136,14 @@ impl Shared {
             return Duration::from_secs(1) + self.unit() * u32::from(x - 248);
         }
         self.unit() * (u32::from(x % 8) + 1)
+    }
+
+    /// The time the table judges by.
+    fn now(&self) -> Instant {
+        match &self.clock {
+            Some(clock) => clock.now(),
+            None => Instant::now(),
+        }
     }
 
     fn observed_live(&self, what: &str, k: usize, token: u64, before: u64) {
@@ -395,6 +406,27 @@ impl<'a> Worker<'a> {
                         std::thread::yield_now();
                     }
                     self.check(i);
+                }
+            }
+            TOp::Revoke { key } if key & 0x80 != 0 => {
+                // `revoke_grant` of one of this thread's guards, named by
+                // `key`'s bits 2..7, on `key % KEYS` (maybe another key:
+                // tokens are unique across the table, so that one fails).
+                if sh.leases && !self.guards.is_empty() {
+                    let k = usize::from(key) % KEYS;
+                    let i = usize::from(key >> 2) % self.guards.len();
+                    let (gk, g) = &self.guards[i];
+                    let before = sh.max_live[*gk].load(SeqCst);
+                    if self.table.revoke_grant(&(k as u8), g.token()) {
+                        assert_eq!(k, *gk, "revoke_grant revoked a grant of another key");
+                        sh.observed_live("revoke_grant", k, g.token().get(), before);
+                        self.tally.revoked += 1;
+                        // The revoked guard tells the truth at once.
+                        assert!(g.is_expired(), "a revoked grant is not expired");
+                        let at = g.expires_at().expect("a revoked grant has ended");
+                        let now = sh.now();
+                        assert!(at <= now, "a revoked grant expires after the call");
+                    }
                 }
             }
             TOp::Revoke { key } => {
