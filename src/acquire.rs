@@ -183,7 +183,7 @@ where
         left: &mut Leftovers<K>,
     ) -> Result<Step<(T, Held<K>)>, Box<LockError>> {
         let table = self.table.as_deref().expect("present until completion");
-        let lease = self.lease.get();
+        let lease = self.lease;
         let timeout = if self.timeout == PackedDuration::NONE {
             None
         } else {
@@ -428,7 +428,7 @@ fn try_once<K: Eq + Hash, S: BuildHasher>(
     table: &LockTable<K, S>,
     hash: u64,
     key: K,
-    lease: Option<Duration>,
+    lease: PackedDuration,
     left: &mut Leftovers<K>,
 ) -> Result<Grant<K>, Diagnosis> {
     let shard = table.shard(hash);

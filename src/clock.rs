@@ -30,6 +30,8 @@ pub(crate) enum Clock {
 /// Leases at least this long start from the coarse clock (see
 /// [`Clock::grant_stamp`]); shorter ones from the precise clock.
 pub(crate) const COARSE_LEASE: Duration = Duration::from_secs(10);
+#[allow(clippy::cast_possible_truncation)] // ten seconds fit
+const COARSE_LEASE_NANOS: u64 = COARSE_LEASE.as_nanos() as u64;
 
 /// A deadline further than this past the coarse clock's reading is surely
 /// still ahead of the precise clock: the coarse clock is the precise one as
@@ -49,9 +51,9 @@ impl Clock {
     /// starts from it). Authority is always judged against the precise
     /// clock.
     #[inline]
-    pub(crate) fn grant_stamp(&self, lease: Duration) -> Stamp {
+    pub(crate) fn grant_stamp(&self, lease_nanos: u64) -> Stamp {
         match self {
-            Self::Monotonic if lease >= COARSE_LEASE => coarse::stamp(),
+            Self::Monotonic if lease_nanos >= COARSE_LEASE_NANOS => coarse::stamp(),
             _ => Stamp::new(Some(self.now())),
         }
     }
@@ -138,6 +140,16 @@ impl Stamp {
         self.0 != 0
     }
 
+    /// This stamp plus `nanos`; none stays none, and an overflow is none
+    /// ("too far to represent": never).
+    #[inline]
+    pub(crate) fn plus_nanos(self, nanos: u64) -> Self {
+        match self.0.checked_add(nanos) {
+            Some(n) if self.0 != 0 && n < u64::MAX => Self(n),
+            _ => Self::NONE,
+        }
+    }
+
     /// This stamp plus `d`; none stays none, and an overflow is none ("too
     /// far to represent": never).
     #[inline]
@@ -197,9 +209,15 @@ impl<'a> Now<'a> {
     /// lag, as such a lease may end early).
     #[inline]
     pub(crate) fn start_for(&mut self, lease: Duration) -> Stamp {
+        self.start_for_nanos(crate::lease::PackedDuration::pack(Some(lease)).nanos().unwrap_or(0))
+    }
+
+    /// [`start_for`](Self::start_for) a duration in nanoseconds.
+    #[inline]
+    pub(crate) fn start_for_nanos(&mut self, nanos: u64) -> Stamp {
         match self.at {
             Some(at) => Stamp::new(Some(at)),
-            None => self.clock.grant_stamp(lease),
+            None => self.clock.grant_stamp(nanos),
         }
     }
 
@@ -640,7 +658,8 @@ mod tests {
             for lease in leases {
                 let coarse_before = coarse::stamp().get().unwrap();
                 let before = Instant::now();
-                let start = clock.grant_stamp(lease).get().unwrap();
+                let nanos = u64::try_from(lease.as_nanos()).unwrap();
+                let start = clock.grant_stamp(nanos).get().unwrap();
                 let after = Instant::now();
                 assert!(
                     start <= after,

@@ -144,4 +144,11 @@ impl PackedDuration {
     }
 
     const HUGE: u64 = u64::MAX - 1;
+
+    /// The duration in nanoseconds (`u64::MAX - 1`: too long to represent),
+    /// or `None`.
+    #[inline(always)]
+    pub(crate) fn nanos(self) -> Option<u64> {
+        (self.0 != u64::MAX).then_some(self.0)
+    }
 }

@@ -260,7 +260,7 @@ impl Keys<'_> {
     fn take_free<K>(
         &mut self,
         entry: &mut Entry<K>,
-        lease: Option<Duration>,
+        lease: PackedDuration,
         contended: bool,
         ctx: &mut Ctx<'_, '_, K>,
     ) -> Grant<K> {
@@ -345,11 +345,11 @@ fn nudge_head<K>(entry: &Entry<K>, ctx: &mut Ctx<'_, '_, K>) {
 /// conversion to a stamp; the deadline is the start plus the lease, in
 /// nanoseconds.
 #[inline]
-fn lease_from(lease: Option<Duration>, now: &mut Now<'_>) -> (Stamp, Stamp) {
-    match lease {
-        Some(lease) => {
-            let since = now.start_for(lease);
-            (since.plus(lease), since)
+fn lease_from(lease: PackedDuration, now: &mut Now<'_>) -> (Stamp, Stamp) {
+    match lease.nanos() {
+        Some(nanos) => {
+            let since = now.start_for_nanos(nanos);
+            (since.plus_nanos(nanos), since)
         }
         None => (Stamp::NONE, Stamp::NONE),
     }
@@ -461,7 +461,7 @@ impl<K> ShardState<K> {
         &mut self,
         hash: u64,
         key: &mut Option<K>,
-        lease: Option<Duration>,
+        lease: PackedDuration,
         ctx: &mut Ctx<'_, '_, K>,
     ) -> Result<Grant<K>, (&mut Entry<K>, Keys<'_>)>
     where
@@ -520,7 +520,7 @@ impl<K> ShardState<K> {
         &mut self,
         hash: u64,
         key: &mut Option<K>,
-        lease: Option<Duration>,
+        lease: PackedDuration,
         fairness: Fairness,
         ctx: &mut Ctx<'_, '_, K>,
     ) -> Option<Grant<K>>
@@ -551,7 +551,7 @@ impl<K> ShardState<K> {
         &mut self,
         hash: u64,
         key: &mut Option<K>,
-        lease: Option<Duration>,
+        lease: PackedDuration,
         timeout: Option<Duration>,
         fairness: Fairness,
         waiter: &mut LazyWaiter,
@@ -581,7 +581,7 @@ impl<K> ShardState<K> {
         ctx.cover(until);
         // SAFETY: the caller's contract; under the shard lock.
         unsafe {
-            waiter.prepare(PackedDuration::pack(lease), until);
+            waiter.prepare(lease, until);
             entry.queue.push_back(waiter);
         }
         // SAFETY: just linked, under the lock.

@@ -23,7 +23,7 @@ use crate::error::{LockError, TryLockError};
 use crate::fairness::Fairness;
 use crate::guard::{Guard, Held, OwnedGuard};
 use crate::key_slot::KeyPtr;
-use crate::lease::{LeasePolicy, LockOptions, DEFAULT_MAX_LEASE, MIN_LEASE};
+use crate::lease::{PackedDuration, LeasePolicy, LockOptions, DEFAULT_MAX_LEASE, MIN_LEASE};
 use crate::queue::{Grant, ShardState};
 use crate::shard_lock::ShardMutex;
 use crate::stats::{Counters, Stats};
@@ -509,7 +509,7 @@ where
     #[inline]
     pub fn try_lock(&self, key: K) -> Result<Guard<'_, K, S>, TryLockError> {
         let hash = self.hash(&key);
-        let (grant, spare) = self.try_acquire(hash, key, self.leases.default);
+        let (grant, spare) = self.try_acquire(hash, key, self.leases.default_packed);
         let guard = grant.map(|grant| Guard::new(self, Held::new(hash, grant)));
         // After the guard exists: if the spare key's drop panics, unwinding
         // drops the guard, which releases.
@@ -535,7 +535,7 @@ where
     pub fn try_lock_with(&self, key: K, opts: LockOptions) -> Result<Guard<'_, K, S>, LockError> {
         let lease = self.leases.resolve(opts.lease_duration())?;
         let hash = self.hash(&key);
-        let (grant, spare) = self.try_acquire(hash, key, lease);
+        let (grant, spare) = self.try_acquire(hash, key, PackedDuration::pack(lease));
         let guard = grant.map(|grant| Guard::new(self, Held::new(hash, grant)));
         drop(spare);
         guard.ok_or(LockError::WouldBlock)
@@ -556,7 +556,7 @@ where
     #[inline]
     pub fn try_lock_owned(self: Arc<Self>, key: K) -> Result<OwnedGuard<K, S>, TryLockError> {
         let hash = self.hash(&key);
-        let (grant, spare) = self.try_acquire(hash, key, self.leases.default);
+        let (grant, spare) = self.try_acquire(hash, key, self.leases.default_packed);
         let guard = grant.map(|grant| OwnedGuard::new(self, Held::new(hash, grant)));
         drop(spare);
         guard.ok_or(TryLockError::WouldBlock)
@@ -582,7 +582,7 @@ where
     ) -> Result<OwnedGuard<K, S>, LockError> {
         let lease = self.leases.resolve(opts.lease_duration())?;
         let hash = self.hash(&key);
-        let (grant, spare) = self.try_acquire(hash, key, lease);
+        let (grant, spare) = self.try_acquire(hash, key, PackedDuration::pack(lease));
         let guard = grant.map(|grant| OwnedGuard::new(self, Held::new(hash, grant)));
         drop(spare);
         guard.ok_or(LockError::WouldBlock)
@@ -595,7 +595,7 @@ where
         &self,
         hash: u64,
         key: K,
-        lease: Option<Duration>,
+        lease: PackedDuration,
     ) -> (Option<Grant<K>>, Option<K>) {
         // Outside the shard lock: if `K: Eq` panics during the probe, the
         // lock is released before the key is dropped.
@@ -651,7 +651,7 @@ where
         if self.fairness != Fairness::Eventual {
             return None;
         }
-        let lease = self.leases.default;
+        let lease = self.leases.default_packed;
         let backoff = crossbeam_utils::Backoff::new();
         while !backoff.is_completed() {
             let fairness = self.fairness;

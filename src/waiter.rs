@@ -54,7 +54,6 @@ use std::marker::PhantomPinned;
 use std::ptr::NonNull;
 use std::sync::atomic::Ordering::{AcqRel, Acquire, Relaxed, Release};
 use std::task::Waker;
-use std::time::Duration;
 
 use crate::clock::Stamp;
 use crate::lease::PackedDuration;
@@ -449,11 +448,11 @@ impl Waiter {
     /// # Safety
     ///
     /// Under the shard lock, while linked.
-    pub(crate) unsafe fn lease(this: WaiterPtr) -> Option<Duration> {
+    pub(crate) unsafe fn lease(this: WaiterPtr) -> PackedDuration {
         // SAFETY: linked, under the lock (caller's contract).
         let node = unsafe { this.as_ref() }.node.get_mut();
         // SAFETY: as above: the node cell is the table's.
-        unsafe { node.deref() }.lease.get()
+        unsafe { node.deref() }.lease
     }
 }
 
@@ -591,7 +590,7 @@ impl WaitList {
     /// # Safety
     ///
     /// Under the shard lock.
-    pub(crate) unsafe fn pop_front(&mut self) -> Option<(WaiterPtr, Option<Duration>)> {
+    pub(crate) unsafe fn pop_front(&mut self) -> Option<(WaiterPtr, PackedDuration)> {
         let head = self.head?;
         // SAFETY: the head is linked, under the lock.
         let lease = unsafe { Waiter::lease(head) };
