@@ -31,7 +31,7 @@ use std::task::{Context, Poll, RawWaker, RawWakerVTable, Waker};
 use std::time::{Duration, Instant};
 
 use arbitrary::Arbitrary;
-use keylock::futures::{Lock, LockOwned, LockOwnedWith, LockWith};
+use keylock::futures::{Lock, LockOwned, LockOwnedWith, LockWith, Lost};
 use keylock::{
     Fairness, FencingToken, Guard, LockError, LockOptions, LockTable, ManualClock, OwnedGuard,
     Stats,
@@ -755,6 +755,21 @@ struct MGuard {
     key: usize,
     token: u64,
     expires: Option<u64>,
+    /// Its `lost()` future, if the harness keeps one.
+    watch: Option<MWatch>,
+}
+
+/// A guard's `Lost` future (polled with a plain waker).
+#[derive(Debug, Clone, Default)]
+struct MWatch {
+    /// Registered with the table, and its slot holds a waker.
+    armed: bool,
+    /// Its timer: deadline, and whether a waker is registered with the clock.
+    sleep: Option<(u64, bool)>,
+    /// Wakes the model expects it to have received.
+    wakes: u64,
+    /// Wakes it had received when it was last polled.
+    wakes_at_poll: u64,
 }
 
 #[derive(Debug, Default, Clone, PartialEq, Eq)]
@@ -909,6 +924,7 @@ impl Model {
                 key: k,
                 token,
                 expires: deadline,
+                watch: None,
             },
         );
         gid
@@ -1036,7 +1052,64 @@ impl Model {
         if !self.keys[k].queue.is_empty() {
             self.hand_off(k);
         }
+        // queue.rs `displace`: the grant's `Lost` futures.
+        if let By::Guard(g) = h.by {
+            self.wake_watch(g);
+        }
         Some(h)
+    }
+
+    /// Wakes guard `g`'s `Lost` future if its waker is with the table.
+    fn wake_watch(&mut self, g: Gid) {
+        if let Some(w) = self.guards.get_mut(&g).and_then(|g| g.watch.as_mut()) {
+            if std::mem::take(&mut w.armed) {
+                w.wakes += 1;
+            }
+        }
+    }
+
+    /// A new `Lost` of guard `g` (not polled yet).
+    fn watch_start(&mut self, g: Gid) {
+        self.guards.get_mut(&g).unwrap().watch = Some(MWatch::default());
+    }
+
+    /// lost.rs `Lost::poll`: `true` if it resolves (the grant lost its key).
+    fn watch_poll(&mut self, g: Gid, wakes_now: u64) -> bool {
+        let (k, token) = (self.guards[&g].key, self.guards[&g].token);
+        let w = self.guards.get_mut(&g).unwrap().watch.as_mut().unwrap();
+        w.wakes_at_poll = wakes_now;
+        // queue.rs `watch_loss`: a lapse of its own grant it is about to
+        // settle unregisters it first (no wake of its own).
+        if self.keys[k]
+            .holder
+            .is_some_and(|h| h.token == token && !self.live(&h))
+        {
+            self.guards
+                .get_mut(&g)
+                .unwrap()
+                .watch
+                .as_mut()
+                .unwrap()
+                .armed = false;
+        }
+        self.settle(k);
+        let now = self.now;
+        let live = self.keys[k].holder.filter(|h| h.token == token);
+        let w = self.guards.get_mut(&g).unwrap().watch.as_mut().unwrap();
+        match live {
+            Some(h) => {
+                w.armed = true;
+                w.sleep = h.deadline.map(|d| {
+                    assert!(d > now, "model: a live grant's deadline is ahead");
+                    (d, true)
+                });
+                false
+            }
+            None => {
+                self.guards.get_mut(&g).unwrap().watch = None;
+                true
+            }
+        }
     }
 
     /// Notices a lapse (only the operations that "touch" the key call this).
@@ -1418,10 +1491,15 @@ impl Model {
         let now = self.now;
         match self.keys[k].holder.as_mut() {
             Some(h) if h.token == token => {
-                h.deadline = Some(now + lease);
+                let before = h.deadline.replace(now + lease);
                 h.since.get_or_insert(now);
                 self.guards.get_mut(&g).unwrap().expires = Some(now + lease);
                 self.nudge_head_for_timer(k);
+                // queue.rs `renew`: an earlier (or first) deadline wakes the
+                // grant's `Lost` futures to re-arm.
+                if before.is_none_or(|b| now + lease < b) {
+                    self.wake_watch(g);
+                }
                 Ok(())
             }
             _ => Err(MErr::Expired(token)),
@@ -1487,6 +1565,19 @@ impl Model {
         for f in due {
             self.wake(f);
         }
+        for g in self.guards.values_mut() {
+            if let Some(MWatch {
+                sleep: Some((at, armed @ true)),
+                wakes,
+                ..
+            }) = &mut g.watch
+            {
+                if *at <= now {
+                    *armed = false;
+                    *wakes += 1;
+                }
+            }
+        }
     }
 
     fn len(&self) -> usize {
@@ -1494,10 +1585,33 @@ impl Model {
     }
 
     fn armed_timers(&self, tainted: bool) -> usize {
+        let watches = self
+            .guards
+            .values()
+            .filter(|g| {
+                matches!(
+                    g.watch,
+                    Some(MWatch {
+                        sleep: Some((_, true)),
+                        ..
+                    })
+                )
+            })
+            .count();
         self.futs
             .values()
             .filter(|f| f.tainted == tainted && matches!(f.sleep, Some((_, true))))
             .count()
+            + if tainted { 0 } else { watches }
+    }
+
+    /// Whether guard `g`'s grant has lost its authority by now (so its
+    /// `Lost` must have been woken since it was last polled).
+    fn grant_lost(&self, g: Gid) -> bool {
+        let guard = &self.guards[&g];
+        self.keys[guard.key]
+            .holder
+            .is_none_or(|h| h.token != guard.token || !self.live(&h))
     }
 
     /// Whether polling `f` now would change anything (so it must have been
@@ -1707,7 +1821,42 @@ impl<'a> HFut<'a> {
 
 struct HGuard<'a> {
     id: Gid,
-    guard: AnyGuard<'a>,
+    /// Its `lost()` future, which borrows `guard`: declared first, so that
+    /// it drops first; every path that drops the guard drops it before.
+    lost: Option<HLost<'a>>,
+    /// Boxed, so that it stays put while `lost` borrows it.
+    guard: Box<AnyGuard<'a>>,
+}
+
+/// A guard's `Lost` future and its (plain) waker.
+struct HLost<'a> {
+    lost: Lost<'a, Key, KeyHash>,
+    waker: Waker,
+    slot: usize,
+}
+
+impl HLost<'_> {
+    fn wakes(&self) -> u64 {
+        WAKERS[self.slot].wakes.load(SeqCst)
+    }
+
+    /// Handles of its waker kept by the table or the clock.
+    fn foreign_handles(&self) -> usize {
+        WAKERS[self.slot].handles.load(SeqCst) - 1
+    }
+
+    /// Drops it; the table and the clock must keep no handle of its waker.
+    fn retire(self, gid: Gid) {
+        let HLost { lost, waker, slot } = self;
+        drop(lost);
+        defused(|| drop(waker));
+        assert_eq!(
+            WAKERS[slot].handles.load(SeqCst),
+            0,
+            "the Lost of guard {gid}: the table or the clock kept a handle of its waker"
+        );
+        free_waker(slot);
+    }
 }
 
 struct Harness<'a> {
@@ -1850,7 +1999,8 @@ impl<'a> Harness<'a> {
         self.seen_token(guard.token());
         self.guards.push(HGuard {
             id: want.gid,
-            guard,
+            lost: None,
+            guard: Box::new(guard),
         });
     }
 
@@ -1988,6 +2138,12 @@ impl<'a> Harness<'a> {
             }
             Op::Advance { by } => self.advance(u64::from(by % 16) * UNIT),
             Op::AdvanceMicros { by } => self.advance(u64::from(by % 8) * 100_000),
+            Op::AdvanceNanos { by } if by & 0x80 != 0 => {
+                if !self.guards.is_empty() {
+                    let i = usize::from((by >> 3) & 7) % self.guards.len();
+                    self.watch(i, by & 0x40 != 0);
+                }
+            }
             Op::AdvanceNanos { by } => self.advance(u64::from(by % 8)),
         }
     }
@@ -2138,6 +2294,60 @@ impl<'a> Harness<'a> {
         self.check_reentry("renew");
     }
 
+    /// Guard `i`'s `Lost` future: made and polled if it has none, else
+    /// polled, or dropped if `drop_it`.
+    fn watch(&mut self, i: usize, drop_it: bool) {
+        let gid = self.guards[i].id;
+        if drop_it {
+            if let Some(lost) = self.guards[i].lost.take() {
+                self.model.guards.get_mut(&gid).unwrap().watch = None;
+                lost.retire(gid);
+            }
+            return;
+        }
+        if self.guards[i].lost.is_none() {
+            // SAFETY: the guard is boxed and stays put; `HGuard::lost` is
+            // dropped before the guard on every path (`drop_guard`, this
+            // function, and field order when the harness is dropped).
+            let guard: &'a AnyGuard<'a> =
+                unsafe { &*(&*self.guards[i].guard as *const AnyGuard<'a>) };
+            let lost = on_guard!(guard, |g| g.lost());
+            let (slot, waker) = new_waker(WKind::Plain);
+            self.guards[i].lost = Some(HLost { lost, waker, slot });
+            self.model.watch_start(gid);
+        }
+        let h = self.guards[i].lost.as_mut().unwrap();
+        let wakes = h.wakes();
+        let want = self.model.watch_poll(gid, wakes);
+        let expect = self.flush(false);
+        let got = catch(|| {
+            let h = self.guards[i].lost.as_mut().unwrap();
+            Pin::new(&mut h.lost).poll(&mut Context::from_waker(&h.waker))
+        });
+        self.expect_panic("Lost poll", got.as_ref().map(drop).map_err(|p| *p), expect);
+        self.check_reentry("Lost poll");
+        let h = self.guards[i].lost.take().unwrap();
+        let token = self.guards[i].guard.token();
+        match got {
+            // A waiter's wake in the poll's deferred work panicked (the
+            // poll's own change is complete): where the Lost stands is not
+            // pinned down; drop it.
+            Err(_) => {
+                self.model.guards.get_mut(&gid).unwrap().watch = None;
+                h.retire(gid);
+            }
+            Ok(Poll::Ready(err)) => {
+                assert!(want, "Lost of guard {gid} resolved; the model says live");
+                assert_eq!(err, LockError::Expired { token }, "Lost of guard {gid}");
+                h.retire(gid);
+            }
+            Ok(Poll::Pending) => {
+                assert!(!want, "Lost of guard {gid} pending; the model says lost");
+                self.guards[i].lost = Some(h);
+            }
+        }
+    }
+
     /// `revoke_grant(k, t)`, `t` the `pick`-th (modulo) of the guards'
     /// tokens followed by the tokens seen before (released, fenced, of
     /// other keys, named by a timeout): only a live holder's own token
@@ -2181,12 +2391,18 @@ impl<'a> Harness<'a> {
         self.check_reentry("advance");
     }
 
-    fn drop_guard(&mut self, g: HGuard<'a>, release: bool) {
+    fn drop_guard(&mut self, mut g: HGuard<'a>, release: bool) {
+        // Its `Lost` borrows it: dropped first (that runs nothing of the
+        // caller's: a plain waker).
+        if let Some(lost) = g.lost.take() {
+            self.model.guards.get_mut(&g.id).unwrap().watch = None;
+            lost.retire(g.id);
+        }
         self.model.release(g.id);
         let expect = self.flush(false);
         let got = catch(|| {
             if release {
-                g.guard.release();
+                (*g.guard).release();
             } else {
                 drop(g.guard);
             }
@@ -2426,6 +2642,32 @@ impl<'a> Harness<'a> {
         for g in &self.guards {
             let want = self.model.expires_at(g.id).map(|d| self.at(d));
             assert_eq!(g.guard.expires_at(), want, "expires_at of guard {}", g.id);
+            let m = self.model.guards[&g.id].watch.as_ref();
+            assert_eq!(g.lost.is_some(), m.is_some(), "guard {}: a Lost", g.id);
+            if let (Some(h), Some(m)) = (&g.lost, m) {
+                if self.model.grant_lost(g.id) {
+                    assert!(
+                        h.wakes() > m.wakes_at_poll,
+                        "lost wakeup: the Lost of guard {} was not woken ({m:?})",
+                        g.id
+                    );
+                }
+                let want = usize::from(m.armed) + usize::from(matches!(m.sleep, Some((_, true))));
+                assert_eq!(
+                    h.foreign_handles(),
+                    want,
+                    "the Lost of guard {}: handles of its waker held by the table and the clock ({m:?})",
+                    g.id
+                );
+                if !self.loose_wakes {
+                    assert_eq!(
+                        h.wakes(),
+                        m.wakes,
+                        "wakes of the Lost of guard {} ({m:?})",
+                        g.id
+                    );
+                }
+            }
         }
         for f in self.futs.iter().chain(&self.abandoned) {
             let m = &self.model.futs[&f.id];
