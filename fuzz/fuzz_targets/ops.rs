@@ -734,6 +734,9 @@ struct MFut {
     slot: bool,
     /// Its timer: deadline, and whether a waker is registered with the clock.
     sleep: Option<(u64, bool)>,
+    /// The holder deadline its timer covers, as last told under the lock
+    /// (waiter.rs `timer_at`): every waiter arms for the holder it saw.
+    timer_at: Option<u64>,
     /// Wakes the model expects it to have received.
     wakes: u64,
     /// Wakes it had received when it was last polled.
@@ -992,10 +995,16 @@ impl Model {
         }
     }
 
-    /// queue.rs `nudge_head_for_timer`.
+    /// queue.rs `nudge_head_for_timer`: the head is nudged only if the
+    /// timer it armed would fire after the holder's deadline.
     fn nudge_head_for_timer(&mut self, k: usize) {
-        if self.keys[k].holder.is_some_and(|h| h.deadline.is_some()) {
-            self.nudge_head(k);
+        let Some(deadline) = self.keys[k].holder.and_then(|h| h.deadline) else {
+            return;
+        };
+        if let Some(&h) = self.keys[k].queue.front() {
+            if self.futs[&h].timer_at.is_none_or(|at| at > deadline) {
+                self.nudge_head(k);
+            }
         }
     }
 
@@ -1214,6 +1223,7 @@ impl Model {
                 kind,
                 slot: false,
                 sleep: None,
+                timer_at: None,
                 wakes: 0,
                 wakes_at_poll: 0,
                 tainted: false,
@@ -1342,11 +1352,8 @@ impl Model {
                     _ => MPat::Forever,
                 };
                 fut.slot = true;
-                let wake_at = if self.keys[k].queue.front() == Some(&f) {
-                    self.keys[k].holder.and_then(|h| h.deadline)
-                } else {
-                    None
-                };
+                let wake_at = self.keys[k].holder.and_then(|h| h.deadline);
+                self.fut(f).timer_at = wake_at;
                 self.arm_timer(f, wake_at);
                 MPoll::Pending
             }
@@ -1371,11 +1378,8 @@ impl Model {
                     }
                 }
                 self.fut(f).slot = true;
-                let wake_at = if head {
-                    self.keys[k].holder.and_then(|h| h.deadline)
-                } else {
-                    None
-                };
+                let wake_at = self.keys[k].holder.and_then(|h| h.deadline);
+                self.fut(f).timer_at = wake_at;
                 self.arm_timer(f, wake_at);
                 MPoll::Pending
             }

@@ -50,7 +50,9 @@ struct Input {
     /// A real (monotonic) clock instead of a shared `ManualClock`.
     real_clock: bool,
     /// Bit 0: allow leases, renewals and revocation (else mutual exclusion
-    /// is exact). Bit 1: `Fairness::Eventual`.
+    /// is exact). Bit 1: `Fairness::Eventual`. Bit 2: a manual clock with
+    /// shard timers (`ManualClock::with_shard_timers`), as the real clock
+    /// has, instead of per-waiter timers.
     flags: u8,
     /// 1 or 4 shards.
     one_shard: bool,
@@ -513,7 +515,14 @@ fn work(table: &LockTable<u8>, shared: &Shared, barrier: &Barrier, ops: &[TOp]) 
 }
 
 fn run(input: Input) {
-    let clock = (!input.real_clock).then(ManualClock::new);
+    let shard_timers = input.flags & 4 != 0;
+    let clock = (!input.real_clock).then(|| {
+        if shard_timers {
+            ManualClock::with_shard_timers()
+        } else {
+            ManualClock::new()
+        }
+    });
     let leases = input.flags & 1 != 0;
     let eventual = input.flags & 2 != 0;
     let mut builder = LockTable::builder()
@@ -548,6 +557,10 @@ fn run(input: Input) {
     assert!(table.is_empty());
     if let Some(c) = &clock {
         assert_eq!(c.sleepers(), 0, "timers left armed");
+        // A shard timer may stay armed for a deadline that no longer
+        // exists; once that passes, it fires, finds nothing and disarms.
+        c.advance(Duration::from_secs(3600 * 24 * 365));
+        assert_eq!(c.armed_shards(), 0, "shard timers left armed");
     }
     let st = table.stats();
     let t = ta.plus(tb);
