@@ -209,7 +209,11 @@ impl<'a> Now<'a> {
     /// lag, as such a lease may end early).
     #[inline]
     pub(crate) fn start_for(&mut self, lease: Duration) -> Stamp {
-        self.start_for_nanos(crate::lease::PackedDuration::pack(Some(lease)).nanos().unwrap_or(0))
+        self.start_for_nanos(
+            crate::lease::PackedDuration::pack(Some(lease))
+                .nanos()
+                .unwrap_or(0),
+        )
     }
 
     /// [`start_for`](Self::start_for) a duration in nanoseconds.
@@ -578,6 +582,8 @@ mod tests {
     use super::{coarse, Clock, COARSE_LEASE};
 
     #[test]
+    // Real time in loops of thousands, and `clock_getres`: not for miri.
+    #[cfg_attr(miri, ignore)]
     fn coarse_time_is_never_later_than_the_precise_clock() {
         for _ in 0..10_000 {
             let coarse = coarse::stamp().get().unwrap();
@@ -587,6 +593,8 @@ mod tests {
     }
 
     #[test]
+    // Real time in loops of thousands, and `clock_getres`: not for miri.
+    #[cfg_attr(miri, ignore)]
     fn is_before_answers_as_the_precise_clock_would() {
         let clock = Clock::Monotonic;
         for ahead in [
@@ -638,6 +646,8 @@ mod tests {
     /// precise clock, a long one at the coarse clock's reading then, which is
     /// the precise clock as of the last tick.
     #[test]
+    // Real time in loops of thousands, and `clock_getres`: not for miri.
+    #[cfg_attr(miri, ignore)]
     fn a_lease_never_ends_after_now_plus_lease_nor_starts_before_its_clock() {
         let clock = Clock::Monotonic;
         let tick = tick();

@@ -23,7 +23,7 @@ use crate::error::{LockError, TryLockError};
 use crate::fairness::Fairness;
 use crate::guard::{Guard, Held, OwnedGuard};
 use crate::key_slot::KeyPtr;
-use crate::lease::{PackedDuration, LeasePolicy, LockOptions, DEFAULT_MAX_LEASE, MIN_LEASE};
+use crate::lease::{LeasePolicy, LockOptions, PackedDuration, DEFAULT_MAX_LEASE, MIN_LEASE};
 use crate::queue::{Grant, ShardState};
 use crate::shard_lock::ShardMutex;
 use crate::stats::{Counters, Stats};

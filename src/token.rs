@@ -37,6 +37,26 @@ use std::fmt;
 pub struct FencingToken(std::num::NonZeroU64);
 
 impl FencingToken {
+    /// A token read back as a number (from a store, a log, an operator's
+    /// command), e.g. to name the grant to
+    /// [`revoke_grant`](crate::LockTable::revoke_grant); `None` for zero,
+    /// which is never a token.
+    ///
+    /// ```
+    /// let table = keylock::LockTable::new();
+    /// let guard = table.try_lock("k").unwrap();
+    /// let stored: u64 = guard.token().get();
+    /// let named = keylock::FencingToken::new(stored).unwrap();
+    /// assert!(table.revoke_grant("k", named));
+    /// assert!(guard.is_expired());
+    /// assert_eq!(keylock::FencingToken::new(0), None);
+    /// ```
+    #[inline]
+    #[must_use]
+    pub fn new(raw: u64) -> Option<Self> {
+        std::num::NonZeroU64::new(raw).map(Self)
+    }
+
     /// The token as a number, to store beside the data it fences.
     #[inline]
     #[must_use]
