@@ -4,52 +4,16 @@
 //! `ManualClock`; futures are polled by hand, and once under tokio.
 #![cfg(feature = "test-util")]
 
-use std::future::Future;
-use std::pin::Pin;
-use std::sync::atomic::{AtomicUsize, Ordering::SeqCst};
 use std::sync::Arc;
-use std::task::{Context, Poll, Wake, Waker};
+use std::task::Poll;
 use std::time::Duration;
 
 use keylock::{LockError, LockOptions, LockTable, ManualClock};
 
+mod common;
+use common::{table, W};
+
 const SEC: Duration = Duration::from_secs(1);
-
-struct Counter(AtomicUsize);
-impl Wake for Counter {
-    fn wake(self: Arc<Self>) {
-        self.0.fetch_add(1, SeqCst);
-    }
-}
-
-struct W {
-    counter: Arc<Counter>,
-    waker: Waker,
-}
-
-impl W {
-    fn new() -> Self {
-        let counter = Arc::new(Counter(AtomicUsize::new(0)));
-        Self {
-            waker: Waker::from(counter.clone()),
-            counter,
-        }
-    }
-
-    fn wakes(&self) -> usize {
-        self.counter.0.load(SeqCst)
-    }
-
-    fn poll<F: Future + Unpin>(&self, f: &mut F) -> Poll<F::Output> {
-        Pin::new(f).poll(&mut Context::from_waker(&self.waker))
-    }
-}
-
-fn table() -> (ManualClock, LockTable<&'static str>) {
-    let clock = ManualClock::new();
-    let table = LockTable::builder().clock(clock.clone()).build();
-    (clock, table)
-}
 
 #[test]
 fn keep_alive_keeps_a_lease_alive_across_many_intervals() {

@@ -2,46 +2,15 @@
 //! clock and by polling futures by hand.
 #![cfg(feature = "test-util")]
 
-use std::future::Future;
-use std::pin::Pin;
-use std::sync::atomic::{AtomicUsize, Ordering::SeqCst};
-use std::sync::Arc;
-use std::task::{Context, Poll, Wake, Waker};
+use std::task::Poll;
 use std::time::Duration;
 
 use keylock::{LockError, LockOptions, LockTable, ManualClock};
 
+mod common;
+use common::{counting, lease, poll, table, wakes};
+
 const SEC: Duration = Duration::from_secs(1);
-
-struct Counter(AtomicUsize);
-impl Wake for Counter {
-    fn wake(self: Arc<Self>) {
-        self.0.fetch_add(1, SeqCst);
-    }
-}
-
-fn counting() -> (Arc<Counter>, Waker) {
-    let c = Arc::new(Counter(AtomicUsize::new(0)));
-    (c.clone(), Waker::from(c))
-}
-
-fn wakes(c: &Counter) -> usize {
-    c.0.load(SeqCst)
-}
-
-fn poll<F: Future + Unpin>(f: &mut F, waker: &Waker) -> Poll<F::Output> {
-    Pin::new(f).poll(&mut Context::from_waker(waker))
-}
-
-fn table() -> (ManualClock, LockTable<&'static str>) {
-    let clock = ManualClock::new();
-    let table = LockTable::builder().clock(clock.clone()).build();
-    (clock, table)
-}
-
-fn lease(d: Duration) -> LockOptions {
-    LockOptions::new().lease(d)
-}
 
 #[test]
 fn lease_lapses_when_judged_now_without_any_timer() {

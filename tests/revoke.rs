@@ -4,42 +4,17 @@
 //! async-std and plain threads.
 #![cfg(feature = "test-util")]
 
-use std::future::Future;
-use std::pin::Pin;
-use std::sync::atomic::{AtomicUsize, Ordering::SeqCst};
+use std::sync::atomic::Ordering::SeqCst;
 use std::sync::{mpsc, Arc, Mutex};
-use std::task::{Context, Poll, Wake, Waker};
+use std::task::Poll;
 use std::time::{Duration, Instant};
 
-use keylock::{FencingToken, LockError, LockOptions, LockTable, ManualClock};
+use keylock::{FencingToken, LockError, LockOptions, LockTable};
+
+mod common;
+use common::{counting, lease, poll, table, wakes};
 
 const SEC: Duration = Duration::from_secs(1);
-
-struct Counter(AtomicUsize);
-impl Wake for Counter {
-    fn wake(self: Arc<Self>) {
-        self.0.fetch_add(1, SeqCst);
-    }
-}
-
-fn counting() -> (Arc<Counter>, Waker) {
-    let c = Arc::new(Counter(AtomicUsize::new(0)));
-    (c.clone(), Waker::from(c))
-}
-
-fn poll<F: Future + Unpin>(f: &mut F, waker: &Waker) -> Poll<F::Output> {
-    Pin::new(f).poll(&mut Context::from_waker(waker))
-}
-
-fn table() -> (ManualClock, LockTable<&'static str>) {
-    let clock = ManualClock::new();
-    let table = LockTable::builder().clock(clock.clone()).build();
-    (clock, table)
-}
-
-fn lease(d: Duration) -> LockOptions {
-    LockOptions::new().lease(d)
-}
 
 #[test]
 fn revoke_grant_revokes_the_named_live_grant_and_passes_the_key_on() {
@@ -50,11 +25,7 @@ fn revoke_grant_revokes_the_named_live_grant_and_passes_the_key_on() {
     assert!(poll(&mut waiter, &w).is_pending());
     clock.advance(SEC);
     assert!(table.revoke_grant("k", holder.token()));
-    assert_eq!(
-        c.0.load(SeqCst),
-        1,
-        "the waiter was handed the key and woken"
-    );
+    assert_eq!(wakes(&c), 1, "the waiter was handed the key and woken");
     // The revoked guard tells the truth at once.
     assert!(holder.is_expired());
     assert_eq!(
@@ -136,7 +107,7 @@ fn revoke_grant_acts_on_the_token_a_timeout_names_even_an_unobserved_grant() {
     let mut stuck = Box::pin(table.lock_with("k", lease(5 * SEC)));
     assert!(poll(&mut stuck, &w).is_pending());
     drop(holder); // granted to `stuck`, whose task never runs
-    assert_eq!(c.0.load(SeqCst), 1);
+    assert_eq!(wakes(&c), 1);
     let mut probe = Box::pin(table.lock_with("k", LockOptions::new().timeout(SEC)));
     let (_, pw) = counting();
     assert!(poll(&mut probe, &pw).is_pending());

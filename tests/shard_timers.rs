@@ -3,45 +3,21 @@
 //! and the leases of holders with waiters), as tables on the real clock do.
 #![cfg(feature = "test-util")]
 
-use std::future::Future;
-use std::pin::Pin;
-use std::sync::atomic::{AtomicUsize, Ordering::SeqCst};
 use std::sync::Arc;
-use std::task::{Context, Poll, Wake, Waker};
+use std::task::{Poll, Wake, Waker};
 use std::time::Duration;
 
 use keylock::{LockError, LockOptions, LockTable, ManualClock};
 
+mod common;
+use common::{counting, poll, timeout, wakes};
+
 const SEC: Duration = Duration::from_secs(1);
-
-struct Counter(AtomicUsize);
-impl Wake for Counter {
-    fn wake(self: Arc<Self>) {
-        self.0.fetch_add(1, SeqCst);
-    }
-}
-
-fn counting() -> (Arc<Counter>, Waker) {
-    let c = Arc::new(Counter(AtomicUsize::new(0)));
-    (c.clone(), Waker::from(c))
-}
-
-fn wakes(c: &Counter) -> usize {
-    c.0.load(SeqCst)
-}
-
-fn poll<F: Future + ?Sized>(f: Pin<&mut F>, waker: &Waker) -> Poll<F::Output> {
-    f.poll(&mut Context::from_waker(waker))
-}
 
 fn table() -> (ManualClock, LockTable<u32>) {
     let clock = ManualClock::with_shard_timers();
     let table = LockTable::builder().clock(clock.clone()).shards(1).build();
     (clock, table)
-}
-
-fn timeout(d: Duration) -> LockOptions {
-    LockOptions::new().timeout(d)
 }
 
 #[test]
@@ -55,7 +31,7 @@ fn one_shard_timer_serves_every_waiter_and_each_times_out_at_its_own_deadline() 
         })
         .collect();
     for (_, w, f) in &mut waiters {
-        assert!(poll(f.as_mut(), w).is_pending());
+        assert!(poll(f, w).is_pending());
     }
     assert_eq!(clock.sleepers(), 0, "no waiter arms a timer of its own");
     assert_eq!(clock.armed_shards(), 1, "one timer for the shard");
@@ -67,7 +43,7 @@ fn one_shard_timer_serves_every_waiter_and_each_times_out_at_its_own_deadline() 
             }
             if i == due {
                 assert_eq!(wakes(c), 1, "waiter {i} woken at its deadline");
-                match poll(f.as_mut(), w) {
+                match poll(f, w) {
                     Poll::Ready(Err(LockError::Timeout { waited, ahead, .. })) => {
                         assert_eq!(waited, (i as u32 + 1) * SEC);
                         assert_eq!(ahead, 0, "those ahead already gave up");
@@ -91,12 +67,12 @@ fn a_lapse_is_noticed_by_the_shard_timer_and_the_head_takes_the_key() {
         .unwrap();
     let (c, w) = counting();
     let mut waiter = Box::pin(table.lock(1));
-    assert!(poll(waiter.as_mut(), &w).is_pending());
+    assert!(poll(&mut waiter, &w).is_pending());
     clock.advance(SEC);
     assert_eq!(wakes(&c), 0, "woken before the lease lapsed");
     clock.advance(SEC);
     assert_eq!(wakes(&c), 1, "the shard timer nudged the head at the lapse");
-    let g = match poll(waiter.as_mut(), &w) {
+    let g = match poll(&mut waiter, &w) {
         Poll::Ready(g) => g,
         Poll::Pending => panic!("the lapsed key was not handed over"),
     };
@@ -118,7 +94,7 @@ fn a_renewed_then_stalled_holder_loses_the_key_at_the_renewed_deadline() {
         .unwrap();
     let (c, w) = counting();
     let mut waiter = Box::pin(table.lock(1));
-    assert!(poll(waiter.as_mut(), &w).is_pending());
+    assert!(poll(&mut waiter, &w).is_pending());
     holder.renew(5 * SEC).unwrap();
     clock.advance(2 * SEC);
     assert_eq!(wakes(&c), 0, "the renewed lease is live: nobody to wake");
@@ -126,7 +102,7 @@ fn a_renewed_then_stalled_holder_loses_the_key_at_the_renewed_deadline() {
     assert!(!holder.is_expired());
     clock.advance(3 * SEC);
     assert_eq!(wakes(&c), 1, "woken at the renewed deadline");
-    let g = match poll(waiter.as_mut(), &w) {
+    let g = match poll(&mut waiter, &w) {
         Poll::Ready(g) => g,
         Poll::Pending => panic!("the key was not handed over after the renewed lease"),
     };
@@ -143,11 +119,11 @@ fn a_shortened_lease_moves_the_shard_timer_earlier() {
         .unwrap();
     let (c, w) = counting();
     let mut waiter = Box::pin(table.lock(1));
-    assert!(poll(waiter.as_mut(), &w).is_pending());
+    assert!(poll(&mut waiter, &w).is_pending());
     holder.renew(SEC).unwrap();
     clock.advance(SEC);
     assert_eq!(wakes(&c), 1, "woken at the shortened deadline");
-    assert!(poll(waiter.as_mut(), &w).is_ready());
+    assert!(poll(&mut waiter, &w).is_ready());
     drop(holder);
 }
 
@@ -157,7 +133,7 @@ fn waiters_that_leave_before_their_deadline_leave_no_wake_behind() {
     let holder = table.try_lock(1).unwrap();
     let (c, w) = counting();
     let mut early = Box::pin(table.lock_with(1, timeout(SEC)));
-    assert!(poll(early.as_mut(), &w).is_pending());
+    assert!(poll(&mut early, &w).is_pending());
     drop(early);
     drop(holder);
     clock.advance(2 * SEC);
@@ -178,7 +154,7 @@ fn dropping_the_table_disarms_its_shard_timers() {
         let _holder = table.try_lock(1).unwrap();
         let w = futures::task::noop_waker();
         let mut waiter = Box::pin(table.lock_with(1, timeout(SEC)));
-        assert!(poll(waiter.as_mut(), &w).is_pending());
+        assert!(poll(&mut waiter, &w).is_pending());
         assert_eq!(clock.armed_shards(), 1);
     }
     assert_eq!(
@@ -205,17 +181,17 @@ fn a_panicking_waker_does_not_stop_the_other_due_waiters_from_waking() {
     let (c, w) = counting();
     let mut a = Box::pin(table.lock_with(1, timeout(SEC)));
     let mut b = Box::pin(table.lock_with(1, timeout(SEC)));
-    assert!(poll(a.as_mut(), &bomb).is_pending());
-    assert!(poll(b.as_mut(), &w).is_pending());
+    assert!(poll(&mut a, &bomb).is_pending());
+    assert!(poll(&mut b, &w).is_pending());
     let advanced = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| clock.advance(SEC)));
     assert!(advanced.is_err(), "the waker's panic reaches the caller");
     assert_eq!(wakes(&c), 1, "the other due waiter was still woken");
     assert!(matches!(
-        poll(b.as_mut(), &w),
+        poll(&mut b, &w),
         Poll::Ready(Err(LockError::Timeout { .. }))
     ));
     assert!(matches!(
-        poll(a.as_mut(), &w),
+        poll(&mut a, &w),
         Poll::Ready(Err(LockError::Timeout { .. }))
     ));
     table.assert_consistent();

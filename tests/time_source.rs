@@ -8,12 +8,14 @@
 
 use std::future::Future;
 use std::pin::Pin;
-use std::sync::atomic::{AtomicUsize, Ordering::SeqCst};
 use std::sync::{Arc, Mutex};
-use std::task::{Context, Poll, Wake, Waker};
+use std::task::{Context, Poll, Waker};
 use std::time::{Duration, Instant};
 
-use keylock::{LockError, LockOptions, LockTable, TimeSource};
+use keylock::{LockError, LockTable, TimeSource};
+
+mod common;
+use common::{counting, lease, poll, timeout, wakes};
 
 const SEC: Duration = Duration::from_secs(1);
 const NANO: Duration = Duration::from_nanos(1);
@@ -170,39 +172,10 @@ impl TimeSource for TestTime {
 // Polling by hand.
 // ---------------------------------------------------------------------------
 
-struct Counter(AtomicUsize);
-
-impl Wake for Counter {
-    fn wake(self: Arc<Self>) {
-        self.0.fetch_add(1, SeqCst);
-    }
-}
-
-fn counting() -> (Arc<Counter>, Waker) {
-    let c = Arc::new(Counter(AtomicUsize::new(0)));
-    (c.clone(), Waker::from(c))
-}
-
-fn wakes(c: &Counter) -> usize {
-    c.0.load(SeqCst)
-}
-
-fn poll<F: Future + Unpin>(f: &mut F, waker: &Waker) -> Poll<F::Output> {
-    Pin::new(f).poll(&mut Context::from_waker(waker))
-}
-
 fn table() -> (TestTime, LockTable<&'static str>) {
     let time = TestTime::new();
     let table = LockTable::builder().time_source(time.clone()).build();
     (time, table)
-}
-
-fn lease(d: Duration) -> LockOptions {
-    LockOptions::new().lease(d)
-}
-
-fn timeout(d: Duration) -> LockOptions {
-    LockOptions::new().timeout(d)
 }
 
 // ---------------------------------------------------------------------------
