@@ -8,19 +8,15 @@ use std::sync::Arc;
 use std::task::Poll;
 use std::time::Duration;
 
-use keylock::{LockError, LockOptions, LockTable, ManualClock};
+use keylock::{LockError, LockTable, ManualClock};
 
 mod common;
-use common::{table, W};
-
-const SEC: Duration = Duration::from_secs(1);
+use common::{lease, table, SEC, W};
 
 #[test]
 fn keep_alive_keeps_a_lease_alive_across_many_intervals() {
     let (clock, table) = table();
-    let g = table
-        .try_lock_with("k", LockOptions::new().lease(2 * SEC))
-        .unwrap();
+    let g = table.try_lock_with("k", lease(2 * SEC)).unwrap();
     let (w, ww) = (W::new(), W::new());
     let mut waiter = Box::pin(table.lock("k"));
     assert!(ww.poll(&mut waiter).is_pending());

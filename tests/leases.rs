@@ -5,12 +5,10 @@
 use std::task::Poll;
 use std::time::Duration;
 
-use keylock::{LockError, LockOptions, LockTable, ManualClock};
+use keylock::{LockError, LockTable, ManualClock};
 
 mod common;
-use common::{counting, lease, poll, table, wakes};
-
-const SEC: Duration = Duration::from_secs(1);
+use common::{counting, lease, poll, ready, table, timeout, wakes, SEC};
 
 #[test]
 fn lease_lapses_when_judged_now_without_any_timer() {
@@ -45,10 +43,7 @@ fn lapse_hands_key_to_head_waiter_woken_by_its_timer() {
     );
     clock.advance(2 * SEC);
     assert_eq!(wakes(&c), 1, "the timer woke the head at the deadline");
-    let g = match poll(&mut waiter, &w) {
-        Poll::Ready(g) => g,
-        Poll::Pending => panic!("lapsed key not handed over"),
-    };
+    let g = ready(&mut waiter, &w, "lapsed key not handed over");
     assert!(g.token() > holder.token());
     assert_eq!(
         holder.check(),
@@ -88,10 +83,7 @@ fn lease_runs_from_handoff_not_from_when_waiter_runs() {
     let granted_at = clock.now();
     drop(holder);
     clock.advance(SEC);
-    let g = match poll(&mut waiter, &w) {
-        Poll::Ready(r) => r.unwrap(),
-        Poll::Pending => panic!("not granted"),
-    };
+    let g = ready(&mut waiter, &w, "not granted").unwrap();
     assert_eq!(g.expires_at(), Some(granted_at + 3 * SEC));
 }
 
@@ -110,17 +102,11 @@ fn grant_that_lapses_unobserved_is_fenced_like_a_guard_and_not_requeued() {
     clock.advance(SEC); // ... which lapses before a runs
                         // b is the head now and armed a timer when a was granted.
     assert!(wakes(&cb) >= 1);
-    let gb = match poll(&mut b, &wb) {
-        Poll::Ready(g) => g,
-        Poll::Pending => panic!("b should get the key after a's grant lapsed"),
-    };
+    let gb = ready(&mut b, &wb, "b should get the key after a's grant lapsed");
     // a is not queued again: a future that never runs costs the key one
     // lease in all. When it runs, it holds a fenced guard.
     assert_eq!(table.waiters("k"), 0);
-    let ga = match poll(&mut a, &wa) {
-        Poll::Ready(r) => r.unwrap(),
-        Poll::Pending => panic!("a resolves to its (lapsed) grant"),
-    };
+    let ga = ready(&mut a, &wa, "a resolves to its (lapsed) grant").unwrap();
     assert!(ga.is_expired());
     assert_eq!(ga.check(), Err(LockError::Expired { token: ga.token() }));
     assert!(ga.token() < gb.token());
@@ -195,10 +181,7 @@ fn revoke_fences_the_holder_and_passes_the_key_on() {
     assert_eq!(table.revoke("k"), Some(g.token()));
     assert_eq!(wakes(&c), 1);
     assert!(g.is_expired());
-    let next = match poll(&mut waiter, &w) {
-        Poll::Ready(g) => g,
-        Poll::Pending => panic!("revoked key not handed on"),
-    };
+    let next = ready(&mut waiter, &w, "revoked key not handed on");
     drop(g);
     assert!(table.is_locked("k"), "a fenced drop frees nothing");
     assert_eq!(table.revoke("nobody"), None);
@@ -229,7 +212,7 @@ fn timeout_removes_the_waiter_and_names_the_holder() {
     let g = table.try_lock_with("k", lease(100 * SEC)).unwrap();
     clock.advance(SEC);
     let (c, w) = counting();
-    let mut waiter = Box::pin(table.lock_with("k", LockOptions::new().timeout(3 * SEC)));
+    let mut waiter = Box::pin(table.lock_with("k", timeout(3 * SEC)));
     assert!(poll(&mut waiter, &w).is_pending());
     assert_eq!(table.waiters("k"), 1);
     clock.advance(3 * SEC);
@@ -262,7 +245,7 @@ fn zero_timeout_does_not_wait() {
     let (_clock, table) = table();
     let g = table.try_lock("k").unwrap();
     let (_, w) = counting();
-    let mut f = Box::pin(table.lock_with("k", LockOptions::new().timeout(Duration::ZERO)));
+    let mut f = Box::pin(table.lock_with("k", timeout(Duration::ZERO)));
     match poll(&mut f, &w) {
         Poll::Ready(Err(LockError::Timeout { holder, waited, .. })) => {
             assert_eq!(holder, Some(g.token()));
@@ -272,7 +255,7 @@ fn zero_timeout_does_not_wait() {
     }
     assert_eq!(table.waiters("k"), 0);
     drop(g);
-    let mut f = Box::pin(table.lock_with("k", LockOptions::new().timeout(Duration::ZERO)));
+    let mut f = Box::pin(table.lock_with("k", timeout(Duration::ZERO)));
     assert!(matches!(poll(&mut f, &w), Poll::Ready(Ok(_))));
 }
 
@@ -281,7 +264,7 @@ fn huge_timeout_waits_for_ever() {
     let (clock, table) = table();
     let g = table.try_lock("k").unwrap();
     let (_, w) = counting();
-    let mut f = Box::pin(table.lock_with("k", LockOptions::new().timeout(Duration::MAX)));
+    let mut f = Box::pin(table.lock_with("k", timeout(Duration::MAX)));
     assert!(poll(&mut f, &w).is_pending());
     assert_eq!(clock.sleepers(), 0);
     clock.advance(Duration::from_secs(1 << 40));
@@ -296,12 +279,7 @@ fn hundreds_of_timeouts_leak_nothing() {
     let g = table.try_lock("k").unwrap();
     let (_, w) = counting();
     let mut futs: Vec<_> = (0..300)
-        .map(|i| {
-            Box::pin(table.lock_with(
-                "k",
-                LockOptions::new().timeout(Duration::from_millis(1 + i % 7)),
-            ))
-        })
+        .map(|i| Box::pin(table.lock_with("k", timeout(Duration::from_millis(1 + i % 7)))))
         .collect();
     for f in &mut futs {
         assert!(poll(f, &w).is_pending());
@@ -421,10 +399,7 @@ fn plain_locks_never_read_the_clock() {
         drop(table.try_lock("k").unwrap());
         let (_, w) = counting();
         let mut f = Box::pin(table.lock("k"));
-        let g = match poll(&mut f, &w) {
-            Poll::Ready(g) => g,
-            Poll::Pending => panic!("free key"),
-        };
+        let g = ready(&mut f, &w, "free key");
         // Contended, without lease or timeout: a handoff reads no clock either.
         let mut waiter = Box::pin(table.lock("k"));
         assert!(poll(&mut waiter, &w).is_pending());
@@ -443,7 +418,7 @@ fn a_timeout_after_the_holders_lease_lapsed_takes_the_key_instead_of_giving_up()
     let (clock, table) = table();
     let holder = table.try_lock_with("k", lease(2 * SEC)).unwrap();
     let (_, w) = counting();
-    let mut f = Box::pin(table.lock_with("k", LockOptions::new().timeout(3 * SEC)));
+    let mut f = Box::pin(table.lock_with("k", timeout(3 * SEC)));
     assert!(poll(&mut f, &w).is_pending());
     clock.advance(3 * SEC);
     let guard = match poll(&mut f, &w) {
@@ -480,10 +455,7 @@ fn handoff_between_leases_of_one_length_wakes_only_the_new_holder() {
     drop(holder);
     assert_eq!(wakes(&ca), 1, "A is granted");
     assert_eq!(wakes(&cb), 0, "B's timer already covers A's later deadline");
-    let ga = match poll(&mut a, &wa) {
-        Poll::Ready(g) => g.unwrap(),
-        Poll::Pending => panic!("A was granted"),
-    };
+    let ga = ready(&mut a, &wa, "A was granted").unwrap();
     // A's lease ends 11 s from the start; B's timer (armed for 10 s) fires
     // first and B re-arms for A's deadline.
     clock.advance(9 * SEC);
@@ -491,10 +463,7 @@ fn handoff_between_leases_of_one_length_wakes_only_the_new_holder() {
     assert!(poll(&mut b, &wb).is_pending(), "A's lease is live");
     clock.advance(SEC);
     assert_eq!(wakes(&cb), 2, "B re-armed for A's deadline");
-    let gb = match poll(&mut b, &wb) {
-        Poll::Ready(g) => g.unwrap(),
-        Poll::Pending => panic!("A's lease lapsed: B takes the key"),
-    };
+    let gb = ready(&mut b, &wb, "A's lease lapsed: B takes the key").unwrap();
     assert!(ga.is_expired());
     assert!(gb.token() > ga.token());
     drop((ga, gb, a, b));
@@ -523,16 +492,10 @@ fn handoff_to_a_shorter_lease_rearms_the_next_heads_timer() {
         "B is nudged: A's lease ends before B's timer"
     );
     assert!(poll(&mut b, &wb).is_pending(), "B re-arms for A's deadline");
-    let ga = match poll(&mut a, &wa) {
-        Poll::Ready(g) => g.unwrap(),
-        Poll::Pending => panic!("A was granted"),
-    };
+    let ga = ready(&mut a, &wa, "A was granted").unwrap();
     clock.advance(SEC);
     assert_eq!(wakes(&cb), 2, "B's timer fired at A's deadline");
-    let gb = match poll(&mut b, &wb) {
-        Poll::Ready(g) => g,
-        Poll::Pending => panic!("A's 1 s lease lapsed: B takes the key"),
-    };
+    let gb = ready(&mut b, &wb, "A's 1 s lease lapsed: B takes the key");
     assert!(ga.is_expired());
     drop((ga, gb, a, b));
     assert_eq!(table.len(), 0);
@@ -555,15 +518,9 @@ fn handoff_from_an_unleased_to_a_leased_grant_arms_the_next_head() {
     assert_eq!(wakes(&cb), 1, "B is nudged to arm a timer for A's lease");
     assert!(poll(&mut b, &wb).is_pending());
     assert_eq!(clock.sleepers(), 1);
-    let ga = match poll(&mut a, &wa) {
-        Poll::Ready(g) => g.unwrap(),
-        Poll::Pending => panic!("A was granted"),
-    };
+    let ga = ready(&mut a, &wa, "A was granted").unwrap();
     clock.advance(SEC);
-    let gb = match poll(&mut b, &wb) {
-        Poll::Ready(g) => g,
-        Poll::Pending => panic!("A's lease lapsed: B takes the key"),
-    };
+    let gb = ready(&mut b, &wb, "A's lease lapsed: B takes the key");
     drop((ga, gb, a, b));
     assert_eq!(table.len(), 0);
 }

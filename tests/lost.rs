@@ -10,15 +10,11 @@ use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
 use std::task::{Context, Poll, Waker};
-use std::time::Duration;
 
 use keylock::{LockError, LockTable};
 
 mod common;
-use common::{lease, table, W};
-
-const SEC: Duration = Duration::from_secs(1);
-const NANO: Duration = Duration::from_nanos(1);
+use common::{lease, table, NANO, SEC, W};
 
 #[test]
 fn lost_resolves_at_the_lapse_and_not_before() {

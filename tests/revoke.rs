@@ -7,14 +7,12 @@
 use std::sync::atomic::Ordering::SeqCst;
 use std::sync::{mpsc, Arc, Mutex};
 use std::task::Poll;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
-use keylock::{FencingToken, LockError, LockOptions, LockTable};
+use keylock::{FencingToken, LockError, LockTable};
 
 mod common;
-use common::{counting, lease, poll, table, wakes};
-
-const SEC: Duration = Duration::from_secs(1);
+use common::{counting, lease, poll, ready, table, timeout, wakes, SEC};
 
 #[test]
 fn revoke_grant_revokes_the_named_live_grant_and_passes_the_key_on() {
@@ -45,10 +43,11 @@ fn revoke_grant_revokes_the_named_live_grant_and_passes_the_key_on() {
             token: holder.token()
         })
     );
-    let next = match poll(&mut waiter, &w) {
-        Poll::Ready(g) => g,
-        Poll::Pending => panic!("the revoked key did not pass to the waiter"),
-    };
+    let next = ready(
+        &mut waiter,
+        &w,
+        "the revoked key did not pass to the waiter",
+    );
     assert!(next.token() > holder.token());
     // Revoking the old grant again touches nobody.
     assert!(!table.revoke_grant("k", holder.token()));
@@ -72,10 +71,7 @@ fn revoke_grant_does_nothing_once_the_key_changed_hands() {
     assert!(poll(&mut waiter, &w).is_pending());
     drop(first); // handed to the waiter, which has not run yet
     assert!(!table.revoke_grant("k", stale), "revoked the successor");
-    let next = match poll(&mut waiter, &w) {
-        Poll::Ready(g) => g,
-        Poll::Pending => panic!("not granted"),
-    };
+    let next = ready(&mut waiter, &w, "not granted");
     assert_eq!(next.check(), Ok(next.token()));
     assert_eq!(table.stats().revoked, 0);
     // The plain revoke, by contrast, takes whoever holds the key now.
@@ -108,7 +104,7 @@ fn revoke_grant_acts_on_the_token_a_timeout_names_even_an_unobserved_grant() {
     assert!(poll(&mut stuck, &w).is_pending());
     drop(holder); // granted to `stuck`, whose task never runs
     assert_eq!(wakes(&c), 1);
-    let mut probe = Box::pin(table.lock_with("k", LockOptions::new().timeout(SEC)));
+    let mut probe = Box::pin(table.lock_with("k", timeout(SEC)));
     let (_, pw) = counting();
     assert!(poll(&mut probe, &pw).is_pending());
     clock.advance(SEC);
@@ -121,10 +117,7 @@ fn revoke_grant_acts_on_the_token_a_timeout_names_even_an_unobserved_grant() {
     assert!(table.revoke_grant("k", named));
     assert!(!table.is_locked("k"));
     // The stuck future, when it finally runs, holds a revoked grant.
-    let fenced = match poll(&mut stuck, &w) {
-        Poll::Ready(r) => r.unwrap(),
-        Poll::Pending => panic!("a granted future resolves"),
-    };
+    let fenced = ready(&mut stuck, &w, "a granted future resolves").unwrap();
     assert_eq!(fenced.token(), named);
     assert!(fenced.is_expired());
     let at = fenced.expires_at().expect("a lost grant reports when");

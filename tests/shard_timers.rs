@@ -5,14 +5,11 @@
 
 use std::sync::Arc;
 use std::task::{Poll, Wake, Waker};
-use std::time::Duration;
 
-use keylock::{LockError, LockOptions, LockTable, ManualClock};
+use keylock::{LockError, LockTable, ManualClock};
 
 mod common;
-use common::{counting, poll, timeout, wakes};
-
-const SEC: Duration = Duration::from_secs(1);
+use common::{counting, lease, poll, ready, timeout, wakes, SEC};
 
 fn table() -> (ManualClock, LockTable<u32>) {
     let clock = ManualClock::with_shard_timers();
@@ -62,9 +59,7 @@ fn one_shard_timer_serves_every_waiter_and_each_times_out_at_its_own_deadline() 
 #[test]
 fn a_lapse_is_noticed_by_the_shard_timer_and_the_head_takes_the_key() {
     let (clock, table) = table();
-    let holder = table
-        .try_lock_with(1, LockOptions::new().lease(2 * SEC))
-        .unwrap();
+    let holder = table.try_lock_with(1, lease(2 * SEC)).unwrap();
     let (c, w) = counting();
     let mut waiter = Box::pin(table.lock(1));
     assert!(poll(&mut waiter, &w).is_pending());
@@ -72,10 +67,7 @@ fn a_lapse_is_noticed_by_the_shard_timer_and_the_head_takes_the_key() {
     assert_eq!(wakes(&c), 0, "woken before the lease lapsed");
     clock.advance(SEC);
     assert_eq!(wakes(&c), 1, "the shard timer nudged the head at the lapse");
-    let g = match poll(&mut waiter, &w) {
-        Poll::Ready(g) => g,
-        Poll::Pending => panic!("the lapsed key was not handed over"),
-    };
+    let g = ready(&mut waiter, &w, "the lapsed key was not handed over");
     assert!(holder.is_expired());
     assert!(g.token() > holder.token());
     drop((holder, g));
@@ -89,9 +81,7 @@ fn a_lapse_is_noticed_by_the_shard_timer_and_the_head_takes_the_key() {
 #[test]
 fn a_renewed_then_stalled_holder_loses_the_key_at_the_renewed_deadline() {
     let (clock, table) = table();
-    let holder = table
-        .try_lock_with(1, LockOptions::new().lease(2 * SEC))
-        .unwrap();
+    let holder = table.try_lock_with(1, lease(2 * SEC)).unwrap();
     let (c, w) = counting();
     let mut waiter = Box::pin(table.lock(1));
     assert!(poll(&mut waiter, &w).is_pending());
@@ -102,10 +92,11 @@ fn a_renewed_then_stalled_holder_loses_the_key_at_the_renewed_deadline() {
     assert!(!holder.is_expired());
     clock.advance(3 * SEC);
     assert_eq!(wakes(&c), 1, "woken at the renewed deadline");
-    let g = match poll(&mut waiter, &w) {
-        Poll::Ready(g) => g,
-        Poll::Pending => panic!("the key was not handed over after the renewed lease"),
-    };
+    let g = ready(
+        &mut waiter,
+        &w,
+        "the key was not handed over after the renewed lease",
+    );
     assert!(holder.is_expired());
     drop((g, holder));
     assert!(table.is_empty());
@@ -114,9 +105,7 @@ fn a_renewed_then_stalled_holder_loses_the_key_at_the_renewed_deadline() {
 #[test]
 fn a_shortened_lease_moves_the_shard_timer_earlier() {
     let (clock, table) = table();
-    let holder = table
-        .try_lock_with(1, LockOptions::new().lease(10 * SEC))
-        .unwrap();
+    let holder = table.try_lock_with(1, lease(10 * SEC)).unwrap();
     let (c, w) = counting();
     let mut waiter = Box::pin(table.lock(1));
     assert!(poll(&mut waiter, &w).is_pending());

@@ -15,10 +15,7 @@ use std::time::{Duration, Instant};
 use keylock::{LockError, LockTable, TimeSource};
 
 mod common;
-use common::{counting, lease, poll, timeout, wakes};
-
-const SEC: Duration = Duration::from_secs(1);
-const NANO: Duration = Duration::from_nanos(1);
+use common::{counting, lease, poll, timeout, wakes, NANO, SEC};
 
 // ---------------------------------------------------------------------------
 // A clock moved by hand.

@@ -14,6 +14,9 @@ use keylock::LockOptions;
 #[cfg(feature = "test-util")]
 use keylock::{LockTable, ManualClock};
 
+pub(crate) const SEC: Duration = Duration::from_secs(1);
+pub(crate) const NANO: Duration = Duration::from_nanos(1);
+
 /// Counts the wakes of the waker made from it.
 pub(crate) struct Counter(AtomicUsize);
 
@@ -37,6 +40,15 @@ pub(crate) fn wakes(c: &Counter) -> usize {
 /// Polls `f` once with `waker`.
 pub(crate) fn poll<F: Future + Unpin>(f: &mut F, waker: &Waker) -> Poll<F::Output> {
     Pin::new(f).poll(&mut Context::from_waker(waker))
+}
+
+/// Polls `f` once with `waker` and returns its output; panics with `what` if
+/// it is still pending.
+pub(crate) fn ready<F: Future + Unpin>(f: &mut F, waker: &Waker, what: &str) -> F::Output {
+    match poll(f, waker) {
+        Poll::Ready(out) => out,
+        Poll::Pending => panic!("{what}"),
+    }
 }
 
 /// A counting waker that polls futures itself: `w.poll(&mut f)`.
