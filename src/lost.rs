@@ -132,7 +132,7 @@ impl LossWatchers {
     }
 
     /// Checks the invariants; for `validate`.
-    #[cfg(any(test, feature = "test-util"))]
+    #[cfg(feature = "test-util")]
     pub(crate) fn validate(&self) {
         let used = self
             .slots

@@ -978,7 +978,7 @@ const NO_DIAGNOSIS: Diagnosis = Diagnosis {
     ahead: 0,
 };
 
-#[cfg(any(test, feature = "test-util"))]
+#[cfg(feature = "test-util")]
 impl<K> ShardState<K> {
     /// Checks every structural invariant of the shard; panics naming the
     /// first one broken.

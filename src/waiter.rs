@@ -624,13 +624,13 @@ impl WaitList {
 }
 
 /// Whether a raw state word (from [`WaitList::walk`]) is a linked state.
-#[cfg(any(test, feature = "test-util"))]
+#[cfg(feature = "test-util")]
 pub(crate) fn is_linked_state(state: u8) -> bool {
     state == WAITING || state == ARMED || state == NUDGED
 }
 
 /// Whether a raw state word (from [`WaitList::walk`]) says "nudged".
-#[cfg(any(test, feature = "test-util"))]
+#[cfg(feature = "test-util")]
 pub(crate) fn is_nudged_state(state: u8) -> bool {
     state == NUDGED
 }
