@@ -35,1653 +35,1666 @@
 //! - After each scenario the test checks that nothing is stranded: waiter
 //!   counts, `len()`, the key can be taken again, other keys still work, and
 //!   `assert_consistent()` holds.
-#![cfg(all(feature = "test-util", not(loom)))]
 
-use std::any::Any;
-use std::fmt;
-use std::future::Future;
-use std::hash::{BuildHasher, Hash, Hasher};
-use std::panic::{catch_unwind, panic_any, resume_unwind, AssertUnwindSafe};
-use std::pin::Pin;
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering::SeqCst};
-use std::sync::{mpsc, Arc, Mutex, Once};
-use std::task::{Context, Poll, RawWaker, RawWakerVTable, Waker};
-use std::thread;
-use std::time::Duration;
+#[cfg(not(feature = "test-util"))]
+#[test]
+#[ignore = "needs --features test-util (or --all-features)"]
+fn needs_feature_test_util() {}
 
-use keylock::{LockError, LockOptions, LockTable, ManualClock};
+#[cfg(all(feature = "test-util", not(loom)))]
+mod tests {
+    use std::any::Any;
+    use std::fmt;
+    use std::future::Future;
+    use std::hash::{BuildHasher, Hash, Hasher};
+    use std::panic::{catch_unwind, panic_any, resume_unwind, AssertUnwindSafe};
+    use std::pin::Pin;
+    use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering::SeqCst};
+    use std::sync::{mpsc, Arc, Mutex, Once};
+    use std::task::{Context, Poll, RawWaker, RawWakerVTable, Waker};
+    use std::thread;
+    use std::time::Duration;
 
-/// How long a test body may run before it is declared hung.
-const WATCHDOG: Duration = Duration::from_secs(20);
+    use keylock::{LockError, LockOptions, LockTable, ManualClock};
 
-/// The lease of every leased grant in this file.
-const LEASE: Duration = Duration::from_secs(10);
+    /// How long a test body may run before it is declared hung.
+    const WATCHDOG: Duration = Duration::from_secs(20);
 
-fn leased() -> LockOptions {
-    LockOptions::new().lease(LEASE)
-}
+    /// The lease of every leased grant in this file.
+    const LEASE: Duration = Duration::from_secs(10);
 
-// ---------------------------------------------------------------------------
-// Planted panics, the watchdog, polling by hand.
-// ---------------------------------------------------------------------------
-
-/// The payload of every panic this file provokes on purpose; names the
-/// callback that panicked.
-#[derive(Debug)]
-struct Planted(&'static str);
-
-/// Panics with a [`Planted`] payload, unless the thread is already unwinding
-/// (a second panic would abort the whole test binary): then it returns and
-/// the callback behaves.
-fn plant(what: &'static str) {
-    if !thread::panicking() {
-        panic_any(Planted(what));
+    fn leased() -> LockOptions {
+        LockOptions::new().lease(LEASE)
     }
-}
 
-/// Keeps the default panic hook quiet about planted panics.
-fn quiet_planted_panics() {
-    static ONCE: Once = Once::new();
-    ONCE.call_once(|| {
-        let default = std::panic::take_hook();
-        std::panic::set_hook(Box::new(move |info| {
-            if !info.payload().is::<Planted>() {
-                default(info);
-            }
-        }));
-    });
-}
+    // ---------------------------------------------------------------------------
+    // Planted panics, the watchdog, polling by hand.
+    // ---------------------------------------------------------------------------
 
-fn message(payload: &(dyn Any + Send)) -> String {
-    if let Some(planted) = payload.downcast_ref::<Planted>() {
-        format!("planted panic in {}", planted.0)
-    } else if let Some(s) = payload.downcast_ref::<&str>() {
-        (*s).to_owned()
-    } else if let Some(s) = payload.downcast_ref::<String>() {
-        s.clone()
-    } else {
-        "a panic with a non-string payload".to_owned()
+    /// The payload of every panic this file provokes on purpose; names the
+    /// callback that panicked.
+    #[derive(Debug)]
+    struct Planted(&'static str);
+
+    /// Panics with a [`Planted`] payload, unless the thread is already unwinding
+    /// (a second panic would abort the whole test binary): then it returns and
+    /// the callback behaves.
+    fn plant(what: &'static str) {
+        if !thread::panicking() {
+            panic_any(Planted(what));
+        }
     }
-}
 
-/// The panic `payload` must be a planted one; returns which callback it was.
-#[track_caller]
-fn expect_planted(payload: Box<dyn Any + Send>, what: &str) -> &'static str {
-    match payload.downcast::<Planted>() {
-        Ok(planted) => planted.0,
-        Err(other) => panic!(
-            "{what}: expected at most a planted panic, got the table's own: {}",
-            message(&*other)
-        ),
+    /// Keeps the default panic hook quiet about planted panics.
+    fn quiet_planted_panics() {
+        static ONCE: Once = Once::new();
+        ONCE.call_once(|| {
+            let default = std::panic::take_hook();
+            std::panic::set_hook(Box::new(move |info| {
+                if !info.payload().is::<Planted>() {
+                    default(info);
+                }
+            }));
+        });
     }
-}
 
-/// Runs `body` on its own thread and fails if it does not finish within
-/// [`WATCHDOG`] (a hang detector, not a timing assertion).
-fn watchdog(name: &'static str, body: impl FnOnce() + Send + 'static) {
-    quiet_planted_panics();
-    let (done, finished) = mpsc::channel::<()>();
-    let worker = thread::Builder::new()
-        .name(name.to_owned())
-        .spawn(move || {
-            body();
-            let _ = done.send(());
-        })
-        .expect("spawn the test body");
-    match finished.recv_timeout(WATCHDOG) {
-        Ok(()) => worker.join().expect("the body finished"),
-        Err(mpsc::RecvTimeoutError::Disconnected) => match worker.join() {
-            Err(payload) if payload.is::<Planted>() => panic!(
-                "{name}: a {} escaped where the table must not let it out",
-                message(&*payload)
+    fn message(payload: &(dyn Any + Send)) -> String {
+        if let Some(planted) = payload.downcast_ref::<Planted>() {
+            format!("planted panic in {}", planted.0)
+        } else if let Some(s) = payload.downcast_ref::<&str>() {
+            (*s).to_owned()
+        } else if let Some(s) = payload.downcast_ref::<String>() {
+            s.clone()
+        } else {
+            "a panic with a non-string payload".to_owned()
+        }
+    }
+
+    /// The panic `payload` must be a planted one; returns which callback it was.
+    #[track_caller]
+    fn expect_planted(payload: Box<dyn Any + Send>, what: &str) -> &'static str {
+        match payload.downcast::<Planted>() {
+            Ok(planted) => planted.0,
+            Err(other) => panic!(
+                "{what}: expected at most a planted panic, got the table's own: {}",
+                message(&*other)
             ),
-            Err(payload) => resume_unwind(payload),
-            Ok(()) => unreachable!("the body ended without reporting"),
-        },
-        Err(mpsc::RecvTimeoutError::Timeout) => panic!(
-            "{name}: still running after {WATCHDOG:?}: the table deadlocked (user code \
+        }
+    }
+
+    /// Runs `body` on its own thread and fails if it does not finish within
+    /// [`WATCHDOG`] (a hang detector, not a timing assertion).
+    fn watchdog(name: &'static str, body: impl FnOnce() + Send + 'static) {
+        quiet_planted_panics();
+        let (done, finished) = mpsc::channel::<()>();
+        let worker = thread::Builder::new()
+            .name(name.to_owned())
+            .spawn(move || {
+                body();
+                let _ = done.send(());
+            })
+            .expect("spawn the test body");
+        match finished.recv_timeout(WATCHDOG) {
+            Ok(()) => worker.join().expect("the body finished"),
+            Err(mpsc::RecvTimeoutError::Disconnected) => match worker.join() {
+                Err(payload) if payload.is::<Planted>() => panic!(
+                    "{name}: a {} escaped where the table must not let it out",
+                    message(&*payload)
+                ),
+                Err(payload) => resume_unwind(payload),
+                Ok(()) => unreachable!("the body ended without reporting"),
+            },
+            Err(mpsc::RecvTimeoutError::Timeout) => panic!(
+                "{name}: still running after {WATCHDOG:?}: the table deadlocked (user code \
              called back into it under a shard lock) or livelocked; the stuck thread is \
              abandoned"
-        ),
-    }
-}
-
-/// Polls `fut` once with `waker`, catching a panic.
-fn poll_caught<F: Future + Unpin>(
-    fut: &mut F,
-    waker: &Waker,
-) -> Result<Poll<F::Output>, Box<dyn Any + Send>> {
-    catch_unwind(AssertUnwindSafe(|| {
-        Pin::new(&mut *fut).poll(&mut Context::from_waker(waker))
-    }))
-}
-
-/// Polls `fut` once and expects it to be ready.
-#[track_caller]
-fn ready<F: Future + Unpin>(fut: &mut F, waker: &Waker, what: &str) -> F::Output {
-    match poll_caught(fut, waker) {
-        Ok(Poll::Ready(out)) => out,
-        Ok(Poll::Pending) => panic!("{what}: expected the future to be ready, it is pending"),
-        Err(payload) => panic!(
-            "{what}: expected the future to be ready, its poll panicked: {}",
-            message(&*payload)
-        ),
-    }
-}
-
-/// Polls `fut` once and expects it to be pending.
-#[track_caller]
-fn pending<F: Future + Unpin>(fut: &mut F, waker: &Waker, what: &str) {
-    match poll_caught(fut, waker) {
-        Ok(Poll::Pending) => {}
-        Ok(Poll::Ready(_)) => panic!("{what}: expected the future to be pending, it is ready"),
-        Err(payload) => panic!(
-            "{what}: expected the future to be pending, its poll panicked: {}",
-            message(&*payload)
-        ),
-    }
-}
-
-/// Polls `fut` once: it may panic with a planted panic (the hostile callback
-/// ran inside the poll); otherwise it must be pending. Returns the planted
-/// panic's callback, if one surfaced.
-#[track_caller]
-fn pending_or_planted<F: Future + Unpin>(
-    fut: &mut F,
-    waker: &Waker,
-    what: &str,
-) -> Option<&'static str> {
-    match poll_caught(fut, waker) {
-        Ok(Poll::Pending) => None,
-        Ok(Poll::Ready(_)) => panic!("{what}: resolved, but the key was not free"),
-        Err(payload) => Some(expect_planted(payload, what)),
-    }
-}
-
-/// Runs `op`, which may panic with a planted panic but must not panic
-/// otherwise; returns its result if it did not panic.
-#[track_caller]
-fn planted_or<R>(what: &str, op: impl FnOnce() -> R) -> Option<R> {
-    match catch_unwind(AssertUnwindSafe(op)) {
-        Ok(out) => Some(out),
-        Err(payload) => {
-            expect_planted(payload, what);
-            None
-        }
-    }
-}
-
-/// Runs `op`, which must not panic at all.
-#[track_caller]
-fn no_panic<R>(what: &str, op: impl FnOnce() -> R) -> R {
-    match catch_unwind(AssertUnwindSafe(op)) {
-        Ok(out) => out,
-        Err(payload) => panic!("{what}: must not panic, but did: {}", message(&*payload)),
-    }
-}
-
-// ---------------------------------------------------------------------------
-// Nothing stranded.
-// ---------------------------------------------------------------------------
-
-/// The key made by `key` is neither held nor awaited and can be taken again.
-#[track_caller]
-fn assert_key_free<K: Eq + Hash, S: BuildHasher>(
-    table: &LockTable<K, S>,
-    key: impl Fn() -> K,
-    what: &str,
-) {
-    table.assert_consistent();
-    assert_eq!(table.waiters(&key()), 0, "{what}: nobody waits for the key");
-    assert!(!table.is_locked(&key()), "{what}: nobody holds the key");
-    let again = table.try_lock(key());
-    assert!(
-        again.is_ok(),
-        "{what}: the key is stranded: try_lock fails with nobody holding or awaiting it"
-    );
-    drop(again);
-    table.assert_consistent();
-}
-
-/// The table keeps nothing, and a key it never saw works.
-#[track_caller]
-fn assert_table_empty<K: Eq + Hash, S: BuildHasher>(table: &LockTable<K, S>, fresh: K, what: &str) {
-    table.assert_consistent();
-    assert_eq!(table.len(), 0, "{what}: an entry was left behind");
-    assert!(table.is_empty(), "{what}: is_empty agrees with len");
-    let guard = table.try_lock(fresh);
-    assert!(guard.is_ok(), "{what}: a fresh key can be taken");
-    assert_eq!(table.len(), 1, "{what}: the fresh key is the only entry");
-    drop(guard);
-    assert_eq!(table.len(), 0, "{what}: the fresh key is released");
-    table.assert_consistent();
-}
-
-// ---------------------------------------------------------------------------
-// A hostile waker.
-// ---------------------------------------------------------------------------
-
-type Hook = Box<dyn Fn() + Send + Sync>;
-
-/// The state shared by every handle of one hostile waker: what was done to
-/// it, and how it misbehaves.
-#[derive(Default)]
-struct Hostile {
-    /// Wakes delivered (a wake that panicked is not one).
-    wakes: AtomicUsize,
-    clones: AtomicUsize,
-    wake_panics: AtomicUsize,
-    drop_panics: AtomicUsize,
-    /// The next wake panics (once).
-    wake_armed: AtomicBool,
-    /// The next drop of a handle panics (once).
-    drop_armed: AtomicBool,
-    /// Every clone panics while set.
-    clone_armed: AtomicBool,
-    /// Run by every clone, before it returns (for re-entrance).
-    on_clone: Option<Hook>,
-    /// Run by every wake, before it is counted (for re-entrance).
-    on_wake: Option<Hook>,
-}
-
-impl Hostile {
-    fn new() -> Arc<Self> {
-        Arc::new(Self::default())
-    }
-
-    /// A waker whose every clone runs `hook` first.
-    fn on_clone(hook: impl Fn() + Send + Sync + 'static) -> Arc<Self> {
-        Arc::new(Self {
-            on_clone: Some(Box::new(hook)),
-            ..Self::default()
-        })
-    }
-
-    /// A waker whose every wake runs `hook` first.
-    fn on_wake(hook: impl Fn() + Send + Sync + 'static) -> Arc<Self> {
-        Arc::new(Self {
-            on_wake: Some(Box::new(hook)),
-            ..Self::default()
-        })
-    }
-
-    /// A new handle (not counted as a clone, and runs no hook).
-    fn waker(self: &Arc<Self>) -> Waker {
-        let data = Arc::into_raw(self.clone()).cast::<()>();
-        // SAFETY: `data` is an `Arc<Hostile>` turned into a raw pointer, which
-        // is what every function of `VTABLE` expects.
-        unsafe { Waker::from_raw(RawWaker::new(data, &VTABLE)) }
-    }
-
-    fn arm_wake_panic(&self) {
-        self.wake_armed.store(true, SeqCst);
-    }
-
-    fn arm_drop_panic(&self) {
-        self.drop_armed.store(true, SeqCst);
-    }
-
-    fn disarm_drop_panic(&self) {
-        self.drop_armed.store(false, SeqCst);
-    }
-
-    fn arm_clone_panic(&self) {
-        self.clone_armed.store(true, SeqCst);
-    }
-
-    fn disarm_clone_panic(&self) {
-        self.clone_armed.store(false, SeqCst);
-    }
-
-    fn wakes(&self) -> usize {
-        self.wakes.load(SeqCst)
-    }
-
-    fn wake_panics(&self) -> usize {
-        self.wake_panics.load(SeqCst)
-    }
-
-    fn drop_panics(&self) -> usize {
-        self.drop_panics.load(SeqCst)
-    }
-
-    fn woken(&self) {
-        if let Some(hook) = &self.on_wake {
-            hook();
-        }
-        if self.wake_armed.swap(false, SeqCst) && !thread::panicking() {
-            self.wake_panics.fetch_add(1, SeqCst);
-            plant("Waker::wake");
-        }
-        self.wakes.fetch_add(1, SeqCst);
-    }
-}
-
-static VTABLE: RawWakerVTable = RawWakerVTable::new(v_clone, v_wake, v_wake_by_ref, v_drop);
-
-unsafe fn v_clone(data: *const ()) -> RawWaker {
-    // SAFETY: `data` is a live `Arc<Hostile>` pointer borrowed for this call.
-    let hostile = unsafe { &*data.cast::<Hostile>() };
-    if let Some(hook) = &hostile.on_clone {
-        hook();
-    }
-    if hostile.clone_armed.load(SeqCst) && !thread::panicking() {
-        // Before the count is taken: the panicking clone leaks nothing.
-        plant("Waker::clone");
-    }
-    hostile.clones.fetch_add(1, SeqCst);
-    // SAFETY: as above; the new handle owns the count taken here.
-    unsafe { Arc::increment_strong_count(data.cast::<Hostile>()) };
-    RawWaker::new(data, &VTABLE)
-}
-
-unsafe fn v_wake(data: *const ()) {
-    // SAFETY: `wake` consumes the handle, whose count is given back when
-    // `hostile` drops (also if `woken` panics).
-    let hostile = unsafe { Arc::from_raw(data.cast::<Hostile>()) };
-    hostile.woken();
-}
-
-unsafe fn v_wake_by_ref(data: *const ()) {
-    // SAFETY: `data` is a live `Arc<Hostile>` pointer borrowed for this call.
-    let hostile = unsafe { &*data.cast::<Hostile>() };
-    hostile.woken();
-}
-
-unsafe fn v_drop(data: *const ()) {
-    // SAFETY: the handle is dropped, so its count is given back (also if the
-    // planted panic fires).
-    let hostile = unsafe { Arc::from_raw(data.cast::<Hostile>()) };
-    if hostile.drop_armed.swap(false, SeqCst) && !thread::panicking() {
-        hostile.drop_panics.fetch_add(1, SeqCst);
-        plant("Waker::drop");
-    }
-}
-
-// ---------------------------------------------------------------------------
-// Hostile keys.
-// ---------------------------------------------------------------------------
-
-type DropHook = Box<dyn FnOnce() + Send + Sync>;
-
-/// A key compared and hashed by `id` alone. The other fields make one
-/// instance hostile without changing which key it is.
-struct Key {
-    id: u32,
-    /// Dropping this instance panics (after running `on_drop`).
-    drop_panics: bool,
-    /// Comparing this instance with any key panics.
-    eq_panics: bool,
-    on_drop: Option<DropHook>,
-}
-
-impl Key {
-    fn plain(id: u32) -> Self {
-        Self {
-            id,
-            drop_panics: false,
-            eq_panics: false,
-            on_drop: None,
+            ),
         }
     }
 
-    /// A duplicate of key `id` whose drop counts itself in `drops`, then
-    /// panics.
-    fn drop_bomb(id: u32, drops: &Arc<AtomicUsize>) -> Self {
-        let drops = drops.clone();
-        Self {
-            id,
-            drop_panics: true,
-            eq_panics: false,
-            on_drop: Some(Box::new(move || {
-                drops.fetch_add(1, SeqCst);
-            })),
+    /// Polls `fut` once with `waker`, catching a panic.
+    fn poll_caught<F: Future + Unpin>(
+        fut: &mut F,
+        waker: &Waker,
+    ) -> Result<Poll<F::Output>, Box<dyn Any + Send>> {
+        catch_unwind(AssertUnwindSafe(|| {
+            Pin::new(&mut *fut).poll(&mut Context::from_waker(waker))
+        }))
+    }
+
+    /// Polls `fut` once and expects it to be ready.
+    #[track_caller]
+    fn ready<F: Future + Unpin>(fut: &mut F, waker: &Waker, what: &str) -> F::Output {
+        match poll_caught(fut, waker) {
+            Ok(Poll::Ready(out)) => out,
+            Ok(Poll::Pending) => panic!("{what}: expected the future to be ready, it is pending"),
+            Err(payload) => panic!(
+                "{what}: expected the future to be ready, its poll panicked: {}",
+                message(&*payload)
+            ),
         }
     }
 
-    /// Key `id`, whose `Eq` panics and whose drop runs `on_drop`.
-    fn eq_bomb(id: u32, on_drop: impl FnOnce() + Send + Sync + 'static) -> Self {
-        Self {
-            id,
-            drop_panics: false,
-            eq_panics: true,
-            on_drop: Some(Box::new(on_drop)),
+    /// Polls `fut` once and expects it to be pending.
+    #[track_caller]
+    fn pending<F: Future + Unpin>(fut: &mut F, waker: &Waker, what: &str) {
+        match poll_caught(fut, waker) {
+            Ok(Poll::Pending) => {}
+            Ok(Poll::Ready(_)) => panic!("{what}: expected the future to be pending, it is ready"),
+            Err(payload) => panic!(
+                "{what}: expected the future to be pending, its poll panicked: {}",
+                message(&*payload)
+            ),
         }
     }
-}
 
-impl PartialEq for Key {
-    fn eq(&self, other: &Self) -> bool {
-        if self.eq_panics || other.eq_panics {
-            plant("Key::eq");
-        }
-        self.id == other.id
-    }
-}
-
-impl Eq for Key {}
-
-impl Hash for Key {
-    fn hash<H: Hasher>(&self, state: &mut H) {
-        self.id.hash(state);
-    }
-}
-
-impl Drop for Key {
-    fn drop(&mut self) {
-        if let Some(hook) = self.on_drop.take() {
-            hook();
-        }
-        if self.drop_panics {
-            plant("Key::drop");
+    /// Polls `fut` once: it may panic with a planted panic (the hostile callback
+    /// ran inside the poll); otherwise it must be pending. Returns the planted
+    /// panic's callback, if one surfaced.
+    #[track_caller]
+    fn pending_or_planted<F: Future + Unpin>(
+        fut: &mut F,
+        waker: &Waker,
+        what: &str,
+    ) -> Option<&'static str> {
+        match poll_caught(fut, waker) {
+            Ok(Poll::Pending) => None,
+            Ok(Poll::Ready(_)) => panic!("{what}: resolved, but the key was not free"),
+            Err(payload) => Some(expect_planted(payload, what)),
         }
     }
-}
 
-impl fmt::Debug for Key {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_tuple("Key").field(&self.id).finish()
-    }
-}
-
-/// A hasher under which every key collides: one shard, one hash, so a lookup
-/// compares the caller's key with every key of the shard.
-#[derive(Clone, Copy, Debug, Default)]
-struct Collide;
-
-struct ConstHasher;
-
-impl Hasher for ConstHasher {
-    fn finish(&self) -> u64 {
-        0x5a5a_5a5a_5a5a_5a5a
+    /// Runs `op`, which may panic with a planted panic but must not panic
+    /// otherwise; returns its result if it did not panic.
+    #[track_caller]
+    fn planted_or<R>(what: &str, op: impl FnOnce() -> R) -> Option<R> {
+        match catch_unwind(AssertUnwindSafe(op)) {
+            Ok(out) => Some(out),
+            Err(payload) => {
+                expect_planted(payload, what);
+                None
+            }
+        }
     }
 
-    fn write(&mut self, _: &[u8]) {}
-}
-
-impl BuildHasher for Collide {
-    type Hasher = ConstHasher;
-
-    fn build_hasher(&self) -> ConstHasher {
-        ConstHasher
+    /// Runs `op`, which must not panic at all.
+    #[track_caller]
+    fn no_panic<R>(what: &str, op: impl FnOnce() -> R) -> R {
+        match catch_unwind(AssertUnwindSafe(op)) {
+            Ok(out) => out,
+            Err(payload) => panic!("{what}: must not panic, but did: {}", message(&*payload)),
+        }
     }
-}
 
-// ---------------------------------------------------------------------------
-// 1. A key whose `Drop` panics.
-// ---------------------------------------------------------------------------
+    // ---------------------------------------------------------------------------
+    // Nothing stranded.
+    // ---------------------------------------------------------------------------
 
-/// The caller's key duplicates one the table already keeps, so the table drops
-/// the caller's copy while queueing it; that drop panics. The future must
-/// still own its registration: granted on release, or cancelled when dropped.
-#[test]
-fn a_key_whose_drop_panics_while_queueing_still_owns_its_slot() {
-    watchdog("drop-panics-while-queueing", || {
-        let table: LockTable<Key> = LockTable::new();
-        let drops = Arc::new(AtomicUsize::new(0));
-        let probe = Hostile::new();
-        let waker = probe.waker();
-
-        // The waiter is granted when the holder releases.
-        let held = table.try_lock(Key::plain(1)).expect("key 1 is free");
-        let mut fut = Box::pin(table.lock(Key::drop_bomb(1, &drops)));
-        pending_or_planted(&mut fut, &waker, "queueing behind the holder");
-        assert_eq!(
-            table.waiters(&Key::plain(1)),
-            1,
-            "the future still owns its registration after its key panicked on drop"
-        );
-        drop(held);
-        let guard = ready(
-            &mut fut,
-            &waker,
-            "the waiter whose key panicked on drop is granted on release",
-        );
-        assert_eq!(guard.key().id, 1);
-        assert!(table.is_locked(&Key::plain(1)));
-        drop(guard);
-        drop(fut);
-        assert_key_free(&table, || Key::plain(1), "after the grant");
-
-        // The waiter is dropped instead: its registration goes with it.
-        let held = table.try_lock(Key::plain(2)).expect("key 2 is free");
-        let mut fut = Box::pin(table.lock(Key::drop_bomb(2, &drops)));
-        pending_or_planted(&mut fut, &waker, "queueing behind the holder");
-        assert_eq!(
-            table.waiters(&Key::plain(2)),
-            1,
-            "the future still owns its registration after its key panicked on drop"
-        );
-        drop(fut);
-        assert_eq!(
-            table.waiters(&Key::plain(2)),
-            0,
-            "dropping the future removed its registration"
-        );
-        assert_eq!(table.len(), 1, "only the holder's entry is left");
-        drop(held);
-        assert_key_free(&table, || Key::plain(2), "after the waiter was dropped");
-
-        assert_eq!(
-            drops.load(SeqCst),
-            2,
-            "each duplicate key was dropped exactly once"
-        );
-        assert_table_empty(&table, Key::plain(3), "after both waiters");
-    });
-}
-
-// ---------------------------------------------------------------------------
-// 2. A waker whose `wake` panics, woken by an innocent caller.
-// ---------------------------------------------------------------------------
-
-/// W waits behind a leased holder whose lease lapses. An innocent caller
-/// touches the key, settles the lapse and grants W, whose wake panics inside
-/// the innocent call. W must keep its grant and the innocent caller must be
-/// left validly queued (or told no), never orphaned.
-#[test]
-fn a_panicking_wake_during_an_innocent_callers_lapse_settlement_loses_nothing() {
-    watchdog("wake-panics-in-innocent-call", || {
-        let clock = ManualClock::new();
-        let table: LockTable<u32> = LockTable::builder().clock(clock.clone()).build();
-
-        // The innocent caller is a lock future.
-        let holder = table.try_lock_with(1, leased()).expect("key 1 is free");
-        let pw = Hostile::new();
-        let ww = pw.waker();
-        let mut w = Box::pin(table.lock_with(1, leased()));
-        pending(&mut w, &ww, "W queues behind the leased holder");
-        clock.advance(LEASE);
-        pw.arm_wake_panic();
-        let pi = Hostile::new();
-        let wi = pi.waker();
-        let mut innocent = Box::pin(table.lock(1));
-        pending_or_planted(&mut innocent, &wi, "the innocent lock queues behind W");
-        assert_eq!(
-            pw.wake_panics(),
-            1,
-            "precondition: the innocent lock settled the lapse and woke W"
-        );
-        assert!(holder.is_expired(), "the lapsed holder is fenced");
-        assert_eq!(
-            table.waiters(&1),
-            1,
-            "the innocent future is still queued, behind W"
-        );
-        let gw = ready(&mut w, &ww, "W still owns the grant whose wake panicked")
-            .expect("no timeout was set");
-        assert!(gw.token() > holder.token(), "W's grant is newer");
-        assert!(!gw.is_expired());
-        pending(
-            &mut innocent,
-            &wi,
-            "the innocent future still waits, with its registration",
-        );
-        drop(gw);
-        assert!(
-            pi.wakes() >= 1,
-            "the innocent waiter was woken by W's release"
-        );
-        let gi = ready(&mut innocent, &wi, "the innocent future is granted next");
-        drop(holder);
-        assert!(!gi.is_expired());
-        drop(gi);
-        assert_key_free(&table, || 1, "innocent lock");
-
-        // The innocent call is the lapsed holder's own `check()`.
-        let holder = table.try_lock_with(2, leased()).expect("key 2 is free");
-        let pw = Hostile::new();
-        let ww = pw.waker();
-        let mut w = Box::pin(table.lock_with(2, leased()));
-        pending(&mut w, &ww, "W queues behind the leased holder");
-        clock.advance(LEASE);
-        pw.arm_wake_panic();
-        if let Some(checked) = planted_or("the lapsed holder's check()", || holder.check()) {
-            assert_eq!(
-                checked,
-                Err(LockError::Expired {
-                    token: holder.token()
-                })
-            );
-        }
-        assert_eq!(
-            pw.wake_panics(),
-            1,
-            "precondition: check() settled and woke W"
-        );
-        let gw = ready(&mut w, &ww, "W still owns the grant whose wake panicked")
-            .expect("no timeout was set");
-        assert!(gw.token() > holder.token());
-        assert!(table.try_lock(2).is_err(), "W holds the key");
-        drop(gw);
-        drop(holder);
-        assert_key_free(&table, || 2, "innocent check()");
-
-        // The innocent call is a `try_lock`: it must not take the key W got.
-        let holder = table.try_lock_with(3, leased()).expect("key 3 is free");
-        let pw = Hostile::new();
-        let ww = pw.waker();
-        let mut w = Box::pin(table.lock_with(3, leased()));
-        pending(&mut w, &ww, "W queues behind the leased holder");
-        clock.advance(LEASE);
-        pw.arm_wake_panic();
-        if let Some(taken) = planted_or("an innocent try_lock", || table.try_lock(3).is_ok()) {
-            assert!(!taken, "try_lock took the key that was just granted to W");
-        }
-        assert_eq!(
-            pw.wake_panics(),
-            1,
-            "precondition: try_lock settled and woke W"
-        );
-        let gw = ready(&mut w, &ww, "W still owns the grant whose wake panicked")
-            .expect("no timeout was set");
-        assert!(gw.token() > holder.token());
-        drop(gw);
-        drop(holder);
-        assert_key_free(&table, || 3, "innocent try_lock");
-
-        assert_table_empty(&table, 4, "after the three innocent callers");
-    });
-}
-
-// ---------------------------------------------------------------------------
-// 3. A re-poll whose old waker's `drop` panics.
-// ---------------------------------------------------------------------------
-
-/// A waiting future is re-polled with a new waker; dropping the waker it
-/// replaces panics. The re-poll may panic, but the future must keep its
-/// registration.
-#[test]
-fn a_panicking_old_waker_drop_on_repoll_keeps_the_registration() {
-    watchdog("old-waker-drop-panics", || {
-        let table: LockTable<u32> = LockTable::new();
-
-        // The waiter is granted when the holder releases.
-        let held = table.try_lock(1).expect("key 1 is free");
-        let old = Hostile::new();
-        let old_waker = old.waker();
-        let new = Hostile::new();
-        let new_waker = new.waker();
-        let mut fut = Box::pin(table.lock(1));
-        pending(&mut fut, &old_waker, "the waiter queues");
-        old.arm_drop_panic();
-        pending_or_planted(&mut fut, &new_waker, "the re-poll with a new waker");
-        assert_eq!(
-            table.waiters(&1),
-            1,
-            "the future still owns its registration after the old waker's drop panicked"
-        );
-        drop(held);
-        assert_eq!(new.wakes(), 1, "the release woke the waiter's new waker");
-        let guard = ready(
-            &mut fut,
-            &new_waker,
-            "the re-polled waiter is granted on release",
-        );
-        drop(guard);
-        drop(fut);
-        assert_eq!(old.drop_panics(), 1, "the replaced waker was dropped, once");
-        old.disarm_drop_panic();
-        assert_key_free(&table, || 1, "after the grant");
-
-        // The waiter is dropped instead.
-        let held = table.try_lock(2).expect("key 2 is free");
-        let old = Hostile::new();
-        let old_waker = old.waker();
-        let mut fut = Box::pin(table.lock(2));
-        pending(&mut fut, &old_waker, "the waiter queues");
-        old.arm_drop_panic();
-        pending_or_planted(&mut fut, &new_waker, "the re-poll with a new waker");
-        assert_eq!(
-            table.waiters(&2),
-            1,
-            "the future still owns its registration after the old waker's drop panicked"
-        );
-        drop(fut);
-        assert_eq!(table.waiters(&2), 0, "dropping the future removed it");
-        assert_eq!(old.drop_panics(), 1, "the replaced waker was dropped, once");
-        old.disarm_drop_panic();
-        drop(held);
-        assert_key_free(&table, || 2, "after the waiter was dropped");
-
-        assert_table_empty(&table, 3, "after both waiters");
-    });
-}
-
-// ---------------------------------------------------------------------------
-// 4. `Waker::clone` that re-enters the table, or panics.
-// ---------------------------------------------------------------------------
-
-/// Every clone of these wakers asks the table about another key of the same
-/// (only) shard. Cloning under the shard lock would deadlock the lock path,
-/// the re-poll path and the release, renew and revoke paths (which wake the
-/// head waiter for its lease timer).
-#[test]
-fn a_waker_clone_that_reenters_the_table_does_not_deadlock() {
-    watchdog("reentrant-clone", || {
-        let clock = ManualClock::new();
-        let table: Arc<LockTable<u32>> =
-            Arc::new(LockTable::builder().shards(1).clock(clock.clone()).build());
-        // Held without a lease: asking about it never reads the clock.
-        let other = table.try_lock(99).expect("key 99 is free");
-        let reentries = Arc::new(AtomicUsize::new(0));
-        let reentrant = || {
-            let table = Arc::downgrade(&table);
-            let reentries = reentries.clone();
-            Hostile::on_clone(move || {
-                if let Some(table) = table.upgrade() {
-                    if table.is_locked(&99) {
-                        reentries.fetch_add(1, SeqCst);
-                    }
-                }
-            })
-        };
-
-        let holder = table.try_lock_with(1, leased()).expect("key 1 is free");
-        // lock(): registering the waiter keeps a clone of its waker.
-        let r1 = reentrant();
-        let mut f1 = Box::pin(table.lock_with(1, leased()));
-        pending(&mut f1, &r1.waker(), "the first waiter queues");
-        // Re-poll with another waker: the registration's waker is replaced.
-        let r2 = reentrant();
-        let w2 = r2.waker();
-        pending(&mut f1, &w2, "the first waiter is re-polled");
-        let r3 = reentrant();
-        let w3 = r3.waker();
-        let mut f2 = Box::pin(table.lock_with(1, leased()));
-        pending(&mut f2, &w3, "the second waiter queues");
-        // renew: the head is woken to re-arm its timer.
-        holder.renew(LEASE).expect("the holder's lease is live");
-        // release: f1 is granted with a lease; f2, the new head, is woken.
-        drop(holder);
-        let g1 = ready(&mut f1, &w2, "f1 is granted").expect("no timeout");
-        // revoke: g1 is forced out; f2 is granted with a lease; f3, the new
-        // head, is woken.
-        let r4 = reentrant();
-        let w4 = r4.waker();
-        let mut f3 = Box::pin(table.lock_with(1, leased()));
-        pending(&mut f3, &w4, "the third waiter queues");
-        assert_eq!(table.revoke(&1), Some(g1.token()));
-        assert!(g1.is_expired());
-        let g2 = ready(&mut f2, &w3, "f2 is granted by the revocation").expect("no timeout");
-        drop(g1);
-        assert!(
-            g2.check().is_ok(),
-            "the stale release freed nothing of f2's"
-        );
-        drop(g2);
-        let g3 = ready(&mut f3, &w4, "f3 is granted").expect("no timeout");
-        drop(g3);
-        drop((f1, f2, f3));
-
-        assert!(
-            reentries.load(SeqCst) > 0,
-            "precondition: the table cloned the re-entrant wakers"
-        );
-        assert_key_free(&*table, || 1, "after the re-entrant wakers");
-        drop(other);
-        assert_table_empty(&*table, 2, "after the re-entrant wakers");
-    });
-}
-
-/// A waker whose clone asks the table about a *leased* key (which reads the
-/// manual clock) is cloned by a waiter arming its timer on that clock: the
-/// clock must not hold its own lock while it clones or drops wakers.
-#[test]
-fn a_waker_clone_that_reads_the_manual_clock_does_not_deadlock_the_timer() {
-    watchdog("clock-reentrant-clone", || {
-        let clock = ManualClock::new();
-        let table: Arc<LockTable<u32>> =
-            Arc::new(LockTable::builder().shards(1).clock(clock.clone()).build());
-        // A leased key: asking whether it is locked reads the clock.
-        let other = table.try_lock_with(99, leased()).expect("key 99 is free");
-        let reentries = Arc::new(AtomicUsize::new(0));
-        let hostile = {
-            let table = Arc::downgrade(&table);
-            let reentries = reentries.clone();
-            Hostile::on_clone(move || {
-                if let Some(table) = table.upgrade() {
-                    if table.is_locked(&99) {
-                        reentries.fetch_add(1, SeqCst);
-                    }
-                }
-            })
-        };
-        let waker = hostile.waker();
-        let holder = table.try_lock_with(1, leased()).expect("key 1 is free");
-        // The head of a leased holder's queue arms a timer on the clock,
-        // which registers (clones) this waker.
-        let mut f = Box::pin(table.lock_with(1, leased()));
-        pending(&mut f, &waker, "the waiter queues and arms its timer");
-        pending(&mut f, &waker, "the waiter re-arms its timer");
-        assert!(clock.sleepers() >= 1, "precondition: a timer is armed");
-        drop(holder);
-        let g = ready(&mut f, &waker, "the waiter is granted").expect("no timeout");
-        assert!(
-            reentries.load(SeqCst) > 0,
-            "precondition: the clock cloned the re-entrant waker"
-        );
-        drop(g);
-        drop(f);
-        drop(other);
-        assert_table_empty(&*table, 2, "after the clock's re-entrant waker");
-    });
-}
-
-/// A waiter's waker panics on clone. That panic may surface in the poll of
-/// the future that owns the waker, never in another caller's `renew`,
-/// release or `revoke` (which wake the head waiter for its lease timer); and
-/// the waiter still gets the key.
-#[test]
-fn a_panicking_waker_clone_never_surfaces_in_another_callers_renew_release_or_revoke() {
-    watchdog("clone-panics", || {
-        let clock = ManualClock::new();
-        let table: LockTable<u32> = LockTable::builder().clock(clock.clone()).build();
-
-        /// Polls X, granted the key, for its guard. Its own poll may surface
-        /// its waker's planted clone panic (that is X's own business): then
-        /// the bomb is defused and the next poll must yield the guard, the
-        /// grant having survived the panic.
-        fn granted<F: Future<Output = Result<G, LockError>> + Unpin, G>(
-            fut: &mut F,
-            hostile: &Hostile,
-            waker: &Waker,
-            what: &str,
-        ) -> G {
-            let out = match poll_caught(fut, waker) {
-                Ok(Poll::Ready(out)) => out,
-                Ok(Poll::Pending) => panic!("{what}: still pending, but the key is X's"),
-                Err(payload) => {
-                    expect_planted(payload, what);
-                    hostile.disarm_clone_panic();
-                    ready(fut, waker, what)
-                }
-            };
-            out.expect("no timeout")
-        }
-
-        // renew: X heads the queue of a leased holder.
-        let holder = table.try_lock_with(1, leased()).expect("key 1 is free");
-        let px = Hostile::new();
-        let wx = px.waker();
-        let mut x = Box::pin(table.lock_with(1, leased()));
-        pending(&mut x, &wx, "X queues at the head");
-        px.arm_clone_panic();
-        no_panic("the holder's renew()", || holder.renew(LEASE)).expect("live");
-        no_panic("the holder's release", || drop(holder));
-        let gx = granted(&mut x, &px, &wx, "X after the renew and the release");
-        drop(gx);
-        drop(x);
-        px.disarm_clone_panic();
-        assert_key_free(&table, || 1, "renew");
-
-        // release: A heads the queue (leased), X is next.
-        let holder = table.try_lock_with(2, leased()).expect("key 2 is free");
-        let pa = Hostile::new();
-        let wa = pa.waker();
-        let mut a = Box::pin(table.lock_with(2, leased()));
-        pending(&mut a, &wa, "A queues at the head");
-        let px = Hostile::new();
-        let wx = px.waker();
-        let mut x = Box::pin(table.lock_with(2, leased()));
-        pending(&mut x, &wx, "X queues behind A");
-        px.arm_clone_panic();
-        no_panic("the holder's release", || drop(holder));
-        let ga = ready(&mut a, &wa, "A is granted").expect("no timeout");
-        no_panic("A's release", || drop(ga));
-        let gx = granted(&mut x, &px, &wx, "X after A");
-        drop(gx);
-        drop((a, x));
-        px.disarm_clone_panic();
-        assert_key_free(&table, || 2, "release");
-
-        // revoke: A heads the queue (leased), X is next.
-        let holder = table.try_lock_with(3, leased()).expect("key 3 is free");
-        let mut a = Box::pin(table.lock_with(3, leased()));
-        pending(&mut a, &wa, "A queues at the head");
-        let px = Hostile::new();
-        let wx = px.waker();
-        let mut x = Box::pin(table.lock_with(3, leased()));
-        pending(&mut x, &wx, "X queues behind A");
-        px.arm_clone_panic();
-        let revoked = no_panic("revoke()", || table.revoke(&3));
-        assert_eq!(revoked, Some(holder.token()));
-        assert!(holder.is_expired());
-        let ga = ready(&mut a, &wa, "A is granted by the revocation").expect("no timeout");
-        no_panic("the revoked holder's release", || drop(holder));
-        no_panic("A's release", || drop(ga));
-        let gx = granted(&mut x, &px, &wx, "X after A");
-        drop(gx);
-        drop((a, x));
-        px.disarm_clone_panic();
-        assert_key_free(&table, || 3, "revoke");
-
-        assert_table_empty(&table, 4, "after the panicking clones");
-    });
-}
-
-// ---------------------------------------------------------------------------
-// 5. Every waker due a wake gets it.
-// ---------------------------------------------------------------------------
-
-/// One operation wakes two waiters: the head it grants, and (the grant
-/// carrying a lease) the next head, so that it arms its lease timer. The
-/// first wake panics; the second must still be delivered before the panic
-/// (if any) reaches the caller.
-#[test]
-fn every_waker_due_a_wake_is_woken_even_if_an_earlier_one_panics() {
-    watchdog("one-wake-panics", || {
-        let clock = ManualClock::new();
-        let table: LockTable<u32> = LockTable::builder().clock(clock.clone()).build();
-
-        // revoke of a holder without a lease, two leased waiters: B's timer
-        // covers no holder deadline, so A's leased grant nudges it.
-        let holder = table.try_lock(1).expect("key 1 is free");
-        let pa = Hostile::new();
-        let wa = pa.waker();
-        let mut a = Box::pin(table.lock_with(1, leased()));
-        pending(&mut a, &wa, "A queues at the head");
-        let pb = Hostile::new();
-        let wb = pb.waker();
-        let mut b = Box::pin(table.lock_with(1, leased()));
-        pending(&mut b, &wb, "B queues behind A");
-        let b_before = pb.wakes();
-        pa.arm_wake_panic();
-        let revoked = planted_or("revoke()", || table.revoke(&1));
-        let b_after = pb.wakes();
-        assert_eq!(pa.wake_panics(), 1, "precondition: A, granted, was woken");
-        assert!(
-            b_after > b_before,
-            "B (the new head of a leased grant) was not woken because A's wake panicked first"
-        );
-        if let Some(revoked) = revoked {
-            assert_eq!(revoked, Some(holder.token()));
-        }
-        assert!(holder.is_expired());
-        let ga = ready(&mut a, &wa, "A keeps the grant whose wake panicked").expect("no timeout");
-        pending(&mut b, &wb, "B waits behind A");
-        drop(ga);
-        let gb = ready(&mut b, &wb, "B is granted after A").expect("no timeout");
-        drop(gb);
-        drop(holder);
-        drop((a, b));
-        assert_key_free(&table, || 1, "revoke");
-
-        // release of a holder with two waiters, the first one leased.
-        let holder = table.try_lock(2).expect("key 2 is free");
-        let pa = Hostile::new();
-        let wa = pa.waker();
-        let mut a = Box::pin(table.lock_with(2, leased()));
-        pending(&mut a, &wa, "A queues at the head");
-        let pb = Hostile::new();
-        let wb = pb.waker();
-        let mut b = Box::pin(table.lock(2));
-        pending(&mut b, &wb, "B queues behind A");
-        let b_before = pb.wakes();
-        pa.arm_wake_panic();
-        planted_or("the holder's release", || drop(holder));
-        let b_after = pb.wakes();
-        assert_eq!(pa.wake_panics(), 1, "precondition: A, granted, was woken");
-        assert!(
-            b_after > b_before,
-            "B (the new head of a leased grant) was not woken because A's wake panicked first"
-        );
-        let ga = ready(&mut a, &wa, "A keeps the grant whose wake panicked").expect("no timeout");
-        pending(&mut b, &wb, "B waits behind A");
-        drop(ga);
-        let gb = ready(&mut b, &wb, "B is granted after A");
-        drop(gb);
-        drop((a, b));
-        assert_key_free(&table, || 2, "release");
-
-        assert_table_empty(&table, 3, "after the panicking wakes");
-    });
-}
-
-/// `ManualClock::advance` wakes every sleeper whose deadline it passed; the
-/// first one's wake panics, the second must still be woken.
-#[test]
-fn manual_clock_advance_wakes_every_due_sleeper_even_if_one_panics() {
-    watchdog("clock-wake-panics", || {
-        let clock = ManualClock::new();
-        let table: LockTable<u32> = LockTable::builder().clock(clock.clone()).build();
-        let h1 = table.try_lock_with(1, leased()).expect("key 1 is free");
-        let h2 = table.try_lock_with(2, leased()).expect("key 2 is free");
-        let pa = Hostile::new();
-        let wa = pa.waker();
-        let mut a = Box::pin(table.lock(1));
-        pending(&mut a, &wa, "A waits for key 1 with a lease timer");
-        let pb = Hostile::new();
-        let wb = pb.waker();
-        let mut b = Box::pin(table.lock(2));
-        pending(&mut b, &wb, "B waits for key 2 with a lease timer");
-        assert_eq!(clock.sleepers(), 2, "precondition: both timers are armed");
-        pa.arm_wake_panic();
-        planted_or("ManualClock::advance", || clock.advance(LEASE));
-        assert_eq!(pa.wake_panics(), 1, "precondition: A's timer fired");
-        assert_eq!(
-            pb.wakes(),
-            1,
-            "B's timer was due too, but its wake was lost because A's panicked first"
-        );
-        let ga = ready(&mut a, &wa, "A gets key 1 once its holder lapsed");
-        let gb = ready(&mut b, &wb, "B gets key 2 once its holder lapsed");
-        assert!(h1.is_expired() && h2.is_expired());
-        drop((ga, gb, h1, h2, a, b));
-        assert_key_free(&table, || 1, "key 1");
-        assert_key_free(&table, || 2, "key 2");
-        assert_table_empty(&table, 3, "after the clock's wakes");
-    });
-}
-
-// ---------------------------------------------------------------------------
-// 6. A key whose `Eq` panics.
-// ---------------------------------------------------------------------------
-
-/// Every key collides, so looking up key 2 compares it with the held key 1;
-/// key 2's `Eq` panics. The call panics, and the rejected key must be dropped
-/// only after the shard lock is released: its `Drop` asks the table about
-/// key 1, which would deadlock under the lock.
-#[test]
-fn a_key_whose_eq_panics_is_dropped_after_the_shard_lock_is_released() {
-    watchdog("eq-panics", || {
-        let table: Arc<LockTable<Key, Collide>> =
-            Arc::new(LockTable::builder().hasher(Collide).build());
-        let held = table.try_lock(Key::plain(1)).expect("key 1 is free");
-        let seen = Arc::new(Mutex::new(Vec::new()));
-        let bomb = || {
-            let table = Arc::downgrade(&table);
-            let seen = seen.clone();
-            Key::eq_bomb(2, move || {
-                let table = table.upgrade().expect("the table is alive");
-                let locked = table.is_locked(&Key::plain(1));
-                seen.lock().unwrap().push(locked);
-            })
-        };
-
-        let outcome = catch_unwind(AssertUnwindSafe(|| table.try_lock(bomb()).is_ok()));
-        match outcome {
-            Ok(_) => panic!("try_lock with a key whose Eq panics must panic"),
-            Err(payload) => assert_eq!(expect_planted(payload, "try_lock"), "Key::eq"),
-        }
-        assert_eq!(
-            *seen.lock().unwrap(),
-            [true],
-            "try_lock dropped the rejected key once, and its Drop saw key 1 held"
-        );
-
-        let probe = Hostile::new();
-        let mut fut = Box::pin(table.lock(bomb()));
-        match poll_caught(&mut fut, &probe.waker()) {
-            Ok(_) => panic!("lock with a key whose Eq panics must panic"),
-            Err(payload) => assert_eq!(expect_planted(payload, "lock"), "Key::eq"),
-        }
-        drop(fut);
-        assert_eq!(
-            *seen.lock().unwrap(),
-            [true, true],
-            "lock dropped the rejected key once, and its Drop saw key 1 held"
-        );
-
+    /// The key made by `key` is neither held nor awaited and can be taken again.
+    #[track_caller]
+    fn assert_key_free<K: Eq + Hash, S: BuildHasher>(
+        table: &LockTable<K, S>,
+        key: impl Fn() -> K,
+        what: &str,
+    ) {
         table.assert_consistent();
-        assert_eq!(table.len(), 1, "only the held key has an entry");
-        assert_eq!(table.waiters(&Key::plain(1)), 0);
+        assert_eq!(table.waiters(&key()), 0, "{what}: nobody waits for the key");
+        assert!(!table.is_locked(&key()), "{what}: nobody holds the key");
+        let again = table.try_lock(key());
         assert!(
-            table.is_locked(&Key::plain(1)),
-            "the held key is still held"
+            again.is_ok(),
+            "{what}: the key is stranded: try_lock fails with nobody holding or awaiting it"
         );
-        assert!(held.check().is_ok(), "and its guard still works");
-        assert!(table.try_lock(Key::plain(1)).is_err());
-        drop(held);
-        assert_key_free(&*table, || Key::plain(1), "the held key");
-        assert_key_free(&*table, || Key::plain(2), "the rejected key");
-        assert_table_empty(&*table, Key::plain(3), "after the panicking Eq");
-    });
-}
+        drop(again);
+        table.assert_consistent();
+    }
 
-// ---------------------------------------------------------------------------
-// 7. Granted waiters that never run, or run late.
-// ---------------------------------------------------------------------------
-
-/// A queued future with a lease is forgotten, then granted the key. It never
-/// runs, so its grant lapses after one lease; from then on the key must serve
-/// others and then be free, never go back to the forgotten waiter.
-#[test]
-fn a_forgotten_granted_waiter_whose_lease_lapses_never_takes_the_key_again() {
-    watchdog("forgotten-granted-waiter", || {
-        let clock = ManualClock::new();
-        let table: LockTable<u32> = LockTable::builder().clock(clock.clone()).build();
-        let holder = table.try_lock(1).expect("key 1 is free");
-        let pf = Hostile::new();
-        let mut forgotten = Box::pin(table.lock_with(1, leased()));
-        assert!(
-            forgotten
-                .as_mut()
-                .poll(&mut Context::from_waker(&pf.waker()))
-                .is_pending(),
-            "the forgotten waiter queues"
-        );
-        std::mem::forget(forgotten);
-        let po = Hostile::new();
-        let wo = po.waker();
-        let mut other = Box::pin(table.lock(1));
-        pending(&mut other, &wo, "another waiter queues behind it");
-        assert_eq!(table.waiters(&1), 2);
-
-        drop(holder);
-        assert_eq!(pf.wakes(), 1, "the forgotten waiter was granted the key");
-        assert!(table.is_locked(&1));
-        pending(&mut other, &wo, "the forgotten waiter's grant is live");
-        clock.advance(LEASE);
-        let guard = ready(
-            &mut other,
-            &wo,
-            "the other waiter is served after one lease",
-        );
+    /// The table keeps nothing, and a key it never saw works.
+    #[track_caller]
+    fn assert_table_empty<K: Eq + Hash, S: BuildHasher>(
+        table: &LockTable<K, S>,
+        fresh: K,
+        what: &str,
+    ) {
+        table.assert_consistent();
+        assert_eq!(table.len(), 0, "{what}: an entry was left behind");
+        assert!(table.is_empty(), "{what}: is_empty agrees with len");
+        let guard = table.try_lock(fresh);
+        assert!(guard.is_ok(), "{what}: a fresh key can be taken");
+        assert_eq!(table.len(), 1, "{what}: the fresh key is the only entry");
         drop(guard);
+        assert_eq!(table.len(), 0, "{what}: the fresh key is released");
+        table.assert_consistent();
+    }
 
-        for cycle in 0..3 {
-            assert_eq!(table.waiters(&1), 0, "cycle {cycle}: nobody waits");
-            assert!(
-                !table.is_locked(&1),
-                "cycle {cycle}: the forgotten waiter, whose grant lapsed, holds the key again"
+    // ---------------------------------------------------------------------------
+    // A hostile waker.
+    // ---------------------------------------------------------------------------
+
+    type Hook = Box<dyn Fn() + Send + Sync>;
+
+    /// The state shared by every handle of one hostile waker: what was done to
+    /// it, and how it misbehaves.
+    #[derive(Default)]
+    struct Hostile {
+        /// Wakes delivered (a wake that panicked is not one).
+        wakes: AtomicUsize,
+        clones: AtomicUsize,
+        wake_panics: AtomicUsize,
+        drop_panics: AtomicUsize,
+        /// The next wake panics (once).
+        wake_armed: AtomicBool,
+        /// The next drop of a handle panics (once).
+        drop_armed: AtomicBool,
+        /// Every clone panics while set.
+        clone_armed: AtomicBool,
+        /// Run by every clone, before it returns (for re-entrance).
+        on_clone: Option<Hook>,
+        /// Run by every wake, before it is counted (for re-entrance).
+        on_wake: Option<Hook>,
+    }
+
+    impl Hostile {
+        fn new() -> Arc<Self> {
+            Arc::new(Self::default())
+        }
+
+        /// A waker whose every clone runs `hook` first.
+        fn on_clone(hook: impl Fn() + Send + Sync + 'static) -> Arc<Self> {
+            Arc::new(Self {
+                on_clone: Some(Box::new(hook)),
+                ..Self::default()
+            })
+        }
+
+        /// A waker whose every wake runs `hook` first.
+        fn on_wake(hook: impl Fn() + Send + Sync + 'static) -> Arc<Self> {
+            Arc::new(Self {
+                on_wake: Some(Box::new(hook)),
+                ..Self::default()
+            })
+        }
+
+        /// A new handle (not counted as a clone, and runs no hook).
+        fn waker(self: &Arc<Self>) -> Waker {
+            let data = Arc::into_raw(self.clone()).cast::<()>();
+            // SAFETY: `data` is an `Arc<Hostile>` turned into a raw pointer, which
+            // is what every function of `VTABLE` expects.
+            unsafe { Waker::from_raw(RawWaker::new(data, &VTABLE)) }
+        }
+
+        fn arm_wake_panic(&self) {
+            self.wake_armed.store(true, SeqCst);
+        }
+
+        fn arm_drop_panic(&self) {
+            self.drop_armed.store(true, SeqCst);
+        }
+
+        fn disarm_drop_panic(&self) {
+            self.drop_armed.store(false, SeqCst);
+        }
+
+        fn arm_clone_panic(&self) {
+            self.clone_armed.store(true, SeqCst);
+        }
+
+        fn disarm_clone_panic(&self) {
+            self.clone_armed.store(false, SeqCst);
+        }
+
+        fn wakes(&self) -> usize {
+            self.wakes.load(SeqCst)
+        }
+
+        fn wake_panics(&self) -> usize {
+            self.wake_panics.load(SeqCst)
+        }
+
+        fn drop_panics(&self) -> usize {
+            self.drop_panics.load(SeqCst)
+        }
+
+        fn woken(&self) {
+            if let Some(hook) = &self.on_wake {
+                hook();
+            }
+            if self.wake_armed.swap(false, SeqCst) && !thread::panicking() {
+                self.wake_panics.fetch_add(1, SeqCst);
+                plant("Waker::wake");
+            }
+            self.wakes.fetch_add(1, SeqCst);
+        }
+    }
+
+    static VTABLE: RawWakerVTable = RawWakerVTable::new(v_clone, v_wake, v_wake_by_ref, v_drop);
+
+    unsafe fn v_clone(data: *const ()) -> RawWaker {
+        // SAFETY: `data` is a live `Arc<Hostile>` pointer borrowed for this call.
+        let hostile = unsafe { &*data.cast::<Hostile>() };
+        if let Some(hook) = &hostile.on_clone {
+            hook();
+        }
+        if hostile.clone_armed.load(SeqCst) && !thread::panicking() {
+            // Before the count is taken: the panicking clone leaks nothing.
+            plant("Waker::clone");
+        }
+        hostile.clones.fetch_add(1, SeqCst);
+        // SAFETY: as above; the new handle owns the count taken here.
+        unsafe { Arc::increment_strong_count(data.cast::<Hostile>()) };
+        RawWaker::new(data, &VTABLE)
+    }
+
+    unsafe fn v_wake(data: *const ()) {
+        // SAFETY: `wake` consumes the handle, whose count is given back when
+        // `hostile` drops (also if `woken` panics).
+        let hostile = unsafe { Arc::from_raw(data.cast::<Hostile>()) };
+        hostile.woken();
+    }
+
+    unsafe fn v_wake_by_ref(data: *const ()) {
+        // SAFETY: `data` is a live `Arc<Hostile>` pointer borrowed for this call.
+        let hostile = unsafe { &*data.cast::<Hostile>() };
+        hostile.woken();
+    }
+
+    unsafe fn v_drop(data: *const ()) {
+        // SAFETY: the handle is dropped, so its count is given back (also if the
+        // planted panic fires).
+        let hostile = unsafe { Arc::from_raw(data.cast::<Hostile>()) };
+        if hostile.drop_armed.swap(false, SeqCst) && !thread::panicking() {
+            hostile.drop_panics.fetch_add(1, SeqCst);
+            plant("Waker::drop");
+        }
+    }
+
+    // ---------------------------------------------------------------------------
+    // Hostile keys.
+    // ---------------------------------------------------------------------------
+
+    type DropHook = Box<dyn FnOnce() + Send + Sync>;
+
+    /// A key compared and hashed by `id` alone. The other fields make one
+    /// instance hostile without changing which key it is.
+    struct Key {
+        id: u32,
+        /// Dropping this instance panics (after running `on_drop`).
+        drop_panics: bool,
+        /// Comparing this instance with any key panics.
+        eq_panics: bool,
+        on_drop: Option<DropHook>,
+    }
+
+    impl Key {
+        fn plain(id: u32) -> Self {
+            Self {
+                id,
+                drop_panics: false,
+                eq_panics: false,
+                on_drop: None,
+            }
+        }
+
+        /// A duplicate of key `id` whose drop counts itself in `drops`, then
+        /// panics.
+        fn drop_bomb(id: u32, drops: &Arc<AtomicUsize>) -> Self {
+            let drops = drops.clone();
+            Self {
+                id,
+                drop_panics: true,
+                eq_panics: false,
+                on_drop: Some(Box::new(move || {
+                    drops.fetch_add(1, SeqCst);
+                })),
+            }
+        }
+
+        /// Key `id`, whose `Eq` panics and whose drop runs `on_drop`.
+        fn eq_bomb(id: u32, on_drop: impl FnOnce() + Send + Sync + 'static) -> Self {
+            Self {
+                id,
+                drop_panics: false,
+                eq_panics: true,
+                on_drop: Some(Box::new(on_drop)),
+            }
+        }
+    }
+
+    impl PartialEq for Key {
+        fn eq(&self, other: &Self) -> bool {
+            if self.eq_panics || other.eq_panics {
+                plant("Key::eq");
+            }
+            self.id == other.id
+        }
+    }
+
+    impl Eq for Key {}
+
+    impl Hash for Key {
+        fn hash<H: Hasher>(&self, state: &mut H) {
+            self.id.hash(state);
+        }
+    }
+
+    impl Drop for Key {
+        fn drop(&mut self) {
+            if let Some(hook) = self.on_drop.take() {
+                hook();
+            }
+            if self.drop_panics {
+                plant("Key::drop");
+            }
+        }
+    }
+
+    impl fmt::Debug for Key {
+        fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+            f.debug_tuple("Key").field(&self.id).finish()
+        }
+    }
+
+    /// A hasher under which every key collides: one shard, one hash, so a lookup
+    /// compares the caller's key with every key of the shard.
+    #[derive(Clone, Copy, Debug, Default)]
+    struct Collide;
+
+    struct ConstHasher;
+
+    impl Hasher for ConstHasher {
+        fn finish(&self) -> u64 {
+            0x5a5a_5a5a_5a5a_5a5a
+        }
+
+        fn write(&mut self, _: &[u8]) {}
+    }
+
+    impl BuildHasher for Collide {
+        type Hasher = ConstHasher;
+
+        fn build_hasher(&self) -> ConstHasher {
+            ConstHasher
+        }
+    }
+
+    // ---------------------------------------------------------------------------
+    // 1. A key whose `Drop` panics.
+    // ---------------------------------------------------------------------------
+
+    /// The caller's key duplicates one the table already keeps, so the table drops
+    /// the caller's copy while queueing it; that drop panics. The future must
+    /// still own its registration: granted on release, or cancelled when dropped.
+    #[test]
+    fn a_key_whose_drop_panics_while_queueing_still_owns_its_slot() {
+        watchdog("drop-panics-while-queueing", || {
+            let table: LockTable<Key> = LockTable::new();
+            let drops = Arc::new(AtomicUsize::new(0));
+            let probe = Hostile::new();
+            let waker = probe.waker();
+
+            // The waiter is granted when the holder releases.
+            let held = table.try_lock(Key::plain(1)).expect("key 1 is free");
+            let mut fut = Box::pin(table.lock(Key::drop_bomb(1, &drops)));
+            pending_or_planted(&mut fut, &waker, "queueing behind the holder");
+            assert_eq!(
+                table.waiters(&Key::plain(1)),
+                1,
+                "the future still owns its registration after its key panicked on drop"
             );
-            let guard = table.try_lock(1);
+            drop(held);
+            let guard = ready(
+                &mut fut,
+                &waker,
+                "the waiter whose key panicked on drop is granted on release",
+            );
+            assert_eq!(guard.key().id, 1);
+            assert!(table.is_locked(&Key::plain(1)));
+            drop(guard);
+            drop(fut);
+            assert_key_free(&table, || Key::plain(1), "after the grant");
+
+            // The waiter is dropped instead: its registration goes with it.
+            let held = table.try_lock(Key::plain(2)).expect("key 2 is free");
+            let mut fut = Box::pin(table.lock(Key::drop_bomb(2, &drops)));
+            pending_or_planted(&mut fut, &waker, "queueing behind the holder");
+            assert_eq!(
+                table.waiters(&Key::plain(2)),
+                1,
+                "the future still owns its registration after its key panicked on drop"
+            );
+            drop(fut);
+            assert_eq!(
+                table.waiters(&Key::plain(2)),
+                0,
+                "dropping the future removed its registration"
+            );
+            assert_eq!(table.len(), 1, "only the holder's entry is left");
+            drop(held);
+            assert_key_free(&table, || Key::plain(2), "after the waiter was dropped");
+
+            assert_eq!(
+                drops.load(SeqCst),
+                2,
+                "each duplicate key was dropped exactly once"
+            );
+            assert_table_empty(&table, Key::plain(3), "after both waiters");
+        });
+    }
+
+    // ---------------------------------------------------------------------------
+    // 2. A waker whose `wake` panics, woken by an innocent caller.
+    // ---------------------------------------------------------------------------
+
+    /// W waits behind a leased holder whose lease lapses. An innocent caller
+    /// touches the key, settles the lapse and grants W, whose wake panics inside
+    /// the innocent call. W must keep its grant and the innocent caller must be
+    /// left validly queued (or told no), never orphaned.
+    #[test]
+    fn a_panicking_wake_during_an_innocent_callers_lapse_settlement_loses_nothing() {
+        watchdog("wake-panics-in-innocent-call", || {
+            let clock = ManualClock::new();
+            let table: LockTable<u32> = LockTable::builder().clock(clock.clone()).build();
+
+            // The innocent caller is a lock future.
+            let holder = table.try_lock_with(1, leased()).expect("key 1 is free");
+            let pw = Hostile::new();
+            let ww = pw.waker();
+            let mut w = Box::pin(table.lock_with(1, leased()));
+            pending(&mut w, &ww, "W queues behind the leased holder");
+            clock.advance(LEASE);
+            pw.arm_wake_panic();
+            let pi = Hostile::new();
+            let wi = pi.waker();
+            let mut innocent = Box::pin(table.lock(1));
+            pending_or_planted(&mut innocent, &wi, "the innocent lock queues behind W");
+            assert_eq!(
+                pw.wake_panics(),
+                1,
+                "precondition: the innocent lock settled the lapse and woke W"
+            );
+            assert!(holder.is_expired(), "the lapsed holder is fenced");
+            assert_eq!(
+                table.waiters(&1),
+                1,
+                "the innocent future is still queued, behind W"
+            );
+            let gw = ready(&mut w, &ww, "W still owns the grant whose wake panicked")
+                .expect("no timeout was set");
+            assert!(gw.token() > holder.token(), "W's grant is newer");
+            assert!(!gw.is_expired());
+            pending(
+                &mut innocent,
+                &wi,
+                "the innocent future still waits, with its registration",
+            );
+            drop(gw);
             assert!(
+                pi.wakes() >= 1,
+                "the innocent waiter was woken by W's release"
+            );
+            let gi = ready(&mut innocent, &wi, "the innocent future is granted next");
+            drop(holder);
+            assert!(!gi.is_expired());
+            drop(gi);
+            assert_key_free(&table, || 1, "innocent lock");
+
+            // The innocent call is the lapsed holder's own `check()`.
+            let holder = table.try_lock_with(2, leased()).expect("key 2 is free");
+            let pw = Hostile::new();
+            let ww = pw.waker();
+            let mut w = Box::pin(table.lock_with(2, leased()));
+            pending(&mut w, &ww, "W queues behind the leased holder");
+            clock.advance(LEASE);
+            pw.arm_wake_panic();
+            if let Some(checked) = planted_or("the lapsed holder's check()", || holder.check()) {
+                assert_eq!(
+                    checked,
+                    Err(LockError::Expired {
+                        token: holder.token()
+                    })
+                );
+            }
+            assert_eq!(
+                pw.wake_panics(),
+                1,
+                "precondition: check() settled and woke W"
+            );
+            let gw = ready(&mut w, &ww, "W still owns the grant whose wake panicked")
+                .expect("no timeout was set");
+            assert!(gw.token() > holder.token());
+            assert!(table.try_lock(2).is_err(), "W holds the key");
+            drop(gw);
+            drop(holder);
+            assert_key_free(&table, || 2, "innocent check()");
+
+            // The innocent call is a `try_lock`: it must not take the key W got.
+            let holder = table.try_lock_with(3, leased()).expect("key 3 is free");
+            let pw = Hostile::new();
+            let ww = pw.waker();
+            let mut w = Box::pin(table.lock_with(3, leased()));
+            pending(&mut w, &ww, "W queues behind the leased holder");
+            clock.advance(LEASE);
+            pw.arm_wake_panic();
+            if let Some(taken) = planted_or("an innocent try_lock", || table.try_lock(3).is_ok()) {
+                assert!(!taken, "try_lock took the key that was just granted to W");
+            }
+            assert_eq!(
+                pw.wake_panics(),
+                1,
+                "precondition: try_lock settled and woke W"
+            );
+            let gw = ready(&mut w, &ww, "W still owns the grant whose wake panicked")
+                .expect("no timeout was set");
+            assert!(gw.token() > holder.token());
+            drop(gw);
+            drop(holder);
+            assert_key_free(&table, || 3, "innocent try_lock");
+
+            assert_table_empty(&table, 4, "after the three innocent callers");
+        });
+    }
+
+    // ---------------------------------------------------------------------------
+    // 3. A re-poll whose old waker's `drop` panics.
+    // ---------------------------------------------------------------------------
+
+    /// A waiting future is re-polled with a new waker; dropping the waker it
+    /// replaces panics. The re-poll may panic, but the future must keep its
+    /// registration.
+    #[test]
+    fn a_panicking_old_waker_drop_on_repoll_keeps_the_registration() {
+        watchdog("old-waker-drop-panics", || {
+            let table: LockTable<u32> = LockTable::new();
+
+            // The waiter is granted when the holder releases.
+            let held = table.try_lock(1).expect("key 1 is free");
+            let old = Hostile::new();
+            let old_waker = old.waker();
+            let new = Hostile::new();
+            let new_waker = new.waker();
+            let mut fut = Box::pin(table.lock(1));
+            pending(&mut fut, &old_waker, "the waiter queues");
+            old.arm_drop_panic();
+            pending_or_planted(&mut fut, &new_waker, "the re-poll with a new waker");
+            assert_eq!(
+                table.waiters(&1),
+                1,
+                "the future still owns its registration after the old waker's drop panicked"
+            );
+            drop(held);
+            assert_eq!(new.wakes(), 1, "the release woke the waiter's new waker");
+            let guard = ready(
+                &mut fut,
+                &new_waker,
+                "the re-polled waiter is granted on release",
+            );
+            drop(guard);
+            drop(fut);
+            assert_eq!(old.drop_panics(), 1, "the replaced waker was dropped, once");
+            old.disarm_drop_panic();
+            assert_key_free(&table, || 1, "after the grant");
+
+            // The waiter is dropped instead.
+            let held = table.try_lock(2).expect("key 2 is free");
+            let old = Hostile::new();
+            let old_waker = old.waker();
+            let mut fut = Box::pin(table.lock(2));
+            pending(&mut fut, &old_waker, "the waiter queues");
+            old.arm_drop_panic();
+            pending_or_planted(&mut fut, &new_waker, "the re-poll with a new waker");
+            assert_eq!(
+                table.waiters(&2),
+                1,
+                "the future still owns its registration after the old waker's drop panicked"
+            );
+            drop(fut);
+            assert_eq!(table.waiters(&2), 0, "dropping the future removed it");
+            assert_eq!(old.drop_panics(), 1, "the replaced waker was dropped, once");
+            old.disarm_drop_panic();
+            drop(held);
+            assert_key_free(&table, || 2, "after the waiter was dropped");
+
+            assert_table_empty(&table, 3, "after both waiters");
+        });
+    }
+
+    // ---------------------------------------------------------------------------
+    // 4. `Waker::clone` that re-enters the table, or panics.
+    // ---------------------------------------------------------------------------
+
+    /// Every clone of these wakers asks the table about another key of the same
+    /// (only) shard. Cloning under the shard lock would deadlock the lock path,
+    /// the re-poll path and the release, renew and revoke paths (which wake the
+    /// head waiter for its lease timer).
+    #[test]
+    fn a_waker_clone_that_reenters_the_table_does_not_deadlock() {
+        watchdog("reentrant-clone", || {
+            let clock = ManualClock::new();
+            let table: Arc<LockTable<u32>> =
+                Arc::new(LockTable::builder().shards(1).clock(clock.clone()).build());
+            // Held without a lease: asking about it never reads the clock.
+            let other = table.try_lock(99).expect("key 99 is free");
+            let reentries = Arc::new(AtomicUsize::new(0));
+            let reentrant = || {
+                let table = Arc::downgrade(&table);
+                let reentries = reentries.clone();
+                Hostile::on_clone(move || {
+                    if let Some(table) = table.upgrade() {
+                        if table.is_locked(&99) {
+                            reentries.fetch_add(1, SeqCst);
+                        }
+                    }
+                })
+            };
+
+            let holder = table.try_lock_with(1, leased()).expect("key 1 is free");
+            // lock(): registering the waiter keeps a clone of its waker.
+            let r1 = reentrant();
+            let mut f1 = Box::pin(table.lock_with(1, leased()));
+            pending(&mut f1, &r1.waker(), "the first waiter queues");
+            // Re-poll with another waker: the registration's waker is replaced.
+            let r2 = reentrant();
+            let w2 = r2.waker();
+            pending(&mut f1, &w2, "the first waiter is re-polled");
+            let r3 = reentrant();
+            let w3 = r3.waker();
+            let mut f2 = Box::pin(table.lock_with(1, leased()));
+            pending(&mut f2, &w3, "the second waiter queues");
+            // renew: the head is woken to re-arm its timer.
+            holder.renew(LEASE).expect("the holder's lease is live");
+            // release: f1 is granted with a lease; f2, the new head, is woken.
+            drop(holder);
+            let g1 = ready(&mut f1, &w2, "f1 is granted").expect("no timeout");
+            // revoke: g1 is forced out; f2 is granted with a lease; f3, the new
+            // head, is woken.
+            let r4 = reentrant();
+            let w4 = r4.waker();
+            let mut f3 = Box::pin(table.lock_with(1, leased()));
+            pending(&mut f3, &w4, "the third waiter queues");
+            assert_eq!(table.revoke(&1), Some(g1.token()));
+            assert!(g1.is_expired());
+            let g2 = ready(&mut f2, &w3, "f2 is granted by the revocation").expect("no timeout");
+            drop(g1);
+            assert!(
+                g2.check().is_ok(),
+                "the stale release freed nothing of f2's"
+            );
+            drop(g2);
+            let g3 = ready(&mut f3, &w4, "f3 is granted").expect("no timeout");
+            drop(g3);
+            drop((f1, f2, f3));
+
+            assert!(
+                reentries.load(SeqCst) > 0,
+                "precondition: the table cloned the re-entrant wakers"
+            );
+            assert_key_free(&*table, || 1, "after the re-entrant wakers");
+            drop(other);
+            assert_table_empty(&*table, 2, "after the re-entrant wakers");
+        });
+    }
+
+    /// A waker whose clone asks the table about a *leased* key (which reads the
+    /// manual clock) is cloned by a waiter arming its timer on that clock: the
+    /// clock must not hold its own lock while it clones or drops wakers.
+    #[test]
+    fn a_waker_clone_that_reads_the_manual_clock_does_not_deadlock_the_timer() {
+        watchdog("clock-reentrant-clone", || {
+            let clock = ManualClock::new();
+            let table: Arc<LockTable<u32>> =
+                Arc::new(LockTable::builder().shards(1).clock(clock.clone()).build());
+            // A leased key: asking whether it is locked reads the clock.
+            let other = table.try_lock_with(99, leased()).expect("key 99 is free");
+            let reentries = Arc::new(AtomicUsize::new(0));
+            let hostile = {
+                let table = Arc::downgrade(&table);
+                let reentries = reentries.clone();
+                Hostile::on_clone(move || {
+                    if let Some(table) = table.upgrade() {
+                        if table.is_locked(&99) {
+                            reentries.fetch_add(1, SeqCst);
+                        }
+                    }
+                })
+            };
+            let waker = hostile.waker();
+            let holder = table.try_lock_with(1, leased()).expect("key 1 is free");
+            // The head of a leased holder's queue arms a timer on the clock,
+            // which registers (clones) this waker.
+            let mut f = Box::pin(table.lock_with(1, leased()));
+            pending(&mut f, &waker, "the waiter queues and arms its timer");
+            pending(&mut f, &waker, "the waiter re-arms its timer");
+            assert!(clock.sleepers() >= 1, "precondition: a timer is armed");
+            drop(holder);
+            let g = ready(&mut f, &waker, "the waiter is granted").expect("no timeout");
+            assert!(
+                reentries.load(SeqCst) > 0,
+                "precondition: the clock cloned the re-entrant waker"
+            );
+            drop(g);
+            drop(f);
+            drop(other);
+            assert_table_empty(&*table, 2, "after the clock's re-entrant waker");
+        });
+    }
+
+    /// A waiter's waker panics on clone. That panic may surface in the poll of
+    /// the future that owns the waker, never in another caller's `renew`,
+    /// release or `revoke` (which wake the head waiter for its lease timer); and
+    /// the waiter still gets the key.
+    #[test]
+    fn a_panicking_waker_clone_never_surfaces_in_another_callers_renew_release_or_revoke() {
+        watchdog("clone-panics", || {
+            let clock = ManualClock::new();
+            let table: LockTable<u32> = LockTable::builder().clock(clock.clone()).build();
+
+            /// Polls X, granted the key, for its guard. Its own poll may surface
+            /// its waker's planted clone panic (that is X's own business): then
+            /// the bomb is defused and the next poll must yield the guard, the
+            /// grant having survived the panic.
+            fn granted<F: Future<Output = Result<G, LockError>> + Unpin, G>(
+                fut: &mut F,
+                hostile: &Hostile,
+                waker: &Waker,
+                what: &str,
+            ) -> G {
+                let out = match poll_caught(fut, waker) {
+                    Ok(Poll::Ready(out)) => out,
+                    Ok(Poll::Pending) => panic!("{what}: still pending, but the key is X's"),
+                    Err(payload) => {
+                        expect_planted(payload, what);
+                        hostile.disarm_clone_panic();
+                        ready(fut, waker, what)
+                    }
+                };
+                out.expect("no timeout")
+            }
+
+            // renew: X heads the queue of a leased holder.
+            let holder = table.try_lock_with(1, leased()).expect("key 1 is free");
+            let px = Hostile::new();
+            let wx = px.waker();
+            let mut x = Box::pin(table.lock_with(1, leased()));
+            pending(&mut x, &wx, "X queues at the head");
+            px.arm_clone_panic();
+            no_panic("the holder's renew()", || holder.renew(LEASE)).expect("live");
+            no_panic("the holder's release", || drop(holder));
+            let gx = granted(&mut x, &px, &wx, "X after the renew and the release");
+            drop(gx);
+            drop(x);
+            px.disarm_clone_panic();
+            assert_key_free(&table, || 1, "renew");
+
+            // release: A heads the queue (leased), X is next.
+            let holder = table.try_lock_with(2, leased()).expect("key 2 is free");
+            let pa = Hostile::new();
+            let wa = pa.waker();
+            let mut a = Box::pin(table.lock_with(2, leased()));
+            pending(&mut a, &wa, "A queues at the head");
+            let px = Hostile::new();
+            let wx = px.waker();
+            let mut x = Box::pin(table.lock_with(2, leased()));
+            pending(&mut x, &wx, "X queues behind A");
+            px.arm_clone_panic();
+            no_panic("the holder's release", || drop(holder));
+            let ga = ready(&mut a, &wa, "A is granted").expect("no timeout");
+            no_panic("A's release", || drop(ga));
+            let gx = granted(&mut x, &px, &wx, "X after A");
+            drop(gx);
+            drop((a, x));
+            px.disarm_clone_panic();
+            assert_key_free(&table, || 2, "release");
+
+            // revoke: A heads the queue (leased), X is next.
+            let holder = table.try_lock_with(3, leased()).expect("key 3 is free");
+            let mut a = Box::pin(table.lock_with(3, leased()));
+            pending(&mut a, &wa, "A queues at the head");
+            let px = Hostile::new();
+            let wx = px.waker();
+            let mut x = Box::pin(table.lock_with(3, leased()));
+            pending(&mut x, &wx, "X queues behind A");
+            px.arm_clone_panic();
+            let revoked = no_panic("revoke()", || table.revoke(&3));
+            assert_eq!(revoked, Some(holder.token()));
+            assert!(holder.is_expired());
+            let ga = ready(&mut a, &wa, "A is granted by the revocation").expect("no timeout");
+            no_panic("the revoked holder's release", || drop(holder));
+            no_panic("A's release", || drop(ga));
+            let gx = granted(&mut x, &px, &wx, "X after A");
+            drop(gx);
+            drop((a, x));
+            px.disarm_clone_panic();
+            assert_key_free(&table, || 3, "revoke");
+
+            assert_table_empty(&table, 4, "after the panicking clones");
+        });
+    }
+
+    // ---------------------------------------------------------------------------
+    // 5. Every waker due a wake gets it.
+    // ---------------------------------------------------------------------------
+
+    /// One operation wakes two waiters: the head it grants, and (the grant
+    /// carrying a lease) the next head, so that it arms its lease timer. The
+    /// first wake panics; the second must still be delivered before the panic
+    /// (if any) reaches the caller.
+    #[test]
+    fn every_waker_due_a_wake_is_woken_even_if_an_earlier_one_panics() {
+        watchdog("one-wake-panics", || {
+            let clock = ManualClock::new();
+            let table: LockTable<u32> = LockTable::builder().clock(clock.clone()).build();
+
+            // revoke of a holder without a lease, two leased waiters: B's timer
+            // covers no holder deadline, so A's leased grant nudges it.
+            let holder = table.try_lock(1).expect("key 1 is free");
+            let pa = Hostile::new();
+            let wa = pa.waker();
+            let mut a = Box::pin(table.lock_with(1, leased()));
+            pending(&mut a, &wa, "A queues at the head");
+            let pb = Hostile::new();
+            let wb = pb.waker();
+            let mut b = Box::pin(table.lock_with(1, leased()));
+            pending(&mut b, &wb, "B queues behind A");
+            let b_before = pb.wakes();
+            pa.arm_wake_panic();
+            let revoked = planted_or("revoke()", || table.revoke(&1));
+            let b_after = pb.wakes();
+            assert_eq!(pa.wake_panics(), 1, "precondition: A, granted, was woken");
+            assert!(
+                b_after > b_before,
+                "B (the new head of a leased grant) was not woken because A's wake panicked first"
+            );
+            if let Some(revoked) = revoked {
+                assert_eq!(revoked, Some(holder.token()));
+            }
+            assert!(holder.is_expired());
+            let ga =
+                ready(&mut a, &wa, "A keeps the grant whose wake panicked").expect("no timeout");
+            pending(&mut b, &wb, "B waits behind A");
+            drop(ga);
+            let gb = ready(&mut b, &wb, "B is granted after A").expect("no timeout");
+            drop(gb);
+            drop(holder);
+            drop((a, b));
+            assert_key_free(&table, || 1, "revoke");
+
+            // release of a holder with two waiters, the first one leased.
+            let holder = table.try_lock(2).expect("key 2 is free");
+            let pa = Hostile::new();
+            let wa = pa.waker();
+            let mut a = Box::pin(table.lock_with(2, leased()));
+            pending(&mut a, &wa, "A queues at the head");
+            let pb = Hostile::new();
+            let wb = pb.waker();
+            let mut b = Box::pin(table.lock(2));
+            pending(&mut b, &wb, "B queues behind A");
+            let b_before = pb.wakes();
+            pa.arm_wake_panic();
+            planted_or("the holder's release", || drop(holder));
+            let b_after = pb.wakes();
+            assert_eq!(pa.wake_panics(), 1, "precondition: A, granted, was woken");
+            assert!(
+                b_after > b_before,
+                "B (the new head of a leased grant) was not woken because A's wake panicked first"
+            );
+            let ga =
+                ready(&mut a, &wa, "A keeps the grant whose wake panicked").expect("no timeout");
+            pending(&mut b, &wb, "B waits behind A");
+            drop(ga);
+            let gb = ready(&mut b, &wb, "B is granted after A");
+            drop(gb);
+            drop((a, b));
+            assert_key_free(&table, || 2, "release");
+
+            assert_table_empty(&table, 3, "after the panicking wakes");
+        });
+    }
+
+    /// `ManualClock::advance` wakes every sleeper whose deadline it passed; the
+    /// first one's wake panics, the second must still be woken.
+    #[test]
+    fn manual_clock_advance_wakes_every_due_sleeper_even_if_one_panics() {
+        watchdog("clock-wake-panics", || {
+            let clock = ManualClock::new();
+            let table: LockTable<u32> = LockTable::builder().clock(clock.clone()).build();
+            let h1 = table.try_lock_with(1, leased()).expect("key 1 is free");
+            let h2 = table.try_lock_with(2, leased()).expect("key 2 is free");
+            let pa = Hostile::new();
+            let wa = pa.waker();
+            let mut a = Box::pin(table.lock(1));
+            pending(&mut a, &wa, "A waits for key 1 with a lease timer");
+            let pb = Hostile::new();
+            let wb = pb.waker();
+            let mut b = Box::pin(table.lock(2));
+            pending(&mut b, &wb, "B waits for key 2 with a lease timer");
+            assert_eq!(clock.sleepers(), 2, "precondition: both timers are armed");
+            pa.arm_wake_panic();
+            planted_or("ManualClock::advance", || clock.advance(LEASE));
+            assert_eq!(pa.wake_panics(), 1, "precondition: A's timer fired");
+            assert_eq!(
+                pb.wakes(),
+                1,
+                "B's timer was due too, but its wake was lost because A's panicked first"
+            );
+            let ga = ready(&mut a, &wa, "A gets key 1 once its holder lapsed");
+            let gb = ready(&mut b, &wb, "B gets key 2 once its holder lapsed");
+            assert!(h1.is_expired() && h2.is_expired());
+            drop((ga, gb, h1, h2, a, b));
+            assert_key_free(&table, || 1, "key 1");
+            assert_key_free(&table, || 2, "key 2");
+            assert_table_empty(&table, 3, "after the clock's wakes");
+        });
+    }
+
+    // ---------------------------------------------------------------------------
+    // 6. A key whose `Eq` panics.
+    // ---------------------------------------------------------------------------
+
+    /// Every key collides, so looking up key 2 compares it with the held key 1;
+    /// key 2's `Eq` panics. The call panics, and the rejected key must be dropped
+    /// only after the shard lock is released: its `Drop` asks the table about
+    /// key 1, which would deadlock under the lock.
+    #[test]
+    fn a_key_whose_eq_panics_is_dropped_after_the_shard_lock_is_released() {
+        watchdog("eq-panics", || {
+            let table: Arc<LockTable<Key, Collide>> =
+                Arc::new(LockTable::builder().hasher(Collide).build());
+            let held = table.try_lock(Key::plain(1)).expect("key 1 is free");
+            let seen = Arc::new(Mutex::new(Vec::new()));
+            let bomb = || {
+                let table = Arc::downgrade(&table);
+                let seen = seen.clone();
+                Key::eq_bomb(2, move || {
+                    let table = table.upgrade().expect("the table is alive");
+                    let locked = table.is_locked(&Key::plain(1));
+                    seen.lock().unwrap().push(locked);
+                })
+            };
+
+            let outcome = catch_unwind(AssertUnwindSafe(|| table.try_lock(bomb()).is_ok()));
+            match outcome {
+                Ok(_) => panic!("try_lock with a key whose Eq panics must panic"),
+                Err(payload) => assert_eq!(expect_planted(payload, "try_lock"), "Key::eq"),
+            }
+            assert_eq!(
+                *seen.lock().unwrap(),
+                [true],
+                "try_lock dropped the rejected key once, and its Drop saw key 1 held"
+            );
+
+            let probe = Hostile::new();
+            let mut fut = Box::pin(table.lock(bomb()));
+            match poll_caught(&mut fut, &probe.waker()) {
+                Ok(_) => panic!("lock with a key whose Eq panics must panic"),
+                Err(payload) => assert_eq!(expect_planted(payload, "lock"), "Key::eq"),
+            }
+            drop(fut);
+            assert_eq!(
+                *seen.lock().unwrap(),
+                [true, true],
+                "lock dropped the rejected key once, and its Drop saw key 1 held"
+            );
+
+            table.assert_consistent();
+            assert_eq!(table.len(), 1, "only the held key has an entry");
+            assert_eq!(table.waiters(&Key::plain(1)), 0);
+            assert!(
+                table.is_locked(&Key::plain(1)),
+                "the held key is still held"
+            );
+            assert!(held.check().is_ok(), "and its guard still works");
+            assert!(table.try_lock(Key::plain(1)).is_err());
+            drop(held);
+            assert_key_free(&*table, || Key::plain(1), "the held key");
+            assert_key_free(&*table, || Key::plain(2), "the rejected key");
+            assert_table_empty(&*table, Key::plain(3), "after the panicking Eq");
+        });
+    }
+
+    // ---------------------------------------------------------------------------
+    // 7. Granted waiters that never run, or run late.
+    // ---------------------------------------------------------------------------
+
+    /// A queued future with a lease is forgotten, then granted the key. It never
+    /// runs, so its grant lapses after one lease; from then on the key must serve
+    /// others and then be free, never go back to the forgotten waiter.
+    #[test]
+    fn a_forgotten_granted_waiter_whose_lease_lapses_never_takes_the_key_again() {
+        watchdog("forgotten-granted-waiter", || {
+            let clock = ManualClock::new();
+            let table: LockTable<u32> = LockTable::builder().clock(clock.clone()).build();
+            let holder = table.try_lock(1).expect("key 1 is free");
+            let pf = Hostile::new();
+            let mut forgotten = Box::pin(table.lock_with(1, leased()));
+            assert!(
+                forgotten
+                    .as_mut()
+                    .poll(&mut Context::from_waker(&pf.waker()))
+                    .is_pending(),
+                "the forgotten waiter queues"
+            );
+            std::mem::forget(forgotten);
+            let po = Hostile::new();
+            let wo = po.waker();
+            let mut other = Box::pin(table.lock(1));
+            pending(&mut other, &wo, "another waiter queues behind it");
+            assert_eq!(table.waiters(&1), 2);
+
+            drop(holder);
+            assert_eq!(pf.wakes(), 1, "the forgotten waiter was granted the key");
+            assert!(table.is_locked(&1));
+            pending(&mut other, &wo, "the forgotten waiter's grant is live");
+            clock.advance(LEASE);
+            let guard = ready(
+                &mut other,
+                &wo,
+                "the other waiter is served after one lease",
+            );
+            drop(guard);
+
+            for cycle in 0..3 {
+                assert_eq!(table.waiters(&1), 0, "cycle {cycle}: nobody waits");
+                assert!(
+                    !table.is_locked(&1),
+                    "cycle {cycle}: the forgotten waiter, whose grant lapsed, holds the key again"
+                );
+                let guard = table.try_lock(1);
+                assert!(
                 guard.is_ok(),
                 "cycle {cycle}: try_lock fails for ever: the forgotten waiter keeps taking the key"
             );
-            drop(guard);
-            clock.advance(LEASE);
-        }
-        let mut late = Box::pin(table.lock(1));
-        let guard = ready(&mut late, &wo, "a newcomer gets the key at once");
-        drop(guard);
-        drop(late);
-
-        table.assert_consistent();
-        assert!(
-            table.len() <= 1,
-            "only the forgotten future's fenced claim may keep an entry"
-        );
-        let fresh = table.try_lock(2);
-        assert!(fresh.is_ok(), "other keys still work");
-        drop(fresh);
-        table.assert_consistent();
-    });
-}
-
-/// A waiter granted the key whose lease lapses before it runs is fenced like
-/// a guard: the key passes on, and the waiter, when it finally runs,
-/// resolves to an expired guard whose drop frees nothing of its successor's.
-#[test]
-fn a_granted_waiter_whose_lease_lapses_before_it_runs_resolves_to_a_fenced_guard() {
-    watchdog("late-granted-waiter", || {
-        let clock = ManualClock::new();
-        let table: LockTable<u32> = LockTable::builder().clock(clock.clone()).build();
-        let holder = table.try_lock(1).expect("key 1 is free");
-        let pw = Hostile::new();
-        let ww = pw.waker();
-        let mut late = Box::pin(table.lock_with(1, leased()));
-        pending(&mut late, &ww, "the late waiter queues");
-        let po = Hostile::new();
-        let wo = po.waker();
-        let mut other = Box::pin(table.lock(1));
-        pending(&mut other, &wo, "another waiter queues behind it");
-
-        drop(holder);
-        assert_eq!(pw.wakes(), 1, "the late waiter was granted the key");
-        pending(&mut other, &wo, "the late waiter's grant is live");
-        clock.advance(LEASE);
-        let go = ready(
-            &mut other,
-            &wo,
-            "the other waiter is served after one lease",
-        );
-
-        let gl = match poll_caught(&mut late, &ww) {
-            Ok(Poll::Ready(out)) => out.expect("no timeout"),
-            Ok(Poll::Pending) => panic!(
-                "the waiter whose grant lapsed before it ran was re-queued (pending) instead \
-                 of resolving to a fenced guard"
-            ),
-            Err(payload) => panic!("the late waiter's poll panicked: {}", message(&*payload)),
-        };
-        assert!(gl.is_expired(), "the late waiter's guard is fenced");
-        assert_eq!(gl.check(), Err(LockError::Expired { token: gl.token() }));
-        assert!(
-            gl.token() < go.token(),
-            "its grant came before the successor's"
-        );
-        drop(gl);
-        assert!(table.is_locked(&1), "the fenced guard's drop freed nothing");
-        assert_eq!(
-            go.check(),
-            Ok(go.token()),
-            "the successor still holds the key"
-        );
-        assert!(table.try_lock(1).is_err());
-        assert_eq!(table.waiters(&1), 0);
-        drop(go);
-        drop((late, other));
-        assert_key_free(&table, || 1, "after the late waiter");
-        assert_table_empty(&table, 2, "after the late waiter");
-    });
-}
-
-/// `revoke` of a waiter that was granted the key but has not run fences it:
-/// it is not re-queued, the key passes to the next waiter or becomes free,
-/// and the waiter resolves to an expired guard.
-#[test]
-fn revoking_a_granted_but_unpolled_waiter_fences_it_instead_of_requeueing_it() {
-    watchdog("revoke-granted-waiter", || {
-        let table: LockTable<u32> = LockTable::new();
-
-        // Another waiter is queued: the key passes to it, then becomes free.
-        let holder = table.try_lock(1).expect("key 1 is free");
-        let pw = Hostile::new();
-        let ww = pw.waker();
-        let mut w = Box::pin(table.lock(1));
-        pending(&mut w, &ww, "W queues");
-        let po = Hostile::new();
-        let wo = po.waker();
-        let mut other = Box::pin(table.lock(1));
-        pending(&mut other, &wo, "another waiter queues behind W");
-        drop(holder);
-        assert_eq!(pw.wakes(), 1, "W was granted the key");
-        let revoked = table
-            .revoke(&1)
-            .expect("W's unobserved grant is the live holder");
-        let go = ready(&mut other, &wo, "the key passed to the other waiter");
-        assert!(go.token() > revoked);
-        drop(go);
-        assert_eq!(table.waiters(&1), 0, "the revoked waiter was re-queued");
-        assert!(
-            !table.is_locked(&1),
-            "the revoked waiter was re-queued and granted the key again"
-        );
-        let taken = table.try_lock(1);
-        assert!(
-            taken.is_ok(),
-            "the key is free once the other waiter is done"
-        );
-        let gw = ready(&mut w, &ww, "the revoked waiter resolves");
-        assert_eq!(gw.token(), revoked, "to the guard of its revoked grant");
-        assert!(gw.is_expired(), "which is fenced");
-        assert_eq!(gw.check(), Err(LockError::Expired { token: revoked }));
-        drop(gw);
-        let taken = taken.expect("checked above");
-        assert!(taken.check().is_ok(), "the fenced guard freed nothing");
-        drop(taken);
-        drop((w, other));
-        assert_key_free(&table, || 1, "with another waiter");
-
-        // Nobody else waits: the key becomes free at once.
-        let holder = table.try_lock(2).expect("key 2 is free");
-        let mut w = Box::pin(table.lock(2));
-        pending(&mut w, &ww, "W queues");
-        drop(holder);
-        let revoked = table
-            .revoke(&2)
-            .expect("W's unobserved grant is the live holder");
-        assert!(
-            !table.is_locked(&2),
-            "the revoked waiter was granted the key again at once"
-        );
-        assert_eq!(table.waiters(&2), 0);
-        let taken = table.try_lock(2);
-        assert!(
-            taken.is_ok(),
-            "the key is free after revoking its only grant"
-        );
-        let gw = ready(&mut w, &ww, "the revoked waiter resolves");
-        assert_eq!(gw.token(), revoked);
-        assert!(gw.is_expired());
-        drop(gw);
-        let taken = taken.expect("checked above");
-        assert!(taken.check().is_ok(), "the fenced guard freed nothing");
-        drop(taken);
-        drop(w);
-        assert_key_free(&table, || 2, "alone");
-
-        assert_table_empty(&table, 3, "after the revocations");
-    });
-}
-
-// ---------------------------------------------------------------------------
-// 8. A clock advanced by `Duration::MAX`.
-// ---------------------------------------------------------------------------
-
-/// Advancing the manual clock by `Duration::MAX`, twice, and by other huge
-/// amounts saturates instead of overflowing; leases lapse, releases work, and
-/// no two live guards ever hold one key.
-#[test]
-fn manual_clock_advance_by_duration_max_saturates_instead_of_panicking() {
-    watchdog("clock-saturates", || {
-        let clock = ManualClock::new();
-        let table: LockTable<u32> = LockTable::builder().clock(clock.clone()).build();
-        let g1 = table.try_lock_with(1, leased()).expect("key 1 is free");
-        let pw = Hostile::new();
-        let ww = pw.waker();
-        let mut w = Box::pin(table.lock_with(1, leased()));
-        pending(&mut w, &ww, "W waits with a lease timer");
-        let g2 = table.try_lock_with(2, leased()).expect("key 2 is free");
-
-        for by in [
-            Duration::MAX,
-            Duration::MAX,
-            Duration::from_secs(u64::MAX / 2),
-            Duration::from_nanos(1),
-        ] {
-            no_panic(&format!("ManualClock::advance({by:?})"), || {
-                clock.advance(by);
-            });
-        }
-        no_panic("ManualClock::now after saturating", || clock.now());
-        assert!(pw.wakes() >= 1, "W's lease timer fired");
-
-        // Key 2: the lapsed grant is fenced, the key is taken exactly once.
-        assert!(g2.is_expired(), "a leased guard lapsed");
-        assert_eq!(g2.check(), Err(LockError::Expired { token: g2.token() }));
-        let t1 = table.try_lock(2);
-        assert!(t1.is_ok(), "the key whose grant lapsed can be taken");
-        assert!(
-            table.try_lock(2).is_err(),
-            "but only once: two guards would hold one key"
-        );
-        drop(g2);
-        assert!(table.is_locked(&2), "the stale release freed nothing");
-        let t1 = t1.expect("checked above");
-        assert!(t1.check().is_ok());
-        drop(t1);
-        assert_key_free(&table, || 2, "key 2");
-
-        // Key 1: the lapsed holder is fenced, W gets the key.
-        assert!(g1.is_expired(), "a leased guard lapsed");
-        let gw = ready(&mut w, &ww, "W gets the key its holder lost").expect("no timeout");
-        assert!(gw.token() > g1.token());
-        let intruder = table.try_lock(1);
-        assert!(
-            intruder.is_err() || gw.is_expired(),
-            "two live guards hold key 1"
-        );
-        drop(intruder);
-        drop(g1);
-        drop(gw);
-        drop(w);
-        assert_key_free(&table, || 1, "key 1");
-
-        // A new leased grant after saturation.
-        let g3 = table.try_lock_with(3, leased()).expect("key 3 is free");
-        let again = table.try_lock_with(3, leased());
-        assert!(
-            again.is_err() || g3.is_expired(),
-            "two live guards hold key 3"
-        );
-        drop(again);
-        drop(g3);
-        assert_key_free(&table, || 3, "key 3");
-
-        assert_table_empty(&table, 4, "after saturating the clock");
-    });
-}
-
-// ---------------------------------------------------------------------------
-// 8b. Loss notification with hostile wakers.
-// ---------------------------------------------------------------------------
-
-/// `Lost` futures are woken after the unlock, by a revoke or by the lapse
-/// their timer finds. Of three on one grant, one's wake panics, one's wake
-/// re-enters the table (it revokes another key's grant, reads the key it
-/// watched and takes and releases a third key), one is plain: every one is
-/// woken, the revoke's own work is complete (the key passed to the waiter),
-/// the panic surfaces only in the revoking call, and nothing is stranded.
-/// Then a `Lost` whose waker's clone panics is not registered (nothing to
-/// wake), and one whose waker's drop panics is unregistered all the same
-/// when dropped.
-#[test]
-fn lost_futures_whose_wakers_panic_or_reenter_strand_nothing() {
-    watchdog("lost-hostile-wakers", || {
-        let clock = ManualClock::new();
-        let table: Arc<LockTable<u32>> =
-            Arc::new(LockTable::builder().clock(clock.clone()).build());
-
-        // A revoke wakes all three.
-        let holder = table.try_lock_with(1, leased()).expect("key 1 is free");
-        let other = table.try_lock(2).expect("key 2 is free");
-        let pw = Hostile::new();
-        let ww = pw.waker();
-        let mut next = Box::pin(table.lock(1));
-        pending(&mut next, &ww, "a waiter queues behind the holder");
-
-        let pa = Hostile::new();
-        pa.arm_wake_panic();
-        let reentered = Arc::new(AtomicUsize::new(0));
-        let pb = {
-            let (table, reentered) = (table.clone(), reentered.clone());
-            Hostile::on_wake(move || {
-                table.revoke(&2);
-                assert!(table.is_locked(&1), "the key passed on before the wake");
-                drop(table.try_lock(3).expect("key 3 is free"));
-                reentered.fetch_add(1, SeqCst);
-            })
-        };
-        let pc = Hostile::new();
-        let (wa, wb, wc) = (pa.waker(), pb.waker(), pc.waker());
-        let (mut la, mut lb, mut lc) = (holder.lost(), holder.lost(), holder.lost());
-        pending(&mut la, &wa, "A watches");
-        pending(&mut lb, &wb, "B watches");
-        pending(&mut lc, &wc, "C watches");
-
-        let revoked = planted_or("revoke() waking the watchers", || table.revoke(&1));
-        assert_eq!(pa.wake_panics(), 1, "A's wake ran (and panicked)");
-        assert_eq!(
-            reentered.load(SeqCst),
-            1,
-            "B's wake ran, re-entering the table"
-        );
-        assert_eq!(pc.wakes(), 1, "C was woken although A's wake panicked");
-        assert_eq!(pw.wakes(), 1, "the waiter was handed the key and woken");
-        if let Some(revoked) = revoked {
-            assert_eq!(revoked, Some(holder.token()));
-        }
-        assert!(holder.is_expired());
-        assert!(other.is_expired(), "B's re-entrant revoke took effect");
-        let expired = LockError::Expired {
-            token: holder.token(),
-        };
-        assert_eq!(ready(&mut la, &wa, "A after the revoke"), expired);
-        assert_eq!(ready(&mut lb, &wb, "B after the revoke"), expired);
-        assert_eq!(ready(&mut lc, &wc, "C after the revoke"), expired);
-        let g = ready(&mut next, &ww, "the waiter holds the key");
-        assert_eq!(g.check(), Ok(g.token()));
-        drop((la, lb, lc));
-        drop((g, next));
-        drop((holder, other));
-        assert_key_free(&table, || 1, "after the revoke");
-        assert_key_free(&table, || 2, "after the re-entrant revoke");
-
-        // A lapse found by the timer: the clock's advance wakes the watcher,
-        // whose wake panics and re-enters; the watcher then settles the
-        // lapse, and the key passes on.
-        let holder = table.try_lock_with(4, leased()).expect("key 4 is free");
-        let mut next = Box::pin(table.lock(4));
-        pending(&mut next, &ww, "a waiter queues behind the leased holder");
-        let pl = {
-            let table = table.clone();
-            Hostile::on_wake(move || {
-                assert!(!table.is_locked(&4), "judged now: the lease lapsed");
-            })
-        };
-        pl.arm_wake_panic();
-        let wl = pl.waker();
-        let mut lost = holder.lost();
-        pending(&mut lost, &wl, "the watcher arms its timer");
-        planted_or("advance() past the lease", || clock.advance(LEASE));
-        assert_eq!(pl.wake_panics(), 1, "the watcher's timer fired");
-        assert!(matches!(
-            ready(&mut lost, &wl, "the watcher after the lapse"),
-            LockError::Expired { .. }
-        ));
-        let g = ready(&mut next, &ww, "the lapse handed the key on");
-        drop(lost);
-        drop((g, next, holder));
-        assert_key_free(&table, || 4, "after the lapse");
-
-        // A watcher whose clone panics registers nothing; one whose drop
-        // panics is still unregistered.
-        let holder = table.try_lock(5).expect("key 5 is free");
-        let pk = Hostile::new();
-        pk.arm_clone_panic();
-        let wk = pk.waker();
-        let mut lk = holder.lost();
-        assert!(pending_or_planted(&mut lk, &wk, "a watcher whose clone panics").is_some());
-        pk.disarm_clone_panic();
-        let pd = Hostile::new();
-        let wd = pd.waker();
-        let mut ld = holder.lost();
-        pending(&mut ld, &wd, "a watcher whose drop will panic");
-        pd.arm_drop_panic();
-        planted_or("dropping the watcher", || drop(ld));
-        assert_eq!(pd.drop_panics(), 1, "the registered handle was dropped");
-        table.assert_consistent();
-        assert_eq!(table.revoke(&5), Some(holder.token()));
-        assert_eq!(
-            (pk.wakes(), pd.wakes()),
-            (0, 0),
-            "an unregistered watcher was woken"
-        );
-        assert!(matches!(
-            ready(&mut lk, &wk, "the first watcher"),
-            LockError::Expired { .. }
-        ));
-        drop(lk);
-        drop(holder);
-        assert_key_free(&table, || 5, "after the hostile watchers");
-        assert_table_empty(&table, 6, "after the hostile watchers");
-    });
-}
-
-// ---------------------------------------------------------------------------
-// 9. Keys whose `Eq` disagrees with `Hash`.
-// ---------------------------------------------------------------------------
-
-/// Equal to nothing, not even itself; every instance hashes alike (the id
-/// only tells instances apart in a debugger).
-#[allow(dead_code)]
-struct NeverEq(u32);
-
-impl PartialEq for NeverEq {
-    fn eq(&self, _: &Self) -> bool {
-        false
-    }
-}
-
-impl Eq for NeverEq {}
-
-impl Hash for NeverEq {
-    fn hash<H: Hasher>(&self, state: &mut H) {
-        0u8.hash(state);
-    }
-}
-
-/// A source of hashes that differ every time a key is hashed.
-static FICKLE: AtomicU64 = AtomicU64::new(0);
-
-/// Equal by id, but hashed differently every time.
-struct Fickle(u32);
-
-impl PartialEq for Fickle {
-    fn eq(&self, other: &Self) -> bool {
-        self.0 == other.0
-    }
-}
-
-impl Eq for Fickle {}
-
-impl Hash for Fickle {
-    fn hash<H: Hasher>(&self, state: &mut H) {
-        FICKLE.fetch_add(1, SeqCst).hash(state);
-    }
-}
-
-/// Equal to everything, and hashed differently every time.
-struct AlwaysEq(u32);
-
-impl PartialEq for AlwaysEq {
-    fn eq(&self, _: &Self) -> bool {
-        true
-    }
-}
-
-impl Eq for AlwaysEq {}
-
-impl Hash for AlwaysEq {
-    fn hash<H: Hasher>(&self, state: &mut H) {
-        (self.0, FICKLE.fetch_add(1, SeqCst)).hash(state);
-    }
-}
-
-/// Locks, queues, releases and cancels keys made by `key`; whatever the
-/// (unspecified) outcome of each call, nothing may panic and every grant must
-/// pair with its release.
-fn churn<K: Eq + Hash>(table: &LockTable<K>, key: impl Fn(u32) -> K, what: &str) {
-    let waker = Waker::noop();
-    no_panic(what, || {
-        let mut guards = Vec::new();
-        for i in 0..6 {
-            if let Ok(guard) = table.try_lock(key(i % 2)) {
-                guards.push(guard);
+                drop(guard);
+                clock.advance(LEASE);
             }
-        }
-        let mut waiting = Vec::new();
-        for i in 0..6 {
-            let mut fut = Box::pin(table.lock(key(i % 3)));
-            match fut.as_mut().poll(&mut Context::from_waker(waker)) {
-                Poll::Ready(guard) => guards.push(guard),
-                Poll::Pending => waiting.push(fut),
-            }
-        }
-        while let Some(guard) = guards.pop() {
+            let mut late = Box::pin(table.lock(1));
+            let guard = ready(&mut late, &wo, "a newcomer gets the key at once");
             drop(guard);
-        }
-        for _ in 0..4 {
-            waiting.retain_mut(|fut| {
-                fut.as_mut()
-                    .poll(&mut Context::from_waker(waker))
-                    .is_pending()
-            });
-        }
-        // Some may still wait or hold an unobserved grant: cancel them.
-        drop(waiting);
-    });
-    table.assert_consistent();
-    assert_eq!(
-        table.len(),
-        0,
-        "{what}: a lock did not pair with its release"
-    );
-}
+            drop(late);
 
-/// `Eq` that disagrees with `Hash` is a logic error of the caller with
-/// unspecified but memory-safe results: no panic inside the table, and every
-/// grant's release finds it.
-#[test]
-fn keys_whose_eq_disagrees_with_hash_still_pair_every_lock_with_its_release() {
-    watchdog("eq-disagrees-with-hash", || {
-        let table: LockTable<NeverEq> = LockTable::new();
-        churn(&table, NeverEq, "Eq always false, one hash");
-        let table: LockTable<Fickle> = LockTable::new();
-        churn(&table, Fickle, "Eq by id, a new hash every time");
-        let table: LockTable<AlwaysEq> = LockTable::new();
-        churn(&table, AlwaysEq, "Eq always true, a new hash every time");
-        let table: LockTable<AlwaysEq, Collide> = LockTable::builder().hasher(Collide).build();
-        no_panic("Eq always true, one hash", || {
-            let a = table.try_lock(AlwaysEq(1)).expect("empty table");
-            assert!(table.try_lock(AlwaysEq(2)).is_err(), "all keys are one key");
-            drop(a);
+            table.assert_consistent();
+            assert!(
+                table.len() <= 1,
+                "only the forgotten future's fenced claim may keep an entry"
+            );
+            let fresh = table.try_lock(2);
+            assert!(fresh.is_ok(), "other keys still work");
+            drop(fresh);
+            table.assert_consistent();
         });
-        assert_eq!(table.len(), 0);
+    }
+
+    /// A waiter granted the key whose lease lapses before it runs is fenced like
+    /// a guard: the key passes on, and the waiter, when it finally runs,
+    /// resolves to an expired guard whose drop frees nothing of its successor's.
+    #[test]
+    fn a_granted_waiter_whose_lease_lapses_before_it_runs_resolves_to_a_fenced_guard() {
+        watchdog("late-granted-waiter", || {
+            let clock = ManualClock::new();
+            let table: LockTable<u32> = LockTable::builder().clock(clock.clone()).build();
+            let holder = table.try_lock(1).expect("key 1 is free");
+            let pw = Hostile::new();
+            let ww = pw.waker();
+            let mut late = Box::pin(table.lock_with(1, leased()));
+            pending(&mut late, &ww, "the late waiter queues");
+            let po = Hostile::new();
+            let wo = po.waker();
+            let mut other = Box::pin(table.lock(1));
+            pending(&mut other, &wo, "another waiter queues behind it");
+
+            drop(holder);
+            assert_eq!(pw.wakes(), 1, "the late waiter was granted the key");
+            pending(&mut other, &wo, "the late waiter's grant is live");
+            clock.advance(LEASE);
+            let go = ready(
+                &mut other,
+                &wo,
+                "the other waiter is served after one lease",
+            );
+
+            let gl = match poll_caught(&mut late, &ww) {
+                Ok(Poll::Ready(out)) => out.expect("no timeout"),
+                Ok(Poll::Pending) => panic!(
+                    "the waiter whose grant lapsed before it ran was re-queued (pending) instead \
+                 of resolving to a fenced guard"
+                ),
+                Err(payload) => panic!("the late waiter's poll panicked: {}", message(&*payload)),
+            };
+            assert!(gl.is_expired(), "the late waiter's guard is fenced");
+            assert_eq!(gl.check(), Err(LockError::Expired { token: gl.token() }));
+            assert!(
+                gl.token() < go.token(),
+                "its grant came before the successor's"
+            );
+            drop(gl);
+            assert!(table.is_locked(&1), "the fenced guard's drop freed nothing");
+            assert_eq!(
+                go.check(),
+                Ok(go.token()),
+                "the successor still holds the key"
+            );
+            assert!(table.try_lock(1).is_err());
+            assert_eq!(table.waiters(&1), 0);
+            drop(go);
+            drop((late, other));
+            assert_key_free(&table, || 1, "after the late waiter");
+            assert_table_empty(&table, 2, "after the late waiter");
+        });
+    }
+
+    /// `revoke` of a waiter that was granted the key but has not run fences it:
+    /// it is not re-queued, the key passes to the next waiter or becomes free,
+    /// and the waiter resolves to an expired guard.
+    #[test]
+    fn revoking_a_granted_but_unpolled_waiter_fences_it_instead_of_requeueing_it() {
+        watchdog("revoke-granted-waiter", || {
+            let table: LockTable<u32> = LockTable::new();
+
+            // Another waiter is queued: the key passes to it, then becomes free.
+            let holder = table.try_lock(1).expect("key 1 is free");
+            let pw = Hostile::new();
+            let ww = pw.waker();
+            let mut w = Box::pin(table.lock(1));
+            pending(&mut w, &ww, "W queues");
+            let po = Hostile::new();
+            let wo = po.waker();
+            let mut other = Box::pin(table.lock(1));
+            pending(&mut other, &wo, "another waiter queues behind W");
+            drop(holder);
+            assert_eq!(pw.wakes(), 1, "W was granted the key");
+            let revoked = table
+                .revoke(&1)
+                .expect("W's unobserved grant is the live holder");
+            let go = ready(&mut other, &wo, "the key passed to the other waiter");
+            assert!(go.token() > revoked);
+            drop(go);
+            assert_eq!(table.waiters(&1), 0, "the revoked waiter was re-queued");
+            assert!(
+                !table.is_locked(&1),
+                "the revoked waiter was re-queued and granted the key again"
+            );
+            let taken = table.try_lock(1);
+            assert!(
+                taken.is_ok(),
+                "the key is free once the other waiter is done"
+            );
+            let gw = ready(&mut w, &ww, "the revoked waiter resolves");
+            assert_eq!(gw.token(), revoked, "to the guard of its revoked grant");
+            assert!(gw.is_expired(), "which is fenced");
+            assert_eq!(gw.check(), Err(LockError::Expired { token: revoked }));
+            drop(gw);
+            let taken = taken.expect("checked above");
+            assert!(taken.check().is_ok(), "the fenced guard freed nothing");
+            drop(taken);
+            drop((w, other));
+            assert_key_free(&table, || 1, "with another waiter");
+
+            // Nobody else waits: the key becomes free at once.
+            let holder = table.try_lock(2).expect("key 2 is free");
+            let mut w = Box::pin(table.lock(2));
+            pending(&mut w, &ww, "W queues");
+            drop(holder);
+            let revoked = table
+                .revoke(&2)
+                .expect("W's unobserved grant is the live holder");
+            assert!(
+                !table.is_locked(&2),
+                "the revoked waiter was granted the key again at once"
+            );
+            assert_eq!(table.waiters(&2), 0);
+            let taken = table.try_lock(2);
+            assert!(
+                taken.is_ok(),
+                "the key is free after revoking its only grant"
+            );
+            let gw = ready(&mut w, &ww, "the revoked waiter resolves");
+            assert_eq!(gw.token(), revoked);
+            assert!(gw.is_expired());
+            drop(gw);
+            let taken = taken.expect("checked above");
+            assert!(taken.check().is_ok(), "the fenced guard freed nothing");
+            drop(taken);
+            drop(w);
+            assert_key_free(&table, || 2, "alone");
+
+            assert_table_empty(&table, 3, "after the revocations");
+        });
+    }
+
+    // ---------------------------------------------------------------------------
+    // 8. A clock advanced by `Duration::MAX`.
+    // ---------------------------------------------------------------------------
+
+    /// Advancing the manual clock by `Duration::MAX`, twice, and by other huge
+    /// amounts saturates instead of overflowing; leases lapse, releases work, and
+    /// no two live guards ever hold one key.
+    #[test]
+    fn manual_clock_advance_by_duration_max_saturates_instead_of_panicking() {
+        watchdog("clock-saturates", || {
+            let clock = ManualClock::new();
+            let table: LockTable<u32> = LockTable::builder().clock(clock.clone()).build();
+            let g1 = table.try_lock_with(1, leased()).expect("key 1 is free");
+            let pw = Hostile::new();
+            let ww = pw.waker();
+            let mut w = Box::pin(table.lock_with(1, leased()));
+            pending(&mut w, &ww, "W waits with a lease timer");
+            let g2 = table.try_lock_with(2, leased()).expect("key 2 is free");
+
+            for by in [
+                Duration::MAX,
+                Duration::MAX,
+                Duration::from_secs(u64::MAX / 2),
+                Duration::from_nanos(1),
+            ] {
+                no_panic(&format!("ManualClock::advance({by:?})"), || {
+                    clock.advance(by);
+                });
+            }
+            no_panic("ManualClock::now after saturating", || clock.now());
+            assert!(pw.wakes() >= 1, "W's lease timer fired");
+
+            // Key 2: the lapsed grant is fenced, the key is taken exactly once.
+            assert!(g2.is_expired(), "a leased guard lapsed");
+            assert_eq!(g2.check(), Err(LockError::Expired { token: g2.token() }));
+            let t1 = table.try_lock(2);
+            assert!(t1.is_ok(), "the key whose grant lapsed can be taken");
+            assert!(
+                table.try_lock(2).is_err(),
+                "but only once: two guards would hold one key"
+            );
+            drop(g2);
+            assert!(table.is_locked(&2), "the stale release freed nothing");
+            let t1 = t1.expect("checked above");
+            assert!(t1.check().is_ok());
+            drop(t1);
+            assert_key_free(&table, || 2, "key 2");
+
+            // Key 1: the lapsed holder is fenced, W gets the key.
+            assert!(g1.is_expired(), "a leased guard lapsed");
+            let gw = ready(&mut w, &ww, "W gets the key its holder lost").expect("no timeout");
+            assert!(gw.token() > g1.token());
+            let intruder = table.try_lock(1);
+            assert!(
+                intruder.is_err() || gw.is_expired(),
+                "two live guards hold key 1"
+            );
+            drop(intruder);
+            drop(g1);
+            drop(gw);
+            drop(w);
+            assert_key_free(&table, || 1, "key 1");
+
+            // A new leased grant after saturation.
+            let g3 = table.try_lock_with(3, leased()).expect("key 3 is free");
+            let again = table.try_lock_with(3, leased());
+            assert!(
+                again.is_err() || g3.is_expired(),
+                "two live guards hold key 3"
+            );
+            drop(again);
+            drop(g3);
+            assert_key_free(&table, || 3, "key 3");
+
+            assert_table_empty(&table, 4, "after saturating the clock");
+        });
+    }
+
+    // ---------------------------------------------------------------------------
+    // 8b. Loss notification with hostile wakers.
+    // ---------------------------------------------------------------------------
+
+    /// `Lost` futures are woken after the unlock, by a revoke or by the lapse
+    /// their timer finds. Of three on one grant, one's wake panics, one's wake
+    /// re-enters the table (it revokes another key's grant, reads the key it
+    /// watched and takes and releases a third key), one is plain: every one is
+    /// woken, the revoke's own work is complete (the key passed to the waiter),
+    /// the panic surfaces only in the revoking call, and nothing is stranded.
+    /// Then a `Lost` whose waker's clone panics is not registered (nothing to
+    /// wake), and one whose waker's drop panics is unregistered all the same
+    /// when dropped.
+    #[test]
+    fn lost_futures_whose_wakers_panic_or_reenter_strand_nothing() {
+        watchdog("lost-hostile-wakers", || {
+            let clock = ManualClock::new();
+            let table: Arc<LockTable<u32>> =
+                Arc::new(LockTable::builder().clock(clock.clone()).build());
+
+            // A revoke wakes all three.
+            let holder = table.try_lock_with(1, leased()).expect("key 1 is free");
+            let other = table.try_lock(2).expect("key 2 is free");
+            let pw = Hostile::new();
+            let ww = pw.waker();
+            let mut next = Box::pin(table.lock(1));
+            pending(&mut next, &ww, "a waiter queues behind the holder");
+
+            let pa = Hostile::new();
+            pa.arm_wake_panic();
+            let reentered = Arc::new(AtomicUsize::new(0));
+            let pb = {
+                let (table, reentered) = (table.clone(), reentered.clone());
+                Hostile::on_wake(move || {
+                    table.revoke(&2);
+                    assert!(table.is_locked(&1), "the key passed on before the wake");
+                    drop(table.try_lock(3).expect("key 3 is free"));
+                    reentered.fetch_add(1, SeqCst);
+                })
+            };
+            let pc = Hostile::new();
+            let (wa, wb, wc) = (pa.waker(), pb.waker(), pc.waker());
+            let (mut la, mut lb, mut lc) = (holder.lost(), holder.lost(), holder.lost());
+            pending(&mut la, &wa, "A watches");
+            pending(&mut lb, &wb, "B watches");
+            pending(&mut lc, &wc, "C watches");
+
+            let revoked = planted_or("revoke() waking the watchers", || table.revoke(&1));
+            assert_eq!(pa.wake_panics(), 1, "A's wake ran (and panicked)");
+            assert_eq!(
+                reentered.load(SeqCst),
+                1,
+                "B's wake ran, re-entering the table"
+            );
+            assert_eq!(pc.wakes(), 1, "C was woken although A's wake panicked");
+            assert_eq!(pw.wakes(), 1, "the waiter was handed the key and woken");
+            if let Some(revoked) = revoked {
+                assert_eq!(revoked, Some(holder.token()));
+            }
+            assert!(holder.is_expired());
+            assert!(other.is_expired(), "B's re-entrant revoke took effect");
+            let expired = LockError::Expired {
+                token: holder.token(),
+            };
+            assert_eq!(ready(&mut la, &wa, "A after the revoke"), expired);
+            assert_eq!(ready(&mut lb, &wb, "B after the revoke"), expired);
+            assert_eq!(ready(&mut lc, &wc, "C after the revoke"), expired);
+            let g = ready(&mut next, &ww, "the waiter holds the key");
+            assert_eq!(g.check(), Ok(g.token()));
+            drop((la, lb, lc));
+            drop((g, next));
+            drop((holder, other));
+            assert_key_free(&table, || 1, "after the revoke");
+            assert_key_free(&table, || 2, "after the re-entrant revoke");
+
+            // A lapse found by the timer: the clock's advance wakes the watcher,
+            // whose wake panics and re-enters; the watcher then settles the
+            // lapse, and the key passes on.
+            let holder = table.try_lock_with(4, leased()).expect("key 4 is free");
+            let mut next = Box::pin(table.lock(4));
+            pending(&mut next, &ww, "a waiter queues behind the leased holder");
+            let pl = {
+                let table = table.clone();
+                Hostile::on_wake(move || {
+                    assert!(!table.is_locked(&4), "judged now: the lease lapsed");
+                })
+            };
+            pl.arm_wake_panic();
+            let wl = pl.waker();
+            let mut lost = holder.lost();
+            pending(&mut lost, &wl, "the watcher arms its timer");
+            planted_or("advance() past the lease", || clock.advance(LEASE));
+            assert_eq!(pl.wake_panics(), 1, "the watcher's timer fired");
+            assert!(matches!(
+                ready(&mut lost, &wl, "the watcher after the lapse"),
+                LockError::Expired { .. }
+            ));
+            let g = ready(&mut next, &ww, "the lapse handed the key on");
+            drop(lost);
+            drop((g, next, holder));
+            assert_key_free(&table, || 4, "after the lapse");
+
+            // A watcher whose clone panics registers nothing; one whose drop
+            // panics is still unregistered.
+            let holder = table.try_lock(5).expect("key 5 is free");
+            let pk = Hostile::new();
+            pk.arm_clone_panic();
+            let wk = pk.waker();
+            let mut lk = holder.lost();
+            assert!(pending_or_planted(&mut lk, &wk, "a watcher whose clone panics").is_some());
+            pk.disarm_clone_panic();
+            let pd = Hostile::new();
+            let wd = pd.waker();
+            let mut ld = holder.lost();
+            pending(&mut ld, &wd, "a watcher whose drop will panic");
+            pd.arm_drop_panic();
+            planted_or("dropping the watcher", || drop(ld));
+            assert_eq!(pd.drop_panics(), 1, "the registered handle was dropped");
+            table.assert_consistent();
+            assert_eq!(table.revoke(&5), Some(holder.token()));
+            assert_eq!(
+                (pk.wakes(), pd.wakes()),
+                (0, 0),
+                "an unregistered watcher was woken"
+            );
+            assert!(matches!(
+                ready(&mut lk, &wk, "the first watcher"),
+                LockError::Expired { .. }
+            ));
+            drop(lk);
+            drop(holder);
+            assert_key_free(&table, || 5, "after the hostile watchers");
+            assert_table_empty(&table, 6, "after the hostile watchers");
+        });
+    }
+
+    // ---------------------------------------------------------------------------
+    // 9. Keys whose `Eq` disagrees with `Hash`.
+    // ---------------------------------------------------------------------------
+
+    /// Equal to nothing, not even itself; every instance hashes alike (the id
+    /// only tells instances apart in a debugger).
+    #[allow(dead_code)]
+    struct NeverEq(u32);
+
+    impl PartialEq for NeverEq {
+        fn eq(&self, _: &Self) -> bool {
+            false
+        }
+    }
+
+    impl Eq for NeverEq {}
+
+    impl Hash for NeverEq {
+        fn hash<H: Hasher>(&self, state: &mut H) {
+            0u8.hash(state);
+        }
+    }
+
+    /// A source of hashes that differ every time a key is hashed.
+    static FICKLE: AtomicU64 = AtomicU64::new(0);
+
+    /// Equal by id, but hashed differently every time.
+    struct Fickle(u32);
+
+    impl PartialEq for Fickle {
+        fn eq(&self, other: &Self) -> bool {
+            self.0 == other.0
+        }
+    }
+
+    impl Eq for Fickle {}
+
+    impl Hash for Fickle {
+        fn hash<H: Hasher>(&self, state: &mut H) {
+            FICKLE.fetch_add(1, SeqCst).hash(state);
+        }
+    }
+
+    /// Equal to everything, and hashed differently every time.
+    struct AlwaysEq(u32);
+
+    impl PartialEq for AlwaysEq {
+        fn eq(&self, _: &Self) -> bool {
+            true
+        }
+    }
+
+    impl Eq for AlwaysEq {}
+
+    impl Hash for AlwaysEq {
+        fn hash<H: Hasher>(&self, state: &mut H) {
+            (self.0, FICKLE.fetch_add(1, SeqCst)).hash(state);
+        }
+    }
+
+    /// Locks, queues, releases and cancels keys made by `key`; whatever the
+    /// (unspecified) outcome of each call, nothing may panic and every grant must
+    /// pair with its release.
+    fn churn<K: Eq + Hash>(table: &LockTable<K>, key: impl Fn(u32) -> K, what: &str) {
+        let waker = Waker::noop();
+        no_panic(what, || {
+            let mut guards = Vec::new();
+            for i in 0..6 {
+                if let Ok(guard) = table.try_lock(key(i % 2)) {
+                    guards.push(guard);
+                }
+            }
+            let mut waiting = Vec::new();
+            for i in 0..6 {
+                let mut fut = Box::pin(table.lock(key(i % 3)));
+                match fut.as_mut().poll(&mut Context::from_waker(waker)) {
+                    Poll::Ready(guard) => guards.push(guard),
+                    Poll::Pending => waiting.push(fut),
+                }
+            }
+            while let Some(guard) = guards.pop() {
+                drop(guard);
+            }
+            for _ in 0..4 {
+                waiting.retain_mut(|fut| {
+                    fut.as_mut()
+                        .poll(&mut Context::from_waker(waker))
+                        .is_pending()
+                });
+            }
+            // Some may still wait or hold an unobserved grant: cancel them.
+            drop(waiting);
+        });
         table.assert_consistent();
-    });
+        assert_eq!(
+            table.len(),
+            0,
+            "{what}: a lock did not pair with its release"
+        );
+    }
+
+    /// `Eq` that disagrees with `Hash` is a logic error of the caller with
+    /// unspecified but memory-safe results: no panic inside the table, and every
+    /// grant's release finds it.
+    #[test]
+    fn keys_whose_eq_disagrees_with_hash_still_pair_every_lock_with_its_release() {
+        watchdog("eq-disagrees-with-hash", || {
+            let table: LockTable<NeverEq> = LockTable::new();
+            churn(&table, NeverEq, "Eq always false, one hash");
+            let table: LockTable<Fickle> = LockTable::new();
+            churn(&table, Fickle, "Eq by id, a new hash every time");
+            let table: LockTable<AlwaysEq> = LockTable::new();
+            churn(&table, AlwaysEq, "Eq always true, a new hash every time");
+            let table: LockTable<AlwaysEq, Collide> = LockTable::builder().hasher(Collide).build();
+            no_panic("Eq always true, one hash", || {
+                let a = table.try_lock(AlwaysEq(1)).expect("empty table");
+                assert!(table.try_lock(AlwaysEq(2)).is_err(), "all keys are one key");
+                drop(a);
+            });
+            assert_eq!(table.len(), 0);
+            table.assert_consistent();
+        });
+    }
 }

@@ -1,187 +1,197 @@
 //! Shard timers, driven by a `ManualClock::with_shard_timers()`: each shard
 //! keeps one timer for the earliest deadline of its waiters (their timeouts,
 //! and the leases of holders with waiters), as tables on the real clock do.
-#![cfg(feature = "test-util")]
 
-use std::sync::Arc;
-use std::task::{Poll, Wake, Waker};
+#[cfg(not(feature = "test-util"))]
+#[test]
+#[ignore = "needs --features test-util (or --all-features)"]
+fn needs_feature_test_util() {}
 
-use keylock::{LockError, LockTable, ManualClock};
-
+#[cfg(feature = "test-util")]
 mod common;
-use common::{counting, lease, poll, ready, timeout, wakes, SEC};
 
-fn table() -> (ManualClock, LockTable<u32>) {
-    let clock = ManualClock::with_shard_timers();
-    let table = LockTable::builder().clock(clock.clone()).shards(1).build();
-    (clock, table)
-}
+#[cfg(feature = "test-util")]
+mod tests {
+    use std::sync::Arc;
+    use std::task::{Poll, Wake, Waker};
 
-#[test]
-fn one_shard_timer_serves_every_waiter_and_each_times_out_at_its_own_deadline() {
-    let (clock, table) = table();
-    let _holder = table.try_lock(1).unwrap();
-    let mut waiters: Vec<_> = (1..=4u32)
-        .map(|i| {
-            let (c, w) = counting();
-            (c, w, Box::pin(table.lock_with(1, timeout(i * SEC))))
-        })
-        .collect();
-    for (_, w, f) in &mut waiters {
-        assert!(poll(f, w).is_pending());
+    use keylock::{LockError, LockTable, ManualClock};
+
+    use crate::common::{counting, lease, poll, ready, timeout, wakes, SEC};
+
+    fn table() -> (ManualClock, LockTable<u32>) {
+        let clock = ManualClock::with_shard_timers();
+        let table = LockTable::builder().clock(clock.clone()).shards(1).build();
+        (clock, table)
     }
-    assert_eq!(clock.sleepers(), 0, "no waiter arms a timer of its own");
-    assert_eq!(clock.armed_shards(), 1, "one timer for the shard");
-    for due in 0..4 {
-        clock.advance(SEC);
-        for (i, (c, w, f)) in waiters.iter_mut().enumerate() {
-            if i < due {
-                continue;
-            }
-            if i == due {
-                assert_eq!(wakes(c), 1, "waiter {i} woken at its deadline");
-                match poll(f, w) {
-                    Poll::Ready(Err(LockError::Timeout { waited, ahead, .. })) => {
-                        assert_eq!(waited, (i as u32 + 1) * SEC);
-                        assert_eq!(ahead, 0, "those ahead already gave up");
-                    }
-                    other => panic!("waiter {i}: expected a timeout, got {other:?}"),
-                }
-            } else {
-                assert_eq!(wakes(c), 0, "waiter {i} woken before its deadline");
-            }
-        }
-    }
-    assert_eq!(table.waiters(&1), 0);
-    assert_eq!(clock.armed_shards(), 0, "nothing left to time");
-}
 
-#[test]
-fn a_lapse_is_noticed_by_the_shard_timer_and_the_head_takes_the_key() {
-    let (clock, table) = table();
-    let holder = table.try_lock_with(1, lease(2 * SEC)).unwrap();
-    let (c, w) = counting();
-    let mut waiter = Box::pin(table.lock(1));
-    assert!(poll(&mut waiter, &w).is_pending());
-    clock.advance(SEC);
-    assert_eq!(wakes(&c), 0, "woken before the lease lapsed");
-    clock.advance(SEC);
-    assert_eq!(wakes(&c), 1, "the shard timer nudged the head at the lapse");
-    let g = ready(&mut waiter, &w, "the lapsed key was not handed over");
-    assert!(holder.is_expired());
-    assert!(g.token() > holder.token());
-    drop((holder, g));
-    assert!(table.is_empty());
-}
-
-/// The real-clock bug this guards against: a holder renews (its deadline
-/// moves later) after the shard's timer was armed for the old deadline, then
-/// stalls. The timer fires early, finds the lease live, re-arms for the new
-/// deadline; the waiter gets the key then, not before, not never.
-#[test]
-fn a_renewed_then_stalled_holder_loses_the_key_at_the_renewed_deadline() {
-    let (clock, table) = table();
-    let holder = table.try_lock_with(1, lease(2 * SEC)).unwrap();
-    let (c, w) = counting();
-    let mut waiter = Box::pin(table.lock(1));
-    assert!(poll(&mut waiter, &w).is_pending());
-    holder.renew(5 * SEC).unwrap();
-    clock.advance(2 * SEC);
-    assert_eq!(wakes(&c), 0, "the renewed lease is live: nobody to wake");
-    assert_eq!(clock.armed_shards(), 1, "re-armed for the renewed deadline");
-    assert!(!holder.is_expired());
-    clock.advance(3 * SEC);
-    assert_eq!(wakes(&c), 1, "woken at the renewed deadline");
-    let g = ready(
-        &mut waiter,
-        &w,
-        "the key was not handed over after the renewed lease",
-    );
-    assert!(holder.is_expired());
-    drop((g, holder));
-    assert!(table.is_empty());
-}
-
-#[test]
-fn a_shortened_lease_moves_the_shard_timer_earlier() {
-    let (clock, table) = table();
-    let holder = table.try_lock_with(1, lease(10 * SEC)).unwrap();
-    let (c, w) = counting();
-    let mut waiter = Box::pin(table.lock(1));
-    assert!(poll(&mut waiter, &w).is_pending());
-    holder.renew(SEC).unwrap();
-    clock.advance(SEC);
-    assert_eq!(wakes(&c), 1, "woken at the shortened deadline");
-    assert!(poll(&mut waiter, &w).is_ready());
-    drop(holder);
-}
-
-#[test]
-fn waiters_that_leave_before_their_deadline_leave_no_wake_behind() {
-    let (clock, table) = table();
-    let holder = table.try_lock(1).unwrap();
-    let (c, w) = counting();
-    let mut early = Box::pin(table.lock_with(1, timeout(SEC)));
-    assert!(poll(&mut early, &w).is_pending());
-    drop(early);
-    drop(holder);
-    clock.advance(2 * SEC);
-    assert_eq!(wakes(&c), 0, "a waiter that left was woken");
-    assert_eq!(
-        clock.armed_shards(),
-        0,
-        "the stale deadline fired and disarmed"
-    );
-    assert!(table.is_empty());
-}
-
-#[test]
-fn dropping_the_table_disarms_its_shard_timers() {
-    let clock = ManualClock::with_shard_timers();
-    {
-        let table: LockTable<u32> = LockTable::builder().clock(clock.clone()).build();
+    #[test]
+    fn one_shard_timer_serves_every_waiter_and_each_times_out_at_its_own_deadline() {
+        let (clock, table) = table();
         let _holder = table.try_lock(1).unwrap();
-        let w = futures::task::noop_waker();
-        let mut waiter = Box::pin(table.lock_with(1, timeout(SEC)));
-        assert!(poll(&mut waiter, &w).is_pending());
-        assert_eq!(clock.armed_shards(), 1);
-    }
-    assert_eq!(
-        clock.armed_shards(),
-        0,
-        "a dropped table left a shard timer"
-    );
-    // Nothing left to fire into freed memory (miri and the sanitizers of the
-    // fuzz build would see it).
-    clock.advance(2 * SEC);
-}
-
-#[test]
-fn a_panicking_waker_does_not_stop_the_other_due_waiters_from_waking() {
-    struct Bomb;
-    impl Wake for Bomb {
-        fn wake(self: Arc<Self>) {
-            panic!("a hostile waker");
+        let mut waiters: Vec<_> = (1..=4u32)
+            .map(|i| {
+                let (c, w) = counting();
+                (c, w, Box::pin(table.lock_with(1, timeout(i * SEC))))
+            })
+            .collect();
+        for (_, w, f) in &mut waiters {
+            assert!(poll(f, w).is_pending());
         }
+        assert_eq!(clock.sleepers(), 0, "no waiter arms a timer of its own");
+        assert_eq!(clock.armed_shards(), 1, "one timer for the shard");
+        for due in 0..4 {
+            clock.advance(SEC);
+            for (i, (c, w, f)) in waiters.iter_mut().enumerate() {
+                if i < due {
+                    continue;
+                }
+                if i == due {
+                    assert_eq!(wakes(c), 1, "waiter {i} woken at its deadline");
+                    match poll(f, w) {
+                        Poll::Ready(Err(LockError::Timeout { waited, ahead, .. })) => {
+                            assert_eq!(waited, (i as u32 + 1) * SEC);
+                            assert_eq!(ahead, 0, "those ahead already gave up");
+                        }
+                        other => panic!("waiter {i}: expected a timeout, got {other:?}"),
+                    }
+                } else {
+                    assert_eq!(wakes(c), 0, "waiter {i} woken before its deadline");
+                }
+            }
+        }
+        assert_eq!(table.waiters(&1), 0);
+        assert_eq!(clock.armed_shards(), 0, "nothing left to time");
     }
-    let (clock, table) = table();
-    let _holder = table.try_lock(1).unwrap();
-    let bomb = Waker::from(Arc::new(Bomb));
-    let (c, w) = counting();
-    let mut a = Box::pin(table.lock_with(1, timeout(SEC)));
-    let mut b = Box::pin(table.lock_with(1, timeout(SEC)));
-    assert!(poll(&mut a, &bomb).is_pending());
-    assert!(poll(&mut b, &w).is_pending());
-    let advanced = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| clock.advance(SEC)));
-    assert!(advanced.is_err(), "the waker's panic reaches the caller");
-    assert_eq!(wakes(&c), 1, "the other due waiter was still woken");
-    assert!(matches!(
-        poll(&mut b, &w),
-        Poll::Ready(Err(LockError::Timeout { .. }))
-    ));
-    assert!(matches!(
-        poll(&mut a, &w),
-        Poll::Ready(Err(LockError::Timeout { .. }))
-    ));
-    table.assert_consistent();
+
+    #[test]
+    fn a_lapse_is_noticed_by_the_shard_timer_and_the_head_takes_the_key() {
+        let (clock, table) = table();
+        let holder = table.try_lock_with(1, lease(2 * SEC)).unwrap();
+        let (c, w) = counting();
+        let mut waiter = Box::pin(table.lock(1));
+        assert!(poll(&mut waiter, &w).is_pending());
+        clock.advance(SEC);
+        assert_eq!(wakes(&c), 0, "woken before the lease lapsed");
+        clock.advance(SEC);
+        assert_eq!(wakes(&c), 1, "the shard timer nudged the head at the lapse");
+        let g = ready(&mut waiter, &w, "the lapsed key was not handed over");
+        assert!(holder.is_expired());
+        assert!(g.token() > holder.token());
+        drop((holder, g));
+        assert!(table.is_empty());
+    }
+
+    /// The real-clock bug this guards against: a holder renews (its deadline
+    /// moves later) after the shard's timer was armed for the old deadline, then
+    /// stalls. The timer fires early, finds the lease live, re-arms for the new
+    /// deadline; the waiter gets the key then, not before, not never.
+    #[test]
+    fn a_renewed_then_stalled_holder_loses_the_key_at_the_renewed_deadline() {
+        let (clock, table) = table();
+        let holder = table.try_lock_with(1, lease(2 * SEC)).unwrap();
+        let (c, w) = counting();
+        let mut waiter = Box::pin(table.lock(1));
+        assert!(poll(&mut waiter, &w).is_pending());
+        holder.renew(5 * SEC).unwrap();
+        clock.advance(2 * SEC);
+        assert_eq!(wakes(&c), 0, "the renewed lease is live: nobody to wake");
+        assert_eq!(clock.armed_shards(), 1, "re-armed for the renewed deadline");
+        assert!(!holder.is_expired());
+        clock.advance(3 * SEC);
+        assert_eq!(wakes(&c), 1, "woken at the renewed deadline");
+        let g = ready(
+            &mut waiter,
+            &w,
+            "the key was not handed over after the renewed lease",
+        );
+        assert!(holder.is_expired());
+        drop((g, holder));
+        assert!(table.is_empty());
+    }
+
+    #[test]
+    fn a_shortened_lease_moves_the_shard_timer_earlier() {
+        let (clock, table) = table();
+        let holder = table.try_lock_with(1, lease(10 * SEC)).unwrap();
+        let (c, w) = counting();
+        let mut waiter = Box::pin(table.lock(1));
+        assert!(poll(&mut waiter, &w).is_pending());
+        holder.renew(SEC).unwrap();
+        clock.advance(SEC);
+        assert_eq!(wakes(&c), 1, "woken at the shortened deadline");
+        assert!(poll(&mut waiter, &w).is_ready());
+        drop(holder);
+    }
+
+    #[test]
+    fn waiters_that_leave_before_their_deadline_leave_no_wake_behind() {
+        let (clock, table) = table();
+        let holder = table.try_lock(1).unwrap();
+        let (c, w) = counting();
+        let mut early = Box::pin(table.lock_with(1, timeout(SEC)));
+        assert!(poll(&mut early, &w).is_pending());
+        drop(early);
+        drop(holder);
+        clock.advance(2 * SEC);
+        assert_eq!(wakes(&c), 0, "a waiter that left was woken");
+        assert_eq!(
+            clock.armed_shards(),
+            0,
+            "the stale deadline fired and disarmed"
+        );
+        assert!(table.is_empty());
+    }
+
+    #[test]
+    fn dropping_the_table_disarms_its_shard_timers() {
+        let clock = ManualClock::with_shard_timers();
+        {
+            let table: LockTable<u32> = LockTable::builder().clock(clock.clone()).build();
+            let _holder = table.try_lock(1).unwrap();
+            let w = futures::task::noop_waker();
+            let mut waiter = Box::pin(table.lock_with(1, timeout(SEC)));
+            assert!(poll(&mut waiter, &w).is_pending());
+            assert_eq!(clock.armed_shards(), 1);
+        }
+        assert_eq!(
+            clock.armed_shards(),
+            0,
+            "a dropped table left a shard timer"
+        );
+        // Nothing left to fire into freed memory (miri and the sanitizers of the
+        // fuzz build would see it).
+        clock.advance(2 * SEC);
+    }
+
+    #[test]
+    fn a_panicking_waker_does_not_stop_the_other_due_waiters_from_waking() {
+        struct Bomb;
+        impl Wake for Bomb {
+            fn wake(self: Arc<Self>) {
+                panic!("a hostile waker");
+            }
+        }
+        let (clock, table) = table();
+        let _holder = table.try_lock(1).unwrap();
+        let bomb = Waker::from(Arc::new(Bomb));
+        let (c, w) = counting();
+        let mut a = Box::pin(table.lock_with(1, timeout(SEC)));
+        let mut b = Box::pin(table.lock_with(1, timeout(SEC)));
+        assert!(poll(&mut a, &bomb).is_pending());
+        assert!(poll(&mut b, &w).is_pending());
+        let advanced =
+            std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| clock.advance(SEC)));
+        assert!(advanced.is_err(), "the waker's panic reaches the caller");
+        assert_eq!(wakes(&c), 1, "the other due waiter was still woken");
+        assert!(matches!(
+            poll(&mut b, &w),
+            Poll::Ready(Err(LockError::Timeout { .. }))
+        ));
+        assert!(matches!(
+            poll(&mut a, &w),
+            Poll::Ready(Err(LockError::Timeout { .. }))
+        ));
+        table.assert_consistent();
+    }
 }

@@ -352,6 +352,11 @@ fn tokio_time_waiter_timers_under_load_across_tokio_async_std_and_threads() {
     run(LockTable::builder().shards(2).tokio_time().build());
 }
 
+#[cfg(not(feature = "tokio"))]
+#[test]
+#[ignore = "needs --features tokio (or --all-features)"]
+fn tokio_time_waiter_timers_under_load_across_tokio_async_std_and_threads() {}
+
 /// The monotonic clock with async-io's timer, as an application's own
 /// [`keylock::TimeSource`]: each waiter sleeps on its own timer, from any
 /// runtime or thread.
