@@ -340,6 +340,8 @@ mod manual {
     /// the real clock does: each shard keeps one timer for the earliest
     /// deadline of its waiters, and advancing the clock fires the shards due.
     ///
+    /// Needs the `test-util` feature.
+    ///
     /// ```
     /// use std::time::Duration;
     /// use keylock::{LockOptions, LockTable, ManualClock};
@@ -353,6 +355,7 @@ mod manual {
     /// assert!(guard.is_expired());
     /// ```
     #[derive(Clone, Debug)]
+    #[cfg_attr(docsrs, doc(cfg(feature = "test-util")))]
     pub struct ManualClock {
         inner: Arc<Inner>,
     }

@@ -21,12 +21,29 @@
 //! # });
 //! ```
 //!
+//! # Features
+//!
+//! None is on by default; without any, a table runs its leases and timeouts
+//! on the monotonic clock with the crate's own timer, under any runtime or
+//! none.
+//!
+//! - `tokio`: `Builder::tokio_time`, a table on tokio's clock and timer
+//!   that spends tokio's cooperative budget (see [Time](#time)).
+//! - `test-util`: `ManualClock` and `Builder::clock`, time moved by hand for
+//!   deterministic tests (see [Time](#time)).
+//!
 //! # Runtimes
 //!
 //! Waits are plain futures woken through their [`Waker`](std::task::Waker).
 //! The table never calls into a runtime, so one table serves tokio,
 //! async-std, smol, `futures::executor` and plain threads
 //! ([`LockTable::blocking_lock`]) at the same time.
+//!
+//! `blocking_lock` parks its thread until the key comes. On a runtime's
+//! worker thread that blocks the worker and every task queued on it, and if
+//! the holder is one of them the thread waits for ever: call it on plain
+//! threads, or off the runtime (`tokio::task::spawn_blocking`,
+//! `smol::unblock`), and use [`LockTable::lock`] in async code.
 //!
 //! # Fairness
 //!
@@ -68,8 +85,11 @@
 //! tokio's cooperative budget; [`Builder::time_source`] takes any
 //! [`TimeSource`].
 //!
-//! For tests, the `test-util` feature adds `ManualClock`, which moves only
-//! when told to:
+//! For tests, the `test-util` feature adds `ManualClock`, given to a table
+//! with `Builder::clock`: it moves only when the test calls `advance`, which
+//! wakes the waiters whose deadline it passed, so leases and timeouts are
+//! tested without sleeping or racing. (Under tokio, a `tokio_time()` table
+//! with paused time is the other way.)
 //!
 //! ```
 //! # #[cfg(feature = "test-util")]
@@ -92,20 +112,65 @@
 //!
 //! Every grant carries a [`FencingToken`], unique across the table and
 //! strictly increasing per key; hand it to the storage you protect so that it
-//! can refuse a late writer. To keep that working across a restart, build the
-//! new table with a [`Builder::token_floor`] at least every token the old one
-//! handed out.
+//! can refuse a late writer (any token not above the last one it accepted).
+//! To keep that working across a restart, build the new table with a
+//! [`Builder::token_floor`] at least every token the old one handed out: a
+//! new table mints its tokens afresh, above its floor.
 //!
 //! # Leases
 //!
 //! A grant may carry a lease ([`LockOptions::lease`], or the table's
-//! default): its authority ends at the deadline unless renewed
-//! ([`Guard::renew`]), judged at the moment it is asked ([`Guard::check`]).
-//! An operator can take a key away ([`LockTable::revoke`]) or one named
-//! grant ([`LockTable::revoke_grant`]). To learn of the loss as it happens,
-//! await [`Guard::lost`] beside the work; to keep a lease alive while the
-//! work runs, run [`Guard::keep_alive`], which also resolves at once on a
-//! loss.
+//! [`Builder::default_lease`]): its authority ends at the deadline unless
+//! renewed ([`Guard::renew`]). Once it lapses, the key passes to the next
+//! waiter without the holder doing anything, and the holder's late release
+//! frees nothing. A lease is judged at the moment it is asked: call
+//! [`Guard::check`] at commit time and write with the token it returns.
+//! To learn of the loss as it happens, await [`Guard::lost`] beside the
+//! work; to keep a lease alive while the work runs, run
+//! [`Guard::keep_alive`], which also resolves at once on a loss.
+//!
+//! # Timeouts
+//!
+//! [`LockOptions::timeout`] bounds a wait (zero: do not wait). When it runs
+//! out, [`LockError::Timeout`] says what the caller waited on: the token of
+//! the key's holder at that moment, which names exactly one grant of the
+//! table; how long that holder had held the key, when known (its grant has a
+//! lease); and how many waiters were still ahead.
+//!
+//! ```
+//! # futures::executor::block_on(async {
+//! use std::time::Duration;
+//! use keylock::{LockError, LockOptions, LockTable};
+//!
+//! let table = LockTable::new();
+//! let holder = table.try_lock("report").unwrap();
+//! let wait = LockOptions::new().timeout(Duration::from_millis(10));
+//! let err = table.lock_with("report", wait).await.unwrap_err();
+//! let LockError::Timeout { holder: Some(token), ahead, .. } = err else {
+//!     unreachable!()
+//! };
+//! assert_eq!(token, holder.token());
+//! assert_eq!(ahead, 0);
+//! # });
+//! ```
+//!
+//! # Revocation
+//!
+//! An operator can take a stuck key away: [`LockTable::revoke`] forces out
+//! whoever holds it now, [`LockTable::revoke_grant`] only the grant a token
+//! names (a timeout's diagnosis, a monitor's report), never a successor.
+//! Either way the key passes to the next waiter and the revoked guard is
+//! fenced at once: its `check()` fails, its `lost()` resolves, and dropping
+//! it frees nothing.
+//!
+//! # Several keys
+//!
+//! To hold several keys at once, lock them in one global order: sort them,
+//! remove duplicates, and lock in that order; two tasks that take the same
+//! keys in different orders can each hold one and wait for the other for
+//! ever. Locks are not re-entrant: locking a key its caller already holds
+//! waits on itself (with a timeout, it fails naming the caller's own grant),
+//! so keep one guard per key and pass it along.
 
 #![cfg_attr(docsrs, feature(doc_cfg))]
 #![doc(test(attr(deny(warnings))))]

@@ -259,8 +259,9 @@ impl<K, S> LockTable<K, S> {
 
     /// Checks the table's internal invariants (queue links, waiter counts,
     /// every waiter slot accounted for, no idle entry kept), panicking with the
-    /// one broken. For tests and fuzzing.
+    /// one broken. For tests and fuzzing; needs the `test-util` feature.
     #[cfg(feature = "test-util")]
+    #[cfg_attr(docsrs, doc(cfg(feature = "test-util")))]
     #[doc(hidden)]
     pub fn assert_consistent(&self) {
         for shard in self.shards.iter() {
@@ -955,6 +956,8 @@ impl<K, S> Builder<K, S> {
     /// one, the runtime must have its timer enabled (`enable_time`, or
     /// `enable_all`), as for any `tokio::time::sleep`.
     ///
+    /// Needs the `tokio` feature.
+    ///
     /// ```
     /// # #[tokio::main(flavor = "current_thread", start_paused = true)]
     /// # async fn main() {
@@ -1034,6 +1037,18 @@ impl<K, S> Builder<K, S> {
 
     /// Judge leases and timeouts by a [`ManualClock`](crate::ManualClock)
     /// that moves only when told to.
+    ///
+    /// Needs the `test-util` feature.
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// let clock = keylock::ManualClock::new();
+    /// let table = keylock::LockTable::builder().clock(clock.clone()).build();
+    /// let opts = keylock::LockOptions::new().lease(Duration::from_secs(1));
+    /// let guard = table.try_lock_with("k", opts).unwrap();
+    /// clock.advance(Duration::from_secs(1));
+    /// assert!(guard.is_expired());
+    /// ```
     #[cfg(feature = "test-util")]
     #[cfg_attr(docsrs, doc(cfg(feature = "test-util")))]
     pub fn clock(mut self, clock: crate::clock::ManualClock) -> Self {
