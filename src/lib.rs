@@ -171,7 +171,14 @@
 //! ever. Locks are not re-entrant: locking a key its caller already holds
 //! waits on itself (with a timeout, it fails naming the caller's own grant),
 //! so keep one guard per key and pass it along.
-
+//!
+// The link to a feature-gated method; to its type when the feature is off,
+// so that `cargo doc` without features has no broken link.
+#![cfg_attr(
+    feature = "tokio",
+    doc = "[`Builder::tokio_time`]: Builder::tokio_time"
+)]
+#![cfg_attr(not(feature = "tokio"), doc = "[`Builder::tokio_time`]: Builder")]
 #![cfg_attr(docsrs, feature(doc_cfg))]
 #![doc(test(attr(deny(warnings))))]
 
