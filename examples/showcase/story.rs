@@ -156,33 +156,42 @@ fn fencing(rt: &Runtime) {
     let table: Arc<LockTable<&'static str>> = Arc::new(LockTable::new());
     let store = Store::default();
     rt.block_on(async {
+        // Read before A's grant: its lease ends 20 ms after this or later.
+        let a_granted = Instant::now();
         let a = table
             .lock_with("account-7", LockOptions::new().lease(ms(20)))
             .await
             .expect("free key, valid lease");
-        let b = tokio::spawn(
-            Arc::clone(&table).lock_owned_with("account-7", LockOptions::new().timeout(ms(1000))),
-        );
-        let stalled = Instant::now();
+        let b = tokio::spawn({
+            let wait = Arc::clone(&table)
+                .lock_owned_with("account-7", LockOptions::new().timeout(ms(1000)));
+            async move {
+                let guard = wait.await;
+                (guard, Instant::now())
+            }
+        });
         tokio::time::sleep(ms(40)).await; // A's pause
-        let b = b
-            .await
-            .expect("task")
-            .expect("granted once A's lease lapsed");
-        let b_waited = stalled.elapsed();
+        let a_stalled = a_granted.elapsed();
+        let (b, b_granted) = b.await.expect("task");
+        let b = b.expect("granted once A's lease lapsed");
+        assert!(
+            b_granted - a_granted >= ms(20),
+            "B was granted before A's lease ended"
+        );
         assert!(b.token() > a.token());
         store
             .write("account-7", b.token(), "B's balance")
             .expect("B holds the newest token");
         println!(
-            "   A holds {}; B is granted {} after A's lease lapsed, and writes",
+            "   A holds {}; B is granted {} {:.0?} after A (the lease was 20 ms) and writes",
             a.token(),
-            b.token()
+            b.token(),
+            b_granted - a_granted
         );
 
         let a_check = a.check().expect_err("A's lease lapsed");
         assert_eq!(a_check, LockError::Expired { token: a.token() });
-        println!("   A wakes after {b_waited:.0?}; A.check(): {a_check}");
+        println!("   A wakes after {a_stalled:.0?}; A.check(): {a_check}");
         let refused = store
             .write("account-7", a.token(), "A's stale balance")
             .expect_err("the store fences A out");
