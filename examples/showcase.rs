@@ -1,7 +1,7 @@
 //! keylock in under a minute: what it does, then how it compares.
 //!
 //! ```text
-//! cargo run --release --example showcase              # ~40 s: the story, then the comparison
+//! cargo run --release --example showcase              # ~30 s: the story, then the comparison
 //! cargo run --release --example showcase -- --quick   # ~5 s: the story, a short comparison
 //! cargo run --release --example showcase -- --story   # the story alone, under a second
 //! cargo run --release --example showcase -- --svg docs/showcase.svg
