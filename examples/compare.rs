@@ -15,13 +15,16 @@
 //! of mutexes, lockable) and single, non-keyed mutexes (one lock for every
 //! key). With W1 it also times each implementation as a plain loop
 //! (`compare/plain.rs`) to check that the harness runs every anchor at the
-//! cost a plain loop measures for it. Progress goes to stderr, tables to
-//! stdout.
+//! cost a plain loop measures for it. A progress bar goes to stderr (when it
+//! is a terminal), tables to stdout. A ratio says "faster" or "slower" only
+//! when the repetitions do not overlap (`compare/verdict.rs`).
 
 #[path = "compare/impls.rs"]
 mod impls;
 #[path = "compare/plain.rs"]
 mod plain;
+#[path = "compare/verdict.rs"]
+mod verdict;
 #[path = "compare/workloads.rs"]
 mod workloads;
 
@@ -181,15 +184,7 @@ struct Cell {
 }
 
 fn median(mut ns: Vec<f64>) -> Option<f64> {
-    ns.sort_by(f64::total_cmp);
-    (!ns.is_empty()).then(|| {
-        let m = ns.len() / 2;
-        if ns.len() % 2 == 1 {
-            ns[m]
-        } else {
-            (ns[m - 1] + ns[m]) / 2.0
-        }
-    })
+    verdict::median(&mut ns)
 }
 
 impl Cell {
@@ -205,9 +200,7 @@ impl Cell {
 
     /// (max - min) / median, in percent.
     fn spread(&self) -> Option<f64> {
-        let ns = self.ns();
-        let med = self.median()?;
-        Some((ns[ns.len() - 1] - ns[0]) / med * 100.0)
+        verdict::spread(&self.ns())
     }
 
     fn last(&self) -> Option<&Outcome> {
@@ -233,46 +226,43 @@ fn main() {
 
     // results[w][i]
     let mut results = vec![vec![Cell::default(); cfg.impls.len()]; cfg.workloads.len()];
+    let measurements: usize = cfg
+        .workloads
+        .iter()
+        .map(|&w| cfg.reps * cfg.impls.len() * if w == Workload::W1 { 2 } else { 1 })
+        .sum();
+    let bar = verdict::progress(measurements as u64);
     for (wi, &w) in cfg.workloads.iter().enumerate() {
-        eprintln!(
-            "== {} ({} ops x {} reps): {}",
-            w.id(),
-            cfg.ops(w),
-            cfg.reps,
-            w.describe()
-        );
         for rep in 0..cfg.reps {
             for (ii, c) in cfg.impls.iter().enumerate() {
-                let Some(out) = (c.run)(&rt, w, cfg.ops(w), &zipf) else {
+                bar.set_message(format!("{} {}/{} {}", w.id(), rep + 1, cfg.reps, c.name));
+                let out = (c.run)(&rt, w, cfg.ops(w), &zipf);
+                bar.inc(1);
+                let Some(out) = out else {
+                    if w == Workload::W1 {
+                        bar.inc(1);
+                    }
                     continue;
                 };
-                eprintln!(
-                    "   [{} {}/{}] {:<20} {:>10.1} ns/op",
-                    w.id(),
-                    rep + 1,
-                    cfg.reps,
-                    c.name,
-                    out.ns_per_op()
-                );
                 results[wi][ii].samples.push(out);
                 if w == Workload::W1 {
-                    let ops = cfg.ops(w);
-                    let ns = (c.plain_w1)(&rt, ops).as_nanos() as f64 / ops as f64;
-                    eprintln!(
-                        "   [{} {}/{}] {:<20} {:>10.1} ns/op (plain loop)",
+                    bar.set_message(format!(
+                        "{} {}/{} {} (plain loop)",
                         w.id(),
                         rep + 1,
                         cfg.reps,
-                        c.name,
-                        ns
-                    );
+                        c.name
+                    ));
+                    let ops = cfg.ops(w);
+                    let ns = (c.plain_w1)(&rt, ops).as_nanos() as f64 / ops as f64;
+                    bar.inc(1);
                     results[wi][ii].plain.push(ns);
                 }
             }
         }
     }
+    bar.finish_and_clear();
     let wall = started.elapsed();
-    eprintln!("done in {:.1} s", wall.as_secs_f64());
 
     print!("{}", report(&cfg, &results, &leftovers, wall));
 }
@@ -304,21 +294,17 @@ fn report(
 
     writeln!(
         o,
-        "### Median ns/op ({} reps{}), ratio = keylock / anchor (< 1: keylock faster)\n\n\
-         An anchor is an implementation keylock is measured against, in the same \
-         run: the keyed locks people write today (DashMap of mutexes, lockable) \
-         and single non-keyed mutexes (\"one lock, all keys\": the floor on one \
-         key, what keylock replaces on many). Ratio = keylock's median ns/op \
-         divided by the anchor's: below 1, keylock takes less time per operation \
-         (0.50x: twice as fast); above 1, the anchor is faster. The \
-         keylock+lease and keylock+timeout rows are keylock itself: their ratio \
-         is plain keylock over them, the cost of the lease or timeout.\n",
+        "### Median ns/op ({} reps{}): keylock against each anchor\n\n{}\n",
         cfg.reps,
-        if cfg.quick { ", --quick" } else { "" }
+        if cfg.quick { ", --quick" } else { "" },
+        verdict::LEGEND,
     )
     .unwrap();
     header(o, "implementation");
     for (ii, c) in cfg.impls.iter().enumerate() {
+        if is_option(c) {
+            continue;
+        }
         let name = if c.keyed {
             c.name.to_string()
         } else {
@@ -326,20 +312,35 @@ fn report(
         };
         write!(o, "| {name} |").unwrap();
         for (wi, _) in cfg.workloads.iter().enumerate() {
-            let cell = &results[wi][ii];
-            match cell.median() {
-                None => write!(o, " n/a |").unwrap(),
-                Some(ns) => {
-                    let ratio = keylock
-                        .filter(|&k| k != ii)
-                        .and_then(|k| results[wi][k].median())
-                        .map(|k| format!(" ({:.2}x)", k / ns))
-                        .unwrap_or_default();
-                    write!(o, " {}{ratio} |", fmt_ns(ns)).unwrap();
-                }
-            }
+            let theirs = results[wi][ii].ns();
+            let text = match keylock.filter(|&k| k != ii) {
+                Some(k) => verdict::cell(&results[wi][k].ns(), &theirs),
+                None => median(theirs).map(fmt_ns),
+            };
+            write!(o, " {} |", text.as_deref().unwrap_or("n/a")).unwrap();
         }
         o.push('\n');
+    }
+
+    if let Some(k) = keylock.filter(|_| cfg.impls.iter().any(|c| is_option(c))) {
+        writeln!(
+            o,
+            "\n### Cost of the options: median ns/op against plain keylock\n\n{}\n",
+            verdict::OPTION_LEGEND
+        )
+        .unwrap();
+        header(o, "option");
+        for (ii, c) in cfg.impls.iter().enumerate() {
+            if !is_option(c) {
+                continue;
+            }
+            write!(o, "| {} |", c.name).unwrap();
+            for (wi, _) in cfg.workloads.iter().enumerate() {
+                let text = verdict::option_cell(&results[wi][ii].ns(), &results[wi][k].ns());
+                write!(o, " {} |", text.as_deref().unwrap_or("n/a")).unwrap();
+            }
+            o.push('\n');
+        }
     }
 
     writeln!(o, "\n### Spread of the repetitions: (max - min) / median\n").unwrap();
@@ -393,32 +394,57 @@ fn report(
 
     writeln!(
         o,
-        "\n### Entries left after the last repetition (- : keeps no map); W3, W6 handoffs\n"
+        "\n### Entries left after the last repetition (- : keeps no map)\n"
     )
     .unwrap();
     header(o, "implementation");
     for (ii, c) in cfg.impls.iter().enumerate() {
         write!(o, "| {} |", c.name).unwrap();
-        for (wi, &w) in cfg.workloads.iter().enumerate() {
+        for (wi, _) in cfg.workloads.iter().enumerate() {
             match results[wi][ii].last() {
                 None => write!(o, " n/a |").unwrap(),
-                Some(s) => {
-                    let entries = s
-                        .entries_left
-                        .map_or_else(|| "-".to_string(), |n| n.to_string());
-                    match s.handoffs {
-                        Some(h) if w.counts_handoffs() => write!(
-                            o,
-                            " {entries}, {:.1}% handoffs |",
-                            h as f64 / s.ops as f64 * 100.0
-                        )
-                        .unwrap(),
-                        _ => write!(o, " {entries} |").unwrap(),
-                    }
-                }
+                Some(s) => match s.entries_left {
+                    Some(n) => write!(o, " {n} |").unwrap(),
+                    None => write!(o, " - |").unwrap(),
+                },
             }
         }
         o.push('\n');
+    }
+
+    let counted: Vec<usize> = (0..cfg.workloads.len())
+        .filter(|&wi| cfg.workloads[wi].counts_handoffs())
+        .collect();
+    if !counted.is_empty() {
+        writeln!(
+            o,
+            "\n### Handoffs in the last repetition: acquisitions that went to another task than the previous holder\n"
+        )
+        .unwrap();
+        write!(o, "| implementation |").unwrap();
+        for &wi in &counted {
+            write!(o, " {} |", cfg.workloads[wi].id()).unwrap();
+        }
+        write!(o, "\n|---|").unwrap();
+        for _ in &counted {
+            write!(o, "---:|").unwrap();
+        }
+        o.push('\n');
+        for (ii, c) in cfg.impls.iter().enumerate() {
+            write!(o, "| {} |", c.name).unwrap();
+            for &wi in &counted {
+                match results[wi][ii]
+                    .last()
+                    .and_then(|s| Some((s.handoffs?, s.ops)))
+                {
+                    None => write!(o, " n/a |").unwrap(),
+                    Some((h, ops)) => {
+                        write!(o, " {:.1}% |", h as f64 / ops as f64 * 100.0).unwrap()
+                    }
+                }
+            }
+            o.push('\n');
+        }
     }
 
     writeln!(
@@ -463,10 +489,10 @@ fn report(
     out
 }
 
-fn fmt_ns(ns: f64) -> String {
-    if ns >= 100.0 {
-        format!("{ns:.0}")
-    } else {
-        format!("{ns:.1}")
-    }
+use verdict::fmt_ns;
+
+/// keylock itself with a lease or timeout: compared with plain keylock, not
+/// an anchor.
+fn is_option(c: &Contender) -> bool {
+    c.name.starts_with("keylock+")
 }
