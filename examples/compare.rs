@@ -84,10 +84,6 @@ const CONTENDERS: &[Contender] = &[
     contender::<impls::ParkingLot>(plain::parking_lot_mutex),
 ];
 
-/// Above this, harness / plain loop is flagged in the W1 check: the
-/// repetitions of one cell disagree by about this much on a busy machine.
-const PLAIN_TOLERANCE: f64 = 1.15;
-
 struct Config {
     quick: bool,
     reps: usize,
@@ -373,22 +369,7 @@ fn report(
             let (Some(h), Some(p)) = (cell.median(), median(cell.plain.clone())) else {
                 continue;
             };
-            let flag = if h / p > PLAIN_TOLERANCE {
-                " **harness slower**"
-            } else if p / h > PLAIN_TOLERANCE {
-                " **harness faster**"
-            } else {
-                ""
-            };
-            writeln!(
-                o,
-                "| {} | {} | {} | {:.2}{flag} |",
-                c.name,
-                fmt_ns(h),
-                fmt_ns(p),
-                h / p
-            )
-            .unwrap();
+            writeln!(o, "{}", verdict::plain_check_row(c.name, h, p)).unwrap();
         }
     }
 
@@ -489,7 +470,7 @@ fn report(
     out
 }
 
-use verdict::fmt_ns;
+use verdict::{fmt_ns, PLAIN_TOLERANCE};
 
 /// keylock itself with a lease or timeout: compared with plain keylock, not
 /// an anchor.

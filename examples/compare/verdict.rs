@@ -146,6 +146,29 @@ pub(crate) fn progress(len: u64) -> ProgressBar {
 }
 
 /// ns/op with the precision it deserves.
+/// Above this, harness / plain loop (or its inverse) is flagged in the W1
+/// check: the harness must run every implementation at the cost a plain loop
+/// measures for it.
+pub(crate) const PLAIN_TOLERANCE: f64 = 1.15;
+
+/// One row of the W1 check: harness and plain-loop medians, their ratio, and
+/// a flag when they disagree by more than [`PLAIN_TOLERANCE`].
+pub(crate) fn plain_check_row(name: &str, harness: f64, plain: f64) -> String {
+    let flag = if harness / plain > PLAIN_TOLERANCE {
+        " **harness slower**"
+    } else if plain / harness > PLAIN_TOLERANCE {
+        " **harness faster**"
+    } else {
+        ""
+    };
+    format!(
+        "| {name} | {} | {} | {:.2}{flag} |",
+        fmt_ns(harness),
+        fmt_ns(plain),
+        harness / plain
+    )
+}
+
 pub(crate) fn fmt_ns(ns: f64) -> String {
     if ns >= 100.0 {
         format!("{ns:.0}")

@@ -13,7 +13,7 @@ use std::time::{Duration, Instant};
 use tokio::runtime::Runtime;
 
 use crate::impls::{self, KeyedLock};
-use crate::verdict::{self, fmt_ns};
+use crate::verdict::{self, fmt_ns, PLAIN_TOLERANCE};
 use crate::workloads::{self, Outcome, Workload};
 
 /// Runs one workload for about so many operations (`workloads::run`).
@@ -62,10 +62,6 @@ pub(crate) const WORKLOADS: [Workload; 5] = [
     Workload::W4,
     Workload::W6,
 ];
-
-/// Above this, harness / plain loop is flagged in the W1 check (as in
-/// `compare`).
-const PLAIN_TOLERANCE: f64 = 1.15;
 
 /// Operations per measurement: half of `compare`'s full run, a twelfth
 /// with `--quick` (W6 a quarter, so that its tasks still overlap).
@@ -281,22 +277,7 @@ impl Results {
             ) else {
                 continue;
             };
-            let flag = if h / p > PLAIN_TOLERANCE {
-                " **harness slower**"
-            } else if p / h > PLAIN_TOLERANCE {
-                " **harness faster**"
-            } else {
-                ""
-            };
-            writeln!(
-                o,
-                "| {} | {} | {} | {:.2}{flag} |",
-                c.name,
-                fmt_ns(h),
-                fmt_ns(p),
-                h / p
-            )
-            .unwrap();
+            writeln!(o, "{}", verdict::plain_check_row(c.name, h, p)).unwrap();
         }
 
         writeln!(o, "\nWorkloads (ops per repetition):\n").unwrap();
