@@ -15,8 +15,8 @@ use crate::deferred::Leftovers;
 use crate::error::LockError;
 use crate::guard::{Guard, Held, OwnedGuard};
 use crate::key_slot::KeyPtr;
-use crate::lease::PackedDuration;
-use crate::queue::{Attempt, Diagnosis, Grant, Polled};
+use crate::lease::{LockOptions, PackedDuration};
+use crate::queue::{Attempt, Diagnosis, Grant, Patience, Polled};
 use crate::table::{DefaultHashBuilder, LockTable};
 use crate::timer::Sleep;
 use crate::waiter::{Armed, Granted, LazyWaiter, Seen, Waiter};
@@ -58,6 +58,8 @@ struct Acquire<T: TableHandle<K>, K> {
     state: State<K>,
     lease: PackedDuration,
     timeout: PackedDuration,
+    /// When the caller gives up, as asked (none: no deadline).
+    deadline: Stamp,
     timing: Timing,
     /// The waiter's own timer, on clocks without shard timers (boxed: most
     /// waits never need one, so a lock future stays small).
@@ -73,7 +75,8 @@ where
     S: BuildHasher,
 {
     #[inline(always)]
-    fn new(table: T, key: K, lease: Option<Duration>, timeout: Option<Duration>) -> Self {
+    fn new(table: T, key: K, opts: LockOptions) -> Self {
+        let (lease, timeout) = (opts.lease_duration(), opts.timeout_duration());
         let hash = table.hash(&key);
         let (state, lease) = match lease {
             // The default was validated when the table was built.
@@ -89,6 +92,7 @@ where
             state,
             lease,
             timeout: PackedDuration::pack(timeout),
+            deadline: Stamp::new(opts.deadline_instant()),
             timing: Timing::default(),
             sleep: None,
             waiter: LazyWaiter::new(),
@@ -189,7 +193,11 @@ where
         } else {
             self.timeout.get()
         };
-        if timeout == Some(Duration::ZERO) {
+        // A deadline already passed is a zero timeout (the clock is read only
+        // when there is a deadline).
+        let passed =
+            self.deadline.is_some() && Stamp::new(Some(table.clock().now())) >= self.deadline;
+        if timeout == Some(Duration::ZERO) || passed {
             return match try_once(table, self.hash, key, lease, left) {
                 Ok(grant) => Ok(Step::Ready(self.finish(grant))),
                 Err(diagnosis) => Err(Box::new(timeout_error(Duration::ZERO, diagnosis))),
@@ -211,7 +219,10 @@ where
                     self.hash,
                     &mut key,
                     lease,
-                    timeout,
+                    Patience {
+                        timeout,
+                        deadline: self.deadline,
+                    },
                     table.fairness(),
                     &mut self.waiter,
                     &mut ctx,
@@ -523,14 +534,9 @@ macro_rules! lock_future {
 
         impl<$($lt,)? K: Eq + Hash, S: BuildHasher> $name<$($lt,)? K, S> {
             #[inline]
-            pub(crate) fn new(
-                table: $handle,
-                key: K,
-                lease: Option<Duration>,
-                timeout: Option<Duration>,
-            ) -> Self {
+            pub(crate) fn new(table: $handle, key: K, opts: LockOptions) -> Self {
                 Self {
-                    inner: Acquire::new(table, key, lease, timeout),
+                    inner: Acquire::new(table, key, opts),
                 }
             }
         }

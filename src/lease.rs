@@ -5,14 +5,15 @@
 //! bounds how long a caller waits. Both are checked here before anything is
 //! queued.
 
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use crate::error::LockError;
 
 /// The longest lease a table accepts unless its builder says otherwise.
 pub const DEFAULT_MAX_LEASE: Duration = Duration::from_secs(3600);
 
-/// How to take one lock: with a lease, a timeout, both or neither.
+/// How to take one lock: with a lease, a timeout or a deadline, any of them
+/// or none.
 ///
 /// ```
 /// use std::time::Duration;
@@ -25,6 +26,7 @@ pub const DEFAULT_MAX_LEASE: Duration = Duration::from_secs(3600);
 pub struct LockOptions {
     lease: Option<Duration>,
     timeout: Option<Duration>,
+    deadline: Option<Instant>,
 }
 
 impl LockOptions {
@@ -34,6 +36,7 @@ impl LockOptions {
         Self {
             lease: None,
             timeout: None,
+            deadline: None,
         }
     }
 
@@ -53,6 +56,38 @@ impl LockOptions {
     pub const fn timeout(mut self, timeout: Duration) -> Self {
         self.timeout = Some(timeout);
         self
+    }
+
+    /// Give up waiting at this instant, with [`LockError::Timeout`], as a
+    /// timeout would: with both, the earlier wins. The instant is on the
+    /// table's clock: [`Instant::now`] for the default clock, the manual
+    /// clock's `now()` for a `ManualClock`, tokio's (as a std `Instant`)
+    /// under `Builder::tokio_time`. A deadline already passed means "do not
+    /// wait". `try_lock_with` ignores it. One deadline serves several locks:
+    /// each gets what is left of it.
+    ///
+    /// ```
+    /// # futures::executor::block_on(async {
+    /// use std::time::{Duration, Instant};
+    /// let table = keylock::LockTable::new();
+    /// let deadline = Instant::now() + Duration::from_secs(5);
+    /// let opts = keylock::LockOptions::new().deadline(deadline);
+    /// let a = table.lock_with("a", opts).await?;
+    /// let b = table.lock_with("b", opts).await?; // the same deadline
+    /// # drop((a, b));
+    /// # Ok::<(), keylock::LockError>(())
+    /// # }).unwrap();
+    /// ```
+    #[must_use]
+    pub const fn deadline(mut self, deadline: Instant) -> Self {
+        self.deadline = Some(deadline);
+        self
+    }
+
+    /// The deadline asked for, if any.
+    #[must_use]
+    pub const fn deadline_instant(&self) -> Option<Instant> {
+        self.deadline
     }
 
     /// The lease asked for, if any.

@@ -110,6 +110,36 @@ pub(crate) enum Attempt<K> {
     },
 }
 
+/// How long a waiter waits: a timeout from when it starts to wait, a
+/// deadline, both (the earlier wins), or neither.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Patience {
+    pub(crate) timeout: Option<Duration>,
+    pub(crate) deadline: Stamp,
+}
+
+impl Patience {
+    /// When a wait starting now starts and gives up (none: never), as
+    /// stamps; both none for a wait without either.
+    fn start_and_until<K>(self, ctx: &mut Ctx<'_, '_, K>) -> (Stamp, Stamp) {
+        let after_timeout = match self.timeout {
+            Some(timeout) => {
+                let start = ctx.clock().start_for(timeout);
+                (start, start.plus(timeout))
+            }
+            None if self.deadline.is_some() => (Stamp::new(Some(ctx.now())), Stamp::NONE),
+            None => return (Stamp::NONE, Stamp::NONE),
+        };
+        let (start, until) = after_timeout;
+        let until = match (until.is_some(), self.deadline.is_some()) {
+            (true, true) => until.min(self.deadline),
+            (false, _) => self.deadline,
+            (true, false) => until,
+        };
+        (start, until)
+    }
+}
+
 /// A linked waiter, polled under the lock.
 #[derive(Debug)]
 pub(crate) enum Polled {
@@ -552,7 +582,7 @@ impl<K> ShardState<K> {
         hash: u64,
         key: &mut Option<K>,
         lease: PackedDuration,
-        timeout: Option<Duration>,
+        patience: Patience,
         fairness: Fairness,
         waiter: &mut LazyWaiter,
         ctx: &mut Ctx<'_, '_, K>,
@@ -571,13 +601,7 @@ impl<K> ShardState<K> {
         let waiter = waiter.get_or_init();
         // When the caller gives up (too far to represent: never), from the
         // time this operation judges by, which the caller reads back.
-        let (start, until) = match timeout {
-            Some(timeout) => {
-                let start = ctx.clock().start_for(timeout);
-                (start, start.plus(timeout))
-            }
-            None => (Stamp::NONE, Stamp::NONE),
-        };
+        let (start, until) = patience.start_and_until(ctx);
         ctx.cover(until);
         // SAFETY: the caller's contract; under the shard lock.
         unsafe {

@@ -412,7 +412,7 @@ where
     /// ```
     #[inline]
     pub fn lock(&self, key: K) -> Lock<'_, K, S> {
-        Lock::new(self, key, None, None)
+        Lock::new(self, key, LockOptions::new())
     }
 
     /// Like [`lock`](Self::lock), for a table behind an [`Arc`]: the guard
@@ -433,7 +433,7 @@ where
     /// ```
     #[inline]
     pub fn lock_owned(self: Arc<Self>, key: K) -> LockOwned<K, S> {
-        LockOwned::new(self, key, None, None)
+        LockOwned::new(self, key, LockOptions::new())
     }
 
     /// Like [`lock`](Self::lock), with a lease and/or a timeout.
@@ -467,7 +467,7 @@ where
     /// ```
     #[inline]
     pub fn lock_with(&self, key: K, opts: LockOptions) -> LockWith<'_, K, S> {
-        LockWith::new(self, key, opts.lease_duration(), opts.timeout_duration())
+        LockWith::new(self, key, opts)
     }
 
     /// Like [`lock_with`](Self::lock_with), for a table behind an [`Arc`].
@@ -491,7 +491,7 @@ where
     /// ```
     #[inline]
     pub fn lock_owned_with(self: Arc<Self>, key: K, opts: LockOptions) -> LockOwnedWith<K, S> {
-        LockOwnedWith::new(self, key, opts.lease_duration(), opts.timeout_duration())
+        LockOwnedWith::new(self, key, opts)
     }
 
     /// Takes `key` if it is free and nobody waits for it.

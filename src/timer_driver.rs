@@ -622,23 +622,31 @@ mod tests {
         }
         assert!(Instant::now() >= at, "fired before its deadline");
         assert_eq!(driver.poll(r, at, &waker), TimerState::Fired);
-        let later = at + Duration::from_millis(1);
+        // Moved far past the deadline it fired for: armed again (nothing can
+        // fire it during the test), its waker spent, then kept.
+        let far = Instant::now() + Duration::from_secs(3600);
         assert_eq!(
-            driver.poll(r, later, &waker),
+            driver.poll(r, far, &waker),
             TimerState::Armed { needs_waker: true },
             "moved past the deadline it fired for: armed again, its waker spent"
         );
         driver.set_waker(r, waker.clone());
         assert_eq!(
-            driver.poll(r, later, &waker),
+            driver.poll(r, far, &waker),
             TimerState::Armed { needs_waker: false },
             "the same task's waker is kept"
+        );
+        // Moved earlier again: it fires at the new deadline.
+        let near = Instant::now() + Duration::from_millis(1);
+        assert_eq!(
+            driver.poll(r, near, &waker),
+            TimerState::Armed { needs_waker: false }
         );
         while count.0.load(SeqCst) == 1 {
             assert!(Instant::now() < give_up, "the re-armed timer never fired");
             std::thread::yield_now();
         }
-        assert!(Instant::now() >= later);
+        assert!(Instant::now() >= near);
         driver.cancel(r);
     }
 }

@@ -4,9 +4,9 @@
 //! timer falls back to the crate's own timer.
 //!
 //! Under paused time nothing here depends on how fast the machine is: virtual
-//! time moves only when the test (or auto-advance) moves it. The wall-clock
-//! bounds asserted below are the point of paused time (a 2 s timeout taking
-//! no real time), and the only real waits are outer hang guards.
+//! time moves only when the test (or auto-advance) moves it, so a 2 s timeout
+//! takes no real time; nothing asserts on real time, and the only real waits
+//! are outer hang guards.
 
 #[cfg(not(feature = "tokio"))]
 #[test]
@@ -89,7 +89,6 @@ mod tests {
     #[tokio::test(start_paused = true)]
     async fn a_waiter_gets_the_key_of_a_stalled_holder_when_virtual_time_passes_its_deadline() {
         let table = Arc::new(tokio_table());
-        let wall = std::time::Instant::now();
         let start = TokioInstant::now();
         let stuck = table.try_lock_with("k", lease(5 * SEC)).unwrap();
         let deadline = stuck.expires_at().unwrap();
@@ -113,11 +112,6 @@ mod tests {
         assert!(next.token() > stuck.token());
         assert!(stuck.check().is_err(), "the stale holder is fenced");
         assert_eq!(next.check(), Ok(next.token()));
-        assert!(
-            wall.elapsed() < SEC,
-            "5 virtual seconds took {:?} of real time",
-            wall.elapsed()
-        );
         drop(next);
         drop(stuck);
         assert!(table.is_empty());
@@ -127,7 +121,6 @@ mod tests {
     async fn a_timeout_fires_after_two_virtual_seconds() {
         let table = tokio_table();
         let held = table.try_lock(7u32).unwrap();
-        let wall = std::time::Instant::now();
         let start = TokioInstant::now();
         let err = tokio::time::timeout(HANG_GUARD, table.lock_with(7, timeout(2 * SEC)))
             .await
@@ -143,11 +136,6 @@ mod tests {
             other => panic!("expected a timeout, got {other}"),
         }
         assert!(elapsed >= 2 * SEC && elapsed < 3 * SEC, "{elapsed:?}");
-        assert!(
-            wall.elapsed() < SEC,
-            "a 2 s virtual timeout took {:?} of real time",
-            wall.elapsed()
-        );
         assert_eq!(table.waiters(&7), 0);
         drop(held);
         assert!(table.is_empty());
