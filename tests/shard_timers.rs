@@ -194,4 +194,61 @@ mod tests {
         ));
         table.assert_consistent();
     }
+
+    /// A waker woken by a shard timer's fire that calls back into the table
+    /// (takes a key, queues a new wait with a timeout, which arms the shard
+    /// timer again): no lock of the table or the clock is held while it
+    /// runs, so nothing deadlocks, and the new wait is timed like any other.
+    #[test]
+    fn a_waker_woken_by_a_fire_may_call_back_into_the_table() {
+        use std::sync::Mutex;
+
+        struct Reenter {
+            table: Arc<LockTable<u32>>,
+            waits: Mutex<Vec<std::pin::Pin<Box<keylock::futures::LockOwnedWith<u32>>>>>,
+            woken: std::sync::atomic::AtomicUsize,
+        }
+        impl Wake for Reenter {
+            fn wake(self: Arc<Self>) {
+                self.woken.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                // Key 2 is free: taken and released under the fire's wake.
+                drop(self.table.try_lock(2).expect("key 2 is free"));
+                // Key 1 is held: a new wait queues and arms the shard timer.
+                let mut wait = Box::pin(self.table.clone().lock_owned_with(1, timeout(SEC)));
+                let noop = futures::task::noop_waker();
+                assert!(poll(&mut wait, &noop).is_pending());
+                self.waits.lock().unwrap().push(wait);
+            }
+        }
+
+        let clock = ManualClock::with_shard_timers();
+        let table = Arc::new(LockTable::builder().clock(clock.clone()).shards(1).build());
+        let holder = table.try_lock(1).unwrap();
+        let reenter = Arc::new(Reenter {
+            table: table.clone(),
+            waits: Mutex::new(Vec::new()),
+            woken: std::sync::atomic::AtomicUsize::new(0),
+        });
+        let w = Waker::from(reenter.clone());
+        let mut first = Box::pin(table.lock_with(1, timeout(SEC)));
+        assert!(poll(&mut first, &w).is_pending());
+        clock.advance(SEC);
+        assert_eq!(reenter.woken.load(std::sync::atomic::Ordering::SeqCst), 1);
+        assert!(matches!(
+            poll(&mut first, &w),
+            Poll::Ready(Err(LockError::Timeout { .. }))
+        ));
+        assert_eq!(table.waiters(&1), 1, "the wait queued from the waker");
+        assert_eq!(clock.armed_shards(), 1, "and armed the shard timer");
+        clock.advance(SEC);
+        let mut waits = std::mem::take(&mut *reenter.waits.lock().unwrap());
+        let noop = futures::task::noop_waker();
+        assert!(matches!(
+            poll(&mut waits[0], &noop),
+            Poll::Ready(Err(LockError::Timeout { .. }))
+        ));
+        drop((waits, first, holder));
+        table.assert_consistent();
+        assert!(table.is_empty());
+    }
 }
