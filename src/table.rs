@@ -10,7 +10,6 @@ use std::borrow::Borrow;
 use std::fmt;
 use std::hash::{BuildHasher, Hash};
 use std::marker::PhantomData;
-use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -340,14 +339,14 @@ impl<K, S> LockTable<K, S> {
         key: KeyPtr<K>,
         token: FencingToken,
         lease: Duration,
-        cache: &AtomicU64,
+        cache: &crate::guard::GrantCache,
     ) -> Result<(), LockError> {
         let lease = self.leases.check(lease)?;
         self.with_shard(hash, |state, ctx| {
             let deadline = state.renew(hash, key, token, lease, ctx)?;
             // A lease too long for the clock to represent never ends: it
             // reads back as no deadline.
-            cache.store(deadline.to_raw(), Relaxed);
+            cache.set_deadline(deadline);
             Ok(())
         })
     }

@@ -70,7 +70,7 @@ impl Keys<'_> {
         };
         let (deadline, since) = lease_from(lease, ctx.clock());
         // SAFETY: just unlinked, under the lock; not touched again.
-        let waker = unsafe { Waiter::grant(head, token, deadline) };
+        let waker = unsafe { Waiter::grant(head, token, deadline, mode) };
         entry.holders.push(Holder {
             token,
             deadline,
@@ -97,7 +97,7 @@ impl Keys<'_> {
         };
         entry.holders.remove(old.token);
         // SAFETY: just unlinked, under the lock; not touched again.
-        let waker = unsafe { Waiter::grant(head, token, old.deadline) };
+        let waker = unsafe { Waiter::grant(head, token, old.deadline, Mode::Exclusive) };
         entry.holders.push(Holder { token, ..old });
         entry.mode = Mode::Exclusive;
         ctx.counters().handed_off();
