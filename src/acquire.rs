@@ -16,15 +16,19 @@ use crate::error::LockError;
 use crate::guard::{Guard, Held, OwnedGuard};
 use crate::key_slot::KeyPtr;
 use crate::lease::{LockOptions, PackedDuration};
+use crate::mode::Mode;
 use crate::queue::{Attempt, Diagnosis, Grant, Patience, Polled};
 use crate::table::{DefaultHashBuilder, LockTable};
 use crate::timer::Sleep;
+use crate::token::FencingToken;
 use crate::waiter::{Armed, Granted, LazyWaiter, Seen, Waiter};
 
 /// Where an acquisition stands.
 enum State<K> {
     /// Not polled yet: owns the key it was given.
     Start(K),
+    /// Not polled yet: upgrades the shared grant `token` of the key at `key`.
+    StartUpgrade { key: KeyPtr<K>, token: FencingToken },
     /// The options were invalid; reported on the first poll.
     Invalid(Box<LockError>),
     /// The waiter node is linked into the queue of the key at `key` (or was
@@ -52,10 +56,12 @@ struct Timing {
 /// `waiter` is linked into the key's queue by address while the state is
 /// `Linked`, so the future is `!Unpin` and the waiter never moves once polled:
 /// `poll` reaches it only through `Pin`, and `Drop` unlinks it.
-struct Acquire<T: TableHandle<K>, K> {
+pub(crate) struct Acquire<T: TableHandle<K>, K> {
     table: Option<T>,
     hash: u64,
     state: State<K>,
+    /// The mode of the grant (exclusive for an upgrade).
+    mode: Mode,
     lease: PackedDuration,
     timeout: PackedDuration,
     /// When the caller gives up, as asked (none: no deadline).
@@ -90,8 +96,32 @@ where
             table: Some(table),
             hash,
             state,
+            mode: opts.lock_mode(),
             lease,
             timeout: PackedDuration::pack(timeout),
+            deadline: Stamp::new(opts.deadline_instant()),
+            timing: Timing::default(),
+            sleep: None,
+            waiter: LazyWaiter::new(),
+        }
+    }
+
+    /// An upgrade of the shared grant `token` of the key at `key` (the
+    /// options' timeout and deadline bound the wait).
+    pub(crate) fn upgrade(
+        table: T,
+        hash: u64,
+        key: KeyPtr<K>,
+        token: FencingToken,
+        opts: LockOptions,
+    ) -> Self {
+        Self {
+            table: Some(table),
+            hash,
+            state: State::StartUpgrade { key, token },
+            mode: Mode::Exclusive,
+            lease: PackedDuration::NONE,
+            timeout: PackedDuration::pack(opts.timeout_duration()),
             deadline: Stamp::new(opts.deadline_instant()),
             timing: Timing::default(),
             sleep: None,
@@ -118,7 +148,7 @@ where
 
     /// Takes the timer state out, to drop once the output exists.
     #[inline]
-    fn take_timing(&mut self) -> Option<Box<Sleep>> {
+    pub(crate) fn take_timing(&mut self) -> Option<Box<Sleep>> {
         self.sleep.take()
     }
 
@@ -137,7 +167,7 @@ where
     /// panic out of this; the state is then always consistent: the waiter is
     /// `Linked` while it is in a queue, and `Drop` unlinks it.
     #[inline(always)]
-    fn poll_acquire(
+    pub(crate) fn poll_acquire(
         self: Pin<&mut Self>,
         cx: &mut Context<'_>,
         left: &mut Leftovers<K>,
@@ -152,6 +182,14 @@ where
                         unreachable!()
                     };
                     match this.start(key, cx, left)? {
+                        Step::Ready(out) => return Poll::Ready(Ok(out)),
+                        Step::Wait(at) => at,
+                        Step::Again => continue,
+                    }
+                }
+                &State::StartUpgrade { key, token } => {
+                    this.state = State::Done;
+                    match this.start_upgrade(key, token, cx, left)? {
                         Step::Ready(out) => return Poll::Ready(Ok(out)),
                         Step::Wait(at) => at,
                         Step::Again => continue,
@@ -198,7 +236,7 @@ where
         let passed =
             self.deadline.is_some() && Stamp::new(Some(table.clock().now())) >= self.deadline;
         if timeout == Some(Duration::ZERO) || passed {
-            return match try_once(table, self.hash, key, lease, left) {
+            return match try_once(table, self.hash, key, self.mode, lease, left) {
                 Ok(grant) => Ok(Step::Ready(self.finish(grant))),
                 Err(diagnosis) => Err(Box::new(timeout_error(Duration::ZERO, diagnosis))),
             };
@@ -218,6 +256,7 @@ where
                 state.acquire_or_enqueue(
                     self.hash,
                     &mut key,
+                    self.mode,
                     lease,
                     Patience {
                         timeout,
@@ -233,6 +272,68 @@ where
         if let Some(key) = key {
             ctx.drop_key_later(key);
         }
+        self.started(attempt, cx, left)
+    }
+
+    /// The first poll of an upgrade: at once, or linked at the head of the
+    /// queue, or refused.
+    fn start_upgrade(
+        &mut self,
+        key: KeyPtr<K>,
+        token: FencingToken,
+        cx: &mut Context<'_>,
+        left: &mut Leftovers<K>,
+    ) -> Result<Step<(T, Held<K>)>, Box<LockError>> {
+        let table = self.table.as_deref().expect("present until completion");
+        let timeout = self.timeout.get();
+        let passed =
+            self.deadline.is_some() && Stamp::new(Some(table.clock().now())) >= self.deadline;
+        let patience = Patience {
+            timeout,
+            deadline: self.deadline,
+        };
+        let shard = table.shard(self.hash);
+        let mut state = shard.state.lock();
+        let mut ctx = shard.ctx(table.clock(), left);
+        // SAFETY: the waiter is idle and pinned (we are, through `Pin`), and
+        // `Drop` unlinks it before it is freed.
+        let attempt =
+            unsafe { state.upgrade(self.hash, key, token, patience, &mut self.waiter, &mut ctx) };
+        let attempt = match attempt {
+            Ok(Attempt::Queued { .. }) if timeout == Some(Duration::ZERO) || passed => {
+                // Would wait, and may not: leave at once.
+                // SAFETY: just linked by us, under the lock.
+                let left_now = unsafe {
+                    state.leave(
+                        self.hash,
+                        key,
+                        self.waiter.get(),
+                        true,
+                        table.fairness(),
+                        &mut ctx,
+                    )
+                };
+                drop(state);
+                return match left_now {
+                    Ok(diagnosis) => Err(Box::new(timeout_error(Duration::ZERO, diagnosis))),
+                    Err(granted) => Ok(Step::Ready(self.finish_granted(key, granted))),
+                };
+            }
+            other => other,
+        };
+        drop(state);
+        self.started(attempt.map_err(Box::new)?, cx, left)
+    }
+
+    /// What the first poll's attempt came to: the grant, or a linked waiter
+    /// whose waker is registered now.
+    #[inline(always)]
+    fn started(
+        &mut self,
+        attempt: Attempt<K>,
+        cx: &mut Context<'_>,
+        left: &mut Leftovers<K>,
+    ) -> Result<Step<(T, Held<K>)>, Box<LockError>> {
         match attempt {
             Attempt::Acquired(grant) => Ok(Step::Ready(self.finish(grant))),
             Attempt::Queued {
@@ -340,6 +441,22 @@ where
                 },
                 Polled::Waiting { wake_at } => Outcome::Waiting(wake_at),
                 Polled::NeedWaker => Outcome::NeedWaker,
+                Polled::Lost(token) => {
+                    // SAFETY: as above.
+                    match unsafe {
+                        state.leave(
+                            self.hash,
+                            key,
+                            self.waiter.get(),
+                            true,
+                            table.fairness(),
+                            &mut ctx,
+                        )
+                    } {
+                        Ok(_) => Outcome::Lost(token),
+                        Err(granted) => Outcome::Granted(granted),
+                    }
+                }
             }
         };
         let now = gave_up.then(|| ctx.now());
@@ -347,6 +464,10 @@ where
             Outcome::Granted(granted) => Ok(Step::Ready(self.finish_granted(key, granted))),
             Outcome::Waiting(wake_at) => Ok(Step::Wait(wake_at)),
             Outcome::NeedWaker => Ok(Step::Again),
+            Outcome::Lost(token) => {
+                self.state = State::Done;
+                Err(Box::new(LockError::Expired { token }))
+            }
             Outcome::GaveUp(diagnosis) => {
                 self.state = State::Done;
                 let start = self.timing.start.get();
@@ -365,6 +486,7 @@ where
             key,
             token: granted.token,
             deadline: granted.deadline,
+            mode: self.mode,
         })
     }
 
@@ -405,8 +527,39 @@ where
     }
 }
 
+impl<T, K, S> Acquire<T, K>
+where
+    T: TableHandle<K> + Deref<Target = LockTable<K, S>>,
+{
+    /// An upgrade is dropped: unlinks its waiter, or, if it was granted and
+    /// has not looked, makes that exclusive grant shared again and returns
+    /// it (its token replaced the old one's).
+    pub(crate) fn cancel_upgrade(&mut self, left: &mut Leftovers<K>) -> Option<Granted> {
+        let State::Linked { key } = self.state else {
+            return None;
+        };
+        self.state = State::Done;
+        let table = self.table.as_deref()?;
+        let shard = table.shard(self.hash);
+        let mut ctx = shard.ctx(table.clock(), left);
+        let mut state = shard.state.lock();
+        let waiter = self.waiter.get();
+        if waiter.seen() == Seen::Granted {
+            let granted = waiter.granted();
+            // Shared again; it cannot have lost the key unseen: a lapse
+            // would only make this fail, and the guard then finds out.
+            let _ = state.downgrade(self.hash, key, granted.token, &mut ctx);
+            return Some(granted);
+        }
+        // SAFETY: our own waiter, linked (not granted: checked under the
+        // lock, which every grant takes).
+        let _ = unsafe { state.leave(self.hash, key, waiter, false, table.fairness(), &mut ctx) };
+        None
+    }
+}
+
 /// A completed acquisition: the table handle and the grant, or why it failed.
-type Acquired<T, K> = Result<(T, Held<K>), Box<LockError>>;
+pub(crate) type Acquired<T, K> = Result<(T, Held<K>), Box<LockError>>;
 
 /// What a locked poll of a linked waiter found.
 enum Outcome {
@@ -414,6 +567,7 @@ enum Outcome {
     Waiting(Option<Instant>),
     NeedWaker,
     GaveUp(Diagnosis),
+    Lost(FencingToken),
 }
 
 /// What one step of a poll came to.
@@ -439,6 +593,7 @@ fn try_once<K: Eq + Hash, S: BuildHasher>(
     table: &LockTable<K, S>,
     hash: u64,
     key: K,
+    mode: Mode,
     lease: PackedDuration,
     left: &mut Leftovers<K>,
 ) -> Result<Grant<K>, Diagnosis> {
@@ -447,7 +602,7 @@ fn try_once<K: Eq + Hash, S: BuildHasher>(
     let mut ctx = shard.ctx(table.clock(), left);
     let result = {
         let mut state = shard.state.lock();
-        match state.try_acquire(hash, &mut key, lease, table.fairness(), &mut ctx) {
+        match state.try_acquire(hash, &mut key, mode, lease, table.fairness(), &mut ctx) {
             Some(grant) => Ok(grant),
             None => {
                 let probe = key.as_ref().expect("kept on failure");
@@ -505,7 +660,7 @@ impl<K, S> TableHandle<K> for Arc<LockTable<K, S>> {
 impl<T: TableHandle<K>, K> fmt::Debug for Acquire<T, K> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let state = match self.state {
-            State::Start(_) => "start",
+            State::Start(_) | State::StartUpgrade { .. } => "start",
             State::Invalid(_) => "invalid",
             State::Linked { .. } => "waiting",
             State::Done => "done",

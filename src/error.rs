@@ -71,6 +71,16 @@ pub enum LockError {
         /// The token of the grant that lapsed.
         token: FencingToken,
     },
+    /// Another shared holder of the key is already waiting to upgrade to
+    /// exclusive: both would wait for the other's shared grant for ever, so
+    /// this upgrade fails at once. Release this grant (abort the
+    /// transaction) and retry.
+    UpgradeConflict {
+        /// The grant that asked to upgrade and was refused.
+        token: FencingToken,
+        /// The shared grant already waiting to upgrade.
+        upgrading: FencingToken,
+    },
     /// An option was out of range; nothing was queued.
     InvalidOptions {
         /// The option at fault.
@@ -109,6 +119,11 @@ impl fmt::Display for LockError {
             Self::Expired { token } => write!(
                 f,
                 "grant {token} has lost the key (lease lapsed or revoked); do not commit its work"
+            ),
+            Self::UpgradeConflict { token, upgrading } => write!(
+                f,
+                "grant {token} cannot upgrade to exclusive: shared grant {upgrading} of the same \
+                 key is already upgrading, and each would wait for the other; release it and retry"
             ),
             Self::InvalidOptions {
                 option,

@@ -12,9 +12,11 @@ use crate::error::LockError;
 use crate::keep_alive::KeepAlive;
 use crate::key_slot::KeyPtr;
 use crate::lost::{Lost, Watch};
+use crate::mode::Mode;
 use crate::queue::Grant;
 use crate::table::{DefaultHashBuilder, LockTable};
 use crate::token::FencingToken;
+use crate::upgrade::Upgrade;
 
 /// What a guard holds: where its key lives, the token of its grant and its
 /// lease deadline as last known to it.
@@ -28,6 +30,7 @@ pub(crate) struct Held<K> {
     /// ended once the table has let go of it. One word, so that a guard is
     /// five words and cheap to move. Written under the shard lock.
     deadline: AtomicU64,
+    mode: Mode,
 }
 
 impl<K> Held<K> {
@@ -38,7 +41,42 @@ impl<K> Held<K> {
             key: grant.key,
             token: grant.token,
             deadline: AtomicU64::new(grant.deadline.to_raw()),
+            mode: grant.mode,
         }
+    }
+
+    /// The grant changed in place (an upgrade, or its undoing): a new token
+    /// and deadline, in `mode`.
+    pub(crate) fn regrant(&mut self, token: FencingToken, deadline: Stamp, mode: Mode) {
+        self.token = token;
+        *self.deadline.get_mut() = deadline.to_raw();
+        self.mode = mode;
+    }
+
+    #[inline]
+    pub(crate) fn mode(&self) -> Mode {
+        self.mode
+    }
+
+    #[inline]
+    pub(crate) fn hash(&self) -> u64 {
+        self.hash
+    }
+
+    #[inline]
+    pub(crate) fn key_ptr(&self) -> KeyPtr<K> {
+        self.key
+    }
+
+    /// The deadline as last known to the guard, raw.
+    pub(crate) fn deadline_raw(&self) -> u64 {
+        self.deadline.load(Relaxed)
+    }
+
+    fn downgrade<S>(&mut self, table: &LockTable<K, S>) -> Result<(), LockError> {
+        table.downgrade_grant(self.hash, self.key, self.token)?;
+        self.mode = Mode::Shared;
+        Ok(())
     }
 
     #[inline]
@@ -99,12 +137,89 @@ impl<K> Held<K> {
     }
 }
 
+macro_rules! upgrade_methods {
+    () => {
+        /// Makes this shared grant exclusive. It waits only for the other
+        /// shared holders of the key: it is served ahead of every queued
+        /// waiter (as lock managers do). On success the guard holds the key
+        /// exclusively under a new token, greater than every earlier grant's
+        /// of the key (the lease deadline stays); the future resolves to it.
+        /// An exclusive grant resolves at once with its token.
+        ///
+        /// # Errors
+        ///
+        /// [`LockError::UpgradeConflict`] at once if another shared holder is
+        /// already upgrading (each would wait for the other: release this
+        /// grant and retry); [`LockError::Expired`] if the grant lost the key
+        /// (lapsed or revoked) before or while it waited.
+        ///
+        /// # Cancel safety
+        ///
+        /// Dropping the future leaves the guard shared; see [`Upgrade`].
+        ///
+        /// ```
+        /// # futures::executor::block_on(async {
+        /// let table = keylock::LockTable::new();
+        /// let mut reader = table.lock_shared("row-1").await;
+        /// let before = reader.token();
+        /// let after = reader.upgrade().await?; // the only reader: at once
+        /// assert!(after > before);
+        /// assert_eq!(reader.mode(), keylock::Mode::Exclusive);
+        /// # Ok::<(), keylock::LockError>(())
+        /// # }).unwrap();
+        /// ```
+        pub fn upgrade(&mut self) -> Upgrade<'_, K, S> {
+            self.upgrade_with(crate::LockOptions::new())
+        }
+
+        /// Like [`upgrade`](Self::upgrade), giving up after the options'
+        /// timeout or at their deadline ([`LockError::Timeout`], the guard
+        /// still shared); their mode and lease are ignored.
+        ///
+        /// # Errors
+        ///
+        /// As [`upgrade`](Self::upgrade), and [`LockError::Timeout`].
+        pub fn upgrade_with(&mut self, opts: crate::LockOptions) -> Upgrade<'_, K, S> {
+            Upgrade::new(&self.table, &mut self.held, opts)
+        }
+    };
+}
+
 macro_rules! guard_methods {
     () => {
         /// The key this guard holds.
         #[inline]
         pub fn key(&self) -> &K {
             self.held.key()
+        }
+
+        /// The mode of this grant: [`Mode::Exclusive`] (what `lock` takes),
+        /// or [`Mode::Shared`], held together with other shared grants.
+        #[inline]
+        pub fn mode(&self) -> Mode {
+            self.held.mode()
+        }
+
+        /// Makes this exclusive grant shared, keeping its token: the shared
+        /// waiters at the head of the key's queue are admitted at once (a
+        /// waiting exclusive request, and everyone behind it, keeps waiting).
+        /// A shared grant stays as it is.
+        ///
+        /// # Errors
+        ///
+        /// [`LockError::Expired`] if the grant has already lost the key.
+        ///
+        /// ```
+        /// let table = keylock::LockTable::new();
+        /// let mut writer = table.try_lock("doc").unwrap();
+        /// assert!(table.try_lock_shared("doc").is_err());
+        /// writer.downgrade().unwrap();
+        /// assert_eq!(writer.mode(), keylock::Mode::Shared);
+        /// let reader = table.try_lock_shared("doc").unwrap(); // held together now
+        /// # drop((writer, reader));
+        /// ```
+        pub fn downgrade(&mut self) -> Result<(), LockError> {
+            self.held.downgrade(&self.table)
         }
 
         /// The fencing token of this grant; see [`FencingToken`].
@@ -253,6 +368,10 @@ impl<'a, K, S> Guard<'a, K, S> {
     guard_methods!();
 }
 
+impl<K: Eq + std::hash::Hash, S: std::hash::BuildHasher> Guard<'_, K, S> {
+    upgrade_methods!();
+}
+
 impl<K, S> Drop for Guard<'_, K, S> {
     #[inline(always)]
     fn drop(&mut self) {
@@ -298,6 +417,10 @@ impl<K, S> OwnedGuard<K, S> {
     }
 
     guard_methods!();
+}
+
+impl<K: Eq + std::hash::Hash, S: std::hash::BuildHasher> OwnedGuard<K, S> {
+    upgrade_methods!();
 }
 
 impl<K, S> Drop for OwnedGuard<K, S> {

@@ -8,12 +8,13 @@
 use std::time::{Duration, Instant};
 
 use crate::error::LockError;
+use crate::mode::Mode;
 
 /// The longest lease a table accepts unless its builder says otherwise.
 pub const DEFAULT_MAX_LEASE: Duration = Duration::from_secs(3600);
 
-/// How to take one lock: with a lease, a timeout or a deadline, any of them
-/// or none.
+/// How to take one lock: in which [`Mode`] (exclusive unless told), with a
+/// lease, a timeout or a deadline, any of them or none.
 ///
 /// ```
 /// use std::time::Duration;
@@ -27,17 +28,53 @@ pub struct LockOptions {
     lease: Option<Duration>,
     timeout: Option<Duration>,
     deadline: Option<Instant>,
+    mode: Mode,
 }
 
 impl LockOptions {
-    /// No lease (unless the table has a default one) and no timeout.
+    /// Exclusive, no lease (unless the table has a default one) and no
+    /// timeout.
     #[must_use]
     pub const fn new() -> Self {
         Self {
             lease: None,
             timeout: None,
             deadline: None,
+            mode: Mode::Exclusive,
         }
+    }
+
+    /// Take the key in `mode`: [`Mode::Exclusive`] (the default) or
+    /// [`Mode::Shared`], held together with other shared grants.
+    ///
+    /// ```
+    /// # futures::executor::block_on(async {
+    /// use keylock::{LockOptions, LockTable, Mode};
+    /// let table = LockTable::new();
+    /// let read = LockOptions::new().mode(Mode::Shared);
+    /// let a = table.lock_with("page-4", read).await?;
+    /// let b = table.lock_with("page-4", read).await?; // held together
+    /// assert_eq!((a.mode(), b.mode()), (Mode::Shared, Mode::Shared));
+    /// assert!(table.try_lock("page-4").is_err(), "a writer waits for both");
+    /// # Ok::<(), keylock::LockError>(())
+    /// # }).unwrap();
+    /// ```
+    #[must_use]
+    pub const fn mode(mut self, mode: Mode) -> Self {
+        self.mode = mode;
+        self
+    }
+
+    /// Shorthand for `.mode(Mode::Shared)`.
+    #[must_use]
+    pub const fn shared(self) -> Self {
+        self.mode(Mode::Shared)
+    }
+
+    /// The mode asked for.
+    #[must_use]
+    pub const fn lock_mode(&self) -> Mode {
+        self.mode
     }
 
     /// The grant loses its authority this long after it is made: `check()`

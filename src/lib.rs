@@ -199,6 +199,7 @@ mod key_slot;
 mod lease;
 mod loom;
 mod lost;
+mod mode;
 mod queue;
 mod shard_lock;
 mod stats;
@@ -207,6 +208,7 @@ mod time_source;
 mod timer;
 mod timer_driver;
 mod token;
+mod upgrade;
 mod waiter;
 
 #[cfg(feature = "test-util")]
@@ -216,6 +218,7 @@ pub use error::{LockError, TryLockError};
 pub use fairness::Fairness;
 pub use guard::{Guard, OwnedGuard};
 pub use lease::{LockOptions, DEFAULT_MAX_LEASE};
+pub use mode::Mode;
 pub use stats::Stats;
 pub use table::{Builder, DefaultHashBuilder, LockTable};
 pub use time_source::TimeSource;
@@ -226,4 +229,5 @@ pub mod futures {
     pub use crate::acquire::{Lock, LockOwned, LockOwnedWith, LockWith};
     pub use crate::keep_alive::KeepAlive;
     pub use crate::lost::Lost;
+    pub use crate::upgrade::Upgrade;
 }

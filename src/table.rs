@@ -24,6 +24,7 @@ use crate::fairness::Fairness;
 use crate::guard::{Guard, Held, OwnedGuard};
 use crate::key_slot::KeyPtr;
 use crate::lease::{LeasePolicy, LockOptions, PackedDuration, DEFAULT_MAX_LEASE, MIN_LEASE};
+use crate::mode::Mode;
 use crate::queue::{Grant, ShardState};
 use crate::shard_lock::ShardMutex;
 use crate::stats::{Counters, Stats};
@@ -371,6 +372,16 @@ impl<K, S> LockTable<K, S> {
         self.with_shard(hash, |state, ctx| state.unwatch_loss(slot, ctx));
     }
 
+    /// Makes grant `token` shared; see [`ShardState::downgrade`].
+    pub(crate) fn downgrade_grant(
+        &self,
+        hash: u64,
+        key: KeyPtr<K>,
+        token: FencingToken,
+    ) -> Result<(), LockError> {
+        self.with_shard(hash, |state, ctx| state.downgrade(hash, key, token, ctx))
+    }
+
     /// See [`ShardState::deadline_of`].
     pub(crate) fn grant_deadline(
         &self,
@@ -494,6 +505,116 @@ where
         LockOwnedWith::new(self, key, opts)
     }
 
+    /// Waits until `key` can be held shared and takes it in
+    /// [`Mode::Shared`]: together with any other shared holders, never with
+    /// an exclusive one. The queue stays FIFO: while an exclusive request
+    /// waits, later shared requests wait behind it (writers are not
+    /// starved), and consecutive shared waiters are granted together.
+    ///
+    /// The same as `lock_with(key, LockOptions::new().shared())`, without
+    /// the `Result`.
+    ///
+    /// # Cancel safety
+    ///
+    /// Cancel-safe, as [`lock`](Self::lock).
+    ///
+    /// ```
+    /// # futures::executor::block_on(async {
+    /// let table = keylock::LockTable::new();
+    /// let a = table.lock_shared("config").await;
+    /// let b = table.lock_shared("config").await; // held together
+    /// assert_ne!(a.token(), b.token()); // each grant has its own token
+    /// assert!(table.try_lock("config").is_err());
+    /// # });
+    /// ```
+    #[inline]
+    pub fn lock_shared(&self, key: K) -> Lock<'_, K, S> {
+        Lock::new(self, key, LockOptions::new().shared())
+    }
+
+    /// Like [`lock_shared`](Self::lock_shared), for a table behind an
+    /// [`Arc`].
+    ///
+    /// # Cancel safety
+    ///
+    /// Cancel-safe, as [`lock`](Self::lock).
+    ///
+    /// ```
+    /// # futures::executor::block_on(async {
+    /// use std::sync::Arc;
+    /// let table = Arc::new(keylock::LockTable::new());
+    /// let guard = table.clone().lock_shared_owned(7).await;
+    /// assert_eq!(guard.mode(), keylock::Mode::Shared);
+    /// # });
+    /// ```
+    #[inline]
+    pub fn lock_shared_owned(self: Arc<Self>, key: K) -> LockOwned<K, S> {
+        LockOwned::new(self, key, LockOptions::new().shared())
+    }
+
+    /// Takes `key` shared if no exclusive grant holds it and nobody waits
+    /// for it (a waiting writer is served first).
+    ///
+    /// # Errors
+    ///
+    /// [`TryLockError::WouldBlock`] if the key is held exclusively or
+    /// awaited.
+    ///
+    /// ```
+    /// let table = keylock::LockTable::new();
+    /// let a = table.try_lock_shared("k").unwrap();
+    /// let b = table.try_lock_shared("k").unwrap();
+    /// assert!(table.try_lock("k").is_err());
+    /// # drop((a, b));
+    /// ```
+    #[inline]
+    pub fn try_lock_shared(&self, key: K) -> Result<Guard<'_, K, S>, TryLockError> {
+        let hash = self.hash(&key);
+        let (grant, spare) = self.try_acquire(hash, key, Mode::Shared, self.leases.default_packed);
+        let guard = grant.map(|grant| Guard::new(self, Held::new(hash, grant)));
+        drop(spare);
+        guard.ok_or(TryLockError::WouldBlock)
+    }
+
+    /// Like [`try_lock_shared`](Self::try_lock_shared), for a table behind
+    /// an [`Arc`].
+    ///
+    /// # Errors
+    ///
+    /// As [`try_lock_shared`](Self::try_lock_shared).
+    ///
+    /// ```
+    /// use std::sync::Arc;
+    /// let table = Arc::new(keylock::LockTable::new());
+    /// let guard = table.clone().try_lock_shared_owned(5).unwrap();
+    /// assert_eq!(guard.mode(), keylock::Mode::Shared);
+    /// ```
+    #[inline]
+    pub fn try_lock_shared_owned(
+        self: Arc<Self>,
+        key: K,
+    ) -> Result<OwnedGuard<K, S>, TryLockError> {
+        let hash = self.hash(&key);
+        let (grant, spare) = self.try_acquire(hash, key, Mode::Shared, self.leases.default_packed);
+        let guard = grant.map(|grant| OwnedGuard::new(self, Held::new(hash, grant)));
+        drop(spare);
+        guard.ok_or(TryLockError::WouldBlock)
+    }
+
+    /// Blocks the current thread until `key` can be held shared and takes
+    /// it; see [`blocking_lock`](Self::blocking_lock) for where to call it.
+    ///
+    /// ```
+    /// let table = keylock::LockTable::new();
+    /// let a = table.blocking_lock_shared("file.txt");
+    /// let b = table.blocking_lock_shared("file.txt");
+    /// assert_eq!(b.mode(), keylock::Mode::Shared);
+    /// # drop((a, b));
+    /// ```
+    pub fn blocking_lock_shared(&self, key: K) -> Guard<'_, K, S> {
+        crate::blocking::block_on(self.lock_shared(key))
+    }
+
     /// Takes `key` if it is free and nobody waits for it.
     ///
     /// # Errors
@@ -510,7 +631,8 @@ where
     #[inline]
     pub fn try_lock(&self, key: K) -> Result<Guard<'_, K, S>, TryLockError> {
         let hash = self.hash(&key);
-        let (grant, spare) = self.try_acquire(hash, key, self.leases.default_packed);
+        let (grant, spare) =
+            self.try_acquire(hash, key, Mode::Exclusive, self.leases.default_packed);
         let guard = grant.map(|grant| Guard::new(self, Held::new(hash, grant)));
         // After the guard exists: if the spare key's drop panics, unwinding
         // drops the guard, which releases.
@@ -536,7 +658,8 @@ where
     pub fn try_lock_with(&self, key: K, opts: LockOptions) -> Result<Guard<'_, K, S>, LockError> {
         let lease = self.leases.resolve(opts.lease_duration())?;
         let hash = self.hash(&key);
-        let (grant, spare) = self.try_acquire(hash, key, PackedDuration::pack(lease));
+        let (grant, spare) =
+            self.try_acquire(hash, key, opts.lock_mode(), PackedDuration::pack(lease));
         let guard = grant.map(|grant| Guard::new(self, Held::new(hash, grant)));
         drop(spare);
         guard.ok_or(LockError::WouldBlock)
@@ -557,7 +680,8 @@ where
     #[inline]
     pub fn try_lock_owned(self: Arc<Self>, key: K) -> Result<OwnedGuard<K, S>, TryLockError> {
         let hash = self.hash(&key);
-        let (grant, spare) = self.try_acquire(hash, key, self.leases.default_packed);
+        let (grant, spare) =
+            self.try_acquire(hash, key, Mode::Exclusive, self.leases.default_packed);
         let guard = grant.map(|grant| OwnedGuard::new(self, Held::new(hash, grant)));
         drop(spare);
         guard.ok_or(TryLockError::WouldBlock)
@@ -583,7 +707,8 @@ where
     ) -> Result<OwnedGuard<K, S>, LockError> {
         let lease = self.leases.resolve(opts.lease_duration())?;
         let hash = self.hash(&key);
-        let (grant, spare) = self.try_acquire(hash, key, PackedDuration::pack(lease));
+        let (grant, spare) =
+            self.try_acquire(hash, key, opts.lock_mode(), PackedDuration::pack(lease));
         let guard = grant.map(|grant| OwnedGuard::new(self, Held::new(hash, grant)));
         drop(spare);
         guard.ok_or(LockError::WouldBlock)
@@ -596,6 +721,7 @@ where
         &self,
         hash: u64,
         key: K,
+        mode: Mode,
         lease: PackedDuration,
     ) -> (Option<Grant<K>>, Option<K>) {
         // Outside the shard lock: if `K: Eq` panics during the probe, the
@@ -603,7 +729,7 @@ where
         let mut key = Some(key);
         let fairness = self.fairness;
         let grant = self.with_shard(hash, |state, ctx| {
-            state.try_acquire(hash, &mut key, lease, fairness, ctx)
+            state.try_acquire(hash, &mut key, mode, lease, fairness, ctx)
         });
         (grant, key)
     }
@@ -657,7 +783,7 @@ where
         while !backoff.is_completed() {
             let fairness = self.fairness;
             let grant = self.with_shard(hash, |state, ctx| {
-                state.try_acquire(hash, key, lease, fairness, ctx)
+                state.try_acquire(hash, key, Mode::Exclusive, lease, fairness, ctx)
             });
             if grant.is_some() {
                 return grant;

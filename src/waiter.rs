@@ -58,6 +58,7 @@ use std::task::Waker;
 use crate::clock::Stamp;
 use crate::lease::PackedDuration;
 use crate::loom::{AtomicU8, UnsafeCell};
+use crate::mode::Mode;
 use crate::token::FencingToken;
 
 const IDLE: u8 = 0;
@@ -102,6 +103,17 @@ struct Node {
     timer_at: Stamp,
     /// When the owner gives up waiting (none: never), for the shard's timer.
     until: Stamp,
+    /// What the owner waits for: a mode, or an upgrade of its shared grant.
+    want: Want,
+}
+
+/// What a waiter asks for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Want {
+    /// A new grant in this mode.
+    Grant(Mode),
+    /// The shared grant with this token, made exclusive.
+    Upgrade(FencingToken),
 }
 
 /// A linked node's links, or, once unlinked and granted, its grant: the
@@ -236,6 +248,7 @@ impl Waiter {
                 lease: PackedDuration::NONE,
                 timer_at: Stamp::NONE,
                 until: Stamp::NONE,
+                want: Want::Grant(Mode::Exclusive),
             }),
             _pinned: PhantomPinned,
         }
@@ -276,12 +289,13 @@ impl Waiter {
     ///
     /// The node must be idle (not linked) and owned by the caller.
     #[inline]
-    pub(crate) unsafe fn prepare(&self, lease: PackedDuration, until: Stamp) {
+    pub(crate) unsafe fn prepare(&self, lease: PackedDuration, until: Stamp, want: Want) {
         debug_assert_eq!(self.state.load(Relaxed), IDLE);
         let node = self.node.get_mut();
         // SAFETY: an idle node is its owner's alone (caller's contract).
         let node = unsafe { node.deref() };
         node.lease = lease;
+        node.want = want;
         node.timer_at = Stamp::NONE;
         node.until = until;
         node.slot = NodeSlot::Links {
@@ -482,6 +496,19 @@ impl Waiter {
         unsafe { node.deref() }.until
     }
 
+    /// What a linked waiter asks for.
+    ///
+    /// # Safety
+    ///
+    /// Under the shard lock, while linked.
+    #[inline]
+    pub(crate) unsafe fn want(this: WaiterPtr) -> Want {
+        // SAFETY: linked, under the lock (caller's contract).
+        let node = unsafe { this.as_ref() }.node.get_mut();
+        // SAFETY: as above: the node cell is the table's.
+        unsafe { node.deref() }.want
+    }
+
     /// The holder deadline a linked waiter's timer covers.
     ///
     /// # Safety
@@ -552,6 +579,33 @@ impl WaitList {
             None => self.head = Some(ptr),
         }
         self.tail = Some(ptr);
+        self.len = self
+            .len
+            .checked_add(1)
+            .expect("keylock: more than 2^32 - 1 waiters on one key");
+        waiter.state.store(WAITING, Relaxed);
+    }
+
+    /// Links `waiter` at the head, ahead of every other waiter (an upgrade).
+    ///
+    /// # Safety
+    ///
+    /// As [`push_back`](Self::push_back).
+    pub(crate) unsafe fn push_front(&mut self, waiter: &Waiter) {
+        let ptr = NonNull::from(waiter);
+        {
+            let node = waiter.node.get_mut();
+            // SAFETY: an idle node is touched by nobody else.
+            let (prev, next) = unsafe { node.deref() }.links();
+            *prev = None;
+            *next = self.head;
+        }
+        match self.head {
+            // SAFETY: the head is linked, and we hold the lock.
+            Some(head) => unsafe { set_prev(head, Some(ptr)) },
+            None => self.tail = Some(ptr),
+        }
+        self.head = Some(ptr);
         self.len = self
             .len
             .checked_add(1)

@@ -1,0 +1,169 @@
+//! The holder set of one key: who holds it now, and in which mode.
+//!
+//! A key is held by nobody, by one exclusive grant, or by one or more shared
+//! grants. Each grant is a [`Holder`]: its token, its lease deadline and when
+//! it was made. The first holder lives inline (an exclusive grant, or the
+//! only reader, costs no allocation); further shared holders live in a
+//! vector allocated when the second reader arrives.
+
+use crate::clock::{Now, Stamp};
+use crate::mode::Mode;
+use crate::token::FencingToken;
+
+/// One grant of a key.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct Holder {
+    pub(super) token: FencingToken,
+    /// When the grant loses its authority, if it has a lease.
+    pub(super) deadline: Stamp,
+    /// When the grant was made, if the clock was read then.
+    pub(super) since: Stamp,
+}
+
+impl Holder {
+    /// Whether the grant still has authority at `now` (read only if needed).
+    #[inline]
+    pub(super) fn is_live(&self, now: &mut Now<'_>) -> bool {
+        !self.deadline.is_some() || now.is_before(self.deadline)
+    }
+}
+
+/// The grants holding one key, all in one mode.
+#[derive(Debug, Default)]
+pub(super) struct Holders {
+    first: Option<Holder>,
+    /// Shared holders beyond the first (`None` until a second one comes).
+    /// Boxed: one word in every entry rather than three, for the rare key
+    /// with several readers at once.
+    #[allow(clippy::box_collection)]
+    rest: Option<Box<Vec<Holder>>>,
+}
+
+impl Holders {
+    /// One holder.
+    #[inline]
+    pub(super) fn one(holder: Holder) -> Self {
+        Self {
+            first: Some(holder),
+            rest: None,
+        }
+    }
+
+    #[inline]
+    pub(super) fn is_empty(&self) -> bool {
+        self.first.is_none()
+    }
+
+    /// How many grants hold the key.
+    #[cfg_attr(not(feature = "test-util"), allow(dead_code))]
+    pub(super) fn len(&self) -> usize {
+        usize::from(self.first.is_some()) + self.rest.as_ref().map_or(0, |r| r.len())
+    }
+
+    /// The holder, if exactly one grant holds the key.
+    #[inline]
+    pub(super) fn only(&self) -> Option<&Holder> {
+        match &self.rest {
+            Some(rest) if !rest.is_empty() => None,
+            _ => self.first.as_ref(),
+        }
+    }
+
+    /// Some holder (the first, kept the oldest unless it left), for a
+    /// diagnosis.
+    #[inline]
+    pub(super) fn any(&self) -> Option<&Holder> {
+        self.first.as_ref()
+    }
+
+    /// Adds a holder (the caller keeps the key's mode consistent).
+    pub(super) fn push(&mut self, holder: Holder) {
+        if self.first.is_none() {
+            self.first = Some(holder);
+        } else {
+            self.rest.get_or_insert_with(Box::default).push(holder);
+        }
+    }
+
+    /// The grant with `token`, if it holds the key.
+    #[inline]
+    pub(super) fn get_mut(&mut self, token: FencingToken) -> Option<&mut Holder> {
+        match &mut self.first {
+            Some(first) if first.token == token => return Some(first),
+            _ => {}
+        }
+        self.rest.as_mut()?.iter_mut().find(|h| h.token == token)
+    }
+
+    #[inline]
+    pub(super) fn get(&self, token: FencingToken) -> Option<&Holder> {
+        match &self.first {
+            Some(first) if first.token == token => return Some(first),
+            _ => {}
+        }
+        self.rest.as_ref()?.iter().find(|h| h.token == token)
+    }
+
+    /// Removes the grant with `token`, if it holds the key.
+    #[inline]
+    pub(super) fn remove(&mut self, token: FencingToken) -> Option<Holder> {
+        match self.first {
+            Some(first) if first.token == token => {
+                self.first = self.rest.as_mut().and_then(|rest| rest.pop());
+                Some(first)
+            }
+            _ => {
+                let rest = self.rest.as_mut()?;
+                let at = rest.iter().position(|h| h.token == token)?;
+                Some(rest.swap_remove(at))
+            }
+        }
+    }
+
+    /// Every holder, in no particular order.
+    pub(super) fn iter(&self) -> impl Iterator<Item = &Holder> {
+        self.first
+            .iter()
+            .chain(self.rest.iter().flat_map(|rest| rest.iter()))
+    }
+
+    /// The earliest lease deadline among the holders (none: no holder has
+    /// a lease).
+    #[inline]
+    pub(super) fn earliest_deadline(&self) -> Stamp {
+        let Some(first) = &self.first else {
+            return Stamp::NONE;
+        };
+        let Some(rest) = &self.rest else {
+            return first.deadline;
+        };
+        rest.iter().fold(first.deadline, |earliest, h| {
+            match (earliest.is_some(), h.deadline.is_some()) {
+                (true, true) => earliest.min(h.deadline),
+                (false, _) => h.deadline,
+                (true, false) => earliest,
+            }
+        })
+    }
+
+    /// Whether any holder's lease has lapsed at `now`.
+    #[inline]
+    pub(super) fn any_lapsed(&self, now: &mut Now<'_>) -> bool {
+        match &self.first {
+            None => false,
+            Some(first) => {
+                !first.is_live(now)
+                    || self
+                        .rest
+                        .as_ref()
+                        .is_some_and(|rest| rest.iter().any(|h| !h.is_live(now)))
+            }
+        }
+    }
+
+    /// Whether a grant in `mode` may join the holders now held in `held`.
+    #[inline]
+    pub(super) fn admits(&self, held: Mode, mode: Mode) -> bool {
+        self.is_empty() || held.is_compatible_with(mode)
+    }
+}

@@ -1,0 +1,363 @@
+//! The state machine of every key of one shard.
+//!
+//! A [`ShardState`] lives behind one shard lock. It holds the entry of every
+//! key of the shard that is held, awaited, or still pointed at by a fenced
+//! guard. Waiters are not stored here: each waiting future links its own
+//! [`Waiter`] node into its key's [`WaitList`] (see `waiter.rs`). Nothing here
+//! runs user code except `K: Eq` during a probe: wakes and drops are recorded
+//! in a [`Ctx`] and done after unlocking.
+//!
+//! See `docs/ARCHITECTURE.md` for the state machine of one key. In short:
+//!
+//! - an entry is in the table while its key has a holder, a waiter, or a
+//!   fenced guard that still points at the key;
+//! - a holder is a grant (token, lease deadline); it belongs to a guard, or to
+//!   a waiter whose future has not run yet: the table does not tell them
+//!   apart, so a granted waiter is treated exactly like a guard;
+//! - a release hands the key to the head waiter at once (FIFO), with a fresh
+//!   token, and wakes it once; under eventual fairness it may instead free the
+//!   key and nudge the head, letting a running caller take it first;
+//! - a lapse or a revocation fences the holder (guard or granted waiter alike)
+//!   and hands the key on; it is noticed whenever the key is next touched (the
+//!   head waiter's timer touches it at the deadline).
+
+use std::borrow::Borrow;
+use std::time::{Duration, Instant};
+
+use crate::key_map::KeyMap;
+
+use crate::clock::Stamp;
+use crate::deferred::Ctx;
+#[cfg(feature = "test-util")]
+use crate::fairness::Fairness;
+use crate::key_slot::{KeyPool, KeyPtr};
+use crate::lease::PackedDuration;
+use crate::lost::LossWatchers;
+use crate::mode::Mode;
+use crate::token::{FencingToken, TokenCounter};
+use crate::waiter::Granted;
+
+mod entry;
+mod handoff;
+mod holders;
+mod lapse;
+mod waiting;
+
+use entry::Entry;
+use handoff::{lease_from, Keys};
+use holders::{Holder, Holders};
+
+/// A grant handed to a caller.
+#[derive(Debug)]
+pub(crate) struct Grant<K> {
+    pub(crate) key: KeyPtr<K>,
+    pub(crate) token: FencingToken,
+    pub(crate) deadline: Stamp,
+    pub(crate) mode: Mode,
+}
+
+/// The outcome of a lock attempt that may wait.
+#[derive(Debug)]
+pub(crate) enum Attempt<K> {
+    /// The key was free and is now the caller's.
+    Acquired(Grant<K>),
+    /// The key is busy; the caller's waiter is linked, and should be woken
+    /// by `wake_at` if it is set (the lease deadline of the holder it waits on).
+    Queued {
+        key: KeyPtr<K>,
+        wake_at: Option<Instant>,
+        /// With a timeout: when the wait started and when it gives up.
+        start: Stamp,
+        until: Stamp,
+    },
+}
+
+/// How long a waiter waits: a timeout from when it starts to wait, a
+/// deadline, both (the earlier wins), or neither.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Patience {
+    pub(crate) timeout: Option<Duration>,
+    pub(crate) deadline: Stamp,
+}
+
+impl Patience {
+    /// When a wait starting now starts and gives up (none: never), as
+    /// stamps; both none for a wait without either.
+    fn start_and_until<K>(self, ctx: &mut Ctx<'_, '_, K>) -> (Stamp, Stamp) {
+        let after_timeout = match self.timeout {
+            Some(timeout) => {
+                let start = ctx.clock().start_for(timeout);
+                (start, start.plus(timeout))
+            }
+            None if self.deadline.is_some() => (Stamp::new(Some(ctx.now())), Stamp::NONE),
+            None => return (Stamp::NONE, Stamp::NONE),
+        };
+        let (start, until) = after_timeout;
+        let until = match (until.is_some(), self.deadline.is_some()) {
+            (true, true) => until.min(self.deadline),
+            (false, _) => self.deadline,
+            (true, false) => until,
+        };
+        (start, until)
+    }
+}
+
+/// A linked waiter, polled under the lock.
+#[derive(Debug)]
+pub(crate) enum Polled {
+    /// The key is the waiter's (it is unlinked).
+    Granted(Granted),
+    /// Still waiting; arm a timer for `wake_at` if set.
+    Waiting { wake_at: Option<Instant> },
+    /// Its waker must be stored, and the caller brought no clone: clone it
+    /// (outside the lock) and poll again.
+    NeedWaker,
+    /// An upgrade whose shared grant (this token) lost the key while it
+    /// waited: it must leave the queue.
+    Lost(FencingToken),
+}
+
+/// Why a wait gave up, described at the moment it did.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Diagnosis {
+    pub(crate) holder: Option<FencingToken>,
+    pub(crate) held_for: Option<Duration>,
+    pub(crate) ahead: usize,
+}
+
+/// All keys of one shard. Touched only under the shard lock.
+///
+/// Laid out in order (`repr(C)`): what every locked section touches (the
+/// map's header, the token counter, the fairness deadline) comes first, so
+/// that with the lock word in front of it it fills one cache line, and a
+/// contended handoff moves one line between cores, not four.
+#[repr(C)]
+pub(crate) struct ShardState<K> {
+    entries: KeyMap<Entry<K>>,
+    tokens: TokenCounter,
+    /// Under eventual fairness: from when on a release must hand its key to
+    /// the head waiter directly (`None`: at the next release).
+    fair_at: Option<Instant>,
+    keys: KeyPool<K>,
+    /// The wakers of `Lost` futures of this shard's grants (empty unless
+    /// loss notification is used).
+    loss: LossWatchers,
+}
+
+// SAFETY: the entries' wait lists point at `Waiter`s owned by futures on
+// other threads (`Send + Sync`), touched only under the shard lock; keys are
+// moved in and dropped by whichever thread removes them, and read by every
+// holder (`K: Send + Sync`).
+unsafe impl<K: Send + Sync> Send for ShardState<K> {}
+
+impl<K> std::fmt::Debug for ShardState<K> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ShardState")
+            .field("entries", &self.entries.len())
+            .finish_non_exhaustive()
+    }
+}
+
+pub(crate) const ENTRY_PRESENT: &str =
+    "keylock: an entry with a holder, waiter or fenced guard is in its shard";
+
+impl<K> ShardState<K> {
+    /// An empty shard minting its tokens from `tokens`.
+    pub(crate) fn new(tokens: TokenCounter) -> Self {
+        Self {
+            entries: KeyMap::new(),
+            keys: KeyPool::new(),
+            tokens,
+            fair_at: None,
+            loss: LossWatchers::default(),
+        }
+    }
+
+    /// Keys held, awaited or pointed at by a fenced guard in this shard.
+    pub(crate) fn len(&self) -> usize {
+        self.entries.len()
+    }
+
+    /// The entry at `key` (found by the key cell's address, no user code) and
+    /// the machinery to change it.
+    #[inline]
+    fn locate(&mut self, hash: u64, key: KeyPtr<K>) -> (&mut Entry<K>, Keys<'_>) {
+        let index = self
+            .entries
+            .find(hash, |e| e.key == key)
+            .expect(ENTRY_PRESENT);
+        let entry = self.entries.get_mut(index);
+        (
+            entry,
+            Keys {
+                tokens: &mut self.tokens,
+                fair_at: &mut self.fair_at,
+                loss: &mut self.loss,
+            },
+        )
+    }
+
+    /// The entry of a key equal to `key` (`K: Eq` runs here).
+    #[inline]
+    fn locate_by<Q>(&mut self, hash: u64, key: &Q) -> Option<(&mut Entry<K>, Keys<'_>)>
+    where
+        K: Borrow<Q>,
+        Q: ?Sized + Eq,
+    {
+        let index = self.entries.find(hash, |e| {
+            // SAFETY: `e` is in the table, so its key cell is live.
+            let k: &K = unsafe { e.key.get() };
+            k.borrow() == key
+        })?;
+        let entry = self.entries.get_mut(index);
+        Some((
+            entry,
+            Keys {
+                tokens: &mut self.tokens,
+                fair_at: &mut self.fair_at,
+                loss: &mut self.loss,
+            },
+        ))
+    }
+
+    /// Removes the entry at `key` if nothing uses it any more; its key is
+    /// dropped after unlocking.
+    fn remove_if_unused(&mut self, hash: u64, key: KeyPtr<K>, ctx: &mut Ctx<'_, '_, K>) {
+        let Some(index) = self.entries.find(hash, |e| e.key == key) else {
+            return;
+        };
+        if self.entries.get(index).is_unused() {
+            // The map shrinks (with hysteresis) as entries leave.
+            let removed = self.entries.remove(index);
+            // SAFETY: the entry was just removed from the table and nothing
+            // uses it: no holder, no waiter, no fenced guard.
+            ctx.drop_key_later(unsafe { self.keys.take(removed.key) });
+        }
+    }
+
+    /// Takes the key if it has no entry (one probe); otherwise returns the
+    /// key's entry. The caller's key is moved out of `key` only if it is
+    /// stored; if `K: Eq` panics, nothing has changed and the key is still
+    /// the caller's, to drop after the lock unwinds.
+    #[inline]
+    fn claim(
+        &mut self,
+        hash: u64,
+        key: &mut Option<K>,
+        mode: Mode,
+        lease: PackedDuration,
+        ctx: &mut Ctx<'_, '_, K>,
+    ) -> Result<Grant<K>, (&mut Entry<K>, Keys<'_>)>
+    where
+        K: Eq,
+    {
+        let ShardState {
+            entries,
+            keys,
+            tokens,
+            fair_at,
+            loss,
+        } = self;
+        let probe = key.as_ref().expect("keylock: the caller's key is present");
+        // SAFETY: `e` is in the table, so its key cell is live.
+        match entries.find_or_vacant(hash, |e| unsafe { e.key.get() } == probe) {
+            Ok(index) => Err((
+                entries.get_mut(index),
+                Keys {
+                    tokens,
+                    fair_at,
+                    loss,
+                },
+            )),
+            Err(vacant) => {
+                // Everything that can panic comes before any change.
+                let token = tokens.mint();
+                let (deadline, since) = lease_from(lease, ctx.clock());
+                let cell = keys.store(key.take().expect("present"));
+                ctx.counters().acquired(false);
+                let holders = Holders::one(Holder {
+                    token,
+                    deadline,
+                    since,
+                });
+                vacant.insert(entries, Entry::held(cell, holders, mode));
+                Ok(Grant {
+                    key: cell,
+                    token,
+                    deadline,
+                    mode,
+                })
+            }
+        }
+    }
+}
+
+pub(crate) const NO_DIAGNOSIS: Diagnosis = Diagnosis {
+    holder: None,
+    held_for: None,
+    ahead: 0,
+};
+
+#[cfg(feature = "test-util")]
+impl<K> ShardState<K> {
+    /// Checks every structural invariant of the shard; panics naming the
+    /// first one broken.
+    pub(crate) fn validate(&self, fairness: Fairness) {
+        self.loss.validate();
+        for (_, entry) in self.entries.iter() {
+            assert!(!entry.is_unused(), "an unused entry stayed in the table");
+            let mut count = 0;
+            let mut expect_prev = None;
+            let mut head_nudged = false;
+            // SAFETY: we hold the shard lock (the caller does).
+            unsafe {
+                entry.queue.walk(|at, prev, state| {
+                    assert!(
+                        crate::waiter::is_linked_state(state),
+                        "a linked waiter is waiting"
+                    );
+                    assert_eq!(prev, expect_prev, "prev link of a waiter");
+                    if count == 0 {
+                        head_nudged = crate::waiter::is_nudged_state(state);
+                    }
+                    expect_prev = Some(at);
+                    count += 1;
+                });
+            }
+            assert_eq!(entry.queue.len(), count, "waiter count matches the queue");
+            assert!(
+                entry.mode == Mode::Shared || entry.holders.len() <= 1,
+                "an exclusive key has at most one holder"
+            );
+            match entry.admission() {
+                entry::Admission::Empty | entry::Admission::Blocked => {}
+                entry::Admission::Grant(_) if entry.holders.is_empty() => {
+                    assert_eq!(
+                        fairness,
+                        Fairness::Eventual,
+                        "a queue without a holder was not granted"
+                    );
+                    assert!(
+                        head_nudged,
+                        "a free key's head waiter was nudged to take it"
+                    );
+                }
+                entry::Admission::Orphan => {
+                    assert!(head_nudged, "an orphaned upgrade was nudged to leave");
+                }
+                other => panic!("a head waiter the holders admit was left waiting: {other:?}"),
+            }
+        }
+    }
+}
+
+impl<K> Drop for ShardState<K> {
+    fn drop(&mut self) {
+        // Guards and futures borrow the table, so an entry left now belongs to
+        // a guard or future leaked with `mem::forget`: free its key.
+        for entry in self.entries.drain() {
+            // SAFETY: nothing can reach the entry any more.
+            drop(unsafe { self.keys.take(entry.key) });
+        }
+    }
+}

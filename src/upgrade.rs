@@ -1,0 +1,102 @@
+//! The future returned by `upgrade`: a shared grant made exclusive.
+//!
+//! It is a lock future ([`Acquire`]) started from the guard's grant rather
+//! than from a key: the table links its waiter at the head of the key's
+//! queue and grants it once the other shared holders are gone. On success
+//! the guard's grant changes in place (a new token, the same lease); if the
+//! future is dropped after the grant was made but before it looked, the
+//! grant is made shared again and the guard takes its new token, so a guard
+//! never holds the key exclusively without its caller knowing.
+
+use std::fmt;
+use std::future::Future;
+use std::hash::{BuildHasher, Hash};
+use std::pin::Pin;
+use std::task::{Context, Poll};
+
+use crate::acquire::Acquire;
+use crate::deferred::Leftovers;
+use crate::error::LockError;
+use crate::guard::Held;
+use crate::lease::LockOptions;
+use crate::mode::Mode;
+use crate::table::{DefaultHashBuilder, LockTable};
+use crate::token::FencingToken;
+
+/// The future returned by [`Guard::upgrade`](crate::Guard::upgrade) and
+/// [`OwnedGuard::upgrade`](crate::OwnedGuard::upgrade): resolves to the
+/// grant's new token once it holds the key exclusively.
+///
+/// # Cancel safety
+///
+/// Dropping it leaves the guard shared: its waiter leaves the queue, or, if
+/// the upgrade had already been granted, the grant is made shared again
+/// (admitting the shared waiters behind it) and the guard carries its new
+/// token.
+#[must_use = "futures do nothing unless polled"]
+pub struct Upgrade<'g, K, S = DefaultHashBuilder> {
+    inner: Acquire<&'g LockTable<K, S>, K>,
+    held: &'g mut Held<K>,
+}
+
+impl<'g, K: Eq + Hash, S: BuildHasher> Upgrade<'g, K, S> {
+    pub(crate) fn new(
+        table: &'g LockTable<K, S>,
+        held: &'g mut Held<K>,
+        opts: LockOptions,
+    ) -> Self {
+        let inner = Acquire::upgrade(table, held.hash(), held.key_ptr(), held.token(), opts);
+        Self { inner, held }
+    }
+}
+
+impl<K: Eq + Hash, S: BuildHasher> Future for Upgrade<'_, K, S> {
+    type Output = Result<FencingToken, LockError>;
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        // SAFETY: `inner` is structurally pinned (never moved out); `held`
+        // is a plain reference.
+        let this = unsafe { self.get_unchecked_mut() };
+        // SAFETY: as above.
+        let inner = unsafe { Pin::new_unchecked(&mut this.inner) };
+        let mut left = Leftovers::default();
+        let polled = inner.poll_acquire(cx, &mut left);
+        let out = match polled {
+            Poll::Pending => Poll::Pending,
+            Poll::Ready(Ok((_, upgraded))) => {
+                let deadline = crate::clock::Stamp::from_raw(upgraded.deadline_raw());
+                this.held
+                    .regrant(upgraded.token(), deadline, Mode::Exclusive);
+                Poll::Ready(Ok(upgraded.token()))
+            }
+            Poll::Ready(Err(err)) => Poll::Ready(Err(*err)),
+        };
+        let timing = if out.is_ready() {
+            this.inner.take_timing()
+        } else {
+            None
+        };
+        drop(timing);
+        left.flush();
+        out
+    }
+}
+
+impl<K, S> Drop for Upgrade<'_, K, S> {
+    fn drop(&mut self) {
+        let mut left = Leftovers::default();
+        if let Some(granted) = self.inner.cancel_upgrade(&mut left) {
+            self.held
+                .regrant(granted.token, granted.deadline, Mode::Shared);
+        }
+        left.flush();
+    }
+}
+
+impl<K, S> fmt::Debug for Upgrade<'_, K, S> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Upgrade")
+            .field("token", &self.held.token())
+            .finish_non_exhaustive()
+    }
+}
