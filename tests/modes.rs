@@ -1499,6 +1499,251 @@ mod tests {
     }
 
     // -----------------------------------------------------------------------
+    // A group of shared waiters behind a grant that ends without a release
+    // -----------------------------------------------------------------------
+
+    /// Both manual clocks: one timer per waiter, or one per shard (as on the
+    /// real clock).
+    fn clocks() -> [(&'static str, ManualClock); 2] {
+        [
+            ("waiter timers", ManualClock::new()),
+            ("shard timers", ManualClock::with_shard_timers()),
+        ]
+    }
+
+    /// Polls each still-pending future of `group` that was woken, as an
+    /// executor would, until all are granted; panics if one is left pending
+    /// and unwoken (a lost wake-up: its task would sleep for ever).
+    #[track_caller]
+    fn drain<F: Future + Unpin>(group: &mut [(Option<F>, W, usize)], what: &str) -> Vec<F::Output> {
+        let mut out = Vec::new();
+        loop {
+            let mut progressed = false;
+            for (f, w, seen) in group.iter_mut() {
+                let Some(fut) = f.as_mut() else { continue };
+                if w.wakes() > *seen {
+                    *seen = w.wakes();
+                    progressed = true;
+                    if let Poll::Ready(g) = w.poll(fut) {
+                        out.push(g);
+                        *f = None;
+                    }
+                }
+            }
+            if group.iter().all(|(f, _, _)| f.is_none()) {
+                return out;
+            }
+            assert!(
+                progressed,
+                "{what}: {} waiter(s) pending and never woken again (lost wake-up)",
+                group.iter().filter(|(f, _, _)| f.is_some()).count()
+            );
+        }
+    }
+
+    #[test]
+    fn an_exclusive_lapse_admits_every_shared_waiter_at_the_head() {
+        for (name, clock) in clocks() {
+            let table: Table = LockTable::builder().clock(clock.clone()).build();
+            let x = table.try_lock_with(K, lease(SEC)).unwrap();
+            let mut group: Vec<_> = (0..3)
+                .map(|_| (Some(Box::pin(table.lock_shared(K))), W::new(), 0))
+                .collect();
+            for (f, w, _) in &mut group {
+                pending(f.as_mut().unwrap(), w, name);
+            }
+            let wx = W::new();
+            let mut x2 = Box::pin(table.lock(K));
+            pending(&mut x2, &wx, name);
+            clock.advance(SEC);
+            let gs = drain(&mut group, name);
+            assert_eq!(gs.len(), 3, "{name}");
+            assert!(gs
+                .iter()
+                .all(|g| g.mode() == Mode::Shared && g.token() > x.token()));
+            pending(&mut x2, &wx, "the writer behind the readers waits");
+            drop(x);
+            drop(gs);
+            drop(ready(&mut x2, &wx, name));
+            table.assert_consistent();
+            assert!(table.is_empty(), "{name}");
+        }
+    }
+
+    #[test]
+    fn revoking_an_exclusive_holder_admits_every_shared_waiter_at_the_head() {
+        for by_token in [false, true] {
+            let (_clock, table) = table();
+            let x = table.try_lock(K).unwrap();
+            let mut group: Vec<_> = (0..3)
+                .map(|_| (Some(Box::pin(table.lock_shared(K))), W::new(), 0))
+                .collect();
+            for (f, w, _) in &mut group {
+                pending(f.as_mut().unwrap(), w, "queued");
+            }
+            if by_token {
+                assert!(table.revoke_grant(&K, x.token()));
+            } else {
+                assert_eq!(table.revoke(&K), Some(x.token()));
+            }
+            for (_, w, _) in &group {
+                assert_eq!(w.wakes(), 1, "every reader at the head is woken");
+            }
+            let gs = drain(&mut group, "after a revocation");
+            assert_eq!(gs.len(), 3);
+            drop((x, gs));
+            table.assert_consistent();
+            assert!(table.is_empty());
+        }
+    }
+
+    #[test]
+    fn a_head_exclusive_waiter_timing_out_admits_the_shared_waiters_behind_it() {
+        for (name, clock) in clocks() {
+            let table: Table = LockTable::builder().clock(clock.clone()).build();
+            let s1 = table.try_lock_shared(K).unwrap();
+            let wx = W::new();
+            let mut x = Box::pin(table.lock_with(K, timeout(SEC)));
+            pending(&mut x, &wx, name);
+            let mut group: Vec<_> = (0..2)
+                .map(|_| (Some(Box::pin(table.lock_shared(K))), W::new(), 0))
+                .collect();
+            for (f, w, _) in &mut group {
+                pending(f.as_mut().unwrap(), w, name);
+            }
+            clock.advance(SEC);
+            assert!(wx.wakes() >= 1, "{name}: the timeout woke the writer");
+            assert!(matches!(
+                ready(&mut x, &wx, name),
+                Err(LockError::Timeout { .. })
+            ));
+            // The readers behind it now head the queue of a key held shared.
+            let gs = drain(&mut group, name);
+            assert_eq!(gs.len(), 2, "{name}");
+            drop((s1, gs));
+            table.assert_consistent();
+            assert!(table.is_empty(), "{name}");
+        }
+    }
+
+    #[test]
+    fn a_granted_shared_waiter_dropped_unobserved_passes_only_its_own_grant_on() {
+        let (_clock, table) = table();
+        let x = table.try_lock(K).unwrap();
+        let w: Vec<W> = (0..4).map(|_| W::new()).collect();
+        let mut s1 = Box::pin(table.lock_shared(K));
+        let mut s2 = Box::pin(table.lock_shared(K));
+        let mut x2 = Box::pin(table.lock(K));
+        let mut s3 = Box::pin(table.lock_shared(K));
+        pending(&mut s1, &w[0], "s1");
+        pending(&mut s2, &w[1], "s2");
+        pending(&mut x2, &w[2], "x2");
+        pending(&mut s3, &w[3], "s3");
+        drop(x);
+        drop(s1); // granted, never looked at
+        assert_eq!(w[2].wakes(), 0, "s2 still holds: x2 waits");
+        let g2 = ready(&mut s2, &w[1], "s2");
+        pending(&mut x2, &w[2], "x2");
+        drop(g2);
+        assert_eq!((w[2].wakes(), w[3].wakes()), (1, 0));
+        drop(x2); // granted, never looked at: passes it on to s3
+        assert_eq!(w[3].wakes(), 1);
+        drop(ready(&mut s3, &w[3], "s3"));
+        table.assert_consistent();
+        assert!(table.is_empty());
+    }
+
+    #[test]
+    fn undoing_an_unobserved_upgrade_admits_no_reader_behind_a_queued_writer() {
+        let (_clock, table) = table();
+        let mut a = table.try_lock_shared(K).unwrap();
+        let b = table.try_lock_shared(K).unwrap();
+        let (wx, ws, wu) = (W::new(), W::new(), W::new());
+        let mut x = Box::pin(table.lock(K));
+        pending(&mut x, &wx, "x");
+        let mut s = Box::pin(table.lock_shared(K));
+        pending(&mut s, &ws, "s behind x");
+        {
+            let mut up = Box::pin(a.upgrade());
+            pending(&mut up, &wu, "b holds");
+            drop(b);
+            assert_eq!(wu.wakes(), 1);
+        } // granted, never looked at: undone
+        assert_eq!(a.mode(), Mode::Shared);
+        assert_eq!(
+            (wx.wakes(), ws.wakes()),
+            (0, 0),
+            "x heads the queue; s waits behind it"
+        );
+        pending(&mut s, &ws, "s behind x");
+        let ta = a.token();
+        drop(a);
+        let xg = ready(&mut x, &wx, "x");
+        assert!(xg.token() > ta);
+        drop(xg);
+        drop(ready(&mut s, &ws, "s"));
+        table.assert_consistent();
+        assert!(table.is_empty());
+    }
+
+    #[test]
+    fn an_upgraded_grant_answers_to_its_new_token_only() {
+        let (clock, table) = table();
+        let mut a = table.try_lock_with(K, shared().lease(10 * SEC)).unwrap();
+        let old = a.token();
+        let w = W::new();
+        let new = ready(&mut Box::pin(a.upgrade()), &w, "alone").unwrap();
+        assert!(
+            !table.revoke_grant(&K, old),
+            "the old token names no grant any more"
+        );
+        assert_eq!(a.check(), Ok(new));
+        a.renew(20 * SEC).unwrap();
+        clock.advance(15 * SEC);
+        assert_eq!(a.check(), Ok(new), "renewed after the upgrade");
+        let wl = W::new();
+        {
+            let mut lost = Box::pin(a.lost());
+            pending(&mut lost, &wl, "live");
+            assert!(table.revoke_grant(&K, new));
+            assert_eq!(wl.wakes(), 1);
+            assert_eq!(
+                ready(&mut lost, &wl, "lost"),
+                LockError::Expired { token: new }
+            );
+        }
+        assert!(
+            table.try_lock_shared(K).is_ok(),
+            "the revoked upgraded grant left"
+        );
+        assert_eq!(a.downgrade(), Err(LockError::Expired { token: new }));
+        drop(a);
+        table.assert_consistent();
+        assert!(table.is_empty());
+    }
+
+    #[test]
+    fn an_upgraded_grant_that_lapses_hands_the_key_on() {
+        let (clock, table) = table();
+        let mut a = table.try_lock_with(K, shared().lease(SEC)).unwrap();
+        let w = W::new();
+        let t = ready(&mut Box::pin(a.upgrade()), &w, "alone").unwrap();
+        let mut group: Vec<_> = (0..2)
+            .map(|_| (Some(Box::pin(table.lock_shared(K))), W::new(), 0))
+            .collect();
+        for (f, w, _) in &mut group {
+            pending(f.as_mut().unwrap(), w, "behind the upgraded writer");
+        }
+        clock.advance(SEC);
+        let gs = drain(&mut group, "after the upgraded grant lapsed");
+        assert!(gs.iter().all(|g| g.token() > t));
+        assert!(a.is_expired());
+        drop((a, gs));
+        table.assert_consistent();
+        assert!(table.is_empty());
+    }
+
+    // -----------------------------------------------------------------------
     // is_locked, waiters, len, stats
     // -----------------------------------------------------------------------
 
@@ -1617,7 +1862,7 @@ mod stress {
     use std::time::Duration;
 
     use futures::future::{select, Either};
-    use keylock::{FencingToken, LockError, LockOptions, LockTable, Mode};
+    use keylock::{Fairness, FencingToken, LockError, LockOptions, LockTable, Mode};
     use rand::rngs::StdRng;
     use rand::{Rng, SeedableRng};
 
@@ -1641,8 +1886,12 @@ mod stress {
 
     impl Rw {
         fn new() -> Arc<Self> {
+            Self::with(Fairness::Strict)
+        }
+
+        fn with(fairness: Fairness) -> Arc<Self> {
             Arc::new(Self {
-                table: Arc::new(LockTable::new()),
+                table: Arc::new(LockTable::builder().fairness(fairness).build()),
                 readers: Default::default(),
                 writers: Default::default(),
                 top: Default::default(),
@@ -1833,10 +2082,11 @@ mod stress {
                     },
                     _ => {
                         // Owned, then back to a borrowed section below.
-                        let g = rw.table.clone().lock_shared_owned(key).await;
+                        // The guard is declared before the section: dropped
+                        // after it, also when the task is cancelled.
+                        let mut g = rw.table.clone().lock_shared_owned(key).await;
                         let mut s = Section::enter(rw, key, Mode::Shared, g.token());
                         hold(rng).await;
-                        let mut g = g;
                         if rng.gen_bool(0.3) {
                             upgrade(rw, &mut std::pin::pin!(g.upgrade()), &mut s, rng).await;
                             rw.token(key, g.token(), Mode::Shared);
@@ -1935,7 +2185,16 @@ mod stress {
 
     #[test]
     fn tokio_multi_thread_readers_writers_with_cancellation() {
-        let rw = Rw::new();
+        tokio_stress(Fairness::Strict);
+    }
+
+    #[test]
+    fn tokio_multi_thread_readers_writers_with_cancellation_eventual_fairness() {
+        tokio_stress(Fairness::Eventual);
+    }
+
+    fn tokio_stress(fairness: Fairness) {
+        let rw = Rw::with(fairness);
         let rt = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(2)
             .enable_time()
@@ -2022,7 +2281,16 @@ mod stress {
 
     #[test]
     fn threads_readers_writers_with_blocking_locks() {
-        let rw = Rw::new();
+        thread_stress(Fairness::Strict);
+    }
+
+    #[test]
+    fn threads_readers_writers_with_blocking_locks_eventual_fairness() {
+        thread_stress(Fairness::Eventual);
+    }
+
+    fn thread_stress(fairness: Fairness) {
+        let rw = Rw::with(fairness);
         std::thread::scope(|s| {
             for t in 0..8u64 {
                 let rw = &*rw;
