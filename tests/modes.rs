@@ -648,7 +648,7 @@ mod tests {
     }
 
     #[test]
-    fn a_shared_request_joins_shared_holders_only_while_nobody_waits() {
+    fn a_shared_request_joins_shared_holders_at_once_when_nobody_waits() {
         let (_clock, table) = table();
         let s1 = table.try_lock_shared(K).unwrap();
         let w = W::new();
