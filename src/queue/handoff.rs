@@ -87,10 +87,11 @@ impl Keys<'_> {
     /// Grants the head waiter, an upgrade whose shared grant is the only
     /// holder left, the key exclusively: a new token, the same lease.
     fn grant_upgrade<K>(&mut self, entry: &mut Entry<K>, ctx: &mut Ctx<'_, '_, K>) {
-        let token = self.tokens.mint();
         let Some(old) = entry.holders.only().copied() else {
             return;
         };
+        // Panics (token space exhausted) before anything changes.
+        let token = self.tokens.mint();
         // SAFETY: under the shard lock.
         let Some((head, _)) = (unsafe { entry.queue.pop_front() }) else {
             return;
