@@ -156,6 +156,14 @@ impl<K> Held<K> {
         table.release(self.hash, self.key, self.token);
     }
 
+    fn release_checked<S>(&self, table: &LockTable<K, S>) -> Result<FencingToken, LockError> {
+        if table.release_checked(self.hash, self.key, self.token) {
+            Ok(self.token)
+        } else {
+            Err(LockError::Expired { token: self.token })
+        }
+    }
+
     fn check<S>(&self, table: &LockTable<K, S>) -> Result<FencingToken, LockError> {
         table.check_grant(self.hash, self.key, self.token)
     }
@@ -410,6 +418,32 @@ impl<'a, K, S> Guard<'a, K, S> {
         Self { table, held }
     }
 
+    /// Releases the key and says whether the grant still held it when
+    /// it let go: [`check`](Self::check) and release in one step (one
+    /// visit to the table), for a commit that must know its work was
+    /// protected to the end.
+    ///
+    /// # Errors
+    ///
+    /// [`LockError::Expired`] if the grant had lost the key (lapsed or
+    /// revoked) by then; nothing of a successor's is freed.
+    ///
+    /// ```
+    /// let table = keylock::LockTable::new();
+    /// let guard = table.try_lock("k").unwrap();
+    /// let token = guard.token();
+    /// assert_eq!(guard.release_checked(), Ok(token));
+    /// let revoked = table.try_lock("k").unwrap();
+    /// table.revoke("k");
+    /// assert!(revoked.release_checked().is_err());
+    /// ```
+    pub fn release_checked(self) -> Result<FencingToken, LockError> {
+        // Released here instead of by `Drop`; a borrowed guard owns
+        // nothing else.
+        let this = std::mem::ManuallyDrop::new(self);
+        this.held.release_checked(this.table)
+    }
+
     guard_methods!();
 }
 
@@ -459,6 +493,35 @@ impl<K, S> OwnedGuard<K, S> {
     #[inline]
     pub fn table(&self) -> &Arc<LockTable<K, S>> {
         &self.table
+    }
+
+    /// Releases the key and says whether the grant still held it when
+    /// it let go: [`check`](Self::check) and release in one step (one
+    /// visit to the table), for a commit that must know its work was
+    /// protected to the end.
+    ///
+    /// # Errors
+    ///
+    /// [`LockError::Expired`] if the grant had lost the key (lapsed or
+    /// revoked) by then; nothing of a successor's is freed.
+    ///
+    /// ```
+    /// let table = std::sync::Arc::new(keylock::LockTable::new());
+    /// let guard = table.clone().try_lock_owned("k").unwrap();
+    /// let token = guard.token();
+    /// assert_eq!(guard.release_checked(), Ok(token));
+    /// let revoked = table.clone().try_lock_owned("k").unwrap();
+    /// table.revoke("k");
+    /// assert!(revoked.release_checked().is_err());
+    /// ```
+    pub fn release_checked(self) -> Result<FencingToken, LockError> {
+        // Released here instead of by `Drop`, which must not run.
+        let this = std::mem::ManuallyDrop::new(self);
+        let result = this.held.release_checked(&this.table);
+        // SAFETY: `this` is never used again and its `Drop` never runs,
+        // so the table's `Arc` is read out exactly once, and dropped.
+        drop(unsafe { std::ptr::read(&this.table) });
+        result
     }
 
     guard_methods!();

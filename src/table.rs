@@ -309,6 +309,15 @@ impl<K, S> LockTable<K, S> {
         });
     }
 
+    /// Releases grant `token`; `true` if it still held the key, live, when it
+    /// let go.
+    pub(crate) fn release_checked(&self, hash: u64, key: KeyPtr<K>, token: FencingToken) -> bool {
+        let fairness = self.fairness;
+        self.with_shard(hash, |state, ctx| {
+            state.release_checked(hash, key, token, fairness, ctx)
+        })
+    }
+
     /// Unlinks a dropped future's waiter; a grant it had not observed yet is
     /// released as a guard would release it.
     #[cold]

@@ -393,6 +393,26 @@ impl<K> ShardState<K> {
         }
     }
 
+    /// [`release`](Self::release), answering whether grant `token` still
+    /// held the key with a live lease when it let go (`false`: it had lost
+    /// the key, or its lease had lapsed unnoticed; either way it lets go).
+    pub(crate) fn release_checked(
+        &mut self,
+        hash: u64,
+        key: KeyPtr<K>,
+        token: FencingToken,
+        fairness: Fairness,
+        ctx: &mut Ctx<'_, '_, K>,
+    ) -> bool {
+        let (entry, _) = self.locate(hash, key);
+        let live = entry
+            .holders
+            .get(token)
+            .is_some_and(|h| h.is_live(ctx.clock()));
+        self.release(hash, key, token, fairness, ctx);
+        live
+    }
+
     /// Whether the key has a live holder now, in any mode.
     pub(crate) fn is_held<Q>(&mut self, hash: u64, key: &Q, ctx: &mut Ctx<'_, '_, K>) -> bool
     where
