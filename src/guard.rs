@@ -68,6 +68,11 @@ impl GrantCache {
         }
     }
 
+    /// Shared from now on (a downgrade, under the shard lock).
+    pub(crate) fn set_shared(&self) {
+        self.0.fetch_or(SHARED_BIT, Relaxed);
+    }
+
     /// A new deadline, the same mode (a renewal; the mode changes only
     /// through `&mut`, so nothing races this).
     pub(crate) fn set_deadline(&self, deadline: Stamp) {
@@ -118,10 +123,10 @@ impl<K> Held<K> {
     }
 
     fn downgrade<S>(&mut self, table: &LockTable<K, S>) -> Result<(), LockError> {
-        table.downgrade_grant(self.hash, self.key, self.token)?;
-        let deadline = self.deadline.deadline();
-        self.deadline.set(deadline, Mode::Shared);
-        Ok(())
+        // The mode is written under the shard lock, as the table makes the
+        // grant shared: a wake that panics after the unlock cannot leave the
+        // guard reporting the old mode.
+        table.downgrade_grant(self.hash, self.key, self.token, &self.deadline)
     }
 
     #[inline]

@@ -386,8 +386,13 @@ impl<K, S> LockTable<K, S> {
         hash: u64,
         key: KeyPtr<K>,
         token: FencingToken,
+        cache: &crate::guard::GrantCache,
     ) -> Result<(), LockError> {
-        self.with_shard(hash, |state, ctx| state.downgrade(hash, key, token, ctx))
+        self.with_shard(hash, |state, ctx| {
+            state.downgrade(hash, key, token, ctx)?;
+            cache.set_shared();
+            Ok(())
+        })
     }
 
     /// See [`ShardState::deadline_of`].
