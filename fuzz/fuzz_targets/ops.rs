@@ -1,5 +1,11 @@
 //! Differential fuzzing of one `LockTable` against a plain reference model.
 //!
+//! The model has modes: a key's holder set (one exclusive grant or many
+//! shared ones, each with its token and lease), a FIFO queue of requests
+//! (shared, exclusive, or an upgrade at the head) and one admission rule
+//! (`Model::admit`); shared locks come through every entry point, and
+//! guards upgrade (a future, polled by hand) and downgrade.
+//!
 //! Every future is boxed, pinned and polled by hand with its own waker, and
 //! time is a `ManualClock`, so a run is fully deterministic. After every step
 //! the harness compares the table with the model (`is_locked`, `waiters`,
