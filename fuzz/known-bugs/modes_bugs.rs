@@ -1,3 +1,9 @@
+//! Tests of the open bugs the modes model found (fuzz/README.md, "Bugs
+//! found", 4 and 5). Each fails on the code it was written against; move it
+//! into `tests/` with its fix (it needs the `test-util` feature for
+//! `ManualClock`), and the matching input of `known-bugs/ops/` into
+//! `regressions/ops/`. Not compiled here.
+
 use std::future::Future;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::pin::pin;
