@@ -2143,8 +2143,15 @@ impl Model {
         if self.keys[k].unused() {
             return None;
         }
+        // The live holders when the call comes: not a waiter that settling
+        // a lapse admits (lapse.rs `revoke`).
+        let holders: Vec<u64> = self.keys[k]
+            .holders
+            .iter()
+            .filter(|h| self.live(h))
+            .map(|h| h.token)
+            .collect();
         self.settle(k);
-        let holders: Vec<u64> = self.keys[k].holders.iter().map(|h| h.token).collect();
         let gone = self.displace_all(k, &holders);
         self.stats.revoked += gone.len() as u64;
         let revoked = gone.into_iter().max();

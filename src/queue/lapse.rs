@@ -257,8 +257,18 @@ impl<K> ShardState<K> {
         Q: ?Sized + Eq,
     {
         let (entry, mut keys) = self.locate_by(hash, key)?;
+        // The live holders when the call came: not a waiter that settling a
+        // lapse admits now.
+        let holders: Vec<FencingToken> = {
+            let now = ctx.clock();
+            entry
+                .holders
+                .iter()
+                .filter(|h| h.is_live(now))
+                .map(|h| h.token)
+                .collect()
+        };
         keys.settle(entry, ctx);
-        let holders: Vec<FencingToken> = entry.holders.iter().map(|h| h.token).collect();
         for _ in &holders {
             ctx.counters().revoked();
         }
