@@ -35,6 +35,7 @@ impl Keys<'_> {
     /// Grants the head waiters whatever the holders now admit (see the
     /// module docs), wakes them, and makes sure the next head is woken by
     /// the holders' lease deadline.
+    #[inline]
     pub(super) fn admit<K>(&mut self, entry: &mut Entry<K>, ctx: &mut Ctx<'_, '_, K>) {
         loop {
             match entry.admission() {
@@ -146,7 +147,11 @@ impl Keys<'_> {
         // The waiters need a token, now (a handoff) or when the nudged head
         // takes the key: if none is left, fail before anything changes.
         self.tokens.check_available();
-        entry.holders.remove(token);
+        if entry.holders.is_only(token) {
+            entry.holders.clear_only();
+        } else {
+            entry.holders.remove(token);
+        }
         if entry.holders.is_empty() {
             self.pass_on(entry, fairness, ctx);
         } else {

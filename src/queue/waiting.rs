@@ -456,7 +456,7 @@ fn take_now<K>(
 /// # Safety
 ///
 /// As [`ShardState::acquire_or_enqueue`].
-#[inline(never)]
+#[inline]
 unsafe fn enqueue<K>(
     entry: &mut Entry<K>,
     waiter: &Waiter,
