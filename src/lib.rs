@@ -200,6 +200,7 @@ mod lease;
 mod loom;
 mod lost;
 mod mode;
+mod owner;
 mod queue;
 mod shard_lock;
 mod stats;
@@ -219,6 +220,10 @@ pub use fairness::Fairness;
 pub use guard::{Guard, OwnedGuard};
 pub use lease::{LockOptions, DEFAULT_MAX_LEASE};
 pub use mode::Mode;
+pub use owner::{
+    AcquireKind, Acquired, LockedSet, OwnedTransaction, Transaction, TransactionError,
+    TransactionOptions, WaitPolicy,
+};
 pub use stats::Stats;
 pub use table::{Builder, DefaultHashBuilder, LockTable};
 pub use time_source::TimeSource;

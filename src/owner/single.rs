@@ -1,0 +1,198 @@
+//! One key: a transaction's re-entrant lock (count, upgrade or take), and
+//! the operations over every key it holds (check, renew).
+//!
+//! A lock claims its key in the held set first ([`HeldSet::begin`]): a key
+//! held in a covering mode is counted and the call returns at once; a key
+//! held shared and asked exclusive has its guard taken out and upgraded; a
+//! new key is locked on the table. Until the call settles, a [`Claim`]
+//! owns what it took: dropped (the future cancelled, or unwinding), it gives
+//! the upgraded-or-not guard back as the cancelled upgrade left it (shared),
+//! and releases a new key's guard, so a cancelled call leaves the
+//! transaction as it was.
+
+use std::time::Duration;
+
+use crate::mode::Mode;
+use crate::owner::access::{unless_ended, Access, Ended, SetOf};
+use crate::owner::error::TransactionError;
+use crate::owner::held::{AcquireKind, Acquired, Begin, HeldSet};
+use crate::owner::policy::WaitPolicy;
+use crate::owner::reach::{GuardOps, Reach};
+
+pub(crate) type KeyOf<A> = <<A as Access>::R as Reach>::Key;
+pub(crate) type GuardOf<A> = <<A as Access>::R as Reach>::Guard;
+
+/// A pending call's hold on one slot of the set; gives it back when
+/// dropped unless settled.
+struct Claim<'a, A: Access> {
+    access: &'a mut A,
+    hash: u64,
+    id: u64,
+    /// The guard being upgraded, or the new key's once granted.
+    guard: Option<GuardOf<A>>,
+    settled: bool,
+}
+
+impl<A: Access> Claim<'_, A> {
+    /// Puts the guard into the set and counts the grant.
+    fn settle(mut self, kind: AcquireKind) -> Result<Acquired, TransactionError<KeyOf<A>>> {
+        self.settled = true;
+        let (hash, id, guard) = (self.hash, self.id, self.guard.take());
+        let settled = self.access.with(|set| set.settle(hash, id, guard, kind));
+        match settled {
+            Ok(Ok((acquired, name))) => {
+                drop(name);
+                Ok(acquired)
+            }
+            // The transaction ended meanwhile: the guard is released here.
+            Ok(Err(_)) | Err(Ended) => Err(TransactionError::Ended),
+        }
+    }
+
+    /// Gives the slot back without a grant; returns the key's clone, for
+    /// the error.
+    fn abandon(mut self) -> Option<KeyOf<A>> {
+        self.settled = true;
+        let (hash, id, guard) = (self.hash, self.id, self.guard.take());
+        match self.access.with(|set| set.abandon(hash, id, guard)) {
+            Ok((name, rest)) => {
+                drop(rest);
+                name
+            }
+            Err(Ended) => None,
+        }
+    }
+}
+
+impl<A: Access> Drop for Claim<'_, A> {
+    fn drop(&mut self) {
+        if self.settled {
+            return;
+        }
+        let (hash, id, guard) = (self.hash, self.id, self.guard.take());
+        // If the transaction ended, `with` does not run and the guard is
+        // dropped (released) with the closure.
+        if let Ok((name, rest)) = self.access.with(|set| set.abandon(hash, id, guard)) {
+            drop(rest);
+            drop(name);
+        }
+    }
+}
+
+/// Locks `key` in `mode` for the transaction; see the module doc.
+pub(crate) async fn lock<A: Access>(
+    access: &mut A,
+    key: KeyOf<A>,
+    mode: Mode,
+    policy: WaitPolicy,
+) -> Result<Acquired, TransactionError<KeyOf<A>>>
+where
+    KeyOf<A>: Clone,
+{
+    let hash = access.owner().reach.table().hash(&key);
+    let begun = match access.with(|set| set.begin(hash, &key, mode, true)) {
+        Err(Ended) => return Err(TransactionError::Ended),
+        Ok(Err(_busy)) => return Err(TransactionError::InFlight { key }),
+        Ok(Ok(begun)) => begun,
+    };
+    let opts = access.owner().opts.lock_options(mode, policy);
+    match begun {
+        Begin::Covered { acquired, .. } => Ok(acquired),
+        Begin::New { id } => {
+            let lock = access.owner().reach.lock_with(key, opts);
+            let mut claim = Claim {
+                access,
+                hash,
+                id,
+                guard: None,
+                settled: false,
+            };
+            match unless_ended(&mut *claim.access, lock).await {
+                Err(Ended) => Err(TransactionError::Ended),
+                Ok(Ok(guard)) => {
+                    claim.guard = Some(guard);
+                    claim.settle(AcquireKind::New)
+                }
+                Ok(Err(error)) => match claim.abandon() {
+                    Some(key) => Err(TransactionError::from_lock(
+                        key,
+                        mode,
+                        policy.waits(),
+                        error,
+                    )),
+                    None => Err(TransactionError::Ended),
+                },
+            }
+        }
+        Begin::Upgrade { id, guard } => {
+            let mut claim = Claim {
+                access,
+                hash,
+                id,
+                guard: Some(guard),
+                settled: false,
+            };
+            let upgraded = {
+                let Claim { access, guard, .. } = &mut claim;
+                let upgrade = guard.as_mut().expect("set above").upgrade(opts);
+                unless_ended(&mut **access, upgrade).await
+            };
+            match upgraded {
+                Err(Ended) => Err(TransactionError::Ended),
+                Ok(Ok(_token)) => claim.settle(AcquireKind::Upgraded),
+                Ok(Err(error)) => match claim.abandon() {
+                    Some(key) => Err(TransactionError::from_lock(
+                        key,
+                        mode,
+                        policy.waits(),
+                        error,
+                    )),
+                    None => Err(TransactionError::Ended),
+                },
+            }
+        }
+    }
+}
+
+/// The first grant of the set that has lost its key, if any, as an error
+/// naming it.
+pub(crate) fn first_lost<G, K>(set: &HeldSet<G, K>) -> Option<TransactionError<K>>
+where
+    G: GuardOps<Key = K>,
+    K: Eq + Clone,
+{
+    set.guards().find_map(|guard| {
+        guard.check().err().map(|_| TransactionError::Expired {
+            key: guard.key().clone(),
+            token: guard.token(),
+        })
+    })
+}
+
+/// Renews every grant of the set with `lease`, all or nothing as far as a
+/// lapse goes: every grant is checked first and none is renewed if one has
+/// lost its key (the error names it). Without a lease, only the check.
+pub(crate) fn renew<R: Reach>(
+    set: &SetOf<R>,
+    lease: Option<Duration>,
+) -> Result<(), TransactionError<R::Key>>
+where
+    R::Key: Clone,
+{
+    if let Some(err) = first_lost(set) {
+        return Err(err);
+    }
+    let Some(lease) = lease else {
+        return Ok(());
+    };
+    for guard in set.guards() {
+        // A grant that lapses between its check and its renewal (its
+        // deadline passed in that instant) fails here; the ones renewed
+        // before it stay renewed, which grants nothing to a transaction
+        // that cannot commit any more.
+        guard.renew(lease).map_err(|error| {
+            TransactionError::from_lock(guard.key().clone(), guard.mode(), true, error)
+        })?;
+    }
+    Ok(())
+}
