@@ -173,7 +173,10 @@ impl<K: Eq + Hash, S: BuildHasher> LockTable<K, S> {
     /// let txn = table.transaction_owned_with(opts);
     /// # drop(txn);
     /// ```
-    pub fn transaction_owned_with(self: Arc<Self>, opts: TransactionOptions) -> OwnedTransaction<K, S> {
+    pub fn transaction_owned_with(
+        self: Arc<Self>,
+        opts: TransactionOptions,
+    ) -> OwnedTransaction<K, S> {
         let opts = opts.resolve(self.clock());
         OwnedTransaction {
             shared: Arc::new(Shared::new(Owner { reach: self, opts })),
@@ -188,7 +191,11 @@ fn renewal_lease<R: Reach>(owner: &Owner<R>) -> Option<std::time::Duration> {
 }
 
 /// The methods both forms share, over the set of keys they hold.
-fn count_of<R: Reach, Q>(set: &SetOf<R>, hash: u64, key: &Q) -> (usize, Option<Mode>, Option<FencingToken>)
+fn count_of<R: Reach, Q>(
+    set: &SetOf<R>,
+    hash: u64,
+    key: &Q,
+) -> (usize, Option<Mode>, Option<FencingToken>)
 where
     R::Key: Borrow<Q>,
     Q: Eq + ?Sized,
@@ -203,12 +210,18 @@ where
     }
 }
 
+/// The count left after an unlock and, at zero, the slot to drop.
+type Unlocked<R> = (
+    usize,
+    Option<held::Slot<<R as Reach>::Guard, <R as Reach>::Key>>,
+);
+
 fn unlock_in<R: Reach>(
     set: &mut SetOf<R>,
     hash: u64,
     key: &R::Key,
     all: bool,
-) -> Result<(usize, Option<held::Slot<R::Guard, R::Key>>), TransactionError<R::Key>>
+) -> Result<Unlocked<R>, TransactionError<R::Key>>
 where
     R::Key: Clone,
 {
@@ -868,7 +881,11 @@ impl<K: Eq + Hash, S: BuildHasher> OwnedTransaction<K, S> {
         Ok(left)
     }
 
-    fn query<Q, T>(&self, key: &Q, pick: impl FnOnce((usize, Option<Mode>, Option<FencingToken>)) -> T) -> Option<T>
+    fn query<Q, T>(
+        &self,
+        key: &Q,
+        pick: impl FnOnce((usize, Option<Mode>, Option<FencingToken>)) -> T,
+    ) -> Option<T>
     where
         K: Borrow<Q>,
         Q: Hash + Eq + ?Sized,
