@@ -39,7 +39,9 @@ fn bench_one<I: KeyedLock>(
     workload: Workload,
     zipf: &Arc<Vec<Vec<u64>>>,
 ) {
-    if workload.needs_async() && !I::ASYNC {
+    if (workload.needs_async() && !I::ASYNC)
+        || (!I::EXCLUSIVE && !matches!(workload, Workload::W1 | Workload::W2))
+    {
         return;
     }
     let id = I::NAME.replace("::", "_");
@@ -64,6 +66,7 @@ fn compare(c: &mut Criterion) {
         bench_one::<impls::Keylock>(&mut group, &rt, workload, &zipf);
         bench_one::<impls::KeylockLease>(&mut group, &rt, workload, &zipf);
         bench_one::<impls::KeylockTimeout>(&mut group, &rt, workload, &zipf);
+        bench_one::<impls::KeylockShared>(&mut group, &rt, workload, &zipf);
         bench_one::<impls::DashMapLeak>(&mut group, &rt, workload, &zipf);
         bench_one::<impls::DashMapCleanup>(&mut group, &rt, workload, &zipf);
         bench_one::<impls::Lockable>(&mut group, &rt, workload, &zipf);

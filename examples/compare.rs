@@ -75,6 +75,7 @@ const CONTENDERS: &[Contender] = &[
     contender::<impls::Keylock>(plain::keylock),
     contender::<impls::KeylockLease>(plain::keylock_lease),
     contender::<impls::KeylockTimeout>(plain::keylock_timeout),
+    contender::<impls::KeylockShared>(plain::keylock_shared),
     contender::<impls::DashMapLeak>(plain::dashmap_leak),
     contender::<impls::DashMapCleanup>(plain::dashmap_cleanup),
     contender::<impls::Lockable>(plain::lockable),

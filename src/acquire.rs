@@ -25,10 +25,11 @@ use crate::waiter::{Armed, Granted, LazyWaiter, Seen, Waiter};
 
 /// Where an acquisition stands.
 enum State<K> {
-    /// Not polled yet: owns the key it was given.
-    Start(K),
-    /// Not polled yet: upgrades the shared grant `token` of the key at `key`.
-    StartUpgrade { key: KeyPtr<K>, token: FencingToken },
+    /// Not polled yet: owns the key it was given, to take in `mode`.
+    Start { key: K, mode: Mode },
+    /// Not polled yet: upgrades a shared grant of the key at `key` (its
+    /// token is kept in the `lease` word, which an upgrade does not use).
+    StartUpgrade { key: KeyPtr<K> },
     /// The options were invalid; reported on the first poll.
     Invalid(Box<LockError>),
     /// The waiter node is linked into the queue of the key at `key` (or was
@@ -60,8 +61,6 @@ pub(crate) struct Acquire<T: TableHandle<K>, K> {
     table: Option<T>,
     hash: u64,
     state: State<K>,
-    /// The mode of the grant (exclusive for an upgrade).
-    mode: Mode,
     lease: PackedDuration,
     timeout: PackedDuration,
     /// When the caller gives up, as asked (none: no deadline).
@@ -83,12 +82,16 @@ where
     #[inline(always)]
     fn new(table: T, key: K, opts: LockOptions) -> Self {
         let (lease, timeout) = (opts.lease_duration(), opts.timeout_duration());
+        let mode = opts.lock_mode();
         let hash = table.hash(&key);
         let (state, lease) = match lease {
             // The default was validated when the table was built.
-            None => (State::Start(key), table.leases().default_packed),
+            None => (State::Start { key, mode }, table.leases().default_packed),
             Some(asked) => match table.leases().check(asked) {
-                Ok(lease) => (State::Start(key), PackedDuration::pack(Some(lease))),
+                Ok(lease) => (
+                    State::Start { key, mode },
+                    PackedDuration::pack(Some(lease)),
+                ),
                 Err(err) => (State::Invalid(Box::new(err)), PackedDuration::NONE),
             },
         };
@@ -96,7 +99,6 @@ where
             table: Some(table),
             hash,
             state,
-            mode: opts.lock_mode(),
             lease,
             timeout: PackedDuration::pack(timeout),
             deadline: Stamp::new(opts.deadline_instant()),
@@ -118,9 +120,8 @@ where
         Self {
             table: Some(table),
             hash,
-            state: State::StartUpgrade { key, token },
-            mode: Mode::Exclusive,
-            lease: PackedDuration::NONE,
+            state: State::StartUpgrade { key },
+            lease: PackedDuration::from_bits(token.get()),
             timeout: PackedDuration::pack(opts.timeout_duration()),
             deadline: Stamp::new(opts.deadline_instant()),
             timing: Timing::default(),
@@ -177,18 +178,22 @@ where
         let this = unsafe { self.get_unchecked_mut() };
         loop {
             let wake_at = match &this.state {
-                State::Start(_) => {
-                    let State::Start(key) = std::mem::replace(&mut this.state, State::Done) else {
+                State::Start { .. } => {
+                    let State::Start { key, mode } =
+                        std::mem::replace(&mut this.state, State::Done)
+                    else {
                         unreachable!()
                     };
-                    match this.start(key, cx, left)? {
+                    match this.start(key, mode, cx, left)? {
                         Step::Ready(out) => return Poll::Ready(Ok(out)),
                         Step::Wait(at) => at,
                         Step::Again => continue,
                     }
                 }
-                &State::StartUpgrade { key, token } => {
+                &State::StartUpgrade { key } => {
                     this.state = State::Done;
+                    let token = FencingToken::new(this.lease.bits())
+                        .expect("keylock: an upgrade keeps its token");
                     match this.start_upgrade(key, token, cx, left)? {
                         Step::Ready(out) => return Poll::Ready(Ok(out)),
                         Step::Wait(at) => at,
@@ -221,6 +226,7 @@ where
     fn start(
         &mut self,
         key: K,
+        mode: Mode,
         cx: &mut Context<'_>,
         left: &mut Leftovers<K>,
     ) -> Result<Step<(T, Held<K>)>, Box<LockError>> {
@@ -236,7 +242,7 @@ where
         let passed =
             self.deadline.is_some() && Stamp::new(Some(table.clock().now())) >= self.deadline;
         if timeout == Some(Duration::ZERO) || passed {
-            return match try_once(table, self.hash, key, self.mode, lease, left) {
+            return match try_once(table, self.hash, key, mode, lease, left) {
                 Ok(grant) => Ok(Step::Ready(self.finish(grant))),
                 Err(diagnosis) => Err(Box::new(timeout_error(Duration::ZERO, diagnosis))),
             };
@@ -256,7 +262,7 @@ where
                 state.acquire_or_enqueue(
                     self.hash,
                     &mut key,
-                    self.mode,
+                    mode,
                     lease,
                     Patience {
                         timeout,
@@ -277,6 +283,8 @@ where
 
     /// The first poll of an upgrade: at once, or linked at the head of the
     /// queue, or refused.
+    #[cold]
+    #[inline(never)]
     fn start_upgrade(
         &mut self,
         key: KeyPtr<K>,
@@ -486,7 +494,7 @@ where
             key,
             token: granted.token,
             deadline: granted.deadline,
-            mode: self.mode,
+            mode: granted.mode,
         })
     }
 
@@ -660,7 +668,7 @@ impl<K, S> TableHandle<K> for Arc<LockTable<K, S>> {
 impl<T: TableHandle<K>, K> fmt::Debug for Acquire<T, K> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let state = match self.state {
-            State::Start(_) | State::StartUpgrade { .. } => "start",
+            State::Start { .. } | State::StartUpgrade { .. } => "start",
             State::Invalid(_) => "invalid",
             State::Linked { .. } => "waiting",
             State::Done => "done",

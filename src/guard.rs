@@ -25,12 +25,63 @@ pub(crate) struct Held<K> {
     hash: u64,
     key: KeyPtr<K>,
     token: FencingToken,
-    /// The lease deadline as granted or last renewed through this guard, as
-    /// a [`Stamp`] (zero: no deadline), kept to report when a lapsed grant
+    /// The lease deadline as granted or last renewed through this guard, and
+    /// the grant's mode, in one word (see [`GrantCache`]); the deadline is
+    /// kept to report when a lapsed grant
     /// ended once the table has let go of it. One word, so that a guard is
     /// five words and cheap to move. Written under the shard lock.
-    deadline: AtomicU64,
-    mode: Mode,
+    deadline: GrantCache,
+}
+
+/// A guard's copy of its grant's deadline (a [`Stamp`], zero: none) and
+/// mode, packed in one word so that a guard stays five words: the mode in
+/// the top bit, which a stamp (nanoseconds since the process's clock epoch)
+/// reaches only after 292 years.
+#[derive(Debug)]
+pub(crate) struct GrantCache(AtomicU64);
+
+const SHARED_BIT: u64 = 1 << 63;
+
+impl GrantCache {
+    #[inline(always)]
+    fn new(deadline: Stamp, mode: Mode) -> Self {
+        Self(AtomicU64::new(Self::pack(deadline, mode)))
+    }
+
+    #[inline(always)]
+    fn pack(deadline: Stamp, mode: Mode) -> u64 {
+        let bit = if mode == Mode::Shared { SHARED_BIT } else { 0 };
+        (deadline.to_raw() & !SHARED_BIT) | bit
+    }
+
+    #[inline]
+    pub(crate) fn deadline(&self) -> Stamp {
+        Stamp::from_raw(self.0.load(Relaxed) & !SHARED_BIT)
+    }
+
+    #[inline]
+    fn mode(&self) -> Mode {
+        if self.0.load(Relaxed) & SHARED_BIT == 0 {
+            Mode::Exclusive
+        } else {
+            Mode::Shared
+        }
+    }
+
+    /// Shared from now on (a downgrade, under the shard lock).
+    pub(crate) fn set_shared(&self) {
+        self.0.fetch_or(SHARED_BIT, Relaxed);
+    }
+
+    /// A new deadline, the same mode (a renewal; the mode changes only
+    /// through `&mut`, so nothing races this).
+    pub(crate) fn set_deadline(&self, deadline: Stamp) {
+        self.0.store(Self::pack(deadline, self.mode()), Relaxed);
+    }
+
+    fn set(&mut self, deadline: Stamp, mode: Mode) {
+        *self.0.get_mut() = Self::pack(deadline, mode);
+    }
 }
 
 impl<K> Held<K> {
@@ -40,8 +91,7 @@ impl<K> Held<K> {
             hash,
             key: grant.key,
             token: grant.token,
-            deadline: AtomicU64::new(grant.deadline.to_raw()),
-            mode: grant.mode,
+            deadline: GrantCache::new(grant.deadline, grant.mode),
         }
     }
 
@@ -49,13 +99,12 @@ impl<K> Held<K> {
     /// and deadline, in `mode`.
     pub(crate) fn regrant(&mut self, token: FencingToken, deadline: Stamp, mode: Mode) {
         self.token = token;
-        *self.deadline.get_mut() = deadline.to_raw();
-        self.mode = mode;
+        self.deadline.set(deadline, mode);
     }
 
     #[inline]
     pub(crate) fn mode(&self) -> Mode {
-        self.mode
+        self.deadline.mode()
     }
 
     #[inline]
@@ -68,15 +117,16 @@ impl<K> Held<K> {
         self.key
     }
 
-    /// The deadline as last known to the guard, raw.
-    pub(crate) fn deadline_raw(&self) -> u64 {
-        self.deadline.load(Relaxed)
+    /// The deadline as last known to the guard.
+    pub(crate) fn deadline(&self) -> Stamp {
+        self.deadline.deadline()
     }
 
     fn downgrade<S>(&mut self, table: &LockTable<K, S>) -> Result<(), LockError> {
-        table.downgrade_grant(self.hash, self.key, self.token)?;
-        self.mode = Mode::Shared;
-        Ok(())
+        // The mode is written under the shard lock, as the table makes the
+        // grant shared: a wake that panics after the unlock cannot leave the
+        // guard reporting the old mode.
+        table.downgrade_grant(self.hash, self.key, self.token, &self.deadline)
     }
 
     #[inline]
@@ -111,6 +161,14 @@ impl<K> Held<K> {
         table.release(self.hash, self.key, self.token);
     }
 
+    fn release_checked<S>(&self, table: &LockTable<K, S>) -> Result<FencingToken, LockError> {
+        if table.release_checked(self.hash, self.key, self.token) {
+            Ok(self.token)
+        } else {
+            Err(LockError::Expired { token: self.token })
+        }
+    }
+
     fn check<S>(&self, table: &LockTable<K, S>) -> Result<FencingToken, LockError> {
         table.check_grant(self.hash, self.key, self.token)
     }
@@ -121,7 +179,7 @@ impl<K> Held<K> {
     fn expires_at<S>(&self, table: &LockTable<K, S>) -> Option<Instant> {
         match table.grant_deadline(self.hash, self.key, self.token) {
             Ok(deadline) => deadline.get(),
-            Err(now) => Some(match Stamp::from_raw(self.deadline.load(Relaxed)).get() {
+            Err(now) => Some(match self.deadline.deadline().get() {
                 Some(deadline) => deadline.min(now),
                 None => now,
             }),
@@ -365,6 +423,32 @@ impl<'a, K, S> Guard<'a, K, S> {
         Self { table, held }
     }
 
+    /// Releases the key and says whether the grant still held it when
+    /// it let go: [`check`](Self::check) and release in one step (one
+    /// visit to the table), for a commit that must know its work was
+    /// protected to the end.
+    ///
+    /// # Errors
+    ///
+    /// [`LockError::Expired`] if the grant had lost the key (lapsed or
+    /// revoked) by then; nothing of a successor's is freed.
+    ///
+    /// ```
+    /// let table = keylock::LockTable::new();
+    /// let guard = table.try_lock("k").unwrap();
+    /// let token = guard.token();
+    /// assert_eq!(guard.release_checked(), Ok(token));
+    /// let revoked = table.try_lock("k").unwrap();
+    /// table.revoke("k");
+    /// assert!(revoked.release_checked().is_err());
+    /// ```
+    pub fn release_checked(self) -> Result<FencingToken, LockError> {
+        // Released here instead of by `Drop`; a borrowed guard owns
+        // nothing else.
+        let this = std::mem::ManuallyDrop::new(self);
+        this.held.release_checked(this.table)
+    }
+
     guard_methods!();
 }
 
@@ -414,6 +498,35 @@ impl<K, S> OwnedGuard<K, S> {
     #[inline]
     pub fn table(&self) -> &Arc<LockTable<K, S>> {
         &self.table
+    }
+
+    /// Releases the key and says whether the grant still held it when
+    /// it let go: [`check`](Self::check) and release in one step (one
+    /// visit to the table), for a commit that must know its work was
+    /// protected to the end.
+    ///
+    /// # Errors
+    ///
+    /// [`LockError::Expired`] if the grant had lost the key (lapsed or
+    /// revoked) by then; nothing of a successor's is freed.
+    ///
+    /// ```
+    /// let table = std::sync::Arc::new(keylock::LockTable::new());
+    /// let guard = table.clone().try_lock_owned("k").unwrap();
+    /// let token = guard.token();
+    /// assert_eq!(guard.release_checked(), Ok(token));
+    /// let revoked = table.clone().try_lock_owned("k").unwrap();
+    /// table.revoke("k");
+    /// assert!(revoked.release_checked().is_err());
+    /// ```
+    pub fn release_checked(self) -> Result<FencingToken, LockError> {
+        // Released here instead of by `Drop`, which must not run.
+        let this = std::mem::ManuallyDrop::new(self);
+        let result = this.held.release_checked(&this.table);
+        // SAFETY: `this` is never used again and its `Drop` never runs,
+        // so the table's `Arc` is read out exactly once, and dropped.
+        drop(unsafe { std::ptr::read(&this.table) });
+        result
     }
 
     guard_methods!();

@@ -188,6 +188,18 @@ pub(crate) struct PackedDuration(u64);
 impl PackedDuration {
     pub(crate) const NONE: Self = Self(u64::MAX);
 
+    /// The word it is stored as.
+    #[inline(always)]
+    pub(crate) const fn bits(self) -> u64 {
+        self.0
+    }
+
+    /// Back from [`bits`](Self::bits).
+    #[inline(always)]
+    pub(crate) const fn from_bits(bits: u64) -> Self {
+        Self(bits)
+    }
+
     #[inline]
     pub(crate) fn pack(duration: Option<Duration>) -> Self {
         match duration {

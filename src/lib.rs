@@ -1,5 +1,5 @@
-//! An async, runtime-agnostic table of exclusive locks keyed by any
-//! `K: Eq + Hash`.
+//! An async, runtime-agnostic table of locks keyed by any `K: Eq + Hash`,
+//! exclusive or shared.
 //!
 //! `table.lock(key).await` resolves when `key` is free and yields a guard;
 //! dropping the guard releases the key and hands it, in arrival order, to the
@@ -58,6 +58,37 @@
 //! waiting for the parked oldest waiter, and forces a direct handoff once a
 //! shard has gone [`Fairness::EVENTUAL_BOUND`] (500 µs) without one, so every
 //! waiter is served.
+//!
+//! # Shared and exclusive
+//!
+//! A plain `lock` is exclusive. [`LockTable::lock_shared`] (or
+//! [`LockOptions::shared`] with any entry point) takes a key in
+//! [`Mode::Shared`]: shared grants of a key are held together, an exclusive
+//! one alone. The queue stays FIFO across modes: a waiting writer blocks the
+//! readers that come after it, so writers are never starved, and the readers
+//! queued together at its head are granted together when it leaves. A
+//! reader can [`upgrade`](Guard::upgrade) to exclusive (it waits only for
+//! the other readers, ahead of everyone queued; a second reader upgrading at
+//! the same time is refused at once, as it would deadlock) and a writer can
+//! [`downgrade`](Guard::downgrade). Every grant, shared too, has its own
+//! fencing token, and an exclusive grant's token exceeds every earlier
+//! grant's of the key.
+//!
+//! ```
+//! # futures::executor::block_on(async {
+//! use keylock::{LockTable, Mode};
+//!
+//! let table = LockTable::new();
+//! let mut reader = table.lock_shared("account-9").await;
+//! let other = table.lock_shared("account-9").await; // readers together
+//! assert!(table.try_lock("account-9").is_err()); // a writer waits
+//! drop(other);
+//! let token = reader.upgrade().await?; // the last reader: exclusive now
+//! assert_eq!(reader.mode(), Mode::Exclusive);
+//! assert_eq!(reader.check()?, token); // a new token, above every reader's
+//! # Ok::<(), keylock::LockError>(())
+//! # }).unwrap();
+//! ```
 //!
 //! # Futures
 //!

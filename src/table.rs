@@ -10,7 +10,6 @@ use std::borrow::Borrow;
 use std::fmt;
 use std::hash::{BuildHasher, Hash};
 use std::marker::PhantomData;
-use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -310,6 +309,15 @@ impl<K, S> LockTable<K, S> {
         });
     }
 
+    /// Releases grant `token`; `true` if it still held the key, live, when it
+    /// let go.
+    pub(crate) fn release_checked(&self, hash: u64, key: KeyPtr<K>, token: FencingToken) -> bool {
+        let fairness = self.fairness;
+        self.with_shard(hash, |state, ctx| {
+            state.release_checked(hash, key, token, fairness, ctx)
+        })
+    }
+
     /// Unlinks a dropped future's waiter; a grant it had not observed yet is
     /// released as a guard would release it.
     #[cold]
@@ -340,14 +348,14 @@ impl<K, S> LockTable<K, S> {
         key: KeyPtr<K>,
         token: FencingToken,
         lease: Duration,
-        cache: &AtomicU64,
+        cache: &crate::guard::GrantCache,
     ) -> Result<(), LockError> {
         let lease = self.leases.check(lease)?;
         self.with_shard(hash, |state, ctx| {
             let deadline = state.renew(hash, key, token, lease, ctx)?;
             // A lease too long for the clock to represent never ends: it
             // reads back as no deadline.
-            cache.store(deadline.to_raw(), Relaxed);
+            cache.set_deadline(deadline);
             Ok(())
         })
     }
@@ -378,8 +386,13 @@ impl<K, S> LockTable<K, S> {
         hash: u64,
         key: KeyPtr<K>,
         token: FencingToken,
+        cache: &crate::guard::GrantCache,
     ) -> Result<(), LockError> {
-        self.with_shard(hash, |state, ctx| state.downgrade(hash, key, token, ctx))
+        self.with_shard(hash, |state, ctx| {
+            state.downgrade(hash, key, token, ctx)?;
+            cache.set_shared();
+            Ok(())
+        })
     }
 
     /// See [`ShardState::deadline_of`].

@@ -64,7 +64,7 @@ impl<K: Eq + Hash, S: BuildHasher> Future for Upgrade<'_, K, S> {
         let out = match polled {
             Poll::Pending => Poll::Pending,
             Poll::Ready(Ok((_, upgraded))) => {
-                let deadline = crate::clock::Stamp::from_raw(upgraded.deadline_raw());
+                let deadline = upgraded.deadline();
                 this.held
                     .regrant(upgraded.token(), deadline, Mode::Exclusive);
                 Poll::Ready(Ok(upgraded.token()))

@@ -83,6 +83,11 @@ pub(crate) type WaiterPtr = NonNull<Waiter>;
 #[derive(Debug)]
 pub(crate) struct Waiter {
     state: AtomicU8,
+    /// What the owner asks for (`ASK_*`), with `Node::ask`. Written by the
+    /// owner while the node is idle (before linking, under the lock), read
+    /// under the lock while linked: an atomic only so that it can sit in the
+    /// state word's padding, shared with the table without `unsafe`.
+    kind: AtomicU8,
     /// The owner's waker; see the module's state table for who may touch it.
     waker: UnsafeCell<Option<Waker>>,
     /// Links and the lease asked for while linked; the grant once made.
@@ -94,8 +99,9 @@ pub(crate) struct Waiter {
 #[derive(Debug)]
 struct Node {
     slot: NodeSlot,
-    /// The lease the grant will carry.
-    lease: PackedDuration,
+    /// The lease the grant will carry (its bits), or for an upgrade the
+    /// token of the shared grant to upgrade: what `Waiter::kind` says.
+    ask: u64,
     /// The holder's lease deadline this waiter's timer covers, as last told
     /// under the lock (none: no timer for the holder). A release that makes
     /// a holder with an earlier deadline nudges the head to re-arm; one with
@@ -103,9 +109,11 @@ struct Node {
     timer_at: Stamp,
     /// When the owner gives up waiting (none: never), for the shard's timer.
     until: Stamp,
-    /// What the owner waits for: a mode, or an upgrade of its shared grant.
-    want: Want,
 }
+
+const ASK_EXCLUSIVE: u8 = 0;
+const ASK_SHARED: u8 = 1;
+const ASK_UPGRADE: u8 = 2;
 
 /// What a waiter asks for.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -128,6 +136,7 @@ enum NodeSlot {
     Grant {
         token: FencingToken,
         deadline: Stamp,
+        mode: Mode,
     },
 }
 
@@ -215,6 +224,7 @@ pub(crate) enum Armed {
 pub(crate) struct Granted {
     pub(crate) token: FencingToken,
     pub(crate) deadline: Stamp,
+    pub(crate) mode: Mode,
 }
 
 /// What a waiter's state word says, for its owner.
@@ -239,16 +249,16 @@ impl Waiter {
     pub(crate) fn new() -> Self {
         Self {
             state: AtomicU8::new(IDLE),
+            kind: AtomicU8::new(ASK_EXCLUSIVE),
             waker: UnsafeCell::new(None),
             node: UnsafeCell::new(Node {
                 slot: NodeSlot::Links {
                     prev: None,
                     next: None,
                 },
-                lease: PackedDuration::NONE,
+                ask: PackedDuration::NONE.bits(),
                 timer_at: Stamp::NONE,
                 until: Stamp::NONE,
-                want: Want::Grant(Mode::Exclusive),
             }),
             _pinned: PhantomPinned,
         }
@@ -277,7 +287,15 @@ impl Waiter {
         // node again, so this read races with nothing.
         let slot = unsafe { node.deref() }.slot;
         match slot {
-            NodeSlot::Grant { token, deadline } => Granted { token, deadline },
+            NodeSlot::Grant {
+                token,
+                deadline,
+                mode,
+            } => Granted {
+                token,
+                deadline,
+                mode,
+            },
             NodeSlot::Links { .. } => unreachable!("keylock: a granted node holds its grant"),
         }
     }
@@ -294,8 +312,13 @@ impl Waiter {
         let node = self.node.get_mut();
         // SAFETY: an idle node is its owner's alone (caller's contract).
         let node = unsafe { node.deref() };
-        node.lease = lease;
-        node.want = want;
+        let (kind, ask) = match want {
+            Want::Grant(Mode::Exclusive) => (ASK_EXCLUSIVE, lease.bits()),
+            Want::Grant(Mode::Shared) => (ASK_SHARED, lease.bits()),
+            Want::Upgrade(token) => (ASK_UPGRADE, token.get()),
+        };
+        self.kind.store(kind, Relaxed);
+        node.ask = ask;
         node.timer_at = Stamp::NONE;
         node.until = until;
         node.slot = NodeSlot::Links {
@@ -411,6 +434,7 @@ impl Waiter {
         this: WaiterPtr,
         token: FencingToken,
         deadline: Stamp,
+        mode: Mode,
     ) -> Option<Waker> {
         // SAFETY: linked until just now, so alive (the owner unlinks under
         // the lock before it frees the node, and we hold it).
@@ -418,7 +442,11 @@ impl Waiter {
         {
             let node = me.node.get_mut();
             // SAFETY: the grant cell is the table's under the lock.
-            unsafe { node.deref() }.slot = NodeSlot::Grant { token, deadline };
+            unsafe { node.deref() }.slot = NodeSlot::Grant {
+                token,
+                deadline,
+                mode,
+            };
         }
         let mut state = me.state.load(Acquire);
         loop {
@@ -466,7 +494,7 @@ impl Waiter {
         // SAFETY: linked, under the lock (caller's contract).
         let node = unsafe { this.as_ref() }.node.get_mut();
         // SAFETY: as above: the node cell is the table's.
-        unsafe { node.deref() }.lease
+        PackedDuration::from_bits(unsafe { node.deref() }.ask)
     }
 }
 
@@ -504,9 +532,17 @@ impl Waiter {
     #[inline]
     pub(crate) unsafe fn want(this: WaiterPtr) -> Want {
         // SAFETY: linked, under the lock (caller's contract).
-        let node = unsafe { this.as_ref() }.node.get_mut();
+        let me = unsafe { this.as_ref() };
+        let node = me.node.get_mut();
         // SAFETY: as above: the node cell is the table's.
-        unsafe { node.deref() }.want
+        let ask = unsafe { node.deref() }.ask;
+        match me.kind.load(Relaxed) {
+            ASK_SHARED => Want::Grant(Mode::Shared),
+            ASK_UPGRADE => {
+                Want::Upgrade(FencingToken::new(ask).expect("keylock: an upgrade names a token"))
+            }
+            _ => Want::Grant(Mode::Exclusive),
+        }
     }
 
     /// The holder deadline a linked waiter's timer covers.

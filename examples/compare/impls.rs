@@ -31,6 +31,11 @@ pub(crate) trait KeyedLock: Send + Sync + 'static {
     /// Whether the key matters (false: one lock for every key).
     const KEYED: bool = true;
 
+    /// Whether a guard excludes every other (false for a shared lock, which
+    /// runs only the uncontended workloads W1 and W2: with shared guards
+    /// nothing waits, and W6's counter would race).
+    const EXCLUSIVE: bool = true;
+
     fn create() -> Self;
 
     /// Inlined in every implementation: a `lock` that is not inlined returns
@@ -122,6 +127,29 @@ impl KeyedLock for KeylockTimeout {
         self.0
             .lock_with(key, opts)
             .map(|r| r.expect("never times out in a run"))
+    }
+
+    fn entries(&self) -> Option<usize> {
+        Some(self.0.len())
+    }
+}
+
+/// keylock, every lock shared (`lock_shared(k)`): W1 and W2 only, the cost
+/// of a shared grant beside an exclusive one.
+pub(crate) struct KeylockShared(keylock::LockTable<u64>);
+
+impl KeyedLock for KeylockShared {
+    type Guard<'a> = keylock::Guard<'a, u64>;
+    const NAME: &'static str = "keylock+shared";
+    const EXCLUSIVE: bool = false;
+
+    fn create() -> Self {
+        Self(keylock::LockTable::new())
+    }
+
+    #[inline]
+    fn lock(&self, key: u64) -> impl Future<Output = Self::Guard<'_>> + Send + '_ {
+        self.0.lock_shared(key)
     }
 
     fn entries(&self) -> Option<usize> {

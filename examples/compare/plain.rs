@@ -57,6 +57,13 @@ pub(crate) fn keylock_timeout(rt: &Runtime, iters: u64) -> Duration {
     })
 }
 
+pub(crate) fn keylock_shared(rt: &Runtime, iters: u64) -> Duration {
+    plain_loop!(rt, iters, keylock::LockTable::<u64>::new(), |t, k| {
+        let guard = t.lock_shared(k).await;
+        drop(guard);
+    })
+}
+
 type Map = dashmap::DashMap<u64, Arc<tokio::sync::Mutex<()>>>;
 
 pub(crate) fn dashmap_leak(rt: &Runtime, iters: u64) -> Duration {

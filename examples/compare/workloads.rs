@@ -214,6 +214,9 @@ pub(crate) fn run<I: KeyedLock>(
     if workload.needs_async() && !I::ASYNC {
         return None;
     }
+    if !I::EXCLUSIVE && !matches!(workload, Workload::W1 | Workload::W2) {
+        return None;
+    }
     Some(match workload {
         Workload::W1 => w1_hot_key::<I>(rt, ops),
         Workload::W2 => w2_distinct_keys::<I>(rt, ops),
@@ -236,7 +239,8 @@ pub(crate) fn on_worker<T: Send + 'static>(
 /// wrong: a waiter cancelled after the key was released to it (or, for
 /// barging locks, after the holder left). Returns the entries left.
 pub(crate) fn self_check<I: KeyedLock>(rt: &Runtime) -> Option<usize> {
-    if !I::ASYNC {
+    if !I::ASYNC || !I::EXCLUSIVE {
+        // Nothing to wait on: a second shared lock is granted at once.
         return I::create().entries();
     }
     rt.block_on(async {

@@ -56,6 +56,15 @@ impl<K> Entry<K> {
         self.holders.is_empty() && self.queue.is_empty() && self.fenced == 0
     }
 
+    /// Disposes of an unused entry removed from the table without running
+    /// its drop glue (an empty holder set owns nothing): one call fewer on
+    /// every uncontended release.
+    #[inline(always)]
+    pub(super) fn forget_unused(self) {
+        debug_assert!(self.is_unused());
+        std::mem::forget(self);
+    }
+
     /// Whether a newcomer asking for `mode` may take the key at once (it
     /// still has to respect the queue: see the callers).
     #[inline]

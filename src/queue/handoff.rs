@@ -70,7 +70,7 @@ impl Keys<'_> {
         };
         let (deadline, since) = lease_from(lease, ctx.clock());
         // SAFETY: just unlinked, under the lock; not touched again.
-        let waker = unsafe { Waiter::grant(head, token, deadline) };
+        let waker = unsafe { Waiter::grant(head, token, deadline, mode) };
         entry.holders.push(Holder {
             token,
             deadline,
@@ -87,17 +87,18 @@ impl Keys<'_> {
     /// Grants the head waiter, an upgrade whose shared grant is the only
     /// holder left, the key exclusively: a new token, the same lease.
     fn grant_upgrade<K>(&mut self, entry: &mut Entry<K>, ctx: &mut Ctx<'_, '_, K>) {
-        let token = self.tokens.mint();
         let Some(old) = entry.holders.only().copied() else {
             return;
         };
+        // Panics (token space exhausted) before anything changes.
+        let token = self.tokens.mint();
         // SAFETY: under the shard lock.
         let Some((head, _)) = (unsafe { entry.queue.pop_front() }) else {
             return;
         };
         entry.holders.remove(old.token);
         // SAFETY: just unlinked, under the lock; not touched again.
-        let waker = unsafe { Waiter::grant(head, token, old.deadline) };
+        let waker = unsafe { Waiter::grant(head, token, old.deadline, Mode::Exclusive) };
         entry.holders.push(Holder { token, ..old });
         entry.mode = Mode::Exclusive;
         ctx.counters().handed_off();

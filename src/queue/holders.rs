@@ -32,7 +32,8 @@ impl Holder {
 #[derive(Debug, Default)]
 pub(super) struct Holders {
     first: Option<Holder>,
-    /// Shared holders beyond the first (`None` until a second one comes).
+    /// Shared holders beyond the first (`None` until a second one comes,
+    /// and again once they have all gone: never empty).
     /// Boxed: one word in every entry rather than three, for the rare key
     /// with several readers at once.
     #[allow(clippy::box_collection)]
@@ -49,8 +50,11 @@ impl Holders {
         }
     }
 
+    /// Whether nobody holds the key (then nothing is allocated either: the
+    /// first holder leaves last).
     #[inline]
     pub(super) fn is_empty(&self) -> bool {
+        debug_assert!(self.first.is_some() || self.rest.is_none());
         self.first.is_none()
     }
 
@@ -64,8 +68,8 @@ impl Holders {
     #[inline]
     pub(super) fn only(&self) -> Option<&Holder> {
         match &self.rest {
-            Some(rest) if !rest.is_empty() => None,
-            _ => self.first.as_ref(),
+            Some(_) => None,
+            None => self.first.as_ref(),
         }
     }
 
@@ -74,6 +78,19 @@ impl Holders {
     #[inline]
     pub(super) fn any(&self) -> Option<&Holder> {
         self.first.as_ref()
+    }
+
+    /// Whether `token`'s grant is the only holder.
+    #[inline(always)]
+    pub(super) fn is_only(&self, token: FencingToken) -> bool {
+        matches!(self.first, Some(first) if first.token == token) && self.rest.is_none()
+    }
+
+    /// Removes the holder when it is the only one.
+    #[inline(always)]
+    pub(super) fn clear_only(&mut self) {
+        debug_assert!(self.only().is_some());
+        self.first = None;
     }
 
     /// Adds a holder (the caller keeps the key's mode consistent).
@@ -110,13 +127,25 @@ impl Holders {
         match self.first {
             Some(first) if first.token == token => {
                 self.first = self.rest.as_mut().and_then(|rest| rest.pop());
+                self.drop_empty_rest();
                 Some(first)
             }
             _ => {
                 let rest = self.rest.as_mut()?;
                 let at = rest.iter().position(|h| h.token == token)?;
-                Some(rest.swap_remove(at))
+                let removed = rest.swap_remove(at);
+                self.drop_empty_rest();
+                Some(removed)
             }
+        }
+    }
+
+    /// Keeps `rest` `None` rather than empty, so that a lone holder is
+    /// recognized by one check.
+    #[inline]
+    fn drop_empty_rest(&mut self) {
+        if self.rest.as_ref().is_some_and(|rest| rest.is_empty()) {
+            self.rest = None;
         }
     }
 

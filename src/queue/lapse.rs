@@ -31,6 +31,22 @@ impl Keys<'_> {
         token: FencingToken,
         ctx: &mut Ctx<'_, '_, K>,
     ) -> Option<Holder> {
+        let holder = self.fence(entry, token, ctx)?;
+        if !entry.queue.is_empty() {
+            self.admit(entry, ctx);
+        }
+        Some(holder)
+    }
+
+    /// Takes the key from grant `token` without admitting anyone yet: the
+    /// caller fences every grant that goes at once, then admits once (so
+    /// that, say, an upgrade is never granted between two of them).
+    fn fence<K>(
+        &mut self,
+        entry: &mut Entry<K>,
+        token: FencingToken,
+        ctx: &mut Ctx<'_, '_, K>,
+    ) -> Option<Holder> {
         entry.holders.get(token)?;
         // Checked first, so that a panic changes nothing.
         let fenced = entry
@@ -42,12 +58,29 @@ impl Keys<'_> {
         }
         let holder = entry.holders.remove(token)?;
         entry.fenced = fenced;
-        if !entry.queue.is_empty() {
-            self.admit(entry, ctx);
-        }
         // Its `Lost` futures, if any (one check when there are none).
         self.loss.wake(holder.token, ctx);
         Some(holder)
+    }
+
+    /// Fences every grant of `tokens` that still holds the key, then admits
+    /// the waiters once; returns the highest token fenced.
+    fn displace_all<K>(
+        &mut self,
+        entry: &mut Entry<K>,
+        tokens: &[FencingToken],
+        ctx: &mut Ctx<'_, '_, K>,
+    ) -> Option<FencingToken> {
+        let mut highest = None;
+        for &token in tokens {
+            if self.fence(entry, token, ctx).is_some() {
+                highest = highest.max(Some(token));
+            }
+        }
+        if highest.is_some() && !entry.queue.is_empty() {
+            self.admit(entry, ctx);
+        }
+        highest
     }
 
     /// Notices lapsed leases: each lapsed holder is displaced.
@@ -70,10 +103,12 @@ impl Keys<'_> {
             }
             lapsed
         };
-        for token in lapsed {
-            self.displace(entry, token, ctx);
+        // All at once: admitting between two of them could grant an upgrade
+        // to a grant that is itself lapsed.
+        for _ in &lapsed {
             ctx.counters().expired();
         }
+        self.displace_all(entry, &lapsed, ctx);
     }
 }
 
@@ -224,16 +259,13 @@ impl<K> ShardState<K> {
         let (entry, mut keys) = self.locate_by(hash, key)?;
         keys.settle(entry, ctx);
         let holders: Vec<FencingToken> = entry.holders.iter().map(|h| h.token).collect();
-        let mut revoked = None;
-        for token in holders {
-            // An exclusive grant the loop just admitted is not revoked: only
-            // the holders found when the call came.
-            if keys.displace(entry, token, ctx).is_some() {
-                ctx.counters().revoked();
-                revoked = revoked.max(Some(token));
-            }
+        for _ in &holders {
+            ctx.counters().revoked();
         }
-        revoked
+        // Every holder found when the call came is fenced before anyone is
+        // admitted: an upgrade waiting at the head is not granted to a grant
+        // this very call revokes.
+        keys.displace_all(entry, &holders, ctx)
     }
 
     /// The shard's timer fired at `now` (a raw stamp): nudges every waiter

@@ -232,6 +232,7 @@ impl<K> ShardState<K> {
             // SAFETY: the entry was just removed from the table and nothing
             // uses it: no holder, no waiter, no fenced guard.
             ctx.drop_key_later(unsafe { self.keys.take(removed.key) });
+            removed.forget_unused();
         }
     }
 

@@ -249,6 +249,7 @@ impl<K> ShardState<K> {
             return Polled::Granted(Granted {
                 token: grant.token,
                 deadline: grant.deadline,
+                mode,
             });
         }
         // SAFETY: linked, under the lock, by the owner.
@@ -364,44 +365,52 @@ impl<K> ShardState<K> {
             return;
         };
         let entry = entries.get_mut(index);
-        match entry.holders.only() {
-            // The common case: the only holder lets go.
-            Some(only) if only.token == token => {
-                if !entry.queue.is_empty() {
-                    Keys {
-                        tokens,
-                        fair_at,
-                        loss,
-                    }
-                    .let_go(entry, token, fairness, ctx);
-                    return;
-                }
-                entry.holders.remove(token);
+        // The common case: the only holder lets go, and nobody waits.
+        if entry.holders.is_only(token) && entry.queue.is_empty() {
+            entry.holders.clear_only();
+        } else if entry.holders.get(token).is_some() {
+            // Waiters to admit, or other shared holders remain.
+            Keys {
+                tokens,
+                fair_at,
+                loss,
             }
-            _ if entry.holders.get(token).is_some() => {
-                // One of several shared holders.
-                Keys {
-                    tokens,
-                    fair_at,
-                    loss,
-                }
-                .let_go(entry, token, fairness, ctx);
-                return;
-            }
-            _ => {
-                debug_assert!(
-                    entry.fenced > 0,
-                    "a stale release comes from a fenced grant"
-                );
-                entry.fenced = entry.fenced.saturating_sub(1);
-            }
+            .let_go(entry, token, fairness, ctx);
+            return;
+        } else {
+            debug_assert!(
+                entry.fenced > 0,
+                "a stale release comes from a fenced grant"
+            );
+            entry.fenced = entry.fenced.saturating_sub(1);
         }
         if entry.is_unused() {
             let removed = entries.remove(index);
             // SAFETY: the entry was just removed from the table and nothing
             // uses it: no holder, no waiter, no fenced guard.
             ctx.drop_key_later(unsafe { keys.take(removed.key) });
+            removed.forget_unused();
         }
+    }
+
+    /// [`release`](Self::release), answering whether grant `token` still
+    /// held the key with a live lease when it let go (`false`: it had lost
+    /// the key, or its lease had lapsed unnoticed; either way it lets go).
+    pub(crate) fn release_checked(
+        &mut self,
+        hash: u64,
+        key: KeyPtr<K>,
+        token: FencingToken,
+        fairness: Fairness,
+        ctx: &mut Ctx<'_, '_, K>,
+    ) -> bool {
+        let (entry, _) = self.locate(hash, key);
+        let live = entry
+            .holders
+            .get(token)
+            .is_some_and(|h| h.is_live(ctx.clock()));
+        self.release(hash, key, token, fairness, ctx);
+        live
     }
 
     /// Whether the key has a live holder now, in any mode.
@@ -447,6 +456,7 @@ fn take_now<K>(
 /// # Safety
 ///
 /// As [`ShardState::acquire_or_enqueue`].
+#[inline(never)]
 unsafe fn enqueue<K>(
     entry: &mut Entry<K>,
     waiter: &Waiter,
