@@ -310,8 +310,8 @@ impl<'t, K: Eq + Hash, S: BuildHasher> Transaction<'t, K, S> {
     /// let _held = table.try_lock_shared(1).unwrap();
     /// let mut txn = table.transaction();
     /// assert!(txn.lock_with(1, Mode::Shared, WaitPolicy::NoWait).await.is_ok());
-    /// let err = txn.lock_with(2, Mode::Exclusive, WaitPolicy::NoWait).await;
-    /// assert!(err.is_ok());
+    /// let err = txn.lock_with(1, Mode::Exclusive, WaitPolicy::NoWait).await.unwrap_err();
+    /// assert!(matches!(err, TransactionError::Busy { key: 1, .. }), "the other reader stays");
     /// # });
     /// ```
     pub async fn lock_with(
