@@ -205,6 +205,23 @@ fn commit_reports_a_lost_grant_and_releases_all_the_same() {
         Err(TransactionError::Expired { key: 2, token })
     );
     assert!(table.is_empty());
+
+    let table = Arc::new(LockTable::new());
+    let txn = table.clone().transaction_owned();
+    txn.blocking_lock_all([(1, Mode::Exclusive), (2, Mode::Shared)])
+        .unwrap();
+    txn.commit().unwrap();
+    assert!(table.is_empty());
+    let txn = table.clone().transaction_owned();
+    txn.blocking_lock_all([(1, Mode::Exclusive), (2, Mode::Shared)])
+        .unwrap();
+    let token = txn.token(&1).unwrap();
+    assert!(table.revoke_grant(&1, token));
+    assert_eq!(
+        txn.commit(),
+        Err(TransactionError::Expired { key: 1, token })
+    );
+    assert!(table.is_empty());
 }
 
 #[test]
@@ -846,6 +863,11 @@ fn owned_transactions_and_their_futures_are_send_and_static() {
     send_sync::<keylock::Transaction<'static, String>>();
     send_sync::<TransactionError<String>>();
     let table = Arc::new(LockTable::<String>::new());
+    fn send<T: Send>(_: &T) {}
+    let mut borrowed = table.transaction();
+    send(&borrowed.lock("k".to_owned(), Mode::Exclusive));
+    send(&borrowed.lock_all([("k".to_owned(), Mode::Exclusive)]));
+    drop(borrowed);
     let txn = table.transaction_owned();
     send_static(&txn.lock("k".to_owned(), Mode::Exclusive));
     send_static(&txn.lock_all(vec![("k".to_owned(), Mode::Exclusive)]));
@@ -928,6 +950,22 @@ mod manual_clock {
         clock.advance(4 * SEC);
         let err = txn.check().unwrap_err();
         assert!(matches!(err, TransactionError::Expired { .. }));
+    }
+
+    #[test]
+    fn commit_judges_each_grant_as_it_lets_go() {
+        let (clock, table) = table();
+        let mut txn = table.transaction_with(TransactionOptions::new().lease(10 * SEC));
+        txn.blocking_lock("a", Mode::Exclusive).unwrap();
+        clock.advance(5 * SEC);
+        txn.blocking_lock("b", Mode::Shared).unwrap();
+        let a = txn.token("a").unwrap();
+        clock.advance(5 * SEC); // "a" lapses now, unnoticed by anyone
+        assert_eq!(
+            txn.commit(),
+            Err(TransactionError::Expired { key: "a", token: a })
+        );
+        assert!(table.is_empty());
     }
 
     #[test]

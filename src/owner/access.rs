@@ -27,7 +27,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::task::{Poll, Waker};
 
-use crate::owner::held::HeldSet;
+use crate::owner::held::{HeldSet, Slot};
 use crate::owner::policy::Resolved;
 use crate::owner::reach::Reach;
 
@@ -152,10 +152,20 @@ impl<R: Reach> Shared<R> {
     /// Ends the transaction: releases every key it holds and wakes its
     /// pending futures (see the module doc). Idempotent.
     pub(crate) fn end(&self) {
+        self.end_with(drop);
+    }
+
+    /// Ends the transaction, giving its keys to `release` (run after
+    /// unlocking), then wakes its pending futures, even if `release`
+    /// panics. `None` if it had already ended.
+    pub(crate) fn end_with<T>(
+        &self,
+        release: impl FnOnce(Vec<Slot<R::Guard, R::Key>>) -> T,
+    ) -> Option<T> {
         let (slots, watchers) = {
             let mut state = self.lock();
             if self.ended.swap(true, Ordering::Relaxed) {
-                return;
+                return None;
             }
             let slots = state.set.drain();
             state.free = Vec::new();
@@ -164,15 +174,21 @@ impl<R: Reach> Shared<R> {
         // Release first, so the keys are free by the time anyone is woken;
         // a panic in a key's drop still releases the rest (a `Vec` drops
         // every element) and still wakes everyone.
-        let released = catch_unwind(AssertUnwindSafe(|| drop(slots)));
-        let mut panic = released.err();
+        let released = catch_unwind(AssertUnwindSafe(|| release(slots)));
+        let mut panic = None;
         for waker in watchers.into_iter().flatten() {
             if let Err(payload) = catch_unwind(AssertUnwindSafe(|| waker.wake())) {
                 panic.get_or_insert(payload);
             }
         }
-        if let Some(payload) = panic {
-            resume_unwind(payload);
+        match released {
+            Ok(out) => {
+                if let Some(payload) = panic {
+                    resume_unwind(payload);
+                }
+                Some(out)
+            }
+            Err(payload) => resume_unwind(payload),
         }
     }
 }

@@ -26,7 +26,9 @@ use std::borrow::Borrow;
 
 use hashbrown::hash_table::{Entry, HashTable};
 
+use crate::error::LockError;
 use crate::mode::Mode;
+use crate::owner::error::TransactionError;
 use crate::owner::reach::GuardOps;
 use crate::token::FencingToken;
 
@@ -137,6 +139,8 @@ pub(crate) enum NotReleased {
 pub(crate) struct HeldSet<G, K> {
     slots: HashTable<Slot<G, K>>,
     next_id: u64,
+    /// How many slots have a count above zero.
+    held: usize,
 }
 
 impl<G, K> Default for HeldSet<G, K> {
@@ -144,6 +148,7 @@ impl<G, K> Default for HeldSet<G, K> {
         Self {
             slots: HashTable::new(),
             next_id: 0,
+            held: 0,
         }
     }
 }
@@ -152,7 +157,7 @@ impl<G: GuardOps<Key = K>, K: Eq> HeldSet<G, K> {
     /// How many keys the transaction holds (a key being upgraded counts, a
     /// new key in flight does not).
     pub(crate) fn len(&self) -> usize {
-        self.slots.iter().filter(|slot| slot.count > 0).count()
+        self.held
     }
 
     pub(crate) fn get<Q: Eq + ?Sized>(&self, hash: u64, key: &Q) -> Option<&Slot<G, K>>
@@ -255,6 +260,9 @@ impl<G: GuardOps<Key = K>, K: Eq> HeldSet<G, K> {
             // A new key settled without its guard: not a success after all.
             return Err(None);
         };
+        if slot.count == 0 {
+            self.held += 1;
+        }
         slot.count += 1;
         slot.busy = false;
         let acquired = Acquired {
@@ -324,6 +332,7 @@ impl<G: GuardOps<Key = K>, K: Eq> HeldSet<G, K> {
             return Ok((slot.count, None));
         }
         let (slot, _) = entry.remove();
+        self.held -= 1;
         Ok((0, Some(slot)))
     }
 
@@ -332,8 +341,30 @@ impl<G: GuardOps<Key = K>, K: Eq> HeldSet<G, K> {
     /// one even if one's drop panics, which a table's own drop would not
     /// promise.
     pub(crate) fn drain(&mut self) -> Vec<Slot<G, K>> {
+        self.held = 0;
         self.slots.drain().collect()
     }
+}
+
+/// Releases every key of `slots`, each in one visit to the table that also
+/// says whether its grant still held it (`release_checked`); returns the
+/// first that did not, named. Keys a pending call has away are released by
+/// that call. Every key is released even if a clone panics.
+pub(crate) fn release_checked<G, K>(slots: Vec<Slot<G, K>>) -> Result<(), TransactionError<K>>
+where
+    G: GuardOps<Key = K>,
+    K: Clone,
+{
+    let mut lost = None;
+    for slot in slots {
+        let Some(guard) = slot.guard else { continue };
+        // Named before the release, which may free the table's copy.
+        let key = guard.key().clone();
+        if let Err(LockError::Expired { token }) = guard.release_checked() {
+            lost.get_or_insert(TransactionError::Expired { key, token });
+        }
+    }
+    lost.map_or(Ok(()), Err)
 }
 
 impl<G, K> Drop for HeldSet<G, K> {

@@ -590,18 +590,20 @@ impl<'t, K: Eq + Hash, S: BuildHasher> Transaction<'t, K, S> {
         single::renew::<&LockTable<K, S>>(&self.set, renewal_lease(&self.owner))
     }
 
-    /// Checks every grant ([`check`](Self::check)) and releases them all:
-    /// the transaction's work may be made durable only if this is `Ok`.
+    /// Releases every key, each checked as it goes (one visit to the table
+    /// per key, [`Guard::release_checked`]): `Ok` only if every grant still
+    /// held its key when it let go, so the transaction's work may be made
+    /// durable only then.
     ///
     /// # Errors
     ///
-    /// [`TransactionError::Expired`] naming a key whose grant was lost; the
-    /// keys are released all the same.
-    pub fn commit(self) -> Result<(), TransactionError<K>>
+    /// [`TransactionError::Expired`] naming a key whose grant had been lost
+    /// (lapsed or revoked); every key is released all the same.
+    pub fn commit(mut self) -> Result<(), TransactionError<K>>
     where
         K: Clone,
     {
-        self.check()
+        held::release_checked(self.set.drain())
     }
 
     /// Releases every key the transaction holds; the same as dropping it.
@@ -980,16 +982,21 @@ impl<K: Eq + Hash, S: BuildHasher> OwnedTransaction<K, S> {
             .map_err(|_| TransactionError::Ended)?
     }
 
-    /// As [`Transaction::commit`]: checks, then ends the transaction.
+    /// As [`Transaction::commit`]: ends the transaction, releasing every
+    /// key checked. A key a pending call has away (an upgrade in flight) is
+    /// released by that call, unjudged.
     ///
     /// # Errors
     ///
-    /// As [`Transaction::commit`].
+    /// As [`Transaction::commit`]; [`TransactionError::Ended`] if it had
+    /// already ended (it cannot: commit takes the handle).
     pub fn commit(self) -> Result<(), TransactionError<K>>
     where
         K: Clone,
     {
-        self.check()
+        self.shared
+            .end_with(held::release_checked)
+            .unwrap_or(Err(TransactionError::Ended))
     }
 
     /// Ends the transaction, releasing every key; the same as dropping it.

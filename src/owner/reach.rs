@@ -75,6 +75,7 @@ pub(crate) trait GuardOps {
     fn renew(&self, lease: Duration) -> Result<(), LockError>;
     fn downgrade(&mut self) -> Result<(), LockError>;
     fn upgrade(&mut self, opts: LockOptions) -> Upgrade<'_, Self::Key, Self::Hasher>;
+    fn release_checked(self) -> Result<FencingToken, LockError>;
 }
 
 macro_rules! guard_ops {
@@ -112,6 +113,10 @@ macro_rules! guard_ops {
 
             fn upgrade(&mut self, opts: LockOptions) -> Upgrade<'_, K, S> {
                 $guard::upgrade_with(self, opts)
+            }
+
+            fn release_checked(self) -> Result<FencingToken, LockError> {
+                $guard::release_checked(self)
             }
         }
     };
