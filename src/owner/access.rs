@@ -27,7 +27,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::task::{Poll, Waker};
 
-use crate::owner::held::{HeldSet, Slot};
+use crate::owner::held::HeldSet;
 use crate::owner::policy::Resolved;
 use crate::owner::reach::Reach;
 
@@ -158,22 +158,19 @@ impl<R: Reach> Shared<R> {
     /// Ends the transaction, giving its keys to `release` (run after
     /// unlocking), then wakes its pending futures, even if `release`
     /// panics. `None` if it had already ended.
-    pub(crate) fn end_with<T>(
-        &self,
-        release: impl FnOnce(Vec<Slot<R::Guard, R::Key>>) -> T,
-    ) -> Option<T> {
+    pub(crate) fn end_with<T>(&self, release: impl FnOnce(SetOf<R>) -> T) -> Option<T> {
         let (slots, watchers) = {
             let mut state = self.lock();
             if self.ended.swap(true, Ordering::Relaxed) {
                 return None;
             }
-            let slots = state.set.drain();
+            let slots = state.set.take();
             state.free = Vec::new();
             (slots, std::mem::take(&mut state.watchers))
         };
         // Release first, so the keys are free by the time anyone is woken;
-        // a panic in a key's drop still releases the rest (a `Vec` drops
-        // every element) and still wakes everyone.
+        // a panic in a key's drop still releases the rest (see `HeldSet`'s
+        // drop) and still wakes everyone.
         let released = catch_unwind(AssertUnwindSafe(|| release(slots)));
         let mut panic = None;
         for waker in watchers.into_iter().flatten() {

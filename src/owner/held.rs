@@ -80,6 +80,9 @@ pub enum AcquireKind {
     Upgraded,
 }
 
+/// How many keys a set makes room for at its first lock.
+const INITIAL_CAPACITY: usize = 8;
+
 /// One held (or in-flight) key; see the module's invariants.
 #[derive(Debug)]
 pub(crate) struct Slot<G, K> {
@@ -169,6 +172,18 @@ impl<G: GuardOps<Key = K>, K: Eq> HeldSet<G, K> {
             .filter(|slot| slot.count > 0)
     }
 
+    /// The clone of the key a call has in flight in slot `id`.
+    pub(crate) fn name(&self, hash: u64, id: u64) -> Option<&K> {
+        self.slots
+            .find(hash, |slot| slot.id == id)
+            .and_then(|slot| slot.name.as_ref())
+    }
+
+    /// Makes room for `additional` more keys (a `lock_all`).
+    pub(crate) fn reserve(&mut self, additional: usize) {
+        self.slots.reserve(additional, |slot| slot.hash);
+    }
+
     /// The guards held now (not those a pending call has away).
     pub(crate) fn guards(&self) -> impl Iterator<Item = &G> {
         self.slots.iter().filter_map(|slot| slot.guard.as_ref())
@@ -189,6 +204,11 @@ impl<G: GuardOps<Key = K>, K: Eq> HeldSet<G, K> {
         K: Clone,
     {
         let id = self.next_id;
+        if self.slots.capacity() == 0 {
+            // A first lock: room for a few keys at once (PostgreSQL sizes a
+            // backend's lock table for 16), not growth one key at a time.
+            self.slots.reserve(INITIAL_CAPACITY, |slot| slot.hash);
+        }
         match self
             .slots
             .entry(hash, |slot| slot.is(key), |slot| slot.hash)
@@ -336,27 +356,25 @@ impl<G: GuardOps<Key = K>, K: Eq> HeldSet<G, K> {
         Ok((0, Some(slot)))
     }
 
-    /// Empties the set, for the caller to drop the slots (releasing every
-    /// key) after unlocking whatever it holds. A `Vec` of them drops every
-    /// one even if one's drop panics, which a table's own drop would not
-    /// promise.
-    pub(crate) fn drain(&mut self) -> Vec<Slot<G, K>> {
-        self.held = 0;
-        self.slots.drain().collect()
+    /// Empties the set into the returned one, for the caller to drop
+    /// (releasing every key) after unlocking whatever it holds.
+    pub(crate) fn take(&mut self) -> Self {
+        std::mem::take(self)
     }
 }
 
-/// Releases every key of `slots`, each in one visit to the table that also
+/// Releases every key of `set`, each in one visit to the table that also
 /// says whether its grant still held it (`release_checked`); returns the
 /// first that did not, named. Keys a pending call has away are released by
-/// that call. Every key is released even if a clone panics.
-pub(crate) fn release_checked<G, K>(slots: Vec<Slot<G, K>>) -> Result<(), TransactionError<K>>
+/// that call. Every key is released even if a clone panics (see `Drop`).
+pub(crate) fn release_checked<G, K>(mut set: HeldSet<G, K>) -> Result<(), TransactionError<K>>
 where
     G: GuardOps<Key = K>,
     K: Clone,
 {
     let mut lost = None;
-    for slot in slots {
+    set.held = 0;
+    for slot in set.slots.drain() {
         let Some(guard) = slot.guard else { continue };
         // Named before the release, which may free the table's copy.
         let key = guard.key().clone();
@@ -369,8 +387,11 @@ where
 
 impl<G, K> Drop for HeldSet<G, K> {
     fn drop(&mut self) {
-        // Moved out into a `Vec` first: see `drain`.
-        let slots: Vec<Slot<G, K>> = self.slots.drain().collect();
-        drop(slots);
+        // One by one through a `Drain`, not by the table's own drop: should
+        // a slot's drop panic (a key's `Drop`, a waker), unwinding drops the
+        // `Drain`, which drops every slot left, so every key is released.
+        for slot in self.slots.drain() {
+            drop(slot);
+        }
     }
 }

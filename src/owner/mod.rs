@@ -603,7 +603,7 @@ impl<'t, K: Eq + Hash, S: BuildHasher> Transaction<'t, K, S> {
     where
         K: Clone,
     {
-        held::release_checked(self.set.drain())
+        held::release_checked(self.set.take())
     }
 
     /// Releases every key the transaction holds; the same as dropping it.

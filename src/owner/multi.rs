@@ -307,6 +307,7 @@ where
             access, entries, ..
         } = &mut stage;
         access.with(|set| {
+            set.reserve(requests.len());
             for (i, request) in requests.iter().enumerate() {
                 let key = request.key.as_ref().expect("not taken yet");
                 // Pushed as soon as claimed: a panic in the next key's `Eq`

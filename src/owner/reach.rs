@@ -27,6 +27,8 @@ pub(crate) trait Reach {
     fn table(&self) -> &LockTable<Self::Key, Self::Hasher>;
 
     fn lock_with(&self, key: Self::Key, opts: LockOptions) -> Self::Lock;
+
+    fn try_lock_with(&self, key: Self::Key, opts: LockOptions) -> Result<Self::Guard, LockError>;
 }
 
 impl<'t, K: Eq + Hash, S: BuildHasher> Reach for &'t LockTable<K, S> {
@@ -44,6 +46,11 @@ impl<'t, K: Eq + Hash, S: BuildHasher> Reach for &'t LockTable<K, S> {
     fn lock_with(&self, key: K, opts: LockOptions) -> LockWith<'t, K, S> {
         LockTable::lock_with(*self, key, opts)
     }
+
+    #[inline]
+    fn try_lock_with(&self, key: K, opts: LockOptions) -> Result<Guard<'t, K, S>, LockError> {
+        LockTable::try_lock_with(*self, key, opts)
+    }
 }
 
 impl<K: Eq + Hash, S: BuildHasher> Reach for Arc<LockTable<K, S>> {
@@ -60,6 +67,11 @@ impl<K: Eq + Hash, S: BuildHasher> Reach for Arc<LockTable<K, S>> {
     #[inline]
     fn lock_with(&self, key: K, opts: LockOptions) -> LockOwnedWith<K, S> {
         Arc::clone(self).lock_owned_with(key, opts)
+    }
+
+    #[inline]
+    fn try_lock_with(&self, key: K, opts: LockOptions) -> Result<OwnedGuard<K, S>, LockError> {
+        Arc::clone(self).try_lock_owned_with(key, opts)
     }
 }
 

@@ -12,6 +12,7 @@
 
 use std::time::Duration;
 
+use crate::error::LockError;
 use crate::mode::Mode;
 use crate::owner::access::{unless_ended, Access, Ended, SetOf};
 use crate::owner::error::TransactionError;
@@ -80,6 +81,12 @@ impl<A: Access> Drop for Claim<'_, A> {
 }
 
 /// Locks `key` in `mode` for the transaction; see the module doc.
+///
+/// The uncontended path runs without a future of the table's: a new key is
+/// first tried at once (`try_lock_with`, which never barges past queued
+/// waiters, so fairness is the same); only a key that must be waited for
+/// (or named with its holder, under a policy that does not wait) goes to
+/// the boxed slow path, so this future stays a few words.
 pub(crate) async fn lock<A: Access>(
     access: &mut A,
     key: KeyOf<A>,
@@ -99,7 +106,6 @@ where
     match begun {
         Begin::Covered { acquired, .. } => Ok(acquired),
         Begin::New { id } => {
-            let lock = access.owner().reach.lock_with(key, opts);
             let mut claim = Claim {
                 access,
                 hash,
@@ -107,50 +113,94 @@ where
                 guard: None,
                 settled: false,
             };
-            match unless_ended(&mut *claim.access, lock).await {
-                Err(Ended) => Err(TransactionError::Ended),
-                Ok(Ok(guard)) => {
+            match claim.access.owner().reach.try_lock_with(key, opts) {
+                Ok(guard) => {
                     claim.guard = Some(guard);
                     claim.settle(AcquireKind::New)
                 }
-                Ok(Err(error)) => match claim.abandon() {
-                    Some(key) => Err(TransactionError::from_lock(
-                        key,
-                        mode,
-                        policy.waits(),
-                        error,
-                    )),
+                Err(LockError::WouldBlock) => Box::pin(wait_new(claim, mode, policy)).await,
+                Err(error) => match claim.abandon() {
+                    Some(key) => Err(TransactionError::from_lock(key, mode, true, error)),
                     None => Err(TransactionError::Ended),
                 },
             }
         }
         Begin::Upgrade { id, guard } => {
-            let mut claim = Claim {
+            let claim = Claim {
                 access,
                 hash,
                 id,
                 guard: Some(guard),
                 settled: false,
             };
-            let upgraded = {
-                let Claim { access, guard, .. } = &mut claim;
-                let upgrade = guard.as_mut().expect("set above").upgrade(opts);
-                unless_ended(&mut **access, upgrade).await
-            };
-            match upgraded {
-                Err(Ended) => Err(TransactionError::Ended),
-                Ok(Ok(_token)) => claim.settle(AcquireKind::Upgraded),
-                Ok(Err(error)) => match claim.abandon() {
-                    Some(key) => Err(TransactionError::from_lock(
-                        key,
-                        mode,
-                        policy.waits(),
-                        error,
-                    )),
-                    None => Err(TransactionError::Ended),
-                },
-            }
+            Box::pin(upgrade(claim, mode, policy)).await
         }
+    }
+}
+
+/// A new key that was not free at once: wait for it on the table (under a
+/// policy that does not wait, the zero-timeout wait names the holder).
+async fn wait_new<A: Access>(
+    mut claim: Claim<'_, A>,
+    mode: Mode,
+    policy: WaitPolicy,
+) -> Result<Acquired, TransactionError<KeyOf<A>>>
+where
+    KeyOf<A>: Clone,
+{
+    // The caller's key went to the attempt: lock with the claim's clone.
+    let (hash, id) = (claim.hash, claim.id);
+    let key = match claim.access.with(|set| set.name(hash, id).cloned()) {
+        Ok(Some(key)) => key,
+        Ok(None) | Err(Ended) => return Err(TransactionError::Ended),
+    };
+    let opts = claim.access.owner().opts.lock_options(mode, policy);
+    let lock = claim.access.owner().reach.lock_with(key, opts);
+    match unless_ended(&mut *claim.access, lock).await {
+        Err(Ended) => Err(TransactionError::Ended),
+        Ok(Ok(guard)) => {
+            claim.guard = Some(guard);
+            claim.settle(AcquireKind::New)
+        }
+        Ok(Err(error)) => match claim.abandon() {
+            Some(key) => Err(TransactionError::from_lock(
+                key,
+                mode,
+                policy.waits(),
+                error,
+            )),
+            None => Err(TransactionError::Ended),
+        },
+    }
+}
+
+/// A key held shared, asked exclusive: upgrade its guard.
+async fn upgrade<A: Access>(
+    mut claim: Claim<'_, A>,
+    mode: Mode,
+    policy: WaitPolicy,
+) -> Result<Acquired, TransactionError<KeyOf<A>>>
+where
+    KeyOf<A>: Clone,
+{
+    let opts = claim.access.owner().opts.lock_options(mode, policy);
+    let upgraded = {
+        let Claim { access, guard, .. } = &mut claim;
+        let upgrade = guard.as_mut().expect("set by the caller").upgrade(opts);
+        unless_ended(&mut **access, upgrade).await
+    };
+    match upgraded {
+        Err(Ended) => Err(TransactionError::Ended),
+        Ok(Ok(_token)) => claim.settle(AcquireKind::Upgraded),
+        Ok(Err(error)) => match claim.abandon() {
+            Some(key) => Err(TransactionError::from_lock(
+                key,
+                mode,
+                policy.waits(),
+                error,
+            )),
+            None => Err(TransactionError::Ended),
+        },
     }
 }
 
