@@ -709,6 +709,177 @@ fn many_lock_all_callers_never_deadlock_threads() {
     check_end(&table, &ex);
 }
 
+/// A hasher that hashes a `u64` to itself, so that the canonical order of
+/// a `lock_all` (the table's hash, then `Ord`) is the keys' order, and a
+/// test can make transactions that take their keys in it.
+#[derive(Default, Clone)]
+struct Identity(u64);
+
+impl Hasher for Identity {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+    fn write(&mut self, _: &[u8]) {
+        unreachable!("only u64 keys")
+    }
+    fn write_u64(&mut self, n: u64) {
+        self.0 = n;
+    }
+}
+
+type Ordered = std::hash::BuildHasherDefault<Identity>;
+
+/// Transactions that take keys in two `lock_all` calls, the second asking
+/// only keys at or above the highest of the first (re-entering or
+/// upgrading it): the documented deadlock-free pattern, upgrades included.
+/// A refused double upgrade is an error, not a wait: abort and go on.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn ascending_transactions_with_upgrades_never_deadlock() {
+    let table: Arc<LockTable<u64, Ordered>> =
+        Arc::new(LockTable::builder().hasher(Ordered::default()).build());
+    let ex = Exclusion::new();
+    let conflicts = Arc::new(AtomicUsize::new(0));
+    let upgrades = Arc::new(AtomicUsize::new(0));
+    let tasks: Vec<_> = (0..16u64)
+        .map(|seed| {
+            let (table, ex) = (table.clone(), ex.clone());
+            let (conflicts, upgrades) = (conflicts.clone(), upgrades.clone());
+            tokio::spawn(async move {
+                let mut rng = StdRng::seed_from_u64(300 + seed);
+                for _ in 0..200 {
+                    let txn = table.clone().transaction_owned();
+                    let (first, _) = random_request(&mut rng);
+                    txn.lock_all(first).await.unwrap();
+                    let top = (0..KEYS).rev().find(|k| txn.count(k) > 0).unwrap();
+                    let mut second = vec![(
+                        top,
+                        if rng.gen_bool(0.5) {
+                            Mode::Exclusive
+                        } else {
+                            Mode::Shared
+                        },
+                    )];
+                    for k in top + 1..KEYS {
+                        if rng.gen_bool(0.3) {
+                            second.push((
+                                k,
+                                if rng.gen_bool(0.5) {
+                                    Mode::Exclusive
+                                } else {
+                                    Mode::Shared
+                                },
+                            ));
+                        }
+                    }
+                    second.shuffle(&mut rng);
+                    match txn.lock_all(second).await {
+                        Ok(got) => {
+                            upgrades.fetch_add(got.upgraded(), SeqCst);
+                        }
+                        Err(TransactionError::Lock {
+                            error: LockError::UpgradeConflict { .. },
+                            ..
+                        }) => {
+                            conflicts.fetch_add(1, SeqCst);
+                            continue; // aborted by the drop
+                        }
+                        Err(err) => panic!("{err}"),
+                    }
+                    let held: Requests = (0..KEYS)
+                        .filter_map(|k| txn.mode(&k).map(|m| (k, m)))
+                        .collect();
+                    ex.enter(&held);
+                    YieldNow(false).await;
+                    ex.leave(&held);
+                    txn.commit().unwrap();
+                }
+            })
+        })
+        .collect();
+    for task in tasks {
+        task.await.unwrap();
+    }
+    assert_eq!(ex.violations.load(SeqCst), 0);
+    assert!(upgrades.load(SeqCst) > 0, "the scenario upgrades");
+    assert!(table.is_empty());
+    // Refused double upgrades happen or not, by chance; either way no wait.
+    drop(conflicts);
+}
+
+/// The owned form's `lock_all`, dropped at random points while other
+/// holders come and go, and its owner ended while one is pending.
+#[test]
+fn owned_lock_all_dropped_or_ended_at_random_points_holds_nothing_it_took() {
+    for seed in 0..200u64 {
+        let mut rng = StdRng::seed_from_u64(seed);
+        let table = Arc::new(LockTable::new());
+        let txn = table.clone().transaction_owned();
+        txn.blocking_lock("s", Mode::Shared).unwrap();
+        let mut others = vec![table.try_lock_shared("s").unwrap()];
+        for key in ["n1", "n2", "n3"] {
+            if rng.gen_bool(0.6) {
+                others.push(table.try_lock(key).unwrap());
+            }
+        }
+        others.shuffle(&mut rng);
+        let mut reqs = vec![
+            ("s", Mode::Exclusive),
+            ("n1", Mode::Exclusive),
+            ("n2", Mode::Shared),
+            ("n3", Mode::Exclusive),
+        ];
+        reqs.shuffle(&mut rng);
+        let end_owner = rng.gen_bool(0.5);
+        let w = W::new();
+        let mut fut = Box::pin(txn.lock_all(reqs));
+        let mut out = None;
+        for _ in 0..rng.gen_range(0..6) {
+            if let Poll::Ready(done) = w.poll(&mut fut) {
+                out = Some(done);
+                break;
+            }
+            if !others.is_empty() {
+                let i = rng.gen_range(0..others.len());
+                drop(others.swap_remove(i));
+            }
+        }
+        if end_owner {
+            drop(txn);
+            if out.is_none() {
+                match w.poll(&mut fut) {
+                    Poll::Ready(done) => {
+                        assert_eq!(done, Err(TransactionError::Ended), "seed {seed}")
+                    }
+                    Poll::Pending => panic!("seed {seed}: an ended transaction's call is pending"),
+                }
+            }
+            drop(fut);
+            drop(others);
+            assert!(table.is_empty(), "seed {seed}");
+            continue;
+        }
+        drop(fut);
+        if let Some(done) = out {
+            done.unwrap();
+            assert_eq!(txn.len(), 4, "seed {seed}");
+            continue;
+        }
+        assert_eq!(txn.len(), 1, "seed {seed}");
+        assert_eq!(
+            (txn.count("s"), txn.mode("s")),
+            (1, Some(Mode::Shared)),
+            "seed {seed}"
+        );
+        drop(others);
+        for key in ["n1", "n2", "n3"] {
+            assert!(!table.is_locked(key), "seed {seed}: {key} stayed held");
+        }
+        assert!(table.try_lock_shared("s").is_ok(), "seed {seed}");
+        drop(txn);
+        assert!(table.is_empty(), "seed {seed}");
+    }
+}
+
 // ------------------------------------------------------------ wait policies
 
 #[test]
