@@ -77,6 +77,57 @@ fn reentry_is_counted_and_takes_nothing_twice() {
     );
 }
 
+/// Past a few keys the held set is indexed: counts, removals (which move
+/// slots) and re-entry stay right over many keys.
+#[test]
+fn many_keys_keep_their_counts() {
+    let table = LockTable::new();
+    let mut txn = table.transaction();
+    for k in 0..100u32 {
+        txn.blocking_lock(k, Mode::Shared).unwrap();
+        if k % 3 == 0 {
+            txn.blocking_lock(k, Mode::Exclusive).unwrap(); // upgraded
+        }
+    }
+    for k in (0..100u32).step_by(2) {
+        let left = txn.unlock(&k).unwrap();
+        assert_eq!(left, usize::from(k % 3 == 0), "key {k}");
+    }
+    let got = txn
+        .blocking_lock_all((50..150u32).map(|k| (k, Mode::Shared)))
+        .unwrap();
+    for k in 0..150u32 {
+        let before = if k < 100 {
+            1 + usize::from(k % 3 == 0) - usize::from(k % 2 == 0)
+        } else {
+            0
+        };
+        let expected = before + usize::from(k >= 50);
+        assert_eq!(txn.count(&k), expected, "key {k}");
+        assert_eq!(table.is_locked(&k), expected > 0, "key {k}");
+        if expected > 0 {
+            let mode = if k < 100 && k % 3 == 0 {
+                Mode::Exclusive
+            } else {
+                Mode::Shared
+            };
+            assert_eq!(txn.mode(&k), Some(mode), "key {k}");
+        }
+    }
+    let new_keys = (50..150u32)
+        .filter(|k| *k >= 100 || (k % 2 == 0 && k % 3 != 0))
+        .count();
+    assert_eq!(got.acquired(), new_keys);
+    assert_eq!(got.acquired() + got.reentered(), 100);
+    for k in 0..150u32 {
+        while txn.count(&k) > 0 {
+            txn.unlock(&k).unwrap();
+        }
+    }
+    assert!(txn.is_empty());
+    assert!(table.is_empty());
+}
+
 #[test]
 fn release_lets_a_key_go_whatever_its_count() {
     let table = LockTable::new();

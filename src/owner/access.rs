@@ -16,9 +16,15 @@
 //! lock future keeps (a queued waiter, or a key granted to it and not yet
 //! seen), until it is dropped.
 //!
-//! No guard is released, no key dropped and no waker woken while the mutex
-//! is held: they are user code (a waker may call back into the
-//! transaction).
+//! No guard is released, no key dropped and no waker of a pending future
+//! woken while the mutex is held: they are user code (a waker may call back
+//! into the transaction). Two kinds of user code do run under it: a key's
+//! `Eq` and `Clone` while the set is searched (a panic there leaves the set
+//! as it was; the poisoned mutex is used on), and, in `renew`, the wakes of
+//! [`Lost`](crate::futures::Lost) watchers of a grant whose renewal moved
+//! its deadline earlier (the table wakes them as the renewal returns); a
+//! waker that polls inline and calls back into the same owned transaction
+//! would block on that mutex.
 
 use std::future::{poll_fn, Future};
 use std::panic::{catch_unwind, resume_unwind, AssertUnwindSafe};

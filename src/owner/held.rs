@@ -1,11 +1,15 @@
 //! The keys a transaction holds: one slot per key with its guard and its
 //! re-entry count, found by the table's own hash.
 //!
-//! The set is a `hashbrown::HashTable` of slots keyed by the hash the table
-//! computed for the key, compared through the guard's `key()` (the table's
-//! copy of the key): no second hasher, no copy of held keys. A slot whose
-//! guard is away — a new key being locked, or a held one being upgraded by a
-//! pending call — keeps a clone of the key to be compared with, and is
+//! The slots are found by the hash the table computed for the key, compared
+//! through the guard's `key()` (the table's copy of the key): no second
+//! hasher, no copy of held keys. Up to [`LINEAR_MAX`] keys they are a plain
+//! `Vec` scanned by stored hash (a transaction usually holds a few keys, and
+//! a scan of a few words beats a hash table); past that, a
+//! `hashbrown::HashTable` of positions keyed by that same hash indexes
+//! them. A slot whose guard is away — a new key being locked, or a held one
+//! being upgraded by a pending call — keeps a clone of the key to be
+//! compared with, and is
 //! *busy*: a second call for that key fails at once
 //! ([`TransactionError::InFlight`](crate::TransactionError::InFlight))
 //! instead of waiting on its own owner. A call finds its slots again by
@@ -24,7 +28,7 @@
 
 use std::borrow::Borrow;
 
-use hashbrown::hash_table::{Entry, HashTable};
+use hashbrown::HashTable;
 
 use crate::error::LockError;
 use crate::mode::Mode;
@@ -140,19 +144,90 @@ pub(crate) enum NotReleased {
 /// The keys a transaction holds; see the module doc.
 #[derive(Debug)]
 pub(crate) struct HeldSet<G, K> {
-    slots: HashTable<Slot<G, K>>,
+    /// The slots, in no particular order.
+    slots: Vec<Slot<G, K>>,
+    /// Positions in `slots` by hash, once there are more than
+    /// [`LINEAR_MAX`] of them.
+    index: Option<HashTable<usize>>,
     next_id: u64,
     /// How many slots have a count above zero.
     held: usize,
 }
 
+/// Up to this many keys a set is searched linearly (comparing stored hashes
+/// first): a transaction usually holds a few keys, and a scan of a few
+/// words costs less than hashing into a table; past it, an index by hash
+/// keeps a lookup constant.
+const LINEAR_MAX: usize = 16;
+
 impl<G, K> Default for HeldSet<G, K> {
     fn default() -> Self {
         Self {
-            slots: HashTable::new(),
+            slots: Vec::new(),
+            index: None,
             next_id: 0,
             held: 0,
         }
+    }
+}
+
+impl<G, K> HeldSet<G, K> {
+    /// The position of the slot with `hash` that `is` accepts.
+    #[inline]
+    fn position(&self, hash: u64, mut is: impl FnMut(&Slot<G, K>) -> bool) -> Option<usize> {
+        match &self.index {
+            None => self
+                .slots
+                .iter()
+                .position(|slot| slot.hash == hash && is(slot)),
+            Some(index) => index.find(hash, |&at| is(&self.slots[at])).copied(),
+        }
+    }
+
+    /// Adds a slot (no user code runs).
+    #[inline]
+    fn push(&mut self, slot: Slot<G, K>) {
+        let at = self.slots.len();
+        let hash = slot.hash;
+        if self.slots.capacity() == 0 {
+            // A first lock: room for a few keys at once (PostgreSQL sizes a
+            // backend's lock table for 16), not growth one key at a time.
+            self.slots.reserve(INITIAL_CAPACITY);
+        }
+        self.slots.push(slot);
+        let slots = &self.slots;
+        match &mut self.index {
+            Some(index) => {
+                index.insert_unique(hash, at, |&i| slots[i].hash);
+            }
+            None if slots.len() > LINEAR_MAX => {
+                let mut index = HashTable::with_capacity(slots.len() * 2);
+                for (i, slot) in slots.iter().enumerate() {
+                    index.insert_unique(slot.hash, i, |&i| slots[i].hash);
+                }
+                self.index = Some(index);
+            }
+            None => {}
+        }
+    }
+
+    /// Removes the slot at `at` (no user code runs; the slot is returned,
+    /// to drop later).
+    fn remove(&mut self, at: usize) -> Slot<G, K> {
+        let last = self.slots.len() - 1;
+        if let Some(index) = &mut self.index {
+            let slots = &self.slots;
+            if let Ok(entry) = index.find_entry(slots[at].hash, |&i| i == at) {
+                entry.remove();
+            }
+            if at != last {
+                // The last slot moves into `at`.
+                if let Some(moved) = index.find_mut(slots[last].hash, |&i| i == last) {
+                    *moved = at;
+                }
+            }
+        }
+        self.slots.swap_remove(at)
     }
 }
 
@@ -167,21 +242,19 @@ impl<G: GuardOps<Key = K>, K: Eq> HeldSet<G, K> {
     where
         K: Borrow<Q>,
     {
-        self.slots
-            .find(hash, |slot| slot.is(key))
-            .filter(|slot| slot.count > 0)
+        let at = self.position(hash, |slot| slot.is(key))?;
+        Some(&self.slots[at]).filter(|slot| slot.count > 0)
     }
 
     /// The clone of the key a call has in flight in slot `id`.
     pub(crate) fn name(&self, hash: u64, id: u64) -> Option<&K> {
-        self.slots
-            .find(hash, |slot| slot.id == id)
-            .and_then(|slot| slot.name.as_ref())
+        let at = self.position(hash, |slot| slot.id == id)?;
+        self.slots[at].name.as_ref()
     }
 
     /// Makes room for `additional` more keys (a `lock_all`).
     pub(crate) fn reserve(&mut self, additional: usize) {
-        self.slots.reserve(additional, |slot| slot.hash);
+        self.slots.reserve(additional);
     }
 
     /// The guards held now (not those a pending call has away).
@@ -193,6 +266,7 @@ impl<G: GuardOps<Key = K>, K: Eq> HeldSet<G, K> {
     /// at once if `reenter` (else marked busy until the call settles); a
     /// weaker one gives its guard to be upgraded; an absent one gets an
     /// in-flight slot.
+    #[inline]
     pub(crate) fn begin(
         &mut self,
         hash: u64,
@@ -203,66 +277,55 @@ impl<G: GuardOps<Key = K>, K: Eq> HeldSet<G, K> {
     where
         K: Clone,
     {
-        let id = self.next_id;
-        if self.slots.capacity() == 0 {
-            // A first lock: room for a few keys at once (PostgreSQL sizes a
-            // backend's lock table for 16), not growth one key at a time.
-            self.slots.reserve(INITIAL_CAPACITY, |slot| slot.hash);
-        }
-        match self
-            .slots
-            .entry(hash, |slot| slot.is(key), |slot| slot.hash)
-        {
-            Entry::Occupied(mut entry) => {
-                let slot = entry.get_mut();
-                let Some(guard) = slot.guard.as_ref().filter(|_| !slot.busy) else {
-                    return Err(Busy);
-                };
-                if guard.mode().covers(mode) {
-                    let acquired = Acquired {
-                        token: guard.token(),
-                        mode: guard.mode(),
-                        count: slot.count + 1,
-                        kind: AcquireKind::Reentered,
-                    };
-                    if reenter {
-                        slot.count += 1;
-                    } else {
-                        slot.busy = true;
-                    }
-                    Ok(Begin::Covered {
-                        id: slot.id,
-                        acquired,
-                    })
-                } else {
-                    // User code first: a panicking clone leaves the slot.
-                    let name = key.clone();
-                    slot.name = Some(name);
-                    slot.busy = true;
-                    let guard = slot.guard.take().expect("checked above");
-                    Ok(Begin::Upgrade { id: slot.id, guard })
-                }
+        // User code (`Eq`) runs in the search, before anything changes.
+        let Some(at) = self.position(hash, |slot| slot.is(key)) else {
+            // User code first: a panicking clone leaves the set as it was.
+            let name = key.clone();
+            let id = self.next_id;
+            self.next_id += 1;
+            self.push(Slot {
+                hash,
+                id,
+                count: 0,
+                guard: None,
+                name: Some(name),
+                busy: true,
+            });
+            return Ok(Begin::New { id });
+        };
+        let slot = &mut self.slots[at];
+        let Some(guard) = slot.guard.as_ref().filter(|_| !slot.busy) else {
+            return Err(Busy);
+        };
+        if guard.mode().covers(mode) {
+            let acquired = Acquired {
+                token: guard.token(),
+                mode: guard.mode(),
+                count: slot.count + 1,
+                kind: AcquireKind::Reentered,
+            };
+            if reenter {
+                slot.count += 1;
+            } else {
+                slot.busy = true;
             }
-            Entry::Vacant(entry) => {
-                let name = key.clone();
-                entry.insert(Slot {
-                    hash,
-                    id,
-                    count: 0,
-                    guard: None,
-                    name: Some(name),
-                    busy: true,
-                });
-                self.next_id += 1;
-                Ok(Begin::New { id })
-            }
+            return Ok(Begin::Covered {
+                id: slot.id,
+                acquired,
+            });
         }
+        let name = key.clone();
+        slot.name = Some(name);
+        slot.busy = true;
+        let guard = slot.guard.take().expect("checked above");
+        Ok(Begin::Upgrade { id: slot.id, guard })
     }
 
     /// Ends a call's claim on slot `id` with success: its guard (a new or
     /// upgraded grant; `None` for a covered key) goes back, the count goes
     /// up. Returns what the call got, and the key's clone to drop; if the
     /// slot is gone, the guard comes back instead.
+    #[inline]
     pub(crate) fn settle(
         &mut self,
         hash: u64,
@@ -270,9 +333,10 @@ impl<G: GuardOps<Key = K>, K: Eq> HeldSet<G, K> {
         guard: Option<G>,
         kind: AcquireKind,
     ) -> Result<(Acquired, Option<K>), Option<G>> {
-        let Some(slot) = self.slots.find_mut(hash, |slot| slot.id == id) else {
+        let Some(at) = self.position(hash, |slot| slot.id == id) else {
             return Err(guard);
         };
+        let slot = &mut self.slots[at];
         if let Some(guard) = guard {
             slot.guard = Some(guard);
         }
@@ -305,14 +369,14 @@ impl<G: GuardOps<Key = K>, K: Eq> HeldSet<G, K> {
         id: u64,
         guard: Option<G>,
     ) -> (Option<K>, Option<G>) {
-        let Ok(mut entry) = self.slots.find_entry(hash, |slot| slot.id == id) else {
+        let Some(at) = self.position(hash, |slot| slot.id == id) else {
             return (None, guard);
         };
-        let slot = entry.get_mut();
-        if slot.count == 0 {
-            let (slot, _) = entry.remove();
+        if self.slots[at].count == 0 {
+            let slot = self.remove(at);
             return (slot.name, guard);
         }
+        let slot = &mut self.slots[at];
         slot.busy = false;
         let rest = match guard {
             Some(guard) if slot.guard.is_none() => {
@@ -336,10 +400,10 @@ impl<G: GuardOps<Key = K>, K: Eq> HeldSet<G, K> {
     where
         K: Borrow<Q>,
     {
-        let Ok(mut entry) = self.slots.find_entry(hash, |slot| slot.is(key)) else {
+        let Some(at) = self.position(hash, |slot| slot.is(key)) else {
             return Err(NotReleased::NotHeld);
         };
-        let slot = entry.get_mut();
+        let slot = &mut self.slots[at];
         if slot.busy {
             return Err(if slot.count == 0 {
                 NotReleased::NotHeld
@@ -351,7 +415,7 @@ impl<G: GuardOps<Key = K>, K: Eq> HeldSet<G, K> {
         if slot.count > 0 {
             return Ok((slot.count, None));
         }
-        let (slot, _) = entry.remove();
+        let slot = self.remove(at);
         self.held -= 1;
         Ok((0, Some(slot)))
     }
@@ -374,7 +438,8 @@ where
 {
     let mut lost = None;
     set.held = 0;
-    for slot in set.slots.drain() {
+    set.index = None;
+    for slot in set.slots.drain(..) {
         let Some(guard) = slot.guard else { continue };
         // Named before the release, which may free the table's copy.
         let key = guard.key().clone();
@@ -385,13 +450,5 @@ where
     lost.map_or(Ok(()), Err)
 }
 
-impl<G, K> Drop for HeldSet<G, K> {
-    fn drop(&mut self) {
-        // One by one through a `Drain`, not by the table's own drop: should
-        // a slot's drop panic (a key's `Drop`, a waker), unwinding drops the
-        // `Drain`, which drops every slot left, so every key is released.
-        for slot in self.slots.drain() {
-            drop(slot);
-        }
-    }
-}
+// No `Drop`: a `Vec` drops every slot even if one's drop panics (a key's
+// `Drop`, a waker), so every key is released.

@@ -101,7 +101,8 @@ impl<K> LockedSet<K> {
 
     /// The keys skipped because they could not be had at once
     /// ([`WaitPolicy::SkipLocked`]; a skipped upgrade leaves its key held
-    /// shared), in the call's order.
+    /// shared), in the canonical order (see the module doc), not the
+    /// caller's.
     #[must_use]
     pub fn skipped(&self) -> &[K] {
         &self.skipped

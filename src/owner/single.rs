@@ -36,6 +36,7 @@ struct Claim<'a, A: Access> {
 
 impl<A: Access> Claim<'_, A> {
     /// Puts the guard into the set and counts the grant.
+    #[inline]
     fn settle(mut self, kind: AcquireKind) -> Result<Acquired, TransactionError<KeyOf<A>>> {
         self.settled = true;
         let (hash, id, guard) = (self.hash, self.id, self.guard.take());
