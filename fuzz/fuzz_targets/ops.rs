@@ -1,5 +1,11 @@
 //! Differential fuzzing of one `LockTable` against a plain reference model.
 //!
+//! The model has modes: a key's holder set (one exclusive grant or many
+//! shared ones, each with its token and lease), a FIFO queue of requests
+//! (shared, exclusive, or an upgrade at the head) and one admission rule
+//! (`Model::admit`); shared locks come through every entry point, and
+//! guards upgrade (a future, polled by hand) and downgrade.
+//!
 //! Every future is boxed, pinned and polled by hand with its own waker, and
 //! time is a `ManualClock`, so a run is fully deterministic. After every step
 //! the harness compares the table with the model (`is_locked`, `waiters`,
@@ -31,10 +37,10 @@ use std::task::{Context, Poll, RawWaker, RawWakerVTable, Waker};
 use std::time::{Duration, Instant};
 
 use arbitrary::Arbitrary;
-use keylock::futures::{Lock, LockOwned, LockOwnedWith, LockWith, Lost};
+use keylock::futures::{Lock, LockOwned, LockOwnedWith, LockWith, Lost, Upgrade};
 use keylock::{
-    Fairness, FencingToken, Guard, LockError, LockOptions, LockTable, ManualClock, OwnedGuard,
-    Stats,
+    Fairness, FencingToken, Guard, LockError, LockOptions, LockTable, ManualClock, Mode,
+    OwnedGuard, Stats,
 };
 use libfuzzer_sys::fuzz_target;
 
@@ -119,13 +125,14 @@ struct Config {
 enum Op {
     /// Create a lock future (not polled yet). `key`: see [`key_of`] (some
     /// keys' `Drop` panics); `lease`: see [`lease_of`]; `timeout`: see
-    /// [`timeout_of`]; `with` forces `lock_with` even without options;
-    /// `owned` uses the `Arc` variants; `waker`: see [`kind_of`].
+    /// [`timeout_of`]; `with`: see [`Entry`] (bit 0 forces `lock_with` even
+    /// without options, bits 1..4 a shared lock, once a `bool`); `owned`
+    /// uses the `Arc` variants; `waker`: see [`kind_of`].
     StartLock {
         key: u8,
         lease: Option<u8>,
         timeout: Option<u8>,
-        with: bool,
+        with: u8,
         owned: bool,
         waker: u8,
     },
@@ -154,10 +161,11 @@ enum Op {
     ReleaseGuard {
         guard: u8,
     },
+    /// `try_lock` and its variants; `with` as for `StartLock`.
     TryLock {
         key: u8,
         lease: Option<u8>,
-        with: bool,
+        with: u8,
         owned: bool,
     },
     Renew {
@@ -179,7 +187,9 @@ enum Op {
     Advance {
         by: u8,
     },
-    /// Advance the clock by `(by % 8) * 100` µs (around the fairness deadline).
+    /// Advance the clock by `(by % 8) * 100` µs (around the fairness
+    /// deadline); with any of bits 3..8 set, a mode operation instead (see
+    /// [`ModeOp::of`]).
     AdvanceMicros {
         by: u8,
     },
@@ -229,13 +239,93 @@ fn kind_of(x: u8, own: usize) -> WKind {
     }
 }
 
+/// How a lock entry point is picked, from the `with` byte of `StartLock` and
+/// `TryLock` (a `bool` in older inputs: only bit 0 was read, so bits 1..
+/// add modes without changing what an old input's bit 0 meant).
+#[derive(Debug, Clone, Copy)]
+struct Entry {
+    /// Bit 0: `*_with` even without options.
+    with: bool,
+    /// Bits 1 and 2 both set (one byte in four): a shared lock.
+    shared: bool,
+    /// Bit 3 (shared): the shorthand (`lock_shared`, `try_lock_shared`, ...)
+    /// when no option is asked for; else `LockOptions::shared()`, or with
+    /// bit 4 `LockOptions::mode(Mode::Shared)`.
+    shorthand: bool,
+    by_mode: bool,
+}
+
+impl Entry {
+    fn of(x: u8) -> Self {
+        Self {
+            with: x & 1 != 0,
+            shared: x & 6 == 6,
+            shorthand: x & 8 != 0,
+            by_mode: x & 16 != 0,
+        }
+    }
+
+    fn mode(self) -> MMode {
+        if self.shared {
+            MMode::Shared
+        } else {
+            MMode::Exclusive
+        }
+    }
+
+    /// The options' mode, on `opts`.
+    fn apply(self, opts: LockOptions) -> LockOptions {
+        match (self.shared, self.by_mode) {
+            (false, _) => opts,
+            (true, false) => opts.shared(),
+            (true, true) => opts.mode(Mode::Shared),
+        }
+    }
+}
+
+/// An operation on modes, carried by `AdvanceMicros { by }` when
+/// `by >> 3 != 0` (old inputs' `AdvanceMicros` read only `by % 8`).
+#[derive(Debug, Clone, Copy)]
+enum ModeOp {
+    /// `upgrade()` (timeout `None`) or `upgrade_with(timeout)` of guard
+    /// `guard` (modulo): a new future, not polled yet.
+    Upgrade {
+        guard: usize,
+        timeout: Option<Option<u64>>,
+    },
+    /// `downgrade()` of guard `guard` (modulo).
+    Downgrade { guard: usize },
+}
+
+impl ModeOp {
+    fn of(by: u8) -> Option<Self> {
+        let hi = by >> 3;
+        let guard = usize::from(by & 7);
+        match hi {
+            0 => None,
+            1..=20 => Some(ModeOp::Upgrade {
+                guard,
+                timeout: match hi % 5 {
+                    0 | 1 => None,
+                    2 => Some(Some(0)),
+                    3 => Some(Some(u64::from(hi % 4 + 1) * UNIT)),
+                    _ => Some(if hi > 10 { None } else { Some(u64::from(hi)) }),
+                },
+            }),
+            _ => Some(ModeOp::Downgrade { guard }),
+        }
+    }
+}
+
 fn ns(n: u64) -> Duration {
     Duration::from_nanos(n)
 }
 
 /// Bugs of the crate the harness can look past (`KEYLOCK_FUZZ_KNOWN_BUGS`:
-/// `all`, or a comma-separated list of the names below), to fuzz beyond
-/// them until they are fixed. See `fuzz/README.md`.
+/// `all`, `none`, or a comma-separated list of the names below), to fuzz
+/// beyond them until they are fixed. Unset, it looks past the open bugs in
+/// [`KnownBugs::OPEN`] (so that CI's fuzz smoke tests everything else);
+/// `none` looks past nothing. See `fuzz/README.md`.
 #[derive(Debug, Clone, Copy, Default)]
 struct KnownBugs {
     /// `try_lock`: the caller's key dropped (panicking) after the grant was
@@ -244,22 +334,38 @@ struct KnownBugs {
     /// A granted future completing drops its timer (and the clock's handle
     /// of its waker, which panics) before its guard exists: the grant leaks.
     timer_waker_drop: bool,
-    /// Eventual fairness: the head taking a freed key with a lease does not
-    /// nudge the next head to arm its timer.
-    head_nudge: bool,
+    /// `Guard::downgrade` whose wakes (of the shared waiters it admits)
+    /// panic after the unlock: the table holds the grant shared, the guard
+    /// still reports `Mode::Exclusive` (`Held::downgrade` sets its mode
+    /// after `downgrade_grant` returns). The harness then skips a downgrade
+    /// the model says must panic.
+    downgrade_wake_panic: bool,
+    /// A settle that finds several lapsed holders, and `revoke`, displace
+    /// them one by one and admit the waiters after each: an upgrade waiting
+    /// at the head whose grant is about to be displaced too is granted
+    /// first, under a new token that escapes. After a settle, the key is
+    /// held exclusively by that new grant, lapsed already (the upgrade
+    /// resolves `Ok`, its guard's `check()` fails; a waiter arms a timer in
+    /// the past); after `revoke`, the upgraded grant stays live and
+    /// exclusive, and `revoke` does not name it.
+    upgrade_mid_displace: bool,
 }
 
 impl KnownBugs {
+    /// Found and not fixed yet: looked past unless `KEYLOCK_FUZZ_KNOWN_BUGS`
+    /// says otherwise. None: every bug found so far is fixed, and its input
+    /// is replayed from `fuzz/regressions/`.
+    const OPEN: &'static str = "";
+
     fn from_env() -> Self {
-        let Ok(v) = std::env::var("KEYLOCK_FUZZ_KNOWN_BUGS") else {
-            return Self::default();
-        };
+        let v = std::env::var("KEYLOCK_FUZZ_KNOWN_BUGS").unwrap_or_else(|_| Self::OPEN.into());
         let all = v == "all" || v == "1";
         let has = |name: &str| all || v.split(',').any(|x| x.trim() == name);
         Self {
             try_lock_key_drop: has("try_lock_key_drop"),
             timer_waker_drop: has("timer_waker_drop"),
-            head_nudge: has("head_nudge"),
+            downgrade_wake_panic: has("downgrade_wake_panic"),
+            upgrade_mid_displace: has("upgrade_mid_displace"),
         }
     }
 }
@@ -679,9 +785,87 @@ struct MHolder {
     by: By,
 }
 
+/// The grants holding one key, in the order the table keeps them
+/// (`queue/holders.rs`: the first inline, the rest in a vector; a removal of
+/// the first moves the last of the rest into its place, any other removal
+/// swaps the last into the gap). The order decides which holder a timeout's
+/// diagnosis names and in which order a settle or a `revoke` displaces them.
+#[derive(Debug, Default, Clone)]
+struct MHolders {
+    first: Option<MHolder>,
+    rest: Vec<MHolder>,
+}
+
+impl MHolders {
+    fn is_empty(&self) -> bool {
+        self.first.is_none()
+    }
+
+    fn len(&self) -> usize {
+        usize::from(self.first.is_some()) + self.rest.len()
+    }
+
+    /// The holder, if exactly one grant holds the key.
+    fn only(&self) -> Option<MHolder> {
+        if self.rest.is_empty() {
+            self.first
+        } else {
+            None
+        }
+    }
+
+    /// The holder a diagnosis names.
+    fn any(&self) -> Option<MHolder> {
+        self.first
+    }
+
+    fn push(&mut self, h: MHolder) {
+        if self.first.is_none() {
+            self.first = Some(h);
+        } else {
+            self.rest.push(h);
+        }
+    }
+
+    fn iter(&self) -> impl Iterator<Item = &MHolder> {
+        self.first.iter().chain(self.rest.iter())
+    }
+
+    fn get(&self, token: u64) -> Option<MHolder> {
+        self.iter().find(|h| h.token == token).copied()
+    }
+
+    fn get_mut(&mut self, token: u64) -> Option<&mut MHolder> {
+        self.first
+            .iter_mut()
+            .chain(self.rest.iter_mut())
+            .find(|h| h.token == token)
+    }
+
+    fn remove(&mut self, token: u64) -> Option<MHolder> {
+        match self.first {
+            Some(first) if first.token == token => {
+                self.first = self.rest.pop();
+                Some(first)
+            }
+            _ => {
+                let at = self.rest.iter().position(|h| h.token == token)?;
+                Some(self.rest.swap_remove(at))
+            }
+        }
+    }
+
+    /// The earliest lease deadline among the holders.
+    fn earliest_deadline(&self) -> Option<u64> {
+        self.iter().filter_map(|h| h.deadline).min()
+    }
+}
+
 #[derive(Debug, Default, Clone)]
 struct MKey {
-    holder: Option<MHolder>,
+    holders: MHolders,
+    /// The mode of `holders` (meaningless while there is none).
+    mode: MMode,
     queue: VecDeque<Fid>,
     /// Grants (guards, or granted futures not yet run) that lost the key
     /// and still exist.
@@ -693,8 +877,50 @@ struct MKey {
 
 impl MKey {
     fn unused(&self) -> bool {
-        self.holder.is_none() && self.queue.is_empty() && self.fenced == 0
+        self.holders.is_empty() && self.queue.is_empty() && self.fenced == 0
     }
+
+    /// Whether grants in `mode` may join the holders now.
+    fn admits(&self, mode: MMode) -> bool {
+        self.holders.is_empty() || (self.mode == MMode::Shared && mode == MMode::Shared)
+    }
+}
+
+/// `keylock::Mode`, in the model.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+enum MMode {
+    Shared,
+    #[default]
+    Exclusive,
+}
+
+impl MMode {
+    fn of(m: Mode) -> Self {
+        match m {
+            Mode::Shared => MMode::Shared,
+            Mode::Exclusive => MMode::Exclusive,
+        }
+    }
+}
+
+/// What a queued request asks for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum MWant {
+    /// A lock future: a new grant in this mode.
+    Grant(MMode),
+    /// An upgrade of guard `gid`'s shared grant `token` (linked at the head).
+    Upgrade { gid: Gid, token: u64 },
+}
+
+/// What the head of a key's queue may do now (`queue/entry.rs`
+/// `Admission`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum MAdmission {
+    Empty,
+    Blocked,
+    Grant(MMode),
+    Upgrade,
+    Orphan,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -727,6 +953,7 @@ struct MFut {
     lease: Option<u64>,
     patience: MPat,
     state: MState,
+    want: MWant,
     /// The key instance it was given panics when dropped.
     bomb: bool,
     kind: WKind,
@@ -735,7 +962,7 @@ struct MFut {
     /// Its timer: deadline, and whether a waker is registered with the clock.
     sleep: Option<(u64, bool)>,
     /// The holder deadline its timer covers, as last told under the lock
-    /// (waiter.rs `timer_at`): every waiter arms for the holder it saw.
+    /// (waiter.rs `timer_at`): every waiter arms for the holders it saw.
     timer_at: Option<u64>,
     /// Wakes the model expects it to have received.
     wakes: u64,
@@ -748,18 +975,28 @@ struct MFut {
     abandoned: bool,
     /// It has boxed timer state (it waited with a timeout, or armed a timer).
     timing: bool,
-    /// Compatibility with a known bug (`KEYLOCK_FUZZ_KNOWN_BUGS`): it became
-    /// the head of a leased holder without the nudge to arm its timer.
-    missed_nudge: bool,
+}
+
+impl MFut {
+    fn upgrade_of(&self) -> Option<Gid> {
+        match self.want {
+            MWant::Upgrade { gid, .. } => Some(gid),
+            MWant::Grant(_) => None,
+        }
+    }
 }
 
 #[derive(Debug, Clone)]
 struct MGuard {
     key: usize,
     token: u64,
+    mode: MMode,
     expires: Option<u64>,
     /// Its `lost()` future, if the harness keeps one.
     watch: Option<MWatch>,
+    /// Its pending `upgrade()` future, which borrows it mutably: nothing
+    /// else touches the guard meanwhile.
+    upgrading: Option<Fid>,
 }
 
 /// A guard's `Lost` future (polled with a plain waker).
@@ -805,6 +1042,16 @@ struct MGrant {
     gid: Gid,
     token: u64,
     deadline: Option<u64>,
+    mode: MMode,
+}
+
+/// What a future resolves to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum MDone {
+    /// A lock future: a guard.
+    Guard(MGrant),
+    /// An upgrade: guard `gid` is exclusive now, under `token`.
+    Upgraded { gid: Gid, token: u64 },
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -818,12 +1065,16 @@ enum MErr {
     },
     Expired(u64),
     WouldBlock,
+    Conflict {
+        token: u64,
+        upgrading: u64,
+    },
 }
 
 #[derive(Debug, Clone, Copy)]
 enum MPoll {
     Pending,
-    Ready(Result<MGrant, MErr>),
+    Ready(Result<MDone, MErr>),
 }
 
 /// Whether an operation must, may or must not panic.
@@ -854,7 +1105,10 @@ struct Model {
     log: Vec<Reentry>,
     /// An eventual-fairness release with waiters read the clock.
     read_clock: bool,
-    known_bugs: KnownBugs,
+    /// Known bug `upgrade_mid_displace`: several holders leave one by one.
+    one_by_one: bool,
+    /// The last poll found its timer due at once and judged again.
+    looped: bool,
 }
 
 impl Model {
@@ -873,7 +1127,8 @@ impl Model {
             bomb_keys: 0,
             log: Vec::new(),
             read_clock: false,
-            known_bugs,
+            one_by_one: known_bugs.upgrade_mid_displace,
+            looped: false,
         }
     }
 
@@ -881,8 +1136,13 @@ impl Model {
         h.deadline.is_none_or(|d| self.now < d)
     }
 
-    fn live_holder(&self, k: usize) -> Option<MHolder> {
-        self.keys[k].holder.filter(|h| self.live(h))
+    /// `is_locked(k)`: a live holder, in any mode.
+    fn is_locked(&self, k: usize) -> bool {
+        self.keys[k].holders.iter().any(|h| self.live(h))
+    }
+
+    fn any_lapsed(&self, k: usize) -> bool {
+        self.keys[k].holders.iter().any(|h| !self.live(h))
     }
 
     fn lease_valid(&self, lease: u64) -> bool {
@@ -918,7 +1178,11 @@ impl Model {
         self.futs.get_mut(&f).expect("model: future exists")
     }
 
-    fn new_guard(&mut self, k: usize, token: u64, deadline: Option<u64>) -> Gid {
+    fn guard(&mut self, g: Gid) -> &mut MGuard {
+        self.guards.get_mut(&g).expect("model: guard exists")
+    }
+
+    fn new_guard(&mut self, k: usize, token: u64, deadline: Option<u64>, mode: MMode) -> Gid {
         let gid = self.next_gid;
         self.next_gid += 1;
         self.guards.insert(
@@ -926,8 +1190,10 @@ impl Model {
             MGuard {
                 key: k,
                 token,
+                mode,
                 expires: deadline,
                 watch: None,
+                upgrading: None,
             },
         );
         gid
@@ -961,10 +1227,10 @@ impl Model {
 
     /// A waker's `is_locked(k)`, `try_lock(k)`, drop of the guard.
     fn reenter(&mut self, k: usize) -> bool {
-        let locked = self.live_holder(k).is_some();
+        let locked = self.is_locked(k);
         self.log.push(Reentry::IsLocked { key: k, locked });
         let saved = std::mem::take(&mut self.outbox);
-        let got = self.try_lock(k, None, false);
+        let got = self.try_lock(k, MMode::Exclusive, None, false);
         if self.flush(false) {
             assert!(got.is_err(), "model: a successful try_lock leaves no work");
             self.outbox = saved;
@@ -987,7 +1253,6 @@ impl Model {
     fn nudge_head(&mut self, k: usize) {
         if let Some(&f) = self.keys[k].queue.front() {
             let fut = self.fut(f);
-            fut.missed_nudge = false;
             if fut.slot {
                 fut.slot = false;
                 self.wake(f);
@@ -995,10 +1260,10 @@ impl Model {
         }
     }
 
-    /// queue.rs `nudge_head_for_timer`: the head is nudged only if the
-    /// timer it armed would fire after the holder's deadline.
+    /// handoff.rs `nudge_head_for_timer`: the head is nudged only if the
+    /// timer it armed would fire after the holders' earliest deadline.
     fn nudge_head_for_timer(&mut self, k: usize) {
-        let Some(deadline) = self.keys[k].holder.and_then(|h| h.deadline) else {
+        let Some(deadline) = self.keys[k].holders.earliest_deadline() else {
             return;
         };
         if let Some(&h) = self.keys[k].queue.front() {
@@ -1008,64 +1273,164 @@ impl Model {
         }
     }
 
-    /// queue.rs `hand_off`.
-    fn hand_off(&mut self, k: usize) {
-        assert!(self.keys[k].holder.is_none());
+    /// entry.rs `admission`.
+    fn admission(&self, k: usize) -> MAdmission {
+        let key = &self.keys[k];
+        let Some(&head) = key.queue.front() else {
+            return MAdmission::Empty;
+        };
+        match self.futs[&head].want {
+            MWant::Grant(m) if key.admits(m) => MAdmission::Grant(m),
+            MWant::Grant(_) => MAdmission::Blocked,
+            MWant::Upgrade { token, .. } => match key.holders.only() {
+                Some(only) if only.token == token => MAdmission::Upgrade,
+                _ if key.holders.get(token).is_some() => MAdmission::Blocked,
+                _ => MAdmission::Orphan,
+            },
+        }
+    }
+
+    /// handoff.rs `admit`: the one admission rule. Grants the head while the
+    /// holders admit it (consecutive shared heads together; an upgrade once
+    /// its grant is the only holder); an orphaned upgrade is nudged to
+    /// leave; then the head is made to arm for the holders' deadline.
+    fn admit(&mut self, k: usize) {
+        loop {
+            match self.admission(k) {
+                MAdmission::Grant(m) => {
+                    self.grant_head(k, m);
+                    if m == MMode::Exclusive {
+                        break;
+                    }
+                }
+                MAdmission::Upgrade => {
+                    self.grant_upgrade(k);
+                    break;
+                }
+                MAdmission::Orphan => {
+                    self.nudge_head(k);
+                    return;
+                }
+                MAdmission::Blocked | MAdmission::Empty => break,
+            }
+        }
+        self.nudge_head_for_timer(k);
+    }
+
+    /// handoff.rs `grant_head`: a fresh token, its lease from now; woken.
+    fn grant_head(&mut self, k: usize, mode: MMode) {
         let f = self.keys[k].queue.pop_front().expect("model: a waiter");
         let token = self.mint(k);
         let (deadline, since) = self.lease_from(self.futs[&f].lease);
         let fut = self.fut(f);
         assert_eq!(fut.state, MState::Waiting, "model: queued future waits");
         fut.state = MState::Granted { token, deadline };
-        fut.missed_nudge = false;
         let armed = std::mem::replace(&mut fut.slot, false);
         if armed {
             self.wake(f);
         }
-        self.keys[k].holder = Some(MHolder {
+        let key = &mut self.keys[k];
+        key.holders.push(MHolder {
             token,
             deadline,
             since,
             by: By::Slot(f),
         });
+        key.mode = mode;
         self.stats.handoffs += 1;
         self.stats.acquisitions += 1;
         self.stats.contended += 1;
-        self.nudge_head_for_timer(k);
     }
 
-    /// queue.rs `pass_on`: the holder let go of a key with waiters.
+    /// handoff.rs `grant_upgrade`: the head upgrade's grant, now the only
+    /// holder, is exclusive under a fresh token, same lease.
+    fn grant_upgrade(&mut self, k: usize) {
+        let token = self.mint(k);
+        let old = self.keys[k].holders.only().expect("model: the only holder");
+        let f = self.keys[k].queue.pop_front().expect("model: a waiter");
+        self.keys[k].holders.remove(old.token);
+        let fut = self.fut(f);
+        assert_eq!(fut.state, MState::Waiting, "model: queued upgrade waits");
+        fut.state = MState::Granted {
+            token,
+            deadline: old.deadline,
+        };
+        let armed = std::mem::replace(&mut fut.slot, false);
+        if armed {
+            self.wake(f);
+        }
+        let key = &mut self.keys[k];
+        key.holders.push(MHolder {
+            token,
+            by: By::Slot(f),
+            ..old
+        });
+        key.mode = MMode::Exclusive;
+        self.stats.handoffs += 1;
+    }
+
+    /// handoff.rs `pass_on`: the last holder let go of a key with waiters.
     fn pass_on(&mut self, k: usize) {
         if self.cfg.eventual {
             self.read_clock = true;
             let s = shard_of(&self.cfg, k);
             match self.fair_at[s] {
                 Some(at) if self.now < at => {
-                    self.keys[k].holder = None;
                     self.nudge_head(k);
                     return;
                 }
                 _ => self.fair_at[s] = Some(self.now + EVENTUAL_BOUND),
             }
         }
-        self.keys[k].holder = None;
-        self.hand_off(k);
+        self.admit(k);
     }
 
-    /// The holder loses the key (lapse or revocation): it is fenced, a
-    /// granted future that has not run exactly like a guard; the key goes
-    /// to the head.
-    fn displace(&mut self, k: usize) -> Option<MHolder> {
-        let h = self.keys[k].holder.take()?;
-        self.keys[k].fenced += 1;
+    /// Grant `token` loses the key (lapse or revocation): it is fenced, a
+    /// granted future that has not run exactly like a guard; the waiters
+    /// are admitted as the remaining holders allow.
+    fn displace(&mut self, k: usize, token: u64) -> Option<MHolder> {
+        let h = self.fence(k, token)?;
         if !self.keys[k].queue.is_empty() {
-            self.hand_off(k);
+            self.admit(k);
         }
-        // queue.rs `displace`: the grant's `Lost` futures.
+        Some(h)
+    }
+
+    /// Grant `token` leaves the holders, fenced, and its `Lost` futures are
+    /// woken; nobody is admitted yet.
+    fn fence(&mut self, k: usize, token: u64) -> Option<MHolder> {
+        let h = self.keys[k].holders.remove(token)?;
+        self.keys[k].fenced += 1;
+        // lapse.rs `displace`: the grant's `Lost` futures.
         if let By::Guard(g) = h.by {
             self.wake_watch(g);
         }
         Some(h)
+    }
+
+    /// Displaces several holders at once (a settle finding several lapsed,
+    /// a `revoke`): all leave, then the waiters are admitted. Returns which
+    /// of them were displaced. With the known bug `upgrade_mid_displace`,
+    /// as the crate does: one by one, admitting after each, so that an
+    /// upgrade whose grant is about to be displaced may be granted first
+    /// (under a new token, which escapes: lapsed, or live after a revoke).
+    fn displace_all(&mut self, k: usize, tokens: &[u64]) -> Vec<u64> {
+        if self.one_by_one {
+            return tokens
+                .iter()
+                .filter(|&&t| self.displace(k, t).is_some())
+                .copied()
+                .collect();
+        }
+        let gone: Vec<u64> = tokens
+            .iter()
+            .filter(|&&t| self.fence(k, t).is_some())
+            .copied()
+            .collect();
+        if !gone.is_empty() && !self.keys[k].queue.is_empty() {
+            self.admit(k);
+        }
+        gone
     }
 
     /// Wakes guard `g`'s `Lost` future if its waker is with the table.
@@ -1079,32 +1444,26 @@ impl Model {
 
     /// A new `Lost` of guard `g` (not polled yet).
     fn watch_start(&mut self, g: Gid) {
-        self.guards.get_mut(&g).unwrap().watch = Some(MWatch::default());
+        self.guard(g).watch = Some(MWatch::default());
     }
 
     /// lost.rs `Lost::poll`: `true` if it resolves (the grant lost its key).
     fn watch_poll(&mut self, g: Gid, wakes_now: u64) -> bool {
         let (k, token) = (self.guards[&g].key, self.guards[&g].token);
-        let w = self.guards.get_mut(&g).unwrap().watch.as_mut().unwrap();
-        w.wakes_at_poll = wakes_now;
-        // queue.rs `watch_loss`: a lapse of its own grant it is about to
+        self.guard(g).watch.as_mut().unwrap().wakes_at_poll = wakes_now;
+        // lapse.rs `watch_loss`: a lapse of its own grant it is about to
         // settle unregisters it first (no wake of its own).
         if self.keys[k]
-            .holder
-            .is_some_and(|h| h.token == token && !self.live(&h))
+            .holders
+            .get(token)
+            .is_some_and(|h| !self.live(&h))
         {
-            self.guards
-                .get_mut(&g)
-                .unwrap()
-                .watch
-                .as_mut()
-                .unwrap()
-                .armed = false;
+            self.guard(g).watch.as_mut().unwrap().armed = false;
         }
         self.settle(k);
         let now = self.now;
-        let live = self.keys[k].holder.filter(|h| h.token == token);
-        let w = self.guards.get_mut(&g).unwrap().watch.as_mut().unwrap();
+        let live = self.keys[k].holders.get(token);
+        let w = self.guard(g).watch.as_mut().unwrap();
         match live {
             Some(h) => {
                 w.armed = true;
@@ -1115,62 +1474,101 @@ impl Model {
                 false
             }
             None => {
-                self.guards.get_mut(&g).unwrap().watch = None;
+                self.guard(g).watch = None;
                 true
             }
         }
     }
 
-    /// Notices a lapse (only the operations that "touch" the key call this).
+    /// Notices lapses (only the operations that "touch" the key call this):
+    /// every lapsed holder, in the table's order, is displaced.
     fn settle(&mut self, k: usize) {
-        if let Some(h) = self.keys[k].holder {
-            if !self.live(&h) {
-                self.displace(k);
-                self.stats.expired += 1;
-            }
+        if !self.any_lapsed(k) {
+            return;
         }
+        let lapsed: Vec<u64> = self.keys[k]
+            .holders
+            .iter()
+            .filter(|h| !self.live(h))
+            .map(|h| h.token)
+            .collect();
+        // Counted per lapsed grant found, displaced or not (lapse.rs).
+        self.stats.expired += lapsed.len() as u64;
+        self.displace_all(k, &lapsed);
     }
 
-    fn grant_to_guard(&mut self, k: usize, lease: Option<u64>, contended: bool) -> MGrant {
+    fn grant_to_guard(
+        &mut self,
+        k: usize,
+        mode: MMode,
+        lease: Option<u64>,
+        contended: bool,
+    ) -> MGrant {
         let token = self.mint(k);
         let (deadline, since) = self.lease_from(lease);
         self.stats.acquisitions += 1;
         if contended {
             self.stats.contended += 1;
         }
-        let gid = self.new_guard(k, token, deadline);
-        self.keys[k].holder = Some(MHolder {
+        let gid = self.new_guard(k, token, deadline, mode);
+        let key = &mut self.keys[k];
+        key.holders.push(MHolder {
             token,
             deadline,
             since,
             by: By::Guard(gid),
         });
+        key.mode = mode;
         MGrant {
             gid,
             token,
             deadline,
+            mode,
         }
     }
 
     /// No entry: the key is created, and the caller's instance is kept.
-    fn claim(&mut self, k: usize, lease: Option<u64>, bomb: bool) -> MGrant {
+    fn claim(&mut self, k: usize, mode: MMode, lease: Option<u64>, bomb: bool) -> MGrant {
         assert!(self.keys[k].unused());
         self.keys[k].stored_bomb = bomb;
-        self.grant_to_guard(k, lease, false)
+        self.grant_to_guard(k, mode, lease, false)
     }
 
-    /// queue.rs `try_acquire`; the caller's key is dropped unless kept.
-    fn try_acquire(&mut self, k: usize, lease: Option<u64>, bomb: bool) -> Option<MGrant> {
+    /// waiting.rs `open_to`: the holders admit `mode` and (strict) nobody
+    /// waits; under eventual fairness a free key may be taken past the
+    /// queue, a held shared one is never joined past it.
+    fn open_to(&self, k: usize, mode: MMode) -> bool {
+        let key = &self.keys[k];
+        key.admits(mode) && (key.queue.is_empty() || (self.cfg.eventual && key.holders.is_empty()))
+    }
+
+    /// waiting.rs `take_now`: shared waiters at the head join a shared
+    /// newcomer.
+    fn take_now(&mut self, k: usize, mode: MMode, lease: Option<u64>) -> MGrant {
+        let g = self.grant_to_guard(k, mode, lease, false);
+        if mode == MMode::Shared && !self.keys[k].queue.is_empty() {
+            self.admit(k);
+        }
+        g
+    }
+
+    /// waiting.rs `try_acquire`; the caller's key is dropped unless kept.
+    fn try_acquire(
+        &mut self,
+        k: usize,
+        mode: MMode,
+        lease: Option<u64>,
+        bomb: bool,
+    ) -> Option<MGrant> {
         if self.keys[k].unused() {
-            return Some(self.claim(k, lease, bomb));
+            return Some(self.claim(k, mode, lease, bomb));
         }
         self.bomb_keys += u32::from(bomb);
         self.settle(k);
-        let key = &self.keys[k];
-        if key.holder.is_some() || (!self.cfg.eventual && !key.queue.is_empty()) {
+        if !self.open_to(k, mode) {
             return None;
         }
-        Some(self.grant_to_guard(k, lease, false))
+        Some(self.take_now(k, mode, lease))
     }
 
     fn resolve(&self, lease: Option<u64>) -> Result<Option<u64>, u64> {
@@ -1180,13 +1578,21 @@ impl Model {
         }
     }
 
-    fn try_lock(&mut self, k: usize, lease: Option<u64>, bomb: bool) -> Result<MGrant, MErr> {
+    fn try_lock(
+        &mut self,
+        k: usize,
+        mode: MMode,
+        lease: Option<u64>,
+        bomb: bool,
+    ) -> Result<MGrant, MErr> {
         match self.resolve(lease) {
             Err(l) => {
                 self.bomb_keys += u32::from(bomb);
                 Err(MErr::Invalid(l))
             }
-            Ok(lease) => self.try_acquire(k, lease, bomb).ok_or(MErr::WouldBlock),
+            Ok(lease) => self
+                .try_acquire(k, mode, lease, bomb)
+                .ok_or(MErr::WouldBlock),
         }
     }
 
@@ -1197,6 +1603,7 @@ impl Model {
         &mut self,
         f: Fid,
         k: usize,
+        mode: MMode,
         lease: Option<u64>,
         timeout: Option<Option<u64>>,
         bomb: bool,
@@ -1212,6 +1619,39 @@ impl Model {
             }
             Ok(l) => (MState::Unpolled, l),
         };
+        self.insert_fut(f, k, lease, timeout, state, MWant::Grant(mode), bomb, kind);
+    }
+
+    /// A new `upgrade()` future of guard `g` (not polled), with a plain
+    /// waker.
+    fn start_upgrade(&mut self, f: Fid, g: Gid, timeout: Option<Option<u64>>) {
+        let (k, token) = (self.guards[&g].key, self.guards[&g].token);
+        self.guard(g).upgrading = Some(f);
+        let want = MWant::Upgrade { gid: g, token };
+        self.insert_fut(
+            f,
+            k,
+            None,
+            timeout,
+            MState::Unpolled,
+            want,
+            false,
+            WKind::Plain,
+        );
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn insert_fut(
+        &mut self,
+        f: Fid,
+        k: usize,
+        lease: Option<u64>,
+        timeout: Option<Option<u64>>,
+        state: MState,
+        want: MWant,
+        bomb: bool,
+        kind: WKind,
+    ) {
         self.futs.insert(
             f,
             MFut {
@@ -1219,6 +1659,7 @@ impl Model {
                 lease,
                 patience: timeout.map_or(MPat::Forever, MPat::For),
                 state,
+                want,
                 bomb,
                 kind,
                 slot: false,
@@ -1229,13 +1670,18 @@ impl Model {
                 tainted: false,
                 abandoned: false,
                 timing: false,
-                missed_nudge: false,
             },
         );
     }
 
-    fn arm_timer(&mut self, f: Fid, wake_at: Option<u64>) {
+    /// Arms `f`'s timer at the earliest of `wake_at` and its timeout; true if
+    /// that has passed already (only a lapsed holder left in place can make
+    /// it so): the future then judges again at once (acquire.rs
+    /// `poll_acquire`: its boxed timer is ready, nothing registered).
+    #[must_use]
+    fn arm_timer(&mut self, f: Fid, wake_at: Option<u64>) -> bool {
         let now = self.now;
+        let one_by_one = self.one_by_one;
         let fut = self.fut(f);
         let until = match fut.patience {
             MPat::Until { until, .. } => Some(until),
@@ -1246,121 +1692,135 @@ impl Model {
             (a, b) => a.or(b),
         };
         fut.timing |= at.is_some();
-        fut.sleep = at.map(|at| {
-            assert!(at > now, "model: a timer is armed in the future only");
-            (at, true)
-        });
+        if at.is_some_and(|at| at <= now) {
+            assert!(one_by_one, "model: a timer is armed in the future only");
+            fut.sleep = None;
+            self.looped = true;
+            return true;
+        }
+        fut.sleep = at.map(|at| (at, true));
+        false
     }
 
-    /// A granted future runs: it resolves to a guard of its grant, fenced or
-    /// not (no lock is taken, nothing is settled or counted).
-    fn observe_grant(&mut self, k: usize, f: Fid, token: u64, deadline: Option<u64>) -> MGrant {
-        self.futs.remove(&f);
-        let gid = self.new_guard(k, token, deadline);
-        match self.keys[k].holder.as_mut() {
-            Some(h) if h.by == By::Slot(f) => {
-                assert_eq!(h.token, token);
+    /// A granted future runs: a lock future resolves to a guard of its
+    /// grant, an upgrade makes its guard exclusive under the new token,
+    /// fenced or not (no lock is taken, nothing is settled or counted).
+    fn observe_grant(&mut self, k: usize, f: Fid, token: u64, deadline: Option<u64>) -> MDone {
+        let fut = self.futs.remove(&f).expect("model: future exists");
+        let (gid, done) = match fut.want {
+            MWant::Grant(mode) => {
+                let gid = self.new_guard(k, token, deadline, mode);
+                let done = MDone::Guard(MGrant {
+                    gid,
+                    token,
+                    deadline,
+                    mode,
+                });
+                (gid, done)
+            }
+            MWant::Upgrade { gid, .. } => {
+                let g = self.guard(gid);
+                g.token = token;
+                g.mode = MMode::Exclusive;
+                g.expires = deadline;
+                g.upgrading = None;
+                (gid, MDone::Upgraded { gid, token })
+            }
+        };
+        self.claim_slot(k, f, token, gid);
+        done
+    }
+
+    /// Grant `token`, held by future `f` until now, is guard `gid`'s.
+    fn claim_slot(&mut self, k: usize, f: Fid, token: u64, gid: Gid) {
+        match self.keys[k].holders.get_mut(token) {
+            Some(h) => {
+                assert_eq!(h.by, By::Slot(f), "model: the grant is the future's");
                 h.by = By::Guard(gid);
             }
-            _ => assert!(self.keys[k].fenced > 0, "model: a fenced grant is counted"),
-        }
-        MGrant {
-            gid,
-            token,
-            deadline,
+            None => assert!(self.keys[k].fenced > 0, "model: a fenced grant is counted"),
         }
     }
 
-    /// The head of a key freed under eventual fairness takes it.
-    fn head_takes(&mut self, k: usize, f: Fid) -> MGrant {
+    /// The head of a key freed under eventual fairness takes it; shared
+    /// heads behind it join it, and the next head arms for its lease.
+    fn head_takes(&mut self, k: usize, f: Fid, mode: MMode) -> MGrant {
         let head = self.keys[k].queue.pop_front();
         assert_eq!(head, Some(f));
         let lease = self.futs[&f].lease;
         self.futs.remove(&f);
-        let g = self.grant_to_guard(k, lease, true);
-        // The queue has a new head and the holder may have a lease: it must
-        // arm its timer (as after a handoff).
-        if self.known_bugs.head_nudge {
-            let leased = self.keys[k].holder.is_some_and(|h| h.deadline.is_some());
-            if let (true, Some(&h)) = (leased, self.keys[k].queue.front()) {
-                self.fut(h).missed_nudge = true;
-            }
-        } else {
-            self.nudge_head_for_timer(k);
-        }
+        let g = self.grant_to_guard(k, mode, lease, true);
+        self.admit(k);
         g
     }
 
+    /// Links `f` into its key's queue (at the head for an upgrade): armed,
+    /// its timer at the earliest of its timeout and the holders' deadline.
+    #[must_use]
+    fn enqueue(&mut self, k: usize, f: Fid, front: bool) -> bool {
+        let now = self.now;
+        if front {
+            self.keys[k].queue.push_front(f);
+        } else {
+            self.keys[k].queue.push_back(f);
+        }
+        let fut = self.fut(f);
+        let patience = fut.patience;
+        fut.state = MState::Waiting;
+        // A timeout (even `Duration::MAX`, "for ever") boxes timer state
+        // when the future first waits.
+        fut.timing |= matches!(patience, MPat::For(_));
+        fut.patience = match patience {
+            MPat::For(Some(t)) => MPat::Until {
+                start: now,
+                until: now + t,
+            },
+            _ => MPat::Forever,
+        };
+        fut.slot = true;
+        let wake_at = self.keys[k].holders.earliest_deadline();
+        self.fut(f).timer_at = wake_at;
+        self.arm_timer(f, wake_at)
+    }
+
+    /// The diagnosis of a timeout: the first holder, `ahead` waiters.
+    fn diagnosis(&self, k: usize, waited: u64, ahead: usize) -> MErr {
+        let h = self.keys[k].holders.any();
+        MErr::Timeout {
+            waited,
+            holder: h.map(|h| h.token),
+            held_for: h.and_then(|h| h.since).map(|s| self.now - s),
+            ahead,
+        }
+    }
+
     fn poll(&mut self, f: Fid, wakes_now: u64) -> MPoll {
+        self.looped = false;
         let fut = self.fut(f);
         fut.wakes_at_poll = wakes_now;
-        fut.missed_nudge = false;
         let k = fut.key;
-        let now = self.now;
+        let want = fut.want;
         match self.futs[&f].state {
             MState::Invalid(v) => {
                 self.futs.remove(&f);
                 MPoll::Ready(Err(MErr::Invalid(v)))
             }
-            MState::Unpolled => {
-                let MFut {
-                    lease,
-                    bomb,
-                    patience,
-                    ..
-                } = self.futs[&f];
-                if let MPat::For(Some(0)) = patience {
-                    self.futs.remove(&f);
-                    return MPoll::Ready(match self.try_acquire(k, lease, bomb) {
-                        Some(g) => Ok(g),
-                        None => {
-                            let key = &self.keys[k];
-                            let h = key.holder;
-                            let ahead = key.queue.len();
-                            self.stats.timed_out += 1;
-                            Err(MErr::Timeout {
-                                waited: 0,
-                                holder: h.map(|h| h.token),
-                                held_for: h.and_then(|h| h.since).map(|s| now - s),
-                                ahead,
-                            })
-                        }
-                    });
-                }
-                if self.keys[k].unused() {
-                    self.futs.remove(&f);
-                    return MPoll::Ready(Ok(self.claim(k, lease, bomb)));
-                }
-                self.bomb_keys += u32::from(bomb);
-                self.settle(k);
-                let key = &self.keys[k];
-                if key.holder.is_none() && (self.cfg.eventual || key.queue.is_empty()) {
-                    self.futs.remove(&f);
-                    return MPoll::Ready(Ok(self.grant_to_guard(k, lease, false)));
-                }
-                self.keys[k].queue.push_back(f);
-                let fut = self.fut(f);
-                fut.state = MState::Waiting;
-                // A timeout (even `Duration::MAX`, "for ever") boxes timer
-                // state when the future first waits.
-                fut.timing |= matches!(patience, MPat::For(_));
-                fut.patience = match patience {
-                    MPat::For(Some(t)) => MPat::Until {
-                        start: now,
-                        until: now + t,
-                    },
-                    _ => MPat::Forever,
-                };
-                fut.slot = true;
-                let wake_at = self.keys[k].holder.and_then(|h| h.deadline);
-                self.fut(f).timer_at = wake_at;
-                self.arm_timer(f, wake_at);
-                MPoll::Pending
-            }
+            MState::Unpolled => match want {
+                MWant::Grant(mode) => self.first_poll(k, f, mode),
+                MWant::Upgrade { gid, token } => self.first_poll_upgrade(k, f, gid, token),
+            },
             MState::Granted { token, deadline } => {
                 MPoll::Ready(Ok(self.observe_grant(k, f, token, deadline)))
             }
-            MState::Waiting => {
+            MState::Waiting => self.poll_waiting(k, f, want),
+        }
+    }
+
+    /// A later poll of a linked waiter.
+    fn poll_waiting(&mut self, k: usize, f: Fid, want: MWant) -> MPoll {
+        let now = self.now;
+        {
+            {
                 // Settled first: a wait past its timeout still takes the key
                 // if it is its by now (a lapse handed it over, or a free key
                 // at the head under eventual fairness); only then it gives up.
@@ -1368,55 +1828,178 @@ impl Model {
                 if let MState::Granted { token, deadline } = self.futs[&f].state {
                     return MPoll::Ready(Ok(self.observe_grant(k, f, token, deadline)));
                 }
-                let head = self.keys[k].queue.front() == Some(&f);
-                if head && self.keys[k].holder.is_none() {
-                    return MPoll::Ready(Ok(self.head_takes(k, f)));
-                }
-                if let MPat::Until { start, until } = self.futs[&f].patience {
-                    if now >= until {
-                        return self.time_out(k, f, start);
+                let gave_up =
+                    matches!(self.futs[&f].patience, MPat::Until { until, .. } if now >= until);
+                if let MWant::Upgrade { gid, token } = want {
+                    if self.keys[k].holders.get(token).is_none() {
+                        // Its grant lost the key while it waited: it leaves
+                        // (acquire.rs: through `leave` with `timed_out`).
+                        if gave_up {
+                            return self.time_out(k, f);
+                        }
+                        let _ = self.leave(k, f, true);
+                        self.guard(gid).upgrading = None;
+                        return MPoll::Ready(Err(MErr::Expired(token)));
                     }
                 }
+                let head = self.keys[k].queue.front() == Some(&f);
+                if let (true, true, MWant::Grant(mode)) =
+                    (head, self.keys[k].holders.is_empty(), want)
+                {
+                    return MPoll::Ready(Ok(MDone::Guard(self.head_takes(k, f, mode))));
+                }
+                if gave_up {
+                    return self.time_out(k, f);
+                }
                 self.fut(f).slot = true;
-                let wake_at = self.keys[k].holder.and_then(|h| h.deadline);
+                let wake_at = self.keys[k].holders.earliest_deadline();
                 self.fut(f).timer_at = wake_at;
-                self.arm_timer(f, wake_at);
+                if self.arm_timer(f, wake_at) {
+                    return self.poll_waiting(k, f, want);
+                }
                 MPoll::Pending
             }
         }
     }
 
-    /// queue.rs `leave` with `timed_out` (after the poll's settle): the
-    /// diagnosis of now.
-    fn time_out(&mut self, k: usize, f: Fid, start: u64) -> MPoll {
+    /// The first poll of a lock future.
+    fn first_poll(&mut self, k: usize, f: Fid, mode: MMode) -> MPoll {
+        let MFut {
+            lease,
+            bomb,
+            patience,
+            ..
+        } = self.futs[&f];
+        if let MPat::For(Some(0)) = patience {
+            self.futs.remove(&f);
+            return MPoll::Ready(match self.try_acquire(k, mode, lease, bomb) {
+                Some(g) => Ok(MDone::Guard(g)),
+                None => {
+                    self.stats.timed_out += 1;
+                    let ahead = self.keys[k].queue.len();
+                    Err(self.diagnosis(k, 0, ahead))
+                }
+            });
+        }
+        if self.keys[k].unused() {
+            self.futs.remove(&f);
+            return MPoll::Ready(Ok(MDone::Guard(self.claim(k, mode, lease, bomb))));
+        }
+        self.bomb_keys += u32::from(bomb);
+        self.settle(k);
+        if self.open_to(k, mode) {
+            self.futs.remove(&f);
+            return MPoll::Ready(Ok(MDone::Guard(self.take_now(k, mode, lease))));
+        }
+        if self.enqueue(k, f, false) {
+            return self.poll_waiting(k, f, MWant::Grant(mode));
+        }
+        MPoll::Pending
+    }
+
+    /// The first poll of an upgrade (waiting.rs `upgrade`, acquire.rs
+    /// `start_upgrade`).
+    fn first_poll_upgrade(&mut self, k: usize, f: Fid, gid: Gid, token: u64) -> MPoll {
+        self.settle(k);
+        let Some(mine) = self.keys[k].holders.get(token) else {
+            self.futs.remove(&f);
+            self.guard(gid).upgrading = None;
+            return MPoll::Ready(Err(MErr::Expired(token)));
+        };
+        if self.keys[k].mode == MMode::Exclusive {
+            self.futs.remove(&f);
+            self.guard(gid).upgrading = None;
+            return MPoll::Ready(Ok(MDone::Upgraded { gid, token }));
+        }
+        if self.keys[k].holders.only().is_some() {
+            // The only holder: exclusive at once, with a fresh token.
+            let fresh = self.mint(k);
+            let key = &mut self.keys[k];
+            key.holders.remove(token);
+            key.holders.push(MHolder {
+                token: fresh,
+                ..mine
+            });
+            key.mode = MMode::Exclusive;
+            self.stats.acquisitions += 1;
+            self.futs.remove(&f);
+            let g = self.guard(gid);
+            g.token = fresh;
+            g.mode = MMode::Exclusive;
+            g.upgrading = None;
+            return MPoll::Ready(Ok(MDone::Upgraded { gid, token: fresh }));
+        }
+        if let Some(&head) = self.keys[k].queue.front() {
+            if let MWant::Upgrade {
+                token: upgrading, ..
+            } = self.futs[&head].want
+            {
+                self.futs.remove(&f);
+                self.guard(gid).upgrading = None;
+                return MPoll::Ready(Err(MErr::Conflict { token, upgrading }));
+            }
+        }
+        if let MPat::For(Some(0)) = self.futs[&f].patience {
+            // Would wait, and may not: linked and left at once, under the
+            // lock (no waker stored, no timer armed).
+            self.keys[k].queue.push_front(f);
+            self.fut(f).state = MState::Waiting;
+            let err = self.leave(k, f, true);
+            self.guard(gid).upgrading = None;
+            return MPoll::Ready(Err(err.expect("model: a timeout's diagnosis")));
+        }
+        if self.enqueue(k, f, true) {
+            return self.poll_waiting(k, f, MWant::Upgrade { gid, token });
+        }
+        MPoll::Pending
+    }
+
+    /// waiting.rs `leave` of a linked waiter that was not granted (and
+    /// drops the model's future): with `timed_out`, the diagnosis of now.
+    fn leave(&mut self, k: usize, f: Fid, timed_out: bool) -> Option<MErr> {
         let ahead = self.keys[k]
             .queue
             .iter()
             .position(|&x| x == f)
             .expect("model: waiting future is queued");
         self.keys[k].queue.remove(ahead);
-        self.futs.remove(&f);
+        let fut = self.futs.remove(&f).expect("model: future exists");
         self.after_leaving(k, ahead == 0);
-        self.stats.timed_out += 1;
-        let h = self.keys[k].holder;
-        let err = MErr::Timeout {
-            waited: self.now - start,
-            holder: h.map(|h| h.token),
-            held_for: h.and_then(|h| h.since).map(|s| self.now - s),
-            ahead,
+        let err = if timed_out {
+            self.stats.timed_out += 1;
+            let waited = match fut.patience {
+                MPat::Until { start, .. } => self.now - start,
+                _ => 0,
+            };
+            Some(self.diagnosis(k, waited, ahead))
+        } else {
+            self.stats.cancelled += 1;
+            None
         };
         self.remove_if_unused(k);
+        err
+    }
+
+    /// queue.rs `leave` with `timed_out` (after the poll's settle).
+    fn time_out(&mut self, k: usize, f: Fid) -> MPoll {
+        if let Some(g) = self.futs[&f].upgrade_of() {
+            self.guard(g).upgrading = None;
+        }
+        let err = self
+            .leave(k, f, true)
+            .expect("model: a timeout's diagnosis");
         MPoll::Ready(Err(err))
     }
 
-    /// A waiter left the queue: a new head must arm its timer, or take a
-    /// free key.
+    /// A waiter left the queue: a new head may be admitted (shared waiters
+    /// behind a departed writer or upgrade), must arm its timer, or (a free
+    /// key, eventual fairness) is nudged to take the key.
     fn after_leaving(&mut self, k: usize, was_head: bool) {
         if was_head {
-            if self.keys[k].holder.is_none() {
+            if self.keys[k].holders.is_empty() && self.cfg.eventual {
                 self.nudge_head(k);
             } else {
-                self.nudge_head_for_timer(k);
+                self.admit(k);
             }
         }
     }
@@ -1427,41 +2010,64 @@ impl Model {
         }
     }
 
-    /// A future is dropped: queue.rs `leave` if it had queued.
+    /// A future is dropped: queue.rs `leave` if it had queued; an upgrade
+    /// granted but not observed is made shared again (upgrade.rs).
     fn drop_fut(&mut self, f: Fid) {
-        let fut = self.futs.remove(&f).expect("model: future exists");
+        let fut = self.futs[&f].clone();
         let k = fut.key;
-        match fut.state {
-            MState::Unpolled => self.bomb_keys += u32::from(fut.bomb),
-            MState::Invalid(_) => {}
-            MState::Waiting => {
-                let at = self.keys[k].queue.iter().position(|&x| x == f).unwrap();
-                self.keys[k].queue.remove(at);
-                self.after_leaving(k, at == 0);
-                self.stats.cancelled += 1;
-                self.remove_if_unused(k);
+        match (fut.state, fut.want) {
+            (MState::Unpolled, _) => {
+                self.futs.remove(&f);
+                self.bomb_keys += u32::from(fut.bomb);
             }
-            MState::Granted { token, .. } => {
+            (MState::Invalid(_), _) => {
+                self.futs.remove(&f);
+            }
+            (MState::Waiting, _) => {
+                let _ = self.leave(k, f, false);
+            }
+            (MState::Granted { token, .. }, MWant::Grant(_)) => {
+                self.futs.remove(&f);
                 self.stats.cancelled += 1;
                 self.release_token(k, token);
             }
+            (MState::Granted { token, deadline }, MWant::Upgrade { gid, .. }) => {
+                self.futs.remove(&f);
+                // acquire.rs `cancel_upgrade`: `downgrade` of the new grant
+                // (its error ignored); the guard carries the new token,
+                // shared.
+                let _ = self.downgrade_token(k, token);
+                self.claim_slot(k, f, token, gid);
+                let g = self.guard(gid);
+                g.token = token;
+                g.mode = MMode::Shared;
+                g.expires = deadline;
+            }
+        }
+        if let Some(g) = fut.upgrade_of() {
+            self.guard(g).upgrading = None;
         }
     }
 
-    /// queue.rs `release`: by token; a stale one frees nothing.
+    /// waiting.rs `release`: by token; a stale one frees nothing.
     fn release_token(&mut self, k: usize, token: u64) {
-        match self.keys[k].holder {
-            Some(h) if h.token == token => {
-                if !self.keys[k].queue.is_empty() {
+        if self.keys[k].holders.get(token).is_some() {
+            let last = self.keys[k].holders.only().is_some();
+            if last && self.keys[k].queue.is_empty() {
+                self.keys[k].holders.remove(token);
+            } else {
+                // handoff.rs `let_go`.
+                self.keys[k].holders.remove(token);
+                if self.keys[k].holders.is_empty() {
                     self.pass_on(k);
-                    return;
+                } else {
+                    self.admit(k);
                 }
-                self.keys[k].holder = None;
+                return;
             }
-            _ => {
-                assert!(self.keys[k].fenced > 0, "model: fenced count");
-                self.keys[k].fenced -= 1;
-            }
+        } else {
+            assert!(self.keys[k].fenced > 0, "model: fenced count");
+            self.keys[k].fenced -= 1;
         }
         self.remove_if_unused(k);
     }
@@ -1469,10 +2075,9 @@ impl Model {
     /// A guard drops.
     fn release(&mut self, g: Gid) {
         let guard = self.guards.remove(&g).expect("model: guard exists");
-        if let Some(h) = self.keys[guard.key].holder {
-            if h.by == By::Guard(g) {
-                assert_eq!(h.token, guard.token);
-            }
+        assert!(guard.upgrading.is_none(), "model: a guard being upgraded");
+        if let Some(h) = self.keys[guard.key].holders.get(guard.token) {
+            assert_eq!(h.by, By::Guard(g), "model: the guard's grant");
         }
         self.release_token(guard.key, guard.token);
     }
@@ -1480,10 +2085,32 @@ impl Model {
     fn check(&mut self, g: Gid) -> Result<u64, MErr> {
         let (k, token) = (self.guards[&g].key, self.guards[&g].token);
         self.settle(k);
-        match self.keys[k].holder {
-            Some(h) if h.token == token => Ok(token),
-            _ => Err(MErr::Expired(token)),
+        match self.keys[k].holders.get(token) {
+            Some(_) => Ok(token),
+            None => Err(MErr::Expired(token)),
         }
+    }
+
+    /// waiting.rs `downgrade` of grant `token` of key `k`.
+    fn downgrade_token(&mut self, k: usize, token: u64) -> Result<(), MErr> {
+        self.settle(k);
+        if self.keys[k].holders.get(token).is_none() {
+            return Err(MErr::Expired(token));
+        }
+        if self.keys[k].mode == MMode::Shared {
+            return Ok(());
+        }
+        self.keys[k].mode = MMode::Shared;
+        self.admit(k);
+        Ok(())
+    }
+
+    /// `Guard::downgrade`.
+    fn downgrade(&mut self, g: Gid) -> Result<(), MErr> {
+        let (k, token) = (self.guards[&g].key, self.guards[&g].token);
+        self.downgrade_token(k, token)?;
+        self.guard(g).mode = MMode::Shared;
+        Ok(())
     }
 
     fn renew(&mut self, g: Gid, lease: u64) -> Result<(), MErr> {
@@ -1493,46 +2120,47 @@ impl Model {
         let (k, token) = (self.guards[&g].key, self.guards[&g].token);
         self.settle(k);
         let now = self.now;
-        match self.keys[k].holder.as_mut() {
-            Some(h) if h.token == token => {
+        match self.keys[k].holders.get_mut(token) {
+            Some(h) => {
                 let before = h.deadline.replace(now + lease);
                 h.since.get_or_insert(now);
-                self.guards.get_mut(&g).unwrap().expires = Some(now + lease);
+                self.guard(g).expires = Some(now + lease);
                 self.nudge_head_for_timer(k);
-                // queue.rs `renew`: an earlier (or first) deadline wakes the
+                // lapse.rs `renew`: an earlier (or first) deadline wakes the
                 // grant's `Lost` futures to re-arm.
                 if before.is_none_or(|b| now + lease < b) {
                     self.wake_watch(g);
                 }
                 Ok(())
             }
-            _ => Err(MErr::Expired(token)),
+            None => Err(MErr::Expired(token)),
         }
     }
 
+    /// lapse.rs `revoke`: every holder found when the call came (after the
+    /// settle) is displaced, in the table's order; the highest token.
     fn revoke(&mut self, k: usize) -> Option<u64> {
         if self.keys[k].unused() {
             return None;
         }
-        if self.live_holder(k).is_none() {
-            self.settle(k);
-            return None;
-        }
-        let h = self.displace(k).unwrap();
-        self.stats.revoked += 1;
-        // The revoked guard's `expires_at()` reads the clock (it reports
-        // the time of the call).
-        self.read_clock = true;
-        Some(h.token)
+        self.settle(k);
+        let holders: Vec<u64> = self.keys[k].holders.iter().map(|h| h.token).collect();
+        let gone = self.displace_all(k, &holders);
+        self.stats.revoked += gone.len() as u64;
+        let revoked = gone.into_iter().max();
+        // A revoked guard's `expires_at()` reads the clock (it reports the
+        // time of the call).
+        self.read_clock |= revoked.is_some();
+        revoked
     }
 
-    /// queue.rs `revoke_grant`: only grant `t`, if it is the live holder.
+    /// lapse.rs `revoke_grant`: only grant `t`, if it is a live holder.
     fn revoke_grant(&mut self, k: usize, t: u64) -> bool {
         if self.keys[k].unused() {
             return false;
         }
-        if self.live_holder(k).is_some_and(|h| h.token == t) {
-            self.displace(k);
+        if self.keys[k].holders.get(t).is_some_and(|h| self.live(&h)) {
+            self.displace(k, t);
             self.stats.revoked += 1;
             self.read_clock = true;
             return true;
@@ -1542,13 +2170,13 @@ impl Model {
     }
 
     /// What guard `g`'s `expires_at()` reports: its grant's deadline while
-    /// it is the key's current grant (lapsed or not); once it lost the key,
-    /// its deadline if that has passed, else the time of the call.
+    /// it holds the key (lapsed or not); once it lost the key, its deadline
+    /// if that has passed, else the time of the call.
     fn expires_at(&self, g: Gid) -> Option<u64> {
         let guard = &self.guards[&g];
-        match self.keys[guard.key].holder {
-            Some(h) if h.token == guard.token => h.deadline,
-            _ => Some(guard.expires.map_or(self.now, |d| d.min(self.now))),
+        match self.keys[guard.key].holders.get(guard.token) {
+            Some(h) => h.deadline,
+            None => Some(guard.expires.map_or(self.now, |d| d.min(self.now))),
         }
     }
 
@@ -1614,16 +2242,17 @@ impl Model {
     fn grant_lost(&self, g: Gid) -> bool {
         let guard = &self.guards[&g];
         self.keys[guard.key]
-            .holder
-            .is_none_or(|h| h.token != guard.token || !self.live(&h))
+            .holders
+            .get(guard.token)
+            .is_none_or(|h| !self.live(&h))
     }
 
     /// Whether polling `f` now would change anything (so it must have been
     /// woken since it was last polled).
     fn can_progress(&self, f: Fid) -> bool {
         let fut = &self.futs[&f];
-        let k = &self.keys[fut.key];
-        if fut.tainted || fut.missed_nudge {
+        let key = &self.keys[fut.key];
+        if fut.tainted {
             return false;
         }
         match fut.state {
@@ -1631,41 +2260,69 @@ impl Model {
             MState::Waiting => {
                 let timed_out =
                     matches!(fut.patience, MPat::Until { until, .. } if self.now >= until);
-                let head = k.queue.front() == Some(&f);
-                let free = k.holder.is_none_or(|h| !self.live(&h));
-                timed_out || (head && free)
+                let head = key.queue.front() == Some(&f);
+                let orphan = match fut.want {
+                    MWant::Upgrade { token, .. } => key.holders.get(token).is_none(),
+                    MWant::Grant(_) => false,
+                };
+                let free = key.holders.is_empty() || self.any_lapsed(fut.key);
+                timed_out || orphan || (head && free)
             }
             MState::Unpolled | MState::Invalid(_) => false,
         }
     }
 
+    /// Whether guard `g` waits for its upgrade's grant to be observed (the
+    /// grant is counted by the future, not the guard).
+    fn upgrade_granted(&self, g: &MGuard) -> bool {
+        g.upgrading
+            .is_some_and(|f| matches!(self.futs[&f].state, MState::Granted { .. }))
+    }
+
     /// The model's own invariants.
     fn self_check(&self) {
         for (i, key) in self.keys.iter().enumerate() {
-            if !key.queue.is_empty() && key.holder.is_none() {
-                assert!(self.cfg.eventual, "model: strict waiters imply a holder");
-                let head = &self.futs[&key.queue[0]];
-                assert!(
-                    head.tainted || !head.slot,
-                    "model: the head of a free key was nudged"
-                );
+            assert!(
+                key.mode == MMode::Shared || key.holders.len() <= 1,
+                "model: an exclusive key has one holder"
+            );
+            match self.admission(i) {
+                MAdmission::Empty | MAdmission::Blocked => {}
+                MAdmission::Grant(_) if key.holders.is_empty() => {
+                    assert!(self.cfg.eventual, "model: strict waiters imply a holder");
+                    let head = &self.futs[&key.queue[0]];
+                    assert!(
+                        head.tainted || !head.slot,
+                        "model: the head of a free key was nudged"
+                    );
+                }
+                MAdmission::Orphan => {
+                    let head = &self.futs[&key.queue[0]];
+                    assert!(
+                        head.tainted || !head.slot,
+                        "model: an orphaned upgrade was nudged"
+                    );
+                }
+                other => panic!("model: key {i}'s head is admitted but waits: {other:?}"),
             }
-            for f in &key.queue {
+            for (at, f) in key.queue.iter().enumerate() {
                 assert_eq!(self.futs[f].state, MState::Waiting);
                 assert_eq!(self.futs[f].key, i);
+                if let MWant::Upgrade { .. } = self.futs[f].want {
+                    assert_eq!(at, 0, "model: an upgrade waits at the head");
+                }
             }
-            let holder_token = key.holder.map(|h| h.token);
+            let held = |t: u64| key.holders.get(t).is_some();
             let fenced_guards = self
                 .guards
                 .values()
-                .filter(|g| g.key == i && Some(g.token) != holder_token)
+                .filter(|g| g.key == i && !held(g.token) && !self.upgrade_granted(g))
                 .count();
             let fenced_slots = self
                 .futs
                 .values()
                 .filter(|f| {
-                    f.key == i
-                        && matches!(f.state, MState::Granted { token, .. } if Some(token) != holder_token)
+                    f.key == i && matches!(f.state, MState::Granted { token, .. } if !held(token))
                 })
                 .count();
             assert_eq!(
@@ -1673,7 +2330,7 @@ impl Model {
                 key.fenced as usize,
                 "model: fenced count of key {i}"
             );
-            if let Some(h) = key.holder {
+            for h in key.holders.iter() {
                 match h.by {
                     By::Guard(g) => assert_eq!(self.guards[&g].token, h.token),
                     By::Slot(f) => assert!(matches!(
@@ -1695,15 +2352,33 @@ enum AnyFut<'a> {
     With(Pin<Box<LockWith<'a, Key, KeyHash>>>),
     Owned(Pin<Box<LockOwned<Key, KeyHash>>>),
     OwnedWith(Pin<Box<LockOwnedWith<Key, KeyHash>>>),
+    /// A guard's `upgrade()`: it borrows the (boxed) guard mutably, so the
+    /// harness leaves that guard alone until the future is gone.
+    Upgrade(Pin<Box<Upgrade<'a, Key, KeyHash>>>),
+}
+
+/// What a future resolves to.
+enum Out<'a> {
+    Guard(AnyGuard<'a>),
+    /// An upgrade's new token.
+    Upgraded(FencingToken),
 }
 
 impl<'a> AnyFut<'a> {
-    fn poll(&mut self, cx: &mut Context<'_>) -> Poll<Result<AnyGuard<'a>, LockError>> {
+    fn poll(&mut self, cx: &mut Context<'_>) -> Poll<Result<Out<'a>, LockError>> {
+        let guard = |g| Out::Guard(g);
         match self {
-            AnyFut::Plain(f) => f.as_mut().poll(cx).map(|g| Ok(AnyGuard::B(g))),
-            AnyFut::With(f) => f.as_mut().poll(cx).map(|r| r.map(AnyGuard::B)),
-            AnyFut::Owned(f) => f.as_mut().poll(cx).map(|g| Ok(AnyGuard::O(g))),
-            AnyFut::OwnedWith(f) => f.as_mut().poll(cx).map(|r| r.map(AnyGuard::O)),
+            AnyFut::Plain(f) => f.as_mut().poll(cx).map(|g| Ok(guard(AnyGuard::B(g)))),
+            AnyFut::With(f) => f
+                .as_mut()
+                .poll(cx)
+                .map(|r| r.map(|g| guard(AnyGuard::B(g)))),
+            AnyFut::Owned(f) => f.as_mut().poll(cx).map(|g| Ok(guard(AnyGuard::O(g)))),
+            AnyFut::OwnedWith(f) => f
+                .as_mut()
+                .poll(cx)
+                .map(|r| r.map(|g| guard(AnyGuard::O(g)))),
+            AnyFut::Upgrade(f) => f.as_mut().poll(cx).map(|r| r.map(Out::Upgraded)),
         }
     }
 
@@ -1723,6 +2398,7 @@ impl<'a> AnyFut<'a> {
             AnyFut::With(f) => leak(f),
             AnyFut::Owned(f) => leak(f),
             AnyFut::OwnedWith(f) => leak(f),
+            AnyFut::Upgrade(_) => unreachable!("an upgrade is never forgotten"),
         }
     }
 }
@@ -1758,6 +2434,12 @@ macro_rules! on_guard {
 impl AnyGuard<'_> {
     fn token(&self) -> FencingToken {
         on_guard!(self, |g| g.token())
+    }
+    fn mode(&self) -> Mode {
+        on_guard!(self, |g| g.mode())
+    }
+    fn downgrade(&mut self) -> Result<(), LockError> {
+        on_guard!(self, |g| g.downgrade())
     }
     fn key(&self) -> usize {
         usize::from(on_guard!(self, |g| g.key().id))
@@ -1817,7 +2499,7 @@ impl<'a> HFut<'a> {
         self.wakers.push(slot);
     }
 
-    fn poll(&mut self) -> Poll<Result<AnyGuard<'a>, LockError>> {
+    fn poll(&mut self) -> Poll<Result<Out<'a>, LockError>> {
         let mut cx = Context::from_waker(&self.waker);
         self.fut.as_mut().expect("a live future").poll(&mut cx)
     }
@@ -1935,6 +2617,13 @@ impl<'a> Harness<'a> {
             }
             (LockError::Expired { token }, MErr::Expired(t)) => token.get() == t,
             (LockError::WouldBlock, MErr::WouldBlock) => true,
+            (
+                LockError::UpgradeConflict { token, upgrading },
+                MErr::Conflict {
+                    token: t,
+                    upgrading: u,
+                },
+            ) => token.get() == t && upgrading.get() == u,
             _ => false,
         };
         assert!(ok, "{what}: crate said {got:?}, model says {want:?}");
@@ -1978,23 +2667,8 @@ impl<'a> Harness<'a> {
     fn accept_guard(&mut self, what: &str, guard: AnyGuard<'a>, want: MGrant, key: usize) {
         assert_eq!(guard.key(), key, "{what}: guard of the wrong key");
         assert_eq!(guard.token().get(), want.token, "{what}: token");
-        let t = want.token;
-        assert!(
-            t > self.model.cfg.token_floor,
-            "{what}: token {t} not above the floor"
-        );
-        assert!(
-            self.handed_out.insert(t),
-            "{what}: token {t} handed out twice in one table"
-        );
-        let current = self.model.keys[key].holder.is_some_and(|h| h.token == t);
-        if current {
-            assert!(
-                t > self.last_seen[key],
-                "{what}: fencing token did not increase for key {key}"
-            );
-            self.last_seen[key] = t;
-        }
+        assert_eq!(MMode::of(guard.mode()), want.mode, "{what}: mode");
+        self.new_token(what, key, want.token, want.mode);
         assert_eq!(
             guard.expires_at(),
             self.model.expires_at(want.gid).map(|d| self.at(d)),
@@ -2006,6 +2680,27 @@ impl<'a> Harness<'a> {
             lost: None,
             guard: Box::new(guard),
         });
+    }
+
+    /// A token handed out for key `key` in `mode`: above the floor, never
+    /// handed out before; an exclusive grant that holds the key is above
+    /// every grant of the key seen so far.
+    fn new_token(&mut self, what: &str, key: usize, t: u64, mode: MMode) {
+        assert!(
+            t > self.model.cfg.token_floor,
+            "{what}: token {t} not above the floor"
+        );
+        assert!(
+            self.handed_out.insert(t),
+            "{what}: token {t} handed out twice in one table"
+        );
+        if self.model.keys[key].holders.get(t).is_some() {
+            assert!(
+                mode == MMode::Shared || t > self.last_seen[key],
+                "{what}: exclusive token {t} not above every earlier grant of key {key}"
+            );
+            self.last_seen[key] = self.last_seen[key].max(t);
+        }
     }
 
     /// A guard the crate built but lost to a panic: unwinding dropped it,
@@ -2058,7 +2753,13 @@ impl<'a> Harness<'a> {
                 }
             }
             Op::Forget { fut } => {
-                if !self.futs.is_empty() && self.abandoned.len() < MAX_ABANDONED {
+                // An upgrade is never forgotten: it borrows its guard.
+                let upgrade =
+                    |h: &Self, i: usize| h.model.futs[&h.futs[i].id].upgrade_of().is_some();
+                if !self.futs.is_empty()
+                    && self.abandoned.len() < MAX_ABANDONED
+                    && !upgrade(self, usize::from(fut) % self.futs.len())
+                {
                     let mut f = self.futs.remove(usize::from(fut) % self.futs.len());
                     let m = self.model.fut(f.id);
                     m.abandoned = true;
@@ -2083,8 +2784,8 @@ impl<'a> Harness<'a> {
                 }
             }
             Op::DropGuard { guard } | Op::ReleaseGuard { guard } => {
-                if !self.guards.is_empty() {
-                    let g = self.guards.remove(usize::from(guard) % self.guards.len());
+                if let Some(i) = self.free_guard(guard) {
+                    let g = self.guards.remove(i);
                     self.drop_guard(g, matches!(op, Op::ReleaseGuard { .. }));
                 }
             }
@@ -2098,11 +2799,10 @@ impl<'a> Harness<'a> {
                 // Known bug: a `try_lock` whose key's drop panics after it
                 // took an existing entry leaks the grant.
                 let bomb = bomb && !self.known_bugs.try_lock_key_drop;
-                self.try_lock(k, lease.map(lease_of), with, owned, bomb);
+                self.try_lock(k, lease.map(lease_of), Entry::of(with), owned, bomb);
             }
             Op::Renew { guard, lease } => {
-                if !self.guards.is_empty() {
-                    let i = usize::from(guard) % self.guards.len();
+                if let Some(i) = self.free_guard(guard) {
                     self.renew(i, lease_of(lease));
                 }
             }
@@ -2125,31 +2825,129 @@ impl<'a> Harness<'a> {
                 self.check_reentry("revoke");
             }
             Op::Check { guard } => {
-                if !self.guards.is_empty() {
-                    self.check_guard(usize::from(guard) % self.guards.len());
+                if let Some(i) = self.free_guard(guard) {
+                    self.check_guard(i);
                 }
             }
             Op::CheckAll => {
-                let mut live = [0; KEYS];
+                // Per key: exclusive and shared guards that pass `check()`.
+                let mut live = [(0, 0); KEYS];
                 for i in 0..self.guards.len() {
-                    if self.check_guard(i) == Some(true) {
-                        live[self.guards[i].guard.key()] += 1;
+                    if !self.busy(i) && self.check_guard(i) == Some(true) {
+                        let g = &self.guards[i].guard;
+                        let n = &mut live[g.key()];
+                        match g.mode() {
+                            Mode::Exclusive => n.0 += 1,
+                            Mode::Shared => n.1 += 1,
+                        }
                     }
                 }
-                for (k, n) in live.iter().enumerate() {
-                    assert!(*n <= 1, "{n} guards of key {k} pass check() at once");
+                for (k, (x, s)) in live.iter().enumerate() {
+                    assert!(
+                        *x == 0 || (*x == 1 && *s == 0),
+                        "{x} exclusive and {s} shared guards of key {k} pass check() at once"
+                    );
                 }
             }
             Op::Advance { by } => self.advance(u64::from(by % 16) * UNIT),
-            Op::AdvanceMicros { by } => self.advance(u64::from(by % 8) * 100_000),
+            Op::AdvanceMicros { by } => match ModeOp::of(by) {
+                None => self.advance(u64::from(by % 8) * 100_000),
+                Some(ModeOp::Upgrade { guard, timeout }) => {
+                    if let Some(i) = self.free_guard(guard as u8) {
+                        self.start_upgrade(i, timeout);
+                    }
+                }
+                Some(ModeOp::Downgrade { guard }) => {
+                    if let Some(i) = self.free_guard(guard as u8) {
+                        self.downgrade(i);
+                    }
+                }
+            },
             Op::AdvanceNanos { by } if by & 0x80 != 0 => {
-                if !self.guards.is_empty() {
-                    let i = usize::from((by >> 3) & 7) % self.guards.len();
+                if let Some(i) = self.free_guard((by >> 3) & 7) {
                     self.watch(i, by & 0x40 != 0);
                 }
             }
             Op::AdvanceNanos { by } => self.advance(u64::from(by % 8)),
         }
+    }
+
+    /// Whether guard `i` is borrowed by its pending upgrade.
+    fn busy(&self, i: usize) -> bool {
+        self.model.guards[&self.guards[i].id].upgrading.is_some()
+    }
+
+    /// Guard `pick` (modulo), unless it is borrowed by its upgrade.
+    fn free_guard(&self, pick: u8) -> Option<usize> {
+        if self.guards.is_empty() {
+            return None;
+        }
+        let i = usize::from(pick) % self.guards.len();
+        (!self.busy(i)).then_some(i)
+    }
+
+    /// `upgrade()` / `upgrade_with(timeout)` of guard `i`: a new future (not
+    /// polled yet) with a plain waker. Not for a guard with a `Lost`, which
+    /// borrows it.
+    fn start_upgrade(&mut self, i: usize, timeout: Option<Option<u64>>) {
+        if self.futs.len() >= MAX_FUTS || self.guards[i].lost.is_some() {
+            return;
+        }
+        self.timed |= timeout.is_some();
+        let gid = self.guards[i].id;
+        let id = self.next_fid;
+        self.next_fid += 1;
+        self.model.start_upgrade(id, gid, timeout);
+        // SAFETY: the guard is boxed and stays put; while the future exists
+        // the harness does not touch the guard (`busy`), and the future is
+        // dropped before the guard on every path (futures are dropped
+        // first at the end; a busy guard is never dropped).
+        let guard: &'a mut AnyGuard<'a> =
+            unsafe { &mut *(&mut *self.guards[i].guard as *mut AnyGuard<'a>) };
+        let fut = match timeout {
+            None => on_guard!(guard, |g| g.upgrade()),
+            Some(t) => {
+                let opts = LockOptions::new().timeout(t.map_or(Duration::MAX, ns));
+                on_guard!(guard, |g| g.upgrade_with(opts))
+            }
+        };
+        let (slot, waker) = new_waker(WKind::Plain);
+        self.futs.push(HFut {
+            id,
+            owned: false,
+            fut: Some(AnyFut::Upgrade(Box::pin(fut))),
+            waker,
+            wakers: vec![slot],
+        });
+    }
+
+    /// `downgrade()` of guard `i` (not with a `Lost`, which borrows it).
+    fn downgrade(&mut self, i: usize) {
+        if self.guards[i].lost.is_some() {
+            return;
+        }
+        let gid = self.guards[i].id;
+        let before = self
+            .known_bugs
+            .downgrade_wake_panic
+            .then(|| self.model.clone());
+        let want = self.model.downgrade(gid);
+        let expect = self.flush(false);
+        if let (Some(before), Expect::Must) = (before, expect) {
+            // Known bug: the guard would keep reporting `Exclusive`.
+            self.model = before;
+            return;
+        }
+        let got = catch(|| self.guards[i].guard.downgrade());
+        self.expect_panic("downgrade", got.as_ref().map(drop).map_err(|p| *p), expect);
+        match (&got, want) {
+            // Its wakes after the unlock panicked; the change is complete.
+            (Err(_), _) => {}
+            (Ok(Ok(())), Ok(())) => {}
+            (Ok(Err(e)), Err(w)) => self.expect_err("downgrade", e, w),
+            _ => panic!("downgrade of guard {gid}: crate {got:?}, model {want:?}"),
+        }
+        self.check_reentry("downgrade");
     }
 
     #[allow(clippy::too_many_arguments)]
@@ -2158,10 +2956,12 @@ impl<'a> Harness<'a> {
         key: u8,
         lease: Option<u8>,
         timeout: Option<u8>,
-        with: bool,
+        with: u8,
         owned: bool,
         waker: u8,
     ) {
+        let entry = Entry::of(with);
+        let with = entry.with;
         if self.futs.len() >= MAX_FUTS {
             return;
         }
@@ -2192,7 +2992,9 @@ impl<'a> Harness<'a> {
         // when a later local's drop panics (rust-lang/rust#47949).
         let bomb = bomb && self.model.resolve(lease).is_ok();
         let plain = !with && lease.is_none() && timeout.is_none();
-        let mut opts = LockOptions::new();
+        let shorthand = plain && entry.shared && entry.shorthand;
+        let plain = plain && !entry.shared;
+        let mut opts = entry.apply(LockOptions::new());
         if let Some(l) = lease {
             opts = opts.lease(ns(l));
         }
@@ -2201,11 +3003,16 @@ impl<'a> Harness<'a> {
         }
         let id = self.next_fid;
         self.next_fid += 1;
-        self.model.start(id, k, lease, timeout, bomb, kind);
+        self.model
+            .start(id, k, entry.mode(), lease, timeout, bomb, kind);
         let table = self.table;
         let fut = match catch(|| {
             let key = Key::new(k, bomb);
-            match (plain, owned) {
+            match (plain || shorthand, owned) {
+                (true, false) if shorthand => AnyFut::Plain(Box::pin(table.lock_shared(key))),
+                (true, true) if shorthand => {
+                    AnyFut::Owned(Box::pin(Arc::clone(table).lock_shared_owned(key)))
+                }
                 (true, false) => AnyFut::Plain(Box::pin(table.lock(key))),
                 (true, true) => AnyFut::Owned(Box::pin(Arc::clone(table).lock_owned(key))),
                 (false, false) => AnyFut::With(Box::pin(table.lock_with(key, opts))),
@@ -2227,18 +3034,32 @@ impl<'a> Harness<'a> {
         });
     }
 
-    fn try_lock(&mut self, k: usize, lease: Option<u64>, with: bool, owned: bool, bomb: bool) {
+    fn try_lock(&mut self, k: usize, lease: Option<u64>, entry: Entry, owned: bool, bomb: bool) {
         self.timed |= lease.is_some();
-        let mut opts = LockOptions::new();
+        let mut opts = entry.apply(LockOptions::new());
         if let Some(l) = lease {
             opts = opts.lease(ns(l));
         }
-        let want = self.model.try_lock(k, lease, bomb);
+        let want = self.model.try_lock(k, entry.mode(), lease, bomb);
         let expect = self.flush(false);
         let table = self.table;
+        let plain = !entry.with && lease.is_none();
         let got = catch(|| -> Result<AnyGuard<'a>, LockError> {
             let key = Key::new(k, bomb);
-            match (with || lease.is_some(), owned) {
+            if plain && entry.shared && entry.shorthand {
+                return if owned {
+                    Arc::clone(table)
+                        .try_lock_shared_owned(key)
+                        .map(AnyGuard::O)
+                        .map_err(LockError::from)
+                } else {
+                    table
+                        .try_lock_shared(key)
+                        .map(AnyGuard::B)
+                        .map_err(LockError::from)
+                };
+            }
+            match (!plain || entry.shared, owned) {
                 (false, false) => table
                     .try_lock(key)
                     .map(AnyGuard::B)
@@ -2357,10 +3178,12 @@ impl<'a> Harness<'a> {
     /// other keys, named by a timeout): only a live holder's own token
     /// revokes anything.
     fn revoke_grant(&mut self, k: usize, pick: usize) {
+        // The model's copy of each guard's token: a guard borrowed by its
+        // upgrade is not touched.
         let candidates: Vec<FencingToken> = self
             .guards
             .iter()
-            .map(|g| g.guard.token())
+            .map(|g| FencingToken::new(self.model.guards[&g.id].token).expect("above zero"))
             .chain(self.tokens_seen.iter().copied())
             .collect();
         if candidates.is_empty() {
@@ -2477,11 +3300,19 @@ impl<'a> Harness<'a> {
             // re-registers everything.
             m.wakes = wakes;
         }
+        let before = (self.model.one_by_one && kind.own_bomb()).then(|| self.model.clone());
         let want = self.model.poll(id, wakes);
         // A waker's own `clone` or `drop` may panic anywhere in the poll:
         // before the poll's deferred work (which then runs while unwinding:
         // no panics, no calls back into the table) or within it.
         let may = kind.own_bomb();
+        if let (Some(before), true) = (before, self.model.looped) {
+            // Known bug `upgrade_mid_displace`: a timer armed in the past
+            // makes the poll judge again; its own waker may panic in between
+            // (arming), which the model does not follow. Not polled.
+            self.model = before;
+            return;
+        }
         let mut unwound = may.then(|| {
             let mut m = self.model.clone();
             m.flush(true);
@@ -2510,7 +3341,9 @@ impl<'a> Harness<'a> {
                         }
                     }
                     MPoll::Ready(r) => {
-                        if let Ok(w) = r {
+                        // An upgrade changed its guard in place before its
+                        // deferred work ran: nothing was lost.
+                        if let Ok(MDone::Guard(w)) = r {
                             self.released_by_unwinding(w.gid);
                         }
                         let f = self.futs.remove(i);
@@ -2535,10 +3368,33 @@ impl<'a> Harness<'a> {
                         });
                 }
             }
-            (Poll::Ready(Ok(g)), MPoll::Ready(Ok(w))) => {
+            (Poll::Ready(Ok(Out::Guard(g))), MPoll::Ready(Ok(MDone::Guard(w)))) => {
                 self.accept_guard("poll", g, w, k);
                 let f = self.futs.remove(i);
                 self.retire(f);
+            }
+            (
+                Poll::Ready(Ok(Out::Upgraded(t))),
+                MPoll::Ready(Ok(MDone::Upgraded { gid, token })),
+            ) => {
+                assert_eq!(t.get(), token, "upgrade of guard {gid}: token");
+                let f = self.futs.remove(i);
+                self.retire(f);
+                if !self.handed_out.contains(&token) {
+                    self.new_token("upgrade", k, token, MMode::Exclusive);
+                }
+                self.seen_token(t);
+                let g = self.guards.iter().find(|g| g.id == gid).expect("its guard");
+                assert_eq!(
+                    g.guard.token(),
+                    t,
+                    "upgrade of guard {gid}: the guard's token"
+                );
+                assert_eq!(
+                    g.guard.mode(),
+                    Mode::Exclusive,
+                    "upgrade of guard {gid}: mode"
+                );
             }
             (Poll::Ready(Err(e)), MPoll::Ready(Err(w))) => {
                 self.expect_err("poll", &e, w);
@@ -2553,7 +3409,10 @@ impl<'a> Harness<'a> {
             }
             (got, want) => panic!(
                 "poll of future {id} (key {k}): crate {:?}, model {want:?}",
-                got.map(|r| r.map(|g| g.token()))
+                got.map(|r| r.map(|g| match g {
+                    Out::Guard(g) => g.token(),
+                    Out::Upgraded(t) => t,
+                }))
             ),
         }
     }
@@ -2588,15 +3447,19 @@ impl<'a> Harness<'a> {
         for (k, key) in m.keys.iter().enumerate() {
             if !key.unused() {
                 eprintln!(
-                    "  key {k}: holder {:?} queue {:?} fenced {}",
-                    key.holder, key.queue, key.fenced
+                    "  key {k}: {:?} holders {:?} queue {:?} fenced {}",
+                    key.mode,
+                    key.holders.iter().collect::<Vec<_>>(),
+                    key.queue,
+                    key.fenced
                 );
             }
         }
         for (id, f) in &m.futs {
             eprintln!(
-                "  fut {id}: key {} {:?} {:?} slot {} sleep {:?} wakes {}{}{}",
+                "  fut {id}: key {} {:?} {:?} {:?} slot {} sleep {:?} wakes {}{}{}",
                 f.key,
+                f.want,
                 f.state,
                 f.kind,
                 f.slot,
@@ -2616,7 +3479,7 @@ impl<'a> Harness<'a> {
             let key = k as u8;
             assert_eq!(
                 self.table.is_locked(&key),
-                self.model.live_holder(k).is_some(),
+                self.model.is_locked(k),
                 "is_locked({k}) at {}",
                 self.model.now
             );
@@ -2644,6 +3507,13 @@ impl<'a> Harness<'a> {
             );
         }
         for g in &self.guards {
+            let mg = &self.model.guards[&g.id];
+            if mg.upgrading.is_some() {
+                // Borrowed by its upgrade: not touched.
+                continue;
+            }
+            assert_eq!(g.guard.token().get(), mg.token, "token of guard {}", g.id);
+            assert_eq!(MMode::of(g.guard.mode()), mg.mode, "mode of guard {}", g.id);
             let want = self.model.expires_at(g.id).map(|d| self.at(d));
             assert_eq!(g.guard.expires_at(), want, "expires_at of guard {}", g.id);
             let m = self.model.guards[&g.id].watch.as_ref();
@@ -2700,7 +3570,7 @@ impl<'a> Harness<'a> {
             // Then the exact count: one wake per grant, one per nudge (to arm
             // a timer, or to take a key freed under eventual fairness), one
             // per timer that fired.
-            if !self.loose_wakes && !m.tainted && !m.missed_nudge {
+            if !self.loose_wakes && !m.tainted {
                 assert_eq!(f.wakes(), m.wakes, "wakes of future {} ({m:?})", f.id);
             }
         }
@@ -2718,7 +3588,7 @@ impl<'a> Harness<'a> {
             let bound = on_key.len() + 2;
             let mut rounds = 0;
             loop {
-                let want = self.model.try_lock(k, None, false);
+                let want = self.model.try_lock(k, MMode::Exclusive, None, false);
                 let expect = self.flush(false);
                 let got = catch(|| self.table.try_lock(Key::new(k, false)));
                 let panicked = got.as_ref().map(drop).map_err(|p| *p);

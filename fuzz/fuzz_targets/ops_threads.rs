@@ -22,6 +22,12 @@
 //!
 //! The table is strict FIFO or, by a flag of the input, `Fairness::Eventual`
 //! (a release may free the key for a running caller to take first).
+//!
+//! With modes (a flag, honoured without leases): locks may be shared, and
+//! guards upgrade and downgrade. The "inside" counter then counts readers
+//! and writers of the key: never a writer with anyone else; tokens and
+//! authority are judged against the exclusive grants seen live (an older
+//! shared grant stays live beside a newer one).
 
 #![no_main]
 
@@ -34,7 +40,7 @@ use std::time::{Duration, Instant};
 
 use arbitrary::Arbitrary;
 use keylock::futures::LockWith;
-use keylock::{Fairness, Guard, LockError, LockOptions, LockTable, ManualClock};
+use keylock::{Fairness, Guard, LockError, LockOptions, LockTable, ManualClock, Mode};
 use libfuzzer_sys::fuzz_target;
 
 const KEYS: usize = 4;
@@ -52,7 +58,10 @@ struct Input {
     /// Bit 0: allow leases, renewals and revocation (else mutual exclusion
     /// is exact). Bit 1: `Fairness::Eventual`. Bit 2: a manual clock with
     /// shard timers (`ManualClock::with_shard_timers`), as the real clock
-    /// has, instead of per-waiter timers.
+    /// has, instead of per-waiter timers. Bit 3 (honoured only without
+    /// leases): modes — bit 2 of a `TryLock` or `Start` key asks for a
+    /// shared lock, and `Advance { by }` with `by >> 2 != 0` upgrades (odd)
+    /// or downgrades (even) guard `by >> 3` (modulo) instead.
     flags: u8,
     /// 1 or 4 shards.
     one_shard: bool,
@@ -113,12 +122,19 @@ impl Wake for Counter {
     }
 }
 
+/// One writer inside a key, in `Shared::inside` (a reader counts one).
+const WRITER: i64 = 1 << 20;
+
 struct Shared {
     clock: Option<ManualClock>,
     leases: bool,
-    /// Threads inside a critical section of the key (exact only without leases).
+    /// Shared locks, upgrades and downgrades (only without leases).
+    modes: bool,
+    /// Threads inside a critical section of the key (exact only without
+    /// leases): `WRITER` per exclusive holder, one per shared one.
     inside: [AtomicI64; KEYS],
-    /// The largest token of the key ever observed live.
+    /// The largest token of the key ever observed live (of an exclusive
+    /// grant: every grant live later is at least that).
     max_live: [AtomicU64; KEYS],
 }
 
@@ -149,11 +165,48 @@ impl Shared {
     }
 
     fn observed_live(&self, what: &str, k: usize, token: u64, before: u64) {
+        self.observed_live_in(what, k, token, before, Mode::Exclusive);
+    }
+
+    /// A grant in `mode` seen live: not older than an exclusive grant seen
+    /// live before; an exclusive one raises the bar.
+    fn observed_live_in(&self, what: &str, k: usize, token: u64, before: u64, mode: Mode) {
         assert!(
             token >= before,
             "{what}: grant {token} of key {k} is live after grant {before} was seen live"
         );
-        self.max_live[k].fetch_max(token, SeqCst);
+        if mode == Mode::Exclusive {
+            self.max_live[k].fetch_max(token, SeqCst);
+        }
+    }
+
+    /// Enters key `k`'s critical section in `mode`: no writer with anyone.
+    fn enter(&self, what: &str, k: usize, mode: Mode) {
+        if self.leases {
+            return;
+        }
+        match mode {
+            Mode::Exclusive => {
+                let was = self.inside[k].fetch_add(WRITER, SeqCst);
+                assert_eq!(was, 0, "{what}: a writer of key {k} with others ({was:#x})");
+            }
+            Mode::Shared => {
+                let was = self.inside[k].fetch_add(1, SeqCst);
+                assert!(
+                    was < WRITER,
+                    "{what}: a reader of key {k} with a writer ({was:#x})"
+                );
+            }
+        }
+    }
+
+    fn leave(&self, k: usize, mode: Mode) {
+        if self.leases {
+            return;
+        }
+        let by = if mode == Mode::Exclusive { WRITER } else { 1 };
+        let was = self.inside[k].fetch_sub(by, SeqCst);
+        assert!(was >= by, "inside counter of key {k} on release ({was:#x})");
     }
 }
 
@@ -170,6 +223,8 @@ struct Tally {
     cancelled: u64,
     timed_out: u64,
     revoked: u64,
+    /// Upgrades dropped pending (cancelled, unless granted meanwhile).
+    upgrades_dropped: u64,
 }
 
 impl Tally {
@@ -181,6 +236,7 @@ impl Tally {
             cancelled: self.cancelled + o.cancelled,
             timed_out: self.timed_out + o.timed_out,
             revoked: self.revoked + o.revoked,
+            upgrades_dropped: self.upgrades_dropped + o.upgrades_dropped,
         }
     }
 }
@@ -208,14 +264,19 @@ struct Worker<'a> {
 impl<'a> Worker<'a> {
     fn got(&mut self, what: &str, k: usize, g: Guard<'a, u8>, before: u64) {
         let t = g.token().get();
+        let mode = g.mode();
         assert_eq!(usize::from(*g.key()), k);
         assert!(
             t > before,
             "{what}: new grant {t} of key {k} not above {before}, seen live before"
         );
         if t > self.last_token[k] {
-            self.shared.observed_live(what, k, t, before);
+            self.shared.observed_live_in(what, k, t, before, mode);
             self.last_token[k] = t;
+        } else if mode == Mode::Shared && self.shared.modes {
+            // A shared grant made before one this thread has seen since
+            // (granted to a future that had not run): both are live.
+            self.shared.observed_live_in(what, k, t, before, mode);
         } else {
             // A future granted the key whose grant lapsed or was revoked
             // before it ran resolves to that (fenced) grant: older than one
@@ -231,20 +292,14 @@ impl<'a> Worker<'a> {
                 self.last_token[k]
             );
         }
-        if !self.shared.leases {
-            let was = self.shared.inside[k].fetch_add(1, SeqCst);
-            assert_eq!(was, 0, "{what}: two holders of key {k} at once");
-        }
+        self.shared.enter(what, k, mode);
         self.tally.acquisitions += 1;
         self.guards.push((k, g));
     }
 
     fn release(&mut self, i: usize) {
         let (k, g) = self.guards.remove(i);
-        if !self.shared.leases {
-            let was = self.shared.inside[k].fetch_sub(1, SeqCst);
-            assert_eq!(was, 1, "inside counter of key {k} on release");
-        }
+        self.shared.leave(k, g.mode());
         drop(g);
     }
 
@@ -254,7 +309,8 @@ impl<'a> Worker<'a> {
         match g.check() {
             Ok(t) => {
                 assert_eq!(t, g.token());
-                self.shared.observed_live("check", *k, t.get(), before);
+                self.shared
+                    .observed_live_in("check", *k, t.get(), before, g.mode());
             }
             Err(LockError::Expired { token }) => {
                 assert_eq!(token, g.token());
@@ -315,10 +371,12 @@ impl<'a> Worker<'a> {
                 }
                 let k = usize::from(key) % KEYS;
                 let before = sh.max_live[k].load(SeqCst);
+                let shared = sh.modes && key & 4 != 0;
                 let r = match lease.filter(|_| sh.leases) {
                     Some(l) => self
                         .table
                         .try_lock_with(k as u8, LockOptions::new().lease(sh.lease(l))),
+                    None if shared => self.table.try_lock_shared(k as u8).map_err(LockError::from),
                     None => self.table.try_lock(k as u8).map_err(LockError::from),
                 };
                 match r {
@@ -337,6 +395,9 @@ impl<'a> Worker<'a> {
                 }
                 let k = usize::from(key) % KEYS;
                 let mut opts = LockOptions::new();
+                if sh.modes && key & 4 != 0 {
+                    opts = opts.shared();
+                }
                 if let Some(l) = lease.filter(|_| sh.leases) {
                     opts = opts.lease(sh.lease(l));
                 }
@@ -401,9 +462,17 @@ impl<'a> Worker<'a> {
                 if !self.guards.is_empty() {
                     let i = usize::from(guard) % self.guards.len();
                     let k = self.guards[i].0;
+                    let mode = self.guards[i].1.mode();
                     for _ in 0..3 {
                         if !sh.leases {
-                            assert_eq!(sh.inside[k].load(SeqCst), 1, "exclusion of key {k}");
+                            let n = sh.inside[k].load(SeqCst);
+                            match mode {
+                                Mode::Exclusive => assert_eq!(n, WRITER, "exclusion of key {k}"),
+                                Mode::Shared => assert!(
+                                    (1..WRITER).contains(&n),
+                                    "a reader of key {k} with a writer ({n:#x})"
+                                ),
+                            }
                         }
                         std::thread::yield_now();
                     }
@@ -441,6 +510,16 @@ impl<'a> Worker<'a> {
                     }
                 }
             }
+            TOp::Advance { by } if sh.modes && by >> 2 != 0 => {
+                if !self.guards.is_empty() {
+                    let i = usize::from(by >> 3) % self.guards.len();
+                    if by & 4 != 0 {
+                        self.upgrade(i);
+                    } else {
+                        self.downgrade(i);
+                    }
+                }
+            }
             TOp::Advance { by } => match &sh.clock {
                 Some(clock) => clock.advance(sh.unit() * u32::from(by % 4)),
                 None => {
@@ -455,6 +534,75 @@ impl<'a> Worker<'a> {
                 self.table.assert_consistent();
             }
         }
+    }
+
+    /// Upgrades guard `i`: polled a few times (the other thread may hold the
+    /// key shared), then dropped if still pending (its guard stays shared).
+    fn upgrade(&mut self, i: usize) {
+        let sh = self.shared;
+        let (k, g) = &mut self.guards[i];
+        let k = *k;
+        let was = g.mode();
+        let before = sh.max_live[k].load(SeqCst);
+        let old = g.token();
+        let counter = Arc::new(Counter(AtomicU64::new(0)));
+        let waker = Waker::from(Arc::clone(&counter));
+        let mut cx = Context::from_waker(&waker);
+        let mut up = Box::pin(g.upgrade());
+        let mut out = None;
+        for _ in 0..20 {
+            if let Poll::Ready(r) = up.as_mut().poll(&mut cx) {
+                out = Some(r);
+                break;
+            }
+            std::thread::yield_now();
+        }
+        let pended = out.is_none();
+        drop(up);
+        match out {
+            Some(Ok(t)) => {
+                assert_eq!(g.mode(), Mode::Exclusive);
+                assert_eq!(g.token(), t);
+                if was == Mode::Exclusive {
+                    assert_eq!(t, old, "an exclusive guard's upgrade changes nothing");
+                } else {
+                    assert!(
+                        t > old && t.get() > before,
+                        "upgrade: token {t} not above {before}"
+                    );
+                    // Exclusive now: nobody else may be inside.
+                    let was = sh.inside[k].fetch_add(WRITER - 1, SeqCst);
+                    assert_eq!(was, 1, "upgrade of key {k}: others inside ({was:#x})");
+                    sh.observed_live("upgrade", k, t.get(), before);
+                }
+            }
+            Some(Err(LockError::UpgradeConflict { token, .. })) => {
+                assert_eq!(token, old);
+                assert_eq!(g.mode(), Mode::Shared);
+            }
+            Some(Err(e)) => panic!("upgrade: {e:?}"),
+            None => {
+                // Dropped pending: shared again (maybe under the token of
+                // a grant made meanwhile, never exclusive unseen).
+                assert_eq!(g.mode(), Mode::Shared);
+                assert!(g.token() >= old);
+                self.tally.upgrades_dropped += u64::from(pended);
+            }
+        }
+    }
+
+    /// Downgrades guard `i` (an exclusive one counts itself a reader first:
+    /// the readers it admits may enter before the call returns).
+    fn downgrade(&mut self, i: usize) {
+        let (k, g) = &mut self.guards[i];
+        let exclusive = g.mode() == Mode::Exclusive;
+        if exclusive && !self.shared.leases {
+            self.shared.inside[*k].fetch_sub(WRITER - 1, SeqCst);
+        }
+        let token = g.token();
+        g.downgrade().expect("downgrade without leases or revoke");
+        assert_eq!(g.mode(), Mode::Shared);
+        assert_eq!(g.token(), token, "downgrade keeps the token");
     }
 
     /// Releases every guard, then completes every future, polling each only
@@ -524,6 +672,7 @@ fn run(input: Input) {
         }
     });
     let leases = input.flags & 1 != 0;
+    let modes = !leases && input.flags & 8 != 0;
     let eventual = input.flags & 2 != 0;
     let mut builder = LockTable::builder()
         .shards(if input.one_shard { 1 } else { 4 })
@@ -539,6 +688,7 @@ fn run(input: Input) {
     let shared = Shared {
         clock: clock.clone(),
         leases,
+        modes,
         inside: Default::default(),
         max_live: Default::default(),
     };
@@ -564,6 +714,23 @@ fn run(input: Input) {
     }
     let st = table.stats();
     let t = ta.plus(tb);
+    assert_eq!(st.timed_out, t.timed_out, "{st:?}");
+    assert_eq!(st.revoked, t.revoked, "{st:?}");
+    if modes {
+        // An upgrade counts an acquisition when made at once, a handoff
+        // when granted from the queue, and a cancellation when dropped
+        // waiting (not once granted): only bounds.
+        assert!(st.acquisitions >= t.acquisitions, "{st:?} {t:?}");
+        assert!(st.cancelled >= t.cancelled, "{st:?} {t:?}");
+        assert!(
+            st.cancelled <= t.cancelled + t.upgrades_dropped,
+            "{st:?} {t:?}"
+        );
+        for k in 0..KEYS {
+            assert_eq!(shared.inside[k].load(SeqCst), 0);
+        }
+        return;
+    }
     // A grant is counted when it is made: a future dropped (cancelled) after
     // its grant was made, before it ran, counts as acquired and contended.
     assert!(st.acquisitions >= t.acquisitions, "{st:?} {t:?}");
