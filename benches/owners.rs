@@ -8,8 +8,9 @@
 //!
 //! Each iteration takes `KEYS` distinct keys and lets them all go: plain
 //! guards kept in a `Vec` and dropped; a transaction's `lock` per key then
-//! `commit`; the same re-entering each key once; one `lock_all`; the owned
-//! form. Futures are polled once with a no-op waker (an uncontended lock is
+//! `commit` (or drop); the same re-entering each key once; one `lock_all`;
+//! the owned form. `transaction_bookkeeping_only` re-enters and unlocks
+//! keys a transaction holds throughout: the owner's cost alone. Futures are polled once with a no-op waker (an uncontended lock is
 //! ready at once), so no executor is timed. The target: an owner's
 //! lock at most 1.5x a plain lock.
 
@@ -73,6 +74,20 @@ fn owners(c: &mut Criterion) {
                 now(txn.lock(black_box(k), Mode::Shared)).unwrap();
             }
             drop(txn);
+        })
+    });
+    group.bench_function("transaction_bookkeeping_only", |b| {
+        // Re-entry and unlock of keys held throughout: the owner's own cost,
+        // no visit to the table.
+        let mut txn = table.transaction();
+        for k in 0..KEYS {
+            now(txn.lock(k, Mode::Exclusive)).unwrap();
+        }
+        b.iter(|| {
+            for k in 0..KEYS {
+                now(txn.lock(black_box(k), Mode::Exclusive)).unwrap();
+                txn.unlock(&black_box(k)).unwrap();
+            }
         })
     });
     group.bench_function("transaction_lock_all", |b| {

@@ -284,12 +284,16 @@ impl<'t, K: Eq + Hash, S: BuildHasher> Transaction<'t, K, S> {
     /// # Ok::<(), keylock::TransactionError<&str>>(())
     /// # }).unwrap();
     /// ```
-    pub async fn lock(&mut self, key: K, mode: Mode) -> Result<Acquired, TransactionError<K>>
+    pub fn lock<'a>(
+        &'a mut self,
+        key: K,
+        mode: Mode,
+    ) -> impl Future<Output = Result<Acquired, TransactionError<K>>> + use<'a, 't, K, S>
     where
         K: Clone,
     {
         let policy = self.owner.opts.wait;
-        single::lock(&mut self.direct(), key, mode, policy).await
+        single::lock(self.direct(), key, mode, policy)
     }
 
     /// Like [`lock`](Self::lock), under `policy` instead of the
@@ -314,16 +318,16 @@ impl<'t, K: Eq + Hash, S: BuildHasher> Transaction<'t, K, S> {
     /// assert!(matches!(err, TransactionError::Busy { key: 1, .. }), "the other reader stays");
     /// # });
     /// ```
-    pub async fn lock_with(
-        &mut self,
+    pub fn lock_with<'a>(
+        &'a mut self,
         key: K,
         mode: Mode,
         policy: WaitPolicy,
-    ) -> Result<Acquired, TransactionError<K>>
+    ) -> impl Future<Output = Result<Acquired, TransactionError<K>>> + use<'a, 't, K, S>
     where
         K: Clone,
     {
-        single::lock(&mut self.direct(), key, mode, policy).await
+        single::lock(self.direct(), key, mode, policy)
     }
 
     /// Locks every requested key, each in its mode, all or nothing, under
@@ -405,7 +409,7 @@ impl<'t, K: Eq + Hash, S: BuildHasher> Transaction<'t, K, S> {
         K: Ord + Clone,
     {
         let requests: Vec<(K, Mode)> = requests.into_iter().collect();
-        async move { multi::lock_all(&mut self.direct(), requests, policy).await }
+        multi::lock_all(self.direct(), requests, policy)
     }
 
     /// [`lock`](Self::lock), parking the thread until it completes (for
@@ -705,8 +709,7 @@ impl<K: Eq + Hash, S: BuildHasher> OwnedTransaction<K, S> {
     where
         K: Clone,
     {
-        let mut shared = Arc::clone(&self.shared);
-        async move { single::lock(&mut shared, key, mode, policy).await }
+        single::lock(Arc::clone(&self.shared), key, mode, policy)
     }
 
     /// As [`Transaction::lock_all`]; the future is `'static` if the
@@ -777,8 +780,7 @@ impl<K: Eq + Hash, S: BuildHasher> OwnedTransaction<K, S> {
         K: Ord + Clone,
     {
         let requests: Vec<(K, Mode)> = requests.into_iter().collect();
-        let mut shared = Arc::clone(&self.shared);
-        async move { multi::lock_all(&mut shared, requests, policy).await }
+        multi::lock_all(Arc::clone(&self.shared), requests, policy)
     }
 
     /// [`lock`](Self::lock), parking the thread until it completes.

@@ -290,13 +290,14 @@ where
 /// Locks every requested key for the transaction, all or nothing; see the
 /// module doc.
 pub(crate) async fn lock_all<A: Access>(
-    access: &mut A,
+    mut access: A,
     requests: Vec<(KeyOf<A>, Mode)>,
     policy: WaitPolicy,
 ) -> Result<LockedSet<KeyOf<A>>, TransactionError<KeyOf<A>>>
 where
     KeyOf<A>: Ord + Clone,
 {
+    let access = &mut access;
     let mut requests = order(&access.owner().reach, requests);
     let mut stage = Stage {
         access,

@@ -9,7 +9,14 @@
 //! the upgraded-or-not guard back as the cancelled upgrade left it (shared),
 //! and releases a new key's guard, so a cancelled call leaves the
 //! transaction as it was.
+//!
+//! Everything up to the wait runs in a plain function (`lock_now`), and the
+//! wait is boxed: the lock future keeps only its arguments and one pointer,
+//! so moving it (into `pin!`, into a caller's future) copies little, and an
+//! uncontended lock allocates nothing.
 
+use std::future::Future;
+use std::pin::Pin;
 use std::time::Duration;
 
 use crate::error::LockError;
@@ -89,7 +96,7 @@ impl<A: Access> Drop for Claim<'_, A> {
 /// (or named with its holder, under a policy that does not wait) goes to
 /// the boxed slow path, so this future stays a few words.
 pub(crate) async fn lock<A: Access>(
-    access: &mut A,
+    mut access: A,
     key: KeyOf<A>,
     mode: Mode,
     policy: WaitPolicy,
@@ -97,45 +104,81 @@ pub(crate) async fn lock<A: Access>(
 where
     KeyOf<A>: Clone,
 {
+    // Everything but the wait happens in a plain function, so that this
+    // future keeps only its arguments and a box across its one await.
+    let wait = match lock_now(&mut access, key, mode, policy) {
+        Ok(done) => return done,
+        Err(wait) => wait,
+    };
+    wait.await
+}
+
+/// The lock as far as it goes without waiting: done, or the boxed wait.
+#[allow(clippy::type_complexity)]
+fn lock_now<A: Access>(
+    access: &mut A,
+    key: KeyOf<A>,
+    mode: Mode,
+    policy: WaitPolicy,
+) -> Result<
+    Result<Acquired, TransactionError<KeyOf<A>>>,
+    Pin<Box<impl Future<Output = Result<Acquired, TransactionError<KeyOf<A>>>> + '_>>,
+>
+where
+    KeyOf<A>: Clone,
+{
     let hash = access.owner().reach.table().hash(&key);
     let begun = match access.with(|set| set.begin(hash, &key, mode, true)) {
-        Err(Ended) => return Err(TransactionError::Ended),
-        Ok(Err(_busy)) => return Err(TransactionError::InFlight { key }),
+        Err(Ended) => return Ok(Err(TransactionError::Ended)),
+        Ok(Err(_busy)) => return Ok(Err(TransactionError::InFlight { key })),
         Ok(Ok(begun)) => begun,
     };
-    let opts = access.owner().opts.lock_options(mode, policy);
-    match begun {
-        Begin::Covered { acquired, .. } => Ok(acquired),
-        Begin::New { id } => {
-            let mut claim = Claim {
-                access,
-                hash,
-                id,
-                guard: None,
-                settled: false,
-            };
-            match claim.access.owner().reach.try_lock_with(key, opts) {
-                Ok(guard) => {
-                    claim.guard = Some(guard);
-                    claim.settle(AcquireKind::New)
-                }
-                Err(LockError::WouldBlock) => Box::pin(wait_new(claim, mode, policy)).await,
-                Err(error) => match claim.abandon() {
+    let (id, guard) = match begun {
+        Begin::Covered { acquired, .. } => return Ok(Ok(acquired)),
+        Begin::New { id } => (id, None),
+        Begin::Upgrade { id, guard } => (id, Some(guard)),
+    };
+    let upgrading = guard.is_some();
+    let mut claim = Claim {
+        access,
+        hash,
+        id,
+        guard,
+        settled: false,
+    };
+    if !upgrading {
+        let opts = claim.access.owner().opts.lock_options(mode, policy);
+        match claim.access.owner().reach.try_lock_with(key, opts) {
+            Ok(guard) => {
+                claim.guard = Some(guard);
+                return Ok(claim.settle(AcquireKind::New));
+            }
+            Err(LockError::WouldBlock) => {}
+            Err(error) => {
+                return Ok(match claim.abandon() {
                     Some(key) => Err(TransactionError::from_lock(key, mode, true, error)),
                     None => Err(TransactionError::Ended),
-                },
+                });
             }
         }
-        Begin::Upgrade { id, guard } => {
-            let claim = Claim {
-                access,
-                hash,
-                id,
-                guard: Some(guard),
-                settled: false,
-            };
-            Box::pin(upgrade(claim, mode, policy)).await
-        }
+    }
+    Err(Box::pin(wait(claim, upgrading, mode, policy)))
+}
+
+/// The slow path: a new key that was not free at once, or an upgrade.
+async fn wait<A: Access>(
+    claim: Claim<'_, A>,
+    upgrading: bool,
+    mode: Mode,
+    policy: WaitPolicy,
+) -> Result<Acquired, TransactionError<KeyOf<A>>>
+where
+    KeyOf<A>: Clone,
+{
+    if upgrading {
+        upgrade(claim, mode, policy).await
+    } else {
+        wait_new(claim, mode, policy).await
     }
 }
 
