@@ -199,9 +199,65 @@
 //! To hold several keys at once, lock them in one global order: sort them,
 //! remove duplicates, and lock in that order; two tasks that take the same
 //! keys in different orders can each hold one and wait for the other for
-//! ever. Locks are not re-entrant: locking a key its caller already holds
-//! waits on itself (with a timeout, it fails naming the caller's own grant),
-//! so keep one guard per key and pass it along.
+//! ever. Plain locks are not re-entrant: locking a key its caller already
+//! holds waits on itself (with a timeout, it fails naming the caller's own
+//! grant), so keep one guard per key and pass it along, or let a
+//! transaction do all of that (below).
+//!
+//! # Transactions
+//!
+//! A [`Transaction`] (or [`OwnedTransaction`], `'static`, for tasks that
+//! hold it across awaits and spawns) takes many keys for one owner, as a
+//! database's lock manager does for a transaction:
+//!
+//! - **Re-entrant.** Locking a key it holds in the same or a weaker
+//!   [`Mode`] is counted and returns at once with the same token; asking a
+//!   held shared key exclusive upgrades it. [`Transaction::unlock`] takes
+//!   one count back (the key goes at zero), [`Transaction::release`] lets
+//!   it go.
+//! - **All or nothing.** [`Transaction::lock_all`] takes a set of keys,
+//!   each in its mode, duplicates merged (the stronger mode wins), in a
+//!   canonical order (the table's hash of the key, then its `Ord`), so that
+//!   multi-key lockers cannot deadlock each other; if one key fails, or the
+//!   future is dropped, it holds nothing it took and undoes its upgrades.
+//! - **One deadline, one lease.** [`TransactionOptions`] bound every lock of
+//!   the transaction by one deadline and give all its grants one lease;
+//!   [`Transaction::renew`] renews them all, or none if one was lost,
+//!   naming it.
+//! - **Wait policies.** [`WaitPolicy::Block`] (the default),
+//!   [`WaitPolicy::NoWait`] (fail at once, naming the key and its holder),
+//!   [`WaitPolicy::SkipLocked`] (a `lock_all` takes the free keys and
+//!   reports the others): PostgreSQL's `FOR UPDATE`, `NOWAIT` and
+//!   `SKIP LOCKED`.
+//! - **Released at the end.** [`Transaction::commit`] checks that every
+//!   grant still holds its key and releases them all;
+//!   [`abort`](Transaction::abort) and drop release them all, from any
+//!   thread, even while a lock future of an owned transaction is pending
+//!   elsewhere (it then fails with [`TransactionError::Ended`]).
+//!
+//! Errors name the key ([`TransactionError`]), so the lock methods ask
+//! `K: Clone` (a key is cloned when it goes to the table, never for a
+//! re-entry), and `lock_all` asks `K: Ord` (to break ties of the hash).
+//!
+//! ```
+//! # futures::executor::block_on(async {
+//! use std::time::Duration;
+//! use keylock::{LockTable, Mode, TransactionOptions};
+//!
+//! let table = LockTable::new();
+//! let opts = TransactionOptions::new().timeout(Duration::from_secs(1));
+//! let mut transfer = table.transaction_with(opts);
+//! // A self-transfer names the account twice: merged, no deadlock.
+//! transfer
+//!     .lock_all([("acct-1", Mode::Exclusive), ("acct-1", Mode::Exclusive), ("audit", Mode::Shared)])
+//!     .await?;
+//! transfer.lock("acct-1", Mode::Shared).await?; // re-entrant
+//! assert_eq!(transfer.count("acct-1"), 2);
+//! transfer.commit()?; // every grant still held: the work may be made durable
+//! assert!(table.is_empty());
+//! # Ok::<(), keylock::TransactionError<&str>>(())
+//! # }).unwrap();
+//! ```
 //!
 // The link to a feature-gated method; to its type when the feature is off,
 // so that `cargo doc` without features has no broken link.
@@ -231,6 +287,7 @@ mod lease;
 mod loom;
 mod lost;
 mod mode;
+mod owner;
 mod queue;
 mod shard_lock;
 mod stats;
@@ -250,6 +307,10 @@ pub use fairness::Fairness;
 pub use guard::{Guard, OwnedGuard};
 pub use lease::{LockOptions, DEFAULT_MAX_LEASE};
 pub use mode::Mode;
+pub use owner::{
+    AcquireKind, Acquired, LockedSet, OwnedTransaction, Transaction, TransactionError,
+    TransactionOptions, WaitPolicy,
+};
 pub use stats::Stats;
 pub use table::{Builder, DefaultHashBuilder, LockTable};
 pub use time_source::TimeSource;

@@ -1,0 +1,292 @@
+//! How a call reaches its transaction's state: directly through `&mut` (a
+//! [`Transaction`](crate::Transaction), whose calls borrow it), or through
+//! an `Arc` shared with the pending futures of an
+//! [`OwnedTransaction`](crate::OwnedTransaction), behind a mutex, with an
+//! *ended* mark.
+//!
+//! # Ending an owned transaction
+//!
+//! Commit, abort and drop end the transaction the same way, from any
+//! thread: under the mutex it is marked ended and its set of keys is taken;
+//! after unlocking, the keys are released and every pending future is woken.
+//! A woken future (or one that completes on its own) finds the mark at its
+//! next step, releases what it had got (its guard, or its waiter slot) and
+//! fails with [`TransactionError::Ended`](crate::TransactionError::Ended).
+//! A future that is never polled again keeps only what any dropped-later
+//! lock future keeps (a queued waiter, or a key granted to it and not yet
+//! seen), until it is dropped.
+//!
+//! No guard is released, no key dropped and no waker of a pending future
+//! woken while the mutex is held: they are user code (a waker may call back
+//! into the transaction). Two kinds of user code do run under it: a key's
+//! `Eq` and `Clone` while the set is searched (a panic there leaves the set
+//! as it was; the poisoned mutex is used on), and, in `renew`, the wakes of
+//! [`Lost`](crate::futures::Lost) watchers of a grant whose renewal moved
+//! its deadline earlier (the table wakes them as the renewal returns); a
+//! waker that polls inline and calls back into the same owned transaction
+//! would block on that mutex.
+
+use std::future::{poll_fn, Future};
+use std::panic::{catch_unwind, resume_unwind, AssertUnwindSafe};
+use std::pin::pin;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::task::{Poll, Waker};
+
+use crate::owner::held::HeldSet;
+use crate::owner::policy::Resolved;
+use crate::owner::reach::Reach;
+
+/// The set of keys of an owner reaching its table through `R`.
+pub(crate) type SetOf<R> = HeldSet<<R as Reach>::Guard, <R as Reach>::Key>;
+
+/// What does not change during a transaction: its table and options.
+#[derive(Debug)]
+pub(crate) struct Owner<R> {
+    pub(crate) reach: R,
+    pub(crate) opts: Resolved,
+}
+
+/// The transaction ended while a call was pending.
+#[derive(Debug)]
+pub(crate) struct Ended;
+
+/// A call's way to its transaction.
+pub(crate) trait Access {
+    type R: Reach;
+
+    fn owner(&self) -> &Owner<Self::R>;
+
+    /// Runs `f` on the set of keys, unless the transaction has ended.
+    fn with<T>(&mut self, f: impl FnOnce(&mut SetOf<Self::R>) -> T) -> Result<T, Ended>;
+
+    /// Whether the transaction has ended (cheap, no lock).
+    fn is_ended(&self) -> bool;
+
+    /// Registers `waker` (in `slot`) to be woken when the transaction ends;
+    /// returns whether it already has.
+    fn watch(&mut self, slot: &mut Option<usize>, waker: &Waker) -> bool;
+
+    fn unwatch(&mut self, slot: usize);
+}
+
+/// The borrowed form: the call has the transaction to itself, and it cannot
+/// end while the call is pending.
+pub(crate) struct Direct<'a, R: Reach> {
+    pub(crate) owner: &'a Owner<R>,
+    pub(crate) set: &'a mut SetOf<R>,
+}
+
+impl<R: Reach> Access for Direct<'_, R> {
+    type R = R;
+
+    #[inline]
+    fn owner(&self) -> &Owner<R> {
+        self.owner
+    }
+
+    #[inline]
+    fn with<T>(&mut self, f: impl FnOnce(&mut SetOf<R>) -> T) -> Result<T, Ended> {
+        Ok(f(self.set))
+    }
+
+    #[inline]
+    fn is_ended(&self) -> bool {
+        false
+    }
+
+    #[inline]
+    fn watch(&mut self, _: &mut Option<usize>, _: &Waker) -> bool {
+        false
+    }
+
+    #[inline]
+    fn unwatch(&mut self, _: usize) {}
+}
+
+/// The owned form's state, shared by the handle and its pending futures.
+pub(crate) struct Shared<R: Reach> {
+    owner: Owner<R>,
+    /// Set once, under `state`'s lock; read without it as a hint.
+    ended: AtomicBool,
+    state: Mutex<State<R>>,
+}
+
+struct State<R: Reach> {
+    set: SetOf<R>,
+    /// The wakers of pending futures, woken when the transaction ends.
+    watchers: Vec<Option<Waker>>,
+    free: Vec<usize>,
+}
+
+impl<R: Reach> Shared<R> {
+    pub(crate) fn new(owner: Owner<R>) -> Self {
+        Self {
+            owner,
+            ended: AtomicBool::new(false),
+            state: Mutex::new(State {
+                set: HeldSet::default(),
+                watchers: Vec::new(),
+                free: Vec::new(),
+            }),
+        }
+    }
+
+    pub(crate) fn owner(&self) -> &Owner<R> {
+        &self.owner
+    }
+
+    /// The state, whatever a panic in user code (a key's `Eq` or `Clone`
+    /// during a lookup) left it: the set changes only after user code ran,
+    /// so a poisoned lock guards a consistent set.
+    fn lock(&self) -> MutexGuard<'_, State<R>> {
+        self.state.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Runs `f` on the set unless the transaction ended.
+    pub(crate) fn with<T>(&self, f: impl FnOnce(&mut SetOf<R>) -> T) -> Result<T, Ended> {
+        let mut state = self.lock();
+        if self.ended.load(Ordering::Relaxed) {
+            // `f` may own a guard or a key: released after unlocking.
+            drop(state);
+            drop(f);
+            return Err(Ended);
+        }
+        Ok(f(&mut state.set))
+    }
+
+    /// Ends the transaction: releases every key it holds and wakes its
+    /// pending futures (see the module doc). Idempotent.
+    pub(crate) fn end(&self) {
+        self.end_with(drop);
+    }
+
+    /// Ends the transaction, giving its keys to `release` (run after
+    /// unlocking), then wakes its pending futures, even if `release`
+    /// panics. `None` if it had already ended.
+    pub(crate) fn end_with<T>(&self, release: impl FnOnce(SetOf<R>) -> T) -> Option<T> {
+        let (slots, watchers) = {
+            let mut state = self.lock();
+            if self.ended.swap(true, Ordering::Relaxed) {
+                return None;
+            }
+            let slots = state.set.take();
+            state.free = Vec::new();
+            (slots, std::mem::take(&mut state.watchers))
+        };
+        // Release first, so the keys are free by the time anyone is woken;
+        // a panic in a key's drop still releases the rest (see `HeldSet`'s
+        // drop) and still wakes everyone.
+        let released = catch_unwind(AssertUnwindSafe(|| release(slots)));
+        let mut panic = None;
+        for waker in watchers.into_iter().flatten() {
+            if let Err(payload) = catch_unwind(AssertUnwindSafe(|| waker.wake())) {
+                panic.get_or_insert(payload);
+            }
+        }
+        match released {
+            Ok(out) => {
+                if let Some(payload) = panic {
+                    resume_unwind(payload);
+                }
+                Some(out)
+            }
+            Err(payload) => resume_unwind(payload),
+        }
+    }
+}
+
+impl<R: Reach> Access for Arc<Shared<R>> {
+    type R = R;
+
+    #[inline]
+    fn owner(&self) -> &Owner<R> {
+        &self.owner
+    }
+
+    #[inline]
+    fn with<T>(&mut self, f: impl FnOnce(&mut SetOf<R>) -> T) -> Result<T, Ended> {
+        Shared::with(self, f)
+    }
+
+    #[inline]
+    fn is_ended(&self) -> bool {
+        self.ended.load(Ordering::Relaxed)
+    }
+
+    fn watch(&mut self, slot: &mut Option<usize>, waker: &Waker) -> bool {
+        let mut locked = self.lock();
+        if self.ended.load(Ordering::Relaxed) {
+            return true;
+        }
+        let state = &mut *locked;
+        let old = match *slot {
+            Some(index) => match &state.watchers[index] {
+                Some(current) if current.will_wake(waker) => None,
+                _ => state.watchers[index].replace(waker.clone()),
+            },
+            None => {
+                let index = match state.free.pop() {
+                    Some(index) => index,
+                    None => {
+                        state.watchers.push(None);
+                        state.watchers.len() - 1
+                    }
+                };
+                *slot = Some(index);
+                state.watchers[index].replace(waker.clone())
+            }
+        };
+        drop(locked);
+        drop(old);
+        false
+    }
+
+    fn unwatch(&mut self, slot: usize) {
+        let mut state = self.lock();
+        if self.ended.load(Ordering::Relaxed) {
+            // The watchers went with the end.
+            return;
+        }
+        let old = state.watchers[slot].take();
+        state.free.push(slot);
+        drop(state);
+        drop(old);
+    }
+}
+
+/// Awaits `fut` unless the transaction ends first (then `fut` is dropped,
+/// releasing what it had).
+pub(crate) async fn unless_ended<A: Access, F: Future>(
+    access: &mut A,
+    fut: F,
+) -> Result<F::Output, Ended> {
+    /// Unregisters the waker when the wait ends, however it ends.
+    struct Watch<'a, A: Access> {
+        access: &'a mut A,
+        slot: Option<usize>,
+    }
+    impl<A: Access> Drop for Watch<'_, A> {
+        fn drop(&mut self) {
+            if let Some(slot) = self.slot.take() {
+                self.access.unwatch(slot);
+            }
+        }
+    }
+
+    let mut fut = pin!(fut);
+    let mut watch = Watch { access, slot: None };
+    poll_fn(|cx| {
+        if watch.access.is_ended() {
+            return Poll::Ready(Err(Ended));
+        }
+        if let Poll::Ready(out) = fut.as_mut().poll(cx) {
+            return Poll::Ready(Ok(out));
+        }
+        if watch.access.watch(&mut watch.slot, cx.waker()) {
+            return Poll::Ready(Err(Ended));
+        }
+        Poll::Pending
+    })
+    .await
+}

@@ -1,0 +1,382 @@
+//! Many keys at once: a transaction's all-or-nothing `lock_all`.
+//!
+//! # The order
+//!
+//! The requests are sorted by the table's hash of the key, then by the key's
+//! `Ord` (hashes tie for distinct keys rarely, but a hasher may be made to
+//! tie them all; the `Ord` makes the order total), and a key asked twice is
+//! asked once, in the stronger mode. Every key is then claimed in the held
+//! set, and the keys that need the table (new ones, and held shared ones
+//! asked exclusive: upgrades) are taken one by one in that order, each
+//! waiting at most until the transaction's deadline.
+//!
+//! # Why it does not deadlock
+//!
+//! Say a transaction is *ascending* if each of its waits is for a key not
+//! below (in this order) any key it holds: a new key above all it holds,
+//! or an upgrade of the highest it holds. A `lock_all` of a transaction
+//! that held nothing before, or only keys below (or equal to) the ones it
+//! asks, is ascending throughout. Among ascending transactions no cycle of
+//! waits can form. Follow a wait from `T` (waiting for key `k`) to a
+//! transaction `U` it waits behind: `U` holds `k`, or is queued ahead of
+//! `T` on `k`. If `U` holds `k` and waits, it waits for a key `k' > k`, or
+//! upgrades `k` itself (`k' = k`). If `U` is queued on `k` it waits for
+//! `k' = k`. So keys never decrease along a chain of waits, and a cycle
+//! would have to stay on one key `k`. On one key, the queue is FIFO and its
+//! waiters wait only for the holders, and a holder waiting on `k` is
+//! upgrading: an upgrade waits only for the *other shared holders*, ahead of
+//! every queued waiter, and a second upgrader of the key is refused at once
+//! by the table ([`LockError::UpgradeConflict`](crate::LockError)). So a
+//! cycle would need two upgraders of one key, which cannot exist.
+//!
+//! A transaction that locks keys one at a time out of this order, or asks a
+//! `lock_all` for keys below ones it already holds, is not covered: give
+//! it a deadline ([`TransactionOptions::timeout`](crate::TransactionOptions)).
+//!
+//! # All or nothing, and cancellation
+//!
+//! What the call takes stays in a [`Stage`] until every key is had: then it
+//! all goes into the set at once (no user code runs there, so that cannot
+//! fail halfway). If a key fails, or the future is dropped at any await, or
+//! a key's `Eq`/`Hash`/`Ord` panics, the stage undoes the call: new keys
+//! are released, upgrades it made are undone by a downgrade (the grant is
+//! shared again, as before the call, under the token the upgrade gave it),
+//! and keys it only counted are left as they were.
+
+use std::mem;
+
+use crate::mode::Mode;
+use crate::owner::access::{unless_ended, Access, Ended};
+use crate::owner::error::TransactionError;
+use crate::owner::held::{AcquireKind, Begin};
+use crate::owner::policy::WaitPolicy;
+use crate::owner::reach::{GuardOps, Reach};
+use crate::owner::single::{GuardOf, KeyOf};
+use crate::LockError;
+
+/// What a [`lock_all`](crate::Transaction::lock_all) did: how many keys it
+/// took, re-entered and upgraded, and, under
+/// [`WaitPolicy::SkipLocked`], which keys it skipped.
+///
+/// ```
+/// use keylock::{Mode, TransactionOptions, WaitPolicy};
+/// # futures::executor::block_on(async {
+/// let table = keylock::LockTable::new();
+/// let _other = table.try_lock(2).unwrap();
+/// let mut txn = table.transaction_with(TransactionOptions::new().wait(WaitPolicy::SkipLocked));
+/// let got = txn.lock_all([(1, Mode::Exclusive), (2, Mode::Exclusive), (3, Mode::Shared)]).await?;
+/// assert_eq!(got.acquired(), 2);
+/// assert_eq!(got.skipped(), &[2]);
+/// assert_eq!(txn.len(), 2);
+/// # Ok::<(), keylock::TransactionError<i32>>(())
+/// # }).unwrap();
+/// ```
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LockedSet<K> {
+    acquired: usize,
+    reentered: usize,
+    upgraded: usize,
+    skipped: Vec<K>,
+}
+
+impl<K> LockedSet<K> {
+    /// How many keys the call took that the transaction did not hold.
+    #[must_use]
+    pub fn acquired(&self) -> usize {
+        self.acquired
+    }
+
+    /// How many keys the transaction already held in a covering mode (each
+    /// counted once more, as a re-entrant lock would).
+    #[must_use]
+    pub fn reentered(&self) -> usize {
+        self.reentered
+    }
+
+    /// How many held shared keys the call upgraded to exclusive.
+    #[must_use]
+    pub fn upgraded(&self) -> usize {
+        self.upgraded
+    }
+
+    /// The keys skipped because they could not be had at once
+    /// ([`WaitPolicy::SkipLocked`]; a skipped upgrade leaves its key held
+    /// shared), in the canonical order (see the module doc), not the
+    /// caller's.
+    #[must_use]
+    pub fn skipped(&self) -> &[K] {
+        &self.skipped
+    }
+
+    /// The skipped keys, by value.
+    #[must_use]
+    pub fn into_skipped(self) -> Vec<K> {
+        self.skipped
+    }
+}
+
+/// One request, once hashed.
+struct Request<K> {
+    hash: u64,
+    /// Moved into the table when the key is locked.
+    key: Option<K>,
+    mode: Mode,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Kind {
+    Covered,
+    Upgrade,
+    New,
+}
+
+/// What the call has of one request.
+struct Staged<G> {
+    hash: u64,
+    id: u64,
+    kind: Kind,
+    /// A new key's guard once granted, or the held guard being upgraded.
+    guard: Option<G>,
+    /// This call upgraded `guard`: undone by a downgrade.
+    upgraded: bool,
+    skipped: bool,
+}
+
+/// Everything the call claimed; undoes it when dropped unless finished.
+struct Stage<'a, A: Access> {
+    access: &'a mut A,
+    entries: Vec<Staged<GuardOf<A>>>,
+    done: bool,
+}
+
+impl<A: Access> Stage<'_, A> {
+    /// The error for request `i`, undoing its claim to get the key's name.
+    fn fail(
+        &mut self,
+        i: usize,
+        mode: Mode,
+        waited: bool,
+        error: LockError,
+    ) -> TransactionError<KeyOf<A>> {
+        let entry = &mut self.entries[i];
+        let (hash, id, guard) = (entry.hash, entry.id, entry.guard.take());
+        // Its claim ends here; the others are undone when the stage drops.
+        entry.kind = Kind::Covered;
+        entry.upgraded = false;
+        let name = self.access.with(|set| set.abandon(hash, id, guard));
+        match name {
+            Ok((Some(key), rest)) => {
+                drop(rest);
+                TransactionError::from_lock(key, mode, waited, error)
+            }
+            Ok((None, _)) | Err(Ended) => TransactionError::Ended,
+        }
+    }
+
+    /// Puts everything into the set at once.
+    fn finish(mut self) -> Result<LockedSet<KeyOf<A>>, TransactionError<KeyOf<A>>> {
+        self.done = true;
+        let mut entries = mem::take(&mut self.entries);
+        let mut out = LockedSet {
+            acquired: 0,
+            reentered: 0,
+            upgraded: 0,
+            skipped: Vec::new(),
+        };
+        let mut names = Vec::new();
+        let mut rest = Vec::new();
+        let finished = self.access.with(|set| {
+            for entry in &mut entries {
+                let guard = entry.guard.take();
+                if entry.skipped {
+                    let (name, guard) = set.abandon(entry.hash, entry.id, guard);
+                    out.skipped.extend(name);
+                    rest.push(guard);
+                    continue;
+                }
+                let kind = match entry.kind {
+                    Kind::Covered => AcquireKind::Reentered,
+                    Kind::Upgrade => AcquireKind::Upgraded,
+                    Kind::New => AcquireKind::New,
+                };
+                match set.settle(entry.hash, entry.id, guard, kind) {
+                    Ok((_, name)) => {
+                        names.push(name);
+                        match kind {
+                            AcquireKind::Reentered => out.reentered += 1,
+                            AcquireKind::Upgraded => out.upgraded += 1,
+                            AcquireKind::New => out.acquired += 1,
+                        }
+                    }
+                    Err(guard) => rest.push(guard),
+                }
+            }
+        });
+        // After unlocking: the keys' clones, and (had the transaction
+        // ended) every guard of the call, released.
+        drop(names);
+        drop(rest);
+        drop(entries);
+        match finished {
+            Ok(()) => Ok(out),
+            Err(Ended) => Err(TransactionError::Ended),
+        }
+    }
+}
+
+impl<A: Access> Drop for Stage<'_, A> {
+    fn drop(&mut self) {
+        if self.done {
+            return;
+        }
+        let mut entries = mem::take(&mut self.entries);
+        // Outside the set's lock (a downgrade wakes waiters): the upgrades
+        // this call made become shared again.
+        for entry in &mut entries {
+            if entry.upgraded {
+                if let Some(guard) = entry.guard.as_mut() {
+                    // A grant that lost its key has nothing to undo.
+                    let _ = guard.downgrade();
+                }
+            }
+        }
+        let mut leftovers = Vec::new();
+        let _ = self.access.with(|set| {
+            for entry in &mut entries {
+                leftovers.push(set.abandon(entry.hash, entry.id, entry.guard.take()));
+            }
+        });
+        // After unlocking: new keys' guards (released), keys' clones, and,
+        // had the transaction ended, every guard of the call.
+        drop(leftovers);
+        drop(entries);
+    }
+}
+
+/// Whether a failed lock under a policy that does not wait only found the
+/// key taken (skip it), rather than something wrong (fail the call).
+fn is_taken(error: &LockError) -> bool {
+    matches!(
+        error,
+        LockError::Timeout { .. } | LockError::UpgradeConflict { .. }
+    )
+}
+
+/// Sorts the requests into the canonical order and merges duplicates.
+fn order<R: Reach>(reach: &R, requests: Vec<(R::Key, Mode)>) -> Vec<Request<R::Key>>
+where
+    R::Key: Ord,
+{
+    let table = reach.table();
+    let mut requests: Vec<Request<R::Key>> = requests
+        .into_iter()
+        .map(|(key, mode)| Request {
+            hash: table.hash(&key),
+            key: Some(key),
+            mode,
+        })
+        .collect();
+    requests.sort_unstable_by(|a, b| a.hash.cmp(&b.hash).then_with(|| a.key.cmp(&b.key)));
+    requests.dedup_by(|later, kept| {
+        let same = later.hash == kept.hash && later.key == kept.key;
+        if same {
+            kept.mode = kept.mode.max(later.mode);
+        }
+        same
+    });
+    requests
+}
+
+/// Locks every requested key for the transaction, all or nothing; see the
+/// module doc.
+pub(crate) async fn lock_all<A: Access>(
+    mut access: A,
+    requests: Vec<(KeyOf<A>, Mode)>,
+    policy: WaitPolicy,
+) -> Result<LockedSet<KeyOf<A>>, TransactionError<KeyOf<A>>>
+where
+    KeyOf<A>: Ord + Clone,
+{
+    let access = &mut access;
+    let mut requests = order(&access.owner().reach, requests);
+    let mut stage = Stage {
+        access,
+        entries: Vec::with_capacity(requests.len()),
+        done: false,
+    };
+    let began = {
+        let Stage {
+            access, entries, ..
+        } = &mut stage;
+        access.with(|set| {
+            set.reserve(requests.len());
+            for (i, request) in requests.iter().enumerate() {
+                let key = request.key.as_ref().expect("not taken yet");
+                // Pushed as soon as claimed: a panic in the next key's `Eq`
+                // leaves the stage to undo this one.
+                let (id, kind, guard) = match set.begin(request.hash, key, request.mode, false) {
+                    Err(_busy) => return Err(i),
+                    Ok(Begin::Covered { id, .. }) => (id, Kind::Covered, None),
+                    Ok(Begin::Upgrade { id, guard }) => (id, Kind::Upgrade, Some(guard)),
+                    Ok(Begin::New { id }) => (id, Kind::New, None),
+                };
+                entries.push(Staged {
+                    hash: request.hash,
+                    id,
+                    kind,
+                    guard,
+                    upgraded: false,
+                    skipped: false,
+                });
+            }
+            Ok(())
+        })
+    };
+    match began {
+        Err(Ended) => return Err(TransactionError::Ended),
+        Ok(Err(i)) => {
+            let key = requests[i].key.take().expect("not taken yet");
+            return Err(TransactionError::InFlight { key });
+        }
+        Ok(Ok(())) => {}
+    }
+
+    let skip = policy == WaitPolicy::SkipLocked;
+    for (i, request) in requests.iter_mut().enumerate() {
+        let opts = stage.access.owner().opts.lock_options(request.mode, policy);
+        let result = match stage.entries[i].kind {
+            Kind::Covered => continue,
+            Kind::New => {
+                let key = request.key.take().expect("locked once");
+                let lock = stage.access.owner().reach.lock_with(key, opts);
+                match unless_ended(&mut *stage.access, lock).await {
+                    Ok(Ok(guard)) => {
+                        stage.entries[i].guard = Some(guard);
+                        Ok(Ok(()))
+                    }
+                    Ok(Err(error)) => Ok(Err(error)),
+                    Err(Ended) => Err(Ended),
+                }
+            }
+            Kind::Upgrade => {
+                let Stage {
+                    access, entries, ..
+                } = &mut stage;
+                let entry = &mut entries[i];
+                let upgrade = entry.guard.as_mut().expect("held").upgrade(opts);
+                let upgraded = unless_ended(&mut **access, upgrade).await;
+                if let Ok(Ok(_)) = upgraded {
+                    entry.upgraded = true;
+                }
+                upgraded.map(|r| r.map(drop))
+            }
+        };
+        match result {
+            Err(Ended) => return Err(TransactionError::Ended),
+            Ok(Ok(())) => {}
+            Ok(Err(error)) if skip && is_taken(&error) => stage.entries[i].skipped = true,
+            Ok(Err(error)) => return Err(stage.fail(i, request.mode, policy.waits(), error)),
+        }
+    }
+    stage.finish()
+}

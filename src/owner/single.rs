@@ -1,0 +1,292 @@
+//! One key: a transaction's re-entrant lock (count, upgrade or take), and
+//! the operations over every key it holds (check, renew).
+//!
+//! A lock claims its key in the held set first ([`HeldSet::begin`]): a key
+//! held in a covering mode is counted and the call returns at once; a key
+//! held shared and asked exclusive has its guard taken out and upgraded; a
+//! new key is locked on the table. Until the call settles, a [`Claim`]
+//! owns what it took: dropped (the future cancelled, or unwinding), it gives
+//! the upgraded-or-not guard back as the cancelled upgrade left it (shared),
+//! and releases a new key's guard, so a cancelled call leaves the
+//! transaction as it was.
+//!
+//! Everything up to the wait runs in a plain function (`lock_now`), and the
+//! wait is boxed: the lock future keeps only its arguments and one pointer,
+//! so moving it (into `pin!`, into a caller's future) copies little, and an
+//! uncontended lock allocates nothing.
+
+use std::future::Future;
+use std::pin::Pin;
+use std::time::Duration;
+
+use crate::error::LockError;
+use crate::mode::Mode;
+use crate::owner::access::{unless_ended, Access, Ended, SetOf};
+use crate::owner::error::TransactionError;
+use crate::owner::held::{AcquireKind, Acquired, Begin, HeldSet};
+use crate::owner::policy::WaitPolicy;
+use crate::owner::reach::{GuardOps, Reach};
+
+pub(crate) type KeyOf<A> = <<A as Access>::R as Reach>::Key;
+pub(crate) type GuardOf<A> = <<A as Access>::R as Reach>::Guard;
+
+/// A pending call's hold on one slot of the set; gives it back when
+/// dropped unless settled.
+struct Claim<'a, A: Access> {
+    access: &'a mut A,
+    hash: u64,
+    id: u64,
+    /// The guard being upgraded, or the new key's once granted.
+    guard: Option<GuardOf<A>>,
+    settled: bool,
+}
+
+impl<A: Access> Claim<'_, A> {
+    /// Puts the guard into the set and counts the grant.
+    #[inline]
+    fn settle(mut self, kind: AcquireKind) -> Result<Acquired, TransactionError<KeyOf<A>>> {
+        self.settled = true;
+        let (hash, id, guard) = (self.hash, self.id, self.guard.take());
+        let settled = self.access.with(|set| set.settle(hash, id, guard, kind));
+        match settled {
+            Ok(Ok((acquired, name))) => {
+                drop(name);
+                Ok(acquired)
+            }
+            // The transaction ended meanwhile: the guard is released here.
+            Ok(Err(_)) | Err(Ended) => Err(TransactionError::Ended),
+        }
+    }
+
+    /// Gives the slot back without a grant; returns the key's clone, for
+    /// the error.
+    fn abandon(mut self) -> Option<KeyOf<A>> {
+        self.settled = true;
+        let (hash, id, guard) = (self.hash, self.id, self.guard.take());
+        match self.access.with(|set| set.abandon(hash, id, guard)) {
+            Ok((name, rest)) => {
+                drop(rest);
+                name
+            }
+            Err(Ended) => None,
+        }
+    }
+}
+
+impl<A: Access> Drop for Claim<'_, A> {
+    fn drop(&mut self) {
+        if self.settled {
+            return;
+        }
+        let (hash, id, guard) = (self.hash, self.id, self.guard.take());
+        // If the transaction ended, `with` does not run and the guard is
+        // dropped (released) with the closure.
+        if let Ok((name, rest)) = self.access.with(|set| set.abandon(hash, id, guard)) {
+            drop(rest);
+            drop(name);
+        }
+    }
+}
+
+/// Locks `key` in `mode` for the transaction; see the module doc.
+///
+/// The uncontended path runs without a future of the table's: a new key is
+/// first tried at once (`try_lock_with`, which never barges past queued
+/// waiters, so fairness is the same); only a key that must be waited for
+/// (or named with its holder, under a policy that does not wait) goes to
+/// the boxed slow path, so this future stays a few words.
+pub(crate) async fn lock<A: Access>(
+    mut access: A,
+    key: KeyOf<A>,
+    mode: Mode,
+    policy: WaitPolicy,
+) -> Result<Acquired, TransactionError<KeyOf<A>>>
+where
+    KeyOf<A>: Clone,
+{
+    // Everything but the wait happens in a plain function, so that this
+    // future keeps only its arguments and a box across its one await.
+    let wait = match lock_now(&mut access, key, mode, policy) {
+        Ok(done) => return done,
+        Err(wait) => wait,
+    };
+    wait.await
+}
+
+/// The lock as far as it goes without waiting: done, or the boxed wait.
+#[allow(clippy::type_complexity)]
+fn lock_now<A: Access>(
+    access: &mut A,
+    key: KeyOf<A>,
+    mode: Mode,
+    policy: WaitPolicy,
+) -> Result<
+    Result<Acquired, TransactionError<KeyOf<A>>>,
+    Pin<Box<impl Future<Output = Result<Acquired, TransactionError<KeyOf<A>>>> + '_>>,
+>
+where
+    KeyOf<A>: Clone,
+{
+    let hash = access.owner().reach.table().hash(&key);
+    let begun = match access.with(|set| set.begin(hash, &key, mode, true)) {
+        Err(Ended) => return Ok(Err(TransactionError::Ended)),
+        Ok(Err(_busy)) => return Ok(Err(TransactionError::InFlight { key })),
+        Ok(Ok(begun)) => begun,
+    };
+    let (id, guard) = match begun {
+        Begin::Covered { acquired, .. } => return Ok(Ok(acquired)),
+        Begin::New { id } => (id, None),
+        Begin::Upgrade { id, guard } => (id, Some(guard)),
+    };
+    let upgrading = guard.is_some();
+    let mut claim = Claim {
+        access,
+        hash,
+        id,
+        guard,
+        settled: false,
+    };
+    if !upgrading {
+        let opts = claim.access.owner().opts.lock_options(mode, policy);
+        match claim.access.owner().reach.try_lock_with(key, opts) {
+            Ok(guard) => {
+                claim.guard = Some(guard);
+                return Ok(claim.settle(AcquireKind::New));
+            }
+            Err(LockError::WouldBlock) => {}
+            Err(error) => {
+                return Ok(match claim.abandon() {
+                    Some(key) => Err(TransactionError::from_lock(key, mode, true, error)),
+                    None => Err(TransactionError::Ended),
+                });
+            }
+        }
+    }
+    Err(Box::pin(wait(claim, upgrading, mode, policy)))
+}
+
+/// The slow path: a new key that was not free at once, or an upgrade.
+async fn wait<A: Access>(
+    claim: Claim<'_, A>,
+    upgrading: bool,
+    mode: Mode,
+    policy: WaitPolicy,
+) -> Result<Acquired, TransactionError<KeyOf<A>>>
+where
+    KeyOf<A>: Clone,
+{
+    if upgrading {
+        upgrade(claim, mode, policy).await
+    } else {
+        wait_new(claim, mode, policy).await
+    }
+}
+
+/// A new key that was not free at once: wait for it on the table (under a
+/// policy that does not wait, the zero-timeout wait names the holder).
+async fn wait_new<A: Access>(
+    mut claim: Claim<'_, A>,
+    mode: Mode,
+    policy: WaitPolicy,
+) -> Result<Acquired, TransactionError<KeyOf<A>>>
+where
+    KeyOf<A>: Clone,
+{
+    // The caller's key went to the attempt: lock with the claim's clone.
+    let (hash, id) = (claim.hash, claim.id);
+    let key = match claim.access.with(|set| set.name(hash, id).cloned()) {
+        Ok(Some(key)) => key,
+        Ok(None) | Err(Ended) => return Err(TransactionError::Ended),
+    };
+    let opts = claim.access.owner().opts.lock_options(mode, policy);
+    let lock = claim.access.owner().reach.lock_with(key, opts);
+    match unless_ended(&mut *claim.access, lock).await {
+        Err(Ended) => Err(TransactionError::Ended),
+        Ok(Ok(guard)) => {
+            claim.guard = Some(guard);
+            claim.settle(AcquireKind::New)
+        }
+        Ok(Err(error)) => match claim.abandon() {
+            Some(key) => Err(TransactionError::from_lock(
+                key,
+                mode,
+                policy.waits(),
+                error,
+            )),
+            None => Err(TransactionError::Ended),
+        },
+    }
+}
+
+/// A key held shared, asked exclusive: upgrade its guard.
+async fn upgrade<A: Access>(
+    mut claim: Claim<'_, A>,
+    mode: Mode,
+    policy: WaitPolicy,
+) -> Result<Acquired, TransactionError<KeyOf<A>>>
+where
+    KeyOf<A>: Clone,
+{
+    let opts = claim.access.owner().opts.lock_options(mode, policy);
+    let upgraded = {
+        let Claim { access, guard, .. } = &mut claim;
+        let upgrade = guard.as_mut().expect("set by the caller").upgrade(opts);
+        unless_ended(&mut **access, upgrade).await
+    };
+    match upgraded {
+        Err(Ended) => Err(TransactionError::Ended),
+        Ok(Ok(_token)) => claim.settle(AcquireKind::Upgraded),
+        Ok(Err(error)) => match claim.abandon() {
+            Some(key) => Err(TransactionError::from_lock(
+                key,
+                mode,
+                policy.waits(),
+                error,
+            )),
+            None => Err(TransactionError::Ended),
+        },
+    }
+}
+
+/// The first grant of the set that has lost its key, if any, as an error
+/// naming it.
+pub(crate) fn first_lost<G, K>(set: &HeldSet<G, K>) -> Option<TransactionError<K>>
+where
+    G: GuardOps<Key = K>,
+    K: Eq + Clone,
+{
+    set.guards().find_map(|guard| {
+        guard.check().err().map(|_| TransactionError::Expired {
+            key: guard.key().clone(),
+            token: guard.token(),
+        })
+    })
+}
+
+/// Renews every grant of the set with `lease`, all or nothing as far as a
+/// lapse goes: every grant is checked first and none is renewed if one has
+/// lost its key (the error names it). Without a lease, only the check.
+pub(crate) fn renew<R: Reach>(
+    set: &SetOf<R>,
+    lease: Option<Duration>,
+) -> Result<(), TransactionError<R::Key>>
+where
+    R::Key: Clone,
+{
+    if let Some(err) = first_lost(set) {
+        return Err(err);
+    }
+    let Some(lease) = lease else {
+        return Ok(());
+    };
+    for guard in set.guards() {
+        // A grant that lapses between its check and its renewal (its
+        // deadline passed in that instant) fails here; the ones renewed
+        // before it stay renewed, which grants nothing to a transaction
+        // that cannot commit any more.
+        guard.renew(lease).map_err(|error| {
+            TransactionError::from_lock(guard.key().clone(), guard.mode(), true, error)
+        })?;
+    }
+    Ok(())
+}

@@ -1,0 +1,1225 @@
+//! Transactions: re-entrancy counts, upgrades through a stronger mode,
+//! release of everything on commit, abort and drop (from another thread,
+//! and while a lock future is pending on another task), all-or-nothing
+//! multi-key locks under cancellation at random poll points, duplicates
+//! merged, no deadlock among many multi-key lockers (tokio, async-std,
+//! threads), wait policies, the transaction-wide deadline and all-or-nothing
+//! renewal (on a manual clock: no sleeps, no timed assertions), and hostile
+//! keys.
+
+mod common;
+
+use std::collections::HashSet;
+use std::future::Future;
+use std::hash::{Hash, Hasher};
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::pin::Pin;
+use std::sync::atomic::{AtomicBool, AtomicIsize, AtomicUsize, Ordering::SeqCst};
+use std::sync::Arc;
+use std::task::Poll;
+
+use keylock::{
+    AcquireKind, LockError, LockTable, Mode, OwnedTransaction, TransactionError,
+    TransactionOptions, WaitPolicy,
+};
+use rand::rngs::StdRng;
+use rand::seq::SliceRandom;
+use rand::{Rng, SeedableRng};
+
+use common::W;
+
+type BoxFut<'a, T> = Pin<Box<dyn Future<Output = T> + 'a>>;
+
+fn block<F: Future>(f: F) -> F::Output {
+    futures::executor::block_on(f)
+}
+
+// ---------------------------------------------------------------- re-entry
+
+#[test]
+fn reentry_is_counted_and_takes_nothing_twice() {
+    let table = LockTable::new();
+    let mut txn = table.transaction();
+    let first = block(txn.lock("k", Mode::Exclusive)).unwrap();
+    assert_eq!((first.kind, first.count), (AcquireKind::New, 1));
+    let grants = table.stats().acquisitions;
+    for n in 2..=4 {
+        let again = block(txn.lock("k", Mode::Exclusive)).unwrap();
+        assert_eq!(again.kind, AcquireKind::Reentered);
+        assert_eq!(again.count, n);
+        assert_eq!(again.token, first.token, "the same grant");
+    }
+    // A weaker mode is covered by the exclusive grant.
+    let weaker = block(txn.lock("k", Mode::Shared)).unwrap();
+    assert_eq!(
+        (weaker.kind, weaker.mode, weaker.count),
+        (AcquireKind::Reentered, Mode::Exclusive, 5)
+    );
+    assert_eq!(
+        table.stats().acquisitions,
+        grants,
+        "no grant was taken again"
+    );
+    assert_eq!(txn.count("k"), 5);
+    assert_eq!(txn.len(), 1);
+
+    // unlock takes back one count at a time; the key goes at zero.
+    for left in (1..5).rev() {
+        assert_eq!(txn.unlock(&"k"), Ok(left));
+        assert!(table.is_locked("k"));
+    }
+    assert_eq!(txn.unlock(&"k"), Ok(0));
+    assert!(!table.is_locked("k"));
+    assert!(txn.is_empty());
+    assert_eq!(
+        txn.unlock(&"k"),
+        Err(TransactionError::NotHeld { key: "k" })
+    );
+}
+
+/// Past a few keys the held set is indexed: counts, removals (which move
+/// slots) and re-entry stay right over many keys.
+#[test]
+fn many_keys_keep_their_counts() {
+    let table = LockTable::new();
+    let mut txn = table.transaction();
+    for k in 0..100u32 {
+        txn.blocking_lock(k, Mode::Shared).unwrap();
+        if k % 3 == 0 {
+            txn.blocking_lock(k, Mode::Exclusive).unwrap(); // upgraded
+        }
+    }
+    for k in (0..100u32).step_by(2) {
+        let left = txn.unlock(&k).unwrap();
+        assert_eq!(left, usize::from(k % 3 == 0), "key {k}");
+    }
+    let got = txn
+        .blocking_lock_all((50..150u32).map(|k| (k, Mode::Shared)))
+        .unwrap();
+    for k in 0..150u32 {
+        let before = if k < 100 {
+            1 + usize::from(k % 3 == 0) - usize::from(k % 2 == 0)
+        } else {
+            0
+        };
+        let expected = before + usize::from(k >= 50);
+        assert_eq!(txn.count(&k), expected, "key {k}");
+        assert_eq!(table.is_locked(&k), expected > 0, "key {k}");
+        if expected > 0 {
+            let mode = if k < 100 && k % 3 == 0 {
+                Mode::Exclusive
+            } else {
+                Mode::Shared
+            };
+            assert_eq!(txn.mode(&k), Some(mode), "key {k}");
+        }
+    }
+    let new_keys = (50..150u32)
+        .filter(|k| *k >= 100 || (k % 2 == 0 && k % 3 != 0))
+        .count();
+    assert_eq!(got.acquired(), new_keys);
+    assert_eq!(got.acquired() + got.reentered(), 100);
+    for k in 0..150u32 {
+        while txn.count(&k) > 0 {
+            txn.unlock(&k).unwrap();
+        }
+    }
+    assert!(txn.is_empty());
+    assert!(table.is_empty());
+}
+
+#[test]
+fn release_lets_a_key_go_whatever_its_count() {
+    let table = LockTable::new();
+    let mut txn = table.transaction();
+    txn.blocking_lock(1, Mode::Shared).unwrap();
+    txn.blocking_lock(1, Mode::Shared).unwrap();
+    txn.blocking_lock(2, Mode::Shared).unwrap();
+    txn.release(&1).unwrap();
+    assert_eq!(txn.count(&1), 0);
+    assert!(!table.is_locked(&1));
+    assert!(table.is_locked(&2));
+    assert_eq!(txn.release(&1), Err(TransactionError::NotHeld { key: 1 }));
+}
+
+#[test]
+fn a_stronger_mode_upgrades_the_held_grant() {
+    let table = LockTable::new();
+    let mut txn = table.transaction();
+    let shared = block(txn.lock("k", Mode::Shared)).unwrap();
+    let reader = table.try_lock_shared("k").unwrap();
+    // The upgrade waits for the other reader only.
+    let w = W::new();
+    let mut up: BoxFut<'_, _> = Box::pin(txn.lock("k", Mode::Exclusive));
+    assert!(w.poll(&mut up).is_pending());
+    drop(reader);
+    assert!(
+        w.wakes() > 0,
+        "the last other reader's release wakes the upgrade"
+    );
+    let Poll::Ready(up_res) = w.poll(&mut up) else {
+        panic!("the upgrade completes once alone")
+    };
+    drop(up);
+    let up_res = up_res.unwrap();
+    assert_eq!(up_res.kind, AcquireKind::Upgraded);
+    assert_eq!(up_res.mode, Mode::Exclusive);
+    assert_eq!(up_res.count, 2);
+    assert!(up_res.token > shared.token, "an upgrade is a new grant");
+    assert_eq!(txn.mode("k"), Some(Mode::Exclusive));
+    assert_eq!(txn.token("k"), Some(up_res.token));
+    assert!(table.try_lock_shared("k").is_err(), "exclusive now");
+}
+
+#[test]
+fn a_cancelled_upgrade_leaves_the_key_shared() {
+    let table = LockTable::new();
+    let mut txn = table.transaction();
+    block(txn.lock("k", Mode::Shared)).unwrap();
+    let reader = table.try_lock_shared("k").unwrap();
+    let w = W::new();
+    let mut up: BoxFut<'_, _> = Box::pin(txn.lock("k", Mode::Exclusive));
+    assert!(w.poll(&mut up).is_pending());
+    drop(up);
+    assert_eq!(txn.mode("k"), Some(Mode::Shared));
+    assert_eq!(txn.count("k"), 1);
+    drop(reader);
+    assert!(table.try_lock_shared("k").is_ok(), "still shared");
+}
+
+#[test]
+fn two_transactions_upgrading_one_key_do_not_deadlock() {
+    let table = LockTable::new();
+    let mut a = table.transaction();
+    let mut b = table.transaction();
+    block(a.lock("k", Mode::Shared)).unwrap();
+    block(b.lock("k", Mode::Shared)).unwrap();
+    let w = W::new();
+    let mut up_a: BoxFut<'_, _> = Box::pin(a.lock("k", Mode::Exclusive));
+    assert!(w.poll(&mut up_a).is_pending());
+    let err = block(b.lock("k", Mode::Exclusive)).unwrap_err();
+    assert!(
+        matches!(
+            err,
+            TransactionError::Lock {
+                key: "k",
+                error: LockError::UpgradeConflict { .. },
+                ..
+            }
+        ),
+        "{err}"
+    );
+    assert_eq!(
+        b.mode("k"),
+        Some(Mode::Shared),
+        "the refused upgrade leaves b shared"
+    );
+    b.abort();
+    assert!(matches!(w.poll(&mut up_a), Poll::Ready(Ok(_))));
+}
+
+// -------------------------------------------------------------- release all
+
+fn hold_three(txn: &mut keylock::Transaction<'_, u32>) {
+    block(txn.lock_all([
+        (1, Mode::Exclusive),
+        (2, Mode::Shared),
+        (3, Mode::Exclusive),
+    ]))
+    .unwrap();
+    block(txn.lock(1, Mode::Exclusive)).unwrap();
+}
+
+#[test]
+fn commit_releases_everything() {
+    let table = LockTable::new();
+    let mut txn = table.transaction();
+    hold_three(&mut txn);
+    assert_eq!(table.len(), 3);
+    txn.commit().unwrap();
+    assert!(table.is_empty());
+}
+
+#[test]
+fn commit_reports_a_lost_grant_and_releases_all_the_same() {
+    let table = LockTable::new();
+    let mut txn = table.transaction();
+    hold_three(&mut txn);
+    let token = txn.token(&2).unwrap();
+    assert!(table.revoke_grant(&2, token));
+    assert_eq!(
+        txn.check(),
+        Err(TransactionError::Expired { key: 2, token })
+    );
+    assert_eq!(
+        txn.commit(),
+        Err(TransactionError::Expired { key: 2, token })
+    );
+    assert!(table.is_empty());
+
+    let table = Arc::new(LockTable::new());
+    let txn = table.clone().transaction_owned();
+    txn.blocking_lock_all([(1, Mode::Exclusive), (2, Mode::Shared)])
+        .unwrap();
+    txn.commit().unwrap();
+    assert!(table.is_empty());
+    let txn = table.clone().transaction_owned();
+    txn.blocking_lock_all([(1, Mode::Exclusive), (2, Mode::Shared)])
+        .unwrap();
+    let token = txn.token(&1).unwrap();
+    assert!(table.revoke_grant(&1, token));
+    assert_eq!(
+        txn.commit(),
+        Err(TransactionError::Expired { key: 1, token })
+    );
+    assert!(table.is_empty());
+}
+
+#[test]
+fn abort_releases_everything() {
+    let table = LockTable::new();
+    let mut txn = table.transaction();
+    hold_three(&mut txn);
+    txn.abort();
+    assert!(table.is_empty());
+}
+
+#[test]
+fn drop_releases_everything_from_another_thread() {
+    let table = LockTable::new();
+    let mut txn = table.transaction();
+    hold_three(&mut txn);
+    std::thread::scope(|s| {
+        s.spawn(move || drop(txn));
+    });
+    assert!(table.is_empty());
+
+    let table = Arc::new(LockTable::new());
+    let txn = table.clone().transaction_owned();
+    txn.blocking_lock_all([(1, Mode::Exclusive), (2, Mode::Shared)])
+        .unwrap();
+    std::thread::spawn(move || drop(txn)).join().unwrap();
+    assert!(table.is_empty());
+}
+
+#[test]
+fn owned_drop_wakes_a_pending_lock_which_ends_holding_nothing() {
+    let table = Arc::new(LockTable::new());
+    let txn = table.clone().transaction_owned();
+    txn.blocking_lock("a", Mode::Exclusive).unwrap();
+    let other = table.try_lock("b").unwrap();
+    let w = W::new();
+    let mut pending = Box::pin(txn.lock("b", Mode::Exclusive));
+    assert!(w.poll(&mut pending).is_pending());
+    assert_eq!(table.waiters("b"), 1);
+    drop(txn);
+    assert!(
+        !table.is_locked("a"),
+        "the transaction's keys are released at once"
+    );
+    assert!(w.wakes() > 0, "the pending lock is woken");
+    assert!(matches!(
+        w.poll(&mut pending),
+        Poll::Ready(Err(TransactionError::Ended))
+    ));
+    assert_eq!(table.waiters("b"), 0);
+    drop(other);
+    drop(pending);
+    assert!(table.is_empty());
+}
+
+#[test]
+fn owned_drop_after_a_grant_not_yet_seen_releases_it() {
+    let table = Arc::new(LockTable::new());
+    let txn = table.clone().transaction_owned();
+    let other = table.try_lock("b").unwrap();
+    let w = W::new();
+    let mut pending = Box::pin(txn.lock("b", Mode::Exclusive));
+    assert!(w.poll(&mut pending).is_pending());
+    drop(other); // hands "b" to the pending lock, which has not run yet
+    drop(txn);
+    assert!(matches!(
+        w.poll(&mut pending),
+        Poll::Ready(Err(TransactionError::Ended))
+    ));
+    assert!(
+        !table.is_locked("b"),
+        "what it got after the end is released"
+    );
+    drop(pending);
+    assert!(table.is_empty());
+}
+
+#[test]
+fn owned_drop_while_an_upgrade_is_pending_releases_the_key() {
+    let table = Arc::new(LockTable::new());
+    let txn = table.clone().transaction_owned();
+    txn.blocking_lock("k", Mode::Shared).unwrap();
+    let reader = table.try_lock_shared("k").unwrap();
+    let w = W::new();
+    let mut up = Box::pin(txn.lock("k", Mode::Exclusive));
+    assert!(w.poll(&mut up).is_pending());
+    assert_eq!(txn.count("k"), 1, "counted as held while upgrading");
+    drop(txn);
+    assert!(matches!(
+        w.poll(&mut up),
+        Poll::Ready(Err(TransactionError::Ended))
+    ));
+    drop(up);
+    drop(reader);
+    assert!(table.is_empty());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn owned_drop_while_a_lock_is_pending_on_another_task() {
+    let table = Arc::new(LockTable::new());
+    let txn = table.clone().transaction_owned();
+    txn.lock("a", Mode::Exclusive).await.unwrap();
+    let other = table.clone().try_lock_owned("b").unwrap();
+    let task = tokio::spawn(txn.lock("b", Mode::Exclusive));
+    while table.waiters("b") == 0 {
+        tokio::task::yield_now().await;
+    }
+    drop(txn);
+    assert!(!table.is_locked("a"));
+    let out = task.await.unwrap();
+    assert_eq!(out, Err(TransactionError::Ended));
+    assert_eq!(table.waiters("b"), 0);
+    drop(other);
+    assert!(table.is_empty());
+}
+
+#[test]
+fn two_pending_calls_of_one_owner_for_one_key_do_not_wait_on_each_other() {
+    let table = Arc::new(LockTable::new());
+    let txn = table.clone().transaction_owned();
+    let other = table.try_lock("k").unwrap();
+    let w = W::new();
+    let mut first = Box::pin(txn.lock("k", Mode::Exclusive));
+    assert!(w.poll(&mut first).is_pending());
+    let second = block(txn.lock("k", Mode::Exclusive));
+    assert_eq!(second, Err(TransactionError::InFlight { key: "k" }));
+    let all = block(txn.lock_all(vec![("j", Mode::Shared), ("k", Mode::Shared)]));
+    assert_eq!(all, Err(TransactionError::InFlight { key: "k" }));
+    assert!(!table.is_locked("j"), "the refused lock_all took nothing");
+    drop(other);
+    assert!(matches!(w.poll(&mut first), Poll::Ready(Ok(_))));
+    assert_eq!(txn.count("k"), 1);
+}
+
+// --------------------------------------------------------------- lock_all
+
+#[test]
+fn lock_all_merges_duplicates_stronger_mode_wins() {
+    let table = LockTable::new();
+    let mut txn = table.transaction();
+    let got = block(txn.lock_all([
+        ("a", Mode::Shared),
+        ("b", Mode::Shared),
+        ("a", Mode::Exclusive),
+        ("b", Mode::Shared),
+        ("a", Mode::Shared),
+    ]))
+    .unwrap();
+    assert_eq!(got.acquired(), 2);
+    assert_eq!(txn.mode("a"), Some(Mode::Exclusive));
+    assert_eq!(txn.mode("b"), Some(Mode::Shared));
+    assert_eq!(txn.count("a"), 1);
+    assert_eq!(table.stats().acquisitions, 2);
+}
+
+#[test]
+fn self_transfer_does_not_deadlock() {
+    let table = Arc::new(LockTable::new());
+    let mut txn = table.transaction();
+    block(txn.lock_all([(7, Mode::Exclusive), (7, Mode::Exclusive)])).unwrap();
+    assert_eq!(txn.count(&7), 1);
+    // And again, re-entrantly, through the owned form on a plain thread.
+    let owned = table.clone().transaction_owned();
+    owned
+        .blocking_lock_all([(8, Mode::Exclusive), (8, Mode::Exclusive)])
+        .unwrap();
+    owned
+        .blocking_lock_all([(8, Mode::Exclusive), (8, Mode::Exclusive)])
+        .unwrap();
+    assert_eq!(owned.count(&8), 2);
+}
+
+#[test]
+fn lock_all_reenters_and_upgrades_held_keys() {
+    let table = LockTable::new();
+    let mut txn = table.transaction();
+    block(txn.lock("held-x", Mode::Exclusive)).unwrap();
+    block(txn.lock("held-s", Mode::Shared)).unwrap();
+    let got = block(txn.lock_all([
+        ("held-x", Mode::Shared),
+        ("held-s", Mode::Exclusive),
+        ("new", Mode::Shared),
+    ]))
+    .unwrap();
+    assert_eq!((got.acquired(), got.reentered(), got.upgraded()), (1, 1, 1));
+    assert_eq!(txn.count("held-x"), 2);
+    assert_eq!(txn.count("held-s"), 2);
+    assert_eq!(txn.mode("held-s"), Some(Mode::Exclusive));
+    assert_eq!(txn.count("new"), 1);
+}
+
+#[test]
+fn lock_all_is_all_or_nothing_when_a_key_fails() {
+    let table = LockTable::new();
+    let mut txn = table.transaction();
+    block(txn.lock("x", Mode::Shared)).unwrap();
+    let held = table.try_lock("m").unwrap();
+    let reqs = [
+        ("a", Mode::Exclusive),
+        ("m", Mode::Exclusive),
+        ("z", Mode::Shared),
+        ("x", Mode::Exclusive),
+    ];
+    let err = block(txn.lock_all_with(reqs, WaitPolicy::NoWait)).unwrap_err();
+    assert_eq!(
+        err,
+        TransactionError::Busy {
+            key: "m",
+            mode: Mode::Exclusive,
+            holder: Some(held.token())
+        }
+    );
+    assert!(err.to_string().contains("\"m\""), "{err}");
+    assert!(!table.is_locked("a") && !table.is_locked("z"));
+    assert_eq!(txn.len(), 1);
+    assert_eq!(
+        txn.mode("x"),
+        Some(Mode::Shared),
+        "an upgrade it made is undone"
+    );
+    assert_eq!(txn.count("x"), 1);
+    assert!(table.try_lock_shared("x").is_ok());
+}
+
+/// The state of a scenario for cancellation: a transaction holding `s`
+/// shared and `x` exclusive, others holding some of the keys a `lock_all`
+/// asks for, released one by one at random between polls.
+#[test]
+fn lock_all_dropped_at_random_poll_points_holds_nothing_it_took() {
+    for seed in 0..300u64 {
+        let mut rng = StdRng::seed_from_u64(seed);
+        let table = LockTable::new();
+        let mut txn = table.transaction();
+        block(txn.lock("s", Mode::Shared)).unwrap();
+        block(txn.lock("x", Mode::Exclusive)).unwrap();
+        let s_token = txn.token("s").unwrap();
+        let x_token = txn.token("x").unwrap();
+        // Others: a reader of "s" (the upgrade waits for it), holders of
+        // some new keys.
+        let mut others = vec![table.try_lock_shared("s").unwrap()];
+        for key in ["n1", "n2", "n3", "n4"] {
+            if rng.gen_bool(0.5) {
+                others.push(if rng.gen_bool(0.5) {
+                    table.try_lock(key).unwrap()
+                } else {
+                    table.try_lock_shared(key).unwrap()
+                });
+            }
+        }
+        others.shuffle(&mut rng);
+        let mut reqs = vec![
+            ("s", Mode::Exclusive),
+            ("x", Mode::Shared),
+            ("n1", Mode::Exclusive),
+            ("n2", Mode::Shared),
+            ("n3", Mode::Exclusive),
+            ("n4", Mode::Exclusive),
+            ("n1", Mode::Shared),
+        ];
+        reqs.shuffle(&mut rng);
+        let polls = rng.gen_range(0..8);
+        let w = W::new();
+        let mut completed = false;
+        {
+            let mut fut: BoxFut<'_, _> = Box::pin(txn.lock_all(reqs));
+            for _ in 0..polls {
+                if let Poll::Ready(out) = w.poll(&mut fut) {
+                    out.unwrap();
+                    completed = true;
+                    break;
+                }
+                if !others.is_empty() {
+                    let i = rng.gen_range(0..others.len());
+                    drop(others.swap_remove(i));
+                }
+            }
+            // Dropped here, wherever it was.
+        }
+        if completed {
+            // Then it all went in: exactly once.
+            assert_eq!(txn.mode("s"), Some(Mode::Exclusive), "seed {seed}");
+            assert_eq!(txn.len(), 6, "seed {seed}");
+            continue;
+        }
+        // Nothing the call took is held, and the earlier keys are as they were.
+        assert_eq!(txn.len(), 2, "seed {seed}");
+        assert_eq!(
+            (txn.count("s"), txn.mode("s")),
+            (1, Some(Mode::Shared)),
+            "seed {seed}"
+        );
+        assert_eq!(
+            (txn.count("x"), txn.token("x")),
+            (1, Some(x_token)),
+            "seed {seed}"
+        );
+        assert!(txn.token("s").unwrap() >= s_token, "seed {seed}");
+        drop(others);
+        for key in ["n1", "n2", "n3", "n4"] {
+            assert!(!table.is_locked(key), "seed {seed}: {key} stayed held");
+            assert_eq!(table.waiters(key), 0, "seed {seed}");
+        }
+        assert!(
+            table.try_lock_shared("s").is_ok(),
+            "seed {seed}: s is shared again"
+        );
+        assert!(table.try_lock("x").is_err(), "seed {seed}");
+        drop(txn);
+        assert!(table.is_empty(), "seed {seed}");
+    }
+}
+
+// -------------------------------------------------- no deadlock, runtimes
+
+/// Per key: -1 while held exclusive, else the number of shared holders.
+struct Exclusion {
+    state: Vec<AtomicIsize>,
+    violations: AtomicUsize,
+}
+
+const KEYS: u64 = 8;
+
+impl Exclusion {
+    fn new() -> Arc<Self> {
+        Arc::new(Self {
+            state: (0..KEYS).map(|_| AtomicIsize::new(0)).collect(),
+            violations: AtomicUsize::new(0),
+        })
+    }
+
+    fn enter(&self, held: &[(u64, Mode)]) {
+        for &(key, mode) in held {
+            let cell = &self.state[key as usize];
+            let ok = match mode {
+                Mode::Exclusive => cell.compare_exchange(0, -1, SeqCst, SeqCst).is_ok(),
+                Mode::Shared => cell
+                    .fetch_update(SeqCst, SeqCst, |v| (v >= 0).then_some(v + 1))
+                    .is_ok(),
+            };
+            if !ok {
+                self.violations.fetch_add(1, SeqCst);
+            }
+        }
+    }
+
+    fn leave(&self, held: &[(u64, Mode)]) {
+        for &(key, mode) in held {
+            let cell = &self.state[key as usize];
+            match mode {
+                Mode::Exclusive => cell.store(0, SeqCst),
+                Mode::Shared => {
+                    cell.fetch_sub(1, SeqCst);
+                }
+            }
+        }
+    }
+}
+
+/// A random request over overlapping keys, in random order, with
+/// duplicates; and the merged set it should hold.
+type Requests = Vec<(u64, Mode)>;
+
+fn random_request(rng: &mut StdRng) -> (Requests, Requests) {
+    let n = rng.gen_range(1..=4);
+    let mut reqs: Requests = (0..n)
+        .map(|_| {
+            let mode = if rng.gen_bool(0.4) {
+                Mode::Shared
+            } else {
+                Mode::Exclusive
+            };
+            (rng.gen_range(0..KEYS), mode)
+        })
+        .collect();
+    reqs.shuffle(rng);
+    let mut merged: Requests = Vec::new();
+    for &(key, mode) in &reqs {
+        match merged.iter_mut().find(|(k, _)| *k == key) {
+            Some((_, m)) => *m = (*m).max(mode),
+            None => merged.push((key, mode)),
+        }
+    }
+    (reqs, merged)
+}
+
+async fn worker(table: Arc<LockTable<u64>>, ex: Arc<Exclusion>, seed: u64, rounds: usize) {
+    let mut rng = StdRng::seed_from_u64(seed);
+    for _ in 0..rounds {
+        let (reqs, merged) = random_request(&mut rng);
+        let txn: OwnedTransaction<u64> = table.clone().transaction_owned();
+        let got = txn.lock_all(reqs).await.unwrap();
+        assert_eq!(got.acquired(), merged.len());
+        ex.enter(&merged);
+        // Yield through a real wake, so that other tasks run meanwhile.
+        for _ in 0..rng.gen_range(1..3) {
+            YieldNow(false).await;
+        }
+        ex.leave(&merged);
+        txn.commit().unwrap();
+    }
+}
+
+struct YieldNow(bool);
+
+impl Future for YieldNow {
+    type Output = ();
+    fn poll(mut self: Pin<&mut Self>, cx: &mut std::task::Context<'_>) -> Poll<()> {
+        if self.0 {
+            Poll::Ready(())
+        } else {
+            self.0 = true;
+            cx.waker().wake_by_ref();
+            Poll::Pending
+        }
+    }
+}
+
+fn check_end(table: &LockTable<u64>, ex: &Exclusion) {
+    assert_eq!(
+        ex.violations.load(SeqCst),
+        0,
+        "two grants held a key against each other"
+    );
+    assert!(table.is_empty());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn many_lock_all_callers_never_deadlock_tokio() {
+    let table = Arc::new(LockTable::new());
+    let ex = Exclusion::new();
+    let tasks: Vec<_> = (0..16)
+        .map(|seed| tokio::spawn(worker(table.clone(), ex.clone(), seed, 200)))
+        .collect();
+    for task in tasks {
+        task.await.unwrap();
+    }
+    check_end(&table, &ex);
+}
+
+#[async_std::test]
+async fn many_lock_all_callers_never_deadlock_async_std() {
+    let table = Arc::new(LockTable::new());
+    let ex = Exclusion::new();
+    let tasks: Vec<_> = (0..16)
+        .map(|seed| async_std::task::spawn(worker(table.clone(), ex.clone(), 100 + seed, 200)))
+        .collect();
+    for task in tasks {
+        task.await;
+    }
+    check_end(&table, &ex);
+}
+
+#[test]
+fn many_lock_all_callers_never_deadlock_threads() {
+    let table: Arc<LockTable<u64>> = Arc::new(LockTable::new());
+    let ex = Exclusion::new();
+    std::thread::scope(|s| {
+        for seed in 0..8u64 {
+            let (table, ex) = (&table, &ex);
+            s.spawn(move || {
+                let mut rng = StdRng::seed_from_u64(200 + seed);
+                for round in 0..300 {
+                    let (reqs, merged) = random_request(&mut rng);
+                    if round % 2 == 0 {
+                        // The borrowed form, blocking.
+                        let mut txn = table.transaction();
+                        txn.blocking_lock_all(reqs).unwrap();
+                        ex.enter(&merged);
+                        std::thread::yield_now();
+                        ex.leave(&merged);
+                        txn.commit().unwrap();
+                    } else {
+                        // The owned form, on futures' executor.
+                        let txn = table.clone().transaction_owned();
+                        block(txn.lock_all(reqs)).unwrap();
+                        ex.enter(&merged);
+                        std::thread::yield_now();
+                        ex.leave(&merged);
+                        drop(txn);
+                    }
+                }
+            });
+        }
+    });
+    check_end(&table, &ex);
+}
+
+/// A hasher that hashes a `u64` to itself, so that the canonical order of
+/// a `lock_all` (the table's hash, then `Ord`) is the keys' order, and a
+/// test can make transactions that take their keys in it.
+#[derive(Default, Clone)]
+struct Identity(u64);
+
+impl Hasher for Identity {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+    fn write(&mut self, _: &[u8]) {
+        unreachable!("only u64 keys")
+    }
+    fn write_u64(&mut self, n: u64) {
+        self.0 = n;
+    }
+}
+
+type Ordered = std::hash::BuildHasherDefault<Identity>;
+
+/// Transactions that take keys in two `lock_all` calls, the second asking
+/// only keys at or above the highest of the first (re-entering or
+/// upgrading it): the documented deadlock-free pattern, upgrades included.
+/// A refused double upgrade is an error, not a wait: abort and go on.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn ascending_transactions_with_upgrades_never_deadlock() {
+    let table: Arc<LockTable<u64, Ordered>> =
+        Arc::new(LockTable::builder().hasher(Ordered::default()).build());
+    let ex = Exclusion::new();
+    let conflicts = Arc::new(AtomicUsize::new(0));
+    let upgrades = Arc::new(AtomicUsize::new(0));
+    let tasks: Vec<_> = (0..16u64)
+        .map(|seed| {
+            let (table, ex) = (table.clone(), ex.clone());
+            let (conflicts, upgrades) = (conflicts.clone(), upgrades.clone());
+            tokio::spawn(async move {
+                let mut rng = StdRng::seed_from_u64(300 + seed);
+                for _ in 0..200 {
+                    let txn = table.clone().transaction_owned();
+                    let (first, _) = random_request(&mut rng);
+                    txn.lock_all(first).await.unwrap();
+                    let top = (0..KEYS).rev().find(|k| txn.count(k) > 0).unwrap();
+                    let mut second = vec![(
+                        top,
+                        if rng.gen_bool(0.5) {
+                            Mode::Exclusive
+                        } else {
+                            Mode::Shared
+                        },
+                    )];
+                    for k in top + 1..KEYS {
+                        if rng.gen_bool(0.3) {
+                            second.push((
+                                k,
+                                if rng.gen_bool(0.5) {
+                                    Mode::Exclusive
+                                } else {
+                                    Mode::Shared
+                                },
+                            ));
+                        }
+                    }
+                    second.shuffle(&mut rng);
+                    match txn.lock_all(second).await {
+                        Ok(got) => {
+                            upgrades.fetch_add(got.upgraded(), SeqCst);
+                        }
+                        Err(TransactionError::Lock {
+                            error: LockError::UpgradeConflict { .. },
+                            ..
+                        }) => {
+                            conflicts.fetch_add(1, SeqCst);
+                            continue; // aborted by the drop
+                        }
+                        Err(err) => panic!("{err}"),
+                    }
+                    let held: Requests = (0..KEYS)
+                        .filter_map(|k| txn.mode(&k).map(|m| (k, m)))
+                        .collect();
+                    ex.enter(&held);
+                    YieldNow(false).await;
+                    ex.leave(&held);
+                    txn.commit().unwrap();
+                }
+            })
+        })
+        .collect();
+    for task in tasks {
+        task.await.unwrap();
+    }
+    assert_eq!(ex.violations.load(SeqCst), 0);
+    assert!(upgrades.load(SeqCst) > 0, "the scenario upgrades");
+    assert!(table.is_empty());
+    // Refused double upgrades happen or not, by chance; either way no wait.
+    drop(conflicts);
+}
+
+/// The owned form's `lock_all`, dropped at random points while other
+/// holders come and go, and its owner ended while one is pending.
+#[test]
+fn owned_lock_all_dropped_or_ended_at_random_points_holds_nothing_it_took() {
+    for seed in 0..200u64 {
+        let mut rng = StdRng::seed_from_u64(seed);
+        let table = Arc::new(LockTable::new());
+        let txn = table.clone().transaction_owned();
+        txn.blocking_lock("s", Mode::Shared).unwrap();
+        let mut others = vec![table.try_lock_shared("s").unwrap()];
+        for key in ["n1", "n2", "n3"] {
+            if rng.gen_bool(0.6) {
+                others.push(table.try_lock(key).unwrap());
+            }
+        }
+        others.shuffle(&mut rng);
+        let mut reqs = vec![
+            ("s", Mode::Exclusive),
+            ("n1", Mode::Exclusive),
+            ("n2", Mode::Shared),
+            ("n3", Mode::Exclusive),
+        ];
+        reqs.shuffle(&mut rng);
+        let end_owner = rng.gen_bool(0.5);
+        let w = W::new();
+        let mut fut = Box::pin(txn.lock_all(reqs));
+        let mut out = None;
+        for _ in 0..rng.gen_range(0..6) {
+            if let Poll::Ready(done) = w.poll(&mut fut) {
+                out = Some(done);
+                break;
+            }
+            if !others.is_empty() {
+                let i = rng.gen_range(0..others.len());
+                drop(others.swap_remove(i));
+            }
+        }
+        if end_owner {
+            drop(txn);
+            if out.is_none() {
+                match w.poll(&mut fut) {
+                    Poll::Ready(done) => {
+                        assert_eq!(done, Err(TransactionError::Ended), "seed {seed}")
+                    }
+                    Poll::Pending => panic!("seed {seed}: an ended transaction's call is pending"),
+                }
+            }
+            drop(fut);
+            drop(others);
+            assert!(table.is_empty(), "seed {seed}");
+            continue;
+        }
+        drop(fut);
+        if let Some(done) = out {
+            done.unwrap();
+            assert_eq!(txn.len(), 4, "seed {seed}");
+            continue;
+        }
+        assert_eq!(txn.len(), 1, "seed {seed}");
+        assert_eq!(
+            (txn.count("s"), txn.mode("s")),
+            (1, Some(Mode::Shared)),
+            "seed {seed}"
+        );
+        drop(others);
+        for key in ["n1", "n2", "n3"] {
+            assert!(!table.is_locked(key), "seed {seed}: {key} stayed held");
+        }
+        assert!(table.try_lock_shared("s").is_ok(), "seed {seed}");
+        drop(txn);
+        assert!(table.is_empty(), "seed {seed}");
+    }
+}
+
+// ------------------------------------------------------------ wait policies
+
+#[test]
+fn nowait_fails_at_once_naming_the_key_and_its_holder() {
+    let table = LockTable::new();
+    let holder = table.try_lock("k").unwrap();
+    let mut txn = table.transaction_with(TransactionOptions::new().wait(WaitPolicy::NoWait));
+    let w = W::new();
+    let mut fut: BoxFut<'_, _> = Box::pin(txn.lock("k", Mode::Shared));
+    let Poll::Ready(out) = w.poll(&mut fut) else {
+        panic!("NoWait never waits")
+    };
+    drop(fut);
+    assert_eq!(
+        out,
+        Err(TransactionError::Busy {
+            key: "k",
+            mode: Mode::Shared,
+            holder: Some(holder.token())
+        })
+    );
+    assert_eq!(table.waiters("k"), 0);
+    // A shared holder does not stop a shared NoWait lock; an upgrade past it is busy.
+    drop(holder);
+    let reader = table.try_lock_shared("k").unwrap();
+    block(txn.lock("k", Mode::Shared)).unwrap();
+    let err = block(txn.lock("k", Mode::Exclusive)).unwrap_err();
+    assert!(
+        matches!(
+            err,
+            TransactionError::Busy {
+                key: "k",
+                mode: Mode::Exclusive,
+                ..
+            }
+        ),
+        "{err}"
+    );
+    assert_eq!(txn.mode("k"), Some(Mode::Shared));
+    drop(reader);
+}
+
+#[test]
+fn skip_locked_takes_the_free_keys_and_reports_the_others() {
+    let table = LockTable::new();
+    let mut txn = table.transaction();
+    block(txn.lock("up", Mode::Shared)).unwrap();
+    let _reader = table.try_lock_shared("up").unwrap();
+    let _w = table.try_lock("w").unwrap();
+    let _r = table.try_lock_shared("r").unwrap();
+    let reqs = [
+        ("free", Mode::Exclusive),
+        ("w", Mode::Shared),
+        ("r", Mode::Shared), // shared with a reader: free
+        ("r2", Mode::Shared),
+        ("up", Mode::Exclusive), // the upgrade cannot happen at once
+    ];
+    let got = block(txn.lock_all_with(reqs, WaitPolicy::SkipLocked)).unwrap();
+    let skipped: HashSet<_> = got.skipped().iter().copied().collect();
+    assert_eq!(skipped, HashSet::from(["w", "up"]));
+    assert_eq!(got.acquired(), 3);
+    assert_eq!(got.upgraded(), 0);
+    assert_eq!(
+        txn.mode("up"),
+        Some(Mode::Shared),
+        "a skipped upgrade stays shared"
+    );
+    assert_eq!(txn.count("up"), 1);
+    assert_eq!(txn.count("w"), 0);
+    for key in ["free", "r", "r2"] {
+        assert_eq!(txn.count(key), 1, "{key}");
+    }
+    // A single lock under SkipLocked has nothing to skip to: it is busy.
+    let err = block(txn.lock_with("w", Mode::Exclusive, WaitPolicy::SkipLocked)).unwrap_err();
+    assert!(matches!(err, TransactionError::Busy { key: "w", .. }));
+}
+
+// ------------------------------------------------------- hostile keys
+
+static HOSTILE: AtomicBool = AtomicBool::new(false);
+
+/// A key whose `Eq` (and `Hash`, for ids above 100) panics while
+/// `HOSTILE` is set.
+#[derive(Debug, Clone, PartialOrd, Ord)]
+struct Hostile(u32);
+
+impl PartialEq for Hostile {
+    fn eq(&self, other: &Self) -> bool {
+        if HOSTILE.load(SeqCst) && (self.0 == 13 || other.0 == 13) {
+            panic!("hostile Eq");
+        }
+        self.0 == other.0
+    }
+}
+impl Eq for Hostile {}
+impl Hash for Hostile {
+    fn hash<H: Hasher>(&self, state: &mut H) {
+        if HOSTILE.load(SeqCst) && self.0 > 100 {
+            panic!("hostile Hash");
+        }
+        self.0.hash(state);
+    }
+}
+
+#[test]
+fn a_key_whose_eq_or_hash_panics_strands_nothing() {
+    let table = LockTable::new();
+    let mut txn = table.transaction();
+    block(txn.lock_all([(Hostile(13), Mode::Shared), (Hostile(1), Mode::Exclusive)])).unwrap();
+    HOSTILE.store(true, SeqCst);
+    // Eq panics while the held set is searched for 13.
+    let panicked = catch_unwind(AssertUnwindSafe(|| {
+        let _ = block(txn.lock(Hostile(13), Mode::Exclusive));
+    }));
+    assert!(panicked.is_err());
+    let panicked = catch_unwind(AssertUnwindSafe(|| {
+        let reqs = (2..12)
+            .map(|i| (Hostile(i), Mode::Exclusive))
+            .chain([(Hostile(13), Mode::Exclusive)]);
+        let _ = block(txn.lock_all(reqs));
+    }));
+    assert!(panicked.is_err());
+    // Hash panics before anything is taken.
+    let panicked = catch_unwind(AssertUnwindSafe(|| {
+        let _ = block(txn.lock_all([
+            (Hostile(5), Mode::Exclusive),
+            (Hostile(101), Mode::Exclusive),
+        ]));
+    }));
+    assert!(panicked.is_err());
+    HOSTILE.store(false, SeqCst);
+    // Nothing the failed calls claimed stayed, the earlier keys did.
+    assert_eq!(txn.len(), 2);
+    assert_eq!(txn.mode(&Hostile(13)), Some(Mode::Shared));
+    assert_eq!(txn.count(&Hostile(13)), 1);
+    assert_eq!(
+        table.len(),
+        2,
+        "only the transaction's two keys are in the table"
+    );
+    drop(txn);
+    assert!(table.is_empty());
+}
+
+// ---------------------------------------------------------- send / sync
+
+#[test]
+fn owned_transactions_and_their_futures_are_send_and_static() {
+    fn send_static<T: Send + 'static>(_: &T) {}
+    fn send_sync<T: Send + Sync>() {}
+    send_sync::<OwnedTransaction<String>>();
+    send_sync::<keylock::Transaction<'static, String>>();
+    send_sync::<TransactionError<String>>();
+    let table = Arc::new(LockTable::<String>::new());
+    fn send<T: Send>(_: &T) {}
+    let mut borrowed = table.transaction();
+    send(&borrowed.lock("k".to_owned(), Mode::Exclusive));
+    send(&borrowed.lock_all([("k".to_owned(), Mode::Exclusive)]));
+    drop(borrowed);
+    let txn = table.transaction_owned();
+    send_static(&txn.lock("k".to_owned(), Mode::Exclusive));
+    send_static(&txn.lock_all(vec![("k".to_owned(), Mode::Exclusive)]));
+    let err: Box<dyn std::error::Error + Send + Sync> = Box::new(TransactionError::<String>::Ended);
+    assert!(err.to_string().contains("ended"));
+}
+
+// ------------------------------------------------- deadline and leases
+
+#[cfg(feature = "test-util")]
+mod manual_clock {
+    use std::time::Duration;
+
+    use keylock::{LockError, LockTable, ManualClock, Mode, TransactionError, TransactionOptions};
+
+    use crate::common::{SEC, W};
+    use crate::BoxFut;
+    use std::task::Poll;
+
+    fn table() -> (ManualClock, LockTable<&'static str>) {
+        let clock = ManualClock::new();
+        (clock.clone(), LockTable::builder().clock(clock).build())
+    }
+
+    #[test]
+    fn every_lock_waits_until_the_transaction_deadline_at_most() {
+        let (clock, table) = table();
+        let a = table.try_lock("a").unwrap();
+        let b = table.try_lock("b").unwrap();
+        let mut txn = table.transaction_with(TransactionOptions::new().timeout(10 * SEC));
+        assert_eq!(txn.deadline(), Some(clock.now() + 10 * SEC));
+        let w = W::new();
+        let mut fut: BoxFut<'_, _> =
+            Box::pin(txn.lock_all([("a", Mode::Exclusive), ("b", Mode::Exclusive)]));
+        assert!(w.poll(&mut fut).is_pending());
+        // Six seconds in, one key comes free; the other is waited for
+        // until the same deadline, not six seconds more.
+        clock.advance(6 * SEC);
+        assert!(w.poll(&mut fut).is_pending());
+        drop(a);
+        assert!(w.poll(&mut fut).is_pending(), "b is still held");
+        clock.advance(4 * SEC - Duration::from_nanos(1));
+        assert!(w.poll(&mut fut).is_pending());
+        clock.advance(Duration::from_nanos(1));
+        let Poll::Ready(out) = w.poll(&mut fut) else {
+            panic!("the deadline passed")
+        };
+        drop(fut);
+        let err = out.unwrap_err();
+        assert!(
+            matches!(err, TransactionError::Lock { key: "b", error: LockError::Timeout { holder: Some(t), .. }, .. } if t == b.token()),
+            "{err}"
+        );
+        assert!(txn.is_empty(), "all or nothing: a was let go");
+        assert!(!table.is_locked("a"));
+        // A lock after the deadline gives up at once.
+        let c = table.try_lock("c").unwrap();
+        let err = futures::executor::block_on(txn.lock("c", Mode::Shared)).unwrap_err();
+        assert!(matches!(
+            err,
+            TransactionError::Lock {
+                key: "c",
+                error: LockError::Timeout { .. },
+                ..
+            }
+        ));
+        drop(c);
+    }
+
+    #[test]
+    fn every_grant_carries_the_transaction_lease_and_renew_renews_all() {
+        let (clock, table) = table();
+        let mut txn = table.transaction_with(TransactionOptions::new().lease(10 * SEC));
+        txn.blocking_lock("a", Mode::Exclusive).unwrap();
+        txn.blocking_lock("b", Mode::Shared).unwrap();
+        clock.advance(6 * SEC);
+        txn.renew().unwrap();
+        clock.advance(6 * SEC);
+        txn.check().expect("renewed at 6 s: live until 16 s");
+        clock.advance(4 * SEC);
+        let err = txn.check().unwrap_err();
+        assert!(matches!(err, TransactionError::Expired { .. }));
+    }
+
+    #[test]
+    fn commit_judges_each_grant_as_it_lets_go() {
+        let (clock, table) = table();
+        let mut txn = table.transaction_with(TransactionOptions::new().lease(10 * SEC));
+        txn.blocking_lock("a", Mode::Exclusive).unwrap();
+        clock.advance(5 * SEC);
+        txn.blocking_lock("b", Mode::Shared).unwrap();
+        let a = txn.token("a").unwrap();
+        clock.advance(5 * SEC); // "a" lapses now, unnoticed by anyone
+        assert_eq!(
+            txn.commit(),
+            Err(TransactionError::Expired { key: "a", token: a })
+        );
+        assert!(table.is_empty());
+    }
+
+    #[test]
+    fn renew_is_all_or_nothing_and_names_the_lapsed_key() {
+        let (clock, table) = table();
+        let mut txn = table.transaction_with(TransactionOptions::new().lease(10 * SEC));
+        txn.blocking_lock("early", Mode::Exclusive).unwrap(); // lapses at 10 s
+        clock.advance(6 * SEC);
+        txn.blocking_lock("late", Mode::Exclusive).unwrap(); // lapses at 16 s
+        let late = txn.token("late").unwrap();
+        let early = txn.token("early").unwrap();
+        clock.advance(5 * SEC); // 11 s
+        let err = txn.renew().unwrap_err();
+        assert_eq!(
+            err,
+            TransactionError::Expired {
+                key: "early",
+                token: early
+            }
+        );
+        assert!(err.to_string().contains("\"early\""), "{err}");
+        // None was renewed: "late" still lapses at 16 s.
+        clock.advance(5 * SEC - Duration::from_nanos(1));
+        assert!(table.is_locked("late"));
+        clock.advance(Duration::from_nanos(1));
+        assert!(
+            !table.is_locked("late"),
+            "a renewal would have kept it to 21 s"
+        );
+        // Both lapsed now; the check names one of them.
+        let err = txn.check().unwrap_err();
+        assert!(matches!(err.key(), Some(&"early" | &"late")), "{err}");
+        assert_eq!(txn.token("late"), Some(late), "still the grant it was");
+    }
+}
