@@ -4,6 +4,7 @@
 //! cargo run --release --example compare              # full run, ~1-2 minutes on 2 cores
 //! cargo run --release --example compare -- --quick   # CI smoke, a few seconds
 //! cargo run --release --example compare -- --only W1,W6 --impl keylock,tokio
+//! cargo run --release --example compare -- --only bank   # the bank alone
 //! ```
 //!
 //! Runs every workload (see `compare/workloads.rs`) for every implementation
@@ -19,6 +20,8 @@
 //! is a terminal), tables to stdout. A ratio says "faster" or "slower" only
 //! when the repetitions do not overlap (`compare/verdict.rs`).
 
+#[path = "compare/bank.rs"]
+mod bank;
 #[path = "compare/impls.rs"]
 mod impls;
 #[path = "compare/plain.rs"]
@@ -90,6 +93,8 @@ struct Config {
     reps: usize,
     workloads: Vec<Workload>,
     impls: Vec<&'static Contender>,
+    /// Whether to run the bank (`--only` without `bank` leaves it out).
+    bank: bool,
 }
 
 impl Config {
@@ -158,17 +163,21 @@ impl Config {
                 })
             })
             .collect();
+        let bank = only.as_ref().is_none_or(|o| o.iter().any(|x| x == "bank"));
         Self {
             quick,
             reps: reps.unwrap_or(if quick { 3 } else { 5 }),
             workloads,
             impls,
+            bank,
         }
     }
 }
 
 fn usage() -> ! {
-    eprintln!("usage: compare [--quick] [--reps N] [--only W1,W2,...] [--impl keylock,tokio,...]");
+    eprintln!(
+        "usage: compare [--quick] [--reps N] [--only W1,W2,...,bank] [--impl keylock,tokio,...]"
+    );
     std::process::exit(2)
 }
 
@@ -259,15 +268,29 @@ fn main() {
         }
     }
     bar.finish_and_clear();
+    let bank = cfg.bank.then(|| {
+        let shape = bank::BankRun {
+            accounts: 64,
+            tellers: 32,
+            transfers: if cfg.quick { 1_000 } else { 10_000 },
+            auditors: 2,
+        };
+        eprintln!("running the bank...");
+        bank::compare(&rt, shape, cfg.reps, Duration::from_secs(120))
+    });
     let wall = started.elapsed();
 
-    print!("{}", report(&cfg, &results, &leftovers, wall));
+    print!(
+        "{}",
+        report(&cfg, &results, &leftovers, bank.as_deref(), wall)
+    );
 }
 
 fn report(
     cfg: &Config,
     results: &[Vec<Cell>],
     leftovers: &[Option<usize>],
+    bank: Option<&str>,
     wall: std::time::Duration,
 ) -> String {
     let mut out = String::new();
@@ -454,6 +477,15 @@ fn report(
         size_of::<keylock::OwnedGuard<u64>>()
     )
     .unwrap();
+
+    if let Some(bank) = bank {
+        writeln!(
+            o,
+            "\n### The bank: transactions against DashMap<K, Arc<RwLock<()>>>\n"
+        )
+        .unwrap();
+        o.push_str(bank);
+    }
 
     writeln!(o, "\nWorkloads:\n").unwrap();
     for w in &cfg.workloads {

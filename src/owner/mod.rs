@@ -54,6 +54,10 @@ use held::{HeldSet, NotReleased};
 use reach::{GuardOps, Reach};
 
 pub use error::TransactionError;
+
+/// A per-call list: inline up to four items (a transfer's two accounts, a
+/// small `lock_all`), on the heap past that.
+pub(crate) type Few<T> = smallvec::SmallVec<[T; 4]>;
 pub use held::{AcquireKind, Acquired};
 pub use multi::LockedSet;
 pub use policy::{TransactionOptions, WaitPolicy};
@@ -408,7 +412,7 @@ impl<'t, K: Eq + Hash, S: BuildHasher> Transaction<'t, K, S> {
         I: IntoIterator<Item = (K, Mode)>,
         K: Ord + Clone,
     {
-        let requests: Vec<(K, Mode)> = requests.into_iter().collect();
+        let requests: Few<(K, Mode)> = requests.into_iter().collect();
         multi::lock_all(self.direct(), requests, policy)
     }
 
@@ -779,7 +783,7 @@ impl<K: Eq + Hash, S: BuildHasher> OwnedTransaction<K, S> {
         I: IntoIterator<Item = (K, Mode)>,
         K: Ord + Clone,
     {
-        let requests: Vec<(K, Mode)> = requests.into_iter().collect();
+        let requests: Few<(K, Mode)> = requests.into_iter().collect();
         multi::lock_all(Arc::clone(&self.shared), requests, policy)
     }
 

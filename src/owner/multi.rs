@@ -43,7 +43,9 @@
 //! shared again, as before the call, under the token the upgrade gave it),
 //! and keys it only counted are left as they were.
 
+use std::future::Future;
 use std::mem;
+use std::pin::Pin;
 
 use crate::mode::Mode;
 use crate::owner::access::{unless_ended, Access, Ended};
@@ -52,6 +54,7 @@ use crate::owner::held::{AcquireKind, Begin};
 use crate::owner::policy::WaitPolicy;
 use crate::owner::reach::{GuardOps, Reach};
 use crate::owner::single::{GuardOf, KeyOf};
+use crate::owner::Few;
 use crate::LockError;
 
 /// What a [`lock_all`](crate::Transaction::lock_all) did: how many keys it
@@ -145,7 +148,7 @@ struct Staged<G> {
 /// Everything the call claimed; undoes it when dropped unless finished.
 struct Stage<'a, A: Access> {
     access: &'a mut A,
-    entries: Vec<Staged<GuardOf<A>>>,
+    entries: Few<Staged<GuardOf<A>>>,
     done: bool,
 }
 
@@ -183,8 +186,8 @@ impl<A: Access> Stage<'_, A> {
             upgraded: 0,
             skipped: Vec::new(),
         };
-        let mut names = Vec::new();
-        let mut rest = Vec::new();
+        let mut names: Few<_> = Few::new();
+        let mut rest: Few<_> = Few::new();
         let finished = self.access.with(|set| {
             for entry in &mut entries {
                 let guard = entry.guard.take();
@@ -240,7 +243,7 @@ impl<A: Access> Drop for Stage<'_, A> {
                 }
             }
         }
-        let mut leftovers = Vec::new();
+        let mut leftovers: Few<_> = Few::new();
         let _ = self.access.with(|set| {
             for entry in &mut entries {
                 leftovers.push(set.abandon(entry.hash, entry.id, entry.guard.take()));
@@ -263,12 +266,12 @@ fn is_taken(error: &LockError) -> bool {
 }
 
 /// Sorts the requests into the canonical order and merges duplicates.
-fn order<R: Reach>(reach: &R, requests: Vec<(R::Key, Mode)>) -> Vec<Request<R::Key>>
+fn order<R: Reach>(reach: &R, requests: Few<(R::Key, Mode)>) -> Few<Request<R::Key>>
 where
     R::Key: Ord,
 {
     let table = reach.table();
-    let mut requests: Vec<Request<R::Key>> = requests
+    let mut requests: Few<Request<R::Key>> = requests
         .into_iter()
         .map(|(key, mode)| Request {
             hash: table.hash(&key),
@@ -289,19 +292,43 @@ where
 
 /// Locks every requested key for the transaction, all or nothing; see the
 /// module doc.
+///
+/// Everything up to the first wait happens in a plain function: an
+/// uncontended call creates no lock future and its future stays a few
+/// words (moving a large future costs more than the locks); only a call
+/// that must wait boxes the rest.
 pub(crate) async fn lock_all<A: Access>(
     mut access: A,
-    requests: Vec<(KeyOf<A>, Mode)>,
+    requests: Few<(KeyOf<A>, Mode)>,
     policy: WaitPolicy,
 ) -> Result<LockedSet<KeyOf<A>>, TransactionError<KeyOf<A>>>
 where
     KeyOf<A>: Ord + Clone,
 {
-    let access = &mut access;
+    let wait = match lock_all_now(&mut access, requests, policy) {
+        Ok(done) => return done,
+        Err(wait) => wait,
+    };
+    wait.await
+}
+
+/// The call as far as it goes without waiting: done, or the boxed rest.
+#[allow(clippy::type_complexity)]
+fn lock_all_now<A: Access>(
+    access: &mut A,
+    requests: Few<(KeyOf<A>, Mode)>,
+    policy: WaitPolicy,
+) -> Result<
+    Result<LockedSet<KeyOf<A>>, TransactionError<KeyOf<A>>>,
+    Pin<Box<impl Future<Output = Result<LockedSet<KeyOf<A>>, TransactionError<KeyOf<A>>>> + '_>>,
+>
+where
+    KeyOf<A>: Ord + Clone,
+{
     let mut requests = order(&access.owner().reach, requests);
     let mut stage = Stage {
         access,
-        entries: Vec::with_capacity(requests.len()),
+        entries: Few::with_capacity(requests.len()),
         done: false,
     };
     let began = {
@@ -333,21 +360,65 @@ where
         })
     };
     match began {
-        Err(Ended) => return Err(TransactionError::Ended),
+        Err(Ended) => return Ok(Err(TransactionError::Ended)),
         Ok(Err(i)) => {
             let key = requests[i].key.take().expect("not taken yet");
-            return Err(TransactionError::InFlight { key });
+            return Ok(Err(TransactionError::InFlight { key }));
         }
         Ok(Ok(())) => {}
     }
 
-    let skip = policy == WaitPolicy::SkipLocked;
+    // Every key that can be had at once, in order, until the first that
+    // must be waited for (or upgraded): the rest is the slow path's.
     for (i, request) in requests.iter_mut().enumerate() {
+        match stage.entries[i].kind {
+            Kind::Covered => continue,
+            Kind::Upgrade => return Err(Box::pin(wait_rest(stage, requests, i, policy))),
+            Kind::New => {
+                let key = request.key.take().expect("locked once");
+                let opts = stage.access.owner().opts.lock_options(request.mode, policy);
+                match stage.access.owner().reach.try_lock_kept(key, opts) {
+                    Ok(guard) => stage.entries[i].guard = Some(guard),
+                    Err(key) => {
+                        request.key = Some(key);
+                        return Err(Box::pin(wait_rest(stage, requests, i, policy)));
+                    }
+                }
+            }
+        }
+    }
+    Ok(stage.finish())
+}
+
+/// The slow path: the requests from `from` on, waiting where needed.
+async fn wait_rest<A: Access>(
+    mut stage: Stage<'_, A>,
+    mut requests: Few<Request<KeyOf<A>>>,
+    from: usize,
+    policy: WaitPolicy,
+) -> Result<LockedSet<KeyOf<A>>, TransactionError<KeyOf<A>>>
+where
+    KeyOf<A>: Ord + Clone,
+{
+    let skip = policy == WaitPolicy::SkipLocked;
+    for (i, request) in requests.iter_mut().enumerate().skip(from) {
         let opts = stage.access.owner().opts.lock_options(request.mode, policy);
         let result = match stage.entries[i].kind {
             Kind::Covered => continue,
             Kind::New => {
                 let key = request.key.take().expect("locked once");
+                // Tried at once first (it never barges past queued waiters,
+                // so fairness is the same): an uncontended key creates no
+                // lock future. The key goes to the table only if it takes
+                // it; a busy one comes back for the wait.
+                let reach = &stage.access.owner().reach;
+                let key = match reach.try_lock_kept(key, opts) {
+                    Ok(guard) => {
+                        stage.entries[i].guard = Some(guard);
+                        continue;
+                    }
+                    Err(key) => key,
+                };
                 let lock = stage.access.owner().reach.lock_with(key, opts);
                 match unless_ended(&mut *stage.access, lock).await {
                     Ok(Ok(guard)) => {

@@ -29,6 +29,9 @@ pub(crate) trait Reach {
     fn lock_with(&self, key: Self::Key, opts: LockOptions) -> Self::Lock;
 
     fn try_lock_with(&self, key: Self::Key, opts: LockOptions) -> Result<Self::Guard, LockError>;
+
+    /// One attempt that gives the key back when it cannot be had at once.
+    fn try_lock_kept(&self, key: Self::Key, opts: LockOptions) -> Result<Self::Guard, Self::Key>;
 }
 
 impl<'t, K: Eq + Hash, S: BuildHasher> Reach for &'t LockTable<K, S> {
@@ -51,6 +54,11 @@ impl<'t, K: Eq + Hash, S: BuildHasher> Reach for &'t LockTable<K, S> {
     fn try_lock_with(&self, key: K, opts: LockOptions) -> Result<Guard<'t, K, S>, LockError> {
         LockTable::try_lock_with(*self, key, opts)
     }
+
+    #[inline]
+    fn try_lock_kept(&self, key: K, opts: LockOptions) -> Result<Guard<'t, K, S>, K> {
+        LockTable::try_lock_kept(*self, key, opts)
+    }
 }
 
 impl<K: Eq + Hash, S: BuildHasher> Reach for Arc<LockTable<K, S>> {
@@ -72,6 +80,11 @@ impl<K: Eq + Hash, S: BuildHasher> Reach for Arc<LockTable<K, S>> {
     #[inline]
     fn try_lock_with(&self, key: K, opts: LockOptions) -> Result<OwnedGuard<K, S>, LockError> {
         Arc::clone(self).try_lock_owned_with(key, opts)
+    }
+
+    #[inline]
+    fn try_lock_kept(&self, key: K, opts: LockOptions) -> Result<OwnedGuard<K, S>, K> {
+        Arc::clone(self).try_lock_owned_kept(key, opts)
     }
 }
 

@@ -1,0 +1,420 @@
+//! The bank: concurrent transfers between accounts (each locks two accounts
+//! exclusively, a self-transfer one account asked twice) and audits (each
+//! locks every account shared and sums the balances), written twice:
+//!
+//! - on keylock, with one [`keylock::Transaction`] per transfer or audit
+//!   (`lock_all`: duplicates merged, a canonical order, all or nothing);
+//! - as users write it today: a `DashMap<u64, Arc<tokio::sync::RwLock<()>>>`,
+//!   the keys of each operation sorted and de-duplicated by hand, then
+//!   locked one by one (`write_owned` for a transfer, `read_owned` for an
+//!   audit).
+//!
+//! Balances are plain loads and stores of atomics (no read-modify-write), so
+//! a lock that let two transfers of one account in together would lose an
+//! update, and an audit that saw a transfer half done would see a wrong
+//! total: the run checks both. Shared by `examples/bank.rs` and
+//! `examples/compare.rs`.
+
+use std::future::Future;
+use std::sync::atomic::{AtomicI64, AtomicU64, Ordering::Relaxed};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use dashmap::DashMap;
+use keylock::{LockTable, Mode};
+use tokio::runtime::Runtime;
+
+/// Each account's opening balance.
+pub(crate) const OPENING: i64 = 1_000;
+
+/// The balances every bank keeps, behind whatever locks it uses.
+pub(crate) struct Ledger(Vec<AtomicI64>);
+
+impl Ledger {
+    fn new(accounts: usize) -> Self {
+        Self((0..accounts).map(|_| AtomicI64::new(OPENING)).collect())
+    }
+
+    /// Moves `amount` from `from` to `to`; the caller holds both exclusively.
+    /// Load, then store: not atomic on purpose (see the module docs).
+    fn transfer(&self, from: u64, to: u64, amount: i64) {
+        let (from, to) = (&self.0[from as usize], &self.0[to as usize]);
+        from.store(from.load(Relaxed) - amount, Relaxed);
+        to.store(to.load(Relaxed) + amount, Relaxed);
+    }
+
+    /// The sum of every balance; the caller holds every account shared.
+    fn total(&self) -> i64 {
+        self.0.iter().map(|b| b.load(Relaxed)).sum()
+    }
+}
+
+/// A bank: transfers and audits over one ledger.
+pub(crate) trait Bank: Send + Sync + 'static {
+    const NAME: &'static str;
+
+    fn open(accounts: usize) -> Self;
+
+    fn ledger(&self) -> &Ledger;
+
+    /// Locks `from` and `to` exclusively, moves `amount`, unlocks.
+    fn transfer(&self, from: u64, to: u64, amount: i64) -> impl Future<Output = ()> + Send + '_;
+
+    /// Locks every account shared and returns the total.
+    fn audit(&self) -> impl Future<Output = i64> + Send + '_;
+}
+
+/// The bank on keylock: one transaction per operation.
+pub(crate) struct KeylockBank {
+    table: LockTable<u64>,
+    ledger: Ledger,
+}
+
+impl Bank for KeylockBank {
+    const NAME: &'static str = "keylock (transactions)";
+
+    fn open(accounts: usize) -> Self {
+        Self {
+            table: LockTable::new(),
+            ledger: Ledger::new(accounts),
+        }
+    }
+
+    fn ledger(&self) -> &Ledger {
+        &self.ledger
+    }
+
+    async fn transfer(&self, from: u64, to: u64, amount: i64) {
+        let mut txn = self.table.transaction();
+        txn.lock_all([(from, Mode::Exclusive), (to, Mode::Exclusive)])
+            .await
+            .expect("no deadline: a transfer always gets its accounts");
+        self.ledger.transfer(from, to, amount);
+        txn.commit().expect("no lease: the grants cannot lapse");
+    }
+
+    async fn audit(&self) -> i64 {
+        let accounts = self.ledger.0.len() as u64;
+        let mut txn = self.table.transaction();
+        txn.lock_all((0..accounts).map(|a| (a, Mode::Shared)))
+            .await
+            .expect("no deadline: an audit always gets its accounts");
+        let total = self.ledger.total();
+        txn.commit().expect("no lease: the grants cannot lapse");
+        total
+    }
+}
+
+/// The bank on keylock's plain guards, keys sorted by hand (for
+/// comparison with the transactions).
+pub(crate) struct KeylockGuardsBank {
+    table: LockTable<u64>,
+    ledger: Ledger,
+}
+
+impl Bank for KeylockGuardsBank {
+    const NAME: &'static str = "keylock (sorted guards)";
+
+    fn open(accounts: usize) -> Self {
+        Self {
+            table: LockTable::new(),
+            ledger: Ledger::new(accounts),
+        }
+    }
+
+    fn ledger(&self) -> &Ledger {
+        &self.ledger
+    }
+
+    async fn transfer(&self, from: u64, to: u64, amount: i64) {
+        let mut keys = [from, to];
+        keys.sort_unstable();
+        let first = self.table.lock(keys[0]).await;
+        let second = if keys[1] != keys[0] {
+            Some(self.table.lock(keys[1]).await)
+        } else {
+            None
+        };
+        self.ledger.transfer(from, to, amount);
+        drop((second, first));
+    }
+
+    async fn audit(&self) -> i64 {
+        let accounts = self.ledger.0.len() as u64;
+        let mut guards = Vec::with_capacity(accounts as usize);
+        for a in 0..accounts {
+            guards.push(self.table.lock_shared(a).await);
+        }
+        let total = self.ledger.total();
+        drop(guards);
+        total
+    }
+}
+
+type RwLockArc = Arc<tokio::sync::RwLock<()>>;
+
+/// The bank as written by hand today: a map of reader-writer locks, keys
+/// sorted and de-duplicated before locking.
+pub(crate) struct DashMapBank {
+    locks: DashMap<u64, RwLockArc>,
+    ledger: Ledger,
+}
+
+impl DashMapBank {
+    fn lock_of(&self, account: u64) -> RwLockArc {
+        Arc::clone(&self.locks.entry(account).or_default())
+    }
+}
+
+impl Bank for DashMapBank {
+    const NAME: &'static str = "DashMap<K, Arc<RwLock<()>>> (sorted)";
+
+    fn open(accounts: usize) -> Self {
+        Self {
+            locks: DashMap::new(),
+            ledger: Ledger::new(accounts),
+        }
+    }
+
+    fn ledger(&self) -> &Ledger {
+        &self.ledger
+    }
+
+    async fn transfer(&self, from: u64, to: u64, amount: i64) {
+        let mut keys = [from, to];
+        keys.sort_unstable();
+        let first = self.lock_of(keys[0]).write_owned().await;
+        let second = if keys[1] != keys[0] {
+            Some(self.lock_of(keys[1]).write_owned().await)
+        } else {
+            None
+        };
+        self.ledger.transfer(from, to, amount);
+        drop((second, first));
+    }
+
+    async fn audit(&self) -> i64 {
+        let accounts = self.ledger.0.len() as u64;
+        let mut guards = Vec::with_capacity(accounts as usize);
+        for a in 0..accounts {
+            guards.push(self.lock_of(a).read_owned().await);
+        }
+        let total = self.ledger.total();
+        drop(guards);
+        total
+    }
+}
+
+/// The shape of one run.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct BankRun {
+    pub(crate) accounts: usize,
+    /// Tasks doing transfers.
+    pub(crate) tellers: usize,
+    /// Transfers per teller.
+    pub(crate) transfers: u64,
+    /// Tasks doing audits, back to back, while the transfers run.
+    pub(crate) auditors: usize,
+}
+
+/// What one run measured.
+#[derive(Debug, Clone)]
+pub(crate) struct BankOutcome {
+    pub(crate) elapsed: Duration,
+    pub(crate) transfers: u64,
+    pub(crate) audits: u64,
+    /// Every transfer's wait for its locks, in ns, sorted.
+    pub(crate) transfer_waits: Vec<u64>,
+    /// Audits that saw a total other than the opening total.
+    pub(crate) bad_audits: u64,
+    /// The closing total, which must equal the opening total.
+    pub(crate) closing: i64,
+    pub(crate) opening: i64,
+}
+
+impl BankOutcome {
+    pub(crate) fn transfers_per_sec(&self) -> f64 {
+        self.transfers as f64 / self.elapsed.as_secs_f64()
+    }
+
+    pub(crate) fn audits_per_sec(&self) -> f64 {
+        self.audits as f64 / self.elapsed.as_secs_f64()
+    }
+
+    /// The `p`-th percentile of the transfers' waits (0.0..=1.0).
+    pub(crate) fn wait(&self, p: f64) -> Duration {
+        let i = ((self.transfer_waits.len() as f64 - 1.0) * p).round() as usize;
+        Duration::from_nanos(self.transfer_waits.get(i).copied().unwrap_or(0))
+    }
+
+    /// Panics, naming what broke, unless the money was conserved and every
+    /// audit saw the opening total.
+    pub(crate) fn assert_conserved(&self, bank: &str) {
+        assert_eq!(
+            self.closing, self.opening,
+            "{bank}: money was created or lost (a transfer's update was lost)"
+        );
+        assert_eq!(
+            self.bad_audits, 0,
+            "{bank}: an audit saw a transfer half done"
+        );
+    }
+}
+
+/// A small, fast generator (xorshift64*), one per task, seeded per task.
+struct Rng(u64);
+
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 >> 12;
+        self.0 ^= self.0 << 25;
+        self.0 ^= self.0 >> 27;
+        self.0.wrapping_mul(0x2545_F491_4F6C_DD1D)
+    }
+}
+
+/// Runs the bank `B` on `rt`: the tellers' transfers, with the auditors
+/// auditing back to back until the last transfer is done. Panics if the run
+/// takes longer than `hang` (nothing may hang).
+pub(crate) fn run<B: Bank>(rt: &Runtime, shape: BankRun, hang: Duration) -> BankOutcome {
+    let bank = Arc::new(B::open(shape.accounts));
+    let opening = bank.ledger().total();
+    let done = Arc::new(AtomicU64::new(0));
+    let outcome = rt.block_on(async {
+        let start = Instant::now();
+        let mut auditors = Vec::new();
+        for _ in 0..shape.auditors {
+            let (bank, done) = (Arc::clone(&bank), Arc::clone(&done));
+            auditors.push(tokio::spawn(async move {
+                let (mut audits, mut bad) = (0u64, 0u64);
+                while done.load(Relaxed) < shape.tellers as u64 {
+                    bad += u64::from(bank.audit().await != opening);
+                    audits += 1;
+                    tokio::task::yield_now().await;
+                }
+                (audits, bad)
+            }));
+        }
+        let mut tellers = Vec::new();
+        for t in 0..shape.tellers {
+            let (bank, done) = (Arc::clone(&bank), Arc::clone(&done));
+            tellers.push(tokio::spawn(async move {
+                let mut rng =
+                    Rng(0x9E37_79B9_7F4A_7C15 ^ (t as u64 + 1).wrapping_mul(0xA24B_AED4_963E_E407));
+                let mut waits = Vec::with_capacity(shape.transfers as usize);
+                let accounts = shape.accounts as u64;
+                for _ in 0..shape.transfers {
+                    let from = rng.next() % accounts;
+                    let to = rng.next() % accounts;
+                    let amount = (rng.next() % 100) as i64;
+                    let asked = Instant::now();
+                    bank.transfer(from, to, amount).await;
+                    waits.push(asked.elapsed().as_nanos() as u64);
+                    // One transfer per request: a teller's task gives the
+                    // worker back between requests, as a server's would
+                    // (without it, a lock that never makes its caller yield
+                    // lets one teller run a thousand transfers in a row).
+                    tokio::task::yield_now().await;
+                }
+                done.fetch_add(1, Relaxed);
+                waits
+            }));
+        }
+        let all = async {
+            let mut waits = Vec::new();
+            for teller in tellers {
+                waits.extend(teller.await.expect("a teller panicked"));
+            }
+            let elapsed = start.elapsed();
+            let (mut audits, mut bad) = (0, 0);
+            for auditor in auditors {
+                let (a, b) = auditor.await.expect("an auditor panicked");
+                audits += a;
+                bad += b;
+            }
+            (elapsed, waits, audits, bad)
+        };
+        tokio::time::timeout(hang, all)
+            .await
+            .unwrap_or_else(|_| panic!("{}: the bank hung (no progress in {hang:?})", B::NAME))
+    });
+    let (elapsed, mut transfer_waits, audits, bad_audits) = outcome;
+    transfer_waits.sort_unstable();
+    BankOutcome {
+        elapsed,
+        transfers: shape.tellers as u64 * shape.transfers,
+        audits,
+        transfer_waits,
+        bad_audits,
+        closing: bank.ledger().total(),
+        opening,
+    }
+}
+
+/// Runs both banks `reps` times, interleaved, checks every run, and returns
+/// the markdown report: throughput, audits and latency of each, and
+/// keylock's throughput against the hand-written bank's.
+pub(crate) fn compare(rt: &Runtime, shape: BankRun, reps: usize, hang: Duration) -> String {
+    use std::fmt::Write as _;
+    let (mut ours, mut theirs, mut guards) = (Vec::new(), Vec::new(), Vec::new());
+    for _ in 0..reps {
+        ours.push(checked::<KeylockBank>(rt, shape, hang));
+        theirs.push(checked::<DashMapBank>(rt, shape, hang));
+        guards.push(checked::<KeylockGuardsBank>(rt, shape, hang));
+    }
+    let mut o = String::new();
+    writeln!(
+        o,
+        "{} accounts; {} tellers x {} transfers (two accounts exclusive, a self-transfer one); \
+         {} auditors back to back (every account shared); median of {reps} interleaved runs. \
+         Latency: a transfer from asking for its accounts to releasing them.\n",
+        shape.accounts, shape.tellers, shape.transfers, shape.auditors
+    )
+    .unwrap();
+    writeln!(
+        o,
+        "| bank | transfers/s | audits/s | transfer p50 | transfer p99 |"
+    )
+    .unwrap();
+    writeln!(o, "|---|---:|---:|---:|---:|").unwrap();
+    row(&mut o, KeylockBank::NAME, &ours);
+    row(&mut o, DashMapBank::NAME, &theirs);
+    row(&mut o, KeylockGuardsBank::NAME, &guards);
+    // Time per transfer, so that the verdict reads as for the workloads.
+    let per =
+        |o: &[BankOutcome]| -> Vec<f64> { o.iter().map(|o| 1e9 / o.transfers_per_sec()).collect() };
+    let (our_ns, their_ns) = (per(&ours), per(&theirs));
+    let med = |v: &[f64]| super::verdict::median(&mut v.to_vec()).unwrap_or(f64::NAN);
+    let word = super::verdict::Verdict::of(&our_ns, &their_ns).map_or("", |v| v.word());
+    writeln!(
+        o,
+        "\nkeylock's transfer throughput: {:.2}x the hand-written bank's ({word}). \
+         Money was conserved and every audit balanced, in every run of both.",
+        med(&their_ns) / med(&our_ns)
+    )
+    .unwrap();
+    o
+}
+
+fn checked<B: Bank>(rt: &Runtime, shape: BankRun, hang: Duration) -> BankOutcome {
+    let out = run::<B>(rt, shape, hang);
+    out.assert_conserved(B::NAME);
+    out
+}
+
+fn row(o: &mut String, name: &str, runs: &[BankOutcome]) {
+    use std::fmt::Write as _;
+    let med = |f: &dyn Fn(&BankOutcome) -> f64| -> f64 {
+        super::verdict::median(&mut runs.iter().map(f).collect::<Vec<_>>()).unwrap_or(0.0)
+    };
+    let dur = |ns: f64| Duration::from_nanos(ns as u64);
+    writeln!(
+        o,
+        "| {name} | {:.0} | {:.0} | {:.1?} | {:.1?} |",
+        med(&|r| r.transfers_per_sec()),
+        med(&|r| r.audits_per_sec()),
+        dur(med(&|r| r.wait(0.5).as_nanos() as f64)),
+        dur(med(&|r| r.wait(0.99).as_nanos() as f64)),
+    )
+    .unwrap();
+}
