@@ -730,11 +730,17 @@ where
     /// One attempt with `opts` that gives the caller's key back if the key
     /// could not be taken at once (or the options are invalid: the wait
     /// that follows reports that), for a caller that then waits for it.
-    pub(crate) fn try_lock_kept(&self, key: K, opts: LockOptions) -> Result<Guard<'_, K, S>, K> {
+    /// `hash` is the table's hash of `key`, which the caller has computed.
+    pub(crate) fn try_lock_kept(
+        &self,
+        hash: u64,
+        key: K,
+        opts: LockOptions,
+    ) -> Result<Guard<'_, K, S>, K> {
         let Ok(lease) = self.leases.resolve(opts.lease_duration()) else {
             return Err(key);
         };
-        let hash = self.hash(&key);
+        debug_assert_eq!(hash, self.hash(&key));
         match self.try_acquire(hash, key, opts.lock_mode(), PackedDuration::pack(lease)) {
             (Some(grant), spare) => {
                 let guard = Guard::new(self, Held::new(hash, grant));
@@ -748,13 +754,14 @@ where
     /// [`try_lock_kept`](Self::try_lock_kept) for a table behind an `Arc`.
     pub(crate) fn try_lock_owned_kept(
         self: Arc<Self>,
+        hash: u64,
         key: K,
         opts: LockOptions,
     ) -> Result<OwnedGuard<K, S>, K> {
         let Ok(lease) = self.leases.resolve(opts.lease_duration()) else {
             return Err(key);
         };
-        let hash = self.hash(&key);
+        debug_assert_eq!(hash, self.hash(&key));
         match self.try_acquire(hash, key, opts.lock_mode(), PackedDuration::pack(lease)) {
             (Some(grant), spare) => {
                 let guard = OwnedGuard::new(self, Held::new(hash, grant));

@@ -377,7 +377,12 @@ where
             Kind::New => {
                 let key = request.key.take().expect("locked once");
                 let opts = stage.access.owner().opts.lock_options(request.mode, policy);
-                match stage.access.owner().reach.try_lock_kept(key, opts) {
+                match stage
+                    .access
+                    .owner()
+                    .reach
+                    .try_lock_kept(request.hash, key, opts)
+                {
                     Ok(guard) => stage.entries[i].guard = Some(guard),
                     Err(key) => {
                         request.key = Some(key);
@@ -412,7 +417,7 @@ where
                 // lock future. The key goes to the table only if it takes
                 // it; a busy one comes back for the wait.
                 let reach = &stage.access.owner().reach;
-                let key = match reach.try_lock_kept(key, opts) {
+                let key = match reach.try_lock_kept(request.hash, key, opts) {
                     Ok(guard) => {
                         stage.entries[i].guard = Some(guard);
                         continue;

@@ -28,10 +28,14 @@ pub(crate) trait Reach {
 
     fn lock_with(&self, key: Self::Key, opts: LockOptions) -> Self::Lock;
 
-    fn try_lock_with(&self, key: Self::Key, opts: LockOptions) -> Result<Self::Guard, LockError>;
-
-    /// One attempt that gives the key back when it cannot be had at once.
-    fn try_lock_kept(&self, key: Self::Key, opts: LockOptions) -> Result<Self::Guard, Self::Key>;
+    /// One attempt that gives the key back when it cannot be had at once;
+    /// `hash` is the table's hash of `key`.
+    fn try_lock_kept(
+        &self,
+        hash: u64,
+        key: Self::Key,
+        opts: LockOptions,
+    ) -> Result<Self::Guard, Self::Key>;
 }
 
 impl<'t, K: Eq + Hash, S: BuildHasher> Reach for &'t LockTable<K, S> {
@@ -51,13 +55,8 @@ impl<'t, K: Eq + Hash, S: BuildHasher> Reach for &'t LockTable<K, S> {
     }
 
     #[inline]
-    fn try_lock_with(&self, key: K, opts: LockOptions) -> Result<Guard<'t, K, S>, LockError> {
-        LockTable::try_lock_with(*self, key, opts)
-    }
-
-    #[inline]
-    fn try_lock_kept(&self, key: K, opts: LockOptions) -> Result<Guard<'t, K, S>, K> {
-        LockTable::try_lock_kept(*self, key, opts)
+    fn try_lock_kept(&self, hash: u64, key: K, opts: LockOptions) -> Result<Guard<'t, K, S>, K> {
+        LockTable::try_lock_kept(*self, hash, key, opts)
     }
 }
 
@@ -78,13 +77,8 @@ impl<K: Eq + Hash, S: BuildHasher> Reach for Arc<LockTable<K, S>> {
     }
 
     #[inline]
-    fn try_lock_with(&self, key: K, opts: LockOptions) -> Result<OwnedGuard<K, S>, LockError> {
-        Arc::clone(self).try_lock_owned_with(key, opts)
-    }
-
-    #[inline]
-    fn try_lock_kept(&self, key: K, opts: LockOptions) -> Result<OwnedGuard<K, S>, K> {
-        Arc::clone(self).try_lock_owned_kept(key, opts)
+    fn try_lock_kept(&self, hash: u64, key: K, opts: LockOptions) -> Result<OwnedGuard<K, S>, K> {
+        Arc::clone(self).try_lock_owned_kept(hash, key, opts)
     }
 }
 

@@ -19,7 +19,6 @@ use std::future::Future;
 use std::pin::Pin;
 use std::time::Duration;
 
-use crate::error::LockError;
 use crate::mode::Mode;
 use crate::owner::access::{unless_ended, Access, Ended, SetOf};
 use crate::owner::error::TransactionError;
@@ -148,18 +147,16 @@ where
     };
     if !upgrading {
         let opts = claim.access.owner().opts.lock_options(mode, policy);
-        match claim.access.owner().reach.try_lock_with(key, opts) {
+        // The hash is the one the held set was searched with: the key is
+        // not hashed twice. A key that cannot be had at once (or invalid
+        // options, which the wait reports) goes to the wait, which locks
+        // the claim's copy of it.
+        match claim.access.owner().reach.try_lock_kept(hash, key, opts) {
             Ok(guard) => {
                 claim.guard = Some(guard);
                 return Ok(claim.settle(AcquireKind::New));
             }
-            Err(LockError::WouldBlock) => {}
-            Err(error) => {
-                return Ok(match claim.abandon() {
-                    Some(key) => Err(TransactionError::from_lock(key, mode, true, error)),
-                    None => Err(TransactionError::Ended),
-                });
-            }
+            Err(key) => drop(key),
         }
     }
     Err(Box::pin(wait(claim, upgrading, mode, policy)))
