@@ -45,6 +45,7 @@
 
 use std::future::Future;
 use std::mem;
+use std::panic::{catch_unwind, resume_unwind, AssertUnwindSafe};
 use std::pin::Pin;
 
 use crate::mode::Mode;
@@ -234,12 +235,22 @@ impl<A: Access> Drop for Stage<'_, A> {
         }
         let mut entries = mem::take(&mut self.entries);
         // Outside the set's lock (a downgrade wakes waiters): the upgrades
-        // this call made become shared again.
+        // this call made become shared again. A waker that panics there
+        // (user code, run as the downgrade returns) must not keep the rest
+        // from being undone and the claims from being given back: its panic
+        // is held until then (the guard is shared already: the table sets
+        // its mode under the shard lock).
+        let mut panicked = None;
         for entry in &mut entries {
             if entry.upgraded {
                 if let Some(guard) = entry.guard.as_mut() {
                     // A grant that lost its key has nothing to undo.
-                    let _ = guard.downgrade();
+                    let undo = catch_unwind(AssertUnwindSafe(|| {
+                        let _ = guard.downgrade();
+                    }));
+                    if let Err(payload) = undo {
+                        panicked.get_or_insert(payload);
+                    }
                 }
             }
         }
@@ -253,6 +264,13 @@ impl<A: Access> Drop for Stage<'_, A> {
         // had the transaction ended, every guard of the call.
         drop(leftovers);
         drop(entries);
+        // Resumed once everything is given back (swallowed if this drop runs
+        // during an unwind already, where a second panic would abort).
+        if let Some(payload) = panicked {
+            if !std::thread::panicking() {
+                resume_unwind(payload);
+            }
+        }
     }
 }
 
