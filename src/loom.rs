@@ -3,44 +3,52 @@
 //! Under `--cfg loom` these are loom's model-checked types; otherwise std's
 //! atomics and a plain cell. The shard lock (`shard_lock.rs`) and the waiter
 //! node (`waiter.rs`) are built from these, so the loom models explore the
-//! code that ships. [`Mutex`] is the manual clock's lock (and, under loom,
-//! the table's: see `shard_lock.rs`).
+//! code that ships. [`Mutex`] is an owned transaction's state lock
+//! (`owner/access.rs`), the manual clock's lock, and, under loom, the
+//! table's (see `shard_lock.rs`).
 
 #[cfg(loom)]
 pub(crate) use loom::sync::MutexGuard;
 #[cfg(all(not(loom), feature = "test-util"))]
 pub(crate) use parking_lot::MutexGuard;
+#[cfg(not(any(loom, feature = "test-util")))]
+pub(crate) use std::sync::MutexGuard;
 
-/// A mutex without poisoning.
+/// A mutex without poisoning: loom's under loom, parking_lot's under
+/// `test-util` (which depends on it anyway), std's otherwise, its poison
+/// ignored.
 ///
-/// No user code runs while a shard is locked except `K`'s `Eq`, which can only
-/// panic before the shard's state is changed, so a shard whose lock was
-/// released by a panic is still consistent and is used as is.
-#[cfg(any(loom, feature = "test-util"))]
+/// Its users change the guarded state only after any user code that can
+/// panic under the lock has run: no user code runs while a shard is locked
+/// except `K`'s `Eq`, which can only panic before the shard's state is
+/// changed; an owned transaction's set runs a key's `Eq` and `Clone`
+/// before changing anything. So a state whose lock was released by a panic
+/// is still consistent and is used as is.
 #[derive(Debug, Default)]
 pub(crate) struct Mutex<T>(
     #[cfg(loom)] loom::sync::Mutex<T>,
-    #[cfg(not(loom))] parking_lot::Mutex<T>,
+    #[cfg(all(not(loom), feature = "test-util"))] parking_lot::Mutex<T>,
+    #[cfg(not(any(loom, feature = "test-util")))] std::sync::Mutex<T>,
 );
 
-#[cfg(any(loom, feature = "test-util"))]
 impl<T> Mutex<T> {
     pub(crate) fn new(value: T) -> Self {
         #[cfg(loom)]
         return Self(loom::sync::Mutex::new(value));
-        #[cfg(not(loom))]
-        Self(parking_lot::Mutex::new(value))
+        #[cfg(all(not(loom), feature = "test-util"))]
+        return Self(parking_lot::Mutex::new(value));
+        #[cfg(not(any(loom, feature = "test-util")))]
+        Self(std::sync::Mutex::new(value))
     }
 
     #[inline]
     pub(crate) fn lock(&self) -> MutexGuard<'_, T> {
-        #[cfg(loom)]
-        return self
-            .0
+        #[cfg(all(not(loom), feature = "test-util"))]
+        return self.0.lock();
+        #[cfg(any(loom, not(feature = "test-util")))]
+        self.0
             .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner);
-        #[cfg(not(loom))]
-        self.0.lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 }
 

@@ -20,19 +20,24 @@
 //! woken while the mutex is held: they are user code (a waker may call back
 //! into the transaction). Two kinds of user code do run under it: a key's
 //! `Eq` and `Clone` while the set is searched (a panic there leaves the set
-//! as it was; the poisoned mutex is used on), and, in `renew`, the wakes of
-//! [`Lost`](crate::futures::Lost) watchers of a grant whose renewal moved
-//! its deadline earlier (the table wakes them as the renewal returns); a
-//! waker that polls inline and calls back into the same owned transaction
-//! would block on that mutex.
+//! as it was, and the mutex is used on, its poison ignored), and, in
+//! `renew`, the wakes of [`Lost`](crate::futures::Lost) watchers of a grant
+//! whose renewal moved its deadline earlier (the table wakes them as the
+//! renewal returns); a waker that polls inline and calls back into the same
+//! owned transaction would block on that mutex.
+//!
+//! The mutex and the mark come from the loom shim (`crate::loom`), so the
+//! loom models (`tests/loom_owners.rs`) explore the end racing a pending
+//! call.
 
 use std::future::{poll_fn, Future};
 use std::panic::{catch_unwind, resume_unwind, AssertUnwindSafe};
 use std::pin::pin;
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
 use std::task::{Poll, Waker};
 
+use crate::loom::{AtomicBool, Mutex, MutexGuard};
 use crate::owner::held::HeldSet;
 use crate::owner::policy::Resolved;
 use crate::owner::reach::Reach;
@@ -138,9 +143,10 @@ impl<R: Reach> Shared<R> {
 
     /// The state, whatever a panic in user code (a key's `Eq` or `Clone`
     /// during a lookup) left it: the set changes only after user code ran,
-    /// so a poisoned lock guards a consistent set.
+    /// so a lock released by a panic guards a consistent set (its poison,
+    /// if any, is ignored).
     fn lock(&self) -> MutexGuard<'_, State<R>> {
-        self.state.lock().unwrap_or_else(PoisonError::into_inner)
+        self.state.lock()
     }
 
     /// Runs `f` on the set unless the transaction ended.

@@ -1,0 +1,621 @@
+//! Loom models of transactions (owners) ending or cancelling while a
+//! multi-key `lock_all` is pending: a borrowed transaction's pending call
+//! dropped (then the transaction) while the key it waits for is released; an
+//! owned transaction dropped on one thread while the key its pending call
+//! waits for is released on another and the call is polled on a third (or
+//! while the call's first poll registers its waker, the end then being the
+//! only wake it gets); a pending call dropped while its upgrade of a shared
+//! key races the other reader's release (the undo by downgrade).
+//!
+//! Run with (what `.ci/run` does, then again without `LOOM_MAX_PREEMPTIONS`;
+//! each model takes well under a second either way):
+//!
+//! ```text
+//! RUSTC_WRAPPER="$PWD/.ci/loom-rustc" LOOM_MAX_PREEMPTIONS=3 \
+//!     CARGO_TARGET_DIR=target/loom cargo test --release --features test-util \
+//!     --test loom_owners -- --nocapture
+//! ```
+//!
+//! Same approach as `tests/loom.rs` and `tests/loom_modes.rs` (whose helpers
+//! are copied here, not shared): one shard and a deterministic hasher;
+//! futures pinned in boxes and polled by hand with a waker that counts its
+//! wakes in a loom atomic (once no other thread is left, a pending future
+//! must have been woken since its last poll started: no lost wake-up).
+//! Under `--cfg loom` an owned transaction's state (its mutex and its
+//! *ended* mark, `src/owner/access.rs`) is loom's too, so the end racing a
+//! pending call's registration of its waker is explored. Holders of a key
+//! are counted in a loom atomic from the moment they have their grant until
+//! just before they release it ([`Inside`], [`Rw`]): never two writers,
+//! never a writer beside a reader. The keys are picked so that `lock_all`
+//! takes them in the order named (its canonical order is by the table's
+//! hash). Each model checks that every outcome it expects was reached by
+//! some interleaving, so that none of its branches is vacuous. No leases
+//! or timeouts: `tests/loom_leases.rs` models time.
+
+#[cfg(not(loom))]
+#[test]
+#[ignore = "a loom model: run it with `.ci/run loom` (the command is in this file's header)"]
+fn loom_models_run_only_under_cfg_loom() {}
+
+#[cfg(loom)]
+mod models {
+    use std::collections::hash_map::DefaultHasher;
+    use std::collections::BTreeSet;
+    use std::future::Future;
+    use std::hash::{BuildHasher, BuildHasherDefault};
+    use std::ops::{Deref, DerefMut};
+    use std::pin::Pin;
+    use std::sync::atomic::{AtomicUsize as StdAtomicUsize, Ordering::Relaxed};
+    use std::sync::{Arc, Mutex as StdMutex};
+    use std::task::{Context, Poll, Wake, Waker};
+    use std::time::Instant;
+
+    use keylock::{LockTable, Mode, OwnedGuard, TransactionError};
+    use loom::sync::atomic::{AtomicUsize, Ordering::SeqCst};
+    use loom::thread;
+
+    type Hasher = BuildHasherDefault<DefaultHasher>;
+    type Table = LockTable<u32, Hasher>;
+    type Guard = OwnedGuard<u32, Hasher>;
+
+    /// A one-shard table with a deterministic hasher.
+    fn table() -> Arc<Table> {
+        Arc::new(
+            LockTable::<u32>::builder()
+                .shards(1)
+                .hasher(Hasher::default())
+                .build(),
+        )
+    }
+
+    /// Three keys in `lock_all`'s canonical order (by the table's hash).
+    fn keys() -> [u32; 3] {
+        let mut keys = [1, 2, 3];
+        keys.sort_by_key(|k| Hasher::default().hash_one(k));
+        keys
+    }
+
+    /// The outcomes the interleavings of one model reached.
+    #[derive(Default)]
+    struct Seen(StdMutex<BTreeSet<&'static str>>);
+
+    impl Seen {
+        fn note(&self, outcome: &'static str) {
+            self.0.lock().unwrap().insert(outcome);
+        }
+    }
+
+    /// Runs one model, prints how many interleavings it explored, and checks
+    /// that exactly the outcomes in `expect` were reached.
+    fn model<F>(name: &str, expect: &[&'static str], f: F)
+    where
+        F: Fn(&Seen) + Sync + Send + 'static,
+    {
+        let iterations = Arc::new(StdAtomicUsize::new(0));
+        let seen = Arc::new(Seen::default());
+        let start = Instant::now();
+        let (counter, outcomes) = (iterations.clone(), seen.clone());
+        loom::model(move || {
+            counter.fetch_add(1, Relaxed);
+            f(&outcomes);
+        });
+        let seen = seen.0.lock().unwrap().clone();
+        eprintln!(
+            "loom model {name}: {} interleavings in {:.2?} (LOOM_MAX_PREEMPTIONS={}); outcomes {seen:?}",
+            iterations.load(Relaxed),
+            start.elapsed(),
+            std::env::var("LOOM_MAX_PREEMPTIONS").unwrap_or_else(|_| "unbounded".into()),
+        );
+        let expect: BTreeSet<_> = expect.iter().copied().collect();
+        assert_eq!(seen, expect, "outcomes reached (left) vs expected (right)");
+    }
+
+    // ---------------------------------------------------------------------------
+    // Wakers, hand-polled futures, holders
+    // ---------------------------------------------------------------------------
+
+    /// A waker that counts its wakes in a loom atomic.
+    struct CountingWaker {
+        wakes: AtomicUsize,
+    }
+
+    impl Wake for CountingWaker {
+        fn wake(self: Arc<Self>) {
+            self.wake_by_ref();
+        }
+
+        fn wake_by_ref(self: &Arc<Self>) {
+            self.wakes.fetch_add(1, SeqCst);
+        }
+    }
+
+    /// A future polled by hand with a counting waker, pinned in a box.
+    struct Polled<F: Future> {
+        fut: Option<Pin<Box<F>>>,
+        counter: Arc<CountingWaker>,
+        waker: Waker,
+        /// The waker's wakes when the last poll started.
+        polled_at: usize,
+    }
+
+    impl<F: Future> Polled<F> {
+        fn new(fut: F) -> Self {
+            let counter = Arc::new(CountingWaker {
+                wakes: AtomicUsize::new(0),
+            });
+            Self {
+                fut: Some(Box::pin(fut)),
+                waker: Waker::from(counter.clone()),
+                counter,
+                polled_at: 0,
+            }
+        }
+
+        /// Polls once; `Some` when the future completed (it is gone then).
+        fn poll(&mut self) -> Option<F::Output> {
+            self.polled_at = self.wakes();
+            let fut = self.fut.as_mut().expect("polled after completion");
+            match fut.as_mut().poll(&mut Context::from_waker(&self.waker)) {
+                Poll::Ready(out) => {
+                    self.fut = None;
+                    Some(out)
+                }
+                Poll::Pending => None,
+            }
+        }
+
+        fn wakes(&self) -> usize {
+            self.counter.wakes.load(SeqCst)
+        }
+
+        /// Whether the waker was woken since the last poll started.
+        fn woken(&self) -> bool {
+            self.wakes() > self.polled_at
+        }
+
+        /// Drops the future, cancelling it if it is still pending.
+        fn cancel(&mut self) {
+            self.fut = None;
+        }
+    }
+
+    impl<F: Future> Drop for Polled<F> {
+        fn drop(&mut self) {
+            if std::thread::panicking() {
+                // Leak the (pinned, so never freed) future rather than touch
+                // the table (and loom) while unwinding, which would abort the
+                // test binary and hide the failure's message.
+                std::mem::forget(self.fut.take());
+            }
+        }
+    }
+
+    /// Drives a pending future to completion once no other thread is left, as
+    /// an executor would: polled only if woken since its last poll started.
+    fn finish<F: Future>(w: &mut Polled<F>, what: &str) -> F::Output {
+        for _ in 0..3 {
+            assert!(
+                w.woken(),
+                "{what}: pending and not woken since its last poll (lost wake-up)"
+            );
+            if let Some(out) = w.poll() {
+                return out;
+            }
+        }
+        panic!("{what}: woken three times and still pending with nothing left to wait for");
+    }
+
+    /// A value (a transaction) that is leaked, not dropped, if the model
+    /// fails while it is alive: its drop would touch the table (and loom)
+    /// while unwinding.
+    struct Quiet<T>(Option<T>);
+
+    impl<T> Quiet<T> {
+        fn new(value: T) -> Self {
+            Self(Some(value))
+        }
+    }
+
+    impl<T> Deref for Quiet<T> {
+        type Target = T;
+        fn deref(&self) -> &T {
+            self.0.as_ref().unwrap()
+        }
+    }
+
+    impl<T> DerefMut for Quiet<T> {
+        fn deref_mut(&mut self) -> &mut T {
+            self.0.as_mut().unwrap()
+        }
+    }
+
+    impl<T> Drop for Quiet<T> {
+        fn drop(&mut self) {
+            if std::thread::panicking() {
+                std::mem::forget(self.0.take());
+            }
+        }
+    }
+
+    /// How many holders one key has, as the holders themselves see it (all
+    /// exclusive).
+    struct Inside(AtomicUsize);
+
+    impl Inside {
+        fn new() -> Arc<Self> {
+            Arc::new(Self(AtomicUsize::new(0)))
+        }
+
+        fn enter(&self) {
+            let before = self.0.fetch_add(1, SeqCst);
+            assert_eq!(before, 0, "two holders of the key at once");
+        }
+
+        fn exit(&self) {
+            let before = self.0.fetch_sub(1, SeqCst);
+            assert_eq!(before, 1, "holder count corrupted");
+        }
+    }
+
+    /// The holders of one key in both modes: readers in the low bits, a
+    /// writer as `WRITER`; each step is one read-modify-write.
+    struct Rw(AtomicUsize);
+
+    const WRITER: usize = 1 << 16;
+
+    impl Rw {
+        fn new() -> Arc<Self> {
+            Arc::new(Self(AtomicUsize::new(0)))
+        }
+
+        fn enter(&self, mode: Mode) {
+            match mode {
+                Mode::Shared => {
+                    let before = self.0.fetch_add(1, SeqCst);
+                    assert!(before < WRITER, "a reader beside a writer");
+                }
+                Mode::Exclusive => {
+                    let before = self.0.fetch_add(WRITER, SeqCst);
+                    assert_eq!(before, 0, "a writer beside another holder");
+                }
+            }
+        }
+
+        fn exit(&self, mode: Mode) {
+            match mode {
+                Mode::Shared => {
+                    let before = self.0.fetch_sub(1, SeqCst);
+                    assert!(before % WRITER >= 1, "reader count corrupted");
+                }
+                Mode::Exclusive => {
+                    let before = self.0.fetch_sub(WRITER, SeqCst);
+                    assert_eq!(before, WRITER, "writer count corrupted");
+                }
+            }
+        }
+
+        fn is_free(&self) -> bool {
+            self.0.load(SeqCst) == 0
+        }
+    }
+
+    /// Who counts a guard's holding.
+    trait Count {
+        fn enter(&self, mode: Mode);
+        fn exit(&self, mode: Mode);
+    }
+
+    impl Count for Inside {
+        fn enter(&self, _: Mode) {
+            Inside::enter(self);
+        }
+        fn exit(&self, _: Mode) {
+            Inside::exit(self);
+        }
+    }
+
+    impl Count for Rw {
+        fn enter(&self, mode: Mode) {
+            Rw::enter(self, mode);
+        }
+        fn exit(&self, mode: Mode) {
+            Rw::exit(self, mode);
+        }
+    }
+
+    /// A guard counted for as long as it holds its key.
+    struct Holding<C: Count> {
+        guard: Option<Guard>,
+        count: Arc<C>,
+        mode: Mode,
+    }
+
+    impl<C: Count> Holding<C> {
+        fn new(guard: Guard, count: &Arc<C>) -> Self {
+            let mode = guard.mode();
+            count.enter(mode);
+            Self {
+                guard: Some(guard),
+                count: count.clone(),
+                mode,
+            }
+        }
+    }
+
+    impl<C: Count> Drop for Holding<C> {
+        fn drop(&mut self) {
+            if std::thread::panicking() {
+                std::mem::forget(self.guard.take());
+                return;
+            }
+            // Leave before releasing: once released a successor may enter.
+            self.count.exit(self.mode);
+            drop(self.guard.take());
+        }
+    }
+
+    const X: Mode = Mode::Exclusive;
+    const S: Mode = Mode::Shared;
+
+    // ---------------------------------------------------------------------------
+    // (a) a borrowed transaction's pending lock_all dropped, then the owner
+    // ---------------------------------------------------------------------------
+
+    /// (a) A borrowed transaction's `lock_all([(a, X), (b, X)])` has taken
+    /// `a` and waits for `b`, held by a plain guard; a plain waiter is queued
+    /// on `b` behind it. Another thread releases `b` while the owner's thread
+    /// drops the pending call and then the transaction.
+    ///
+    /// Either the call is cancelled before the release (which then grants
+    /// the plain waiter), or the release grants the call's waiter and the
+    /// drop passes that unobserved grant on. Either way `a` is released by
+    /// the undo, the plain waiter is granted `b` and woken once (no lost
+    /// wake-up), never beside another holder, and once it is gone the table
+    /// is empty and consistent.
+    #[test]
+    fn borrowed_lock_all_dropped_vs_release() {
+        model(
+            "a: borrowed lock_all dropped vs release",
+            &[
+                "cancelled before the grant",
+                "dropped with an unobserved grant",
+            ],
+            |seen| {
+                let table = table();
+                let [a, b, _] = keys();
+                let inside = Inside::new();
+                let held = Holding::new(table.clone().try_lock_owned(b).unwrap(), &inside);
+                let mut txn = Quiet::new(table.transaction());
+                let mut call = Polled::new(txn.lock_all([(a, X), (b, X)]));
+                assert!(call.poll().is_none(), "b is held: the call waits");
+                assert!(table.is_locked(&a), "a is taken at once");
+                let mut next = Polled::new(table.clone().lock_owned(b));
+                assert!(next.poll().is_none(), "b is held: the plain waiter queues");
+                assert_eq!(table.waiters(&b), 2);
+
+                let call_waker = call.counter.clone();
+                let release = thread::spawn(move || drop(held));
+                call.cancel();
+                drop(call);
+                assert!(txn.is_empty(), "a cancelled call left keys in the set");
+                drop(txn);
+                release.join().unwrap();
+
+                let call_wakes = call_waker.wakes.load(SeqCst);
+                assert!(call_wakes <= 1, "the call woken {call_wakes} times");
+                assert!(!table.is_locked(&a), "a still held after the undo");
+                let g = Holding::new(finish(&mut next, "the waiter behind the call"), &inside);
+                assert_eq!(next.wakes(), 1, "the plain waiter woken more than once");
+                drop(g);
+                table.assert_consistent();
+                assert!(table.is_empty(), "entry leaked");
+                let stats = table.stats();
+                seen.note(match stats.handoffs {
+                    1 => "cancelled before the grant",
+                    2 => "dropped with an unobserved grant",
+                    n => panic!("{n} handoffs"),
+                });
+            },
+        );
+    }
+
+    // ---------------------------------------------------------------------------
+    // (b) an owned transaction dropped while its lock_all is pending
+    // ---------------------------------------------------------------------------
+
+    /// (b) An `OwnedTransaction` holds `a`; its `lock_all([(b, X), (c, S)])`
+    /// waits for `b`, held by a plain guard; a plain waiter is queued on `b`
+    /// behind it. Thread B drops the transaction (its last handle) while
+    /// thread C releases `b`; the main thread (A) polls the call again if it
+    /// is woken meanwhile, and once B and C are done, drives it as an
+    /// executor would.
+    ///
+    /// The call fails with `Ended` (releasing what it got: `b`'s grant, or
+    /// its place in the queue), or, if it completed before the end, its keys
+    /// are released by the end. No lost wake-up (of the call, and of the
+    /// plain waiter, which is then granted `b`, never beside another
+    /// holder); at the end nothing is held.
+    #[test]
+    fn owned_dropped_while_lock_all_pending() {
+        model(
+            "b: owned transaction dropped while lock_all pending",
+            &["ended while pending", "completed, then released by the end"],
+            |seen| {
+                let table = table();
+                let [a, b, c] = keys();
+                let inside = Inside::new();
+                let txn = table.clone().transaction_owned();
+                match Polled::new(txn.lock(a, X)).poll() {
+                    Some(Ok(_)) => {}
+                    other => panic!("a is free: taken at once, got {other:?}"),
+                }
+                let held = Holding::new(table.clone().try_lock_owned(b).unwrap(), &inside);
+                let mut call = Polled::new(txn.lock_all([(b, X), (c, S)]));
+                assert!(call.poll().is_none(), "b is held: the call waits");
+                let mut next = Polled::new(table.clone().lock_owned(b));
+                assert!(next.poll().is_none(), "b is held: the plain waiter queues");
+
+                let end = thread::spawn(move || drop(txn));
+                let release = thread::spawn(move || drop(held));
+                let racing = if call.woken() { call.poll() } else { None };
+                end.join().unwrap();
+                release.join().unwrap();
+
+                let out = match racing {
+                    Some(out) => out,
+                    None => finish(&mut call, "the pending lock_all"),
+                };
+                seen.note(match out {
+                    Ok(set) => {
+                        assert_eq!(set.acquired(), 2);
+                        "completed, then released by the end"
+                    }
+                    Err(TransactionError::Ended) => "ended while pending",
+                    Err(e) => panic!("unexpected error: {e}"),
+                });
+                drop(call);
+                assert!(!table.is_locked(&a), "the end did not release a");
+                assert!(!table.is_locked(&c), "c held after the end");
+                let g = Holding::new(finish(&mut next, "the waiter behind the call"), &inside);
+                drop(g);
+                table.assert_consistent();
+                assert!(table.is_empty(), "entry leaked");
+            },
+        );
+    }
+
+    /// (b2) As (b), but the key the call waits for stays held, so only the
+    /// end can wake it: thread B drops the transaction while the main thread
+    /// polls the call for the first time (it takes `a` at once, then
+    /// registers its wait for `b` and its waker with the transaction).
+    ///
+    /// The call fails with `Ended`: on that poll (the end came first, or
+    /// during it), or, left pending, woken by the end (a registration the
+    /// end missed would leave it asleep: a lost wake-up). Nothing it took is
+    /// held afterwards: only `b`'s plain guard, and once that is gone the
+    /// table is empty.
+    #[test]
+    fn owned_dropped_vs_first_poll_of_lock_all() {
+        model(
+            "b2: owned transaction dropped vs lock_all's first poll",
+            &["ended on the first poll", "ended while pending"],
+            |seen| {
+                let table = table();
+                let [a, b, _] = keys();
+                let txn = table.clone().transaction_owned();
+                let held = table.clone().try_lock_owned(b).unwrap();
+                let mut call = Polled::new(txn.lock_all([(a, X), (b, X)]));
+
+                let end = thread::spawn(move || drop(txn));
+                let first = call.poll();
+                end.join().unwrap();
+
+                let out = match first {
+                    Some(out) => {
+                        seen.note("ended on the first poll");
+                        out
+                    }
+                    None => {
+                        seen.note("ended while pending");
+                        finish(&mut call, "the pending lock_all")
+                    }
+                };
+                match out {
+                    Err(TransactionError::Ended) => {}
+                    Ok(_) => panic!("b is held: the call cannot complete"),
+                    Err(e) => panic!("unexpected error: {e}"),
+                }
+                drop(call);
+                assert!(!table.is_locked(&a), "a held after the end");
+                assert_eq!(table.waiters(&b), 0, "the call left a waiter on b");
+                drop(held);
+                table.assert_consistent();
+                assert!(table.is_empty(), "entry leaked");
+            },
+        );
+    }
+
+    // ---------------------------------------------------------------------------
+    // (c) a pending lock_all's upgrade dropped vs the other reader's release
+    // ---------------------------------------------------------------------------
+
+    /// (c) A borrowed transaction holds `a` shared beside a plain reader; a
+    /// plain writer is queued on `a`; `b` is held by a plain guard. Its
+    /// `lock_all([(a, X), (b, X)])` waits to upgrade `a`. The plain reader
+    /// releases on another thread while the owner's thread polls the call
+    /// once more and drops it.
+    ///
+    /// The upgrade is cancelled before its grant, or granted and never seen
+    /// (undone by the upgrade future's drop), or seen by the poll, which
+    /// then waits for `b` (undone by the call's downgrade). Every way the
+    /// transaction holds `a` shared again, once (with a greater token if
+    /// the upgrade was granted); the queued writer is not granted beside it,
+    /// and is granted, woken (no lost wake-up), once the transaction is
+    /// dropped; at the end nothing is held.
+    #[test]
+    fn lock_all_upgrade_dropped_vs_reader_release() {
+        model(
+            "c: lock_all upgrade dropped vs reader release",
+            &[
+                "upgrade cancelled before its grant",
+                "upgrade granted unobserved, undone",
+                "upgraded, undone by the call's downgrade",
+            ],
+            |seen| {
+                let table = table();
+                let [a, b, _] = keys();
+                let rw = Rw::new();
+                let mut txn = Quiet::new(table.transaction());
+                let old = match Polled::new(txn.lock(a, S)).poll() {
+                    Some(Ok(got)) => got.token,
+                    other => panic!("a is free: taken at once, got {other:?}"),
+                };
+                rw.enter(S);
+                let reader = Holding::new(table.clone().try_lock_shared_owned(a).unwrap(), &rw);
+                let mut writer = Polled::new(table.clone().lock_owned(a));
+                assert!(writer.poll().is_none(), "a is read: the writer queues");
+                let blocker = table.clone().try_lock_owned(b).unwrap();
+
+                let outcome = {
+                    let mut call = Polled::new(txn.lock_all([(a, X), (b, X)]));
+                    assert!(call.poll().is_none(), "another reader: the upgrade waits");
+                    let release = thread::spawn(move || drop(reader));
+                    assert!(call.poll().is_none(), "b is held: the call cannot complete");
+                    // Past the upgrade, the call waits for b.
+                    let upgraded = table.waiters(&b) == 1;
+                    drop(call);
+                    release.join().unwrap();
+                    upgraded
+                };
+                let token = txn.token(&a).expect("a still held");
+                let outcome = if outcome {
+                    assert!(token > old);
+                    "upgraded, undone by the call's downgrade"
+                } else if token == old {
+                    "upgrade cancelled before its grant"
+                } else {
+                    assert!(token > old);
+                    "upgrade granted unobserved, undone"
+                };
+                seen.note(outcome);
+                assert_eq!(txn.mode(&a), Some(S), "{outcome}");
+                assert_eq!(txn.count(&a), 1, "{outcome}");
+                assert_eq!(table.waiters(&b), 0, "{outcome}: the call left a waiter");
+                if writer.woken() {
+                    if let Some(g) = writer.poll() {
+                        std::mem::forget(g);
+                        panic!("{outcome}: the writer granted beside the transaction's read");
+                    }
+                }
+                rw.exit(S);
+                drop(txn);
+                let g = Holding::new(finish(&mut writer, "the queued writer"), &rw);
+                drop(g);
+                drop(blocker);
+                assert!(rw.is_free());
+                table.assert_consistent();
+                assert!(table.is_empty(), "entry leaked");
+            },
+        );
+    }
+}
