@@ -44,6 +44,9 @@ use keylock::{
 };
 use libfuzzer_sys::fuzz_target;
 
+#[path = "ops/owners.rs"]
+mod owners;
+
 /// Keys are `0..KEYS`.
 const KEYS: usize = 4;
 /// One time unit of the inputs: a millisecond, in nanoseconds.
@@ -464,6 +467,26 @@ impl Eq for Key {}
 impl Hash for Key {
     fn hash<H: Hasher>(&self, h: &mut H) {
         self.id.hash(h);
+    }
+}
+
+impl Clone for Key {
+    fn clone(&self) -> Self {
+        Self {
+            id: self.id,
+            bomb: self.bomb,
+        }
+    }
+}
+
+impl PartialOrd for Key {
+    fn partial_cmp(&self, other: &Self) -> Option<std::cmp::Ordering> {
+        Some(self.cmp(other))
+    }
+}
+impl Ord for Key {
+    fn cmp(&self, other: &Self) -> std::cmp::Ordering {
+        self.id.cmp(&other.id)
     }
 }
 
@@ -2580,6 +2603,11 @@ struct Harness<'a> {
     loose_wakes: bool,
     /// Tolerate the known bugs (`KEYLOCK_FUZZ_KNOWN_BUGS`).
     known_bugs: KnownBugs,
+    /// Transactions (see `ops/owners.rs`).
+    owners: owners::Owners<'a>,
+    /// The run has owner operations: every waker is plain and no key's
+    /// `Drop` panics.
+    tame: bool,
 }
 
 impl<'a> Harness<'a> {
@@ -2729,7 +2757,10 @@ impl<'a> Harness<'a> {
                 with,
                 owned,
                 waker,
-            } => self.start_lock(key, lease, timeout, with, owned, waker),
+            } => match owners::OwnerOp::of(key, lease, timeout, with, owned, waker) {
+                Some(op) => self.owner_op(op),
+                None => self.start_lock(key, lease, timeout, with, owned, waker),
+            },
             Op::Poll { fut } => {
                 if !self.futs.is_empty() {
                     self.poll_at(usize::from(fut) % self.futs.len(), false);
@@ -2752,6 +2783,7 @@ impl<'a> Harness<'a> {
                         self.poll_at(i, false);
                     }
                 }
+                self.owner_poll_woken();
             }
             Op::DropFuture { fut } => {
                 if !self.futs.is_empty() {
@@ -2805,7 +2837,7 @@ impl<'a> Harness<'a> {
                 let (k, bomb) = key_of(key);
                 // Known bug: a `try_lock` whose key's drop panics after it
                 // took an existing entry leaks the grant.
-                let bomb = bomb && !self.known_bugs.try_lock_key_drop;
+                let bomb = bomb && !self.known_bugs.try_lock_key_drop && !self.tame;
                 self.try_lock(k, lease.map(lease_of), Entry::of(with), owned, bomb);
             }
             Op::Renew { guard, lease } => {
@@ -2973,10 +3005,14 @@ impl<'a> Harness<'a> {
             return;
         }
         let (k, bomb) = key_of(key);
+        let bomb = bomb && !self.tame;
         let lease = lease.map(lease_of);
         let timeout = timeout.map(timeout_of);
         self.timed |= lease.is_some() || timeout.is_some();
         let mut kind = kind_of(waker, k);
+        if self.tame {
+            kind = WKind::Plain;
+        }
         if self.known_bugs.timer_waker_drop && kind == WKind::DropBomb {
             // Known bug: a waker whose drop panics, dropped with the timer
             // when a granted future completes, loses the grant.
@@ -3481,6 +3517,7 @@ impl<'a> Harness<'a> {
     /// Compares everything observable without side effects.
     fn compare(&self) {
         self.model.self_check();
+        self.owner_compare();
         self.table.assert_consistent();
         for k in 0..KEYS {
             let key = k as u8;
@@ -3665,6 +3702,9 @@ fn run(input: Input) {
         builder = builder.default_lease(ns(d));
     }
     let table = Arc::new(builder.build());
+    let tame = input.ops.iter().take(MAX_OPS).any(|op| {
+        matches!(op, Op::StartLock { with, .. } if *with >= 0xE0)
+    });
     REENTRY.with(|r| r.borrow_mut().clear());
     TABLE.with(|t| *t.borrow_mut() = Arc::downgrade(&table));
     let mut h = Harness {
@@ -3684,6 +3724,8 @@ fn run(input: Input) {
         known_bugs,
         timed: cfg.default_lease.is_some(),
         reads_at_build: clock.reads(),
+        owners: owners::Owners::default(),
+        tame,
     };
     for op in input.ops.into_iter().take(MAX_OPS) {
         h.step(op);
@@ -3695,7 +3737,9 @@ fn run(input: Input) {
     if trace {
         eprintln!("final phase");
     }
-    // Drop every future that is still polled, then every guard.
+    // Every owner's call, then every owner; then every future that is
+    // still polled, then every guard.
+    h.owners_finish();
     while let Some(f) = h.futs.pop() {
         h.drop_future(f);
         h.compare();
