@@ -53,6 +53,8 @@ pub(super) struct OwnerOp {
     lease: Option<u64>,
     wait: WaitPolicy,
     kind: OwnerKind,
+    /// A new call is polled at once (unless `timeout` has bit 7 set).
+    poll_now: bool,
 }
 
 fn policy_of(x: u8) -> WaitPolicy {
@@ -70,7 +72,11 @@ impl OwnerOp {
     /// `lock_all` 1..=3 keys (bits 0..2, 2..4, 4..6; bits 6..8 how many,
     /// modulo 3), their modes from `with` bits 2, 3, 4; `with` bits 0..2
     /// the call's policy (the transaction's, `Block`, `NoWait`,
-    /// `SkipLocked`). A new transaction is owned if `owned`, with the lease
+    /// `SkipLocked`). Operations 0..4 lock, 4..7 `lock_all`, 7 and 15 poll
+    /// the owner's pending call, 8 drop it, 9 `unlock`, 10 `release`, 11
+    /// `commit`, 12 `abort`, 13 drop the transaction, 14 `renew` (`with`
+    /// bit 2) or `check`. A new call is polled at once unless `timeout`
+    /// has bit 7 set. A new transaction is owned if `owned`, with the lease
     /// `lease` (see [`lease_of`]) and the default policy `timeout % 3`.
     pub(super) fn of(key: u8, lease: Option<u8>, timeout: Option<u8>, with: u8, owned: bool, waker: u8) -> Option<Self> {
         if with < 0xE0 {
@@ -98,14 +104,14 @@ impl OwnerOp {
                     .collect();
                 OwnerKind::LockAll { reqs, policy }
             }
-            7 => OwnerKind::Poll,
+            7 | 15 => OwnerKind::Poll,
             8 => OwnerKind::DropFuture,
             9 => OwnerKind::Unlock { key: k },
             10 => OwnerKind::Release { key: k },
             11 => OwnerKind::Commit,
             12 => OwnerKind::Abort,
             13 => OwnerKind::Drop,
-            14 => OwnerKind::Renew,
+            _ if with & 4 != 0 => OwnerKind::Renew,
             _ => OwnerKind::Check,
         };
         Some(Self {
@@ -114,6 +120,7 @@ impl OwnerOp {
             lease: lease.map(lease_of),
             wait: timeout.map_or(WaitPolicy::Block, policy_of),
             kind,
+            poll_now: timeout.is_none_or(|t| t & 0x80 == 0),
         })
     }
 }
@@ -296,6 +303,9 @@ impl<'a> Harness<'a> {
     }
 
     pub(super) fn owner_op(&mut self, op: OwnerOp) {
+        if self.trace {
+            eprintln!("  owner op {op:?}");
+        }
         self.timed = true;
         let inst = match self.owners.slots[op.owner] {
             Some(i) => i,
@@ -339,10 +349,16 @@ impl<'a> Harness<'a> {
         match op.kind {
             OwnerKind::Lock { .. } | OwnerKind::LockAll { .. } if pending => {}
             OwnerKind::Lock { key, mode, policy } => {
-                self.owner_start(inst, Req::One { key, mode }, policy)
+                self.owner_start(inst, Req::One { key, mode }, policy);
+                if op.poll_now {
+                    self.owner_poll(inst);
+                }
             }
             OwnerKind::LockAll { reqs, policy } => {
-                self.owner_start(inst, Req::All { reqs }, policy)
+                self.owner_start(inst, Req::All { reqs }, policy);
+                if op.poll_now {
+                    self.owner_poll(inst);
+                }
             }
             OwnerKind::Poll => {
                 if pending {
@@ -751,6 +767,14 @@ impl<'a> Harness<'a> {
         self.expect_panic("owner poll", got.as_ref().map(drop).map_err(|p| *p), expect);
         self.check_reentry("owner poll");
         let Ok(got) = got else { return };
+        if self.trace {
+            let g = match &got {
+                Poll::Pending => "pending".to_string(),
+                Poll::Ready(Ok(_)) => "ok".to_string(),
+                Poll::Ready(Err(e)) => format!("{e:?}"),
+            };
+            eprintln!("  owner {inst}: poll {g}, model {want:?}");
+        }
         let what = format!("owner {inst}: poll of {:?}", self.owners.list[&inst].fut.as_ref().unwrap().req);
         match (got, want) {
             (Poll::Pending, None) => {
