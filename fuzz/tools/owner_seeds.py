@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
 """Writes the hand-written owner seeds of the `ops` target (fuzz/corpus/ops/owner*-*)
-into the directory given as the only argument.
+into the directory given as the first argument (with a second argument
+`known-bugs`, the inputs of the open bugs, for fuzz/known-bugs/ops/).
 
 It encodes inputs as `arbitrary` 1.x decodes `Input`: the config's four fields,
 then each op as a continue byte (1), the variant's u32 (index << 28 of 16
@@ -28,7 +29,8 @@ def lock_all(o, reqs, pol=DEF, now=True, **kw):
     key |= (len(reqs)-1) << 6
     return owner(o, LOCKALL, key=key, w=w, timeout=None if now else 0x80, **kw)
 def try_lock(k, shared=False, lease=None): return var('TryLock') + b(k) + opt(lease) + b(6 if shared else 0) + b(0)
-def start_lock(k, shared=False, lease=None, timeout=None): return var('StartLock') + b(k) + opt(lease) + opt(timeout) + b(7 if shared else 1) + b(0) + b(0)
+def start_lock(k, shared=False, lease=None, timeout=None, waker=0): return var('StartLock') + b(k) + opt(lease) + opt(timeout) + b(7 if shared else 1) + b(0) + b(waker)
+WAKE_BOMB = 128
 def poll(f): return var('Poll') + b(f)
 def poll_woken(): return var('PollWoken')
 def drop_guard(g): return var('DropGuard') + b(g)
@@ -45,5 +47,13 @@ seeds = {
  'owner-lease-lapse-commit': config(0, 0, None, 8) + lock(0, 0, lease=1) + lock(0, 1, True) + start_lock(0) + advance(3) + poll_woken() + owner(0, RENEW, w=4) + owner(0, COMMIT),
  'owners-opposite-lock-all': config(0, 1) + lock_all(0, [(0, False), (1, False)], now=False) + lock_all(1, [(1, False), (0, False)], now=False) + owner(0, POLL) + owner(1, POLL) + try_lock(0, True) + owner(0, COMMIT) + poll_woken() + owner(1, POLL) + owner(1, DROP) + lock_all(2, [(0, True), (1, True), (2, True)], owned=True) + revoke(1) + owner(2, RENEW, w=4) + owner(2, COMMIT),
 }
-for name, data in seeds.items():
-    open(os.path.join(sys.argv[1], name), 'wb').write(data)
+# Inputs of open bugs (fuzz/known-bugs/ops/), failing with KEYLOCK_FUZZ_KNOWN_BUGS=none.
+known_bugs = {
+ # A dropped lock_all undoes its upgrade of key 1; the downgrade admits a
+ # reader whose waker panics: the owner loses key 1 (owner_undo_wake_panic).
+ 'owner-undo-wake-panic': config() + lock(0, 1, True) + try_lock(2) + lock_all(0, [(1, False), (2, False)]) + start_lock(1, True, waker=WAKE_BOMB) + poll(0) + owner(0, DROPF) + owner(0, LOCK, key=1 | 4),
+}
+out = sys.argv[1]
+which = known_bugs if len(sys.argv) > 2 and sys.argv[2] == 'known-bugs' else seeds
+for name, data in which.items():
+    open(os.path.join(out, name), 'wb').write(data)

@@ -8,9 +8,17 @@
 //!
 //! Carried by `StartLock` with `with >= 0xE0` (see [`OwnerOp::of`]): no
 //! input of `fuzz/regressions/ops/` has such a byte, so they decode as
-//! before. In a run with any owner operation, every waker is plain and no
-//! key's `Drop` panics (`Harness::tame`): the model of a transaction does
-//! not follow a planted panic through its calls.
+//! before.
+//!
+//! A transaction's calls have plain wakers and keys, but the plain futures
+//! around them stay hostile: a release, a grant or a downgrade of an owner
+//! may wake a waker that panics, or drop a stored key that panics. Where
+//! the crate's state after such a panic is defined (a release: complete; a
+//! commit, abort or drop: every key released; a dropped call: undone, the
+//! rest of the undo running while unwinding) the call is made and the
+//! panic expected; where it is not followed by the model (a poll of a
+//! call, which poisons its future; a renewal or a check, which stop at the
+//! key that panicked) the model is rolled back and the call not made.
 
 use super::*;
 use keylock::{
@@ -293,6 +301,13 @@ pub(super) struct Owners<'a> {
     next: usize,
 }
 
+/// The model before an owner's call, to roll back to.
+struct Snap {
+    model: Model,
+    m: MOwner,
+    fut: Option<(Phase, u64)>,
+}
+
 fn tkey(e: &TransactionError<Key>) -> Option<usize> {
     e.key().map(|k| usize::from(k.id))
 }
@@ -300,6 +315,27 @@ fn tkey(e: &TransactionError<Key>) -> Option<usize> {
 impl<'a> Harness<'a> {
     fn owner_hash(&self, k: usize) -> (u64, usize) {
         (key_hash(self.model.cfg.collide, k), k)
+    }
+
+    fn owner_snap(&self, inst: usize) -> Snap {
+        let o = &self.owners.list[&inst];
+        Snap {
+            model: self.model.clone(),
+            m: o.m.clone(),
+            fut: o.fut.as_ref().map(|f| (f.phase.clone(), f.wakes_at_poll)),
+        }
+    }
+
+    fn owner_restore(&mut self, inst: usize, snap: Snap) {
+        if self.trace {
+            eprintln!("  owner {inst}: skipped (the model does not follow its panic)");
+        }
+        self.model = snap.model;
+        let o = self.owners.list.get_mut(&inst).unwrap();
+        o.m = snap.m;
+        if let (Some(f), Some((phase, wakes))) = (o.fut.as_mut(), snap.fut) {
+            (f.phase, f.wakes_at_poll) = (phase, wakes);
+        }
     }
 
     pub(super) fn owner_op(&mut self, op: OwnerOp) {
@@ -367,7 +403,7 @@ impl<'a> Harness<'a> {
             }
             OwnerKind::DropFuture => {
                 if pending {
-                    self.owner_drop_future(inst)
+                    self.owner_drop_future(inst, false)
                 }
             }
             _ if borrowed => {}
@@ -573,7 +609,7 @@ impl<'a> Harness<'a> {
                             }
                         }
                         if let Some(key) = busy {
-                            self.owner_undo(inst, &ents, false);
+                            self.owner_undo(inst, &ents, false, None);
                             break Some(Err(MTErr::InFlight { key }));
                         }
                         phase = Phase::All { ents, at: 0, inner: None };
@@ -671,7 +707,7 @@ impl<'a> Harness<'a> {
                     };
                     if ended {
                         self.model.drop_fut(inner);
-                        self.owner_undo(inst, &ents, true);
+                        self.owner_undo(inst, &ents, true, None);
                         break Some(Err(MTErr::Ended));
                     }
                     match self.model.poll(inner, wakes) {
@@ -704,7 +740,7 @@ impl<'a> Harness<'a> {
                             ents[at].upgraded = false;
                             let mut rest = ents.clone();
                             rest.remove(at);
-                            self.owner_undo(inst, &rest, false);
+                            self.owner_undo(inst, &rest, false, None);
                             break Some(Err(from_lock(e.key, e.mode, waits, err)));
                         }
                     }
@@ -720,12 +756,24 @@ impl<'a> Harness<'a> {
     /// A `lock_all`'s stage dropped: its upgrades become shared again,
     /// then every claim ends (new keys released); had the transaction
     /// ended, every guard of the call is released instead.
-    fn owner_undo(&mut self, inst: usize, ents: &[Ent], ended: bool) {
+    ///
+    /// `staged` (a drop of the call, `unwinding` if its inner future's
+    /// drop panicked): the wakes of the downgrades and of the releases are
+    /// flushed apart; returns whether each must panic.
+    fn owner_undo(&mut self, inst: usize, ents: &[Ent], ended: bool, staged: Option<bool>) -> (bool, bool) {
         for e in ents {
             if let (true, EKind::Upgrade(gid)) = (e.upgraded, e.kind) {
                 let _ = self.model.downgrade(gid);
             }
         }
+        let down = staged.is_some_and(|unwinding| self.model.flush(unwinding));
+        let rest = staged.map(|unwinding| unwinding || down);
+        let released = self.owner_undo_claims(inst, ents, ended);
+        (down, rest.is_some_and(|unwinding| self.model.flush(unwinding)) && !released)
+    }
+
+    /// The claims of `owner_undo`; returns `false`.
+    fn owner_undo_claims(&mut self, inst: usize, ents: &[Ent], ended: bool) -> bool {
         let m = &mut self.owners.list.get_mut(&inst).unwrap().m;
         if ended || m.ended {
             for e in ents {
@@ -739,7 +787,7 @@ impl<'a> Harness<'a> {
                     EKind::Covered => {}
                 }
             }
-            return;
+            return false;
         }
         let mut released = Vec::new();
         for e in ents {
@@ -754,12 +802,18 @@ impl<'a> Harness<'a> {
         for g in released {
             self.model.release(g);
         }
+        false
     }
 
     fn owner_poll(&mut self, inst: usize) {
         let wakes = self.owners.list[&inst].fut.as_ref().unwrap().wakes();
+        let snap = self.owner_snap(inst);
         let want = self.owner_model_poll(inst, wakes);
         let expect = self.flush(false);
+        if expect == Expect::Must {
+            self.owner_restore(inst, snap);
+            return;
+        }
         let f = self.owners.list.get_mut(&inst).unwrap().fut.as_mut().unwrap();
         let mut cx = Context::from_waker(&f.waker);
         let fut = f.fut.as_mut().unwrap();
@@ -868,19 +922,29 @@ impl<'a> Harness<'a> {
         }
     }
 
-    fn owner_drop_future(&mut self, inst: usize) {
+    /// Drops owner `inst`'s call; `defuse` (at the end of a run): with
+    /// every bomb defused, so that a drop the harness skips (a known bug)
+    /// still goes.
+    fn owner_drop_future(&mut self, inst: usize, defuse: bool) {
+        let snap = self.owner_snap(inst);
         let (phase, ended) = {
             let o = self.owners.list.get_mut(&inst).unwrap();
             let f = o.fut.as_mut().unwrap();
             (std::mem::replace(&mut f.phase, Phase::Done), o.m.ended)
         };
+        // Flushed by stage: once one panics, the rest of the drop runs
+        // while unwinding (no bomb goes off).
+        let (mut must, mut undo_panics) = (self.model.flush(defuse), false);
+        let quiet = defuse;
         match phase {
             Phase::Unpolled | Phase::Done => {}
             Phase::One { key, inner, kind, .. } => {
                 self.model.drop_fut(inner);
+                must |= self.model.flush(must || quiet);
                 if ended {
                     if let EKind::Upgrade(gid) = kind {
                         self.model.release(gid);
+                        must |= self.model.flush(must || quiet);
                     }
                 } else {
                     let m = &mut self.owners.list.get_mut(&inst).unwrap().m;
@@ -895,13 +959,27 @@ impl<'a> Harness<'a> {
             Phase::All { ents, inner, .. } => {
                 if let Some(f) = inner {
                     self.model.drop_fut(f);
+                    must |= self.model.flush(must || quiet);
                 }
-                self.owner_undo(inst, &ents, ended);
+                let (down, rest) = self.owner_undo(inst, &ents, ended, Some(must || quiet));
+                undo_panics = down && !must;
+                must |= down || rest;
             }
         }
-        let expect = self.flush(false);
+        if undo_panics && self.known_bugs.owner_undo_wake_panic {
+            // Known bug: the undo stops at the panic.
+            self.owner_restore(inst, snap);
+            return;
+        }
+        let expect = if must { Expect::Must } else { Expect::No };
         let fut = self.owners.list.get_mut(&inst).unwrap().fut.as_mut().unwrap().fut.take();
-        let got = catch(|| drop(fut));
+        let got = catch(|| {
+            if defuse {
+                defused(|| drop(fut))
+            } else {
+                drop(fut)
+            }
+        });
         self.expect_panic("owner future drop", got, expect);
         self.check_reentry("owner future drop");
         self.owner_retire_future(inst);
@@ -965,6 +1043,7 @@ impl<'a> Harness<'a> {
 
     /// `renew()` (or only `check()`).
     fn owner_renew(&mut self, inst: usize, renew: bool) {
+        let snap = self.owner_snap(inst);
         let guards = self.owner_guards(inst);
         let mut want = Ok(());
         for &(k, g) in &guards {
@@ -983,6 +1062,10 @@ impl<'a> Harness<'a> {
             }
         }
         let expect = self.flush(false);
+        if expect == Expect::Must {
+            self.owner_restore(inst, snap);
+            return;
+        }
         let txn = self.owners.list.get_mut(&inst).unwrap().txn.as_mut().unwrap();
         let got = catch(|| match (txn, renew) {
             (RTxn::B(t), true) => t.renew(),
@@ -1110,7 +1193,7 @@ impl<'a> Harness<'a> {
         let insts: Vec<usize> = self.owners.list.keys().copied().collect();
         for inst in insts {
             if self.owners.list[&inst].fut.is_some() {
-                self.owner_drop_future(inst);
+                self.owner_drop_future(inst, true);
                 self.compare();
             }
         }
