@@ -4,7 +4,10 @@
 //! shared ones, each with its token and lease), a FIFO queue of requests
 //! (shared, exclusive, or an upgrade at the head) and one admission rule
 //! (`Model::admit`); shared locks come through every entry point, and
-//! guards upgrade (a future, polled by hand) and downgrade.
+//! guards upgrade (a future, polled by hand) and downgrade. Transactions
+//! (owners: re-entrant locks, `lock_all`, wait policies, commit, abort,
+//! drop) share the table with the plain guards and futures, against a model
+//! built on this one (`ops/owners.rs`).
 //!
 //! Every future is boxed, pinned and polled by hand with its own waker, and
 //! time is a `ManualClock`, so a run is fully deterministic. After every step
