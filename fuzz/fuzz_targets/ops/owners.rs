@@ -59,6 +59,8 @@ pub(super) struct OwnerOp {
     owner: usize,
     owned: bool,
     lease: Option<u64>,
+    /// The transaction's timeout (its deadline: made plus this).
+    timeout: Option<u64>,
     wait: WaitPolicy,
     kind: OwnerKind,
     /// A new call is polled at once (unless `timeout` has bit 7 set).
@@ -85,7 +87,9 @@ impl OwnerOp {
     /// `commit`, 12 `abort`, 13 drop the transaction, 14 `renew` (`with`
     /// bit 2) or `check`. A new call is polled at once unless `timeout`
     /// has bit 7 set. A new transaction is owned if `owned`, with the lease
-    /// `lease` (see [`lease_of`]) and the default policy `timeout % 3`.
+    /// `lease` (see [`lease_of`]), the default policy `timeout % 3` and, if
+    /// `timeout` bits 3..7 are 8..16, the timeout `(v - 8) * 2` units (a
+    /// deadline for every lock of the transaction).
     pub(super) fn of(key: u8, lease: Option<u8>, timeout: Option<u8>, with: u8, owned: bool, waker: u8) -> Option<Self> {
         if with < 0xE0 {
             return None;
@@ -126,6 +130,10 @@ impl OwnerOp {
             owner: usize::from(waker >> 4) % OWNERS,
             owned,
             lease: lease.map(lease_of),
+            timeout: timeout.and_then(|t| {
+                let v = (t >> 3) & 15;
+                (v >= 8).then(|| u64::from(v - 8) * 2 * UNIT)
+            }),
             wait: timeout.map_or(WaitPolicy::Block, policy_of),
             kind,
             poll_now: timeout.is_none_or(|t| t & 0x80 == 0),
@@ -156,6 +164,8 @@ struct MSlot {
 pub(super) struct MOwner {
     owned: bool,
     lease: Option<u64>,
+    /// The transaction's deadline (model time).
+    deadline: Option<u64>,
     wait: WaitPolicy,
     slots: Vec<MSlot>,
     ended: bool,
@@ -299,6 +309,11 @@ pub(super) struct Owners<'a> {
     slots: [Option<usize>; OWNERS],
     list: BTreeMap<usize, HOwner<'a>>,
     next: usize,
+    /// One of the crate's calls made by the current owner operation must
+    /// panic (its deferred work); the calls after it run while unwinding.
+    must: bool,
+    /// Every bomb is defused (the end of a run).
+    quiet: bool,
 }
 
 /// The model before an owner's call, to roll back to.
@@ -315,6 +330,25 @@ fn tkey(e: &TransactionError<Key>) -> Option<usize> {
 impl<'a> Harness<'a> {
     fn owner_hash(&self, k: usize) -> (u64, usize) {
         (key_hash(self.model.cfg.collide, k), k)
+    }
+
+    /// The deferred work of the crate's call the model just made (a
+    /// release, a downgrade, a poll, ...): its wakes, and the calls back of
+    /// a waker, come before the next call's. Once one must panic, the rest
+    /// run while unwinding.
+    fn owner_call_done(&mut self) {
+        let unwinding = self.owners.must || self.owners.quiet;
+        self.owners.must |= self.model.flush(unwinding);
+    }
+
+    /// What the current owner operation must do: panic or not.
+    fn owner_expect(&mut self) -> Expect {
+        self.owner_call_done();
+        if self.owners.must {
+            Expect::Must
+        } else {
+            Expect::No
+        }
     }
 
     fn owner_snap(&self, inst: usize) -> Snap {
@@ -353,6 +387,9 @@ impl<'a> Harness<'a> {
                 if let Some(l) = op.lease {
                     opts = opts.lease(ns(l));
                 }
+                if let Some(t) = op.timeout {
+                    opts = opts.timeout(ns(t));
+                }
                 let txn = if op.owned {
                     RTxn::O(Arc::clone(self.table).transaction_owned_with(opts))
                 } else {
@@ -368,6 +405,7 @@ impl<'a> Harness<'a> {
                         m: MOwner {
                             owned: op.owned,
                             lease: op.lease,
+                            deadline: op.timeout.map(|t| self.model.now + t),
                             wait: op.wait,
                             slots: Vec::new(),
                             ended: false,
@@ -487,10 +525,17 @@ impl<'a> Harness<'a> {
         });
     }
 
-    /// The inner lock options' lease and timeout, as the model takes them.
+    /// The inner lock options' lease and timeout, as the model takes them
+    /// (a deadline is a timeout up to it: an inner future is first polled
+    /// when it is made; one already passed, no wait at all).
     fn inner_opts(&self, inst: usize, policy: WaitPolicy) -> (Option<u64>, Option<Option<u64>>) {
         let o = &self.owners.list[&inst].m;
-        (o.lease, (!policy.waits()).then_some(Some(0)))
+        let timeout = if !policy.waits() {
+            Some(Some(0))
+        } else {
+            o.deadline.map(|d| Some(d.saturating_sub(self.model.now)))
+        };
+        (o.lease, timeout)
     }
 
     fn fresh_fid(&mut self) -> Fid {
@@ -522,7 +567,9 @@ impl<'a> Harness<'a> {
                         match m.find(key) {
                             None => {
                                 m.slots.push(MSlot { key, gid: None, count: 0, busy: true, away: false });
-                                match self.model.try_lock(key, mode, lease, false) {
+                                let tried = self.model.try_lock(key, mode, lease, false);
+                                self.owner_call_done();
+                                match tried {
                                     Ok(g) => {
                                         let m = &mut self.owners.list.get_mut(&inst).unwrap().m;
                                         let i = m.find(key).unwrap();
@@ -609,7 +656,7 @@ impl<'a> Harness<'a> {
                             }
                         }
                         if let Some(key) = busy {
-                            self.owner_undo(inst, &ents, false, None);
+                            self.owner_undo(inst, &ents, false);
                             break Some(Err(MTErr::InFlight { key }));
                         }
                         phase = Phase::All { ents, at: 0, inner: None };
@@ -619,12 +666,16 @@ impl<'a> Harness<'a> {
                 Phase::One { key, mode, inner, kind } => {
                     if ended {
                         self.model.drop_fut(inner);
+                        self.owner_call_done();
                         if let EKind::Upgrade(gid) = kind {
                             self.model.release(gid);
+                            self.owner_call_done();
                         }
                         break Some(Err(MTErr::Ended));
                     }
-                    match self.model.poll(inner, wakes) {
+                    let polled = self.model.poll(inner, wakes);
+                    self.owner_call_done();
+                    match polled {
                         MPoll::Pending => {
                             parked = Phase::One { key, mode, inner, kind };
                             break None;
@@ -707,10 +758,13 @@ impl<'a> Harness<'a> {
                     };
                     if ended {
                         self.model.drop_fut(inner);
-                        self.owner_undo(inst, &ents, true, None);
+                        self.owner_call_done();
+                        self.owner_undo(inst, &ents, true);
                         break Some(Err(MTErr::Ended));
                     }
-                    match self.model.poll(inner, wakes) {
+                    let polled = self.model.poll(inner, wakes);
+                    self.owner_call_done();
+                    match polled {
                         MPoll::Pending => {
                             parked = Phase::All { ents, at, inner: Some(inner) };
                             break None;
@@ -740,7 +794,7 @@ impl<'a> Harness<'a> {
                             ents[at].upgraded = false;
                             let mut rest = ents.clone();
                             rest.remove(at);
-                            self.owner_undo(inst, &rest, false, None);
+                            self.owner_undo(inst, &rest, false);
                             break Some(Err(from_lock(e.key, e.mode, waits, err)));
                         }
                     }
@@ -755,61 +809,52 @@ impl<'a> Harness<'a> {
 
     /// A `lock_all`'s stage dropped: its upgrades become shared again,
     /// then every claim ends (new keys released); had the transaction
-    /// ended, every guard of the call is released instead.
-    ///
-    /// `staged` (a drop of the call, `unwinding` if its inner future's
-    /// drop panicked): the wakes of the downgrades and of the releases are
-    /// flushed apart; returns whether each must panic.
-    fn owner_undo(&mut self, inst: usize, ents: &[Ent], ended: bool, staged: Option<bool>) -> (bool, bool) {
+    /// ended, every guard of the call is released instead. Each downgrade
+    /// and release is a call of its own (`owner_call_done`). Returns whether
+    /// a downgrade made the first panic.
+    fn owner_undo(&mut self, inst: usize, ents: &[Ent], ended: bool) -> bool {
+        let before = self.owners.must;
         for e in ents {
             if let (true, EKind::Upgrade(gid)) = (e.upgraded, e.kind) {
                 let _ = self.model.downgrade(gid);
+                self.owner_call_done();
             }
         }
-        let down = staged.is_some_and(|unwinding| self.model.flush(unwinding));
-        let rest = staged.map(|unwinding| unwinding || down);
-        let released = self.owner_undo_claims(inst, ents, ended);
-        (down, rest.is_some_and(|unwinding| self.model.flush(unwinding)) && !released)
-    }
-
-    /// The claims of `owner_undo`; returns `false`.
-    fn owner_undo_claims(&mut self, inst: usize, ents: &[Ent], ended: bool) -> bool {
+        let down = self.owners.must && !before;
         let m = &mut self.owners.list.get_mut(&inst).unwrap().m;
+        let mut released = Vec::new();
         if ended || m.ended {
             for e in ents {
                 match e.kind {
-                    EKind::Upgrade(gid) => self.model.release(gid),
-                    EKind::New => {
-                        if let Some(g) = e.got {
-                            self.model.release(g)
-                        }
-                    }
+                    EKind::Upgrade(gid) => released.push(gid),
+                    EKind::New => released.extend(e.got),
                     EKind::Covered => {}
                 }
             }
-            return false;
-        }
-        let mut released = Vec::new();
-        for e in ents {
-            let i = m.find(e.key).expect("model: a claimed slot");
-            if m.slots[i].count == 0 {
-                m.slots.swap_remove(i);
-                released.extend(e.got);
-            } else {
-                (m.slots[i].busy, m.slots[i].away) = (false, false);
+        } else {
+            for e in ents {
+                let i = m.find(e.key).expect("model: a claimed slot");
+                if m.slots[i].count == 0 {
+                    m.slots.swap_remove(i);
+                    released.extend(e.got);
+                } else {
+                    (m.slots[i].busy, m.slots[i].away) = (false, false);
+                }
             }
         }
         for g in released {
             self.model.release(g);
+            self.owner_call_done();
         }
-        false
+        down
     }
 
     fn owner_poll(&mut self, inst: usize) {
         let wakes = self.owners.list[&inst].fut.as_ref().unwrap().wakes();
         let snap = self.owner_snap(inst);
+        self.owners.must = false;
         let want = self.owner_model_poll(inst, wakes);
-        let expect = self.flush(false);
+        let expect = self.owner_expect();
         if expect == Expect::Must {
             self.owner_restore(inst, snap);
             return;
@@ -932,19 +977,18 @@ impl<'a> Harness<'a> {
             let f = o.fut.as_mut().unwrap();
             (std::mem::replace(&mut f.phase, Phase::Done), o.m.ended)
         };
-        // Flushed by stage: once one panics, the rest of the drop runs
-        // while unwinding (no bomb goes off).
-        let (mut must, mut undo_panics) = (self.model.flush(defuse), false);
-        let quiet = defuse;
+        self.owners.must = false;
+        self.owners.quiet = defuse;
+        let mut undo_panics = false;
         match phase {
             Phase::Unpolled | Phase::Done => {}
             Phase::One { key, inner, kind, .. } => {
                 self.model.drop_fut(inner);
-                must |= self.model.flush(must || quiet);
+                self.owner_call_done();
                 if ended {
                     if let EKind::Upgrade(gid) = kind {
                         self.model.release(gid);
-                        must |= self.model.flush(must || quiet);
+                        self.owner_call_done();
                     }
                 } else {
                     let m = &mut self.owners.list.get_mut(&inst).unwrap().m;
@@ -959,19 +1003,18 @@ impl<'a> Harness<'a> {
             Phase::All { ents, inner, .. } => {
                 if let Some(f) = inner {
                     self.model.drop_fut(f);
-                    must |= self.model.flush(must || quiet);
+                    self.owner_call_done();
                 }
-                let (down, rest) = self.owner_undo(inst, &ents, ended, Some(must || quiet));
-                undo_panics = down && !must;
-                must |= down || rest;
+                undo_panics = self.owner_undo(inst, &ents, ended);
             }
         }
+        let expect = self.owner_expect();
+        self.owners.quiet = false;
         if undo_panics && self.known_bugs.owner_undo_wake_panic {
             // Known bug: the undo stops at the panic.
             self.owner_restore(inst, snap);
             return;
         }
-        let expect = if must { Expect::Must } else { Expect::No };
         let fut = self.owners.list.get_mut(&inst).unwrap().fut.as_mut().unwrap().fut.take();
         let got = catch(|| {
             if defuse {
@@ -1006,10 +1049,11 @@ impl<'a> Harness<'a> {
                 Ok(left)
             }
         };
+        self.owners.must = false;
         if let Some(g) = release {
             self.model.release(g);
         }
-        let expect = self.flush(false);
+        let expect = self.owner_expect();
         let k = Key::new(key, false);
         let txn = self.owners.list.get_mut(&inst).unwrap().txn.as_mut().unwrap();
         let got = catch(|| match (txn, all) {
@@ -1044,10 +1088,13 @@ impl<'a> Harness<'a> {
     /// `renew()` (or only `check()`).
     fn owner_renew(&mut self, inst: usize, renew: bool) {
         let snap = self.owner_snap(inst);
+        self.owners.must = false;
         let guards = self.owner_guards(inst);
         let mut want = Ok(());
         for &(k, g) in &guards {
-            if let Err(MErr::Expired(token)) = self.model.check(g) {
+            let checked = self.model.check(g);
+            self.owner_call_done();
+            if let Err(MErr::Expired(token)) = checked {
                 want = Err(MTErr::Expired { key: k, token });
                 break;
             }
@@ -1055,13 +1102,15 @@ impl<'a> Harness<'a> {
         let lease = self.owners.list[&inst].m.lease.or(self.model.cfg.default_lease);
         if let (Ok(()), true, Some(lease)) = (&want, renew, lease) {
             for &(k, g) in &guards {
-                if let Err(e) = self.model.renew(g, lease) {
+                let renewed = self.model.renew(g, lease);
+                self.owner_call_done();
+                if let Err(e) = renewed {
                     want = Err(from_lock(k, self.model.guards[&g].mode, true, e));
                     break;
                 }
             }
         }
-        let expect = self.flush(false);
+        let expect = self.owner_expect();
         if expect == Expect::Must {
             self.owner_restore(inst, snap);
             return;
@@ -1092,8 +1141,10 @@ impl<'a> Harness<'a> {
             .filter(|&&(_, g)| self.model.grant_lost(g))
             .map(|&(k, g)| (k, self.model.guards[&g].token))
             .collect();
+        self.owners.must = false;
         for &(_, g) in &guards {
             self.model.release(g);
+            self.owner_call_done();
         }
         let o = self.owners.list.get_mut(&inst).unwrap();
         o.m.slots.clear();
@@ -1103,7 +1154,7 @@ impl<'a> Harness<'a> {
             f.watching = false;
         }
         let txn = o.txn.take().unwrap();
-        let expect = self.flush(false);
+        let expect = self.owner_expect();
         let got = catch(|| match (txn, how) {
             (RTxn::B(t), 0) => t.commit(),
             (RTxn::O(t), 0) => t.commit(),
