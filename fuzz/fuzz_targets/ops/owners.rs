@@ -28,6 +28,8 @@ use keylock::{
 
 /// Owner slots of a run.
 pub(super) const OWNERS: usize = 3;
+/// Pending calls of one owned transaction, at most.
+const MAX_OWNER_CALLS: usize = 3;
 
 /// The policy of one call: the transaction's default, or one of its own.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -65,6 +67,8 @@ pub(super) struct OwnerOp {
     kind: OwnerKind,
     /// A new call is polled at once (unless `timeout` has bit 7 set).
     poll_now: bool,
+    /// Which pending call `Poll` and `DropFuture` pick (`key`, modulo).
+    pick: u8,
 }
 
 fn policy_of(x: u8) -> WaitPolicy {
@@ -137,6 +141,7 @@ impl OwnerOp {
             wait: timeout.map_or(WaitPolicy::Block, policy_of),
             kind,
             poll_now: timeout.is_none_or(|t| t & 0x80 == 0),
+            pick: key,
         })
     }
 }
@@ -297,8 +302,10 @@ impl HOFut<'_> {
 }
 
 pub(super) struct HOwner<'a> {
-    /// Declared first: it may borrow `txn`, so it drops first.
-    fut: Option<HOFut<'a>>,
+    /// Its pending calls (at most one for a borrowed transaction, which it
+    /// borrows; a few for an owned one). Declared first: they may borrow
+    /// `txn`, so they drop first.
+    futs: Vec<HOFut<'a>>,
     /// `None` once the (owned) transaction ended with a future pending.
     txn: Option<RTxn<'a>>,
     m: MOwner,
@@ -320,7 +327,7 @@ pub(super) struct Owners<'a> {
 struct Snap {
     model: Model,
     m: MOwner,
-    fut: Option<(Phase, u64)>,
+    futs: Vec<(Phase, u64)>,
 }
 
 fn tkey(e: &TransactionError<Key>) -> Option<usize> {
@@ -356,7 +363,7 @@ impl<'a> Harness<'a> {
         Snap {
             model: self.model.clone(),
             m: o.m.clone(),
-            fut: o.fut.as_ref().map(|f| (f.phase.clone(), f.wakes_at_poll)),
+            futs: o.futs.iter().map(|f| (f.phase.clone(), f.wakes_at_poll)).collect(),
         }
     }
 
@@ -367,7 +374,7 @@ impl<'a> Harness<'a> {
         self.model = snap.model;
         let o = self.owners.list.get_mut(&inst).unwrap();
         o.m = snap.m;
-        if let (Some(f), Some((phase, wakes))) = (o.fut.as_mut(), snap.fut) {
+        for (f, (phase, wakes)) in o.futs.iter_mut().zip(snap.futs) {
             (f.phase, f.wakes_at_poll) = (phase, wakes);
         }
     }
@@ -400,7 +407,7 @@ impl<'a> Harness<'a> {
                 self.owners.list.insert(
                     i,
                     HOwner {
-                        fut: None,
+                        futs: Vec::new(),
                         txn: Some(txn),
                         m: MOwner {
                             owned: op.owned,
@@ -417,31 +424,34 @@ impl<'a> Harness<'a> {
             }
         };
         let o = &self.owners.list[&inst];
-        let pending = o.fut.is_some();
+        let pending = o.futs.len();
         // A borrowed transaction is borrowed by its pending call.
-        let borrowed = pending && !o.m.owned;
+        let borrowed = pending > 0 && !o.m.owned;
+        let full = borrowed || pending >= MAX_OWNER_CALLS;
+        // The call picked by `Poll` and `DropFuture`.
+        let j = usize::from(op.pick) % pending.max(1);
         match op.kind {
-            OwnerKind::Lock { .. } | OwnerKind::LockAll { .. } if pending => {}
+            OwnerKind::Lock { .. } | OwnerKind::LockAll { .. } if full => {}
             OwnerKind::Lock { key, mode, policy } => {
                 self.owner_start(inst, Req::One { key, mode }, policy);
                 if op.poll_now {
-                    self.owner_poll(inst);
+                    self.owner_poll(inst, pending);
                 }
             }
             OwnerKind::LockAll { reqs, policy } => {
                 self.owner_start(inst, Req::All { reqs }, policy);
                 if op.poll_now {
-                    self.owner_poll(inst);
+                    self.owner_poll(inst, pending);
                 }
             }
             OwnerKind::Poll => {
-                if pending {
-                    self.owner_poll(inst)
+                if pending > 0 {
+                    self.owner_poll(inst, j)
                 }
             }
             OwnerKind::DropFuture => {
-                if pending {
-                    self.owner_drop_future(inst, false)
+                if pending > 0 {
+                    self.owner_drop_future(inst, j, false)
                 }
             }
             _ if borrowed => {}
@@ -512,7 +522,7 @@ impl<'a> Harness<'a> {
             },
         };
         let (slot, waker) = new_waker(WKind::Plain);
-        o.fut = Some(HOFut {
+        o.futs.push(HOFut {
             fut: Some(fut),
             waker,
             slot,
@@ -546,9 +556,9 @@ impl<'a> Harness<'a> {
 
     /// The model's answer to one poll of owner `inst`'s call: `None` while
     /// pending.
-    fn owner_model_poll(&mut self, inst: usize, wakes: u64) -> Option<Result<MGot, MTErr>> {
+    fn owner_model_poll(&mut self, inst: usize, j: usize, wakes: u64) -> Option<Result<MGot, MTErr>> {
         let (mut phase, req, policy) = {
-            let f = self.owners.list.get_mut(&inst).unwrap().fut.as_mut().unwrap();
+            let f = &mut self.owners.list.get_mut(&inst).unwrap().futs[j];
             f.wakes_at_poll = wakes;
             (std::mem::replace(&mut f.phase, Phase::Done), f.req.clone(), f.policy)
         };
@@ -802,7 +812,7 @@ impl<'a> Harness<'a> {
                 }
             }
         };
-        let f = self.owners.list.get_mut(&inst).unwrap().fut.as_mut().unwrap();
+        let f = &mut self.owners.list.get_mut(&inst).unwrap().futs[j];
         f.phase = parked;
         out
     }
@@ -849,17 +859,17 @@ impl<'a> Harness<'a> {
         down
     }
 
-    fn owner_poll(&mut self, inst: usize) {
-        let wakes = self.owners.list[&inst].fut.as_ref().unwrap().wakes();
+    fn owner_poll(&mut self, inst: usize, j: usize) {
+        let wakes = self.owners.list[&inst].futs[j].wakes();
         let snap = self.owner_snap(inst);
         self.owners.must = false;
-        let want = self.owner_model_poll(inst, wakes);
+        let want = self.owner_model_poll(inst, j, wakes);
         let expect = self.owner_expect();
         if expect == Expect::Must {
             self.owner_restore(inst, snap);
             return;
         }
-        let f = self.owners.list.get_mut(&inst).unwrap().fut.as_mut().unwrap();
+        let f = &mut self.owners.list.get_mut(&inst).unwrap().futs[j];
         let mut cx = Context::from_waker(&f.waker);
         let fut = f.fut.as_mut().unwrap();
         let got = catch(|| fut.as_mut().poll(&mut cx));
@@ -874,11 +884,11 @@ impl<'a> Harness<'a> {
             };
             eprintln!("  owner {inst}: poll {g}, model {want:?}");
         }
-        let what = format!("owner {inst}: poll of {:?}", self.owners.list[&inst].fut.as_ref().unwrap().req);
+        let what = format!("owner {inst}: poll of {:?}", self.owners.list[&inst].futs[j].req);
         match (got, want) {
             (Poll::Pending, None) => {
                 let o = self.owners.list.get_mut(&inst).unwrap();
-                let f = o.fut.as_mut().unwrap();
+                let f = &mut o.futs[j];
                 f.watching = o.m.owned && !o.m.ended;
                 return;
             }
@@ -888,7 +898,7 @@ impl<'a> Harness<'a> {
                 if got.is_pending() { "pending" } else { "ready" }
             ),
         }
-        self.owner_retire_future(inst);
+        self.owner_retire_future(inst, j);
     }
 
     fn owner_compare_result(&mut self, what: &str, got: Result<OOut, TransactionError<Key>>, want: Result<MGot, MTErr>) {
@@ -950,9 +960,9 @@ impl<'a> Harness<'a> {
     }
 
     /// A call that completed or was dropped: no handle of its waker left.
-    fn owner_retire_future(&mut self, inst: usize) {
+    fn owner_retire_future(&mut self, inst: usize, j: usize) {
         let o = self.owners.list.get_mut(&inst).unwrap();
-        let f = o.fut.take().unwrap();
+        let f = o.futs.remove(j);
         let HOFut { fut, waker, slot, .. } = f;
         drop(fut);
         drop(waker);
@@ -962,7 +972,7 @@ impl<'a> Harness<'a> {
             "owner {inst}: a handle of its call's waker was kept"
         );
         free_waker(slot);
-        if o.txn.is_none() {
+        if o.txn.is_none() && o.futs.is_empty() {
             self.owners.list.remove(&inst);
         }
     }
@@ -970,11 +980,11 @@ impl<'a> Harness<'a> {
     /// Drops owner `inst`'s call; `defuse` (at the end of a run): with
     /// every bomb defused, so that a drop the harness skips (a known bug)
     /// still goes.
-    fn owner_drop_future(&mut self, inst: usize, defuse: bool) {
+    fn owner_drop_future(&mut self, inst: usize, j: usize, defuse: bool) {
         let snap = self.owner_snap(inst);
         let (phase, ended) = {
             let o = self.owners.list.get_mut(&inst).unwrap();
-            let f = o.fut.as_mut().unwrap();
+            let f = &mut o.futs[j];
             (std::mem::replace(&mut f.phase, Phase::Done), o.m.ended)
         };
         self.owners.must = false;
@@ -1015,7 +1025,7 @@ impl<'a> Harness<'a> {
             self.owner_restore(inst, snap);
             return;
         }
-        let fut = self.owners.list.get_mut(&inst).unwrap().fut.as_mut().unwrap().fut.take();
+        let fut = self.owners.list.get_mut(&inst).unwrap().futs[j].fut.take();
         let got = catch(|| {
             if defuse {
                 defused(|| drop(fut))
@@ -1025,7 +1035,7 @@ impl<'a> Harness<'a> {
         });
         self.expect_panic("owner future drop", got, expect);
         self.check_reentry("owner future drop");
-        self.owner_retire_future(inst);
+        self.owner_retire_future(inst, j);
     }
 
     fn owner_unlock(&mut self, inst: usize, key: usize, all: bool) {
@@ -1149,7 +1159,7 @@ impl<'a> Harness<'a> {
         let o = self.owners.list.get_mut(&inst).unwrap();
         o.m.slots.clear();
         o.m.ended = true;
-        if let Some(f) = o.fut.as_mut() {
+        for f in &mut o.futs {
             f.ended_wake = f.watching;
             f.watching = false;
         }
@@ -1177,29 +1187,31 @@ impl<'a> Harness<'a> {
             Ok(Err(e)) => panic!("{what}: {e:?}"),
         }
         self.owners.slots[owner] = None;
-        if self.owners.list[&inst].fut.is_none() {
+        if self.owners.list[&inst].futs.is_empty() {
             self.owners.list.remove(&inst);
         }
     }
 
     /// Owner futures woken since their last poll, polled (`PollWoken`).
     pub(super) fn owner_poll_woken(&mut self) {
-        let woken: Vec<usize> = self
+        let woken: Vec<(usize, usize)> = self
             .owners
             .list
             .iter()
-            .filter(|(_, o)| o.fut.as_ref().is_some_and(|f| f.wakes() > f.wakes_at_poll))
-            .map(|(&i, _)| i)
+            .flat_map(|(&i, o)| o.futs.iter().filter(|f| f.wakes() > f.wakes_at_poll).map(move |f| (i, f.slot)))
             .collect();
-        for i in woken {
-            self.owner_poll(i);
+        for (i, slot) in woken {
+            let at = self.owners.list.get(&i).and_then(|o| o.futs.iter().position(|f| f.slot == slot));
+            if let Some(j) = at {
+                self.owner_poll(i, j);
+            }
         }
     }
 
     /// Every owner's view against the model's; no lost wakeup of a call.
     pub(super) fn owner_compare(&self) {
         for (inst, o) in &self.owners.list {
-            if let Some(f) = &o.fut {
+            for f in &o.futs {
                 let inner = f.inner().filter(|i| self.model.futs.contains_key(i));
                 if inner.is_some_and(|i| self.model.can_progress(i)) || f.ended_wake {
                     assert!(
@@ -1243,8 +1255,8 @@ impl<'a> Harness<'a> {
     pub(super) fn owners_finish(&mut self) {
         let insts: Vec<usize> = self.owners.list.keys().copied().collect();
         for inst in insts {
-            if self.owners.list[&inst].fut.is_some() {
-                self.owner_drop_future(inst, true);
+            while !self.owners.list[&inst].futs.is_empty() {
+                self.owner_drop_future(inst, 0, true);
                 self.compare();
             }
         }
