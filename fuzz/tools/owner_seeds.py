@@ -46,6 +46,7 @@ seeds = {
  'owned-unlock-in-flight': config() + try_lock(2, True) + lock(0, 2, True, owned=True) + lock(0, 2) + owner(0, UNLOCK, key=2) + owner(0, RELEASE, key=2) + owner(0, LOCK, key=3) + drop_guard(0) + poll_woken() + owner(0, UNLOCK, key=2) + owner(0, COMMIT),
  'owner-lease-lapse-commit': config(0, 0, None, 8) + lock(0, 0, lease=1) + lock(0, 1, True) + start_lock(0) + advance(3) + poll_woken() + owner(0, RENEW, w=4) + owner(0, COMMIT),
  'owned-two-calls-in-flight': config() + try_lock(1) + lock(0, 1, owned=True) + lock(0, 1, True) + lock_all(0, [(2, False), (1, True)]) + lock(0, 3, now=False) + lock(0, 2) + owner(0, POLL, key=1) + drop_guard(0) + poll_woken() + owner(0, UNLOCK, key=1) + lock_all(0, [(1, True), (2, True), (0, True)], now=False) + owner(0, POLL, key=1) + owner(0, COMMIT),
+ 'owners-upgrade-conflict-skipped': config() + lock(0, 1, True) + lock(1, 1, True) + lock(0, 1) + lock_all(1, [(1, False), (2, False)], SKIP) + lock(1, 1, pol=NOWAIT) + owner(1, COMMIT) + poll_woken() + owner(0, COMMIT),
  'owners-opposite-lock-all': config(0, 1) + lock_all(0, [(0, False), (1, False)], now=False) + lock_all(1, [(1, False), (0, False)], now=False) + owner(0, POLL) + owner(1, POLL) + try_lock(0, True) + owner(0, COMMIT) + poll_woken() + owner(1, POLL) + owner(1, DROP) + lock_all(2, [(0, True), (1, True), (2, True)], owned=True) + revoke(1) + owner(2, RENEW, w=4) + owner(2, COMMIT),
 }
 # Inputs of open bugs (fuzz/known-bugs/ops/), failing with KEYLOCK_FUZZ_KNOWN_BUGS=none.
