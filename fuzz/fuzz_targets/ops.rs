@@ -361,8 +361,7 @@ struct KnownBugs {
     /// upgraded guard is dropped by the unwinding (the transaction loses
     /// the key it held before the call) and the set keeps the call's slots
     /// in flight. The harness then skips a drop of an owner's call whose
-    /// undo the model says must panic
-    /// (`fuzz/known-bugs/owners_bugs.rs`).
+    /// undo the model says must panic. Fixed (`regressions/ops/`).
     owner_undo_wake_panic: bool,
 }
 
@@ -370,7 +369,7 @@ impl KnownBugs {
     /// Found and not fixed yet: looked past unless `KEYLOCK_FUZZ_KNOWN_BUGS`
     /// says otherwise. The others are fixed, and their inputs are replayed
     /// from `fuzz/regressions/`.
-    const OPEN: &'static str = "owner_undo_wake_panic";
+    const OPEN: &'static str = "";
 
     fn from_env() -> Self {
         let v = std::env::var("KEYLOCK_FUZZ_KNOWN_BUGS").unwrap_or_else(|_| Self::OPEN.into());

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Writes the hand-written owner seeds of the `ops` target (fuzz/corpus/ops/owner*-*)
 into the directory given as the first argument (with a second argument
-`known-bugs`, the inputs of the open bugs, for fuzz/known-bugs/ops/).
+`known-bugs`, the inputs of bugs found, now in fuzz/regressions/ops/).
 
 It encodes inputs as `arbitrary` 1.x decodes `Input`: the config's four fields,
 then each op as a continue byte (1), the variant's u32 (index << 28 of 16
@@ -49,7 +49,7 @@ seeds = {
  'owners-upgrade-conflict-skipped': config() + lock(0, 1, True) + lock(1, 1, True) + lock(0, 1) + lock_all(1, [(1, False), (2, False)], SKIP) + lock(1, 1, pol=NOWAIT) + owner(1, COMMIT) + poll_woken() + owner(0, COMMIT),
  'owners-opposite-lock-all': config(0, 1) + lock_all(0, [(0, False), (1, False)], now=False) + lock_all(1, [(1, False), (0, False)], now=False) + owner(0, POLL) + owner(1, POLL) + try_lock(0, True) + owner(0, COMMIT) + poll_woken() + owner(1, POLL) + owner(1, DROP) + lock_all(2, [(0, True), (1, True), (2, True)], owned=True) + revoke(1) + owner(2, RENEW, w=4) + owner(2, COMMIT),
 }
-# Inputs of open bugs (fuzz/known-bugs/ops/), failing with KEYLOCK_FUZZ_KNOWN_BUGS=none.
+# Inputs of bugs found (now fuzz/regressions/ops/), failing on the code that had them.
 known_bugs = {
  # A dropped lock_all undoes its upgrade of key 1; the downgrade admits a
  # reader whose waker panics: the owner loses key 1 (owner_undo_wake_panic).
