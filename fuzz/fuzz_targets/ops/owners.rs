@@ -756,6 +756,16 @@ impl<'a> Harness<'a> {
                         }
                         (Some(f), _) => f,
                         (None, EKind::New) => {
+                            // Tried at once first (`try_lock_kept`); a
+                            // future only for a key that must be waited
+                            // for (or whose options are invalid).
+                            let tried = self.model.try_lock(e.key, e.mode, lease, false);
+                            self.owner_call_done();
+                            if let Ok(g) = tried {
+                                ents[at].got = Some(g.gid);
+                                phase = Phase::All { ents, at: at + 1, inner: None };
+                                continue;
+                            }
                             let f = self.fresh_fid();
                             self.model.start(f, e.key, e.mode, lease, timeout, false, WKind::Plain);
                             f
