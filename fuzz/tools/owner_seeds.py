@@ -47,6 +47,11 @@ seeds = {
  'owner-lease-lapse-commit': config(0, 0, None, 8) + lock(0, 0, lease=1) + lock(0, 1, True) + start_lock(0) + advance(3) + poll_woken() + owner(0, RENEW, w=4) + owner(0, COMMIT),
  'owned-two-calls-in-flight': config() + try_lock(1) + lock(0, 1, owned=True) + lock(0, 1, True) + lock_all(0, [(2, False), (1, True)]) + lock(0, 3, now=False) + lock(0, 2) + owner(0, POLL, key=1) + drop_guard(0) + poll_woken() + owner(0, UNLOCK, key=1) + lock_all(0, [(1, True), (2, True), (0, True)], now=False) + owner(0, POLL, key=1) + owner(0, COMMIT),
  'owners-upgrade-conflict-skipped': config() + lock(0, 1, True) + lock(1, 1, True) + lock(0, 1) + lock_all(1, [(1, False), (2, False)], SKIP) + lock(1, 1, pol=NOWAIT) + owner(1, COMMIT) + poll_woken() + owner(0, COMMIT),
+ # Keys 1 and 2 stored by plain guards with keys whose `Drop` panics: a renew
+ # naming a revoked one returns a clone of that key, and a commit clones every
+ # key it releases (dropping all but the one its error names), here once with
+ # the plain guards still holding, once with them fenced.
+ 'owner-commit-clones-stored-keys': config() + try_lock(0x71, True) + try_lock(0x72, True) + lock(0, 1, True) + lock(0, 2, True) + owner(0, COMMIT) + lock(1, 1, True) + lock(1, 2, True) + revoke(1) + revoke(2) + owner(1, RENEW, w=4) + owner(1, COMMIT) + lock(2, 2, True, owned=True) + owner(2, COMMIT),
  'owners-opposite-lock-all': config(0, 1) + lock_all(0, [(0, False), (1, False)], now=False) + lock_all(1, [(1, False), (0, False)], now=False) + owner(0, POLL) + owner(1, POLL) + try_lock(0, True) + owner(0, COMMIT) + poll_woken() + owner(1, POLL) + owner(1, DROP) + lock_all(2, [(0, True), (1, True), (2, True)], owned=True) + revoke(1) + owner(2, RENEW, w=4) + owner(2, COMMIT),
 }
 # Inputs of bugs found (now fuzz/regressions/ops/), failing on the code that had them.

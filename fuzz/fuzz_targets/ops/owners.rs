@@ -12,7 +12,9 @@
 //!
 //! A transaction's calls have plain wakers and keys, but the plain futures
 //! around them stay hostile: a release, a grant or a downgrade of an owner
-//! may wake a waker that panics, or drop a stored key that panics. Where
+//! may wake a waker that panics, or drop a stored key that panics (and a
+//! commit drops a clone of each stored key it releases, see `owner_end`;
+//! a clone keeps the original's bomb). Where
 //! the crate's state after such a panic is defined (a release: complete; a
 //! commit, abort or drop: every key released; a dropped call: undone, the
 //! rest of the undo running while unwinding) the call is made and the
@@ -1145,11 +1147,14 @@ impl<'a> Harness<'a> {
         self.expect_panic("owner renew", got.as_ref().map(drop).map_err(|p| *p), expect);
         self.check_reentry("owner renew");
         let what = format!("owner {inst}: renew {renew}");
-        match (got, want) {
+        match (&got, want) {
             (Err(_), _) | (Ok(Ok(())), Ok(())) => {}
-            (Ok(Err(e)), Err(w)) => self.owner_expect_err(&what, &e, &w),
+            (Ok(Err(e)), Err(w)) => self.owner_expect_err(&what, e, &w),
             (Ok(got), want) => panic!("{what}: crate {got:?}, model {want:?}"),
         }
+        // An error's key is a clone of the table's copy: the caller's to
+        // drop, not the crate's.
+        defused(|| drop(got));
     }
 
     /// Commit (`how` 0), abort (1) or drop (2) of owner `inst` in slot
@@ -1162,9 +1167,21 @@ impl<'a> Harness<'a> {
             .map(|&(k, g)| (k, self.model.guards[&g].token))
             .collect();
         self.owners.must = false;
-        for &(_, g) in &guards {
+        for &(k, g) in &guards {
+            // A commit names each key with a clone of the table's copy,
+            // made before its release (which may free that copy) and
+            // dropped after it (its deferred work done), except the first
+            // lost one's, which the error carries: a clone of a stored key
+            // whose drop panics panics too (not while unwinding: the rest
+            // are released by the set's drop, unnamed).
+            let clone_bomb = how == 0 && self.model.keys[k].stored_bomb;
+            let named = lost.first().is_some_and(|&(lk, _)| lk == k);
             self.model.release(g);
             self.owner_call_done();
+            if clone_bomb && !named {
+                self.model.bomb_keys += 1;
+                self.owner_call_done();
+            }
         }
         let o = self.owners.list.get_mut(&inst).unwrap();
         o.m.slots.clear();
@@ -1185,17 +1202,22 @@ impl<'a> Harness<'a> {
         self.expect_panic("owner end", got.as_ref().map(drop).map_err(|p| *p), expect);
         self.check_reentry("owner end");
         let what = format!("owner {inst}: end {how}");
-        match got {
+        match &got {
             Err(_) | Ok(Ok(())) if lost.is_empty() || how != 0 => {}
             Err(_) => {}
             Ok(Ok(())) => panic!("{what}: committed with lost grants {lost:?}"),
-            Ok(Err(TransactionError::Expired { key, token })) => assert!(
-                lost.contains(&(usize::from(key.id), token.get())),
+            // The first lost grant in the set's order.
+            Ok(Err(TransactionError::Expired { key, token })) => assert_eq!(
+                Some(&(usize::from(key.id), token.get())),
+                lost.first(),
                 "{what}: Expired {{ key {}, token {token} }}, lost grants {lost:?}",
                 key.id
             ),
             Ok(Err(e)) => panic!("{what}: {e:?}"),
         }
+        // The error's key is a clone of the table's copy: the caller's to
+        // drop, not the crate's.
+        defused(|| drop(got));
         self.owners.slots[owner] = None;
         if self.owners.list[&inst].futs.is_empty() {
             self.owners.list.remove(&inst);
