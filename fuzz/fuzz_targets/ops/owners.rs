@@ -1,0 +1,1304 @@
+//! Owners (transactions) in the `ops` target: up to [`OWNERS`] borrowed
+//! (`Transaction`) or owned (`OwnedTransaction`) transactions over the same
+//! table as the plain guards, each checked against a model built on the
+//! per-key model: a transaction's grant of a key is a model guard, its new
+//! keys and upgrades are model futures (a new key is tried first, as
+//! `single.rs` does), and the transaction's own bookkeeping (re-entry
+//! counts, keys in flight, the set's slots) is mirrored here.
+//!
+//! Carried by `StartLock` with `with >= 0xE0` (see [`OwnerOp::of`]): no
+//! input of `fuzz/regressions/ops/` has such a byte, so they decode as
+//! before.
+//!
+//! A transaction's calls have plain wakers and keys, but the plain futures
+//! around them stay hostile: a release, a grant or a downgrade of an owner
+//! may wake a waker that panics, or drop a stored key that panics (and a
+//! commit drops a clone of each stored key it releases, see `owner_end`;
+//! a clone keeps the original's bomb). Where
+//! the crate's state after such a panic is defined (a release: complete; a
+//! commit, abort or drop: every key released; a dropped call: undone, the
+//! rest of the undo running while unwinding) the call is made and the
+//! panic expected; where it is not followed by the model (a poll of a
+//! call, which poisons its future; a renewal or a check, which stop at the
+//! key that panicked) the model is rolled back and the call not made.
+
+use super::*;
+use keylock::{
+    AcquireKind, Acquired, LockedSet, OwnedTransaction, Transaction, TransactionError,
+    TransactionOptions, WaitPolicy,
+};
+
+/// Owner slots of a run.
+pub(super) const OWNERS: usize = 3;
+/// Pending calls of one owned transaction, at most.
+const MAX_OWNER_CALLS: usize = 3;
+
+/// The policy of one call: the transaction's default, or one of its own.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Pol {
+    Default,
+    Of(WaitPolicy),
+}
+
+#[derive(Debug, Clone)]
+pub(super) enum OwnerKind {
+    Lock { key: usize, mode: MMode, policy: Pol },
+    LockAll { reqs: Vec<(usize, MMode)>, policy: Pol },
+    Poll,
+    DropFuture,
+    Unlock { key: usize },
+    Release { key: usize },
+    Commit,
+    Abort,
+    Drop,
+    Renew,
+    Check,
+}
+
+/// An operation on owner `owner`; if the slot is empty, a transaction is
+/// first made there: owned or borrowed, with a lease or not, with a
+/// default wait policy.
+#[derive(Debug, Clone)]
+pub(super) struct OwnerOp {
+    owner: usize,
+    owned: bool,
+    lease: Option<u64>,
+    /// The transaction's timeout (its deadline: made plus this).
+    timeout: Option<u64>,
+    wait: WaitPolicy,
+    kind: OwnerKind,
+    /// A new call is polled at once (unless `timeout` has bit 7 set).
+    poll_now: bool,
+    /// Which pending call `Poll` and `DropFuture` pick (`key`, modulo).
+    pick: u8,
+}
+
+fn policy_of(x: u8) -> WaitPolicy {
+    match x % 3 {
+        0 => WaitPolicy::Block,
+        1 => WaitPolicy::NoWait,
+        _ => WaitPolicy::SkipLocked,
+    }
+}
+
+impl OwnerOp {
+    /// The owner operation `StartLock` carries when `with >= 0xE0`:
+    /// `waker` bits 4..8 pick the owner (modulo), bits 0..4 the operation;
+    /// `key` the key (bits 0..2) and the mode (bit 2: shared), or for a
+    /// `lock_all` 1..=3 keys (bits 0..2, 2..4, 4..6; bits 6..8 how many,
+    /// modulo 3), their modes from `with` bits 2, 3, 4; `with` bits 0..2
+    /// the call's policy (the transaction's, `Block`, `NoWait`,
+    /// `SkipLocked`). Operations 0..4 lock, 4..7 `lock_all`, 7 and 15 poll
+    /// the owner's pending call, 8 drop it, 9 `unlock`, 10 `release`, 11
+    /// `commit`, 12 `abort`, 13 drop the transaction, 14 `renew` (`with`
+    /// bit 2) or `check`. A new call is polled at once unless `timeout`
+    /// has bit 7 set. A new transaction is owned if `owned`, with the lease
+    /// `lease` (see [`lease_of`]), the default policy `timeout % 3` and, if
+    /// `timeout` bits 3..7 are 8..16, the timeout `(v - 8) * 2` units (a
+    /// deadline for every lock of the transaction).
+    pub(super) fn of(key: u8, lease: Option<u8>, timeout: Option<u8>, with: u8, owned: bool, waker: u8) -> Option<Self> {
+        if with < 0xE0 {
+            return None;
+        }
+        let policy = match with & 3 {
+            0 => Pol::Default,
+            p => Pol::Of(policy_of(p - 1)),
+        };
+        let k = usize::from(key & 3);
+        let kind = match waker & 15 {
+            0..=3 => OwnerKind::Lock {
+                key: k,
+                mode: if key & 4 != 0 { MMode::Shared } else { MMode::Exclusive },
+                policy,
+            },
+            4..=6 => {
+                let n = 1 + usize::from(key >> 6) % 3;
+                let reqs = (0..n)
+                    .map(|i| {
+                        let k = usize::from(key >> (2 * i)) & 3;
+                        let shared = with & (4 << i) != 0;
+                        (k, if shared { MMode::Shared } else { MMode::Exclusive })
+                    })
+                    .collect();
+                OwnerKind::LockAll { reqs, policy }
+            }
+            7 | 15 => OwnerKind::Poll,
+            8 => OwnerKind::DropFuture,
+            9 => OwnerKind::Unlock { key: k },
+            10 => OwnerKind::Release { key: k },
+            11 => OwnerKind::Commit,
+            12 => OwnerKind::Abort,
+            13 => OwnerKind::Drop,
+            _ if with & 4 != 0 => OwnerKind::Renew,
+            _ => OwnerKind::Check,
+        };
+        Some(Self {
+            owner: usize::from(waker >> 4) % OWNERS,
+            owned,
+            lease: lease.map(lease_of),
+            timeout: timeout.and_then(|t| {
+                let v = (t >> 3) & 15;
+                (v >= 8).then(|| u64::from(v - 8) * 2 * UNIT)
+            }),
+            wait: timeout.map_or(WaitPolicy::Block, policy_of),
+            kind,
+            poll_now: timeout.is_none_or(|t| t & 0x80 == 0),
+            pick: key,
+        })
+    }
+}
+
+// ---------------------------------------------------------------------------
+// The model of a transaction
+// ---------------------------------------------------------------------------
+
+/// One slot of the transaction's held set (`held.rs`), in the set's order
+/// (pushed at the end, removed by `swap_remove`): which key a renewal or a
+/// check looks at first is the first in this order.
+#[derive(Debug, Clone)]
+struct MSlot {
+    key: usize,
+    /// The grant (a model guard); `None` while a new key is in flight.
+    gid: Option<Gid>,
+    count: usize,
+    /// A call has it (in flight, upgrading, or a `lock_all`'s covered key).
+    busy: bool,
+    /// Its guard is away with an upgrading call.
+    away: bool,
+}
+
+#[derive(Debug, Clone)]
+pub(super) struct MOwner {
+    owned: bool,
+    lease: Option<u64>,
+    /// The transaction's deadline (model time).
+    deadline: Option<u64>,
+    wait: WaitPolicy,
+    slots: Vec<MSlot>,
+    ended: bool,
+}
+
+impl MOwner {
+    fn find(&self, k: usize) -> Option<usize> {
+        self.slots.iter().position(|s| s.key == k)
+    }
+    fn held(&self) -> usize {
+        self.slots.iter().filter(|s| s.count > 0).count()
+    }
+    fn remove(&mut self, k: usize) {
+        let at = self.find(k).expect("model: slot");
+        self.slots.swap_remove(at);
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum EKind {
+    Covered,
+    Upgrade(Gid),
+    New,
+}
+
+#[derive(Debug, Clone)]
+struct Ent {
+    key: usize,
+    mode: MMode,
+    kind: EKind,
+    /// A new key's grant.
+    got: Option<Gid>,
+    upgraded: bool,
+    skipped: bool,
+}
+
+#[derive(Debug, Clone)]
+enum Phase {
+    Unpolled,
+    One { key: usize, mode: MMode, inner: Fid, kind: EKind },
+    All { ents: Vec<Ent>, at: usize, inner: Option<Fid> },
+    Done,
+}
+
+#[derive(Debug, Clone)]
+enum Req {
+    One { key: usize, mode: MMode },
+    All { reqs: Vec<(usize, MMode)> },
+}
+
+/// What a transaction's call is expected to answer.
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum MTErr {
+    Lock { key: usize, mode: MMode, err: MErr },
+    Busy { key: usize, mode: MMode, holder: Option<u64> },
+    Expired { key: usize, token: u64 },
+    InFlight { key: usize },
+    NotHeld { key: usize },
+    Ended,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum MGot {
+    One { token: u64, mode: MMode, count: usize, kind: AcquireKind },
+    All { acquired: usize, reentered: usize, upgraded: usize, skipped: Vec<usize> },
+}
+
+fn from_lock(key: usize, mode: MMode, waited: bool, err: MErr) -> MTErr {
+    match err {
+        MErr::Timeout { holder, .. } if !waited => MTErr::Busy { key, mode, holder },
+        MErr::Expired(token) => MTErr::Expired { key, token },
+        err => MTErr::Lock { key, mode, err },
+    }
+}
+
+fn mode_of(m: MMode) -> Mode {
+    match m {
+        MMode::Shared => Mode::Shared,
+        MMode::Exclusive => Mode::Exclusive,
+    }
+}
+
+fn covers(held: MMode, asked: MMode) -> bool {
+    held == MMode::Exclusive || asked == MMode::Shared
+}
+
+// ---------------------------------------------------------------------------
+// The harness side
+// ---------------------------------------------------------------------------
+
+enum RTxn<'a> {
+    B(Box<Transaction<'a, Key, KeyHash>>),
+    O(OwnedTransaction<Key, KeyHash>),
+}
+
+enum OOut {
+    One(Acquired),
+    All(LockedSet<Key>),
+}
+
+type OFuture<'a> = Pin<Box<dyn Future<Output = Result<OOut, TransactionError<Key>>> + 'a>>;
+
+struct HOFut<'a> {
+    fut: Option<OFuture<'a>>,
+    waker: Waker,
+    slot: usize,
+    req: Req,
+    policy: WaitPolicy,
+    phase: Phase,
+    wakes_at_poll: u64,
+    /// Its waker is registered to be woken when the (owned) transaction
+    /// ends.
+    watching: bool,
+    /// The transaction ended while it watched: it must have been woken.
+    ended_wake: bool,
+}
+
+impl HOFut<'_> {
+    fn wakes(&self) -> u64 {
+        WAKERS[self.slot].wakes.load(SeqCst)
+    }
+    fn inner(&self) -> Option<Fid> {
+        match &self.phase {
+            Phase::One { inner, .. } => Some(*inner),
+            Phase::All { inner, .. } => *inner,
+            _ => None,
+        }
+    }
+}
+
+pub(super) struct HOwner<'a> {
+    /// Its pending calls (at most one for a borrowed transaction, which it
+    /// borrows; a few for an owned one). Declared first: they may borrow
+    /// `txn`, so they drop first.
+    futs: Vec<HOFut<'a>>,
+    /// `None` once the (owned) transaction ended with a future pending.
+    txn: Option<RTxn<'a>>,
+    m: MOwner,
+}
+
+#[derive(Default)]
+pub(super) struct Owners<'a> {
+    slots: [Option<usize>; OWNERS],
+    list: BTreeMap<usize, HOwner<'a>>,
+    next: usize,
+    /// One of the crate's calls made by the current owner operation must
+    /// panic (its deferred work); the calls after it run while unwinding.
+    must: bool,
+    /// Every bomb is defused (the end of a run).
+    quiet: bool,
+}
+
+/// The model before an owner's call, to roll back to.
+struct Snap {
+    model: Model,
+    m: MOwner,
+    futs: Vec<(Phase, u64)>,
+}
+
+fn tkey(e: &TransactionError<Key>) -> Option<usize> {
+    e.key().map(|k| usize::from(k.id))
+}
+
+impl<'a> Harness<'a> {
+    fn owner_hash(&self, k: usize) -> (u64, usize) {
+        (key_hash(self.model.cfg.collide, k), k)
+    }
+
+    /// The deferred work of the crate's call the model just made (a
+    /// release, a downgrade, a poll, ...): its wakes, and the calls back of
+    /// a waker, come before the next call's. Once one must panic, the rest
+    /// run while unwinding.
+    fn owner_call_done(&mut self) {
+        let unwinding = self.owners.must || self.owners.quiet;
+        self.owners.must |= self.model.flush(unwinding);
+    }
+
+    /// What the current owner operation must do: panic or not.
+    fn owner_expect(&mut self) -> Expect {
+        self.owner_call_done();
+        if self.owners.must {
+            Expect::Must
+        } else {
+            Expect::No
+        }
+    }
+
+    fn owner_snap(&self, inst: usize) -> Snap {
+        let o = &self.owners.list[&inst];
+        Snap {
+            model: self.model.clone(),
+            m: o.m.clone(),
+            futs: o.futs.iter().map(|f| (f.phase.clone(), f.wakes_at_poll)).collect(),
+        }
+    }
+
+    fn owner_restore(&mut self, inst: usize, snap: Snap) {
+        if self.trace {
+            eprintln!("  owner {inst}: skipped (the model does not follow its panic)");
+        }
+        self.model = snap.model;
+        let o = self.owners.list.get_mut(&inst).unwrap();
+        o.m = snap.m;
+        for (f, (phase, wakes)) in o.futs.iter_mut().zip(snap.futs) {
+            (f.phase, f.wakes_at_poll) = (phase, wakes);
+        }
+    }
+
+    pub(super) fn owner_op(&mut self, op: OwnerOp) {
+        if self.trace {
+            eprintln!("  owner op {op:?}");
+        }
+        self.timed = true;
+        let inst = match self.owners.slots[op.owner] {
+            Some(i) => i,
+            None => {
+                if matches!(op.kind, OwnerKind::Poll | OwnerKind::DropFuture) {
+                    return;
+                }
+                let mut opts = TransactionOptions::new().wait(op.wait);
+                if let Some(l) = op.lease {
+                    opts = opts.lease(ns(l));
+                }
+                if let Some(t) = op.timeout {
+                    opts = opts.timeout(ns(t));
+                }
+                let txn = if op.owned {
+                    RTxn::O(Arc::clone(self.table).transaction_owned_with(opts))
+                } else {
+                    RTxn::B(Box::new(self.table.transaction_with(opts)))
+                };
+                let i = self.owners.next;
+                self.owners.next += 1;
+                self.owners.list.insert(
+                    i,
+                    HOwner {
+                        futs: Vec::new(),
+                        txn: Some(txn),
+                        m: MOwner {
+                            owned: op.owned,
+                            lease: op.lease,
+                            deadline: op.timeout.map(|t| self.model.now + t),
+                            wait: op.wait,
+                            slots: Vec::new(),
+                            ended: false,
+                        },
+                    },
+                );
+                self.owners.slots[op.owner] = Some(i);
+                i
+            }
+        };
+        let o = &self.owners.list[&inst];
+        let pending = o.futs.len();
+        // A borrowed transaction is borrowed by its pending call.
+        let borrowed = pending > 0 && !o.m.owned;
+        let full = borrowed || pending >= MAX_OWNER_CALLS;
+        // The call picked by `Poll` and `DropFuture`.
+        let j = usize::from(op.pick) % pending.max(1);
+        match op.kind {
+            OwnerKind::Lock { .. } | OwnerKind::LockAll { .. } if full => {}
+            OwnerKind::Lock { key, mode, policy } => {
+                self.owner_start(inst, Req::One { key, mode }, policy);
+                if op.poll_now {
+                    self.owner_poll(inst, pending);
+                }
+            }
+            OwnerKind::LockAll { reqs, policy } => {
+                self.owner_start(inst, Req::All { reqs }, policy);
+                if op.poll_now {
+                    self.owner_poll(inst, pending);
+                }
+            }
+            OwnerKind::Poll => {
+                if pending > 0 {
+                    self.owner_poll(inst, j)
+                }
+            }
+            OwnerKind::DropFuture => {
+                if pending > 0 {
+                    self.owner_drop_future(inst, j, false)
+                }
+            }
+            _ if borrowed => {}
+            OwnerKind::Unlock { key } => self.owner_unlock(inst, key, false),
+            OwnerKind::Release { key } => self.owner_unlock(inst, key, true),
+            OwnerKind::Commit => self.owner_end(op.owner, inst, 0),
+            OwnerKind::Abort => self.owner_end(op.owner, inst, 1),
+            OwnerKind::Drop => self.owner_end(op.owner, inst, 2),
+            OwnerKind::Renew => self.owner_renew(inst, true),
+            OwnerKind::Check => self.owner_renew(inst, false),
+        }
+    }
+
+    fn owner_start(&mut self, inst: usize, req: Req, policy: Pol) {
+        let o = self.owners.list.get_mut(&inst).unwrap();
+        let with = match policy {
+            Pol::Default => None,
+            Pol::Of(p) => Some(p),
+        };
+        let policy = with.unwrap_or(o.m.wait);
+        let reqs: Vec<(Key, Mode)> = match &req {
+            Req::One { .. } => Vec::new(),
+            Req::All { reqs } => reqs.iter().map(|&(k, m)| (Key::new(k, false), mode_of(m))).collect(),
+        };
+        let fut: OFuture<'a> = match (o.txn.as_mut().expect("a live transaction"), &req) {
+            (RTxn::B(t), req) => {
+                // SAFETY: the transaction is boxed and stays put; while the
+                // future exists the harness calls nothing else on it (a
+                // borrowed owner with a pending call is left alone), and the
+                // future is dropped before it (`HOwner::fut` is declared
+                // first, and every path drops the future first).
+                let t: &'a mut Transaction<'a, Key, KeyHash> =
+                    unsafe { &mut *(&mut **t as *mut Transaction<'a, Key, KeyHash>) };
+                match (req, with) {
+                    (Req::One { key, mode }, None) => {
+                        let (k, m) = (Key::new(*key, false), mode_of(*mode));
+                        Box::pin(async move { t.lock(k, m).await.map(OOut::One) })
+                    }
+                    (Req::One { key, mode }, Some(p)) => {
+                        let (k, m) = (Key::new(*key, false), mode_of(*mode));
+                        Box::pin(async move { t.lock_with(k, m, p).await.map(OOut::One) })
+                    }
+                    (Req::All { .. }, None) => {
+                        Box::pin(async move { t.lock_all(reqs).await.map(OOut::All) })
+                    }
+                    (Req::All { .. }, Some(p)) => {
+                        Box::pin(async move { t.lock_all_with(reqs, p).await.map(OOut::All) })
+                    }
+                }
+            }
+            (RTxn::O(t), req) => match (req, with) {
+                (Req::One { key, mode }, None) => {
+                    let f = t.lock(Key::new(*key, false), mode_of(*mode));
+                    Box::pin(async move { f.await.map(OOut::One) })
+                }
+                (Req::One { key, mode }, Some(p)) => {
+                    let f = t.lock_with(Key::new(*key, false), mode_of(*mode), p);
+                    Box::pin(async move { f.await.map(OOut::One) })
+                }
+                (Req::All { .. }, None) => {
+                    let f = t.lock_all(reqs);
+                    Box::pin(async move { f.await.map(OOut::All) })
+                }
+                (Req::All { .. }, Some(p)) => {
+                    let f = t.lock_all_with(reqs, p);
+                    Box::pin(async move { f.await.map(OOut::All) })
+                }
+            },
+        };
+        let (slot, waker) = new_waker(WKind::Plain);
+        o.futs.push(HOFut {
+            fut: Some(fut),
+            waker,
+            slot,
+            req,
+            policy,
+            phase: Phase::Unpolled,
+            wakes_at_poll: 0,
+            watching: false,
+            ended_wake: false,
+        });
+    }
+
+    /// The inner lock options' lease and timeout, as the model takes them
+    /// (a deadline is a timeout up to it: an inner future is first polled
+    /// when it is made; one already passed, no wait at all).
+    fn inner_opts(&self, inst: usize, policy: WaitPolicy) -> (Option<u64>, Option<Option<u64>>) {
+        let o = &self.owners.list[&inst].m;
+        let timeout = if !policy.waits() {
+            Some(Some(0))
+        } else {
+            o.deadline.map(|d| Some(d.saturating_sub(self.model.now)))
+        };
+        (o.lease, timeout)
+    }
+
+    fn fresh_fid(&mut self) -> Fid {
+        let id = self.next_fid;
+        self.next_fid += 1;
+        id
+    }
+
+    /// The model's answer to one poll of owner `inst`'s call: `None` while
+    /// pending.
+    fn owner_model_poll(&mut self, inst: usize, j: usize, wakes: u64) -> Option<Result<MGot, MTErr>> {
+        let (mut phase, req, policy) = {
+            let f = &mut self.owners.list.get_mut(&inst).unwrap().futs[j];
+            f.wakes_at_poll = wakes;
+            (std::mem::replace(&mut f.phase, Phase::Done), f.req.clone(), f.policy)
+        };
+        let ended = self.owners.list[&inst].m.ended;
+        let waits = policy.waits();
+        let (lease, timeout) = self.inner_opts(inst, policy);
+        let mut parked = Phase::Done;
+        let out = loop {
+            match phase {
+                Phase::Done => unreachable!("model: a finished call polled"),
+                Phase::Unpolled if ended => break Some(Err(MTErr::Ended)),
+                Phase::Unpolled => match &req {
+                    Req::One { key, mode } => {
+                        let (key, mode) = (*key, *mode);
+                        let m = &mut self.owners.list.get_mut(&inst).unwrap().m;
+                        match m.find(key) {
+                            None => {
+                                m.slots.push(MSlot { key, gid: None, count: 0, busy: true, away: false });
+                                let tried = self.model.try_lock(key, mode, lease, false);
+                                self.owner_call_done();
+                                match tried {
+                                    Ok(g) => {
+                                        let m = &mut self.owners.list.get_mut(&inst).unwrap().m;
+                                        let i = m.find(key).unwrap();
+                                        let s = &mut m.slots[i];
+                                        (s.gid, s.count, s.busy) = (Some(g.gid), 1, false);
+                                        break Some(Ok(MGot::One { token: g.token, mode: g.mode, count: 1, kind: AcquireKind::New }));
+                                    }
+                                    Err(MErr::WouldBlock) => {
+                                        let f = self.fresh_fid();
+                                        self.model.start(f, key, mode, lease, timeout, false, WKind::Plain);
+                                        phase = Phase::One { key, mode, inner: f, kind: EKind::New };
+                                        continue;
+                                    }
+                                    Err(e) => {
+                                        self.owners.list.get_mut(&inst).unwrap().m.remove(key);
+                                        break Some(Err(from_lock(key, mode, true, e)));
+                                    }
+                                }
+                            }
+                            Some(at) => {
+                                let s = &mut m.slots[at];
+                                let Some(gid) = s.gid.filter(|_| !s.busy) else {
+                                    break Some(Err(MTErr::InFlight { key }));
+                                };
+                                let g = &self.model.guards[&gid];
+                                if covers(g.mode, mode) {
+                                    s.count += 1;
+                                    break Some(Ok(MGot::One { token: g.token, mode: g.mode, count: s.count, kind: AcquireKind::Reentered }));
+                                }
+                                (s.busy, s.away) = (true, true);
+                                let f = self.fresh_fid();
+                                self.model.start_upgrade(f, gid, timeout.map(|t| t));
+                                phase = Phase::One { key, mode, inner: f, kind: EKind::Upgrade(gid) };
+                                continue;
+                            }
+                        }
+                    }
+                    Req::All { reqs } => {
+                        let mut sorted: Vec<(u64, usize, MMode)> = reqs
+                            .iter()
+                            .map(|&(k, m)| {
+                                let (h, k) = self.owner_hash(k);
+                                (h, k, m)
+                            })
+                            .collect();
+                        sorted.sort_by_key(|&(h, k, _)| (h, k));
+                        let mut merged: Vec<(usize, MMode)> = Vec::new();
+                        for (_, k, m) in sorted {
+                            match merged.last_mut() {
+                                Some(last) if last.0 == k => {
+                                    if m == MMode::Exclusive {
+                                        last.1 = m;
+                                    }
+                                }
+                                _ => merged.push((k, m)),
+                            }
+                        }
+                        let mut ents = Vec::new();
+                        let mut busy = None;
+                        {
+                            let m = &mut self.owners.list.get_mut(&inst).unwrap().m;
+                            for &(key, mode) in &merged {
+                                let kind = match m.find(key) {
+                                    None => {
+                                        m.slots.push(MSlot { key, gid: None, count: 0, busy: true, away: false });
+                                        EKind::New
+                                    }
+                                    Some(at) => {
+                                        let s = &mut m.slots[at];
+                                        let Some(gid) = s.gid.filter(|_| !s.busy) else {
+                                            busy = Some(key);
+                                            break;
+                                        };
+                                        s.busy = true;
+                                        if covers(self.model.guards[&gid].mode, mode) {
+                                            EKind::Covered
+                                        } else {
+                                            s.away = true;
+                                            EKind::Upgrade(gid)
+                                        }
+                                    }
+                                };
+                                ents.push(Ent { key, mode, kind, got: None, upgraded: false, skipped: false });
+                            }
+                        }
+                        if let Some(key) = busy {
+                            self.owner_undo(inst, &ents, false);
+                            break Some(Err(MTErr::InFlight { key }));
+                        }
+                        phase = Phase::All { ents, at: 0, inner: None };
+                        continue;
+                    }
+                },
+                Phase::One { key, mode, inner, kind } => {
+                    if ended {
+                        self.model.drop_fut(inner);
+                        self.owner_call_done();
+                        if let EKind::Upgrade(gid) = kind {
+                            self.model.release(gid);
+                            self.owner_call_done();
+                        }
+                        break Some(Err(MTErr::Ended));
+                    }
+                    let polled = self.model.poll(inner, wakes);
+                    self.owner_call_done();
+                    match polled {
+                        MPoll::Pending => {
+                            parked = Phase::One { key, mode, inner, kind };
+                            break None;
+                        }
+                        MPoll::Ready(r) => {
+                            let m = &mut self.owners.list.get_mut(&inst).unwrap().m;
+                            let at = m.find(key).unwrap();
+                            match r {
+                                Ok(MDone::Guard(g)) => {
+                                    let s = &mut m.slots[at];
+                                    (s.gid, s.count, s.busy) = (Some(g.gid), 1, false);
+                                    break Some(Ok(MGot::One { token: g.token, mode: g.mode, count: 1, kind: AcquireKind::New }));
+                                }
+                                Ok(MDone::Upgraded { token, .. }) => {
+                                    let s = &mut m.slots[at];
+                                    s.count += 1;
+                                    (s.busy, s.away) = (false, false);
+                                    break Some(Ok(MGot::One { token, mode: MMode::Exclusive, count: s.count, kind: AcquireKind::Upgraded }));
+                                }
+                                Err(e) => {
+                                    if kind == EKind::New {
+                                        m.remove(key);
+                                    } else {
+                                        let s = &mut m.slots[at];
+                                        (s.busy, s.away) = (false, false);
+                                    }
+                                    break Some(Err(from_lock(key, mode, waits, e)));
+                                }
+                            }
+                        }
+                    }
+                }
+                Phase::All { mut ents, at, inner } => {
+                    if at == ents.len() {
+                        // `finish`: everything into the set at once.
+                        let m = &mut self.owners.list.get_mut(&inst).unwrap().m;
+                        let (mut acquired, mut reentered, mut upgraded, mut skipped) = (0, 0, 0, Vec::new());
+                        for e in &ents {
+                            let i = m.find(e.key).unwrap();
+                            if e.skipped {
+                                skipped.push(e.key);
+                                if m.slots[i].count == 0 {
+                                    m.slots.swap_remove(i);
+                                } else {
+                                    (m.slots[i].busy, m.slots[i].away) = (false, false);
+                                }
+                                continue;
+                            }
+                            let s = &mut m.slots[i];
+                            match e.kind {
+                                EKind::Covered => reentered += 1,
+                                EKind::Upgrade(_) => upgraded += 1,
+                                EKind::New => {
+                                    acquired += 1;
+                                    s.gid = e.got;
+                                }
+                            }
+                            s.count += 1;
+                            (s.busy, s.away) = (false, false);
+                        }
+                        break Some(Ok(MGot::All { acquired, reentered, upgraded, skipped }));
+                    }
+                    let e = ents[at].clone();
+                    let inner = match (inner, e.kind) {
+                        (_, EKind::Covered) => {
+                            phase = Phase::All { ents, at: at + 1, inner: None };
+                            continue;
+                        }
+                        (Some(f), _) => f,
+                        (None, EKind::New) => {
+                            // Tried at once first (`try_lock_kept`); a
+                            // future only for a key that must be waited
+                            // for (or whose options are invalid).
+                            let tried = self.model.try_lock(e.key, e.mode, lease, false);
+                            self.owner_call_done();
+                            if let Ok(g) = tried {
+                                ents[at].got = Some(g.gid);
+                                phase = Phase::All { ents, at: at + 1, inner: None };
+                                continue;
+                            }
+                            let f = self.fresh_fid();
+                            self.model.start(f, e.key, e.mode, lease, timeout, false, WKind::Plain);
+                            f
+                        }
+                        (None, EKind::Upgrade(gid)) => {
+                            let f = self.fresh_fid();
+                            self.model.start_upgrade(f, gid, timeout);
+                            f
+                        }
+                    };
+                    if ended {
+                        self.model.drop_fut(inner);
+                        self.owner_call_done();
+                        self.owner_undo(inst, &ents, true);
+                        break Some(Err(MTErr::Ended));
+                    }
+                    let polled = self.model.poll(inner, wakes);
+                    self.owner_call_done();
+                    match polled {
+                        MPoll::Pending => {
+                            parked = Phase::All { ents, at, inner: Some(inner) };
+                            break None;
+                        }
+                        MPoll::Ready(Ok(MDone::Guard(g))) => {
+                            ents[at].got = Some(g.gid);
+                        }
+                        MPoll::Ready(Ok(MDone::Upgraded { .. })) => ents[at].upgraded = true,
+                        MPoll::Ready(Err(err))
+                            if policy == WaitPolicy::SkipLocked
+                                && matches!(err, MErr::Timeout { .. } | MErr::Conflict { .. }) =>
+                        {
+                            ents[at].skipped = true
+                        }
+                        MPoll::Ready(Err(err)) => {
+                            // `fail`: this entry's claim ends at once (a new
+                            // key's slot goes, an upgrade's guard is back),
+                            // then the stage undoes the others.
+                            let m = &mut self.owners.list.get_mut(&inst).unwrap().m;
+                            let i = m.find(e.key).unwrap();
+                            if m.slots[i].count == 0 {
+                                m.slots.swap_remove(i);
+                            } else {
+                                (m.slots[i].busy, m.slots[i].away) = (false, false);
+                            }
+                            ents[at].kind = EKind::Covered;
+                            ents[at].upgraded = false;
+                            let mut rest = ents.clone();
+                            rest.remove(at);
+                            self.owner_undo(inst, &rest, false);
+                            break Some(Err(from_lock(e.key, e.mode, waits, err)));
+                        }
+                    }
+                    phase = Phase::All { ents, at: at + 1, inner: None };
+                }
+            }
+        };
+        let f = &mut self.owners.list.get_mut(&inst).unwrap().futs[j];
+        f.phase = parked;
+        out
+    }
+
+    /// A `lock_all`'s stage dropped: its upgrades become shared again,
+    /// then every claim ends (new keys released); had the transaction
+    /// ended, every guard of the call is released instead. Each downgrade
+    /// and release is a call of its own (`owner_call_done`). Returns whether
+    /// a downgrade made the first panic.
+    fn owner_undo(&mut self, inst: usize, ents: &[Ent], ended: bool) -> bool {
+        let before = self.owners.must;
+        for e in ents {
+            if let (true, EKind::Upgrade(gid)) = (e.upgraded, e.kind) {
+                let _ = self.model.downgrade(gid);
+                self.owner_call_done();
+            }
+        }
+        let down = self.owners.must && !before;
+        let m = &mut self.owners.list.get_mut(&inst).unwrap().m;
+        let mut released = Vec::new();
+        if ended || m.ended {
+            for e in ents {
+                match e.kind {
+                    EKind::Upgrade(gid) => released.push(gid),
+                    EKind::New => released.extend(e.got),
+                    EKind::Covered => {}
+                }
+            }
+        } else {
+            for e in ents {
+                let i = m.find(e.key).expect("model: a claimed slot");
+                if m.slots[i].count == 0 {
+                    m.slots.swap_remove(i);
+                    released.extend(e.got);
+                } else {
+                    (m.slots[i].busy, m.slots[i].away) = (false, false);
+                }
+            }
+        }
+        for g in released {
+            self.model.release(g);
+            self.owner_call_done();
+        }
+        down
+    }
+
+    fn owner_poll(&mut self, inst: usize, j: usize) {
+        let wakes = self.owners.list[&inst].futs[j].wakes();
+        let snap = self.owner_snap(inst);
+        self.owners.must = false;
+        let want = self.owner_model_poll(inst, j, wakes);
+        let expect = self.owner_expect();
+        if expect == Expect::Must {
+            self.owner_restore(inst, snap);
+            return;
+        }
+        let f = &mut self.owners.list.get_mut(&inst).unwrap().futs[j];
+        let mut cx = Context::from_waker(&f.waker);
+        let fut = f.fut.as_mut().unwrap();
+        let got = catch(|| fut.as_mut().poll(&mut cx));
+        self.expect_panic("owner poll", got.as_ref().map(drop).map_err(|p| *p), expect);
+        self.check_reentry("owner poll");
+        let Ok(got) = got else { return };
+        if self.trace {
+            let g = match &got {
+                Poll::Pending => "pending".to_string(),
+                Poll::Ready(Ok(_)) => "ok".to_string(),
+                Poll::Ready(Err(e)) => format!("{e:?}"),
+            };
+            eprintln!("  owner {inst}: poll {g}, model {want:?}");
+        }
+        let what = format!("owner {inst}: poll of {:?}", self.owners.list[&inst].futs[j].req);
+        match (got, want) {
+            (Poll::Pending, None) => {
+                let o = self.owners.list.get_mut(&inst).unwrap();
+                let f = &mut o.futs[j];
+                f.watching = o.m.owned && !o.m.ended;
+                return;
+            }
+            (Poll::Ready(got), Some(want)) => self.owner_compare_result(&what, got, want),
+            (got, want) => panic!(
+                "{what}: crate {}, model {want:?}",
+                if got.is_pending() { "pending" } else { "ready" }
+            ),
+        }
+        self.owner_retire_future(inst, j);
+    }
+
+    fn owner_compare_result(&mut self, what: &str, got: Result<OOut, TransactionError<Key>>, want: Result<MGot, MTErr>) {
+        match (got, want) {
+            (Ok(OOut::One(a)), Ok(MGot::One { token, mode, count, kind })) => {
+                assert_eq!(
+                    (a.token.get(), MMode::of(a.mode), a.count, a.kind),
+                    (token, mode, count, kind),
+                    "{what}: acquired"
+                );
+                self.seen_token(a.token);
+            }
+            (Ok(OOut::All(s)), Ok(MGot::All { acquired, reentered, upgraded, skipped })) => {
+                let got_skipped: Vec<usize> = s.skipped().iter().map(|k| usize::from(k.id)).collect();
+                assert_eq!(
+                    (s.acquired(), s.reentered(), s.upgraded(), got_skipped),
+                    (acquired, reentered, upgraded, skipped),
+                    "{what}: locked set (acquired, reentered, upgraded, skipped)"
+                );
+            }
+            (Err(e), Err(w)) => self.owner_expect_err(what, &e, &w),
+            (got, want) => panic!(
+                "{what}: crate {:?}, model {want:?}",
+                got.as_ref().map(|o| match o {
+                    OOut::One(a) => format!("{a:?}"),
+                    OOut::All(s) => format!("{s:?}"),
+                })
+            ),
+        }
+    }
+
+    fn owner_expect_err(&mut self, what: &str, e: &TransactionError<Key>, w: &MTErr) {
+        let key = tkey(e);
+        match (e, w) {
+            (TransactionError::Lock { mode, error, .. }, MTErr::Lock { key: k, mode: m, err }) => {
+                assert_eq!((key, MMode::of(*mode)), (Some(*k), *m), "{what}: {e:?} vs {w:?}");
+                self.expect_err(what, error, *err);
+            }
+            (TransactionError::Busy { mode, holder, .. }, MTErr::Busy { key: k, mode: m, holder: h }) => {
+                assert_eq!(
+                    (key, MMode::of(*mode), holder.map(FencingToken::get)),
+                    (Some(*k), *m, *h),
+                    "{what}: {e:?} vs {w:?}"
+                );
+                if let Some(t) = holder {
+                    self.seen_token(*t);
+                }
+            }
+            (TransactionError::Expired { token, .. }, MTErr::Expired { key: k, token: t }) => {
+                assert_eq!((key, token.get()), (Some(*k), *t), "{what}: {e:?} vs {w:?}");
+            }
+            (TransactionError::InFlight { .. }, MTErr::InFlight { key: k })
+            | (TransactionError::NotHeld { .. }, MTErr::NotHeld { key: k }) => {
+                assert_eq!(key, Some(*k), "{what}: {e:?} vs {w:?}");
+            }
+            (TransactionError::Ended, MTErr::Ended) => {}
+            _ => panic!("{what}: crate {e:?}, model {w:?}"),
+        }
+    }
+
+    /// A call that completed or was dropped: no handle of its waker left.
+    fn owner_retire_future(&mut self, inst: usize, j: usize) {
+        let o = self.owners.list.get_mut(&inst).unwrap();
+        let f = o.futs.remove(j);
+        let HOFut { fut, waker, slot, .. } = f;
+        drop(fut);
+        drop(waker);
+        assert_eq!(
+            WAKERS[slot].handles.load(SeqCst),
+            0,
+            "owner {inst}: a handle of its call's waker was kept"
+        );
+        free_waker(slot);
+        if o.txn.is_none() && o.futs.is_empty() {
+            self.owners.list.remove(&inst);
+        }
+    }
+
+    /// Drops owner `inst`'s call; `defuse` (at the end of a run): with
+    /// every bomb defused, so that a drop the harness skips (a known bug)
+    /// still goes.
+    fn owner_drop_future(&mut self, inst: usize, j: usize, defuse: bool) {
+        let snap = self.owner_snap(inst);
+        let (phase, ended) = {
+            let o = self.owners.list.get_mut(&inst).unwrap();
+            let f = &mut o.futs[j];
+            (std::mem::replace(&mut f.phase, Phase::Done), o.m.ended)
+        };
+        self.owners.must = false;
+        self.owners.quiet = defuse;
+        let mut undo_panics = false;
+        match phase {
+            Phase::Unpolled | Phase::Done => {}
+            Phase::One { key, inner, kind, .. } => {
+                self.model.drop_fut(inner);
+                self.owner_call_done();
+                if ended {
+                    if let EKind::Upgrade(gid) = kind {
+                        self.model.release(gid);
+                        self.owner_call_done();
+                    }
+                } else {
+                    let m = &mut self.owners.list.get_mut(&inst).unwrap().m;
+                    if kind == EKind::New {
+                        m.remove(key);
+                    } else {
+                        let i = m.find(key).unwrap();
+                        (m.slots[i].busy, m.slots[i].away) = (false, false);
+                    }
+                }
+            }
+            Phase::All { ents, inner, .. } => {
+                if let Some(f) = inner {
+                    self.model.drop_fut(f);
+                    self.owner_call_done();
+                }
+                undo_panics = self.owner_undo(inst, &ents, ended);
+            }
+        }
+        let expect = self.owner_expect();
+        self.owners.quiet = false;
+        if undo_panics && self.known_bugs.owner_undo_wake_panic {
+            // Known bug: the undo stops at the panic.
+            self.owner_restore(inst, snap);
+            return;
+        }
+        let fut = self.owners.list.get_mut(&inst).unwrap().futs[j].fut.take();
+        let got = catch(|| {
+            if defuse {
+                defused(|| drop(fut))
+            } else {
+                drop(fut)
+            }
+        });
+        self.expect_panic("owner future drop", got, expect);
+        self.check_reentry("owner future drop");
+        self.owner_retire_future(inst, j);
+    }
+
+    fn owner_unlock(&mut self, inst: usize, key: usize, all: bool) {
+        let m = &mut self.owners.list.get_mut(&inst).unwrap().m;
+        let mut release = None;
+        let want = match m.find(key) {
+            None => Err(MTErr::NotHeld { key }),
+            Some(i) if m.slots[i].busy => Err(if m.slots[i].count == 0 {
+                MTErr::NotHeld { key }
+            } else {
+                MTErr::InFlight { key }
+            }),
+            Some(i) => {
+                let s = &mut m.slots[i];
+                s.count = if all { 0 } else { s.count - 1 };
+                let left = s.count;
+                if left == 0 {
+                    release = s.gid;
+                    m.slots.swap_remove(i);
+                }
+                Ok(left)
+            }
+        };
+        self.owners.must = false;
+        if let Some(g) = release {
+            self.model.release(g);
+        }
+        let expect = self.owner_expect();
+        let k = Key::new(key, false);
+        let txn = self.owners.list.get_mut(&inst).unwrap().txn.as_mut().unwrap();
+        let got = catch(|| match (txn, all) {
+            (RTxn::B(t), false) => t.unlock(&k),
+            (RTxn::B(t), true) => t.release(&k).map(|()| 0),
+            (RTxn::O(t), false) => t.unlock(&k),
+            (RTxn::O(t), true) => t.release(&k).map(|()| 0),
+        });
+        self.expect_panic("owner unlock", got.as_ref().map(drop).map_err(|p| *p), expect);
+        self.check_reentry("owner unlock");
+        let what = format!("owner {inst}: unlock({key}, all {all})");
+        match (got, want) {
+            (Err(_), _) => {}
+            (Ok(Ok(n)), Ok(w)) => assert_eq!(n, w, "{what}: count left"),
+            (Ok(Err(e)), Err(w)) => self.owner_expect_err(&what, &e, &w),
+            (Ok(got), want) => panic!("{what}: crate {got:?}, model {want:?}"),
+        }
+    }
+
+    /// The grants a renewal, a check or a commit looks at, in the set's
+    /// order (not those away with a call).
+    fn owner_guards(&self, inst: usize) -> Vec<(usize, Gid)> {
+        self.owners.list[&inst]
+            .m
+            .slots
+            .iter()
+            .filter(|s| !s.away)
+            .filter_map(|s| s.gid.map(|g| (s.key, g)))
+            .collect()
+    }
+
+    /// `renew()` (or only `check()`).
+    fn owner_renew(&mut self, inst: usize, renew: bool) {
+        let snap = self.owner_snap(inst);
+        self.owners.must = false;
+        let guards = self.owner_guards(inst);
+        let mut want = Ok(());
+        for &(k, g) in &guards {
+            let checked = self.model.check(g);
+            self.owner_call_done();
+            if let Err(MErr::Expired(token)) = checked {
+                want = Err(MTErr::Expired { key: k, token });
+                break;
+            }
+        }
+        let lease = self.owners.list[&inst].m.lease.or(self.model.cfg.default_lease);
+        if let (Ok(()), true, Some(lease)) = (&want, renew, lease) {
+            for &(k, g) in &guards {
+                let renewed = self.model.renew(g, lease);
+                self.owner_call_done();
+                if let Err(e) = renewed {
+                    want = Err(from_lock(k, self.model.guards[&g].mode, true, e));
+                    break;
+                }
+            }
+        }
+        let expect = self.owner_expect();
+        if expect == Expect::Must {
+            self.owner_restore(inst, snap);
+            return;
+        }
+        let txn = self.owners.list.get_mut(&inst).unwrap().txn.as_mut().unwrap();
+        let got = catch(|| match (txn, renew) {
+            (RTxn::B(t), true) => t.renew(),
+            (RTxn::B(t), false) => t.check(),
+            (RTxn::O(t), true) => t.renew(),
+            (RTxn::O(t), false) => t.check(),
+        });
+        self.expect_panic("owner renew", got.as_ref().map(drop).map_err(|p| *p), expect);
+        self.check_reentry("owner renew");
+        let what = format!("owner {inst}: renew {renew}");
+        match (&got, want) {
+            (Err(_), _) | (Ok(Ok(())), Ok(())) => {}
+            (Ok(Err(e)), Err(w)) => self.owner_expect_err(&what, e, &w),
+            (Ok(got), want) => panic!("{what}: crate {got:?}, model {want:?}"),
+        }
+        // An error's key is a clone of the table's copy: the caller's to
+        // drop, not the crate's.
+        defused(|| drop(got));
+    }
+
+    /// Commit (`how` 0), abort (1) or drop (2) of owner `inst` in slot
+    /// `owner`.
+    fn owner_end(&mut self, owner: usize, inst: usize, how: u8) {
+        let guards = self.owner_guards(inst);
+        let lost: Vec<(usize, u64)> = guards
+            .iter()
+            .filter(|&&(_, g)| self.model.grant_lost(g))
+            .map(|&(k, g)| (k, self.model.guards[&g].token))
+            .collect();
+        self.owners.must = false;
+        for &(k, g) in &guards {
+            // A commit names each key with a clone of the table's copy,
+            // made before its release (which may free that copy) and
+            // dropped after it (its deferred work done), except the first
+            // lost one's, which the error carries: a clone of a stored key
+            // whose drop panics panics too (not while unwinding: the rest
+            // are released by the set's drop, unnamed).
+            let clone_bomb = how == 0 && self.model.keys[k].stored_bomb;
+            let named = lost.first().is_some_and(|&(lk, _)| lk == k);
+            self.model.release(g);
+            self.owner_call_done();
+            if clone_bomb && !named {
+                self.model.bomb_keys += 1;
+                self.owner_call_done();
+            }
+        }
+        let o = self.owners.list.get_mut(&inst).unwrap();
+        o.m.slots.clear();
+        o.m.ended = true;
+        for f in &mut o.futs {
+            f.ended_wake = f.watching;
+            f.watching = false;
+        }
+        let txn = o.txn.take().unwrap();
+        let expect = self.owner_expect();
+        let got = catch(|| match (txn, how) {
+            (RTxn::B(t), 0) => t.commit(),
+            (RTxn::O(t), 0) => t.commit(),
+            (RTxn::B(t), 1) => Ok(t.abort()),
+            (RTxn::O(t), 1) => Ok(t.abort()),
+            (t, _) => Ok(drop(t)),
+        });
+        self.expect_panic("owner end", got.as_ref().map(drop).map_err(|p| *p), expect);
+        self.check_reentry("owner end");
+        let what = format!("owner {inst}: end {how}");
+        match &got {
+            Err(_) | Ok(Ok(())) if lost.is_empty() || how != 0 => {}
+            Err(_) => {}
+            Ok(Ok(())) => panic!("{what}: committed with lost grants {lost:?}"),
+            // The first lost grant in the set's order.
+            Ok(Err(TransactionError::Expired { key, token })) => assert_eq!(
+                Some(&(usize::from(key.id), token.get())),
+                lost.first(),
+                "{what}: Expired {{ key {}, token {token} }}, lost grants {lost:?}",
+                key.id
+            ),
+            Ok(Err(e)) => panic!("{what}: {e:?}"),
+        }
+        // The error's key is a clone of the table's copy: the caller's to
+        // drop, not the crate's.
+        defused(|| drop(got));
+        self.owners.slots[owner] = None;
+        if self.owners.list[&inst].futs.is_empty() {
+            self.owners.list.remove(&inst);
+        }
+    }
+
+    /// Owner futures woken since their last poll, polled (`PollWoken`).
+    pub(super) fn owner_poll_woken(&mut self) {
+        let woken: Vec<(usize, usize)> = self
+            .owners
+            .list
+            .iter()
+            .flat_map(|(&i, o)| o.futs.iter().filter(|f| f.wakes() > f.wakes_at_poll).map(move |f| (i, f.slot)))
+            .collect();
+        for (i, slot) in woken {
+            let at = self.owners.list.get(&i).and_then(|o| o.futs.iter().position(|f| f.slot == slot));
+            if let Some(j) = at {
+                self.owner_poll(i, j);
+            }
+        }
+    }
+
+    /// Every owner's view against the model's; no lost wakeup of a call.
+    pub(super) fn owner_compare(&self) {
+        for (inst, o) in &self.owners.list {
+            for f in &o.futs {
+                let inner = f.inner().filter(|i| self.model.futs.contains_key(i));
+                if inner.is_some_and(|i| self.model.can_progress(i)) || f.ended_wake {
+                    assert!(
+                        f.wakes() > f.wakes_at_poll,
+                        "lost wakeup: owner {inst}'s call can make progress but was not woken"
+                    );
+                }
+                let mut want = usize::from(f.watching);
+                if let Some(m) = inner.map(|i| &self.model.futs[&i]) {
+                    want += usize::from(m.slot) + usize::from(matches!(m.sleep, Some((_, true))));
+                }
+                let handles = WAKERS[f.slot].handles.load(SeqCst) - 1;
+                assert_eq!(handles, want, "owner {inst}'s call: handles of its waker ({:?})", f.phase);
+            }
+            let Some(txn) = &o.txn else { continue };
+            let m = &o.m;
+            let (len, counts): (usize, Vec<(usize, Option<Mode>, Option<FencingToken>)>) = match txn {
+                RTxn::B(t) => (t.len(), (0..KEYS as u8).map(|k| (t.count(&k), t.mode(&k), t.token(&k))).collect()),
+                RTxn::O(t) => (t.len(), (0..KEYS as u8).map(|k| (t.count(&k), t.mode(&k), t.token(&k))).collect()),
+            };
+            assert_eq!(len, m.held(), "owner {inst}: len()");
+            for (k, got) in counts.into_iter().enumerate() {
+                let want = match m.find(k).map(|i| &m.slots[i]) {
+                    Some(s) if s.count > 0 => {
+                        let g = s.gid.filter(|_| !s.away).map(|g| &self.model.guards[&g]);
+                        (s.count, g.map(|g| mode_of(g.mode)), g.map(|g| g.token))
+                    }
+                    _ => (0, None, None),
+                };
+                assert_eq!(
+                    (got.0, got.1, got.2.map(FencingToken::get)),
+                    want,
+                    "owner {inst}: count, mode, token of key {k}"
+                );
+            }
+        }
+    }
+
+    /// The end of a run: every owner's call dropped, every owner dropped;
+    /// nothing of theirs is held.
+    pub(super) fn owners_finish(&mut self) {
+        let insts: Vec<usize> = self.owners.list.keys().copied().collect();
+        for inst in insts {
+            // An ended owner goes with its last call.
+            while self.owners.list.get(&inst).is_some_and(|o| !o.futs.is_empty()) {
+                self.owner_drop_future(inst, 0, true);
+                self.compare();
+            }
+        }
+        for owner in 0..OWNERS {
+            if let Some(inst) = self.owners.slots[owner] {
+                self.owner_end(owner, inst, 2);
+                self.compare();
+            }
+        }
+        assert!(self.owners.list.is_empty(), "owners left");
+    }
+}

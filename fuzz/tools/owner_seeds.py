@@ -1,0 +1,66 @@
+#!/usr/bin/env python3
+"""Writes the hand-written owner seeds of the `ops` target (fuzz/corpus/ops/owner*-*)
+into the directory given as the first argument (with a second argument
+`known-bugs`, the inputs of bugs found, now in fuzz/regressions/ops/).
+
+It encodes inputs as `arbitrary` 1.x decodes `Input`: the config's four fields,
+then each op as a continue byte (1), the variant's u32 (index << 28 of 16
+variants) and its fields. Owner operations are `StartLock` with `with >= 0xE0`
+(see `OwnerOp::of` in fuzz_targets/ops/owners.rs). Check a seed with
+`cargo +nightly fuzz fmt ops FILE` or `KEYLOCK_FUZZ_TRACE=1`.
+"""
+import struct, sys, os
+V = ['StartLock','Poll','PollNewWaker','PollWoken','DropFuture','Forget','DropGuard','ReleaseGuard','TryLock','Renew','Revoke','Check','CheckAll','Advance','AdvanceMicros','AdvanceNanos']
+def var(n): return b'\x01' + struct.pack('<I', V.index(n) << 28)
+def opt(x): return b'\x00' if x is None else bytes([1, x])
+def b(x): return bytes([x])
+def config(shards=0, collide=0, dl=None, ml=None): return b(shards)+b(collide)+opt(dl)+opt(ml)
+LOCK, LOCKALL, POLL, DROPF, UNLOCK, RELEASE, COMMIT, ABORT, DROP, RENEW = 0, 4, 7, 8, 9, 10, 11, 12, 13, 14
+DEF, BLOCK, NOWAIT, SKIP = 0, 1, 2, 3
+def owner(o, kind, key=0, lease=None, timeout=None, w=0, owned=False):
+    return var('StartLock') + b(key) + opt(lease) + opt(timeout) + b(0xE0 | w) + b(int(owned)) + b((o << 4) | kind)
+def lock(o, k, shared=False, pol=DEF, now=True, **kw):
+    return owner(o, LOCK, key=k | (4 if shared else 0), w=pol, timeout=None if now else 0x80, **kw)
+def lock_all(o, reqs, pol=DEF, now=True, **kw):
+    key = 0; w = pol
+    for i, (k, s) in enumerate(reqs):
+        key |= k << (2*i)
+        if s: w |= 4 << i
+    key |= (len(reqs)-1) << 6
+    return owner(o, LOCKALL, key=key, w=w, timeout=None if now else 0x80, **kw)
+def try_lock(k, shared=False, lease=None): return var('TryLock') + b(k) + opt(lease) + b(6 if shared else 0) + b(0)
+def start_lock(k, shared=False, lease=None, timeout=None, waker=0): return var('StartLock') + b(k) + opt(lease) + opt(timeout) + b(7 if shared else 1) + b(0) + b(waker)
+WAKE_BOMB = 128
+def poll(f): return var('Poll') + b(f)
+def poll_woken(): return var('PollWoken')
+def drop_guard(g): return var('DropGuard') + b(g)
+def advance(by): return var('Advance') + b(by)
+def revoke(k): return var('Revoke') + b(k)
+def check_all(): return var('CheckAll')
+seeds = {
+ 'owner-reentry-upgrade': config() + lock(0, 1, True) + lock(0, 1, True) + lock(0, 1) + owner(0, UNLOCK, key=1) + lock(0, 1, True) + owner(0, RELEASE, key=1) + lock(0, 2) + owner(0, COMMIT),
+ 'owner-lock-all-duplicates': config(1) + try_lock(2, True) + lock_all(0, [(1, False), (1, True), (2, True)]) + lock_all(0, [(2, False)], NOWAIT) + lock_all(0, [(2, False), (3, True)], SKIP) + owner(0, ABORT),
+ 'owner-lock-all-cancel-undoes-upgrade': config() + try_lock(3) + lock(0, 0, True) + start_lock(0, True) + start_lock(0) + lock_all(0, [(0, False), (3, False)]) + owner(0, POLL) + owner(0, DROPF) + poll(0) + poll(1) + drop_guard(0) + lock_all(0, [(0, False), (3, False)]) + poll_woken() + owner(0, COMMIT) + poll_woken(),
+ 'owner-skip-locked': config(2) + try_lock(2) + lock_all(1, [(1, False), (2, False), (3, True)], SKIP) + drop_guard(0) + lock_all(1, [(2, False), (1, True)], NOWAIT) + owner(1, DROP),
+ 'owned-ended-while-pending': config() + try_lock(1) + lock(0, 1, owned=True) + lock(1, 2, owned=True) + lock_all(1, [(2, True), (1, False)]) + owner(0, DROP) + owner(1, COMMIT) + drop_guard(0) + poll_woken() + owner(1, POLL),
+ 'owned-unlock-in-flight': config() + try_lock(2, True) + lock(0, 2, True, owned=True) + lock(0, 2) + owner(0, UNLOCK, key=2) + owner(0, RELEASE, key=2) + owner(0, LOCK, key=3) + drop_guard(0) + poll_woken() + owner(0, UNLOCK, key=2) + owner(0, COMMIT),
+ 'owner-lease-lapse-commit': config(0, 0, None, 8) + lock(0, 0, lease=1) + lock(0, 1, True) + start_lock(0) + advance(3) + poll_woken() + owner(0, RENEW, w=4) + owner(0, COMMIT),
+ 'owned-two-calls-in-flight': config() + try_lock(1) + lock(0, 1, owned=True) + lock(0, 1, True) + lock_all(0, [(2, False), (1, True)]) + lock(0, 3, now=False) + lock(0, 2) + owner(0, POLL, key=1) + drop_guard(0) + poll_woken() + owner(0, UNLOCK, key=1) + lock_all(0, [(1, True), (2, True), (0, True)], now=False) + owner(0, POLL, key=1) + owner(0, COMMIT),
+ 'owners-upgrade-conflict-skipped': config() + lock(0, 1, True) + lock(1, 1, True) + lock(0, 1) + lock_all(1, [(1, False), (2, False)], SKIP) + lock(1, 1, pol=NOWAIT) + owner(1, COMMIT) + poll_woken() + owner(0, COMMIT),
+ # Keys 1 and 2 stored by plain guards with keys whose `Drop` panics: a renew
+ # naming a revoked one returns a clone of that key, and a commit clones every
+ # key it releases (dropping all but the one its error names), here once with
+ # the plain guards still holding, once with them fenced.
+ 'owner-commit-clones-stored-keys': config() + try_lock(0x71, True) + try_lock(0x72, True) + lock(0, 1, True) + lock(0, 2, True) + owner(0, COMMIT) + lock(1, 1, True) + lock(1, 2, True) + revoke(1) + revoke(2) + owner(1, RENEW, w=4) + owner(1, COMMIT) + lock(2, 2, True, owned=True) + owner(2, COMMIT),
+ 'owners-opposite-lock-all': config(0, 1) + lock_all(0, [(0, False), (1, False)], now=False) + lock_all(1, [(1, False), (0, False)], now=False) + owner(0, POLL) + owner(1, POLL) + try_lock(0, True) + owner(0, COMMIT) + poll_woken() + owner(1, POLL) + owner(1, DROP) + lock_all(2, [(0, True), (1, True), (2, True)], owned=True) + revoke(1) + owner(2, RENEW, w=4) + owner(2, COMMIT),
+}
+# Inputs of bugs found (now fuzz/regressions/ops/), failing on the code that had them.
+known_bugs = {
+ # A dropped lock_all undoes its upgrade of key 1; the downgrade admits a
+ # reader whose waker panics: the owner loses key 1 (owner_undo_wake_panic).
+ 'owner-undo-wake-panic': config() + lock(0, 1, True) + try_lock(2) + lock_all(0, [(1, False), (2, False)]) + start_lock(1, True, waker=WAKE_BOMB) + poll(0) + owner(0, DROPF) + owner(0, LOCK, key=1 | 4),
+}
+out = sys.argv[1]
+which = known_bugs if len(sys.argv) > 2 and sys.argv[2] == 'known-bugs' else seeds
+for name, data in which.items():
+    open(os.path.join(out, name), 'wb').write(data)
