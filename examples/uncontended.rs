@@ -51,6 +51,75 @@ fn main() {
                 drop(black_box(guard));
             }
         }
+        // A transaction: one key locked and committed (`txn1`); a transfer's
+        // two keys by `lock_all` (`txn2`), against two plain guards
+        // (`guards2`); the owned form (`owned1`).
+        "txn1" => {
+            let mut cx = Context::from_waker(futures::task::noop_waker_ref());
+            for i in 0..n {
+                let mut txn = table.transaction();
+                {
+                    let fut = pin!(txn.lock(black_box(i & 63), keylock::Mode::Exclusive));
+                    let Poll::Ready(got) = fut.poll(&mut cx) else {
+                        unreachable!("uncontended")
+                    };
+                    black_box(got.expect("uncontended"));
+                }
+                txn.commit().expect("no lease");
+            }
+        }
+        "txn2" => {
+            let mut cx = Context::from_waker(futures::task::noop_waker_ref());
+            for i in 0..n {
+                let mut txn = table.transaction();
+                let keys = [
+                    (black_box(i & 63), keylock::Mode::Exclusive),
+                    (black_box((i * 7 + 1) & 63), keylock::Mode::Exclusive),
+                ];
+                {
+                    let fut = pin!(txn.lock_all(keys));
+                    let Poll::Ready(got) = fut.poll(&mut cx) else {
+                        unreachable!("uncontended")
+                    };
+                    black_box(got.expect("uncontended"));
+                }
+                txn.commit().expect("no lease");
+            }
+        }
+        "guards2" => {
+            let mut cx = Context::from_waker(futures::task::noop_waker_ref());
+            for i in 0..n {
+                let mut keys = [black_box(i & 63), black_box((i * 7 + 1) & 63)];
+                keys.sort_unstable();
+                let first = pin!(table.lock(keys[0]));
+                let Poll::Ready(first) = first.poll(&mut cx) else {
+                    unreachable!("uncontended")
+                };
+                let second = (keys[1] != keys[0]).then(|| {
+                    let fut = pin!(table.lock(keys[1]));
+                    let Poll::Ready(g) = fut.poll(&mut cx) else {
+                        unreachable!("uncontended")
+                    };
+                    g
+                });
+                drop(black_box((second, first)));
+            }
+        }
+        "owned1" => {
+            let table = std::sync::Arc::new(keylock::LockTable::<u64>::new());
+            let mut cx = Context::from_waker(futures::task::noop_waker_ref());
+            for i in 0..n {
+                let txn = table.clone().transaction_owned();
+                {
+                    let fut = pin!(txn.lock(black_box(i & 63), keylock::Mode::Exclusive));
+                    let Poll::Ready(got) = fut.poll(&mut cx) else {
+                        unreachable!("uncontended")
+                    };
+                    black_box(got.expect("uncontended"));
+                }
+                txn.commit().expect("no lease");
+            }
+        }
         // Reference points, not keylock: one async mutex and the bare
         // futex mutex the shards use.
         "tokio" => {
@@ -67,7 +136,9 @@ fn main() {
                 drop(black_box(guard));
             }
         }
-        other => panic!("unknown mode {other:?}: try | lock | tokio | std"),
+        other => panic!(
+            "unknown mode {other:?}: try | lease | lock | txn1 | txn2 | guards2 | owned1 | tokio | std"
+        ),
     }
     assert!(table.is_empty());
     println!("{mode}: {n} lock+unlock, {:?}", table.stats());

@@ -161,12 +161,11 @@ impl<K> Held<K> {
         table.release(self.hash, self.key, self.token);
     }
 
-    fn release_checked<S>(&self, table: &LockTable<K, S>) -> Result<FencingToken, LockError> {
-        if table.release_checked(self.hash, self.key, self.token) {
-            Ok(self.token)
-        } else {
-            Err(LockError::Expired { token: self.token })
-        }
+    /// Releases the grant if it still holds the key, live; `false`: lost,
+    /// nothing done (the guard releases it as lost when dropped).
+    #[inline]
+    fn release_if_live<S>(&self, table: &LockTable<K, S>) -> bool {
+        table.release_if_live(self.hash, self.key, self.token)
     }
 
     fn check<S>(&self, table: &LockTable<K, S>) -> Result<FencingToken, LockError> {
@@ -443,10 +442,23 @@ impl<'a, K, S> Guard<'a, K, S> {
     /// assert!(revoked.release_checked().is_err());
     /// ```
     pub fn release_checked(self) -> Result<FencingToken, LockError> {
-        // Released here instead of by `Drop`; a borrowed guard owns
-        // nothing else.
-        let this = std::mem::ManuallyDrop::new(self);
-        this.held.release_checked(this.table)
+        self.release_if_live().map_err(|lost| LockError::Expired {
+            token: lost.token(),
+        })
+    }
+
+    /// Releases the key if the grant still holds it, live (one visit to
+    /// the table); a grant that lost it comes back, to be named and then
+    /// dropped (released as lost).
+    #[inline]
+    pub(crate) fn release_if_live(self) -> Result<FencingToken, Self> {
+        if !self.held.release_if_live(self.table) {
+            return Err(self);
+        }
+        let token = self.token();
+        // Released: `Drop` must not run; a borrowed guard owns nothing else.
+        std::mem::forget(self);
+        Ok(token)
     }
 
     guard_methods!();
@@ -520,13 +532,24 @@ impl<K, S> OwnedGuard<K, S> {
     /// assert!(revoked.release_checked().is_err());
     /// ```
     pub fn release_checked(self) -> Result<FencingToken, LockError> {
-        // Released here instead of by `Drop`, which must not run.
+        self.release_if_live().map_err(|lost| LockError::Expired {
+            token: lost.token(),
+        })
+    }
+
+    /// As [`Guard::release_if_live`].
+    #[inline]
+    pub(crate) fn release_if_live(self) -> Result<FencingToken, Self> {
+        if !self.held.release_if_live(&self.table) {
+            return Err(self);
+        }
+        let token = self.token();
+        // Released: `Drop`, which would release again, must not run.
         let this = std::mem::ManuallyDrop::new(self);
-        let result = this.held.release_checked(&this.table);
         // SAFETY: `this` is never used again and its `Drop` never runs,
         // so the table's `Arc` is read out exactly once, and dropped.
         drop(unsafe { std::ptr::read(&this.table) });
-        result
+        Ok(token)
     }
 
     guard_methods!();

@@ -309,12 +309,13 @@ impl<K, S> LockTable<K, S> {
         });
     }
 
-    /// Releases grant `token`; `true` if it still held the key, live, when it
-    /// let go.
-    pub(crate) fn release_checked(&self, hash: u64, key: KeyPtr<K>, token: FencingToken) -> bool {
+    /// Releases grant `token` if it still holds the key, live (`true`);
+    /// otherwise does nothing (`false`): the grant is lost, and its holder
+    /// names the key before releasing it.
+    pub(crate) fn release_if_live(&self, hash: u64, key: KeyPtr<K>, token: FencingToken) -> bool {
         let fairness = self.fairness;
         self.with_shard(hash, |state, ctx| {
-            state.release_checked(hash, key, token, fairness, ctx)
+            state.release_if_live(hash, key, token, fairness, ctx)
         })
     }
 

@@ -3,9 +3,10 @@
 //!
 //! The slots are found by the hash the table computed for the key, compared
 //! through the guard's `key()` (the table's copy of the key): no second
-//! hasher, no copy of held keys. Up to [`LINEAR_MAX`] keys they are a plain
-//! `Vec` scanned by stored hash (a transaction usually holds a few keys, and
-//! a scan of a few words beats a hash table); past that, a
+//! hasher, no copy of held keys. Up to [`LINEAR_MAX`] keys they are found
+//! by a scan of a packed array of their hashes (a transaction usually holds
+//! a few keys, and a scan of a few words beats a hash table; the first
+//! [`INLINE`] are kept in place, so a transfer allocates nothing); past that, a
 //! `hashbrown::HashTable` of positions keyed by that same hash indexes
 //! them. A slot whose guard is away — a new key being locked, or a held one
 //! being upgraded by a pending call — keeps a clone of the key to be
@@ -29,8 +30,8 @@
 use std::borrow::Borrow;
 
 use hashbrown::HashTable;
+use smallvec::SmallVec;
 
-use crate::error::LockError;
 use crate::mode::Mode;
 use crate::owner::error::TransactionError;
 use crate::owner::reach::GuardOps;
@@ -84,7 +85,10 @@ pub enum AcquireKind {
     Upgraded,
 }
 
-/// How many keys a set makes room for at its first lock.
+/// How many keys a set keeps in place, before it allocates.
+const INLINE: usize = 2;
+
+/// How many keys a set makes room for when it first allocates.
 const INITIAL_CAPACITY: usize = 8;
 
 /// One held (or in-flight) key; see the module's invariants.
@@ -119,6 +123,18 @@ impl<G: GuardOps<Key = K>, K> Slot<G, K> {
     }
 }
 
+/// What [`HeldSet::find`] found of a requested key.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Found {
+    /// No slot: lock it on the table, then [`HeldSet::insert`] it.
+    Absent,
+    /// Held in a mode that covers the request, at this position.
+    Covered { at: usize },
+    /// Held in a weaker mode, or busy with another call: the claiming
+    /// path ([`HeldSet::begin`]) decides.
+    Other,
+}
+
 /// A call's claim on a key, made by [`HeldSet::begin`].
 #[derive(Debug)]
 pub(crate) enum Begin<G> {
@@ -144,14 +160,22 @@ pub(crate) enum NotReleased {
 /// The keys a transaction holds; see the module doc.
 #[derive(Debug)]
 pub(crate) struct HeldSet<G, K> {
-    /// The slots, in no particular order.
-    slots: Vec<Slot<G, K>>,
+    /// The slots, in no particular order; the first [`INLINE`] in place
+    /// (a transfer's two keys allocate nothing).
+    slots: SmallVec<[Slot<G, K>; INLINE]>,
+    /// Each slot's hash, at the slot's position: the linear search scans
+    /// these packed words, not the slots.
+    hashes: SmallVec<[u64; INLINE]>,
     /// Positions in `slots` by hash, once there are more than
     /// [`LINEAR_MAX`] of them.
     index: Option<HashTable<usize>>,
     next_id: u64,
     /// How many slots have a count above zero.
     held: usize,
+    /// Bumped by every change of the slots but a re-entry's count: a call
+    /// that looked at the set, let go of it (an owned transaction's mutex)
+    /// and comes back to the same version finds what it left.
+    version: u64,
 }
 
 /// Up to this many keys a set is searched linearly (comparing stored hashes
@@ -161,12 +185,15 @@ pub(crate) struct HeldSet<G, K> {
 const LINEAR_MAX: usize = 16;
 
 impl<G, K> Default for HeldSet<G, K> {
+    #[inline]
     fn default() -> Self {
         Self {
-            slots: Vec::new(),
+            slots: SmallVec::new(),
+            hashes: SmallVec::new(),
             index: None,
             next_id: 0,
             held: 0,
+            version: 0,
         }
     }
 }
@@ -176,10 +203,17 @@ impl<G, K> HeldSet<G, K> {
     #[inline]
     fn position(&self, hash: u64, mut is: impl FnMut(&Slot<G, K>) -> bool) -> Option<usize> {
         match &self.index {
-            None => self
-                .slots
-                .iter()
-                .position(|slot| slot.hash == hash && is(slot)),
+            None => {
+                let mut from = 0;
+                while let Some(found) = self.hashes[from..].iter().position(|&h| h == hash) {
+                    let at = from + found;
+                    if is(&self.slots[at]) {
+                        return Some(at);
+                    }
+                    from = at + 1;
+                }
+                None
+            }
             Some(index) => index.find(hash, |&at| is(&self.slots[at])).copied(),
         }
     }
@@ -187,14 +221,17 @@ impl<G, K> HeldSet<G, K> {
     /// Adds a slot (no user code runs).
     #[inline]
     fn push(&mut self, slot: Slot<G, K>) {
+        self.version += 1;
         let at = self.slots.len();
         let hash = slot.hash;
-        if self.slots.capacity() == 0 {
-            // A first lock: room for a few keys at once (PostgreSQL sizes a
-            // backend's lock table for 16), not growth one key at a time.
-            self.slots.reserve(INITIAL_CAPACITY);
+        if self.slots.len() == INLINE && !self.slots.spilled() {
+            // Past the inline slots: room for a few keys at once (PostgreSQL
+            // sizes a backend's lock table for 16), not growth one at a time.
+            self.slots.reserve_exact(INITIAL_CAPACITY);
+            self.hashes.reserve_exact(INITIAL_CAPACITY);
         }
         self.slots.push(slot);
+        self.hashes.push(hash);
         let slots = &self.slots;
         match &mut self.index {
             Some(index) => {
@@ -214,6 +251,7 @@ impl<G, K> HeldSet<G, K> {
     /// Removes the slot at `at` (no user code runs; the slot is returned,
     /// to drop later).
     fn remove(&mut self, at: usize) -> Slot<G, K> {
+        self.version += 1;
         let last = self.slots.len() - 1;
         if let Some(index) = &mut self.index {
             let slots = &self.slots;
@@ -227,6 +265,7 @@ impl<G, K> HeldSet<G, K> {
                 }
             }
         }
+        self.hashes.swap_remove(at);
         self.slots.swap_remove(at)
     }
 }
@@ -255,11 +294,97 @@ impl<G: GuardOps<Key = K>, K: Eq> HeldSet<G, K> {
     /// Makes room for `additional` more keys (a `lock_all`).
     pub(crate) fn reserve(&mut self, additional: usize) {
         self.slots.reserve(additional);
+        self.hashes.reserve(additional);
     }
 
     /// The guards held now (not those a pending call has away).
     pub(crate) fn guards(&self) -> impl Iterator<Item = &G> {
         self.slots.iter().filter_map(|slot| slot.guard.as_ref())
+    }
+
+    /// The set's version (see the field): a fast path looks, takes keys on
+    /// the table without holding the set, and puts them in only if the
+    /// version is still the one it saw.
+    #[inline]
+    pub(crate) fn version(&self) -> u64 {
+        self.version
+    }
+
+    /// What a fast path finds of `key` asked in `mode`, changing nothing
+    /// (user code, `Eq`, runs in the search).
+    #[inline]
+    pub(crate) fn find(&self, hash: u64, key: &K, mode: Mode) -> Found {
+        let Some(at) = self.position(hash, |slot| slot.is(key)) else {
+            return Found::Absent;
+        };
+        let slot = &self.slots[at];
+        match slot.guard.as_ref() {
+            Some(guard) if !slot.busy && guard.mode().covers(mode) => Found::Covered { at },
+            _ => Found::Other,
+        }
+    }
+
+    /// Counts one more grant of the covered slot at `at` (found by
+    /// [`find`](Self::find) at the current version).
+    #[inline]
+    pub(crate) fn reenter(&mut self, at: usize) -> Acquired {
+        let slot = &mut self.slots[at];
+        slot.count += 1;
+        let guard = slot.guard.as_ref().expect("covered: held, not busy");
+        Acquired {
+            token: guard.token(),
+            mode: guard.mode(),
+            count: slot.count,
+            kind: AcquireKind::Reentered,
+        }
+    }
+
+    /// Whether the slots are still as [`find`](Self::find) saw them at
+    /// `version`, for these new keys: unchanged, or at least none of them
+    /// has a slot now (a pending call of an owned transaction may have
+    /// claimed one meanwhile). User code (`Eq`) runs only if the version
+    /// moved.
+    #[inline]
+    pub(crate) fn still_absent<'g>(
+        &self,
+        version: u64,
+        mut new: impl Iterator<Item = (u64, &'g G)>,
+    ) -> Result<(), &'g G>
+    where
+        G: 'g,
+    {
+        if version == self.version {
+            return Ok(());
+        }
+        new.try_for_each(
+            |(hash, guard)| match self.position(hash, |slot| slot.is(guard.key())) {
+                Some(_) => Err(guard),
+                None => Ok(()),
+            },
+        )
+    }
+
+    /// Puts a new key's guard in, counted once (no user code runs).
+    #[inline]
+    pub(crate) fn insert(&mut self, hash: u64, guard: G) -> Acquired {
+        let acquired = Acquired {
+            token: guard.token(),
+            mode: guard.mode(),
+            count: 1,
+            kind: AcquireKind::New,
+        };
+        let id = self.next_id;
+        self.next_id += 1;
+        self.held += 1;
+        self.push(Slot {
+            hash,
+            id,
+            count: 1,
+            guard: Some(guard),
+            name: None,
+            busy: false,
+        });
+        acquired
     }
 
     /// Claims `key` for a call asking for `mode`: a covered key is counted
@@ -308,6 +433,7 @@ impl<G: GuardOps<Key = K>, K: Eq> HeldSet<G, K> {
                 slot.count += 1;
             } else {
                 slot.busy = true;
+                self.version += 1;
             }
             return Ok(Begin::Covered {
                 id: slot.id,
@@ -317,6 +443,7 @@ impl<G: GuardOps<Key = K>, K: Eq> HeldSet<G, K> {
         let name = key.clone();
         slot.name = Some(name);
         slot.busy = true;
+        self.version += 1;
         let guard = slot.guard.take().expect("checked above");
         Ok(Begin::Upgrade { id: slot.id, guard })
     }
@@ -336,6 +463,7 @@ impl<G: GuardOps<Key = K>, K: Eq> HeldSet<G, K> {
         let Some(at) = self.position(hash, |slot| slot.id == id) else {
             return Err(guard);
         };
+        self.version += 1;
         let slot = &mut self.slots[at];
         if let Some(guard) = guard {
             slot.guard = Some(guard);
@@ -376,6 +504,7 @@ impl<G: GuardOps<Key = K>, K: Eq> HeldSet<G, K> {
             let slot = self.remove(at);
             return (slot.name, guard);
         }
+        self.version += 1;
         let slot = &mut self.slots[at];
         slot.busy = false;
         let rest = match guard {
@@ -431,7 +560,7 @@ impl<G: GuardOps<Key = K>, K: Eq> HeldSet<G, K> {
 /// says whether its grant still held it (`release_checked`); returns the
 /// first that did not, named. Keys a pending call has away are released by
 /// that call. Every key is released even if a clone panics (see `Drop`).
-pub(crate) fn release_checked<G, K>(mut set: HeldSet<G, K>) -> Result<(), TransactionError<K>>
+pub(crate) fn release_checked<G, K>(set: &mut HeldSet<G, K>) -> Result<(), TransactionError<K>>
 where
     G: GuardOps<Key = K>,
     K: Clone,
@@ -439,12 +568,21 @@ where
     let mut lost = None;
     set.held = 0;
     set.index = None;
+    set.version += 1;
+    set.hashes.clear();
     for slot in set.slots.drain(..) {
         let Some(guard) = slot.guard else { continue };
-        // Named before the release, which may free the table's copy.
-        let key = guard.key().clone();
-        if let Err(LockError::Expired { token }) = guard.release_checked() {
-            lost.get_or_insert(TransactionError::Expired { key, token });
+        // A live grant is released in one visit, its key not copied; a lost
+        // one comes back, is named (the first only: its grant keeps the
+        // table's copy of the key alive) and released as lost.
+        if let Err(lost_guard) = guard.release_if_live() {
+            if lost.is_none() {
+                lost = Some(TransactionError::Expired {
+                    key: lost_guard.key().clone(),
+                    token: lost_guard.token(),
+                });
+            }
+            drop(lost_guard);
         }
     }
     lost.map_or(Ok(()), Err)

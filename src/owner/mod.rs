@@ -130,6 +130,7 @@ impl<K: Eq + Hash, S: BuildHasher> LockTable<K, S> {
     /// let txn = table.transaction();
     /// assert!(txn.is_empty());
     /// ```
+    #[inline]
     pub fn transaction(&self) -> Transaction<'_, K, S> {
         self.transaction_with(TransactionOptions::new())
     }
@@ -145,6 +146,7 @@ impl<K: Eq + Hash, S: BuildHasher> LockTable<K, S> {
     /// );
     /// assert!(txn.deadline().is_some());
     /// ```
+    #[inline]
     pub fn transaction_with(&self, opts: TransactionOptions) -> Transaction<'_, K, S> {
         Transaction {
             owner: Owner {
@@ -611,7 +613,8 @@ impl<'t, K: Eq + Hash, S: BuildHasher> Transaction<'t, K, S> {
     where
         K: Clone,
     {
-        held::release_checked(self.set.take())
+        // In place: the set is not moved out of the transaction.
+        held::release_checked(&mut self.set)
     }
 
     /// Releases every key the transaction holds; the same as dropping it.
@@ -1001,7 +1004,7 @@ impl<K: Eq + Hash, S: BuildHasher> OwnedTransaction<K, S> {
         K: Clone,
     {
         self.shared
-            .end_with(held::release_checked)
+            .end_with(|mut set| held::release_checked(&mut set))
             .unwrap_or(Err(TransactionError::Ended))
     }
 

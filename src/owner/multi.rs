@@ -5,9 +5,12 @@
 //! The requests are sorted by the table's hash of the key, then by the key's
 //! `Ord` (hashes tie for distinct keys rarely, but a hasher may be made to
 //! tie them all; the `Ord` makes the order total), and a key asked twice is
-//! asked once, in the stronger mode. Every key is then claimed in the held
-//! set, and the keys that need the table (new ones, and held shared ones
-//! asked exclusive: upgrades) are taken one by one in that order, each
+//! asked once, in the stronger mode. When every key is new or covered and
+//! every new one can be had at once, they are taken in that order and put
+//! into the set in one step (at the version of the set the call looked at).
+//! Otherwise every key is claimed in the held set, and the keys that need
+//! the table (new ones, and held shared ones asked exclusive: upgrades) are
+//! taken one by one in that order (keeping the ones already taken), each
 //! waiting at most until the transaction's deadline.
 //!
 //! # Why it does not deadlock
@@ -51,7 +54,7 @@ use std::pin::Pin;
 use crate::mode::Mode;
 use crate::owner::access::{unless_ended, Access, Ended};
 use crate::owner::error::TransactionError;
-use crate::owner::held::{AcquireKind, Begin};
+use crate::owner::held::{AcquireKind, Begin, Found};
 use crate::owner::policy::WaitPolicy;
 use crate::owner::reach::{GuardOps, Reach};
 use crate::owner::single::{GuardOf, KeyOf};
@@ -331,6 +334,13 @@ where
 }
 
 /// The call as far as it goes without waiting: done, or the boxed rest.
+///
+/// The common case runs without claims: the set is looked at once (every
+/// key new or covered), each new key is taken on the table at once, and
+/// everything goes into the set in one step if the set is still at the
+/// version it was looked at. Anything else (a key held in a weaker mode or
+/// busy, a key that is not free, the set changed meanwhile) goes the
+/// claiming way, keeping the guards already taken.
 #[allow(clippy::type_complexity)]
 fn lock_all_now<A: Access>(
     access: &mut A,
@@ -344,11 +354,114 @@ where
     KeyOf<A>: Ord + Clone,
 {
     let mut requests = order(&access.owner().reach, requests);
+    let mut taken: Few<(usize, GuardOf<A>)> = Few::new();
+    match take_now(access, &mut requests, &mut taken, policy) {
+        Ok(done) => return Ok(done),
+        Err(Fallback) => {}
+    }
+    claim_all(access, requests, taken, policy)
+}
+
+/// The fast path could not finish; `taken` keeps what it got.
+struct Fallback;
+
+/// The fast path of [`lock_all_now`]: done (everything in the set, or the
+/// transaction ended), or [`Fallback`] with the guards taken so far in
+/// `taken` (by request index) and the other requests' keys in `requests`.
+#[allow(clippy::type_complexity)]
+fn take_now<A: Access>(
+    access: &mut A,
+    requests: &mut Few<Request<KeyOf<A>>>,
+    taken: &mut Few<(usize, GuardOf<A>)>,
+    policy: WaitPolicy,
+) -> Result<Result<LockedSet<KeyOf<A>>, TransactionError<KeyOf<A>>>, Fallback>
+where
+    KeyOf<A>: Ord + Clone,
+{
+    let mut found: Few<Found> = Few::with_capacity(requests.len());
+    let looked = access.with(|set| {
+        for request in requests.iter() {
+            let key = request.key.as_ref().expect("not taken yet");
+            match set.find(request.hash, key, request.mode) {
+                Found::Other => return None,
+                f => found.push(f),
+            }
+        }
+        Some(set.version())
+    });
+    let version = match looked {
+        Err(Ended) => return Ok(Err(TransactionError::Ended)),
+        Ok(None) => return Err(Fallback),
+        Ok(Some(version)) => version,
+    };
+    for (i, request) in requests.iter_mut().enumerate() {
+        if found[i] != Found::Absent {
+            continue;
+        }
+        let key = request.key.take().expect("taken once");
+        let opts = access.owner().opts.lock_options(request.mode, policy);
+        match access.owner().reach.try_lock_kept(request.hash, key, opts) {
+            Ok(guard) => taken.push((i, guard)),
+            Err(key) => {
+                request.key = Some(key);
+                return Err(Fallback);
+            }
+        }
+    }
+    let mut out = LockedSet {
+        acquired: 0,
+        reentered: 0,
+        upgraded: 0,
+        skipped: Vec::new(),
+    };
+    // No user code runs here unless the version moved (then nothing is
+    // put in: the claiming way sorts it out).
+    let put = access.with(|set| {
+        if set.version() != version {
+            return false;
+        }
+        for f in &found {
+            if let Found::Covered { at } = *f {
+                set.reenter(at);
+                out.reentered += 1;
+            }
+        }
+        for (i, guard) in taken.drain(..) {
+            set.insert(requests[i].hash, guard);
+            out.acquired += 1;
+        }
+        true
+    });
+    match put {
+        // The guards (had it ended) are released as `taken` drops.
+        Err(Ended) => Ok(Err(TransactionError::Ended)),
+        Ok(true) => Ok(Ok(out)),
+        Ok(false) => Err(Fallback),
+    }
+}
+
+/// The claiming way: every key claimed in the set (the guards the fast
+/// path took go to their claims), then the rest taken in order, waiting
+/// where needed (boxed).
+#[allow(clippy::type_complexity)]
+fn claim_all<A: Access>(
+    access: &mut A,
+    mut requests: Few<Request<KeyOf<A>>>,
+    taken: Few<(usize, GuardOf<A>)>,
+    policy: WaitPolicy,
+) -> Result<
+    Result<LockedSet<KeyOf<A>>, TransactionError<KeyOf<A>>>,
+    Pin<Box<impl Future<Output = Result<LockedSet<KeyOf<A>>, TransactionError<KeyOf<A>>>> + '_>>,
+>
+where
+    KeyOf<A>: Ord + Clone,
+{
     let mut stage = Stage {
         access,
         entries: Few::with_capacity(requests.len()),
         done: false,
     };
+    let mut taken = taken.into_iter().peekable();
     let began = {
         let Stage {
             access, entries, ..
@@ -356,14 +469,42 @@ where
         access.with(|set| {
             set.reserve(requests.len());
             for (i, request) in requests.iter().enumerate() {
-                let key = request.key.as_ref().expect("not taken yet");
+                let mine = taken.next_if(|(at, _)| *at == i).map(|(_, guard)| guard);
+                let key = match (&request.key, &mine) {
+                    (Some(key), _) => key,
+                    (None, Some(guard)) => guard.key(),
+                    (None, None) => unreachable!("a request's key or its guard"),
+                };
                 // Pushed as soon as claimed: a panic in the next key's `Eq`
                 // leaves the stage to undo this one.
                 let (id, kind, guard) = match set.begin(request.hash, key, request.mode, false) {
-                    Err(_busy) => return Err(i),
-                    Ok(Begin::Covered { id, .. }) => (id, Kind::Covered, None),
-                    Ok(Begin::Upgrade { id, guard }) => (id, Kind::Upgrade, Some(guard)),
-                    Ok(Begin::New { id }) => (id, Kind::New, None),
+                    Err(_busy) => return Err((i, mine)),
+                    Ok(Begin::Covered { id, .. }) if mine.is_none() => (id, Kind::Covered, None),
+                    Ok(Begin::Upgrade { id, guard }) if mine.is_none() => {
+                        (id, Kind::Upgrade, Some(guard))
+                    }
+                    Ok(Begin::New { id }) => (id, Kind::New, mine),
+                    // Another call of the transaction took the key while
+                    // this one was taking it too (two shared grants): this
+                    // call is the one in flight.
+                    Ok(begun) => {
+                        // Its claim is given back (and a guard taken out to
+                        // upgrade put back) as the stage drops.
+                        let (id, kind, guard) = match begun {
+                            Begin::Covered { id, .. } => (id, Kind::Covered, None),
+                            Begin::Upgrade { id, guard } => (id, Kind::Upgrade, Some(guard)),
+                            Begin::New { .. } => unreachable!("matched above"),
+                        };
+                        entries.push(Staged {
+                            hash: request.hash,
+                            id,
+                            kind,
+                            guard,
+                            upgraded: false,
+                            skipped: false,
+                        });
+                        return Err((i, mine));
+                    }
                 };
                 entries.push(Staged {
                     hash: request.hash,
@@ -377,10 +518,17 @@ where
             Ok(())
         })
     };
+    // Whatever is left of the fast path's guards is released here (had the
+    // transaction ended, or a claim failed), after unlocking.
+    drop(taken);
     match began {
         Err(Ended) => return Ok(Err(TransactionError::Ended)),
-        Ok(Err(i)) => {
-            let key = requests[i].key.take().expect("not taken yet");
+        Ok(Err((i, mine))) => {
+            let key = match (requests[i].key.take(), mine) {
+                (Some(key), _) => key,
+                (None, Some(guard)) => guard.key().clone(),
+                (None, None) => unreachable!("a request's key or its guard"),
+            };
             return Ok(Err(TransactionError::InFlight { key }));
         }
         Ok(Ok(())) => {}
@@ -392,6 +540,7 @@ where
         match stage.entries[i].kind {
             Kind::Covered => continue,
             Kind::Upgrade => return Err(Box::pin(wait_rest(stage, requests, i, policy))),
+            Kind::New if stage.entries[i].guard.is_some() => continue,
             Kind::New => {
                 let key = request.key.take().expect("locked once");
                 let opts = stage.access.owner().opts.lock_options(request.mode, policy);
@@ -428,6 +577,7 @@ where
         let opts = stage.access.owner().opts.lock_options(request.mode, policy);
         let result = match stage.entries[i].kind {
             Kind::Covered => continue,
+            Kind::New if stage.entries[i].guard.is_some() => continue,
             Kind::New => {
                 let key = request.key.take().expect("locked once");
                 // Tried at once first (it never barges past queued waiters,

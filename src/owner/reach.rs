@@ -94,7 +94,11 @@ pub(crate) trait GuardOps {
     fn renew(&self, lease: Duration) -> Result<(), LockError>;
     fn downgrade(&mut self) -> Result<(), LockError>;
     fn upgrade(&mut self, opts: LockOptions) -> Upgrade<'_, Self::Key, Self::Hasher>;
-    fn release_checked(self) -> Result<FencingToken, LockError>;
+    /// Releases the key if the grant still holds it, live; else gives the
+    /// guard back (see [`Guard::release_if_live`]).
+    fn release_if_live(self) -> Result<FencingToken, Self>
+    where
+        Self: Sized;
 }
 
 macro_rules! guard_ops {
@@ -134,8 +138,9 @@ macro_rules! guard_ops {
                 $guard::upgrade_with(self, opts)
             }
 
-            fn release_checked(self) -> Result<FencingToken, LockError> {
-                $guard::release_checked(self)
+            #[inline]
+            fn release_if_live(self) -> Result<FencingToken, Self> {
+                $guard::release_if_live(self)
             }
         }
     };

@@ -1,10 +1,14 @@
 //! One key: a transaction's re-entrant lock (count, upgrade or take), and
 //! the operations over every key it holds (check, renew).
 //!
-//! A lock claims its key in the held set first ([`HeldSet::begin`]): a key
-//! held in a covering mode is counted and the call returns at once; a key
-//! held shared and asked exclusive has its guard taken out and upgraded; a
-//! new key is locked on the table. Until the call settles, a [`Claim`]
+//! A lock first looks at the held set ([`HeldSet::find`]): a key held in a
+//! covering mode is counted and the call returns at once; a new key is
+//! tried on the table at once and, if had, put into the set if the set is
+//! at the version the call looked at (an owned transaction's other calls
+//! may have changed it meanwhile) — no claim, no copy of the key. Anything
+//! else claims its key ([`HeldSet::begin`]): a key held shared and asked
+//! exclusive has its guard taken out and upgraded; a new key that was not
+//! free waits on the table. Until the call settles, a [`Claim`]
 //! owns what it took: dropped (the future cancelled, or unwinding), it gives
 //! the upgraded-or-not guard back as the cancelled upgrade left it (shared),
 //! and releases a new key's guard, so a cancelled call leaves the
@@ -22,7 +26,7 @@ use std::time::Duration;
 use crate::mode::Mode;
 use crate::owner::access::{unless_ended, Access, Ended, SetOf};
 use crate::owner::error::TransactionError;
-use crate::owner::held::{AcquireKind, Acquired, Begin, HeldSet};
+use crate::owner::held::{AcquireKind, Acquired, Begin, Found, HeldSet};
 use crate::owner::policy::WaitPolicy;
 use crate::owner::reach::{GuardOps, Reach};
 
@@ -116,7 +120,7 @@ where
 #[allow(clippy::type_complexity)]
 fn lock_now<A: Access>(
     access: &mut A,
-    key: KeyOf<A>,
+    mut key: KeyOf<A>,
     mode: Mode,
     policy: WaitPolicy,
 ) -> Result<
@@ -127,6 +131,32 @@ where
     KeyOf<A>: Clone,
 {
     let hash = access.owner().reach.table().hash(&key);
+    // The fast path: a covered key is counted at once; a new key is taken
+    // on the table without a claim in the set (no copy of the key), then
+    // put in if the set is as it was (the owned form's other calls may
+    // have claimed it meanwhile: then this call is the one in flight).
+    let found = access.with(|set| match set.find(hash, &key, mode) {
+        Found::Covered { at } => Ok(set.reenter(at)),
+        Found::Absent => Err(Some(set.version())),
+        Found::Other => Err(None),
+    });
+    let tried = match found {
+        Err(Ended) => return Ok(Err(TransactionError::Ended)),
+        Ok(Ok(acquired)) => return Ok(Ok(acquired)),
+        Ok(Err(None)) => false,
+        Ok(Err(Some(version))) => {
+            let opts = access.owner().opts.lock_options(mode, policy);
+            match access.owner().reach.try_lock_kept(hash, key, opts) {
+                Ok(guard) => return Ok(put_new(access, hash, guard, version)),
+                // Not free at once (or options the wait will report): the
+                // claiming path, which waits with the claim's copy.
+                Err(k) => {
+                    key = k;
+                    true
+                }
+            }
+        }
+    };
     let begun = match access.with(|set| set.begin(hash, &key, mode, true)) {
         Err(Ended) => return Ok(Err(TransactionError::Ended)),
         Ok(Err(_busy)) => return Ok(Err(TransactionError::InFlight { key })),
@@ -145,7 +175,7 @@ where
         guard,
         settled: false,
     };
-    if !upgrading {
+    if !upgrading && !tried {
         let opts = claim.access.owner().opts.lock_options(mode, policy);
         // The hash is the one the held set was searched with: the key is
         // not hashed twice. A key that cannot be had at once (or invalid
@@ -160,6 +190,42 @@ where
         }
     }
     Err(Box::pin(wait(claim, upgrading, mode, policy)))
+}
+
+/// Puts a new key's guard into the set if no other call of the transaction
+/// has claimed the key since `version`; otherwise the guard is released and
+/// this call is the one that fails [`InFlight`](TransactionError::InFlight).
+fn put_new<A: Access>(
+    access: &mut A,
+    hash: u64,
+    guard: GuardOf<A>,
+    version: u64,
+) -> Result<Acquired, TransactionError<KeyOf<A>>>
+where
+    KeyOf<A>: Clone,
+{
+    let mut guard = Some(guard);
+    let put = access.with(|set| {
+        let new = guard.as_ref().expect("not put yet");
+        if set
+            .still_absent(version, std::iter::once((hash, new)))
+            .is_err()
+        {
+            return None;
+        }
+        Some(set.insert(hash, guard.take().expect("not put yet")))
+    });
+    match put {
+        Ok(Some(acquired)) => Ok(acquired),
+        // After unlocking: named, then released.
+        Ok(None) => {
+            let guard = guard.expect("not put");
+            let key = guard.key().clone();
+            drop(guard);
+            Err(TransactionError::InFlight { key })
+        }
+        Err(Ended) => Err(TransactionError::Ended),
+    }
 }
 
 /// The slow path: a new key that was not free at once, or an upgrade.

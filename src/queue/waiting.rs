@@ -393,10 +393,11 @@ impl<K> ShardState<K> {
         }
     }
 
-    /// [`release`](Self::release), answering whether grant `token` still
-    /// held the key with a live lease when it let go (`false`: it had lost
-    /// the key, or its lease had lapsed unnoticed; either way it lets go).
-    pub(crate) fn release_checked(
+    /// [`release`](Self::release) if grant `token` still holds the key with
+    /// a live lease; `false` (nothing done) if it has lost the key, or its
+    /// lease has lapsed unnoticed: the caller names the key (its grant keeps
+    /// the entry alive) and then releases it as lost.
+    pub(crate) fn release_if_live(
         &mut self,
         hash: u64,
         key: KeyPtr<K>,
@@ -409,7 +410,9 @@ impl<K> ShardState<K> {
             .holders
             .get(token)
             .is_some_and(|h| h.is_live(ctx.clock()));
-        self.release(hash, key, token, fairness, ctx);
+        if live {
+            self.release(hash, key, token, fairness, ctx);
+        }
         live
     }
 

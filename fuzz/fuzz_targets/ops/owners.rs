@@ -12,9 +12,9 @@
 //!
 //! A transaction's calls have plain wakers and keys, but the plain futures
 //! around them stay hostile: a release, a grant or a downgrade of an owner
-//! may wake a waker that panics, or drop a stored key that panics (and a
-//! commit drops a clone of each stored key it releases, see `owner_end`;
-//! a clone keeps the original's bomb). Where
+//! may wake a waker that panics, or drop a stored key that panics (an
+//! error's key is a clone of the stored one, which keeps its bomb: the
+//! harness drops errors defused). Where
 //! the crate's state after such a panic is defined (a release: complete; a
 //! commit, abort or drop: every key released; a dropped call: undone, the
 //! rest of the undo running while unwinding) the call is made and the
@@ -1167,21 +1167,12 @@ impl<'a> Harness<'a> {
             .map(|&(k, g)| (k, self.model.guards[&g].token))
             .collect();
         self.owners.must = false;
-        for &(k, g) in &guards {
-            // A commit names each key with a clone of the table's copy,
-            // made before its release (which may free that copy) and
-            // dropped after it (its deferred work done), except the first
-            // lost one's, which the error carries: a clone of a stored key
-            // whose drop panics panics too (not while unwinding: the rest
-            // are released by the set's drop, unnamed).
-            let clone_bomb = how == 0 && self.model.keys[k].stored_bomb;
-            let named = lost.first().is_some_and(|&(lk, _)| lk == k);
+        for &(_, g) in &guards {
+            // A commit releases a live grant without copying its key; only
+            // the first lost one is named, by a clone the error carries
+            // (the caller's to drop): no clone of a stored key is dropped.
             self.model.release(g);
             self.owner_call_done();
-            if clone_bomb && !named {
-                self.model.bomb_keys += 1;
-                self.owner_call_done();
-            }
         }
         let o = self.owners.list.get_mut(&inst).unwrap();
         o.m.slots.clear();
