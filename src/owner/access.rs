@@ -60,6 +60,13 @@ pub(crate) struct Ended;
 pub(crate) trait Access {
     type R: Reach;
 
+    /// Whether this call is the transaction's only one (the borrowed form):
+    /// then a key may be taken on the table before it is claimed in the set.
+    /// With other calls pending (the owned form), a call claims first, so
+    /// that a second call for the same key fails `InFlight` rather than
+    /// waiting on its own transaction's grant.
+    const SOLE: bool;
+
     fn owner(&self) -> &Owner<Self::R>;
 
     /// Runs `f` on the set of keys, unless the transaction has ended.
@@ -84,6 +91,8 @@ pub(crate) struct Direct<'a, R: Reach> {
 
 impl<R: Reach> Access for Direct<'_, R> {
     type R = R;
+
+    const SOLE: bool = true;
 
     #[inline]
     fn owner(&self) -> &Owner<R> {
@@ -204,6 +213,8 @@ impl<R: Reach> Shared<R> {
 
 impl<R: Reach> Access for Arc<Shared<R>> {
     type R = R;
+
+    const SOLE: bool = false;
 
     #[inline]
     fn owner(&self) -> &Owner<R> {

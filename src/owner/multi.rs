@@ -335,7 +335,8 @@ where
 
 /// The call as far as it goes without waiting: done, or the boxed rest.
 ///
-/// The common case runs without claims: the set is looked at once (every
+/// The borrowed form's common case runs without claims (see
+/// [`Access::SOLE`]): the set is looked at once (every
 /// key new or covered), each new key is taken on the table at once, and
 /// everything goes into the set in one step if the set is still at the
 /// version it was looked at. Anything else (a key held in a weaker mode or
@@ -355,9 +356,10 @@ where
 {
     let mut requests = order(&access.owner().reach, requests);
     let mut taken: Few<(usize, GuardOf<A>)> = Few::new();
-    match take_now(access, &mut requests, &mut taken, policy) {
-        Ok(done) => return Ok(done),
-        Err(Fallback) => {}
+    if A::SOLE {
+        if let Ok(done) = take_now(access, &mut requests, &mut taken, policy) {
+            return Ok(done);
+        }
     }
     claim_all(access, requests, taken, policy)
 }

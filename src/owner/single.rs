@@ -4,9 +4,9 @@
 //! A lock first looks at the held set ([`HeldSet::find`]): a key held in a
 //! covering mode is counted and the call returns at once; a new key is
 //! tried on the table at once and, if had, put into the set if the set is
-//! at the version the call looked at (an owned transaction's other calls
-//! may have changed it meanwhile) — no claim, no copy of the key. Anything
-//! else claims its key ([`HeldSet::begin`]): a key held shared and asked
+//! at the version the call looked at — no claim, no copy of the key. That
+//! is the borrowed form's way, whose call is the only one; an owned
+//! transaction's calls, and anything else, claim their key ([`HeldSet::begin`]): a key held shared and asked
 //! exclusive has its guard taken out and upgraded; a new key that was not
 //! free waits on the table. Until the call settles, a [`Claim`]
 //! owns what it took: dropped (the future cancelled, or unwinding), it gives
@@ -131,15 +131,20 @@ where
     KeyOf<A>: Clone,
 {
     let hash = access.owner().reach.table().hash(&key);
-    // The fast path: a covered key is counted at once; a new key is taken
-    // on the table without a claim in the set (no copy of the key), then
-    // put in if the set is as it was (the owned form's other calls may
-    // have claimed it meanwhile: then this call is the one in flight).
-    let found = access.with(|set| match set.find(hash, &key, mode) {
-        Found::Covered { at } => Ok(set.reenter(at)),
-        Found::Absent => Err(Some(set.version())),
-        Found::Other => Err(None),
-    });
+    // The borrowed form's fast path (see `Access::SOLE`): a covered key is
+    // counted at once; a new key is taken on the table without a claim in
+    // the set (no copy of the key), then put in if the set is at the
+    // version it was looked at (it is: the check keeps the step sound on
+    // its own).
+    let found = if A::SOLE {
+        access.with(|set| match set.find(hash, &key, mode) {
+            Found::Covered { at } => Ok(set.reenter(at)),
+            Found::Absent => Err(Some(set.version())),
+            Found::Other => Err(None),
+        })
+    } else {
+        Ok(Err(None))
+    };
     let tried = match found {
         Err(Ended) => return Ok(Err(TransactionError::Ended)),
         Ok(Ok(acquired)) => return Ok(Ok(acquired)),
