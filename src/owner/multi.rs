@@ -342,15 +342,11 @@ where
 /// version it was looked at. Anything else (a key held in a weaker mode or
 /// busy, a key that is not free, the set changed meanwhile) goes the
 /// claiming way, keeping the guards already taken.
-#[allow(clippy::type_complexity)]
 fn lock_all_now<A: Access>(
     access: &mut A,
     requests: Few<(KeyOf<A>, Mode)>,
     policy: WaitPolicy,
-) -> Result<
-    Result<LockedSet<KeyOf<A>>, TransactionError<KeyOf<A>>>,
-    Pin<Box<impl Future<Output = Result<LockedSet<KeyOf<A>>, TransactionError<KeyOf<A>>>> + '_>>,
->
+) -> Result<Outcome<A>, Pin<Box<impl Future<Output = Outcome<A>> + '_>>>
 where
     KeyOf<A>: Ord + Clone,
 {
@@ -363,6 +359,9 @@ where
     }
     claim_all(access, requests, taken, policy)
 }
+
+/// What a `lock_all` ends with.
+type Outcome<A> = Result<LockedSet<KeyOf<A>>, TransactionError<KeyOf<A>>>;
 
 /// The fast path could not finish; `taken` keeps what it got.
 struct Fallback;
@@ -445,16 +444,12 @@ where
 /// The claiming way: every key claimed in the set (the guards the fast
 /// path took go to their claims), then the rest taken in order, waiting
 /// where needed (boxed).
-#[allow(clippy::type_complexity)]
 fn claim_all<A: Access>(
     access: &mut A,
     mut requests: Few<Request<KeyOf<A>>>,
     taken: Few<(usize, GuardOf<A>)>,
     policy: WaitPolicy,
-) -> Result<
-    Result<LockedSet<KeyOf<A>>, TransactionError<KeyOf<A>>>,
-    Pin<Box<impl Future<Output = Result<LockedSet<KeyOf<A>>, TransactionError<KeyOf<A>>>> + '_>>,
->
+) -> Result<Outcome<A>, Pin<Box<impl Future<Output = Outcome<A>> + '_>>>
 where
     KeyOf<A>: Ord + Clone,
 {
