@@ -105,6 +105,32 @@ fn main() {
                 drop(black_box((second, first)));
             }
         }
+        // An audit: 64 keys shared by one `lock_all` + commit (`audit`),
+        // against 64 plain shared guards (`audit_guards`).
+        "audit" => {
+            let mut cx = Context::from_waker(futures::task::noop_waker_ref());
+            for _ in 0..n {
+                let mut txn = table.transaction();
+                {
+                    let keys = (0..64u64).map(|k| (black_box(k), keylock::Mode::Shared));
+                    let fut = pin!(txn.lock_all(keys));
+                    let Poll::Ready(got) = fut.poll(&mut cx) else {
+                        unreachable!("uncontended")
+                    };
+                    black_box(got.expect("uncontended"));
+                }
+                txn.commit().expect("no lease");
+            }
+        }
+        "audit_guards" => {
+            let mut guards = Vec::with_capacity(64);
+            for _ in 0..n {
+                for k in 0..64u64 {
+                    guards.push(table.try_lock_shared(black_box(k)).expect("uncontended"));
+                }
+                guards.clear();
+            }
+        }
         "owned1" => {
             let table = std::sync::Arc::new(keylock::LockTable::<u64>::new());
             let mut cx = Context::from_waker(futures::task::noop_waker_ref());
@@ -137,7 +163,7 @@ fn main() {
             }
         }
         other => panic!(
-            "unknown mode {other:?}: try | lease | lock | txn1 | txn2 | guards2 | owned1 | tokio | std"
+            "unknown mode {other:?}: try | lease | lock | txn1 | txn2 | guards2 | audit | audit_guards | owned1 | tokio | std"
         ),
     }
     assert!(table.is_empty());

@@ -13,7 +13,8 @@
 //! a lock that let two transfers of one account in together would lose an
 //! update, and an audit that saw a transfer half done would see a wrong
 //! total: the run checks both. Shared by `examples/bank.rs` and
-//! `examples/compare.rs`.
+//! `examples/compare.rs`. With `BANK_STATS` set in the environment, each
+//! keylock run prints its table's counters (grants, waits) to stderr.
 
 use std::future::Future;
 use std::sync::atomic::{AtomicI64, AtomicU64, Ordering::Relaxed};
@@ -57,6 +58,11 @@ pub(crate) trait Bank: Send + Sync + 'static {
 
     fn ledger(&self) -> &Ledger;
 
+    /// The lock table's counters, if it has some.
+    fn stats(&self) -> String {
+        String::new()
+    }
+
     /// Locks `from` and `to` exclusively, moves `amount`, unlocks.
     fn transfer(&self, from: u64, to: u64, amount: i64) -> impl Future<Output = ()> + Send + '_;
 
@@ -82,6 +88,10 @@ impl Bank for KeylockBank {
 
     fn ledger(&self) -> &Ledger {
         &self.ledger
+    }
+
+    fn stats(&self) -> String {
+        format!("{:?}", self.table.stats())
     }
 
     async fn transfer(&self, from: u64, to: u64, amount: i64) {
@@ -124,6 +134,10 @@ impl Bank for KeylockGuardsBank {
 
     fn ledger(&self) -> &Ledger {
         &self.ledger
+    }
+
+    fn stats(&self) -> String {
+        format!("{:?}", self.table.stats())
     }
 
     async fn transfer(&self, from: u64, to: u64, amount: i64) {
@@ -339,6 +353,9 @@ pub(crate) fn run<B: Bank>(rt: &Runtime, shape: BankRun, hang: Duration) -> Bank
             .unwrap_or_else(|_| panic!("{}: the bank hung (no progress in {hang:?})", B::NAME))
     });
     let (elapsed, mut transfer_waits, audits, bad_audits) = outcome;
+    if std::env::var_os("BANK_STATS").is_some() {
+        eprintln!("{}: {}", B::NAME, bank.stats());
+    }
     transfer_waits.sort_unstable();
     BankOutcome {
         elapsed,

@@ -238,7 +238,9 @@ impl<G, K> HeldSet<G, K> {
                 index.insert_unique(hash, at, |&i| slots[i].hash);
             }
             None if slots.len() > LINEAR_MAX => {
-                let mut index = HashTable::with_capacity(slots.len() * 2);
+                // Room for as many slots as were made room for (a large
+                // `lock_all` reserved them): no rehash while it goes in.
+                let mut index = HashTable::with_capacity(slots.capacity().max(slots.len() * 2));
                 for (i, slot) in slots.iter().enumerate() {
                     index.insert_unique(slot.hash, i, |&i| slots[i].hash);
                 }
@@ -295,6 +297,10 @@ impl<G: GuardOps<Key = K>, K: Eq> HeldSet<G, K> {
     pub(crate) fn reserve(&mut self, additional: usize) {
         self.slots.reserve(additional);
         self.hashes.reserve(additional);
+        if let Some(index) = &mut self.index {
+            let slots = &self.slots;
+            index.reserve(additional, |&i| slots[i].hash);
+        }
     }
 
     /// The guards held now (not those a pending call has away).

@@ -50,6 +50,7 @@ use std::future::Future;
 use std::mem;
 use std::panic::{catch_unwind, resume_unwind, AssertUnwindSafe};
 use std::pin::Pin;
+use std::task::{Context, Poll};
 
 use crate::mode::Mode;
 use crate::owner::access::{unless_ended, Access, Ended};
@@ -300,7 +301,21 @@ where
             mode,
         })
         .collect();
-    requests.sort_unstable_by(|a, b| a.hash.cmp(&b.hash).then_with(|| a.key.cmp(&b.key)));
+    // By hash (a plain word compare), then runs of equal hashes by key.
+    requests.sort_unstable_by_key(|r| r.hash);
+    let mut start = 0;
+    while start < requests.len() {
+        let hash = requests[start].hash;
+        let end = start
+            + requests[start..]
+                .iter()
+                .take_while(|r| r.hash == hash)
+                .count();
+        if end - start > 1 {
+            requests[start..end].sort_unstable_by(|a, b| a.key.cmp(&b.key));
+        }
+        start = end;
+    }
     requests.dedup_by(|later, kept| {
         let same = later.hash == kept.hash && later.key == kept.key;
         if same {
@@ -346,25 +361,60 @@ fn lock_all_now<A: Access>(
     access: &mut A,
     requests: Few<(KeyOf<A>, Mode)>,
     policy: WaitPolicy,
-) -> Result<Outcome<A>, Pin<Box<impl Future<Output = Outcome<A>> + '_>>>
+) -> Result<
+    Outcome<A>,
+    Rest<impl Future<Output = Outcome<A>> + '_, impl Future<Output = Outcome<A>> + '_>,
+>
 where
     KeyOf<A>: Ord + Clone,
 {
     let mut requests = order(&access.owner().reach, requests);
     let mut taken: Few<(usize, GuardOf<A>)> = Few::new();
     if A::SOLE {
-        if let Ok(done) = take_now(access, &mut requests, &mut taken, policy) {
-            return Ok(done);
+        let mut found: Few<Found> = Few::with_capacity(requests.len());
+        match take_now(access, &mut requests, &mut found, &mut taken, policy) {
+            Ok(done) => return Ok(done),
+            Err(Fallback::Busy { at, version }) => {
+                return Err(Rest::Sole(Box::pin(wait_sole(
+                    access, requests, found, version, taken, at, policy,
+                ))));
+            }
+            Err(Fallback::Other | Fallback::Moved) => {}
         }
     }
-    claim_all(access, requests, taken, policy)
+    claim_all(access, requests, taken, policy).map_err(Rest::Claimed)
 }
 
 /// What a `lock_all` ends with.
 type Outcome<A> = Result<LockedSet<KeyOf<A>>, TransactionError<KeyOf<A>>>;
 
-/// The fast path could not finish; `taken` keeps what it got.
-struct Fallback;
+/// The rest of a call that must wait: the borrowed form's, or the
+/// claiming way's (each boxed, so the call's own future stays small).
+enum Rest<L, R> {
+    Sole(Pin<Box<L>>),
+    Claimed(Pin<Box<R>>),
+}
+
+impl<L: Future, R: Future<Output = L::Output>> Future for Rest<L, R> {
+    type Output = L::Output;
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<L::Output> {
+        match self.get_mut() {
+            Rest::Sole(rest) => rest.as_mut().poll(cx),
+            Rest::Claimed(rest) => rest.as_mut().poll(cx),
+        }
+    }
+}
+
+/// Why the fast path could not finish; `taken` keeps what it got.
+enum Fallback {
+    /// Request `at` is not free at once (the set was at `version`).
+    Busy { at: usize, version: u64 },
+    /// A key is held in a weaker mode, or busy with another call.
+    Other,
+    /// The set changed since it was looked at.
+    Moved,
+}
 
 /// The fast path of [`lock_all_now`]: done (everything in the set, or the
 /// transaction ended), or [`Fallback`] with the guards taken so far in
@@ -373,13 +423,14 @@ struct Fallback;
 fn take_now<A: Access>(
     access: &mut A,
     requests: &mut Few<Request<KeyOf<A>>>,
+    found: &mut Few<Found>,
     taken: &mut Few<(usize, GuardOf<A>)>,
     policy: WaitPolicy,
-) -> Result<Result<LockedSet<KeyOf<A>>, TransactionError<KeyOf<A>>>, Fallback>
+) -> Result<Outcome<A>, Fallback>
 where
     KeyOf<A>: Ord + Clone,
 {
-    let mut found: Few<Found> = Few::with_capacity(requests.len());
+    found.reserve(requests.len());
     let looked = access.with(|set| {
         for request in requests.iter() {
             let key = request.key.as_ref().expect("not taken yet");
@@ -392,7 +443,7 @@ where
     });
     let version = match looked {
         Err(Ended) => return Ok(Err(TransactionError::Ended)),
-        Ok(None) => return Err(Fallback),
+        Ok(None) => return Err(Fallback::Other),
         Ok(Some(version)) => version,
     };
     for (i, request) in requests.iter_mut().enumerate() {
@@ -405,23 +456,36 @@ where
             Ok(guard) => taken.push((i, guard)),
             Err(key) => {
                 request.key = Some(key);
-                return Err(Fallback);
+                return Err(Fallback::Busy { at: i, version });
             }
         }
     }
+    put_all(access, requests, found, version, taken, Vec::new())
+}
+
+/// Puts what a call without claims got into the set in one step, if the
+/// set is still at `version` (no user code runs then); else
+/// [`Fallback::Moved`].
+fn put_all<A: Access>(
+    access: &mut A,
+    requests: &[Request<KeyOf<A>>],
+    found: &[Found],
+    version: u64,
+    taken: &mut Few<(usize, GuardOf<A>)>,
+    skipped: Vec<KeyOf<A>>,
+) -> Result<Outcome<A>, Fallback> {
     let mut out = LockedSet {
         acquired: 0,
         reentered: 0,
         upgraded: 0,
-        skipped: Vec::new(),
+        skipped,
     };
-    // No user code runs here unless the version moved (then nothing is
-    // put in: the claiming way sorts it out).
     let put = access.with(|set| {
         if set.version() != version {
             return false;
         }
-        for f in &found {
+        set.reserve(taken.len());
+        for f in found {
             if let Found::Covered { at } = *f {
                 set.reenter(at);
                 out.reentered += 1;
@@ -437,7 +501,67 @@ where
         // The guards (had it ended) are released as `taken` drops.
         Err(Ended) => Ok(Err(TransactionError::Ended)),
         Ok(true) => Ok(Ok(out)),
-        Ok(false) => Err(Fallback),
+        Ok(false) => Err(Fallback::Moved),
+    }
+}
+
+/// The borrowed form's wait (see [`Access::SOLE`]): from request `from`
+/// on, each new key is tried at once, else waited for (in the canonical
+/// order, holding what the call took: as sorted plain guards would); then
+/// everything goes into the set in one step. Nothing is claimed: the
+/// transaction is borrowed by this call, so the set cannot change
+/// meanwhile. Dropped at an await, or failing, the call releases what it
+/// took (its guards drop) and the set is as it was.
+async fn wait_sole<A: Access>(
+    access: &mut A,
+    mut requests: Few<Request<KeyOf<A>>>,
+    found: Few<Found>,
+    version: u64,
+    mut taken: Few<(usize, GuardOf<A>)>,
+    from: usize,
+    policy: WaitPolicy,
+) -> Outcome<A>
+where
+    KeyOf<A>: Ord + Clone,
+{
+    let mut skipped = Vec::new();
+    for i in from..requests.len() {
+        if found[i] != Found::Absent {
+            continue;
+        }
+        let request = &mut requests[i];
+        let key = request.key.take().expect("taken once");
+        let opts = access.owner().opts.lock_options(request.mode, policy);
+        let key = match access.owner().reach.try_lock_kept(request.hash, key, opts) {
+            Ok(guard) => {
+                taken.push((i, guard));
+                continue;
+            }
+            Err(key) => key,
+        };
+        // The name for an error or a skip (the key goes to the table).
+        let name = key.clone();
+        let lock = access.owner().reach.lock_with(key, opts);
+        match unless_ended(&mut *access, lock).await {
+            Err(Ended) => return Err(TransactionError::Ended),
+            Ok(Ok(guard)) => taken.push((i, guard)),
+            Ok(Err(error)) if policy == WaitPolicy::SkipLocked && is_taken(&error) => {
+                skipped.push(name);
+            }
+            Ok(Err(error)) => {
+                return Err(TransactionError::from_lock(
+                    name,
+                    request.mode,
+                    policy.waits(),
+                    error,
+                ))
+            }
+        }
+    }
+    match put_all(access, &requests, &found, version, &mut taken, skipped) {
+        Ok(done) => done,
+        // The call has the transaction to itself: its set cannot move.
+        Err(_) => unreachable!("a borrowed transaction's set changed during its call"),
     }
 }
 
