@@ -304,7 +304,7 @@ where
     // By hash (a plain word compare), then runs of equal hashes by key.
     requests.sort_unstable_by_key(|r| r.hash);
     let mut start = 0;
-    while start < requests.len() {
+    while start + 1 < requests.len() {
         let hash = requests[start].hash;
         let end = start
             + requests[start..]
@@ -484,7 +484,9 @@ fn put_all<A: Access>(
         if set.version() != version {
             return false;
         }
-        set.reserve(taken.len());
+        if taken.len() > 4 {
+            set.reserve(taken.len());
+        }
         for f in found {
             if let Found::Covered { at } = *f {
                 set.reenter(at);
