@@ -592,7 +592,7 @@ where
         access.with(|set| {
             set.reserve(requests.len());
             for (i, request) in requests.iter().enumerate() {
-                let mine = taken.next_if(|(at, _)| *at == i).map(|(_, guard)| guard);
+                let mut mine = taken.next_if(|(at, _)| *at == i).map(|(_, guard)| guard);
                 let key = match (&request.key, &mine) {
                     (Some(key), _) => key,
                     (None, Some(guard)) => guard.key(),
@@ -600,35 +600,19 @@ where
                 };
                 // Pushed as soon as claimed: a panic in the next key's `Eq`
                 // leaves the stage to undo this one.
-                let (id, kind, guard) = match set.begin(request.hash, key, request.mode, false) {
-                    Err(_busy) => return Err((i, mine)),
-                    Ok(Begin::Covered { id, .. }) if mine.is_none() => (id, Kind::Covered, None),
-                    Ok(Begin::Upgrade { id, guard }) if mine.is_none() => {
-                        (id, Kind::Upgrade, Some(guard))
-                    }
-                    Ok(Begin::New { id }) => (id, Kind::New, mine),
-                    // Another call of the transaction took the key while
-                    // this one was taking it too (two shared grants): this
-                    // call is the one in flight.
-                    Ok(begun) => {
-                        // Its claim is given back (and a guard taken out to
-                        // upgrade put back) as the stage drops.
-                        let (id, kind, guard) = match begun {
-                            Begin::Covered { id, .. } => (id, Kind::Covered, None),
-                            Begin::Upgrade { id, guard } => (id, Kind::Upgrade, Some(guard)),
-                            Begin::New { .. } => unreachable!("matched above"),
-                        };
-                        entries.push(Staged {
-                            hash: request.hash,
-                            id,
-                            kind,
-                            guard,
-                            upgraded: false,
-                            skipped: false,
-                        });
-                        return Err((i, mine));
-                    }
-                };
+                // A key the transaction's other call took while this one
+                // was taking it too (two shared grants) is a conflict: this
+                // call is the one in flight (its claim is given back, and a
+                // guard taken out to upgrade put back, as the stage drops).
+                let (id, kind, guard, conflict) =
+                    match set.begin(request.hash, key, request.mode, false) {
+                        Err(_busy) => return Err((i, mine)),
+                        Ok(Begin::Covered { id, .. }) => (id, Kind::Covered, None, mine.is_some()),
+                        Ok(Begin::Upgrade { id, guard }) => {
+                            (id, Kind::Upgrade, Some(guard), mine.is_some())
+                        }
+                        Ok(Begin::New { id }) => (id, Kind::New, mine.take(), false),
+                    };
                 entries.push(Staged {
                     hash: request.hash,
                     id,
@@ -637,6 +621,9 @@ where
                     upgraded: false,
                     skipped: false,
                 });
+                if conflict {
+                    return Err((i, mine));
+                }
             }
             Ok(())
         })
