@@ -452,13 +452,16 @@ impl<'a, K, S> Guard<'a, K, S> {
     /// dropped (released as lost).
     #[inline]
     pub(crate) fn release_if_live(self) -> Result<FencingToken, Self> {
-        if !self.held.release_if_live(self.table) {
-            return Err(self);
-        }
         let token = self.token();
-        // Released: `Drop` must not run; a borrowed guard owns nothing else.
-        std::mem::forget(self);
-        Ok(token)
+        // `Drop` must not run once the table released the grant, even if
+        // the release's deferred work (a key's drop, a wake) panics: a
+        // borrowed guard owns nothing else.
+        let this = std::mem::ManuallyDrop::new(self);
+        if this.held.release_if_live(this.table) {
+            Ok(token)
+        } else {
+            Err(std::mem::ManuallyDrop::into_inner(this))
+        }
     }
 
     guard_methods!();
@@ -540,16 +543,20 @@ impl<K, S> OwnedGuard<K, S> {
     /// As [`Guard::release_if_live`].
     #[inline]
     pub(crate) fn release_if_live(self) -> Result<FencingToken, Self> {
-        if !self.held.release_if_live(&self.table) {
-            return Err(self);
-        }
         let token = self.token();
-        // Released: `Drop`, which would release again, must not run.
+        // `Drop` must not run once the table released the grant, even if
+        // the release's deferred work (a key's drop, a wake) panics.
         let this = std::mem::ManuallyDrop::new(self);
-        // SAFETY: `this` is never used again and its `Drop` never runs,
-        // so the table's `Arc` is read out exactly once, and dropped.
-        drop(unsafe { std::ptr::read(&this.table) });
-        Ok(token)
+        // SAFETY: `this` is never used again and its `Drop` never runs, so
+        // the table's `Arc` and the grant are read out exactly once: the
+        // `Arc` drops here (also if the release panics), or both go back
+        // into a guard for a grant that was not released.
+        let (table, held) = unsafe { (std::ptr::read(&this.table), std::ptr::read(&this.held)) };
+        if held.release_if_live(&table) {
+            Ok(token)
+        } else {
+            Err(Self { table, held })
+        }
     }
 
     guard_methods!();
