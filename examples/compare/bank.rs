@@ -14,7 +14,9 @@
 //! update, and an audit that saw a transfer half done would see a wrong
 //! total: the run checks both. Shared by `examples/bank.rs` and
 //! `examples/compare.rs`. With `BANK_STATS` set in the environment, each
-//! keylock run prints its table's counters (grants, waits) to stderr.
+//! keylock run prints its table's counters (grants, waits) to stderr; with
+//! `BANK_ONLY=txn`, `dashmap` or `guards`, only that bank runs (to profile
+//! one bank at a time, e.g. under `perf record`).
 
 use std::future::Future;
 use std::sync::atomic::{AtomicI64, AtomicU64, Ordering::Relaxed};
@@ -374,10 +376,18 @@ pub(crate) fn run<B: Bank>(rt: &Runtime, shape: BankRun, hang: Duration) -> Bank
 pub(crate) fn compare(rt: &Runtime, shape: BankRun, reps: usize, hang: Duration) -> String {
     use std::fmt::Write as _;
     let (mut ours, mut theirs, mut guards) = (Vec::new(), Vec::new(), Vec::new());
+    let only = std::env::var("BANK_ONLY").unwrap_or_default();
+    let runs = |name: &str| only.is_empty() || only == name;
     for _ in 0..reps {
-        ours.push(checked::<KeylockBank>(rt, shape, hang));
-        theirs.push(checked::<DashMapBank>(rt, shape, hang));
-        guards.push(checked::<KeylockGuardsBank>(rt, shape, hang));
+        if runs("txn") {
+            ours.push(checked::<KeylockBank>(rt, shape, hang));
+        }
+        if runs("dashmap") {
+            theirs.push(checked::<DashMapBank>(rt, shape, hang));
+        }
+        if runs("guards") {
+            guards.push(checked::<KeylockGuardsBank>(rt, shape, hang));
+        }
     }
     let mut o = String::new();
     writeln!(
