@@ -15,7 +15,7 @@ use crate::deferred::Leftovers;
 use crate::error::LockError;
 use crate::guard::{Guard, Held, OwnedGuard};
 use crate::key_slot::KeyPtr;
-use crate::lease::{LockOptions, PackedDuration};
+use crate::lease::{LockOptions, PackedDuration, Terms};
 use crate::mode::Mode;
 use crate::queue::{Attempt, Diagnosis, Grant, Patience, Polled};
 use crate::table::{DefaultHashBuilder, LockTable};
@@ -63,6 +63,8 @@ pub(crate) struct Acquire<T: TableHandle<K>, K> {
     state: State<K>,
     lease: PackedDuration,
     timeout: PackedDuration,
+    /// The transaction the grant is for (0: none).
+    owner: u64,
     /// When the caller gives up, as asked (none: no deadline).
     deadline: Stamp,
     timing: Timing,
@@ -101,6 +103,7 @@ where
             state,
             lease,
             timeout: PackedDuration::pack(timeout),
+            owner: opts.owner_id(),
             deadline: Stamp::new(opts.deadline_instant()),
             timing: Timing::default(),
             sleep: None,
@@ -123,6 +126,7 @@ where
             state: State::StartUpgrade { key },
             lease: PackedDuration::from_bits(token.get()),
             timeout: PackedDuration::pack(opts.timeout_duration()),
+            owner: 0,
             deadline: Stamp::new(opts.deadline_instant()),
             timing: Timing::default(),
             sleep: None,
@@ -231,7 +235,10 @@ where
         left: &mut Leftovers<K>,
     ) -> Result<Step<(T, Held<K>)>, Box<LockError>> {
         let table = self.table.as_deref().expect("present until completion");
-        let lease = self.lease;
+        let terms = Terms {
+            lease: self.lease,
+            owner: self.owner,
+        };
         let timeout = if self.timeout == PackedDuration::NONE {
             None
         } else {
@@ -242,7 +249,7 @@ where
         let passed =
             self.deadline.is_some() && Stamp::new(Some(table.clock().now())) >= self.deadline;
         if timeout == Some(Duration::ZERO) || passed {
-            return match try_once(table, self.hash, key, mode, lease, left) {
+            return match try_once(table, self.hash, key, mode, terms, left) {
                 Ok(grant) => Ok(Step::Ready(self.finish(grant))),
                 Err(diagnosis) => Err(Box::new(timeout_error(Duration::ZERO, diagnosis))),
             };
@@ -263,7 +270,7 @@ where
                     self.hash,
                     &mut key,
                     mode,
-                    lease,
+                    terms,
                     Patience {
                         timeout,
                         deadline: self.deadline,
@@ -602,7 +609,7 @@ fn try_once<K: Eq + Hash, S: BuildHasher>(
     hash: u64,
     key: K,
     mode: Mode,
-    lease: PackedDuration,
+    terms: Terms,
     left: &mut Leftovers<K>,
 ) -> Result<Grant<K>, Diagnosis> {
     let shard = table.shard(hash);
@@ -610,7 +617,7 @@ fn try_once<K: Eq + Hash, S: BuildHasher>(
     let mut ctx = shard.ctx(table.clock(), left);
     let result = {
         let mut state = shard.state.lock();
-        match state.try_acquire(hash, &mut key, mode, lease, table.fairness(), &mut ctx) {
+        match state.try_acquire(hash, &mut key, mode, terms, table.fairness(), &mut ctx) {
             Some(grant) => Ok(grant),
             None => {
                 let probe = key.as_ref().expect("kept on failure");

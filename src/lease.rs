@@ -29,6 +29,8 @@ pub struct LockOptions {
     timeout: Option<Duration>,
     deadline: Option<Instant>,
     mode: Mode,
+    /// The transaction the grant is for (0: none); see [`Terms`].
+    owner: u64,
 }
 
 impl LockOptions {
@@ -41,7 +43,22 @@ impl LockOptions {
             timeout: None,
             deadline: None,
             mode: Mode::Exclusive,
+            owner: 0,
         }
+    }
+
+    /// The grant is for the transaction `owner` (0: none): recorded with
+    /// the grant and with its waiter, for deadlock detection and the status
+    /// view.
+    #[must_use]
+    pub(crate) const fn for_owner(mut self, owner: u64) -> Self {
+        self.owner = owner;
+        self
+    }
+
+    /// The transaction the grant is for (0: none).
+    pub(crate) const fn owner_id(&self) -> u64 {
+        self.owner
     }
 
     /// Take the key in `mode`: [`Mode::Exclusive`] (the default) or
@@ -184,6 +201,23 @@ impl LeasePolicy {
 /// callers treat as for ever.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct PackedDuration(u64);
+
+/// What a new grant carries besides its mode: its lease, and the
+/// transaction it is for (0: none, a plain guard). A waiter carries them
+/// from its request to its grant.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Terms {
+    pub(crate) lease: PackedDuration,
+    pub(crate) owner: u64,
+}
+
+impl Terms {
+    /// A lease, for no transaction.
+    #[inline(always)]
+    pub(crate) const fn lease(lease: PackedDuration) -> Self {
+        Self { lease, owner: 0 }
+    }
+}
 
 impl PackedDuration {
     pub(crate) const NONE: Self = Self(u64::MAX);

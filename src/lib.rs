@@ -276,6 +276,7 @@ struct ReadmeDoctests;
 mod acquire;
 mod blocking;
 mod clock;
+mod deadlock;
 mod deferred;
 mod error;
 mod fairness;
@@ -302,6 +303,7 @@ mod waiter;
 #[cfg(feature = "test-util")]
 #[cfg_attr(docsrs, doc(cfg(feature = "test-util")))]
 pub use clock::ManualClock;
+pub use deadlock::{CycleWait, Deadlock, TransactionId};
 pub use error::{LockError, TryLockError};
 pub use fairness::Fairness;
 pub use guard::{Guard, OwnedGuard};

@@ -16,13 +16,14 @@ use std::time::Duration;
 use crossbeam_utils::CachePadded;
 
 use crate::acquire::{Lock, LockOwned, LockOwnedWith, LockWith};
-use crate::clock::Clock;
+use crate::clock::{Clock, Now};
+use crate::deadlock::Detector;
 use crate::deferred::{Ctx, Leftovers};
 use crate::error::{LockError, TryLockError};
 use crate::fairness::Fairness;
 use crate::guard::{Guard, Held, OwnedGuard};
 use crate::key_slot::KeyPtr;
-use crate::lease::{LeasePolicy, LockOptions, PackedDuration, DEFAULT_MAX_LEASE, MIN_LEASE};
+use crate::lease::{LeasePolicy, LockOptions, PackedDuration, Terms, DEFAULT_MAX_LEASE, MIN_LEASE};
 use crate::mode::Mode;
 use crate::queue::{Grant, ShardState};
 use crate::shard_lock::ShardMutex;
@@ -121,6 +122,8 @@ pub struct LockTable<K, S = DefaultHashBuilder> {
     leases: LeasePolicy,
     fairness: Fairness,
     token_floor: u64,
+    /// Deadlock detection for transactions (see `deadlock.rs`).
+    detector: Detector<K>,
 }
 
 impl<K: Eq + Hash> LockTable<K> {
@@ -248,9 +251,7 @@ impl<K, S> LockTable<K, S> {
 
     #[inline]
     pub(crate) fn shard(&self, hash: u64) -> &Shard<K> {
-        // The low bits pick a bucket inside the shard's table and the top
-        // seven its tag: take the shard from the bits in between.
-        let index = (hash >> 32) as usize & self.mask;
+        let index = self.shard_index(hash);
         debug_assert!(index < self.shards.len());
         // SAFETY: `mask` is the shard count (a power of two) minus one, so
         // `index` is in bounds.
@@ -267,6 +268,58 @@ impl<K, S> LockTable<K, S> {
         for shard in self.shards.iter() {
             shard.state.lock().validate(self.fairness);
         }
+    }
+
+    /// The index of the shard of `hash`. The low bits pick a bucket inside
+    /// the shard's table and the top seven its tag: the shard comes from
+    /// the bits in between.
+    #[inline(always)]
+    fn shard_index(&self, hash: u64) -> usize {
+        (hash >> 32) as usize & self.mask
+    }
+
+    /// The deadlock detector of the table's transactions.
+    #[inline]
+    pub(crate) fn detector(&self) -> &Detector<K> {
+        &self.detector
+    }
+
+    /// The transactions `owner`'s waiter on `key` waits for, appended to
+    /// `out`; `false` if it has no waiter queued there. See
+    /// `queue/edges.rs`.
+    pub(crate) fn wait_edges(&self, hash: u64, key: &K, owner: u64, out: &mut Vec<u64>) -> bool
+    where
+        K: Eq,
+    {
+        let mut now = Now::new(&self.clock);
+        let mut state = self.shard(hash).state.lock();
+        state.wait_edges(hash, key, owner, out, &mut now)
+    }
+
+    /// Whether every edge `(hash, key, owner, next)` holds (`owner`'s
+    /// waiter on `key` waits for `next`) with the shards of all the keys
+    /// locked at once. The shards are locked in index order; nothing else
+    /// holds two shard locks, so this cannot deadlock with anything.
+    pub(crate) fn edges_hold(&self, edges: &[(u64, &K, u64, u64)]) -> bool
+    where
+        K: Eq,
+    {
+        let mut indices: Vec<usize> = edges.iter().map(|e| self.shard_index(e.0)).collect();
+        indices.sort_unstable();
+        indices.dedup();
+        let mut locked: Vec<_> = indices
+            .iter()
+            .map(|&i| self.shards[i].state.lock())
+            .collect();
+        let mut now = Now::new(&self.clock);
+        let mut out = Vec::new();
+        edges.iter().all(|&(hash, key, owner, next)| {
+            let at = indices
+                .binary_search(&self.shard_index(hash))
+                .expect("locked above");
+            out.clear();
+            locked[at].wait_edges(hash, key, owner, &mut out, &mut now) && out.contains(&next)
+        })
     }
 
     #[inline]
@@ -584,7 +637,12 @@ where
     #[inline]
     pub fn try_lock_shared(&self, key: K) -> Result<Guard<'_, K, S>, TryLockError> {
         let hash = self.hash(&key);
-        let (grant, spare) = self.try_acquire(hash, key, Mode::Shared, self.leases.default_packed);
+        let (grant, spare) = self.try_acquire(
+            hash,
+            key,
+            Mode::Shared,
+            Terms::lease(self.leases.default_packed),
+        );
         let guard = grant.map(|grant| Guard::new(self, Held::new(hash, grant)));
         drop(spare);
         guard.ok_or(TryLockError::WouldBlock)
@@ -609,7 +667,12 @@ where
         key: K,
     ) -> Result<OwnedGuard<K, S>, TryLockError> {
         let hash = self.hash(&key);
-        let (grant, spare) = self.try_acquire(hash, key, Mode::Shared, self.leases.default_packed);
+        let (grant, spare) = self.try_acquire(
+            hash,
+            key,
+            Mode::Shared,
+            Terms::lease(self.leases.default_packed),
+        );
         let guard = grant.map(|grant| OwnedGuard::new(self, Held::new(hash, grant)));
         drop(spare);
         guard.ok_or(TryLockError::WouldBlock)
@@ -645,8 +708,12 @@ where
     #[inline]
     pub fn try_lock(&self, key: K) -> Result<Guard<'_, K, S>, TryLockError> {
         let hash = self.hash(&key);
-        let (grant, spare) =
-            self.try_acquire(hash, key, Mode::Exclusive, self.leases.default_packed);
+        let (grant, spare) = self.try_acquire(
+            hash,
+            key,
+            Mode::Exclusive,
+            Terms::lease(self.leases.default_packed),
+        );
         let guard = grant.map(|grant| Guard::new(self, Held::new(hash, grant)));
         // After the guard exists: if the spare key's drop panics, unwinding
         // drops the guard, which releases.
@@ -672,8 +739,7 @@ where
     pub fn try_lock_with(&self, key: K, opts: LockOptions) -> Result<Guard<'_, K, S>, LockError> {
         let lease = self.leases.resolve(opts.lease_duration())?;
         let hash = self.hash(&key);
-        let (grant, spare) =
-            self.try_acquire(hash, key, opts.lock_mode(), PackedDuration::pack(lease));
+        let (grant, spare) = self.try_acquire(hash, key, opts.lock_mode(), terms_of(lease, &opts));
         let guard = grant.map(|grant| Guard::new(self, Held::new(hash, grant)));
         drop(spare);
         guard.ok_or(LockError::WouldBlock)
@@ -694,8 +760,12 @@ where
     #[inline]
     pub fn try_lock_owned(self: Arc<Self>, key: K) -> Result<OwnedGuard<K, S>, TryLockError> {
         let hash = self.hash(&key);
-        let (grant, spare) =
-            self.try_acquire(hash, key, Mode::Exclusive, self.leases.default_packed);
+        let (grant, spare) = self.try_acquire(
+            hash,
+            key,
+            Mode::Exclusive,
+            Terms::lease(self.leases.default_packed),
+        );
         let guard = grant.map(|grant| OwnedGuard::new(self, Held::new(hash, grant)));
         drop(spare);
         guard.ok_or(TryLockError::WouldBlock)
@@ -721,8 +791,7 @@ where
     ) -> Result<OwnedGuard<K, S>, LockError> {
         let lease = self.leases.resolve(opts.lease_duration())?;
         let hash = self.hash(&key);
-        let (grant, spare) =
-            self.try_acquire(hash, key, opts.lock_mode(), PackedDuration::pack(lease));
+        let (grant, spare) = self.try_acquire(hash, key, opts.lock_mode(), terms_of(lease, &opts));
         let guard = grant.map(|grant| OwnedGuard::new(self, Held::new(hash, grant)));
         drop(spare);
         guard.ok_or(LockError::WouldBlock)
@@ -742,7 +811,7 @@ where
             return Err(key);
         };
         debug_assert_eq!(hash, self.hash(&key));
-        match self.try_acquire(hash, key, opts.lock_mode(), PackedDuration::pack(lease)) {
+        match self.try_acquire(hash, key, opts.lock_mode(), terms_of(lease, &opts)) {
             (Some(grant), spare) => {
                 let guard = Guard::new(self, Held::new(hash, grant));
                 drop(spare);
@@ -763,7 +832,7 @@ where
             return Err(key);
         };
         debug_assert_eq!(hash, self.hash(&key));
-        match self.try_acquire(hash, key, opts.lock_mode(), PackedDuration::pack(lease)) {
+        match self.try_acquire(hash, key, opts.lock_mode(), terms_of(lease, &opts)) {
             (Some(grant), spare) => {
                 let guard = OwnedGuard::new(self, Held::new(hash, grant));
                 drop(spare);
@@ -781,14 +850,14 @@ where
         hash: u64,
         key: K,
         mode: Mode,
-        lease: PackedDuration,
+        terms: Terms,
     ) -> (Option<Grant<K>>, Option<K>) {
         // Outside the shard lock: if `K: Eq` panics during the probe, the
         // lock is released before the key is dropped.
         let mut key = Some(key);
         let fairness = self.fairness;
         let grant = self.with_shard(hash, |state, ctx| {
-            state.try_acquire(hash, &mut key, mode, lease, fairness, ctx)
+            state.try_acquire(hash, &mut key, mode, terms, fairness, ctx)
         });
         (grant, key)
     }
@@ -837,12 +906,12 @@ where
         if self.fairness != Fairness::Eventual {
             return None;
         }
-        let lease = self.leases.default_packed;
+        let terms = Terms::lease(self.leases.default_packed);
         let backoff = crossbeam_utils::Backoff::new();
         while !backoff.is_completed() {
             let fairness = self.fairness;
             let grant = self.with_shard(hash, |state, ctx| {
-                state.try_acquire(hash, key, Mode::Exclusive, lease, fairness, ctx)
+                state.try_acquire(hash, key, Mode::Exclusive, terms, fairness, ctx)
             });
             if grant.is_some() {
                 return grant;
@@ -1012,6 +1081,8 @@ pub struct Builder<K, S = DefaultHashBuilder> {
     clock: Clock,
     fairness: Fairness,
     token_floor: u64,
+    deadlock_limit: usize,
+    deadlock_history: usize,
 }
 
 // Written out: derived impls would demand `K: Clone + Debug`.
@@ -1026,6 +1097,8 @@ impl<K, S: Clone> Clone for Builder<K, S> {
             clock: self.clock.clone(),
             fairness: self.fairness,
             token_floor: self.token_floor,
+            deadlock_limit: self.deadlock_limit,
+            deadlock_history: self.deadlock_history,
         }
     }
 }
@@ -1039,6 +1112,8 @@ impl<K, S> fmt::Debug for Builder<K, S> {
             .field("clock", &self.clock)
             .field("fairness", &self.fairness)
             .field("token_floor", &self.token_floor)
+            .field("deadlock_limit", &self.deadlock_limit)
+            .field("deadlock_history", &self.deadlock_history)
             .finish_non_exhaustive()
     }
 }
@@ -1054,6 +1129,8 @@ impl<K> Builder<K> {
             clock: Clock::default(),
             fairness: Fairness::Strict,
             token_floor: 0,
+            deadlock_limit: DEFAULT_DEADLOCK_LIMIT,
+            deadlock_history: DEFAULT_DEADLOCK_HISTORY,
         }
     }
 }
@@ -1084,6 +1161,8 @@ impl<K, S> Builder<K, S> {
             clock: self.clock,
             fairness: self.fairness,
             token_floor: self.token_floor,
+            deadlock_limit: self.deadlock_limit,
+            deadlock_history: self.deadlock_history,
         }
     }
 
@@ -1126,6 +1205,38 @@ impl<K, S> Builder<K, S> {
     /// ```
     pub fn fairness(mut self, fairness: Fairness) -> Self {
         self.fairness = fairness;
+        self
+    }
+
+    /// The most transactions one deadlock search visits (50 unless set;
+    /// 0 turns detection off). When a transaction starts to wait, the table
+    /// looks for a cycle of transactions waiting on each other that its
+    /// wait closes, and answers it with
+    /// [`TransactionError::Deadlock`](crate::TransactionError::Deadlock);
+    /// a cycle the search does not reach within this bound is not found,
+    /// and its transactions keep their deadlines. Plain guards are never
+    /// searched.
+    ///
+    /// ```
+    /// let table: keylock::LockTable<u8> =
+    ///     keylock::LockTable::builder().deadlock_search_limit(8).build();
+    /// # drop(table);
+    /// ```
+    pub fn deadlock_search_limit(mut self, limit: usize) -> Self {
+        self.deadlock_limit = limit;
+        self
+    }
+
+    /// How many broken deadlock cycles the table keeps for
+    /// [`LockTable::recent_deadlocks`] (8 unless set; 0 keeps none).
+    ///
+    /// ```
+    /// let table: keylock::LockTable<u8> =
+    ///     keylock::LockTable::builder().deadlock_history(32).build();
+    /// # drop(table);
+    /// ```
+    pub fn deadlock_history(mut self, cycles: usize) -> Self {
+        self.deadlock_history = cycles;
         self
     }
 
@@ -1300,13 +1411,29 @@ impl<K, S> Builder<K, S> {
             },
             fairness: self.fairness,
             token_floor: floor,
+            detector: Detector::new(self.deadlock_limit, self.deadlock_history),
         }
     }
 }
 
 const MAX_SHARDS: usize = 1 << 16;
 
+/// The most transactions one deadlock search visits, unless set.
+pub(crate) const DEFAULT_DEADLOCK_LIMIT: usize = 50;
+
+/// How many broken cycles a table keeps for diagnosis, unless set.
+pub(crate) const DEFAULT_DEADLOCK_HISTORY: usize = 8;
+
 fn default_shards() -> usize {
     let cores = std::thread::available_parallelism().map_or(4, |n| n.get());
     (cores * 4).clamp(4, 1024)
+}
+
+/// The terms of a grant asked for with `opts`, its lease resolved.
+#[inline(always)]
+fn terms_of(lease: Option<Duration>, opts: &LockOptions) -> Terms {
+    Terms {
+        lease: PackedDuration::pack(lease),
+        owner: opts.owner_id(),
+    }
 }

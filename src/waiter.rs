@@ -56,7 +56,7 @@ use std::sync::atomic::Ordering::{AcqRel, Acquire, Relaxed, Release};
 use std::task::Waker;
 
 use crate::clock::Stamp;
-use crate::lease::PackedDuration;
+use crate::lease::{PackedDuration, Terms};
 use crate::loom::{AtomicU8, UnsafeCell};
 use crate::mode::Mode;
 use crate::token::FencingToken;
@@ -109,6 +109,9 @@ struct Node {
     timer_at: Stamp,
     /// When the owner gives up waiting (none: never), for the shard's timer.
     until: Stamp,
+    /// The transaction the waiter is for (0: none); for an upgrade, its
+    /// shared grant's.
+    owner: u64,
 }
 
 const ASK_EXCLUSIVE: u8 = 0;
@@ -259,6 +262,7 @@ impl Waiter {
                 ask: PackedDuration::NONE.bits(),
                 timer_at: Stamp::NONE,
                 until: Stamp::NONE,
+                owner: 0,
             }),
             _pinned: PhantomPinned,
         }
@@ -307,18 +311,19 @@ impl Waiter {
     ///
     /// The node must be idle (not linked) and owned by the caller.
     #[inline]
-    pub(crate) unsafe fn prepare(&self, lease: PackedDuration, until: Stamp, want: Want) {
+    pub(crate) unsafe fn prepare(&self, terms: Terms, until: Stamp, want: Want) {
         debug_assert_eq!(self.state.load(Relaxed), IDLE);
         let node = self.node.get_mut();
         // SAFETY: an idle node is its owner's alone (caller's contract).
         let node = unsafe { node.deref() };
         let (kind, ask) = match want {
-            Want::Grant(Mode::Exclusive) => (ASK_EXCLUSIVE, lease.bits()),
-            Want::Grant(Mode::Shared) => (ASK_SHARED, lease.bits()),
+            Want::Grant(Mode::Exclusive) => (ASK_EXCLUSIVE, terms.lease.bits()),
+            Want::Grant(Mode::Shared) => (ASK_SHARED, terms.lease.bits()),
             Want::Upgrade(token) => (ASK_UPGRADE, token.get()),
         };
         self.kind.store(kind, Relaxed);
         node.ask = ask;
+        node.owner = terms.owner;
         node.timer_at = Stamp::NONE;
         node.until = until;
         node.slot = NodeSlot::Links {
@@ -495,6 +500,19 @@ impl Waiter {
         let node = unsafe { this.as_ref() }.node.get_mut();
         // SAFETY: as above: the node cell is the table's.
         PackedDuration::from_bits(unsafe { node.deref() }.ask)
+    }
+
+    /// The transaction the node waits for (0: none), under the lock, while
+    /// linked.
+    ///
+    /// # Safety
+    ///
+    /// Under the shard lock, while linked.
+    pub(crate) unsafe fn owner(this: WaiterPtr) -> u64 {
+        // SAFETY: linked, under the lock (caller's contract).
+        let node = unsafe { this.as_ref() }.node.get_mut();
+        // SAFETY: as above: the node cell is the table's.
+        unsafe { node.deref() }.owner
     }
 }
 
@@ -680,13 +698,18 @@ impl WaitList {
     /// # Safety
     ///
     /// Under the shard lock.
-    pub(crate) unsafe fn pop_front(&mut self) -> Option<(WaiterPtr, PackedDuration)> {
+    pub(crate) unsafe fn pop_front(&mut self) -> Option<(WaiterPtr, Terms)> {
         let head = self.head?;
         // SAFETY: the head is linked, under the lock.
-        let lease = unsafe { Waiter::lease(head) };
+        let terms = unsafe {
+            Terms {
+                lease: Waiter::lease(head),
+                owner: Waiter::owner(head),
+            }
+        };
         // SAFETY: as above.
         unsafe { self.remove(head) };
-        Some((head, lease))
+        Some((head, terms))
     }
 
     /// Visits every linked waiter, head first: its address, its `prev` link

@@ -37,10 +37,14 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::task::{Poll, Waker};
 
+use crate::deadlock::Deadlock;
 use crate::loom::{AtomicBool, Mutex, MutexGuard};
+use crate::mode::Mode;
+use crate::owner::error::TransactionError;
 use crate::owner::held::HeldSet;
 use crate::owner::policy::Resolved;
 use crate::owner::reach::Reach;
+use crate::owner::single::KeyOf;
 
 /// The set of keys of an owner reaching its table through `R`.
 pub(crate) type SetOf<R> = HeldSet<<R as Reach>::Guard, <R as Reach>::Key>;
@@ -272,36 +276,95 @@ impl<R: Reach> Access for Arc<Shared<R>> {
     }
 }
 
-/// Awaits `fut` unless the transaction ends first (then `fut` is dropped,
-/// releasing what it had).
-pub(crate) async fn unless_ended<A: Access, F: Future>(
+/// What stopped a wait before its future completed.
+#[derive(Debug)]
+pub(crate) enum Stop<K> {
+    /// The transaction ended.
+    Ended,
+    /// The wait closed a deadlock cycle, and the transaction is its victim.
+    Deadlock(Deadlock<K>),
+}
+
+impl<K> From<Stop<K>> for TransactionError<K> {
+    fn from(stop: Stop<K>) -> Self {
+        match stop {
+            Stop::Ended => TransactionError::Ended,
+            Stop::Deadlock(deadlock) => TransactionError::Deadlock(deadlock),
+        }
+    }
+}
+
+/// A transaction's wait for a key, for deadlock detection: the key (cloned
+/// only if the wait is queued), its hash and the mode asked for.
+pub(crate) struct WaitFor<'k, K> {
+    pub(crate) hash: u64,
+    pub(crate) key: &'k K,
+    pub(crate) mode: Mode,
+}
+
+/// Awaits `fut`, a lock of `wait`, unless the transaction ends first (then
+/// `fut` is dropped, releasing what it had). Once `fut` is queued, the wait
+/// is registered with the table's deadlock detector; if it closes a cycle,
+/// the wait stops with [`Stop::Deadlock`] (and `fut` is dropped, leaving
+/// the queue).
+pub(crate) async fn wait_unless_ended<A: Access, F: Future>(
     access: &mut A,
+    wait: WaitFor<'_, KeyOf<A>>,
     fut: F,
-) -> Result<F::Output, Ended> {
-    /// Unregisters the waker when the wait ends, however it ends.
+) -> Result<F::Output, Stop<KeyOf<A>>>
+where
+    KeyOf<A>: Clone,
+{
+    /// Unregisters the waker and the wait when the wait ends, however it
+    /// ends.
     struct Watch<'a, A: Access> {
         access: &'a mut A,
         slot: Option<usize>,
+        /// Registered with the detector.
+        detecting: bool,
     }
     impl<A: Access> Drop for Watch<'_, A> {
         fn drop(&mut self) {
             if let Some(slot) = self.slot.take() {
                 self.access.unwatch(slot);
             }
+            if self.detecting {
+                let owner = self.access.owner();
+                owner.reach.table().detector().leave(owner.opts.id.get());
+            }
         }
     }
 
     let mut fut = pin!(fut);
-    let mut watch = Watch { access, slot: None };
+    let mut watch = Watch {
+        access,
+        slot: None,
+        detecting: false,
+    };
+    let mut searched = false;
     poll_fn(|cx| {
         if watch.access.is_ended() {
-            return Poll::Ready(Err(Ended));
+            return Poll::Ready(Err(Stop::Ended));
         }
         if let Poll::Ready(out) = fut.as_mut().poll(cx) {
             return Poll::Ready(Ok(out));
         }
+        if !searched {
+            // Queued now: the first time, look for a cycle this wait closes.
+            searched = true;
+            let owner = watch.access.owner();
+            let table = owner.reach.table();
+            if table.detector().is_on() {
+                let key = Arc::new(wait.key.clone());
+                watch.detecting = true;
+                let id = owner.opts.id.get();
+                if let Err(deadlock) = table.enter_wait(id, wait.hash, key, wait.mode) {
+                    return Poll::Ready(Err(Stop::Deadlock(deadlock)));
+                }
+            }
+        }
         if watch.access.watch(&mut watch.slot, cx.waker()) {
-            return Poll::Ready(Err(Ended));
+            return Poll::Ready(Err(Stop::Ended));
         }
         Poll::Pending
     })

@@ -3,6 +3,7 @@
 
 use std::fmt;
 
+use crate::deadlock::Deadlock;
 use crate::error::LockError;
 use crate::mode::Mode;
 use crate::token::FencingToken;
@@ -77,10 +78,17 @@ pub enum TransactionError<K> {
     /// The transaction ended (committed, aborted or dropped) while this call
     /// was pending; what the call had taken has been released.
     Ended,
+    /// The call's wait closed a cycle of transactions waiting on each other,
+    /// and this transaction was chosen to break it: the call took nothing
+    /// (a `lock_all` released what it had taken). Abort the transaction
+    /// (and retry it): the others of the cycle proceed once it lets go of
+    /// its keys.
+    Deadlock(Deadlock<K>),
 }
 
 impl<K> TransactionError<K> {
-    /// The key the error is about, if any.
+    /// The key the error is about, if any (for a deadlock: the key this
+    /// transaction waited for).
     pub fn key(&self) -> Option<&K> {
         match self {
             Self::Lock { key, .. }
@@ -88,6 +96,7 @@ impl<K> TransactionError<K> {
             | Self::Expired { key, .. }
             | Self::InFlight { key }
             | Self::NotHeld { key } => Some(key),
+            Self::Deadlock(deadlock) => Some(&deadlock.cycle()[0].key),
             Self::Ended => None,
         }
     }
@@ -128,6 +137,7 @@ impl<K: fmt::Debug> fmt::Display for TransactionError<K> {
                 "the transaction ended (committed, aborted or dropped) while this lock was \
                  pending; what it had taken was released",
             ),
+            Self::Deadlock(deadlock) => write!(f, "{deadlock}; abort and retry"),
         }
     }
 }

@@ -516,6 +516,18 @@ impl<'t, K: Eq + Hash, S: BuildHasher> Transaction<'t, K, S> {
         Ok(())
     }
 
+    /// The transaction's identity: unique in the process, carried by its
+    /// grants and waits, and named by a [`Deadlock`](crate::Deadlock).
+    ///
+    /// ```
+    /// let table = keylock::LockTable::<u32>::new();
+    /// assert_ne!(table.transaction().id(), table.transaction().id());
+    /// ```
+    #[must_use]
+    pub fn id(&self) -> crate::TransactionId {
+        self.owner.opts.id
+    }
+
     /// How many keys the transaction holds.
     #[must_use]
     pub fn len(&self) -> usize {
@@ -905,6 +917,12 @@ impl<K: Eq + Hash, S: BuildHasher> OwnedTransaction<K, S> {
         self.shared
             .with(|set| pick(count_of::<Arc<LockTable<K, S>>, Q>(set, hash, key)))
             .ok()
+    }
+
+    /// The transaction's identity (see [`Transaction::id`]).
+    #[must_use]
+    pub fn id(&self) -> crate::TransactionId {
+        self.owner().opts.id
     }
 
     /// How many keys the transaction holds (0 once it ended).

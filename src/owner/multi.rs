@@ -53,7 +53,7 @@ use std::pin::Pin;
 use std::task::{Context, Poll};
 
 use crate::mode::Mode;
-use crate::owner::access::{unless_ended, Access, Ended};
+use crate::owner::access::{wait_unless_ended, Access, Ended, WaitFor};
 use crate::owner::error::TransactionError;
 use crate::owner::held::{AcquireKind, Begin, Found};
 use crate::owner::policy::WaitPolicy;
@@ -543,9 +543,15 @@ where
         };
         // The name for an error or a skip (the key goes to the table).
         let name = key.clone();
+        let hash = request.hash;
         let lock = access.owner().reach.lock_with(key, opts);
-        match unless_ended(&mut *access, lock).await {
-            Err(Ended) => return Err(TransactionError::Ended),
+        let wait = WaitFor {
+            hash,
+            key: &name,
+            mode: request.mode,
+        };
+        match wait_unless_ended(&mut *access, wait, lock).await {
+            Err(stop) => return Err(stop.into()),
             Ok(Ok(guard)) => taken.push((i, guard)),
             Ok(Err(error)) if policy == WaitPolicy::SkipLocked && is_taken(&error) => {
                 skipped.push(name);
@@ -702,14 +708,20 @@ where
                     }
                     Err(key) => key,
                 };
+                let name = key.clone();
                 let lock = stage.access.owner().reach.lock_with(key, opts);
-                match unless_ended(&mut *stage.access, lock).await {
+                let wait = WaitFor {
+                    hash: request.hash,
+                    key: &name,
+                    mode: request.mode,
+                };
+                match wait_unless_ended(&mut *stage.access, wait, lock).await {
                     Ok(Ok(guard)) => {
                         stage.entries[i].guard = Some(guard);
                         Ok(Ok(()))
                     }
                     Ok(Err(error)) => Ok(Err(error)),
-                    Err(Ended) => Err(Ended),
+                    Err(stop) => Err(stop),
                 }
             }
             Kind::Upgrade => {
@@ -717,8 +729,14 @@ where
                     access, entries, ..
                 } = &mut stage;
                 let entry = &mut entries[i];
-                let upgrade = entry.guard.as_mut().expect("held").upgrade(opts);
-                let upgraded = unless_ended(&mut **access, upgrade).await;
+                let guard = entry.guard.as_mut().expect("held");
+                let name = guard.key().clone();
+                let wait = WaitFor {
+                    hash: request.hash,
+                    key: &name,
+                    mode: Mode::Exclusive,
+                };
+                let upgraded = wait_unless_ended(&mut **access, wait, guard.upgrade(opts)).await;
                 if let Ok(Ok(_)) = upgraded {
                     entry.upgraded = true;
                 }
@@ -726,7 +744,7 @@ where
             }
         };
         match result {
-            Err(Ended) => return Err(TransactionError::Ended),
+            Err(stop) => return Err(stop.into()),
             Ok(Ok(())) => {}
             Ok(Err(error)) if skip && is_taken(&error) => stage.entries[i].skipped = true,
             Ok(Err(error)) => return Err(stage.fail(i, request.mode, policy.waits(), error)),

@@ -3,6 +3,7 @@
 //! last (one lease) — [`TransactionOptions`], turned into the
 //! [`LockOptions`] of each lock.
 
+use crate::deadlock::TransactionId;
 use std::time::{Duration, Instant};
 
 use crate::clock::Clock;
@@ -156,6 +157,7 @@ impl TransactionOptions {
             deadline,
             lease: self.lease,
             wait: self.wait,
+            id: TransactionId::next(),
         }
     }
 }
@@ -166,6 +168,8 @@ pub(crate) struct Resolved {
     pub(crate) deadline: Option<Instant>,
     pub(crate) lease: Option<Duration>,
     pub(crate) wait: WaitPolicy,
+    /// The transaction's identity, which its grants and waiters carry.
+    pub(crate) id: TransactionId,
 }
 
 impl Resolved {
@@ -173,7 +177,7 @@ impl Resolved {
     /// lease, and its deadline (blocking) or a zero timeout (not waiting,
     /// which makes the table answer at once and name the holder).
     pub(crate) fn lock_options(&self, mode: Mode, policy: WaitPolicy) -> LockOptions {
-        let mut opts = LockOptions::new().mode(mode);
+        let mut opts = LockOptions::new().mode(mode).for_owner(self.id.get());
         if let Some(lease) = self.lease {
             opts = opts.lease(lease);
         }

@@ -24,7 +24,7 @@ use std::pin::Pin;
 use std::time::Duration;
 
 use crate::mode::Mode;
-use crate::owner::access::{unless_ended, Access, Ended, SetOf};
+use crate::owner::access::{wait_unless_ended, Access, Ended, SetOf, WaitFor};
 use crate::owner::error::TransactionError;
 use crate::owner::held::{AcquireKind, Acquired, Begin, Found, HeldSet};
 use crate::owner::policy::WaitPolicy;
@@ -267,9 +267,15 @@ where
         Ok(None) | Err(Ended) => return Err(TransactionError::Ended),
     };
     let opts = claim.access.owner().opts.lock_options(mode, policy);
+    let name = key.clone();
     let lock = claim.access.owner().reach.lock_with(key, opts);
-    match unless_ended(&mut *claim.access, lock).await {
-        Err(Ended) => Err(TransactionError::Ended),
+    let wait = WaitFor {
+        hash,
+        key: &name,
+        mode,
+    };
+    match wait_unless_ended(&mut *claim.access, wait, lock).await {
+        Err(stop) => Err(stop.into()),
         Ok(Ok(guard)) => {
             claim.guard = Some(guard);
             claim.settle(AcquireKind::New)
@@ -297,12 +303,23 @@ where
 {
     let opts = claim.access.owner().opts.lock_options(mode, policy);
     let upgraded = {
-        let Claim { access, guard, .. } = &mut claim;
-        let upgrade = guard.as_mut().expect("set by the caller").upgrade(opts);
-        unless_ended(&mut **access, upgrade).await
+        let Claim {
+            access,
+            guard,
+            hash,
+            ..
+        } = &mut claim;
+        let guard = guard.as_mut().expect("set by the caller");
+        let name = guard.key().clone();
+        let wait = WaitFor {
+            hash: *hash,
+            key: &name,
+            mode: Mode::Exclusive,
+        };
+        wait_unless_ended(&mut **access, wait, guard.upgrade(opts)).await
     };
     match upgraded {
-        Err(Ended) => Err(TransactionError::Ended),
+        Err(stop) => Err(stop.into()),
         Ok(Ok(_token)) => claim.settle(AcquireKind::Upgraded),
         Ok(Err(error)) => match claim.abandon() {
             Some(key) => Err(TransactionError::from_lock(

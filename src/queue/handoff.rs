@@ -14,7 +14,7 @@ use std::time::Instant;
 use crate::clock::{Now, Stamp};
 use crate::deferred::Ctx;
 use crate::fairness::Fairness;
-use crate::lease::PackedDuration;
+use crate::lease::{PackedDuration, Terms};
 use crate::lost::LossWatchers;
 use crate::mode::Mode;
 use crate::token::TokenCounter;
@@ -66,16 +66,17 @@ impl Keys<'_> {
         // Panics (token space exhausted) before anything changes.
         let token = self.tokens.mint();
         // SAFETY: under the shard lock.
-        let Some((head, lease)) = (unsafe { entry.queue.pop_front() }) else {
+        let Some((head, terms)) = (unsafe { entry.queue.pop_front() }) else {
             return;
         };
-        let (deadline, since) = lease_from(lease, ctx.clock());
+        let (deadline, since) = lease_from(terms.lease, ctx.clock());
         // SAFETY: just unlinked, under the lock; not touched again.
         let waker = unsafe { Waiter::grant(head, token, deadline, mode) };
         entry.holders.push(Holder {
             token,
             deadline,
             since,
+            owner: terms.owner,
         });
         entry.mode = mode;
         ctx.counters().handed_off();
@@ -166,18 +167,19 @@ impl Keys<'_> {
         &mut self,
         entry: &mut Entry<K>,
         mode: Mode,
-        lease: PackedDuration,
+        terms: Terms,
         contended: bool,
         ctx: &mut Ctx<'_, '_, K>,
     ) -> Grant<K> {
         debug_assert!(entry.admits(mode));
         let token = self.tokens.mint();
-        let (deadline, since) = lease_from(lease, ctx.clock());
+        let (deadline, since) = lease_from(terms.lease, ctx.clock());
         ctx.counters().acquired(contended);
         entry.holders.push(Holder {
             token,
             deadline,
             since,
+            owner: terms.owner,
         });
         entry.mode = mode;
         Grant {

@@ -18,6 +18,8 @@ pub(super) struct Holder {
     pub(super) deadline: Stamp,
     /// When the grant was made, if the clock was read then.
     pub(super) since: Stamp,
+    /// The transaction the grant is for (0: none).
+    pub(super) owner: u64,
 }
 
 impl Holder {
@@ -112,6 +114,14 @@ impl Holders {
         self.rest.as_mut()?.iter_mut().find(|h| h.token == token)
     }
 
+    /// The transaction of the grant with `token` (0: none, or no such
+    /// grant).
+    #[inline]
+    pub(super) fn owner_of(&self, token: FencingToken) -> u64 {
+        self.get(token).map_or(0, |h| h.owner)
+    }
+
+    /// The grant with `token`, if it holds the key.
     #[inline]
     pub(super) fn get(&self, token: FencingToken) -> Option<&Holder> {
         match &self.first {

@@ -31,12 +31,13 @@ use crate::deferred::Ctx;
 #[cfg(feature = "test-util")]
 use crate::fairness::Fairness;
 use crate::key_slot::{KeyPool, KeyPtr};
-use crate::lease::PackedDuration;
+use crate::lease::Terms;
 use crate::lost::LossWatchers;
 use crate::mode::Mode;
 use crate::token::{FencingToken, TokenCounter};
 use crate::waiter::Granted;
 
+mod edges;
 mod entry;
 mod handoff;
 mod holders;
@@ -246,7 +247,7 @@ impl<K> ShardState<K> {
         hash: u64,
         key: &mut Option<K>,
         mode: Mode,
-        lease: PackedDuration,
+        terms: Terms,
         ctx: &mut Ctx<'_, '_, K>,
     ) -> Result<Grant<K>, (&mut Entry<K>, Keys<'_>)>
     where
@@ -273,13 +274,14 @@ impl<K> ShardState<K> {
             Err(vacant) => {
                 // Everything that can panic comes before any change.
                 let token = tokens.mint();
-                let (deadline, since) = lease_from(lease, ctx.clock());
+                let (deadline, since) = lease_from(terms.lease, ctx.clock());
                 let cell = keys.store(key.take().expect("present"));
                 ctx.counters().acquired(false);
                 let holders = Holders::one(Holder {
                     token,
                     deadline,
                     since,
+                    owner: terms.owner,
                 });
                 vacant.insert(entries, Entry::held(cell, holders, mode));
                 Ok(Grant {

@@ -7,7 +7,7 @@ use crate::deferred::Ctx;
 use crate::error::LockError;
 use crate::fairness::Fairness;
 use crate::key_slot::KeyPtr;
-use crate::lease::PackedDuration;
+use crate::lease::{PackedDuration, Terms};
 use crate::mode::Mode;
 use crate::token::FencingToken;
 use crate::waiter::{Granted, LazyWaiter, Waiter, Want};
@@ -41,14 +41,14 @@ impl<K> ShardState<K> {
         hash: u64,
         key: &mut Option<K>,
         mode: Mode,
-        lease: PackedDuration,
+        terms: Terms,
         fairness: Fairness,
         ctx: &mut Ctx<'_, '_, K>,
     ) -> Option<Grant<K>>
     where
         K: Eq,
     {
-        let (entry, mut keys) = match self.claim(hash, key, mode, lease, ctx) {
+        let (entry, mut keys) = match self.claim(hash, key, mode, terms, ctx) {
             Ok(grant) => return Some(grant),
             Err(busy) => busy,
         };
@@ -56,7 +56,7 @@ impl<K> ShardState<K> {
         if !entry.open_to(mode, fairness) {
             return None;
         }
-        Some(take_now(&mut keys, entry, mode, lease, ctx))
+        Some(take_now(&mut keys, entry, mode, terms, ctx))
     }
 
     /// Takes the key if it is free; otherwise links `waiter` at the tail of
@@ -73,7 +73,7 @@ impl<K> ShardState<K> {
         hash: u64,
         key: &mut Option<K>,
         mode: Mode,
-        lease: PackedDuration,
+        terms: Terms,
         patience: Patience,
         fairness: Fairness,
         waiter: &mut LazyWaiter,
@@ -82,13 +82,13 @@ impl<K> ShardState<K> {
     where
         K: Eq,
     {
-        let (entry, mut keys) = match self.claim(hash, key, mode, lease, ctx) {
+        let (entry, mut keys) = match self.claim(hash, key, mode, terms, ctx) {
             Ok(grant) => return Attempt::Acquired(grant),
             Err(busy) => busy,
         };
         keys.settle(entry, ctx);
         if entry.open_to(mode, fairness) {
-            return Attempt::Acquired(take_now(&mut keys, entry, mode, lease, ctx));
+            return Attempt::Acquired(take_now(&mut keys, entry, mode, terms, ctx));
         }
         let waiter = waiter.get_or_init();
         // SAFETY: the caller's contract.
@@ -96,7 +96,7 @@ impl<K> ShardState<K> {
             enqueue(
                 entry,
                 waiter,
-                lease,
+                terms,
                 patience,
                 Want::Grant(mode),
                 false,
@@ -162,7 +162,10 @@ impl<K> ShardState<K> {
             enqueue(
                 entry,
                 waiter,
-                PackedDuration::NONE,
+                Terms {
+                    lease: PackedDuration::NONE,
+                    owner: entry.holders.owner_of(token),
+                },
                 patience,
                 want,
                 true,
@@ -235,14 +238,19 @@ impl<K> ShardState<K> {
         if let (true, true, Want::Grant(mode)) = (is_head, entry.holders.is_empty(), want) {
             // Eventual fairness: the key was freed and this head nudged.
             // SAFETY: linked (it heads the queue), under the lock.
-            let lease = unsafe { Waiter::lease(me) };
+            let terms = unsafe {
+                Terms {
+                    lease: Waiter::lease(me),
+                    owner: Waiter::owner(me),
+                }
+            };
             keys.tokens.check_available();
             // SAFETY: as above.
             unsafe { entry.queue.remove(me) };
             // SAFETY: just unlinked by its owner, under the lock.
             ctx.drop_waker_later(unsafe { waiter.retire() });
             ctx.drop_waker_later(fresh);
-            let grant = keys.take(entry, mode, lease, true, ctx);
+            let grant = keys.take(entry, mode, terms, true, ctx);
             // Shared heads behind it join it; the next head must arm a timer
             // for this grant's lease, as after a handoff.
             keys.admit(entry, ctx);
@@ -443,10 +451,10 @@ fn take_now<K>(
     keys: &mut Keys<'_>,
     entry: &mut Entry<K>,
     mode: Mode,
-    lease: PackedDuration,
+    terms: Terms,
     ctx: &mut Ctx<'_, '_, K>,
 ) -> Grant<K> {
-    let grant = keys.take(entry, mode, lease, false, ctx);
+    let grant = keys.take(entry, mode, terms, false, ctx);
     if mode == Mode::Shared && !entry.queue.is_empty() {
         keys.admit(entry, ctx);
     }
@@ -463,7 +471,7 @@ fn take_now<K>(
 unsafe fn enqueue<K>(
     entry: &mut Entry<K>,
     waiter: &Waiter,
-    lease: PackedDuration,
+    terms: Terms,
     patience: Patience,
     want: Want,
     front: bool,
@@ -475,7 +483,7 @@ unsafe fn enqueue<K>(
     ctx.cover(until);
     // SAFETY: the caller's contract; under the shard lock.
     unsafe {
-        waiter.prepare(lease, until, want);
+        waiter.prepare(terms, until, want);
         if front {
             entry.queue.push_front(waiter);
         } else {

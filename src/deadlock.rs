@@ -1,0 +1,376 @@
+//! Deadlock detection for transactions: the registry of the transactions
+//! that wait, the search of the wait-for graph when one starts to wait, and
+//! the table's record of the cycles it broke.
+//!
+//! A transaction that must wait registers its wait here (after its waiter
+//! is queued) and searches, under the registry's one mutex, for a path of
+//! waits from the keys it waits on back to itself: the edges at each key are
+//! read from the table, one shard at a time ([`ShardState::wait_edges`]:
+//! holders and waiters ahead whose modes exclude the wait). Registration and
+//! search happen together under that mutex, so of the transactions whose
+//! waits close a cycle, only the last to register finds it: it is the
+//! *victim*, answered with [`Deadlock`] at once; the others keep waiting and
+//! proceed once the victim's call gives up its wait (and, as it should, the
+//! victim aborts).
+//!
+//! No false answers: the edges read one shard at a time may be stale (a
+//! holder released since, a waiter granted since), so a cycle found is
+//! confirmed with the shards of all its keys locked at once, in shard
+//! order: every edge holds at that instant, so the cycle was real. Only
+//! transactions that wait are registered, so a grant of a transaction that
+//! is not waiting ends every path through it.
+//!
+//! Bounded: one search visits at most the table's search limit of
+//! transactions ([`Builder::deadlock_search_limit`](crate::Builder::deadlock_search_limit));
+//! a cycle past it is not found, and its waiters keep their timeouts.
+//! Nothing here runs while no transaction waits, and plain guards never
+//! reach it. No user code runs under the registry's mutex: keys are held in
+//! `Arc`s (cloned into the answer after it is released); `K: Eq` runs in
+//! the table's probes, as everywhere.
+//!
+//! [`ShardState::wait_edges`]: crate::queue::ShardState::wait_edges
+
+use std::collections::{HashMap, VecDeque};
+use std::fmt;
+use std::hash::{BuildHasher, Hash};
+use std::num::NonZeroU64;
+use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+use std::sync::Arc;
+
+use crate::loom::Mutex;
+use crate::mode::Mode;
+use crate::table::LockTable;
+
+/// The identity of a transaction ([`Transaction::id`](crate::Transaction::id)):
+/// unique in the process, named in [`Deadlock`] answers.
+///
+/// ```
+/// let table = keylock::LockTable::<u32>::new();
+/// let (a, b) = (table.transaction(), table.transaction());
+/// assert_ne!(a.id(), b.id());
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct TransactionId(NonZeroU64);
+
+impl TransactionId {
+    /// A new identity, never given before in this process.
+    pub(crate) fn next() -> Self {
+        // A plain counter: identities only need to differ, so no ordering
+        // with other memory is needed.
+        static NEXT: AtomicU64 = AtomicU64::new(1);
+        let id = NEXT.fetch_add(1, Relaxed);
+        Self(NonZeroU64::new(id).expect("keylock: transaction ids exhausted"))
+    }
+
+    /// The identity as a number (never 0).
+    #[must_use]
+    pub const fn get(self) -> u64 {
+        self.0.get()
+    }
+
+    fn from_raw(raw: u64) -> Self {
+        Self(NonZeroU64::new(raw).expect("a registered transaction"))
+    }
+}
+
+impl fmt::Display for TransactionId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "transaction {}", self.0)
+    }
+}
+
+/// One wait of a deadlock cycle: `transaction` waits for `key` in `mode`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CycleWait<K> {
+    /// The waiting transaction.
+    pub transaction: TransactionId,
+    /// The key it waits for.
+    pub key: K,
+    /// The mode it asked for (an upgrade asks for [`Mode::Exclusive`]).
+    pub mode: Mode,
+}
+
+/// A cycle of transactions waiting on each other, broken by answering one
+/// of them, the victim, with this (as
+/// [`TransactionError::Deadlock`](crate::TransactionError::Deadlock)).
+///
+/// `cycle` starts with the victim; each wait is blocked by the transaction
+/// of the next one (it holds the key, or waits ahead of it for the key in a
+/// mode that excludes it), and the last by the victim. The victim is the
+/// transaction whose wait closed the cycle.
+///
+/// ```
+/// use keylock::{LockTable, Mode, TransactionError};
+/// # futures::executor::block_on(async {
+/// let table = LockTable::<&str>::new();
+/// let mut a = table.transaction();
+/// let mut b = table.transaction();
+/// a.lock("x", Mode::Exclusive).await?;
+/// b.lock("y", Mode::Exclusive).await?;
+/// // `a` waits for "y" (held by `b`)...
+/// let mut a_waits = Box::pin(a.lock("y", Mode::Exclusive));
+/// assert!(futures::poll!(a_waits.as_mut()).is_pending());
+/// // ...and `b`'s wait for "x" closes the cycle: `b` is the victim.
+/// let Err(TransactionError::Deadlock(deadlock)) = b.lock("x", Mode::Exclusive).await else {
+///     panic!("a deadlock");
+/// };
+/// assert_eq!(deadlock.victim(), b.id());
+/// assert_eq!(deadlock.cycle().len(), 2);
+/// assert_eq!(deadlock.cycle()[0].key, "x");
+/// drop(b); // the victim aborts: `a` gets "y"
+/// assert!(a_waits.await.is_ok());
+/// # Ok::<(), TransactionError<&str>>(())
+/// # }).unwrap();
+/// ```
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Deadlock<K> {
+    cycle: Vec<CycleWait<K>>,
+}
+
+impl<K> Deadlock<K> {
+    /// The transaction answered (the first of the cycle).
+    #[must_use]
+    pub fn victim(&self) -> TransactionId {
+        self.cycle[0].transaction
+    }
+
+    /// The waits of the cycle, the victim's first.
+    #[must_use]
+    pub fn cycle(&self) -> &[CycleWait<K>] {
+        &self.cycle
+    }
+}
+
+impl<K: fmt::Debug> fmt::Display for Deadlock<K> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "deadlock: ")?;
+        for (i, wait) in self.cycle.iter().enumerate() {
+            let next = &self.cycle[(i + 1) % self.cycle.len()];
+            if i > 0 {
+                write!(f, "; ")?;
+            }
+            write!(
+                f,
+                "{} waits for {:?} ({}), blocked by {}",
+                wait.transaction, wait.key, wait.mode, next.transaction
+            )?;
+        }
+        write!(f, " ({} is the victim)", self.victim())
+    }
+}
+
+/// A cycle as recorded: keys shared with the registry, cloned on reading.
+type Record<K> = Vec<(u64, Arc<K>, Mode)>;
+
+/// The registry and its bounds; one per table.
+pub(crate) struct Detector<K> {
+    registry: Mutex<Registry<K>>,
+    /// Most transactions one search visits (0: detection off).
+    limit: usize,
+    /// How many broken cycles are kept for [`LockTable::recent_deadlocks`].
+    keep: usize,
+}
+
+struct Registry<K> {
+    waiting: HashMap<u64, Wait<K>>,
+    recent: VecDeque<Record<K>>,
+}
+
+/// A registered wait.
+struct Wait<K> {
+    hash: u64,
+    key: Arc<K>,
+    mode: Mode,
+    /// Answered as a deadlock's victim: its wait is about to end, so no
+    /// search goes through it.
+    victim: bool,
+}
+
+impl<K> fmt::Debug for Detector<K> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Detector")
+            .field("limit", &self.limit)
+            .field("keep", &self.keep)
+            .finish_non_exhaustive()
+    }
+}
+
+impl<K> Detector<K> {
+    pub(crate) fn new(limit: usize, keep: usize) -> Self {
+        Self {
+            registry: Mutex::new(Registry {
+                waiting: HashMap::new(),
+                recent: VecDeque::new(),
+            }),
+            limit,
+            keep,
+        }
+    }
+
+    /// Whether waits are searched at all.
+    #[inline]
+    pub(crate) fn is_on(&self) -> bool {
+        self.limit > 0
+    }
+
+    /// Unregisters `owner`'s wait (its call stopped waiting, however).
+    pub(crate) fn leave(&self, owner: u64) {
+        let gone = self.registry.lock().waiting.remove(&owner);
+        // The key's `Arc` (perhaps its last) drops after the unlock.
+        drop(gone);
+    }
+}
+
+impl<K: Eq + Hash, S: BuildHasher> LockTable<K, S> {
+    /// Registers the wait of `owner` for `key` (hash `hash`) in `mode`,
+    /// whose waiter is queued, and searches for a cycle it closes: `Err`
+    /// with the cycle if there is one (then `owner` is its victim).
+    pub(crate) fn enter_wait(
+        &self,
+        owner: u64,
+        hash: u64,
+        key: Arc<K>,
+        mode: Mode,
+    ) -> Result<(), Deadlock<K>>
+    where
+        K: Clone,
+    {
+        let detector = self.detector();
+        let (found, dropped) = {
+            let mut registry = detector.registry.lock();
+            let old = registry.waiting.insert(
+                owner,
+                Wait {
+                    hash,
+                    key,
+                    mode,
+                    victim: false,
+                },
+            );
+            debug_assert!(old.is_none(), "one wait per transaction at a time");
+            let found = self
+                .find_cycle(&registry, owner, detector.limit)
+                .filter(|cycle| self.confirm(&registry, cycle));
+            let mut dropped = None;
+            let found = found.map(|cycle| {
+                registry
+                    .waiting
+                    .get_mut(&owner)
+                    .expect("registered above")
+                    .victim = true;
+                let record: Record<K> = cycle
+                    .iter()
+                    .map(|o| {
+                        let w = &registry.waiting[o];
+                        (*o, Arc::clone(&w.key), w.mode)
+                    })
+                    .collect();
+                if detector.keep > 0 {
+                    if registry.recent.len() == detector.keep {
+                        dropped = registry.recent.pop_front();
+                    }
+                    registry.recent.push_back(record.clone());
+                }
+                record
+            });
+            (found, (old, dropped))
+        };
+        drop(dropped);
+        match found {
+            None => Ok(()),
+            Some(record) => Err(answer(&record)),
+        }
+    }
+
+    /// The cycles the table broke most recently, oldest first (as many as
+    /// [`Builder::deadlock_history`](crate::Builder::deadlock_history)
+    /// keeps), for diagnosis, as RocksDB's deadlock info buffer.
+    ///
+    /// ```
+    /// let table = keylock::LockTable::<u32>::new();
+    /// assert!(table.recent_deadlocks().is_empty());
+    /// ```
+    pub fn recent_deadlocks(&self) -> Vec<Deadlock<K>>
+    where
+        K: Clone,
+    {
+        let records: Vec<Record<K>> = self
+            .detector()
+            .registry
+            .lock()
+            .recent
+            .iter()
+            .cloned()
+            .collect();
+        records.iter().map(|r| answer(r)).collect()
+    }
+
+    /// A cycle of registered waits through `owner`, as the transactions in
+    /// order (each blocked by the next, the last by `owner`), if the search
+    /// finds one within `limit` transactions visited.
+    fn find_cycle(&self, registry: &Registry<K>, owner: u64, limit: usize) -> Option<Vec<u64>> {
+        let mut path = vec![owner];
+        let mut visited = vec![owner];
+        // One frame per transaction on the path: the transactions its wait
+        // waits for, and how many of them were tried.
+        let mut frames = vec![(self.edges_of(registry, owner)?, 0usize)];
+        while let Some((edges, next)) = frames.last_mut() {
+            let Some(&to) = edges.get(*next) else {
+                frames.pop();
+                path.pop();
+                continue;
+            };
+            *next += 1;
+            if to == owner {
+                return Some(path);
+            }
+            if visited.contains(&to) || visited.len() >= limit {
+                continue;
+            }
+            visited.push(to);
+            if let Some(edges) = self.edges_of(registry, to) {
+                path.push(to);
+                frames.push((edges, 0));
+            }
+        }
+        None
+    }
+
+    /// The transactions the registered wait of `owner` waits for now (none
+    /// if it does not wait, or is a victim already).
+    fn edges_of(&self, registry: &Registry<K>, owner: u64) -> Option<Vec<u64>> {
+        let wait = registry.waiting.get(&owner).filter(|w| !w.victim)?;
+        let mut out = Vec::new();
+        self.wait_edges(wait.hash, &wait.key, owner, &mut out)
+            .then_some(out)
+    }
+
+    /// Whether every wait of `cycle` is blocked by the next transaction's
+    /// (the last by the first's) with the shards of all its keys locked at
+    /// once: the cycle is real at that instant.
+    fn confirm(&self, registry: &Registry<K>, cycle: &[u64]) -> bool {
+        let edges: Vec<(u64, &K, u64, u64)> = cycle
+            .iter()
+            .enumerate()
+            .map(|(i, o)| {
+                let w = &registry.waiting[o];
+                (w.hash, &*w.key, *o, cycle[(i + 1) % cycle.len()])
+            })
+            .collect();
+        self.edges_hold(&edges)
+    }
+}
+
+/// The answer for a recorded cycle (keys cloned: no lock is held).
+fn answer<K: Clone>(record: &Record<K>) -> Deadlock<K> {
+    Deadlock {
+        cycle: record
+            .iter()
+            .map(|(o, key, mode)| CycleWait {
+                transaction: TransactionId::from_raw(*o),
+                key: K::clone(key),
+                mode: *mode,
+            })
+            .collect(),
+    }
+}
