@@ -1,0 +1,389 @@
+//! Deadlock detection: cycles of two, three and five transactions (exclusive
+//! and shared modes, an upgrade, a wait behind a queued waiter, `lock_all`)
+//! each end with exactly one `Deadlock` answer and every other transaction
+//! committed, under tokio, async-std and plain threads; waits without a
+//! cycle never get one; plain guards are never part of a cycle; the table
+//! keeps the cycles it broke. No timed assertions: every wait ends because
+//! the victim aborts.
+
+use std::sync::atomic::{AtomicUsize, Ordering::SeqCst};
+use std::sync::{Arc, Barrier};
+
+use futures::poll;
+use keylock::{LockTable, Mode, OwnedTransaction, TransactionError};
+
+fn block<F: std::future::Future>(f: F) -> F::Output {
+    futures::executor::block_on(f)
+}
+
+/// How a ring of `n` transactions ended: deadlock answers and commits.
+#[derive(Debug, Default)]
+struct Ends {
+    deadlocks: AtomicUsize,
+    commits: AtomicUsize,
+}
+
+/// Transaction `i` of a ring: holds key `i`, then (once all hold theirs)
+/// asks for key `i + 1`. Exactly one of the ring must be answered.
+async fn ring_member(
+    table: Arc<LockTable<u32>>,
+    n: u32,
+    i: u32,
+    held: impl std::future::Future<Output = ()>,
+    ends: Arc<Ends>,
+) {
+    let txn: OwnedTransaction<u32> = table.clone().transaction_owned();
+    txn.lock(i, Mode::Exclusive).await.expect("own key");
+    held.await;
+    match txn.lock((i + 1) % n, Mode::Exclusive).await {
+        Ok(_) => {
+            txn.commit().expect("no lease");
+            ends.commits.fetch_add(1, SeqCst);
+        }
+        Err(TransactionError::Deadlock(d)) => {
+            assert_eq!(d.victim(), txn.id());
+            assert_eq!(d.cycle().len(), n as usize, "the whole ring: {d}");
+            assert_eq!(d.cycle()[0].key, (i + 1) % n);
+            ends.deadlocks.fetch_add(1, SeqCst);
+            txn.abort();
+        }
+        Err(other) => panic!("unexpected: {other}"),
+    }
+}
+
+fn check_ring(table: &LockTable<u32>, ends: &Ends, n: usize) {
+    assert_eq!(ends.deadlocks.load(SeqCst), 1, "exactly one victim");
+    assert_eq!(ends.commits.load(SeqCst), n - 1, "everyone else commits");
+    assert!(table.is_empty(), "nothing stranded");
+    let recent = table.recent_deadlocks();
+    assert_eq!(recent.len(), 1);
+    assert_eq!(recent[0].cycle().len(), n);
+}
+
+#[test]
+fn rings_of_two_three_and_five_under_tokio() {
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .build()
+        .unwrap();
+    for n in [2u32, 3, 5] {
+        for _ in 0..20 {
+            let table = Arc::new(LockTable::new());
+            let ends = Arc::new(Ends::default());
+            let barrier = Arc::new(tokio::sync::Barrier::new(n as usize));
+            rt.block_on(async {
+                let tasks: Vec<_> = (0..n)
+                    .map(|i| {
+                        let barrier = barrier.clone();
+                        tokio::spawn(ring_member(
+                            table.clone(),
+                            n,
+                            i,
+                            async move {
+                                barrier.wait().await;
+                            },
+                            ends.clone(),
+                        ))
+                    })
+                    .collect();
+                for t in tasks {
+                    t.await.unwrap();
+                }
+            });
+            check_ring(&table, &ends, n as usize);
+        }
+    }
+}
+
+#[async_std::test]
+async fn rings_under_async_std() {
+    for n in [2u32, 3, 5] {
+        let table = Arc::new(LockTable::new());
+        let ends = Arc::new(Ends::default());
+        let barrier = Arc::new(tokio::sync::Barrier::new(n as usize));
+        let tasks: Vec<_> = (0..n)
+            .map(|i| {
+                let barrier = barrier.clone();
+                async_std::task::spawn(ring_member(
+                    table.clone(),
+                    n,
+                    i,
+                    async move {
+                        barrier.wait().await;
+                    },
+                    ends.clone(),
+                ))
+            })
+            .collect();
+        for t in tasks {
+            t.await;
+        }
+        check_ring(&table, &ends, n as usize);
+    }
+}
+
+#[test]
+fn rings_of_threads_with_blocking_locks() {
+    for n in [2u32, 3, 5] {
+        for _ in 0..10 {
+            let table = Arc::new(LockTable::new());
+            let ends = Arc::new(Ends::default());
+            let barrier = Arc::new(Barrier::new(n as usize));
+            let threads: Vec<_> = (0..n)
+                .map(|i| {
+                    let (table, ends, barrier) = (table.clone(), ends.clone(), barrier.clone());
+                    std::thread::spawn(move || {
+                        let mut txn = table.transaction();
+                        txn.blocking_lock(i, Mode::Exclusive).expect("own key");
+                        barrier.wait();
+                        match txn.blocking_lock((i + 1) % n, Mode::Exclusive) {
+                            Ok(_) => {
+                                txn.commit().expect("no lease");
+                                ends.commits.fetch_add(1, SeqCst);
+                            }
+                            Err(TransactionError::Deadlock(d)) => {
+                                assert_eq!(d.victim(), txn.id());
+                                ends.deadlocks.fetch_add(1, SeqCst);
+                            }
+                            Err(other) => panic!("unexpected: {other}"),
+                        }
+                    })
+                })
+                .collect();
+            for t in threads {
+                t.join().unwrap();
+            }
+            check_ring(&table, &ends, n as usize);
+        }
+    }
+}
+
+#[test]
+fn shared_holders_asking_exclusive_form_a_cycle() {
+    block(async {
+        let table = LockTable::<&str>::new();
+        let mut a = table.transaction();
+        let mut b = table.transaction();
+        let mut reader = table.transaction();
+        a.lock("x", Mode::Shared).await.unwrap();
+        b.lock("y", Mode::Shared).await.unwrap();
+        // A third reader of "x" outside the cycle.
+        reader.lock("x", Mode::Shared).await.unwrap();
+        let mut a_waits = Box::pin(a.lock("y", Mode::Exclusive));
+        assert!(poll!(a_waits.as_mut()).is_pending());
+        let Err(TransactionError::Deadlock(d)) = b.lock("x", Mode::Exclusive).await else {
+            panic!("b closes the cycle");
+        };
+        assert_eq!(d.victim(), b.id());
+        assert_eq!(d.cycle()[0].mode, Mode::Exclusive);
+        assert_eq!(d.cycle()[1].key, "y");
+        assert!(d.to_string().contains("deadlock"), "{d}");
+        drop(b);
+        assert!(a_waits.await.is_ok());
+        reader.commit().unwrap();
+    });
+}
+
+#[test]
+fn an_upgrade_waiting_for_a_reader_that_waits_for_it_is_a_cycle() {
+    block(async {
+        let table = LockTable::<&str>::new();
+        let mut a = table.transaction();
+        let mut b = table.transaction();
+        a.lock("x", Mode::Shared).await.unwrap();
+        a.lock("z", Mode::Exclusive).await.unwrap();
+        b.lock("x", Mode::Shared).await.unwrap();
+        let b_id = b.id();
+        // Now b holds "x" shared and waits for "z" (a's); a upgrades "x".
+        let mut b_waits = Box::pin(b.lock("z", Mode::Shared));
+        assert!(poll!(b_waits.as_mut()).is_pending());
+        let Err(TransactionError::Deadlock(d)) = a.lock("x", Mode::Exclusive).await else {
+            panic!("a's upgrade closes the cycle");
+        };
+        assert_eq!(d.victim(), a.id());
+        assert_eq!(d.cycle()[0].key, "x");
+        assert_eq!(d.cycle()[1].transaction, b_id);
+        drop(a);
+        assert!(b_waits.await.is_ok());
+    });
+}
+
+#[test]
+fn a_wait_behind_a_queued_writer_is_an_edge() {
+    block(async {
+        let table = LockTable::<&str>::new();
+        let mut t1 = table.transaction();
+        let mut t2 = table.transaction();
+        let mut t3 = table.transaction();
+        t1.lock("a", Mode::Shared).await.unwrap();
+        t3.lock("b", Mode::Exclusive).await.unwrap();
+        let (t2_id, t3_id) = (t2.id(), t3.id());
+        // t2 queues for "a" exclusive, behind t1's shared grant.
+        let mut t2_waits = Box::pin(t2.lock("a", Mode::Exclusive));
+        assert!(poll!(t2_waits.as_mut()).is_pending());
+        // t3 asks "a" shared: compatible with t1, but queued behind t2.
+        let mut t3_waits = Box::pin(t3.lock("a", Mode::Shared));
+        assert!(poll!(t3_waits.as_mut()).is_pending());
+        // t1 asks "b" (t3's): t1 -> t3 -> t2 -> t1.
+        let Err(TransactionError::Deadlock(d)) = t1.lock("b", Mode::Shared).await else {
+            panic!("t1 closes the cycle");
+        };
+        let order: Vec<_> = d.cycle().iter().map(|w| w.transaction).collect();
+        assert_eq!(order, [t1.id(), t3_id, t2_id], "{d}");
+        drop(t1);
+        assert!(t2_waits.await.is_ok());
+        drop(t2);
+        assert!(t3_waits.await.is_ok());
+    });
+}
+
+#[test]
+fn lock_all_takes_part_in_cycles_and_releases_what_it_took() {
+    block(async {
+        let table = LockTable::<u32>::new();
+        let mut a = table.transaction();
+        let mut b = table.transaction();
+        b.lock(2, Mode::Exclusive).await.unwrap();
+        // a takes 1 (and 3), then waits for 2 in the canonical order, or
+        // waits for 2 first: either way it waits for b.
+        let mut a_waits = Box::pin(a.lock_all([(1, Mode::Exclusive), (2, Mode::Exclusive)]));
+        assert!(poll!(a_waits.as_mut()).is_pending());
+        if table.is_locked(&1) {
+            // a holds 1: b's wait for it closes the cycle.
+            let Err(TransactionError::Deadlock(d)) = b.lock(1, Mode::Exclusive).await else {
+                panic!("b closes the cycle");
+            };
+            assert_eq!(d.victim(), b.id());
+            drop(b);
+            assert_eq!(a_waits.await.unwrap().acquired(), 2);
+        } else {
+            // a waits for 2 before taking 1: no cycle, b takes 1.
+            b.lock(1, Mode::Exclusive).await.unwrap();
+            b.commit().unwrap();
+            assert_eq!(a_waits.await.unwrap().acquired(), 2);
+        }
+        drop(a);
+        assert!(table.is_empty());
+    });
+}
+
+#[test]
+fn a_deadlocked_lock_all_releases_what_it_had_taken() {
+    block(async {
+        let table = LockTable::<u32>::new();
+        let mut b = table.transaction();
+        b.lock(1, Mode::Exclusive).await.unwrap();
+        b.lock(2, Mode::Exclusive).await.unwrap();
+        let mut a_holds = table.transaction();
+        a_holds.lock(3, Mode::Exclusive).await.unwrap();
+        // b waits for 3 (a_holds's): no cycle.
+        let mut b_waits = Box::pin(b.lock(3, Mode::Exclusive));
+        assert!(poll!(b_waits.as_mut()).is_pending());
+        // a_holds asks for 1 and 2 at once: it closes a -> b -> a.
+        let got = a_holds
+            .lock_all([(1, Mode::Exclusive), (2, Mode::Exclusive)])
+            .await;
+        let Err(TransactionError::Deadlock(d)) = got else {
+            panic!("a_holds closes the cycle: {got:?}");
+        };
+        assert_eq!(d.victim(), a_holds.id());
+        assert_eq!(a_holds.len(), 1, "the failed lock_all took nothing");
+        drop(a_holds);
+        assert!(b_waits.await.is_ok());
+        drop(b);
+        assert!(table.is_empty());
+    });
+}
+
+#[test]
+fn long_waits_without_a_cycle_never_answer_deadlock() {
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .build()
+        .unwrap();
+    let table = Arc::new(LockTable::<u32>::new());
+    rt.block_on(async {
+        // Everyone locks in ascending order: queues, no cycle.
+        let tasks: Vec<_> = (0..16u32)
+            .map(|t| {
+                let table = table.clone();
+                tokio::spawn(async move {
+                    for round in 0..50u32 {
+                        let txn = table.clone().transaction_owned();
+                        let first = (t + round) % 4;
+                        let mode = if round % 3 == 0 {
+                            Mode::Shared
+                        } else {
+                            Mode::Exclusive
+                        };
+                        txn.lock(first, mode).await.expect("no cycle, no deadline");
+                        txn.lock(first + 4, Mode::Exclusive)
+                            .await
+                            .expect("no cycle, no deadline");
+                        tokio::task::yield_now().await;
+                        txn.commit().unwrap();
+                    }
+                })
+            })
+            .collect();
+        for t in tasks {
+            t.await.unwrap();
+        }
+    });
+    assert!(table.recent_deadlocks().is_empty());
+    assert!(table.is_empty());
+}
+
+#[test]
+fn a_plain_guard_is_never_part_of_a_cycle() {
+    block(async {
+        let table = LockTable::<&str>::new();
+        let mut a = table.transaction();
+        a.lock("x", Mode::Exclusive).await.unwrap();
+        let guard = table.lock("y").await;
+        let mut a_waits = Box::pin(a.lock("y", Mode::Exclusive));
+        assert!(poll!(a_waits.as_mut()).is_pending());
+        // The guard's holder may wait for "x", but the table cannot know.
+        drop(guard);
+        assert!(a_waits.await.is_ok());
+        assert!(table.recent_deadlocks().is_empty());
+    });
+}
+
+#[test]
+fn detection_can_be_turned_off_and_history_is_bounded() {
+    block(async {
+        let off = LockTable::<u32>::builder().deadlock_search_limit(0).build();
+        let mut a = off.transaction();
+        let mut b = off.transaction();
+        a.lock(1, Mode::Exclusive).await.unwrap();
+        b.lock(2, Mode::Exclusive).await.unwrap();
+        let mut a_waits = Box::pin(a.lock(2, Mode::Exclusive));
+        assert!(poll!(a_waits.as_mut()).is_pending());
+        let mut b_waits = Box::pin(b.lock(1, Mode::Exclusive));
+        assert!(poll!(b_waits.as_mut()).is_pending(), "off: b just waits");
+        drop(b_waits);
+        drop(b);
+        assert!(a_waits.await.is_ok());
+
+        let table = LockTable::<u32>::builder().deadlock_history(2).build();
+        for round in 0..3u32 {
+            let mut a = table.transaction();
+            let mut b = table.transaction();
+            a.lock(10 * round, Mode::Exclusive).await.unwrap();
+            b.lock(10 * round + 1, Mode::Exclusive).await.unwrap();
+            let mut a_waits = Box::pin(a.lock(10 * round + 1, Mode::Exclusive));
+            assert!(poll!(a_waits.as_mut()).is_pending());
+            assert!(matches!(
+                b.lock(10 * round, Mode::Exclusive).await,
+                Err(TransactionError::Deadlock(_))
+            ));
+            drop(b);
+            assert!(a_waits.await.is_ok());
+        }
+        let recent = table.recent_deadlocks();
+        assert_eq!(recent.len(), 2, "the last two only");
+        assert_eq!(recent[0].cycle()[0].key, 10);
+        assert_eq!(recent[1].cycle()[0].key, 20);
+    });
+}
