@@ -7,7 +7,10 @@
 //! only wake it gets); a pending call dropped while its upgrade of a shared
 //! key races the other reader's release (the undo by downgrade); two calls
 //! of one owned transaction racing for the same new key (one takes it, the
-//! other is counted or fails `InFlight`, neither waits on its own grant).
+//! other is counted or fails `InFlight`, neither waits on its own grant);
+//! deadlock detection racing a release that breaks the cycle (no false
+//! answer) and the cancel of a waiter of the cycle as it closes (answered
+//! once, or not at all, never a hang).
 //!
 //! Run with (what `.ci/run` does, then again without `LOOM_MAX_PREEMPTIONS`;
 //! each model takes well under a second either way):
@@ -678,5 +681,118 @@ mod models {
     #[test]
     fn owned_two_calls_race_for_one_shared_key() {
         two_calls_race_for_one_key("d2: two owned calls race for one key, shared", S);
+    }
+
+    /// (e) Detection racing a release that breaks the cycle: `t` holds
+    /// `a`, `u` holds `b` and waits for `a`. Thread B: `t` lets go of `a`
+    /// early (`unlock`; `u` is granted it) and then waits for `b`. The main
+    /// thread polls `u`'s call meanwhile. `u` waits on `a` no longer (or is
+    /// about to be granted it) when `t` starts waiting, so there is never a
+    /// cycle: `t`'s wait must never be answered `Deadlock` (a stale edge
+    /// read before the grant would give a false one), whether `u`'s call
+    /// has seen its grant yet or not. Then `u` commits and `t` gets `b`.
+    #[test]
+    fn detection_vs_a_release_that_breaks_the_cycle() {
+        model(
+            "e: detection vs a release that breaks the cycle",
+            &["t waited"],
+            |seen| {
+                let table = table();
+                let [a, b, _] = keys();
+                let t = table.clone().transaction_owned();
+                let u = table.clone().transaction_owned();
+                assert!(Polled::new(t.lock(a, X)).poll().is_some());
+                assert!(Polled::new(u.lock(b, X)).poll().is_some());
+                let mut u_waits = Polled::new(u.lock(a, X));
+                assert!(u_waits.poll().is_none(), "a is t's: u waits");
+
+                let tt = thread::spawn(move || {
+                    t.unlock(&a).expect("t holds a");
+                    let mut t_waits = Polled::new(t.lock(b, X));
+                    let first = t_waits.poll();
+                    (t, t_waits, first)
+                });
+                let racing = if u_waits.woken() { u_waits.poll() } else { None };
+                let (t, mut t_waits, first) = tt.join().unwrap();
+
+                match first {
+                    None => {}
+                    Some(Err(TransactionError::Deadlock(d))) => {
+                        panic!("a false deadlock: {d}")
+                    }
+                    Some(other) => panic!("b is u's: t waits, got {other:?}"),
+                }
+                let got = match racing {
+                    Some(out) => out,
+                    None => finish(&mut u_waits, "u's wait for a"),
+                };
+                assert!(got.is_ok(), "u gets a once t let go: {got:?}");
+                drop(u_waits);
+                u.commit().expect("no lease");
+                let got = finish(&mut t_waits, "t's wait for b");
+                assert!(got.is_ok(), "t gets b once u committed: {got:?}");
+                seen.note("t waited");
+                drop(t_waits);
+                t.commit().expect("no lease");
+                table.assert_consistent();
+                assert!(table.is_empty(), "entry leaked");
+                assert!(table.recent_deadlocks().is_empty());
+            },
+        );
+    }
+
+    /// (e2) A waiter of the cycle cancelled while the cycle closes: `t`
+    /// holds `a` and waits for `b`; `u` holds `b`. Thread B drops `t`'s
+    /// call; the main thread polls `u`'s first wait for `a`. Either `u`'s
+    /// wait closed the cycle while `t` still waited (`u` is answered
+    /// `Deadlock`, naming both), or `t` had left the queue first (`u` just
+    /// waits, and gets `a` once `t` commits). Never both answered, never a
+    /// hang; nothing is left held.
+    #[test]
+    fn a_waiter_of_the_cycle_cancelled_while_it_closes() {
+        model(
+            "e2: a waiter of the cycle cancelled while it closes",
+            &["u answered deadlock", "u waited"],
+            |seen| {
+                let table = table();
+                let [a, b, _] = keys();
+                let t = table.clone().transaction_owned();
+                let u = table.clone().transaction_owned();
+                assert!(Polled::new(t.lock(a, X)).poll().is_some());
+                assert!(Polled::new(u.lock(b, X)).poll().is_some());
+                let mut t_waits = Polled::new(t.lock(b, X));
+                assert!(t_waits.poll().is_none(), "b is u's: t waits");
+
+                let cancel = thread::spawn(move || {
+                    t_waits.cancel();
+                    t
+                });
+                let mut u_waits = Polled::new(u.lock(a, X));
+                let first = u_waits.poll();
+                let t = cancel.join().unwrap();
+
+                match first {
+                    Some(Err(TransactionError::Deadlock(d))) => {
+                        assert_eq!(d.victim(), u.id());
+                        assert_eq!(d.cycle().len(), 2, "{d}");
+                        seen.note("u answered deadlock");
+                        drop(u_waits);
+                        u.abort();
+                        t.commit().expect("no lease");
+                    }
+                    None => {
+                        seen.note("u waited");
+                        t.commit().expect("no lease");
+                        let got = finish(&mut u_waits, "u's wait for a");
+                        assert!(got.is_ok(), "u gets a once t committed: {got:?}");
+                        drop(u_waits);
+                        u.commit().expect("no lease");
+                    }
+                    Some(other) => panic!("a is t's: u waits or is answered, got {other:?}"),
+                }
+                table.assert_consistent();
+                assert!(table.is_empty(), "entry leaked");
+            },
+        );
     }
 }
