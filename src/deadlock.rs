@@ -37,6 +37,8 @@ use std::num::NonZeroU64;
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::sync::Arc;
 
+use smallvec::SmallVec;
+
 use crate::loom::Mutex;
 use crate::mode::Mode;
 use crate::table::LockTable;
@@ -159,6 +161,9 @@ impl<K: fmt::Debug> fmt::Display for Deadlock<K> {
     }
 }
 
+/// Transaction ids, few at a time.
+pub(crate) type Edges = SmallVec<[u64; 4]>;
+
 /// A cycle as recorded: keys shared with the registry, cloned on reading.
 type Record<K> = Vec<(u64, Arc<K>, Mode)>;
 
@@ -172,7 +177,8 @@ pub(crate) struct Detector<K> {
 }
 
 struct Registry<K> {
-    waiting: HashMap<u64, Wait<K>>,
+    /// By transaction id (a counter: foldhash, not SipHash).
+    waiting: HashMap<u64, Wait<K>, foldhash::fast::RandomState>,
     recent: VecDeque<Record<K>>,
 }
 
@@ -199,7 +205,7 @@ impl<K> Detector<K> {
     pub(crate) fn new(limit: usize, keep: usize) -> Self {
         Self {
             registry: Mutex::new(Registry {
-                waiting: HashMap::new(),
+                waiting: HashMap::default(),
                 recent: VecDeque::new(),
             }),
             limit,
@@ -224,20 +230,27 @@ impl<K> Detector<K> {
 impl<K: Eq + Hash, S: BuildHasher> LockTable<K, S> {
     /// Registers the wait of `owner` for `key` (hash `hash`) in `mode`,
     /// whose waiter is queued, and searches for a cycle it closes: `Err`
-    /// with the cycle if there is one (then `owner` is its victim).
+    /// with the cycle if there is one (then `owner` is its victim);
+    /// `Ok(false)` if another call of `owner` (an owned transaction's) has
+    /// a wait registered already, which this one leaves in place.
     pub(crate) fn enter_wait(
         &self,
         owner: u64,
         hash: u64,
         key: Arc<K>,
         mode: Mode,
-    ) -> Result<(), Deadlock<K>>
+    ) -> Result<bool, Deadlock<K>>
     where
         K: Clone,
     {
         let detector = self.detector();
         let (found, dropped) = {
             let mut registry = detector.registry.lock();
+            if registry.waiting.contains_key(&owner) {
+                drop(registry);
+                drop(key);
+                return Ok(false);
+            }
             let old = registry.waiting.insert(
                 owner,
                 Wait {
@@ -247,9 +260,11 @@ impl<K: Eq + Hash, S: BuildHasher> LockTable<K, S> {
                     victim: false,
                 },
             );
-            debug_assert!(old.is_none(), "one wait per transaction at a time");
-            let found = self
-                .find_cycle(&registry, owner, detector.limit)
+            // A cycle needs another waiting transaction.
+            let alone = registry.waiting.len() == 1;
+            let found = (!alone)
+                .then(|| self.find_cycle(&registry, owner, detector.limit))
+                .flatten()
                 .filter(|cycle| self.confirm(&registry, cycle));
             let mut dropped = None;
             let found = found.map(|cycle| {
@@ -277,7 +292,7 @@ impl<K: Eq + Hash, S: BuildHasher> LockTable<K, S> {
         };
         drop(dropped);
         match found {
-            None => Ok(()),
+            None => Ok(true),
             Some(record) => Err(answer(&record)),
         }
     }
@@ -309,11 +324,16 @@ impl<K: Eq + Hash, S: BuildHasher> LockTable<K, S> {
     /// order (each blocked by the next, the last by `owner`), if the search
     /// finds one within `limit` transactions visited.
     fn find_cycle(&self, registry: &Registry<K>, owner: u64, limit: usize) -> Option<Vec<u64>> {
-        let mut path = vec![owner];
-        let mut visited = vec![owner];
+        let first = self.edges_of(registry, owner)?;
+        // The common case: nothing the wait waits for is waiting itself.
+        if !first.iter().any(|o| registry.waiting.contains_key(o)) {
+            return None;
+        }
+        let mut path: Edges = smallvec::smallvec![owner];
+        let mut visited: Edges = smallvec::smallvec![owner];
         // One frame per transaction on the path: the transactions its wait
         // waits for, and how many of them were tried.
-        let mut frames = vec![(self.edges_of(registry, owner)?, 0usize)];
+        let mut frames: SmallVec<[(Edges, usize); 4]> = smallvec::smallvec![(first, 0)];
         while let Some((edges, next)) = frames.last_mut() {
             let Some(&to) = edges.get(*next) else {
                 frames.pop();
@@ -322,7 +342,7 @@ impl<K: Eq + Hash, S: BuildHasher> LockTable<K, S> {
             };
             *next += 1;
             if to == owner {
-                return Some(path);
+                return Some(path.to_vec());
             }
             if visited.contains(&to) || visited.len() >= limit {
                 continue;
@@ -338,9 +358,9 @@ impl<K: Eq + Hash, S: BuildHasher> LockTable<K, S> {
 
     /// The transactions the registered wait of `owner` waits for now (none
     /// if it does not wait, or is a victim already).
-    fn edges_of(&self, registry: &Registry<K>, owner: u64) -> Option<Vec<u64>> {
+    fn edges_of(&self, registry: &Registry<K>, owner: u64) -> Option<Edges> {
         let wait = registry.waiting.get(&owner).filter(|w| !w.victim)?;
-        let mut out = Vec::new();
+        let mut out = Edges::new();
         self.wait_edges(wait.hash, &wait.key, owner, &mut out)
             .then_some(out)
     }

@@ -287,7 +287,13 @@ impl<K, S> LockTable<K, S> {
     /// The transactions `owner`'s waiter on `key` waits for, appended to
     /// `out`; `false` if it has no waiter queued there. See
     /// `queue/edges.rs`.
-    pub(crate) fn wait_edges(&self, hash: u64, key: &K, owner: u64, out: &mut Vec<u64>) -> bool
+    pub(crate) fn wait_edges(
+        &self,
+        hash: u64,
+        key: &K,
+        owner: u64,
+        out: &mut crate::deadlock::Edges,
+    ) -> bool
     where
         K: Eq,
     {
@@ -312,7 +318,7 @@ impl<K, S> LockTable<K, S> {
             .map(|&i| self.shards[i].state.lock())
             .collect();
         let mut now = Now::new(&self.clock);
-        let mut out = Vec::new();
+        let mut out = crate::deadlock::Edges::new();
         edges.iter().all(|&(hash, key, owner, next)| {
             let at = indices
                 .binary_search(&self.shard_index(hash))

@@ -712,7 +712,11 @@ mod models {
                     let first = t_waits.poll();
                     (t, t_waits, first)
                 });
-                let racing = if u_waits.woken() { u_waits.poll() } else { None };
+                let racing = if u_waits.woken() {
+                    u_waits.poll()
+                } else {
+                    None
+                };
                 let (t, mut t_waits, first) = tt.join().unwrap();
 
                 match first {

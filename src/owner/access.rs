@@ -356,10 +356,14 @@ where
             let table = owner.reach.table();
             if table.detector().is_on() {
                 let key = Arc::new(wait.key.clone());
-                watch.detecting = true;
                 let id = owner.opts.id.get();
-                if let Err(deadlock) = table.enter_wait(id, wait.hash, key, wait.mode) {
-                    return Poll::Ready(Err(Stop::Deadlock(deadlock)));
+                match table.enter_wait(id, wait.hash, key, wait.mode) {
+                    Ok(registered) => watch.detecting = registered,
+                    Err(deadlock) => {
+                        // Registered: the guard unregisters it as it drops.
+                        watch.detecting = true;
+                        return Poll::Ready(Err(Stop::Deadlock(deadlock)));
+                    }
                 }
             }
         }

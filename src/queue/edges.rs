@@ -40,7 +40,7 @@ impl<K> ShardState<K> {
         hash: u64,
         key: &K,
         owner: u64,
-        out: &mut Vec<u64>,
+        out: &mut crate::deadlock::Edges,
         now: &mut Now<'_>,
     ) -> bool
     where
