@@ -216,6 +216,18 @@ impl<'a> Now<'a> {
         )
     }
 
+    /// The time already read by this operation, else the coarse clock's on
+    /// the real clock (a cheap read), else none: for a diagnosis, which
+    /// must not make an operation read a clock it would not read otherwise.
+    #[inline]
+    pub(crate) fn cheap_stamp(&mut self) -> Stamp {
+        match (self.at, self.clock) {
+            (Some(at), _) => Stamp::new(Some(at)),
+            (None, Clock::Monotonic) => coarse::stamp(),
+            (None, _) => Stamp::NONE,
+        }
+    }
+
     /// [`start_for`](Self::start_for) a duration in nanoseconds.
     #[inline]
     pub(crate) fn start_for_nanos(&mut self, nanos: u64) -> Stamp {

@@ -30,6 +30,7 @@
 //!
 //! [`ShardState::wait_edges`]: crate::queue::ShardState::wait_edges
 
+use std::cell::Cell;
 use std::collections::{HashMap, VecDeque};
 use std::fmt;
 use std::hash::{BuildHasher, Hash};
@@ -57,10 +58,23 @@ pub struct TransactionId(NonZeroU64);
 impl TransactionId {
     /// A new identity, never given before in this process.
     pub(crate) fn next() -> Self {
-        // A plain counter: identities only need to differ, so no ordering
-        // with other memory is needed.
-        static NEXT: AtomicU64 = AtomicU64::new(1);
-        let id = NEXT.fetch_add(1, Relaxed);
+        // Each thread takes identities from a block of its own, so threads
+        // that start transactions do not contend on one counter. Identities
+        // only need to differ: no ordering with other memory is needed.
+        const BLOCK: u64 = 1024;
+        static BLOCKS: AtomicU64 = AtomicU64::new(1);
+        thread_local! {
+            static LOCAL: Cell<(u64, u64)> = const { Cell::new((0, 0)) };
+        }
+        let id = LOCAL.with(|local| {
+            let (mut next, mut end) = local.get();
+            if next == end {
+                next = BLOCKS.fetch_add(BLOCK, Relaxed);
+                end = next + BLOCK;
+            }
+            local.set((next + 1, end));
+            next
+        });
         Self(NonZeroU64::new(id).expect("keylock: transaction ids exhausted"))
     }
 
@@ -68,6 +82,11 @@ impl TransactionId {
     #[must_use]
     pub const fn get(self) -> u64 {
         self.0.get()
+    }
+
+    /// The id a grant or waiter carries, if it is a transaction's (0: none).
+    pub(crate) fn from_owner(owner: u64) -> Option<Self> {
+        NonZeroU64::new(owner).map(Self)
     }
 
     fn from_raw(raw: u64) -> Self {

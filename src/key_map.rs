@@ -317,6 +317,13 @@ impl<V> KeyMap<V> {
             .filter_map(|slot| slot.value.as_ref().map(|value| (slot.hash, value)))
     }
 
+    /// Every value with its hash, mutable, in no particular order.
+    pub(crate) fn iter_mut(&mut self) -> impl Iterator<Item = (u64, &mut V)> {
+        self.slots
+            .iter_mut()
+            .filter_map(|slot| slot.value.as_mut().map(|value| (slot.hash, value)))
+    }
+
     /// Takes every value out, leaving the map empty with no allocation; the
     /// values not consumed are dropped with the iterator.
     pub(crate) fn drain(&mut self) -> impl Iterator<Item = V> {

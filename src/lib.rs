@@ -292,6 +292,7 @@ mod owner;
 mod queue;
 mod shard_lock;
 mod stats;
+mod status;
 mod table;
 mod time_source;
 mod timer;
@@ -314,6 +315,7 @@ pub use owner::{
     TransactionOptions, WaitPolicy,
 };
 pub use stats::Stats;
+pub use status::{HolderStatus, LockStatus, WaiterStatus};
 pub use table::{Builder, DefaultHashBuilder, LockTable};
 pub use time_source::TimeSource;
 pub use token::FencingToken;

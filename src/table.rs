@@ -278,6 +278,11 @@ impl<K, S> LockTable<K, S> {
         (hash >> 32) as usize & self.mask
     }
 
+    /// The shard at `index` (below [`shard_count`](Self::shard_count)).
+    pub(crate) fn shard_at(&self, index: usize) -> &Shard<K> {
+        &self.shards[index]
+    }
+
     /// The deadlock detector of the table's transactions.
     #[inline]
     pub(crate) fn detector(&self) -> &Detector<K> {
@@ -341,7 +346,7 @@ impl<K, S> LockTable<K, S> {
     /// Runs `op` on the shard of `hash` under its lock, then wakes and drops
     /// what it left to do, after unlocking.
     #[inline(always)]
-    fn with_shard<R>(
+    pub(crate) fn with_shard<R>(
         &self,
         hash: u64,
         op: impl FnOnce(&mut ShardState<K>, &mut Ctx<'_, '_, K>) -> R,

@@ -112,6 +112,8 @@ struct Node {
     /// The transaction the waiter is for (0: none); for an upgrade, its
     /// shared grant's.
     owner: u64,
+    /// When it was linked, for the status view.
+    since: Stamp,
 }
 
 const ASK_EXCLUSIVE: u8 = 0;
@@ -263,6 +265,7 @@ impl Waiter {
                 timer_at: Stamp::NONE,
                 until: Stamp::NONE,
                 owner: 0,
+                since: Stamp::NONE,
             }),
             _pinned: PhantomPinned,
         }
@@ -311,7 +314,7 @@ impl Waiter {
     ///
     /// The node must be idle (not linked) and owned by the caller.
     #[inline]
-    pub(crate) unsafe fn prepare(&self, terms: Terms, until: Stamp, want: Want) {
+    pub(crate) unsafe fn prepare(&self, terms: Terms, until: Stamp, want: Want, since: Stamp) {
         debug_assert_eq!(self.state.load(Relaxed), IDLE);
         let node = self.node.get_mut();
         // SAFETY: an idle node is its owner's alone (caller's contract).
@@ -324,6 +327,7 @@ impl Waiter {
         self.kind.store(kind, Relaxed);
         node.ask = ask;
         node.owner = terms.owner;
+        node.since = since;
         node.timer_at = Stamp::NONE;
         node.until = until;
         node.slot = NodeSlot::Links {
@@ -500,6 +504,18 @@ impl Waiter {
         let node = unsafe { this.as_ref() }.node.get_mut();
         // SAFETY: as above: the node cell is the table's.
         PackedDuration::from_bits(unsafe { node.deref() }.ask)
+    }
+
+    /// When the node was linked, under the lock, while linked.
+    ///
+    /// # Safety
+    ///
+    /// Under the shard lock, while linked.
+    pub(crate) unsafe fn since(this: WaiterPtr) -> Stamp {
+        // SAFETY: linked, under the lock (caller's contract).
+        let node = unsafe { this.as_ref() }.node.get_mut();
+        // SAFETY: as above: the node cell is the table's.
+        unsafe { node.deref() }.since
     }
 
     /// The transaction the node waits for (0: none), under the lock, while

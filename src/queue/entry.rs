@@ -19,7 +19,8 @@ pub(super) struct Entry<K> {
     pub(super) holders: Holders,
     /// The mode of `holders` (meaningless while it is empty).
     pub(super) mode: Mode,
-    /// Guards (and granted waiters) that lost the key but still exist.
+    /// Guards (and granted waiters) that lost the key but still exist, and
+    /// status-view snapshots reading the key (`queue/status.rs`).
     pub(super) fenced: u32,
     pub(super) queue: WaitList,
 }

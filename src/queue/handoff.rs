@@ -69,7 +69,7 @@ impl Keys<'_> {
         let Some((head, terms)) = (unsafe { entry.queue.pop_front() }) else {
             return;
         };
-        let (deadline, since) = lease_from(terms.lease, ctx.clock());
+        let (deadline, since) = grant_times(terms, ctx.clock());
         // SAFETY: just unlinked, under the lock; not touched again.
         let waker = unsafe { Waiter::grant(head, token, deadline, mode) };
         entry.holders.push(Holder {
@@ -173,7 +173,7 @@ impl Keys<'_> {
     ) -> Grant<K> {
         debug_assert!(entry.admits(mode));
         let token = self.tokens.mint();
-        let (deadline, since) = lease_from(terms.lease, ctx.clock());
+        let (deadline, since) = grant_times(terms, ctx.clock());
         ctx.counters().acquired(contended);
         entry.holders.push(Holder {
             token,
@@ -247,6 +247,13 @@ pub(super) fn nudge_head<K>(entry: &Entry<K>, ctx: &mut Ctx<'_, '_, K>) {
             ctx.wake_later(waker);
         }
     }
+}
+
+/// The deadline and start of a grant on `terms` (see [`lease_from`]: a
+/// grant without a lease reads no clock, so its start is not known).
+#[inline(always)]
+pub(super) fn grant_times(terms: Terms, now: &mut Now<'_>) -> (Stamp, Stamp) {
+    lease_from(terms.lease, now)
 }
 
 /// The deadline and start of a grant with `lease`: one clock read and one

@@ -42,11 +42,13 @@ mod entry;
 mod handoff;
 mod holders;
 mod lapse;
+mod status;
 mod waiting;
 
 use entry::Entry;
-use handoff::{lease_from, Keys};
+use handoff::{grant_times, Keys};
 use holders::{Holder, Holders};
+pub(crate) use status::{RawStatus, RawWaiter};
 
 /// A grant handed to a caller.
 #[derive(Debug)]
@@ -274,7 +276,7 @@ impl<K> ShardState<K> {
             Err(vacant) => {
                 // Everything that can panic comes before any change.
                 let token = tokens.mint();
-                let (deadline, since) = lease_from(terms.lease, ctx.clock());
+                let (deadline, since) = grant_times(terms, ctx.clock());
                 let cell = keys.store(key.take().expect("present"));
                 ctx.counters().acquired(false);
                 let holders = Holders::one(Holder {

@@ -481,9 +481,17 @@ unsafe fn enqueue<K>(
     // time this operation judges by, which the caller reads back.
     let (start, until) = patience.start_and_until(ctx);
     ctx.cover(until);
+    // When the wait began, for the status view: the wait's start if it
+    // has a timeout, else the coarse clock's on the real clock (no other
+    // clock is read for it).
+    let since = if start.is_some() {
+        start
+    } else {
+        ctx.clock().cheap_stamp()
+    };
     // SAFETY: the caller's contract; under the shard lock.
     unsafe {
-        waiter.prepare(terms, until, want);
+        waiter.prepare(terms, until, want, since);
         if front {
             entry.queue.push_front(waiter);
         } else {

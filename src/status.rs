@@ -1,0 +1,236 @@
+//! The lock status view: who holds and who waits for each key, as
+//! PostgreSQL's `pg_locks` or RocksDB's lock status data show it.
+//!
+//! Each key's holders and waiters are read under its shard lock (consistent
+//! per key; the shards are read one after another, so the view as a whole
+//! is not one instant). Keys are cloned after the shard lock is released:
+//! the snapshot pins each entry it read (`queue/status.rs`) and unpins it
+//! once its key is cloned, so no user code runs under a shard lock, and a
+//! `Clone` that panics leaves every pin undone. Nothing of this runs unless
+//! asked for.
+
+use std::borrow::Borrow;
+use std::hash::{BuildHasher, Hash};
+use std::time::Instant;
+
+use crate::clock::Now;
+use crate::deadlock::TransactionId;
+use crate::key_slot::KeyPtr;
+use crate::mode::Mode;
+use crate::queue::{RawStatus, RawWaiter};
+use crate::table::LockTable;
+use crate::token::FencingToken;
+use crate::waiter::Want;
+
+/// One grant holding a key.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct HolderStatus {
+    /// The grant's fencing token.
+    pub token: FencingToken,
+    /// The mode it holds the key in.
+    pub mode: Mode,
+    /// The transaction it was made for (none: a plain guard).
+    pub transaction: Option<TransactionId>,
+    /// When it was granted, if the table read the time then: grants with a
+    /// lease (a grant without one reads no clock, so that an uncontended
+    /// lock stays free of clock reads).
+    pub since: Option<Instant>,
+    /// When its lease ends, if it has one.
+    pub lease_deadline: Option<Instant>,
+    /// Its lease has lapsed: the next waiter takes the key at the next
+    /// settle (a lock, a release, a timer).
+    pub lapsed: bool,
+}
+
+/// One waiter of a key, in queue order.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct WaiterStatus {
+    /// The mode it asks for.
+    pub mode: Mode,
+    /// It is an upgrade of a shared grant (it heads the queue).
+    pub upgrade: bool,
+    /// The transaction it waits for (none: a plain lock future).
+    pub transaction: Option<TransactionId>,
+    /// When it started to wait: on the real clock always (to the coarse
+    /// clock's precision, unless the wait has a timeout or deadline); on
+    /// other clocks only for waits with a timeout or deadline (a wait
+    /// without one reads no clock).
+    pub since: Option<Instant>,
+}
+
+/// Who holds and who waits for one key.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct LockStatus {
+    /// The holders, oldest first where the table keeps that order (an
+    /// exclusive grant is the only one).
+    pub holders: Vec<HolderStatus>,
+    /// The waiters, head of the queue first.
+    pub waiters: Vec<WaiterStatus>,
+}
+
+fn id_of(owner: u64) -> Option<TransactionId> {
+    TransactionId::from_owner(owner)
+}
+
+impl From<RawStatus> for LockStatus {
+    fn from(raw: RawStatus) -> Self {
+        LockStatus {
+            holders: raw
+                .holders
+                .iter()
+                .map(|h| HolderStatus {
+                    token: h.token,
+                    mode: raw.mode,
+                    transaction: id_of(h.owner),
+                    since: h.since.get(),
+                    lease_deadline: h.deadline.get(),
+                    lapsed: h.lapsed,
+                })
+                .collect(),
+            waiters: raw.waiters.iter().map(waiter).collect(),
+        }
+    }
+}
+
+fn waiter(w: &RawWaiter) -> WaiterStatus {
+    let (mode, upgrade) = match w.want {
+        Want::Grant(mode) => (mode, false),
+        Want::Upgrade(_) => (Mode::Exclusive, true),
+    };
+    WaiterStatus {
+        mode,
+        upgrade,
+        transaction: id_of(w.owner),
+        since: w.since.get(),
+    }
+}
+
+/// Pinned entries of one shard not yet unpinned; unpins the rest if
+/// dropped early (a key's `Clone` panicked).
+struct Pins<'t, K: Eq + Hash, S: BuildHasher> {
+    table: &'t LockTable<K, S>,
+    left: std::vec::IntoIter<(u64, KeyPtr<K>, RawStatus)>,
+}
+
+impl<K: Eq + Hash, S: BuildHasher> Drop for Pins<'_, K, S> {
+    fn drop(&mut self) {
+        for (hash, key, _) in self.left.by_ref() {
+            self.table.unpin(hash, key);
+        }
+    }
+}
+
+/// Unpins one entry when dropped, after its key was cloned or not.
+struct Unpin<'t, K: Eq + Hash, S: BuildHasher> {
+    table: &'t LockTable<K, S>,
+    hash: u64,
+    key: KeyPtr<K>,
+}
+
+impl<K: Eq + Hash, S: BuildHasher> Drop for Unpin<'_, K, S> {
+    fn drop(&mut self) {
+        self.table.unpin(self.hash, self.key);
+    }
+}
+
+impl<K: Eq + Hash, S: BuildHasher> LockTable<K, S> {
+    /// Every key that is held or awaited, with its holders and waiters: a
+    /// lock status view for diagnosis. Each key's entry is read at one
+    /// instant; different keys at different ones.
+    ///
+    /// ```
+    /// # futures::executor::block_on(async {
+    /// use keylock::{LockTable, Mode};
+    /// let table = LockTable::new();
+    /// let mut txn = table.transaction();
+    /// txn.lock("row-1", Mode::Shared).await?;
+    /// let status = table.status();
+    /// assert_eq!(status.len(), 1);
+    /// let (key, row) = &status[0];
+    /// assert_eq!(*key, "row-1");
+    /// assert_eq!(row.holders[0].mode, Mode::Shared);
+    /// assert_eq!(row.holders[0].transaction, Some(txn.id()));
+    /// assert!(row.waiters.is_empty());
+    /// # Ok::<(), keylock::TransactionError<&str>>(())
+    /// # }).unwrap();
+    /// ```
+    pub fn status(&self) -> Vec<(K, LockStatus)>
+    where
+        K: Clone,
+    {
+        let mut out = Vec::new();
+        for index in 0..self.shard_count() {
+            let mut raw = Vec::new();
+            {
+                let mut now = Now::new(self.clock());
+                let mut state = self.shard_at(index).state.lock();
+                state.snapshot(&mut now, &mut raw);
+            }
+            let mut pins = Pins {
+                table: self,
+                left: raw.into_iter(),
+            };
+            for (hash, key, status) in pins.left.by_ref() {
+                let _unpin = Unpin {
+                    table: self,
+                    hash,
+                    key,
+                };
+                // SAFETY: the entry is pinned until `_unpin` drops, so its
+                // key cell is live and never written meanwhile.
+                let cloned = unsafe { key.get() }.clone();
+                out.push((cloned, LockStatus::from(status)));
+            }
+        }
+        out
+    }
+
+    /// Who holds and who waits for `key` (none if nobody does), read at one
+    /// instant.
+    ///
+    /// ```
+    /// # futures::executor::block_on(async {
+    /// let table = keylock::LockTable::new();
+    /// assert!(table.lock_status("job-7").is_none());
+    /// let guard = table.lock("job-7").await;
+    /// let status = table.lock_status("job-7").unwrap();
+    /// assert_eq!(status.holders[0].token, guard.token());
+    /// assert_eq!(status.holders[0].transaction, None);
+    /// # });
+    /// ```
+    pub fn lock_status<Q>(&self, key: &Q) -> Option<LockStatus>
+    where
+        K: Borrow<Q>,
+        Q: Hash + Eq + ?Sized,
+    {
+        let hash = self.hash(key);
+        self.with_shard(hash, |state, ctx| state.status_of(hash, key, ctx.clock()))
+            .map(LockStatus::from)
+    }
+
+    /// The grant holding `key` (the oldest, if several share it), if any.
+    ///
+    /// ```
+    /// # futures::executor::block_on(async {
+    /// let table = keylock::LockTable::new();
+    /// assert!(table.holder("job-7").is_none());
+    /// let guard = table.lock("job-7").await;
+    /// assert_eq!(table.holder("job-7").unwrap().token, guard.token());
+    /// # });
+    /// ```
+    pub fn holder<Q>(&self, key: &Q) -> Option<HolderStatus>
+    where
+        K: Borrow<Q>,
+        Q: Hash + Eq + ?Sized,
+    {
+        self.lock_status(key)?.holders.into_iter().next()
+    }
+
+    /// Lets go of a status snapshot's pin on the entry of `key`.
+    fn unpin(&self, hash: u64, key: KeyPtr<K>) {
+        self.with_shard(hash, |state, ctx| state.unpin(hash, key, ctx));
+    }
+}
