@@ -157,7 +157,7 @@ impl<K> Held<K> {
     }
 
     #[inline(always)]
-    fn release<S>(&self, table: &LockTable<K, S>) {
+    pub(crate) fn release<S>(&self, table: &LockTable<K, S>) {
         table.release(self.hash, self.key, self.token);
     }
 
@@ -464,6 +464,15 @@ impl<'a, K, S> Guard<'a, K, S> {
         }
     }
 
+    /// The grant, out of the guard, which is gone without releasing it:
+    /// the table's hold registry takes it over (a hold).
+    pub(crate) fn into_held(self) -> Held<K> {
+        let this = std::mem::ManuallyDrop::new(self);
+        // SAFETY: `this` is never used again and its `Drop` never runs, so
+        // the grant is read out exactly once.
+        unsafe { std::ptr::read(&this.held) }
+    }
+
     guard_methods!();
 }
 
@@ -538,6 +547,17 @@ impl<K, S> OwnedGuard<K, S> {
         self.release_if_live().map_err(|lost| LockError::Expired {
             token: lost.token(),
         })
+    }
+
+    /// The grant, out of the guard, which is gone without releasing it (the
+    /// table's `Arc` drops): see [`Guard::into_held`].
+    pub(crate) fn into_held(self) -> Held<K> {
+        let this = std::mem::ManuallyDrop::new(self);
+        // SAFETY: `this` is never used again and its `Drop` never runs, so
+        // the table's `Arc` and the grant are read out exactly once.
+        let (table, held) = unsafe { (std::ptr::read(&this.table), std::ptr::read(&this.held)) };
+        drop(table);
+        held
     }
 
     /// As [`Guard::release_if_live`].

@@ -281,6 +281,7 @@ mod deferred;
 mod error;
 mod fairness;
 mod guard;
+mod hold;
 mod keep_alive;
 mod key_map;
 mod key_slot;
@@ -308,6 +309,7 @@ pub use deadlock::{CycleWait, Deadlock, TransactionId};
 pub use error::{LockError, TryLockError};
 pub use fairness::Fairness;
 pub use guard::{Guard, OwnedGuard};
+pub use hold::Hold;
 pub use lease::{LockOptions, DEFAULT_MAX_LEASE};
 pub use mode::Mode;
 pub use owner::{

@@ -41,6 +41,10 @@ pub struct HolderStatus {
     /// Its lease has lapsed: the next waiter takes the key at the next
     /// settle (a lock, a release, a timer).
     pub lapsed: bool,
+    /// It is a hold: detached from its transaction, released through the
+    /// table by key and token
+    /// ([`LockTable::release_hold`](crate::LockTable::release_hold)).
+    pub hold: bool,
 }
 
 /// One waiter of a key, in queue order.
@@ -88,6 +92,7 @@ impl From<RawStatus> for LockStatus {
                     since: h.since.get(),
                     lease_deadline: h.deadline.get(),
                     lapsed: h.lapsed,
+                    hold: h.owner == crate::lease::HOLD_OWNER,
                 })
                 .collect(),
             waiters: raw.waiters.iter().map(waiter).collect(),

@@ -22,6 +22,7 @@ use crate::deferred::{Ctx, Leftovers};
 use crate::error::{LockError, TryLockError};
 use crate::fairness::Fairness;
 use crate::guard::{Guard, Held, OwnedGuard};
+use crate::hold::Holds;
 use crate::key_slot::KeyPtr;
 use crate::lease::{LeasePolicy, LockOptions, PackedDuration, Terms, DEFAULT_MAX_LEASE, MIN_LEASE};
 use crate::mode::Mode;
@@ -124,6 +125,8 @@ pub struct LockTable<K, S = DefaultHashBuilder> {
     token_floor: u64,
     /// Deadlock detection for transactions (see `deadlock.rs`).
     detector: Detector<K>,
+    /// Grants detached from their transactions (see `hold.rs`).
+    holds: Holds<K>,
 }
 
 impl<K: Eq + Hash> LockTable<K> {
@@ -283,6 +286,12 @@ impl<K, S> LockTable<K, S> {
         &self.shards[index]
     }
 
+    /// The table's holds.
+    #[inline]
+    pub(crate) fn holds(&self) -> &Holds<K> {
+        &self.holds
+    }
+
     /// The deadlock detector of the table's transactions.
     #[inline]
     pub(crate) fn detector(&self) -> &Detector<K> {
@@ -393,6 +402,14 @@ impl<K, S> LockTable<K, S> {
             // while the waiter is linked into `key`'s queue or granted.
             let _ = unsafe { state.leave(hash, key, waiter, false, fairness, ctx) };
         });
+    }
+
+    /// Whether grant `token` holds the key with a live lease; nothing is
+    /// settled, so nothing is woken or dropped (safe under another lock).
+    pub(crate) fn grant_is_live(&self, hash: u64, key: KeyPtr<K>, token: FencingToken) -> bool {
+        let mut now = Now::new(&self.clock);
+        let mut state = self.shard(hash).state.lock();
+        state.is_live(hash, key, token, &mut now)
     }
 
     pub(crate) fn check_grant(
@@ -1423,6 +1440,7 @@ impl<K, S> Builder<K, S> {
             fairness: self.fairness,
             token_floor: floor,
             detector: Detector::new(self.deadlock_limit, self.deadlock_history),
+            holds: Holds::new(),
         }
     }
 }

@@ -121,6 +121,11 @@ impl<G: GuardOps<Key = K>, K> Slot<G, K> {
     pub(crate) fn guard(&self) -> Option<&G> {
         self.guard.as_ref()
     }
+
+    /// The slot's guard, taken out (the slot drops without releasing it).
+    pub(crate) fn into_guard(mut self) -> Option<G> {
+        self.guard.take()
+    }
 }
 
 /// What [`HeldSet::find`] found of a requested key.

@@ -45,6 +45,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use crate::guard::Guard;
+use crate::hold::Hold;
 use crate::mode::Mode;
 use crate::table::{DefaultHashBuilder, LockTable};
 use crate::token::FencingToken;
@@ -221,6 +222,36 @@ type Unlocked<R> = (
     usize,
     Option<held::Slot<<R as Reach>::Guard, <R as Reach>::Key>>,
 );
+
+/// Detaches the slot `unlock_in` took out of the set as a hold of the
+/// table (see `hold.rs`), if its grant still holds the key.
+fn detach_slot<R: Reach>(
+    table: &LockTable<R::Key, R::Hasher>,
+    slot: Option<held::Slot<R::Guard, R::Key>>,
+    key: &R::Key,
+) -> Result<Hold<R::Key>, TransactionError<R::Key>>
+where
+    R::Key: Clone,
+{
+    let Some(guard) = slot.and_then(held::Slot::into_guard) else {
+        return Err(TransactionError::NotHeld { key: key.clone() });
+    };
+    if guard.check().is_err() {
+        // Lost: the guard drops (released as lost), and no hold is made.
+        return Err(TransactionError::Expired {
+            key: key.clone(),
+            token: guard.token(),
+        });
+    }
+    let hold = Hold {
+        key: key.clone(),
+        token: guard.token(),
+        mode: guard.mode(),
+        lease_deadline: guard.expires_at(),
+    };
+    guard.into_hold(table);
+    Ok(hold)
+}
 
 fn unlock_in<R: Reach>(
     set: &mut SetOf<R>,
@@ -526,6 +557,40 @@ impl<'t, K: Eq + Hash, S: BuildHasher> Transaction<'t, K, S> {
     #[must_use]
     pub fn id(&self) -> crate::TransactionId {
         self.owner.opts.id
+    }
+
+    /// Detaches `key` from the transaction as a hold: the grant keeps its
+    /// key, mode, token and lease, but no longer belongs to the transaction
+    /// (its commit, abort or drop leave it alone, and it is never part of
+    /// a deadlock cycle). Release it later through the table, by key and
+    /// token ([`LockTable::release_hold`]), from any thread; with a lease,
+    /// it also lapses. The transaction's re-entry count of the key goes
+    /// with it. Fails with [`TransactionError::NotHeld`] if the transaction
+    /// does not hold `key`, [`TransactionError::InFlight`] if a call of it
+    /// is upgrading `key`, [`TransactionError::Expired`] if the grant lost
+    /// the key (it is released, and no hold is made).
+    ///
+    /// ```
+    /// # futures::executor::block_on(async {
+    /// use keylock::{LockTable, Mode};
+    /// let table = LockTable::new();
+    /// let mut txn = table.transaction();
+    /// txn.lock("file-3", Mode::Exclusive).await?;
+    /// let hold = txn.detach(&"file-3")?;
+    /// drop(txn);
+    /// assert_eq!(table.holder("file-3").unwrap().token, hold.token);
+    /// table.release_hold("file-3", hold.token)?;
+    /// assert!(table.is_empty());
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// # }).unwrap();
+    /// ```
+    pub fn detach(&mut self, key: &K) -> Result<Hold<K>, TransactionError<K>>
+    where
+        K: Clone,
+    {
+        let hash = self.owner.reach.hash(key);
+        let (_, slot) = unlock_in::<&LockTable<K, S>>(&mut self.set, hash, key, true)?;
+        detach_slot::<&LockTable<K, S>>(self.owner.reach, slot, key)
     }
 
     /// How many keys the transaction holds.
@@ -917,6 +982,20 @@ impl<K: Eq + Hash, S: BuildHasher> OwnedTransaction<K, S> {
         self.shared
             .with(|set| pick(count_of::<Arc<LockTable<K, S>>, Q>(set, hash, key)))
             .ok()
+    }
+
+    /// As [`Transaction::detach`]; [`TransactionError::Ended`] once the
+    /// transaction ended.
+    pub fn detach(&self, key: &K) -> Result<Hold<K>, TransactionError<K>>
+    where
+        K: Clone,
+    {
+        let hash = self.owner().reach.hash(key);
+        let (_, slot) = self
+            .shared
+            .with(|set| unlock_in::<Arc<LockTable<K, S>>>(set, hash, key, true))
+            .map_err(|_| TransactionError::Ended)??;
+        detach_slot::<Arc<LockTable<K, S>>>(&self.owner().reach, slot, key)
     }
 
     /// The transaction's identity (see [`Transaction::id`]).

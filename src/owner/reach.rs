@@ -91,12 +91,17 @@ pub(crate) trait GuardOps {
     fn mode(&self) -> Mode;
     fn token(&self) -> FencingToken;
     fn check(&self) -> Result<FencingToken, LockError>;
+    fn expires_at(&self) -> Option<std::time::Instant>;
     fn renew(&self, lease: Duration) -> Result<(), LockError>;
     fn downgrade(&mut self) -> Result<(), LockError>;
     fn upgrade(&mut self, opts: LockOptions) -> Upgrade<'_, Self::Key, Self::Hasher>;
     /// Releases the key if the grant still holds it, live; else gives the
     /// guard back (see [`Guard::release_if_live`]).
     fn release_if_live(self) -> Result<FencingToken, Self>
+    where
+        Self: Sized;
+    /// Hands the grant to `table` (its own) as a hold (see `hold.rs`).
+    fn into_hold(self, table: &LockTable<Self::Key, Self::Hasher>)
     where
         Self: Sized;
 }
@@ -126,6 +131,10 @@ macro_rules! guard_ops {
                 $guard::check(self)
             }
 
+            fn expires_at(&self) -> Option<std::time::Instant> {
+                $guard::expires_at(self)
+            }
+
             fn renew(&self, lease: Duration) -> Result<(), LockError> {
                 $guard::renew(self, lease)
             }
@@ -141,6 +150,10 @@ macro_rules! guard_ops {
             #[inline]
             fn release_if_live(self) -> Result<FencingToken, Self> {
                 $guard::release_if_live(self)
+            }
+
+            fn into_hold(self, table: &LockTable<K, S>) {
+                table.adopt_hold($guard::into_held(self));
             }
         }
     };

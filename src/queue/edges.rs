@@ -18,6 +18,7 @@
 use smallvec::SmallVec;
 
 use crate::clock::Now;
+use crate::lease::HOLD_OWNER;
 use crate::mode::Mode;
 use crate::waiter::{Waiter, Want};
 
@@ -83,7 +84,8 @@ impl<K> ShardState<K> {
                 Want::Upgrade(token) => holder.token != token,
                 Want::Grant(mode) => !held.is_compatible_with(mode),
             };
-            if blocks && holder.owner != 0 && holder.owner != owner && holder.is_live(now) {
+            let transaction = holder.owner != 0 && holder.owner != HOLD_OWNER;
+            if blocks && transaction && holder.owner != owner && holder.is_live(now) {
                 out.push(holder.owner);
             }
         }

@@ -9,7 +9,7 @@
 use std::borrow::Borrow;
 use std::time::{Duration, Instant};
 
-use crate::clock::Stamp;
+use crate::clock::{Now, Stamp};
 use crate::deferred::Ctx;
 use crate::error::LockError;
 use crate::key_slot::KeyPtr;
@@ -127,6 +127,19 @@ impl<K> ShardState<K> {
             Some(_) => Ok(token),
             None => Err(LockError::Expired { token }),
         }
+    }
+
+    /// Whether grant `token` holds the key with a live lease, read only
+    /// (nothing settled: no wake, no drop follows).
+    pub(crate) fn is_live(
+        &mut self,
+        hash: u64,
+        key: KeyPtr<K>,
+        token: FencingToken,
+        now: &mut Now<'_>,
+    ) -> bool {
+        let (entry, _) = self.locate(hash, key);
+        entry.holders.get(token).is_some_and(|h| h.is_live(now))
     }
 
     /// Gives grant `token` a new deadline `lease` from now, if it still has

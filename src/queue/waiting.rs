@@ -349,6 +349,20 @@ impl<K> ShardState<K> {
         entry.diagnosis(ahead, ctx)
     }
 
+    /// Grant `token` of the key becomes a hold: it belongs to no
+    /// transaction any more (`hold.rs`). `false` if it no longer holds the
+    /// key.
+    pub(crate) fn make_hold(&mut self, hash: u64, key: KeyPtr<K>, token: FencingToken) -> bool {
+        let (entry, _) = self.locate(hash, key);
+        match entry.holders.get_mut(token) {
+            Some(holder) => {
+                holder.owner = crate::lease::HOLD_OWNER;
+                true
+            }
+            None => false,
+        }
+    }
+
     /// The holder of `token` lets go of the key: the waiters are admitted,
     /// or the entry is removed. A grant that had lost the key (its token no
     /// longer holds it) frees nothing but its own claim on the entry.
