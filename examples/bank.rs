@@ -11,7 +11,11 @@
 //! transaction merges) while auditors lock every account shared and check
 //! the total. keylock runs each operation as a [`keylock::Transaction`]:
 //! `lock_all` de-duplicates, orders and takes the accounts all or nothing,
-//! and `commit` releases them. The other bank is a
+//! and `commit` releases them. A fourth bank locks each transfer's accounts
+//! one by one in the order asked, unsorted: transfers then deadlock with
+//! each other and with audits, the table answers each cycle at once with
+//! `TransactionError::Deadlock`, and the victim aborts and retries (the
+//! report counts the retries). The other bank is a
 //! `DashMap<u64, Arc<tokio::sync::RwLock<()>>>` whose callers sort and
 //! de-duplicate their keys by hand and lock them one by one. Both run on the
 //! same two-worker tokio runtime, interleaved, repetition by repetition

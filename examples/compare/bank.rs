@@ -4,6 +4,10 @@
 //!
 //! - on keylock, with one [`keylock::Transaction`] per transfer or audit
 //!   (`lock_all`: duplicates merged, a canonical order, all or nothing);
+//! - on keylock, with transfers that lock their two accounts one by one in
+//!   the order asked (no sorting), so that transfers and audits deadlock:
+//!   the table answers each cycle with `TransactionError::Deadlock`, and
+//!   the victim aborts and retries (counted);
 //! - as users write it today: a `DashMap<u64, Arc<tokio::sync::RwLock<()>>>`,
 //!   the keys of each operation sorted and de-duplicated by hand, then
 //!   locked one by one (`write_owned` for a transfer, `read_owned` for an
@@ -15,7 +19,7 @@
 //! total: the run checks both. Shared by `examples/bank.rs` and
 //! `examples/compare.rs`. With `BANK_STATS` set in the environment, each
 //! keylock run prints its table's counters (grants, waits) to stderr; with
-//! `BANK_ONLY=txn`, `dashmap` or `guards`, only that bank runs (to profile
+//! `BANK_ONLY=txn`, `dashmap`, `guards` or `unsorted`, only that bank runs (to profile
 //! one bank at a time, e.g. under `perf record`).
 
 use std::future::Future;
@@ -24,7 +28,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use dashmap::DashMap;
-use keylock::{LockTable, Mode};
+use keylock::{LockTable, Mode, TransactionError};
 use tokio::runtime::Runtime;
 
 /// Each account's opening balance.
@@ -63,6 +67,11 @@ pub(crate) trait Bank: Send + Sync + 'static {
     /// The lock table's counters, if it has some.
     fn stats(&self) -> String {
         String::new()
+    }
+
+    /// Operations retried after a deadlock answer.
+    fn retries(&self) -> u64 {
+        0
     }
 
     /// Locks `from` and `to` exclusively, moves `amount`, unlocks.
@@ -114,6 +123,86 @@ impl Bank for KeylockBank {
         let total = self.ledger.total();
         txn.commit().expect("no lease: the grants cannot lapse");
         total
+    }
+}
+
+/// The bank on keylock transactions whose transfers lock their accounts in
+/// the order asked, unsorted: transfers deadlock with each other and with
+/// audits; each cycle's victim aborts and retries.
+pub(crate) struct KeylockUnorderedBank {
+    table: LockTable<u64>,
+    ledger: Ledger,
+    retries: AtomicU64,
+}
+
+impl KeylockUnorderedBank {
+    /// Counts a retry after a deadlock answer; anything else is a bug here.
+    fn retry(&self, error: TransactionError<u64>) {
+        assert!(
+            matches!(error, TransactionError::Deadlock(_)),
+            "no deadline, no lease: only a deadlock fails a lock: {error}"
+        );
+        self.retries.fetch_add(1, Relaxed);
+    }
+}
+
+impl Bank for KeylockUnorderedBank {
+    const NAME: &'static str = "keylock (transactions, unsorted, deadlocks retried)";
+
+    fn open(accounts: usize) -> Self {
+        Self {
+            table: LockTable::new(),
+            ledger: Ledger::new(accounts),
+            retries: AtomicU64::new(0),
+        }
+    }
+
+    fn ledger(&self) -> &Ledger {
+        &self.ledger
+    }
+
+    fn stats(&self) -> String {
+        format!("{:?}", self.table.stats())
+    }
+
+    fn retries(&self) -> u64 {
+        self.retries.load(Relaxed)
+    }
+
+    async fn transfer(&self, from: u64, to: u64, amount: i64) {
+        loop {
+            let mut txn = self.table.transaction();
+            // `from` first, then `to`: two transfers between the same two
+            // accounts in opposite directions form a cycle.
+            let locked = match txn.lock(from, Mode::Exclusive).await {
+                Ok(_) => txn.lock(to, Mode::Exclusive).await.map(drop),
+                Err(e) => Err(e),
+            };
+            match locked {
+                Ok(()) => {
+                    self.ledger.transfer(from, to, amount);
+                    txn.commit().expect("no lease: the grants cannot lapse");
+                    return;
+                }
+                // The victim aborts (dropping `txn`), and tries again.
+                Err(error) => self.retry(error),
+            }
+        }
+    }
+
+    async fn audit(&self) -> i64 {
+        let accounts = self.ledger.0.len() as u64;
+        loop {
+            let mut txn = self.table.transaction();
+            match txn.lock_all((0..accounts).map(|a| (a, Mode::Shared))).await {
+                Ok(_) => {
+                    let total = self.ledger.total();
+                    txn.commit().expect("no lease: the grants cannot lapse");
+                    return total;
+                }
+                Err(error) => self.retry(error),
+            }
+        }
     }
 }
 
@@ -243,6 +332,8 @@ pub(crate) struct BankOutcome {
     pub(crate) transfer_waits: Vec<u64>,
     /// Audits that saw a total other than the opening total.
     pub(crate) bad_audits: u64,
+    /// Operations retried after a deadlock answer.
+    pub(crate) retries: u64,
     /// The closing total, which must equal the opening total.
     pub(crate) closing: i64,
     pub(crate) opening: i64,
@@ -365,6 +456,7 @@ pub(crate) fn run<B: Bank>(rt: &Runtime, shape: BankRun, hang: Duration) -> Bank
         audits,
         transfer_waits,
         bad_audits,
+        retries: bank.retries(),
         closing: bank.ledger().total(),
         opening,
     }
@@ -375,7 +467,8 @@ pub(crate) fn run<B: Bank>(rt: &Runtime, shape: BankRun, hang: Duration) -> Bank
 /// keylock's throughput against the hand-written bank's.
 pub(crate) fn compare(rt: &Runtime, shape: BankRun, reps: usize, hang: Duration) -> String {
     use std::fmt::Write as _;
-    let (mut ours, mut theirs, mut guards) = (Vec::new(), Vec::new(), Vec::new());
+    let (mut ours, mut theirs, mut guards, mut unsorted) =
+        (Vec::new(), Vec::new(), Vec::new(), Vec::new());
     let only = std::env::var("BANK_ONLY").unwrap_or_default();
     let runs = |name: &str| only.is_empty() || only == name;
     for _ in 0..reps {
@@ -387,6 +480,9 @@ pub(crate) fn compare(rt: &Runtime, shape: BankRun, reps: usize, hang: Duration)
         }
         if runs("guards") {
             guards.push(checked::<KeylockGuardsBank>(rt, shape, hang));
+        }
+        if runs("unsorted") {
+            unsorted.push(checked::<KeylockUnorderedBank>(rt, shape, hang));
         }
     }
     let mut o = String::new();
@@ -400,13 +496,14 @@ pub(crate) fn compare(rt: &Runtime, shape: BankRun, reps: usize, hang: Duration)
     .unwrap();
     writeln!(
         o,
-        "| bank | transfers/s | audits/s | transfer p50 | transfer p99 |"
+        "| bank | transfers/s | audits/s | transfer p50 | transfer p99 | deadlocks retried |"
     )
     .unwrap();
-    writeln!(o, "|---|---:|---:|---:|---:|").unwrap();
+    writeln!(o, "|---|---:|---:|---:|---:|---:|").unwrap();
     row(&mut o, KeylockBank::NAME, &ours);
     row(&mut o, DashMapBank::NAME, &theirs);
     row(&mut o, KeylockGuardsBank::NAME, &guards);
+    row(&mut o, KeylockUnorderedBank::NAME, &unsorted);
     // Time per transfer, so that the verdict reads as for the workloads.
     let per =
         |o: &[BankOutcome]| -> Vec<f64> { o.iter().map(|o| 1e9 / o.transfers_per_sec()).collect() };
@@ -437,11 +534,12 @@ fn row(o: &mut String, name: &str, runs: &[BankOutcome]) {
     let dur = |ns: f64| Duration::from_nanos(ns as u64);
     writeln!(
         o,
-        "| {name} | {:.0} | {:.0} | {:.1?} | {:.1?} |",
+        "| {name} | {:.0} | {:.0} | {:.1?} | {:.1?} | {:.0} |",
         med(&|r| r.transfers_per_sec()),
         med(&|r| r.audits_per_sec()),
         dur(med(&|r| r.wait(0.5).as_nanos() as f64)),
         dur(med(&|r| r.wait(0.99).as_nanos() as f64)),
+        med(&|r| r.retries as f64),
     )
     .unwrap();
 }
