@@ -81,7 +81,10 @@ impl Lock for Mkdir {
     }
 }
 
-fn make_lock(kind: &str, dir: &Path) -> Box<dyn FnMut(&mut dyn FnMut())> {
+/// Runs a critical section under one of the locks.
+type Locker = Box<dyn FnMut(&mut dyn FnMut())>;
+
+fn make_lock(kind: &str, dir: &Path) -> Locker {
     match kind {
         "keylock" => {
             let mut l = Keylock(ProcessLockTable::open(dir).unwrap());
