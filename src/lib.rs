@@ -290,6 +290,9 @@ mod loom;
 mod lost;
 mod mode;
 mod owner;
+#[cfg(target_os = "linux")]
+#[cfg_attr(docsrs, doc(cfg(target_os = "linux")))]
+pub mod process;
 mod queue;
 mod shard_lock;
 mod stats;
@@ -315,6 +318,10 @@ pub use mode::Mode;
 pub use owner::{
     AcquireKind, Acquired, LockedSet, OwnedTransaction, Transaction, TransactionError,
     TransactionOptions, WaitPolicy,
+};
+#[cfg(target_os = "linux")]
+pub use process::{
+    OwnedProcessGuard, ProcessGuard, ProcessHolder, ProcessLockError, ProcessLockTable,
 };
 pub use stats::Stats;
 pub use status::{HolderStatus, LockStatus, WaiterStatus};

@@ -1,0 +1,318 @@
+//! The guards of the process scope: a key held across processes, released
+//! on drop.
+
+use std::fs::File;
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::{Duration, Instant};
+
+use super::acquire::{instant_of_monotonic, Grant, KeyFiles};
+use super::error::ProcessLockError;
+use super::stamp::State;
+use super::table::{Inner, ProcessLockTable};
+use super::unix;
+use crate::{FencingToken, OwnedGuard, DEFAULT_MAX_LEASE};
+
+/// What a guard holds: the key's slot lock, its state file, its token, and
+/// the in-process grant that keeps the process's other waiters queued.
+#[derive(Debug)]
+pub(crate) struct Held<K> {
+    key: K,
+    token: FencingToken,
+    /// The state file, behind a lock: its kernel lock is per open file, so
+    /// two threads using one guard must not interleave on it.
+    files: Mutex<KeyFiles>,
+    /// The slot's kernel lock; closed on release.
+    slot: Option<File>,
+    /// Released after the files, so that the next waiter of this process
+    /// finds the key's files free.
+    local: Option<OwnedGuard<String>>,
+    _inner: Arc<Inner>,
+}
+
+/// How a grant stands, read from the state file.
+enum Standing {
+    /// The stamp is ours and its lease (if any) has not lapsed.
+    Live(State),
+    /// The stamp is ours, past its lease; nobody took the key over yet.
+    Lapsed(State),
+    /// The stamp is another grant's (or none): the key was taken over.
+    Lost,
+}
+
+impl<K> Held<K> {
+    pub(crate) fn new(inner: Arc<Inner>, key: K, grant: Grant, local: OwnedGuard<String>) -> Self {
+        Self {
+            key,
+            token: FencingToken::new(grant.token).expect("tokens start at 1"),
+            files: Mutex::new(grant.files),
+            slot: Some(grant.slot_file),
+            local: Some(local),
+            _inner: inner,
+        }
+    }
+
+    /// Runs `f` on the state under the state lock (exclusive or shared).
+    fn with_state<R>(
+        &self,
+        exclusive: bool,
+        f: impl FnOnce(&KeyFiles, Standing) -> Result<R, ProcessLockError>,
+    ) -> Result<R, ProcessLockError> {
+        let files = self.files.lock().unwrap_or_else(PoisonError::into_inner);
+        let locked = if exclusive {
+            unix::lock(&files.state)
+        } else {
+            unix::lock_shared(&files.state)
+        };
+        locked.map_err(|e| ProcessLockError::io("lock", &files.path, e))?;
+        let result = (|| {
+            if unix::is_unlinked(&files.state)
+                .map_err(|e| ProcessLockError::io("stat", &files.path, e))?
+            {
+                return f(&files, Standing::Lost);
+            }
+            let state = State::load(&files.state, &files.path)?;
+            let standing = match &state.holder {
+                Some(h) if h.token == self.token.get() => {
+                    if h.lease_deadline.is_some_and(|d| unix::monotonic_ns() >= d) {
+                        Standing::Lapsed(state)
+                    } else {
+                        Standing::Live(state)
+                    }
+                }
+                _ => Standing::Lost,
+            };
+            f(&files, standing)
+        })();
+        let _ = unix::unlock(&files.state);
+        result
+    }
+
+    fn check(&self) -> Result<FencingToken, ProcessLockError> {
+        let token = self.token;
+        self.with_state(false, |_, standing| match standing {
+            Standing::Live(_) => Ok(token),
+            _ => Err(ProcessLockError::Expired { token }),
+        })
+    }
+
+    fn expires_at(&self) -> Result<Option<Instant>, ProcessLockError> {
+        let token = self.token;
+        self.with_state(false, |_, standing| match standing {
+            Standing::Live(state) | Standing::Lapsed(state) => Ok(state
+                .holder
+                .and_then(|h| h.lease_deadline)
+                .map(instant_of_monotonic)),
+            Standing::Lost => Err(ProcessLockError::Expired { token }),
+        })
+    }
+
+    fn renew(&self, lease: Duration) -> Result<(), ProcessLockError> {
+        if lease.is_zero() || lease > DEFAULT_MAX_LEASE {
+            return Err(ProcessLockError::InvalidOptions {
+                option: "lease",
+                reason: format!("{lease:?} is not between 1ns and {DEFAULT_MAX_LEASE:?}"),
+            });
+        }
+        let token = self.token;
+        self.with_state(true, |files, standing| match standing {
+            Standing::Live(mut state) => {
+                if let Some(h) = &mut state.holder {
+                    let nanos = u64::try_from(lease.as_nanos()).unwrap_or(u64::MAX);
+                    h.lease_deadline = Some(unix::monotonic_ns().saturating_add(nanos));
+                }
+                state.store(&files.state, &files.path)
+            }
+            _ => Err(ProcessLockError::Expired { token }),
+        })?;
+        if let Some(local) = &self.local {
+            let _ = local.renew(lease);
+        }
+        Ok(())
+    }
+
+    /// Clears the stamp if it is still ours, then lets the slot and the
+    /// in-process grant go. `Ok(token)` if the grant was live to the end.
+    /// Idempotent: a second call finds nothing to release.
+    fn release(&mut self) -> Result<FencingToken, ProcessLockError> {
+        let token = self.token;
+        if self.slot.is_none() {
+            return Err(ProcessLockError::Expired { token });
+        }
+        let result = self.with_state(true, |files, standing| match standing {
+            Standing::Live(mut state) => {
+                state.holder = None;
+                state.store(&files.state, &files.path).map(|()| token)
+            }
+            Standing::Lapsed(mut state) => {
+                state.holder = None;
+                state.store(&files.state, &files.path)?;
+                Err(ProcessLockError::Expired { token })
+            }
+            // Taken over: the state is the successor's; touch nothing.
+            Standing::Lost => Err(ProcessLockError::Expired { token }),
+        });
+        // Whatever happened above, the slot goes: if the stamp could not be
+        // cleared, the next locker finds the slot free and judges this
+        // holder dead, which it now is as a holder.
+        drop(self.slot.take());
+        drop(self.local.take());
+        result
+    }
+}
+
+impl<K> Drop for Held<K> {
+    fn drop(&mut self) {
+        if self.slot.is_some() {
+            let _ = self.release();
+        }
+    }
+}
+
+macro_rules! process_guard_methods {
+    () => {
+        /// The key this guard holds.
+        pub fn key(&self) -> &K {
+            &self.held.key
+        }
+
+        /// The fencing token of this grant: above every earlier grant's of
+        /// the key, in any process, across restarts.
+        pub fn token(&self) -> FencingToken {
+            self.held.token
+        }
+
+        /// The commit-time fence: `Ok(token)` only while the key's state
+        /// file still names this grant and its lease (if any) has not
+        /// lapsed, judged now on the host's monotonic clock.
+        ///
+        /// # Errors
+        ///
+        /// [`ProcessLockError::Expired`] once the grant lost the key;
+        /// [`ProcessLockError::Io`] if the state file cannot be read.
+        pub fn check(&self) -> Result<FencingToken, ProcessLockError> {
+            self.held.check()
+        }
+
+        /// Whether the grant has lost its authority (`check()` fails).
+        pub fn is_expired(&self) -> bool {
+            self.check().is_err()
+        }
+
+        /// When the grant's lease ends (`None` without a lease), as the
+        /// state file says now.
+        ///
+        /// # Errors
+        ///
+        /// [`ProcessLockError::Expired`] if another grant took the key.
+        pub fn expires_at(&self) -> Result<Option<Instant>, ProcessLockError> {
+            self.held.expires_at()
+        }
+
+        /// Sets the lease to end `lease` from now (a grant without a lease
+        /// gets one). A lapsed grant is never revived, even if nobody took
+        /// the key yet.
+        ///
+        /// # Errors
+        ///
+        /// [`ProcessLockError::Expired`] if the grant lost the key or its
+        /// lease lapsed; [`ProcessLockError::InvalidOptions`] for a lease of
+        /// zero or over an hour.
+        pub fn renew(&self, lease: Duration) -> Result<(), ProcessLockError> {
+            self.held.renew(lease)
+        }
+
+        /// Releases the key and says whether the grant held it, live, to the
+        /// end: [`ProcessLockError::Expired`] if its lease had lapsed or
+        /// another process had taken it over (whose grant is left alone).
+        ///
+        /// # Errors
+        ///
+        /// [`ProcessLockError::Expired`], or [`ProcessLockError::Io`] if the
+        /// state file could not be written (the key is freed all the same:
+        /// its slot lock is let go).
+        pub fn release_checked(mut self) -> Result<FencingToken, ProcessLockError> {
+            self.held.release()
+        }
+
+        /// Releases the key now; the same as dropping the guard. A release
+        /// never fails the caller: a grant that lost the key frees nothing.
+        pub fn release(self) {
+            drop(self);
+        }
+    };
+}
+
+/// A key held across processes; dropping it releases the key.
+///
+/// ```
+/// # let dir = std::env::temp_dir().join(format!("keylock-doc-guard-{}", std::process::id()));
+/// # std::fs::create_dir_all(&dir).unwrap();
+/// use std::time::Duration;
+/// let table = keylock::ProcessLockTable::open(&dir)?;
+/// let opts = keylock::LockOptions::new().lease(Duration::from_secs(30));
+/// let guard = table.try_lock_with("row-7", opts)?;
+/// let token = guard.check()?; // write with it
+/// guard.renew(Duration::from_secs(30))?;
+/// assert_eq!(guard.release_checked()?, token);
+/// # std::fs::remove_dir_all(&dir).unwrap();
+/// # Ok::<(), keylock::ProcessLockError>(())
+/// ```
+#[must_use = "the key is released as soon as the guard is dropped"]
+#[clippy::has_significant_drop]
+#[derive(Debug)]
+pub struct ProcessGuard<'a, K> {
+    held: Held<K>,
+    _table: std::marker::PhantomData<&'a ProcessLockTable<K>>,
+}
+
+impl<K> ProcessGuard<'_, K> {
+    pub(crate) fn new(held: Held<K>) -> Self {
+        Self {
+            held,
+            _table: std::marker::PhantomData,
+        }
+    }
+
+    process_guard_methods!();
+}
+
+/// A key held across processes, keeping its table alive (`'static`).
+///
+/// ```
+/// # let dir = std::env::temp_dir().join(format!("keylock-doc-oguard-{}", std::process::id()));
+/// # std::fs::create_dir_all(&dir).unwrap();
+/// use std::sync::Arc;
+/// let table = Arc::new(keylock::ProcessLockTable::open(&dir)?);
+/// let guard = table.clone().try_lock_owned("k")?;
+/// assert!(Arc::ptr_eq(guard.table(), &table));
+/// # drop(guard);
+/// # std::fs::remove_dir_all(&dir).unwrap();
+/// # Ok::<(), keylock::ProcessLockError>(())
+/// ```
+#[must_use = "the key is released as soon as the guard is dropped"]
+#[clippy::has_significant_drop]
+pub struct OwnedProcessGuard<K> {
+    held: Held<K>,
+    table: Arc<ProcessLockTable<K>>,
+}
+
+impl<K: std::fmt::Debug> std::fmt::Debug for OwnedProcessGuard<K> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("OwnedProcessGuard")
+            .field("held", &self.held)
+            .finish_non_exhaustive()
+    }
+}
+
+impl<K> OwnedProcessGuard<K> {
+    pub(crate) fn new(table: Arc<ProcessLockTable<K>>, held: Held<K>) -> Self {
+        Self { held, table }
+    }
+
+    /// The table this guard belongs to.
+    pub fn table(&self) -> &Arc<ProcessLockTable<K>> {
+        &self.table
+    }
+
+    process_guard_methods!();
+}

@@ -1,0 +1,105 @@
+//! The process scope: the same keyed locks shared by every process of one
+//! host that opens the same directory ([`ProcessLockTable`]).
+//!
+//! Use it where several processes (workers, a CLI beside a server, cron
+//! jobs beside a daemon) touch the same records or files. The shape is the
+//! in-process table's: `table.lock(key).await` yields a guard that releases
+//! the key on drop; grants carry fencing tokens and optional leases;
+//! `try_lock`, `blocking_lock`, owned forms, timeouts and deadlines work as
+//! in-process.
+//!
+//! ```
+//! # let dir = std::env::temp_dir().join(format!("keylock-doc-mod-{}", std::process::id()));
+//! # std::fs::create_dir_all(&dir).unwrap();
+//! # futures::executor::block_on(async {
+//! use std::time::Duration;
+//! use keylock::{LockOptions, ProcessLockTable};
+//!
+//! let table = ProcessLockTable::open(&dir)?.with_label("invoice-worker");
+//! let opts = LockOptions::new()
+//!     .lease(Duration::from_secs(30)) // a stuck holder loses the key
+//!     .timeout(Duration::from_secs(5)); // and a waiter gives up, naming it
+//! let guard = table.lock_with("invoice-17", opts).await?;
+//! let token = guard.check()?; // hand it to the store: it refuses older ones
+//! # let _ = token;
+//! drop(guard);
+//! # Ok::<(), keylock::ProcessLockError>(())
+//! # }).unwrap();
+//! # std::fs::remove_dir_all(&dir).unwrap();
+//! ```
+//!
+//! # How a dead holder and a stuck holder both lose the key
+//!
+//! Each key has a state file (token state and owner stamp) and slot files
+//! (see `acquire.rs` for the details and docs/ARCHITECTURE.md, "Process
+//! scope"). The holder holds the kernel lock (`flock`) of the slot its stamp
+//! names, for as long as it holds the key:
+//!
+//! - **A dead holder** loses its kernel lock when it dies, however it dies
+//!   (SIGKILL, a crash, a lost container): the kernel frees it and wakes
+//!   the next waiter, which finds the stamp's slot free and takes the key
+//!   over. No pid is ever checked (pids are reused) and no age is ever
+//!   judged.
+//! - **A live holder past its lease** (stopped, stuck, or just slow) keeps
+//!   its kernel lock, so the kernel alone cannot take the key from it. Its
+//!   stamp carries the lease deadline on the host's monotonic clock; a
+//!   waiter woken at that deadline writes its own stamp and a higher token
+//!   under the key's short state lock, on another slot. The old holder's
+//!   `check()` and release read the stamp: it is not theirs any more, so
+//!   the check fails and the release frees nothing of the successor's.
+//!
+//! # Fencing tokens
+//!
+//! Per key, tokens strictly increase across all processes and restarts:
+//! they are minted under the state lock from the last one written, and a
+//! durable ceiling (written and synced once every 1,024 grants) keeps them
+//! increasing across a power loss or reboot too. Tokens of different keys
+//! are unrelated.
+//!
+//! # Waiting
+//!
+//! Waiters of one process queue on an in-process
+//! [`LockTable`](crate::LockTable) first (FIFO, one wake slot each), so at
+//! most one waiter per process and key waits on the key's files. That one is
+//! woken by the kernel: a helper thread blocks in `flock` and wakes the
+//! future, with no polling; a timer wakes it at the holder's lease deadline
+//! and at its own deadline. Across processes the kernel decides who is next
+//! (`flock` is not FIFO). A timeout names the holder: pid, host, label,
+//! whether it is alive (holds its kernel lock), its token and how long it
+//! has held the key ([`ProcessHolder`]).
+//!
+//! # Files
+//!
+//! The directory holds `keylock.dir`, and per key `key-<encoded>.state`
+//! (1.5 KiB) and `key-<encoded>.slot<N>` (empty; usually only `slot0`).
+//! Key files are never deleted by the table: deleting a key's files while
+//! processes use it is unsupported (a holder of the deleted files then sees
+//! its `check()` fail, but the next locker starts the key afresh, tokens
+//! included). See [`MAX_ENCODED_KEY`] for the key encoding.
+//!
+//! # File systems
+//!
+//! Local file systems with `flock`: ext4, xfs, btrfs, tmpfs. Not NFS or
+//! other network file systems (their `flock` emulation does not free the
+//! locks of a dead client at once, and the processes are on other hosts,
+//! whose monotonic clocks differ): use a cluster lock there.
+//!
+//! # Platforms
+//!
+//! Linux. The module is compiled only there (it reads the host's monotonic
+//! clock and boot id); other Unixes and Windows have no process scope yet.
+
+mod acquire;
+mod error;
+mod guard;
+mod helper;
+mod key;
+mod stamp;
+mod table;
+mod unix;
+
+pub use error::ProcessLockError;
+pub use guard::{OwnedProcessGuard, ProcessGuard};
+pub use key::MAX_ENCODED_KEY;
+pub use stamp::{ProcessHolder, MAX_LABEL};
+pub use table::{OwnedProcessLock, ProcessLock, ProcessLockTable, ProcessStats};

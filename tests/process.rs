@@ -1,0 +1,705 @@
+//! The process scope with real processes: children are this test binary
+//! re-invoked with `KEYLOCK_PROCESS_CHILD` naming their role (see
+//! `child_entry`). No assertion depends on timing: the timeouts here only
+//! keep a broken build from hanging.
+#![cfg(target_os = "linux")]
+
+use std::io::{BufRead, BufReader, Write};
+use std::path::{Path, PathBuf};
+use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use futures::executor::block_on;
+use keylock::{LockOptions, ProcessLockError, ProcessLockTable};
+
+const ROLE: &str = "KEYLOCK_PROCESS_CHILD";
+/// Long enough never to fire on a working build, however loaded the machine.
+const PATIENCE: Duration = Duration::from_secs(30);
+
+fn temp_dir(name: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("keylock-process-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
+fn patient() -> LockOptions {
+    LockOptions::new().timeout(PATIENCE)
+}
+
+// ---------------------------------------------------------------- children
+
+/// The child side. Does nothing in a normal test run.
+#[test]
+fn child_entry() {
+    let Ok(role) = std::env::var(ROLE) else {
+        return;
+    };
+    let dir = PathBuf::from(std::env::var("KL_DIR").unwrap());
+    let key = std::env::var("KL_KEY").unwrap_or_else(|_| "k".into());
+    let label = std::env::var("KL_LABEL").unwrap_or_else(|_| "child".into());
+    let table = ProcessLockTable::open(&dir).unwrap().with_label(label);
+    match role.as_str() {
+        "append" => {
+            let file = PathBuf::from(std::env::var("KL_FILE").unwrap());
+            let n: usize = std::env::var("KL_N").unwrap().parse().unwrap();
+            for i in 0..n {
+                let guard = table.blocking_lock_with(key.clone(), patient()).unwrap();
+                let mut out = std::fs::OpenOptions::new()
+                    .append(true)
+                    .open(&file)
+                    .unwrap();
+                // Two writes per line: without the lock, lines interleave.
+                write!(out, "{} {}", guard.token().get(), std::process::id()).unwrap();
+                std::thread::yield_now();
+                writeln!(out, " {i}").unwrap();
+                drop(out);
+                guard.release_checked().unwrap();
+            }
+        }
+        "hold" => {
+            let mut opts = patient();
+            if let Ok(ms) = std::env::var("KL_LEASE_MS") {
+                opts = opts.lease(Duration::from_millis(ms.parse().unwrap()));
+            }
+            let guard = block_on(table.lock_with(key, opts)).unwrap();
+            say(&format!("locked {}", guard.token().get()));
+            let mut lines = std::io::stdin().lock().lines();
+            while let Some(Ok(line)) = lines.next() {
+                match line.as_str() {
+                    "check" => match guard.check() {
+                        Ok(t) => say(&format!("check ok {}", t.get())),
+                        Err(e) => say(&format!("check err {e}")),
+                    },
+                    "release" => {
+                        match guard.release_checked() {
+                            Ok(t) => say(&format!("released ok {}", t.get())),
+                            Err(e) => say(&format!("released err {e}")),
+                        }
+                        return;
+                    }
+                    _ => {}
+                }
+            }
+        }
+        "try_all" => {
+            // Try every key; report how many were free, then hold them
+            // until stdin closes.
+            let n: usize = std::env::var("KL_N").unwrap().parse().unwrap();
+            let mut held = Vec::new();
+            let mut busy = 0;
+            for i in 0..n {
+                match table.try_lock(format!("key-{i}")) {
+                    Ok(g) => held.push(g),
+                    Err(ProcessLockError::WouldBlock { .. }) => busy += 1,
+                    Err(e) => panic!("{e}"),
+                }
+            }
+            say(&format!("free {} busy {busy}", held.len()));
+        }
+        other => panic!("unknown role {other}"),
+    }
+}
+
+fn say(line: &str) {
+    println!("@@ {line}");
+    std::io::stdout().flush().unwrap();
+}
+
+struct Kid {
+    child: Child,
+    stdin: Option<ChildStdin>,
+    stdout: BufReader<ChildStdout>,
+}
+
+impl Kid {
+    fn spawn(role: &str, dir: &Path, env: &[(&str, String)]) -> Self {
+        let mut cmd = Command::new(std::env::current_exe().unwrap());
+        cmd.args(["child_entry", "--exact", "--nocapture", "--test-threads=1"])
+            .env(ROLE, role)
+            .env("KL_DIR", dir)
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit());
+        for (k, v) in env {
+            cmd.env(k, v);
+        }
+        let mut child = cmd.spawn().unwrap();
+        let stdin = child.stdin.take();
+        let stdout = BufReader::new(child.stdout.take().unwrap());
+        Self {
+            child,
+            stdin,
+            stdout,
+        }
+    }
+
+    fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
+    /// The child's next `@@` line (panics if it exits first).
+    fn line(&mut self) -> String {
+        loop {
+            let mut line = String::new();
+            let n = self.stdout.read_line(&mut line).unwrap();
+            assert!(n > 0, "child {} exited before saying anything", self.pid());
+            // libtest may print "test child_entry ... " before it.
+            if let Some(at) = line.find("@@ ") {
+                return line[at + 3..].trim_end().to_owned();
+            }
+        }
+    }
+
+    fn tell(&mut self, line: &str) {
+        let stdin = self.stdin.as_mut().unwrap();
+        writeln!(stdin, "{line}").unwrap();
+        stdin.flush().unwrap();
+    }
+
+    fn locked_token(&mut self) -> u64 {
+        let line = self.line();
+        line.strip_prefix("locked ")
+            .unwrap_or_else(|| panic!("expected `locked`, got {line:?}"))
+            .parse()
+            .unwrap()
+    }
+
+    fn signal(&self, sig: i32) {
+        let pid = i32::try_from(self.pid()).unwrap();
+        // SAFETY: kill(2) with a pid of our own child; no memory involved.
+        let rc = unsafe { libc::kill(pid, sig) };
+        assert_eq!(rc, 0, "kill({pid}, {sig})");
+    }
+
+    fn finish(mut self) {
+        drop(self.stdin.take());
+        let status = self.child.wait().unwrap();
+        assert!(status.success(), "child failed: {status}");
+    }
+}
+
+impl Drop for Kid {
+    fn drop(&mut self) {
+        if std::thread::panicking() {
+            let _ = self.child.kill();
+        }
+        let _ = self.child.wait();
+    }
+}
+
+// ---------------------------------------------------------------- tests
+
+#[test]
+fn thirty_processes_append_in_order_with_strictly_increasing_tokens() {
+    let dir = temp_dir("append");
+    let file = dir.join("out.txt");
+    std::fs::write(&file, "").unwrap();
+    let kids: Vec<Kid> = (0..30)
+        .map(|_| {
+            Kid::spawn(
+                "append",
+                &dir,
+                &[
+                    ("KL_FILE", file.display().to_string()),
+                    ("KL_N", "50".into()),
+                ],
+            )
+        })
+        .collect();
+    let pids: Vec<u32> = kids.iter().map(Kid::pid).collect();
+    for kid in kids {
+        kid.finish();
+    }
+    let text = std::fs::read_to_string(&file).unwrap();
+    let lines: Vec<&str> = text.lines().collect();
+    assert_eq!(lines.len(), 1500, "every line there");
+    let mut last_token = 0u64;
+    let mut next_i = std::collections::HashMap::new();
+    for line in lines {
+        let parts: Vec<&str> = line.split(' ').collect();
+        assert_eq!(parts.len(), 3, "an interleaved line: {line:?}");
+        let token: u64 = parts[0].parse().unwrap();
+        let pid: u32 = parts[1].parse().unwrap();
+        let i: usize = parts[2].parse().unwrap();
+        assert!(token > last_token, "token {token} after {last_token}");
+        last_token = token;
+        assert!(pids.contains(&pid));
+        let expected = next_i.entry(pid).or_insert(0);
+        assert_eq!(i, *expected, "pid {pid}'s lines in order");
+        *expected += 1;
+    }
+    assert_eq!(next_i.len(), 30);
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn a_sigkilled_holder_frees_the_key_at_once_and_the_timeout_names_it() {
+    let dir = temp_dir("sigkill");
+    let table = ProcessLockTable::open(&dir).unwrap();
+    let mut kid = Kid::spawn("hold", &dir, &[("KL_LABEL", "doomed".into())]);
+    let token = kid.locked_token();
+    let pid = kid.pid();
+
+    let err = block_on(table.lock_with("k", LockOptions::new().timeout(Duration::from_millis(50))))
+        .unwrap_err();
+    let text = err.to_string();
+    assert!(text.contains(&format!("pid {pid}")), "{text}");
+    assert!(text.contains("alive"), "{text}");
+    assert!(text.contains("\"doomed\""), "{text}");
+    assert!(text.contains(&format!("token #{token}")), "{text}");
+    let ProcessLockError::Timeout {
+        holder: Some(holder),
+        ..
+    } = err
+    else {
+        panic!("{err:?}")
+    };
+    assert_eq!(
+        (holder.pid, holder.alive, holder.token.get()),
+        (pid, true, token)
+    );
+
+    // A waiter already queued when the holder dies.
+    let waiter = std::thread::spawn({
+        let dir = dir.clone();
+        move || {
+            let table = ProcessLockTable::open(&dir).unwrap();
+            let guard = table.blocking_lock_with("k", patient()).unwrap();
+            guard.token().get()
+        }
+    });
+    kid.signal(libc::SIGKILL);
+    let _ = kid.child.wait();
+    let started = Instant::now();
+    let got = waiter.join().unwrap();
+    eprintln!("takeover after SIGKILL: {:?}", started.elapsed());
+    assert!(got > token, "{got} > {token}");
+    // The dead holder's stamp was replaced by the waiter's, which released.
+    assert!(table.holder(&"k").unwrap().is_none());
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn holder_reports_a_dead_holder_from_the_kernel_and_try_lock_takes_it_over() {
+    let dir = temp_dir("dead");
+    let table = ProcessLockTable::open(&dir).unwrap();
+    let mut kid = Kid::spawn("hold", &dir, &[]);
+    let token = kid.locked_token();
+    let err = table.try_lock("k").unwrap_err();
+    assert!(
+        err.to_string().contains(&format!("pid {}", kid.pid())),
+        "{err}"
+    );
+    kid.signal(libc::SIGKILL);
+    let _ = kid.child.wait();
+    let holder = table.holder(&"k").unwrap().expect("the stamp stays");
+    assert_eq!(holder.pid, kid.pid());
+    assert!(!holder.alive, "its kernel lock is free: {holder}");
+    assert!(holder.to_string().contains("dead"));
+    let guard = table.try_lock("k").unwrap();
+    assert!(guard.token().get() > token);
+    assert!(guard.check().is_ok());
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn a_stopped_holder_past_its_lease_is_taken_over_and_fenced() {
+    let dir = temp_dir("sigstop");
+    let table = ProcessLockTable::open(&dir).unwrap();
+    let mut kid = Kid::spawn("hold", &dir, &[("KL_LEASE_MS", "300".into())]);
+    let token = kid.locked_token();
+    kid.signal(libc::SIGSTOP);
+    // Waits for the lease to lapse (the kernel lock is still held).
+    let guard = block_on(table.lock_with("k", patient())).unwrap();
+    assert!(guard.token().get() > token);
+    kid.signal(libc::SIGCONT);
+    kid.tell("check");
+    let check = kid.line();
+    assert!(check.starts_with("check err"), "{check}");
+    assert!(check.contains("lost the key"), "{check}");
+    kid.tell("release");
+    let released = kid.line();
+    assert!(released.starts_with("released err"), "{released}");
+    kid.finish();
+    // The old holder's release freed nothing of ours.
+    assert_eq!(guard.check().unwrap(), guard.token());
+    let holder = table.holder(&"k").unwrap().unwrap();
+    assert_eq!(
+        (holder.pid, holder.token),
+        (std::process::id(), guard.token())
+    );
+    assert!(holder.alive);
+    let err = table.try_lock("k").unwrap_err();
+    assert!(matches!(err, ProcessLockError::WouldBlock { .. }));
+    let mine = guard.token();
+    assert_eq!(guard.release_checked().unwrap(), mine);
+    assert!(table.try_lock("k").unwrap().token() > mine);
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn try_lock_across_processes() {
+    let dir = temp_dir("try");
+    let table = ProcessLockTable::open(&dir).unwrap();
+    let mut kid = Kid::spawn("hold", &dir, &[]);
+    let token = kid.locked_token();
+    match table.try_lock("k") {
+        Err(ProcessLockError::WouldBlock {
+            holder: Some(holder),
+        }) => {
+            assert_eq!((holder.pid, holder.token.get()), (kid.pid(), token));
+            assert_eq!(holder.label.as_deref(), Some("child"));
+        }
+        other => panic!("{other:?}"),
+    }
+    kid.tell("release");
+    assert_eq!(kid.line(), format!("released ok {token}"));
+    kid.finish();
+    let guard = table.try_lock("k").unwrap();
+    assert!(guard.token().get() > token);
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn a_deadline_bounds_the_whole_wait_in_the_process_and_on_the_files() {
+    let dir = temp_dir("deadline");
+    let table = Arc::new(ProcessLockTable::open(&dir).unwrap());
+    let mut kid = Kid::spawn("hold", &dir, &[]);
+    let token = kid.locked_token();
+    // On the files.
+    let deadline = Instant::now() + Duration::from_millis(100);
+    let err = block_on(table.lock_with("k", LockOptions::new().deadline(deadline))).unwrap_err();
+    assert!(Instant::now() >= deadline);
+    match &err {
+        ProcessLockError::Timeout { holder, path, .. } => {
+            assert_eq!(holder.as_ref().unwrap().token.get(), token);
+            assert!(path.starts_with(&dir));
+        }
+        other => panic!("{other:?}"),
+    }
+    // In the process: a waiter queued behind another waiter of this process.
+    let first = std::thread::spawn({
+        let table = Arc::clone(&table);
+        move || {
+            table
+                .blocking_lock_with("k", patient())
+                .map(|g| g.token().get())
+        }
+    });
+    while table.stats().file_waiters == 0 {
+        std::thread::yield_now();
+    }
+    let deadline = Instant::now() + Duration::from_millis(100);
+    let err = block_on(table.lock_with("k", LockOptions::new().deadline(deadline))).unwrap_err();
+    assert!(matches!(err, ProcessLockError::Timeout { .. }), "{err}");
+    assert!(
+        err.to_string().contains(&format!("pid {}", kid.pid())),
+        "{err}"
+    );
+    kid.tell("release");
+    kid.line();
+    kid.finish();
+    assert!(first.join().unwrap().unwrap() > token);
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn blocking_locks_from_threads_exclude_each_other_with_increasing_tokens() {
+    let dir = temp_dir("threads");
+    let table = Arc::new(ProcessLockTable::open(&dir).unwrap());
+    let inside = Arc::new(AtomicBool::new(false));
+    let order = Arc::new(Mutex::new(Vec::new()));
+    let threads: Vec<_> = (0..6)
+        .map(|_| {
+            let (table, inside, order) = (table.clone(), inside.clone(), order.clone());
+            std::thread::spawn(move || {
+                for _ in 0..30 {
+                    let guard = table.blocking_lock("k").unwrap();
+                    assert!(!inside.swap(true, Ordering::SeqCst), "two holders");
+                    order.lock().unwrap().push(guard.token().get());
+                    std::thread::yield_now();
+                    inside.store(false, Ordering::SeqCst);
+                }
+            })
+        })
+        .collect();
+    for t in threads {
+        t.join().unwrap();
+    }
+    let order = order.lock().unwrap();
+    assert_eq!(order.len(), 180);
+    assert!(
+        order.windows(2).all(|w| w[0] < w[1]),
+        "tokens in grant order"
+    );
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn the_stamp_is_readable_from_another_process_and_cleared_on_release() {
+    let dir = temp_dir("stamp");
+    let table = ProcessLockTable::<&str>::open(&dir).unwrap();
+    assert!(table.holder(&"k").unwrap().is_none(), "never locked");
+    let mut kid = Kid::spawn(
+        "hold",
+        &dir,
+        &[
+            ("KL_LABEL", "stamp-test".into()),
+            ("KL_LEASE_MS", "600000".into()),
+        ],
+    );
+    let token = kid.locked_token();
+    let holder = table.holder(&"k").unwrap().unwrap();
+    assert_eq!(holder.pid, kid.pid());
+    assert_eq!(holder.token.get(), token);
+    assert!(holder.alive);
+    assert_eq!(holder.label.as_deref(), Some("stamp-test"));
+    let host = std::fs::read_to_string("/proc/sys/kernel/hostname").unwrap();
+    assert_eq!(holder.hostname, host.trim());
+    let left = holder.lease_left.unwrap();
+    assert!(left > Duration::ZERO && left <= Duration::from_secs(600));
+    assert!(holder.granted_at <= std::time::SystemTime::now());
+    kid.tell("release");
+    kid.line();
+    kid.finish();
+    assert!(table.holder(&"k").unwrap().is_none());
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn many_keys_are_independent_across_processes() {
+    let dir = temp_dir("many");
+    let table = ProcessLockTable::<String>::open(&dir).unwrap();
+    let held: Vec<_> = (0..100)
+        .filter(|i| i % 2 == 0)
+        .map(|i| table.try_lock(format!("key-{i}")).unwrap())
+        .collect();
+    let mut kid = Kid::spawn("try_all", &dir, &[("KL_N", "100".into())]);
+    assert_eq!(kid.line(), "free 50 busy 50");
+    kid.finish();
+    drop(held);
+    let mut kid = Kid::spawn("try_all", &dir, &[("KL_N", "100".into())]);
+    assert_eq!(kid.line(), "free 100 busy 0");
+    kid.finish();
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn in_process_waiters_queue_in_the_process_and_only_one_waits_on_the_file() {
+    let dir = temp_dir("queue");
+    let table = Arc::new(ProcessLockTable::open(&dir).unwrap());
+    let mut kid = Kid::spawn("hold", &dir, &[]);
+    let token = kid.locked_token();
+    let order = Arc::new(Mutex::new(Vec::new()));
+    let threads: Vec<_> = (0..6)
+        .map(|_| {
+            let (table, order) = (table.clone(), order.clone());
+            std::thread::spawn(move || {
+                let guard = table.blocking_lock_with("k", patient()).unwrap();
+                order.lock().unwrap().push(guard.token().get());
+            })
+        })
+        .collect();
+    let start = Instant::now();
+    while table.waiters(&"k") < 5 && start.elapsed() < PATIENCE {
+        std::thread::yield_now();
+    }
+    assert_eq!(table.waiters(&"k"), 5, "five queued in the process");
+    assert_eq!(table.stats().file_waiters, 1, "one at the file level");
+    kid.tell("release");
+    kid.line();
+    kid.finish();
+    for t in threads {
+        t.join().unwrap();
+    }
+    let order = order.lock().unwrap();
+    assert_eq!(order.len(), 6);
+    assert!(order[0] > token);
+    assert!(order.windows(2).all(|w| w[0] < w[1]));
+    assert_eq!(table.stats().file_waiters, 0);
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn a_dropped_waiter_leaves_nothing_held() {
+    let dir = temp_dir("cancel");
+    let table = ProcessLockTable::open(&dir).unwrap();
+    let mut kid = Kid::spawn("hold", &dir, &[]);
+    let token = kid.locked_token();
+    {
+        // Polled until it waits in the kernel, then dropped.
+        let mut fut = Box::pin(table.lock("k"));
+        let waker = futures::task::noop_waker();
+        let mut cx = std::task::Context::from_waker(&waker);
+        assert!(fut.as_mut().poll(&mut cx).is_pending());
+        assert_eq!(table.stats().file_waiters, 1);
+    }
+    assert_eq!(table.stats().file_waiters, 0);
+    kid.tell("release");
+    kid.line();
+    kid.finish();
+    // The abandoned helper freed the slot as soon as it got it.
+    let guard = block_on(table.lock_with("k", patient())).unwrap();
+    assert!(guard.token().get() > token);
+    drop(guard);
+    assert!(table.holder(&"k").unwrap().is_none());
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+use std::future::Future;
+
+#[test]
+fn tokens_persist_across_tables_and_processes() {
+    let dir = temp_dir("persist");
+    let first = ProcessLockTable::open(&dir)
+        .unwrap()
+        .try_lock("k")
+        .unwrap()
+        .token();
+    // A new table (as after a restart of this process).
+    let table = ProcessLockTable::open(&dir).unwrap();
+    let second = table.try_lock("k").unwrap().token();
+    assert!(second > first);
+    let mut kid = Kid::spawn("hold", &dir, &[]);
+    let third = kid.locked_token();
+    assert!(third > second.get());
+    kid.tell("release");
+    kid.line();
+    kid.finish();
+    assert!(table.try_lock("k").unwrap().token().get() > third);
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn renew_extends_a_live_lease_and_never_revives_a_lapsed_one() {
+    let dir = temp_dir("renew");
+    let table = ProcessLockTable::open(&dir).unwrap();
+    let guard = table
+        .try_lock_with("k", LockOptions::new().lease(Duration::from_millis(50)))
+        .unwrap();
+    guard.renew(Duration::from_secs(600)).unwrap();
+    let at = guard.expires_at().unwrap().unwrap();
+    assert!(at > Instant::now() + Duration::from_secs(500));
+    guard.renew(Duration::from_millis(1)).unwrap();
+    std::thread::sleep(Duration::from_millis(5));
+    assert!(guard.is_expired());
+    assert!(matches!(
+        guard.renew(Duration::from_secs(10)),
+        Err(ProcessLockError::Expired { .. })
+    ));
+    assert!(matches!(
+        guard.renew(Duration::ZERO),
+        Err(ProcessLockError::InvalidOptions {
+            option: "lease",
+            ..
+        })
+    ));
+    // Lapsed, and nobody took it: try_lock takes it over; the old release
+    // frees nothing of the new grant's.
+    let next = table.try_lock("k");
+    // The in-process queue still has the old grant's entry until its lease
+    // lapsed locally too: both are lapsed, so the key is free.
+    let next = next.unwrap();
+    assert!(next.token() > guard.token());
+    assert!(guard.release_checked().is_err());
+    assert!(next.check().is_ok());
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn bad_input_gives_clear_errors_naming_the_path_and_holds_nothing() {
+    let dir = temp_dir("bad");
+    let missing = dir.join("missing");
+    let err = ProcessLockTable::<&str>::open(&missing).unwrap_err();
+    assert!(err.to_string().contains("missing"), "{err}");
+    assert!(err.to_string().contains("lock directory"), "{err}");
+
+    let file = dir.join("a-file");
+    std::fs::write(&file, "").unwrap();
+    let err = ProcessLockTable::<&str>::open(&file).unwrap_err();
+    assert!(err.to_string().contains("a-file"), "{err}");
+
+    let table = ProcessLockTable::open(&dir).unwrap();
+    let long = "x".repeat(500);
+    let err = table.try_lock(long.as_str()).unwrap_err();
+    assert!(
+        matches!(err, ProcessLockError::Key { key_len: 500, .. }),
+        "{err}"
+    );
+    let err = block_on(table.lock(long.as_str())).unwrap_err();
+    assert!(err.to_string().contains("500 bytes"), "{err}");
+
+    let err = table
+        .try_lock_with("k", LockOptions::new().shared())
+        .unwrap_err();
+    assert!(matches!(
+        err,
+        ProcessLockError::InvalidOptions { option: "mode", .. }
+    ));
+    let err = table
+        .try_lock_with("k", LockOptions::new().lease(Duration::ZERO))
+        .unwrap_err();
+    assert!(matches!(
+        err,
+        ProcessLockError::InvalidOptions {
+            option: "lease",
+            ..
+        }
+    ));
+
+    // A state file that is not ours is refused, not reset.
+    std::fs::write(dir.join("key-junk.state"), "hello").unwrap();
+    let err = table.try_lock("junk").unwrap_err();
+    assert!(matches!(err, ProcessLockError::Corrupt { .. }), "{err}");
+    assert!(err.to_string().contains("key-junk.state"), "{err}");
+
+    // Nothing is held after those errors.
+    assert!(table.try_lock("k").is_ok());
+    assert!(table.try_lock(long[..10].to_string().as_str()).is_ok());
+
+    // An unwritable directory (not for root, who writes anyway).
+    // SAFETY: geteuid has no preconditions.
+    if unsafe { libc::geteuid() } != 0 {
+        use std::os::unix::fs::PermissionsExt;
+        let ro = dir.join("ro");
+        std::fs::create_dir(&ro).unwrap();
+        std::fs::set_permissions(&ro, std::fs::Permissions::from_mode(0o500)).unwrap();
+        let err = ProcessLockTable::<&str>::open(&ro).unwrap_err();
+        assert!(err.to_string().contains("ro"), "{err}");
+        std::fs::set_permissions(&ro, std::fs::Permissions::from_mode(0o700)).unwrap();
+    }
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn deleted_key_files_are_noticed_by_the_next_locker_and_the_holder() {
+    let dir = temp_dir("unlink");
+    let table = ProcessLockTable::open(&dir).unwrap();
+    let guard = table.try_lock("k").unwrap();
+    // Someone deletes the key's files while it is held.
+    for entry in std::fs::read_dir(&dir).unwrap() {
+        let path = entry.unwrap().path();
+        if path
+            .file_name()
+            .unwrap()
+            .to_str()
+            .unwrap()
+            .starts_with("key-k.")
+        {
+            std::fs::remove_file(path).unwrap();
+        }
+    }
+    // The holder's check sees that its state file is gone: it is fenced.
+    assert!(matches!(
+        guard.check(),
+        Err(ProcessLockError::Expired { .. })
+    ));
+    drop(guard);
+    // The key works on fresh files.
+    let again = table.try_lock("k").unwrap();
+    assert!(again.check().is_ok());
+    std::fs::remove_dir_all(&dir).unwrap();
+}
