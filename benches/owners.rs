@@ -153,6 +153,38 @@ fn deadlocks(c: &mut Criterion) {
             });
         });
     }
+    // A wait whose search walks a chain of 8 waiting transactions (no
+    // cycle): transaction i holds key i and waits for key i + 1; the
+    // timed transaction waits for key 0 and gives up (its future dropped).
+    for (name, limit) in [
+        ("chain8_wait_detection_off", 0),
+        ("chain8_wait_detection_on", 50),
+    ] {
+        let table = LockTable::<u64>::builder()
+            .deadlock_search_limit(limit)
+            .build();
+        let mut chain: Vec<_> = (0..8).map(|_| table.transaction()).collect();
+        for (i, txn) in chain.iter_mut().enumerate() {
+            now(txn.lock(i as u64, Mode::Exclusive)).unwrap();
+        }
+        let mut cx = Context::from_waker(waker);
+        let mut waits: Vec<_> = chain
+            .iter_mut()
+            .enumerate()
+            .map(|(i, txn)| Box::pin(txn.lock(i as u64 + 1, Mode::Exclusive)))
+            .collect();
+        for w in &mut waits[..7] {
+            assert!(w.as_mut().poll(&mut cx).is_pending());
+        }
+        group.bench_function(name, |b| {
+            b.iter(|| {
+                let mut txn = table.transaction();
+                let mut wait = Box::pin(txn.lock(black_box(0), Mode::Exclusive));
+                assert!(wait.as_mut().poll(&mut cx).is_pending());
+            });
+        });
+        drop(waits);
+    }
     let table = LockTable::<u64>::new();
     group.bench_function("victim_answer", |b| {
         b.iter(|| {
