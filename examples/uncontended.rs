@@ -11,6 +11,8 @@
 //! once with a no-op waker + drop: the async path without a runtime); for
 //! reference, `tokio` (`tokio::sync::Mutex::try_lock` + drop) and `std`
 //! (`std::sync::Mutex::lock` + drop, the lock each shard is behind).
+//! `txnwait` / `txnwait_off`: a transaction's wait handed the key by the
+//! holder's commit, with deadlock detection and without.
 
 use std::future::Future;
 use std::hint::black_box;
@@ -129,6 +131,34 @@ fn main() {
                     guards.push(table.try_lock_shared(black_box(k)).expect("uncontended"));
                 }
                 guards.clear();
+            }
+        }
+        // A transaction's contended wait, handed the key by the holder's
+        // commit: with deadlock detection (`txnwait`: the wait registered,
+        // alone, so nothing searched) and without (`txnwait_off`).
+        "txnwait" | "txnwait_off" => {
+            let limit = if mode == "txnwait" { 50 } else { 0 };
+            let table = keylock::LockTable::<u64>::builder()
+                .deadlock_search_limit(limit)
+                .build();
+            let mut cx = Context::from_waker(futures::task::noop_waker_ref());
+            for i in 0..n {
+                let mut holder = table.transaction();
+                {
+                    let fut = pin!(holder.lock(black_box(i & 63), keylock::Mode::Exclusive));
+                    let Poll::Ready(got) = fut.poll(&mut cx) else {
+                        unreachable!("uncontended")
+                    };
+                    black_box(got.expect("uncontended"));
+                }
+                let mut waiter = table.transaction();
+                let mut wait = Box::pin(waiter.lock(black_box(i & 63), keylock::Mode::Exclusive));
+                assert!(wait.as_mut().poll(&mut cx).is_pending());
+                holder.commit().expect("no lease");
+                let Poll::Ready(got) = wait.as_mut().poll(&mut cx) else {
+                    unreachable!("handed the key")
+                };
+                black_box(got.expect("granted"));
             }
         }
         "owned1" => {
