@@ -285,6 +285,7 @@ mod hold;
 mod keep_alive;
 mod key_map;
 mod key_slot;
+mod labels;
 mod lease;
 mod loom;
 mod lost;

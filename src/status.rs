@@ -10,6 +10,7 @@
 //! asked for.
 
 use std::borrow::Borrow;
+use std::collections::HashMap;
 use std::hash::{BuildHasher, Hash};
 use std::time::Instant;
 
@@ -32,6 +33,9 @@ pub struct HolderStatus {
     pub mode: Mode,
     /// The transaction it was made for (none: a plain guard).
     pub transaction: Option<TransactionId>,
+    /// That transaction's label, if it has one
+    /// ([`TransactionOptions::label`](crate::TransactionOptions::label)).
+    pub label: Option<&'static str>,
     /// When it was granted, if the table read the time then: grants with a
     /// lease (a grant without one reads no clock, so that an uncontended
     /// lock stays free of clock reads).
@@ -57,6 +61,8 @@ pub struct WaiterStatus {
     pub upgrade: bool,
     /// The transaction it waits for (none: a plain lock future).
     pub transaction: Option<TransactionId>,
+    /// That transaction's label, if it has one.
+    pub label: Option<&'static str>,
     /// When it started to wait: on the real clock always (to the coarse
     /// clock's precision, unless the wait has a timeout or deadline); on
     /// other clocks only for waits with a timeout or deadline (a wait
@@ -79,8 +85,9 @@ fn id_of(owner: u64) -> Option<TransactionId> {
     TransactionId::from_owner(owner)
 }
 
-impl From<RawStatus> for LockStatus {
-    fn from(raw: RawStatus) -> Self {
+impl LockStatus {
+    /// The status as read, transactions named by `labels`.
+    fn from_raw(raw: RawStatus, labels: &HashMap<u64, &'static str>) -> Self {
         LockStatus {
             holders: raw
                 .holders
@@ -89,18 +96,25 @@ impl From<RawStatus> for LockStatus {
                     token: h.token,
                     mode: raw.mode,
                     transaction: id_of(h.owner),
+                    label: labels.get(&h.owner).copied(),
                     since: h.since.get(),
                     lease_deadline: h.deadline.get(),
                     lapsed: h.lapsed,
                     hold: h.owner == crate::lease::HOLD_OWNER,
                 })
                 .collect(),
-            waiters: raw.waiters.iter().map(waiter).collect(),
+            waiters: raw.waiters.iter().map(|w| waiter(w, labels)).collect(),
         }
     }
 }
 
-fn waiter(w: &RawWaiter) -> WaiterStatus {
+/// The transaction ids a status names.
+fn ids(raw: &RawStatus) -> impl Iterator<Item = u64> + '_ {
+    let holders = raw.holders.iter().map(|h| h.owner);
+    holders.chain(raw.waiters.iter().map(|w| w.owner))
+}
+
+fn waiter(w: &RawWaiter, labels: &HashMap<u64, &'static str>) -> WaiterStatus {
     let (mode, upgrade) = match w.want {
         Want::Grant(mode) => (mode, false),
         Want::Upgrade(_) => (Mode::Exclusive, true),
@@ -109,6 +123,7 @@ fn waiter(w: &RawWaiter) -> WaiterStatus {
         mode,
         upgrade,
         transaction: id_of(w.owner),
+        label: labels.get(&w.owner).copied(),
         since: w.since.get(),
     }
 }
@@ -187,7 +202,8 @@ impl<K: Eq + Hash, S: BuildHasher> LockTable<K, S> {
                 // SAFETY: the entry is pinned until `_unpin` drops, so its
                 // key cell is live and never written meanwhile.
                 let cloned = unsafe { key.get() }.clone();
-                out.push((cloned, LockStatus::from(status)));
+                let labels = self.labels().of(ids(&status));
+                out.push((cloned, LockStatus::from_raw(status, &labels)));
             }
         }
         out
@@ -212,8 +228,9 @@ impl<K: Eq + Hash, S: BuildHasher> LockTable<K, S> {
         Q: Hash + Eq + ?Sized,
     {
         let hash = self.hash(key);
-        self.with_shard(hash, |state, ctx| state.status_of(hash, key, ctx.clock()))
-            .map(LockStatus::from)
+        let raw = self.with_shard(hash, |state, ctx| state.status_of(hash, key, ctx.clock()))?;
+        let labels = self.labels().of(ids(&raw));
+        Some(LockStatus::from_raw(raw, &labels))
     }
 
     /// The grant holding `key` (the oldest, if several share it), if any.

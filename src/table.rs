@@ -24,6 +24,7 @@ use crate::fairness::Fairness;
 use crate::guard::{Guard, Held, OwnedGuard};
 use crate::hold::Holds;
 use crate::key_slot::KeyPtr;
+use crate::labels::Labels;
 use crate::lease::{LeasePolicy, LockOptions, PackedDuration, Terms, DEFAULT_MAX_LEASE, MIN_LEASE};
 use crate::mode::Mode;
 use crate::queue::{Grant, ShardState};
@@ -127,6 +128,8 @@ pub struct LockTable<K, S = DefaultHashBuilder> {
     detector: Detector<K>,
     /// Grants detached from their transactions (see `hold.rs`).
     holds: Holds<K>,
+    /// Labeled transactions' labels (see `labels.rs`).
+    labels: Labels,
 }
 
 impl<K: Eq + Hash> LockTable<K> {
@@ -284,6 +287,12 @@ impl<K, S> LockTable<K, S> {
     /// The shard at `index` (below [`shard_count`](Self::shard_count)).
     pub(crate) fn shard_at(&self, index: usize) -> &Shard<K> {
         &self.shards[index]
+    }
+
+    /// The labels of the table's labeled transactions.
+    #[inline]
+    pub(crate) fn labels(&self) -> &Labels {
+        &self.labels
     }
 
     /// The table's holds.
@@ -1441,6 +1450,7 @@ impl<K, S> Builder<K, S> {
             token_floor: floor,
             detector: Detector::new(self.deadlock_limit, self.deadlock_history),
             holds: Holds::new(),
+            labels: Labels::new(),
         }
     }
 }

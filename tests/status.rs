@@ -122,6 +122,27 @@ mod tests {
     }
 
     #[test]
+    fn labels_name_transactions_while_they_live() {
+        use keylock::TransactionOptions;
+        let table: LockTable<&str> = LockTable::new();
+        block(async {
+            let mut job = table.transaction_with(TransactionOptions::new().label("nightly-job"));
+            let mut web = table.transaction_with(TransactionOptions::new().label("checkout"));
+            let mut plain = table.transaction();
+            job.lock("k", Mode::Exclusive).await.unwrap();
+            let mut web_waits = Box::pin(web.lock("k", Mode::Shared));
+            assert!(poll!(web_waits.as_mut()).is_pending());
+            let mut plain_waits = Box::pin(plain.lock("k", Mode::Shared));
+            assert!(poll!(plain_waits.as_mut()).is_pending());
+            let status = table.lock_status("k").unwrap();
+            assert_eq!(status.holders[0].label, Some("nightly-job"));
+            let labels: Vec<_> = status.waiters.iter().map(|w| w.label).collect();
+            assert_eq!(labels, [Some("checkout"), None]);
+            drop((web_waits, plain_waits));
+        });
+    }
+
+    #[test]
     fn revoke_the_grant_the_view_showed_and_nothing_else() {
         let table: LockTable<&str> = LockTable::new();
         let first = table.try_lock("k").unwrap();

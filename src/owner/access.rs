@@ -54,6 +54,9 @@ pub(crate) type SetOf<R> = HeldSet<<R as Reach>::Guard, <R as Reach>::Key>;
 pub(crate) struct Owner<R> {
     pub(crate) reach: R,
     pub(crate) opts: Resolved,
+    /// Keeps the transaction's label registered with its table while the
+    /// transaction lives (labeled transactions only).
+    pub(crate) _label: Option<crate::labels::Alive>,
 }
 
 /// The transaction ended while a call was pending.

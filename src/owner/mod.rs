@@ -149,10 +149,15 @@ impl<K: Eq + Hash, S: BuildHasher> LockTable<K, S> {
     /// ```
     #[inline]
     pub fn transaction_with(&self, opts: TransactionOptions) -> Transaction<'_, K, S> {
+        let opts = opts.resolve(self.clock());
+        let label = opts
+            .label
+            .map(|label| self.labels().register(opts.id.get(), label));
         Transaction {
             owner: Owner {
                 reach: self,
-                opts: opts.resolve(self.clock()),
+                opts,
+                _label: label,
             },
             set: HeldSet::default(),
         }
@@ -185,8 +190,15 @@ impl<K: Eq + Hash, S: BuildHasher> LockTable<K, S> {
         opts: TransactionOptions,
     ) -> OwnedTransaction<K, S> {
         let opts = opts.resolve(self.clock());
+        let label = opts
+            .label
+            .map(|label| self.labels().register(opts.id.get(), label));
         OwnedTransaction {
-            shared: Arc::new(Shared::new(Owner { reach: self, opts })),
+            shared: Arc::new(Shared::new(Owner {
+                reach: self,
+                opts,
+                _label: label,
+            })),
         }
     }
 }

@@ -69,6 +69,7 @@ pub struct TransactionOptions {
     timeout: Option<Duration>,
     lease: Option<Duration>,
     wait: WaitPolicy,
+    label: Option<&'static str>,
 }
 
 impl TransactionOptions {
@@ -81,7 +82,35 @@ impl TransactionOptions {
             timeout: None,
             lease: None,
             wait: WaitPolicy::Block,
+            label: None,
         }
+    }
+
+    /// A name for the transaction, shown beside its grants and waits in the
+    /// table's status view ([`LockTable::status`](crate::LockTable::status)),
+    /// for diagnosis: what the transaction is for (`"checkout"`, a job's
+    /// name). Costs nothing unless set.
+    ///
+    /// ```
+    /// # futures::executor::block_on(async {
+    /// use keylock::{LockTable, Mode, TransactionOptions};
+    /// let table = LockTable::new();
+    /// let mut txn = table.transaction_with(TransactionOptions::new().label("nightly-audit"));
+    /// txn.lock("ledger", Mode::Shared).await?;
+    /// assert_eq!(table.holder("ledger").unwrap().label, Some("nightly-audit"));
+    /// # Ok::<(), keylock::TransactionError<&str>>(())
+    /// # }).unwrap();
+    /// ```
+    #[must_use]
+    pub const fn label(mut self, label: &'static str) -> Self {
+        self.label = Some(label);
+        self
+    }
+
+    /// The label asked for, if any.
+    #[must_use]
+    pub const fn label_name(&self) -> Option<&'static str> {
+        self.label
     }
 
     /// Every lock of the transaction waits at most until `deadline`, an
@@ -158,6 +187,7 @@ impl TransactionOptions {
             lease: self.lease,
             wait: self.wait,
             id: TransactionId::next(),
+            label: self.label,
         }
     }
 }
@@ -170,6 +200,8 @@ pub(crate) struct Resolved {
     pub(crate) wait: WaitPolicy,
     /// The transaction's identity, which its grants and waiters carry.
     pub(crate) id: TransactionId,
+    /// Its name in the status view, if any.
+    pub(crate) label: Option<&'static str>,
 }
 
 impl Resolved {
