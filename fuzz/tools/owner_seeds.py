@@ -82,6 +82,11 @@ seeds = {
  # cycle through the second is not found (it keeps its deadline), one
  # through the first is.
  'owners-deadlock-owned-second-wait': config() + lock(0, 0, owned=True) + lock(1, 1) + lock(2, 2) + lock(0, 1) + lock(0, 2) + lock(2, 0) + lock(1, 0) + owner(1, ABORT) + owner(2, ABORT) + poll_woken() + owner(0, POLL) + owner(0, COMMIT),
+ # A holder whose lease lapsed blocks nobody: 0 waits for key 1, whose
+ # holder 1 (1 ms leases) lapses unsettled; 1's wait for key 0 closes no
+ # cycle. Then the same with 1's lease renewed in time: a deadlock.
+ 'owners-deadlock-lapsed-holder': config() + lock(0, 0) + lock(1, 1, lease=1) + lock(0, 1) + advance(2) + lock(1, 0) + poll_woken() + owner(0, COMMIT) + poll_woken() + owner(1, COMMIT)
+   + lock(0, 0) + lock(1, 1, lease=2) + lock(0, 1) + advance(1) + lock(1, 0) + owner(1, ABORT) + poll_woken() + owner(0, COMMIT),
  # Ten deadlocks in a row: recent_deadlocks keeps the last eight.
  'owners-deadlock-history': config() + (lock(0, 0) + lock(1, 1) + lock(0, 1) + lock(1, 0) + owner(1, ABORT) + poll_woken() + owner(0, COMMIT)) * 5
    + (lock(1, 2) + lock(0, 3, True) + lock(1, 3) + lock(0, 2) + owner(0, ABORT) + poll_woken() + owner(1, COMMIT)) * 5,
