@@ -29,7 +29,7 @@
 use std::any::Any;
 use std::borrow::Borrow;
 use std::cell::{Cell, RefCell};
-use std::collections::{BTreeMap, VecDeque};
+use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::future::Future;
 use std::hash::{BuildHasher, Hash, Hasher};
 use std::panic::{catch_unwind, panic_any, resume_unwind, AssertUnwindSafe};
@@ -363,13 +363,23 @@ struct KnownBugs {
     /// in flight. The harness then skips a drop of an owner's call whose
     /// undo the model says must panic. Fixed (`regressions/ops/`).
     owner_undo_wake_panic: bool,
+    /// A transaction's upgrade (its `lock`, or a `lock_all` of a key it
+    /// holds shared) names its key, for deadlock detection, by a clone of
+    /// the instance the table stores (`guard.key().clone()`), and the
+    /// detector's registration by another clone: if that instance panics
+    /// when dropped, so do the clones, inside the call's poll or drop, after
+    /// the upgrade was granted; the call then leaves the transaction with
+    /// the key upgraded (a `lock_all`'s stage does not undo an upgrade
+    /// whose wait ended in that panic). The harness then skips a poll or a
+    /// drop of a call that starts, polls or drops such an upgrade. Open.
+    owner_upgrade_key_clone: bool,
 }
 
 impl KnownBugs {
     /// Found and not fixed yet: looked past unless `KEYLOCK_FUZZ_KNOWN_BUGS`
     /// says otherwise. The others are fixed, and their inputs are replayed
     /// from `fuzz/regressions/`.
-    const OPEN: &'static str = "";
+    const OPEN: &'static str = "owner_upgrade_key_clone";
 
     fn from_env() -> Self {
         let v = std::env::var("KEYLOCK_FUZZ_KNOWN_BUGS").unwrap_or_else(|_| Self::OPEN.into());
@@ -381,6 +391,7 @@ impl KnownBugs {
             downgrade_wake_panic: has("downgrade_wake_panic"),
             upgrade_mid_displace: has("upgrade_mid_displace"),
             owner_undo_wake_panic: has("owner_undo_wake_panic"),
+            owner_upgrade_key_clone: has("owner_upgrade_key_clone"),
         }
     }
 }
@@ -818,6 +829,9 @@ struct MHolder {
     deadline: Option<u64>,
     since: Option<u64>,
     by: By,
+    /// The transaction the grant was made for (0: none), as the table
+    /// records it for deadlock detection.
+    owner: u64,
 }
 
 /// The grants holding one key, in the order the table keeps them
@@ -1010,6 +1024,12 @@ struct MFut {
     abandoned: bool,
     /// It has boxed timer state (it waited with a timeout, or armed a timer).
     timing: bool,
+    /// The transaction it waits for (0: none): a transaction's inner lock
+    /// future, or an upgrade of a transaction's grant (the grant's owner).
+    owner: u64,
+    /// A transaction's wait: it pended once already, and the deadlock
+    /// search ran then (or the transaction had a wait registered).
+    searched: bool,
 }
 
 impl MFut {
@@ -1144,6 +1164,9 @@ struct Model {
     one_by_one: bool,
     /// The last poll found its timer due at once and judged again.
     looped: bool,
+    /// The table's deadlock detector: the waits of transactions it knows
+    /// of, and the cycles it broke (`owners.rs`).
+    dl: owners::MDetector,
 }
 
 impl Model {
@@ -1164,6 +1187,7 @@ impl Model {
             read_clock: false,
             one_by_one: known_bugs.upgrade_mid_displace,
             looped: false,
+            dl: owners::MDetector::default(),
         }
     }
 
@@ -1357,6 +1381,7 @@ impl Model {
         let f = self.keys[k].queue.pop_front().expect("model: a waiter");
         let token = self.mint(k);
         let (deadline, since) = self.lease_from(self.futs[&f].lease);
+        let owner = self.futs[&f].owner;
         let fut = self.fut(f);
         assert_eq!(fut.state, MState::Waiting, "model: queued future waits");
         fut.state = MState::Granted { token, deadline };
@@ -1370,6 +1395,7 @@ impl Model {
             deadline,
             since,
             by: By::Slot(f),
+            owner,
         });
         key.mode = mode;
         self.stats.handoffs += 1;
@@ -1538,6 +1564,7 @@ impl Model {
         mode: MMode,
         lease: Option<u64>,
         contended: bool,
+        owner: u64,
     ) -> MGrant {
         let token = self.mint(k);
         let (deadline, since) = self.lease_from(lease);
@@ -1552,6 +1579,7 @@ impl Model {
             deadline,
             since,
             by: By::Guard(gid),
+            owner,
         });
         key.mode = mode;
         MGrant {
@@ -1563,10 +1591,10 @@ impl Model {
     }
 
     /// No entry: the key is created, and the caller's instance is kept.
-    fn claim(&mut self, k: usize, mode: MMode, lease: Option<u64>, bomb: bool) -> MGrant {
+    fn claim(&mut self, k: usize, mode: MMode, lease: Option<u64>, bomb: bool, owner: u64) -> MGrant {
         assert!(self.keys[k].unused());
         self.keys[k].stored_bomb = bomb;
-        self.grant_to_guard(k, mode, lease, false)
+        self.grant_to_guard(k, mode, lease, false, owner)
     }
 
     /// waiting.rs `open_to`: the holders admit `mode` and (strict) nobody
@@ -1579,8 +1607,8 @@ impl Model {
 
     /// waiting.rs `take_now`: shared waiters at the head join a shared
     /// newcomer.
-    fn take_now(&mut self, k: usize, mode: MMode, lease: Option<u64>) -> MGrant {
-        let g = self.grant_to_guard(k, mode, lease, false);
+    fn take_now(&mut self, k: usize, mode: MMode, lease: Option<u64>, owner: u64) -> MGrant {
+        let g = self.grant_to_guard(k, mode, lease, false, owner);
         if mode == MMode::Shared && !self.keys[k].queue.is_empty() {
             self.admit(k);
         }
@@ -1594,16 +1622,17 @@ impl Model {
         mode: MMode,
         lease: Option<u64>,
         bomb: bool,
+        owner: u64,
     ) -> Option<MGrant> {
         if self.keys[k].unused() {
-            return Some(self.claim(k, mode, lease, bomb));
+            return Some(self.claim(k, mode, lease, bomb, owner));
         }
         self.bomb_keys += u32::from(bomb);
         self.settle(k);
         if !self.open_to(k, mode) {
             return None;
         }
-        Some(self.take_now(k, mode, lease))
+        Some(self.take_now(k, mode, lease, owner))
     }
 
     fn resolve(&self, lease: Option<u64>) -> Result<Option<u64>, u64> {
@@ -1620,13 +1649,25 @@ impl Model {
         lease: Option<u64>,
         bomb: bool,
     ) -> Result<MGrant, MErr> {
+        self.try_lock_for(k, mode, lease, bomb, 0)
+    }
+
+    /// `try_lock` of a grant made for transaction `owner` (0: none).
+    fn try_lock_for(
+        &mut self,
+        k: usize,
+        mode: MMode,
+        lease: Option<u64>,
+        bomb: bool,
+        owner: u64,
+    ) -> Result<MGrant, MErr> {
         match self.resolve(lease) {
             Err(l) => {
                 self.bomb_keys += u32::from(bomb);
                 Err(MErr::Invalid(l))
             }
             Ok(lease) => self
-                .try_acquire(k, mode, lease, bomb)
+                .try_acquire(k, mode, lease, bomb, owner)
                 .ok_or(MErr::WouldBlock),
         }
     }
@@ -1705,6 +1746,8 @@ impl Model {
                 tainted: false,
                 abandoned: false,
                 timing: false,
+                owner: 0,
+                searched: false,
             },
         );
     }
@@ -1782,9 +1825,9 @@ impl Model {
     fn head_takes(&mut self, k: usize, f: Fid, mode: MMode) -> MGrant {
         let head = self.keys[k].queue.pop_front();
         assert_eq!(head, Some(f));
-        let lease = self.futs[&f].lease;
+        let (lease, owner) = (self.futs[&f].lease, self.futs[&f].owner);
         self.futs.remove(&f);
-        let g = self.grant_to_guard(k, mode, lease, true);
+        let g = self.grant_to_guard(k, mode, lease, true, owner);
         self.admit(k);
         g
     }
@@ -1903,11 +1946,12 @@ impl Model {
             lease,
             bomb,
             patience,
+            owner,
             ..
         } = self.futs[&f];
         if let MPat::For(Some(0)) = patience {
             self.futs.remove(&f);
-            return MPoll::Ready(match self.try_acquire(k, mode, lease, bomb) {
+            return MPoll::Ready(match self.try_acquire(k, mode, lease, bomb, owner) {
                 Some(g) => Ok(MDone::Guard(g)),
                 None => {
                     self.stats.timed_out += 1;
@@ -1918,13 +1962,13 @@ impl Model {
         }
         if self.keys[k].unused() {
             self.futs.remove(&f);
-            return MPoll::Ready(Ok(MDone::Guard(self.claim(k, mode, lease, bomb))));
+            return MPoll::Ready(Ok(MDone::Guard(self.claim(k, mode, lease, bomb, owner))));
         }
         self.bomb_keys += u32::from(bomb);
         self.settle(k);
         if self.open_to(k, mode) {
             self.futs.remove(&f);
-            return MPoll::Ready(Ok(MDone::Guard(self.take_now(k, mode, lease))));
+            return MPoll::Ready(Ok(MDone::Guard(self.take_now(k, mode, lease, owner))));
         }
         if self.enqueue(k, f, false) {
             return self.poll_waiting(k, f, MWant::Grant(mode));
@@ -1974,6 +2018,8 @@ impl Model {
                 return MPoll::Ready(Err(MErr::Conflict { token, upgrading }));
             }
         }
+        // Its waiter carries its grant's transaction (waiting.rs `upgrade`).
+        self.fut(f).owner = mine.owner;
         if let MPat::For(Some(0)) = self.futs[&f].patience {
             // Would wait, and may not: linked and left at once, under the
             // lock (no waker stored, no timer armed).
@@ -3517,6 +3563,9 @@ impl<'a> Harness<'a> {
                 if f.tainted { " tainted" } else { "" },
                 if f.abandoned { " abandoned" } else { "" },
             );
+        }
+        if !m.dl.is_empty() {
+            eprintln!("  deadlock detector: {}", m.dl_describe());
         }
     }
 

@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """Writes the hand-written owner seeds of the `ops` target (fuzz/corpus/ops/owner*-*)
 into the directory given as the first argument (with a second argument
-`known-bugs`, the inputs of bugs found, now in fuzz/regressions/ops/).
+`known-bugs`, the inputs of bugs found and fixed, now in fuzz/regressions/ops/;
+with `open-bugs`, the inputs of open bugs, in fuzz/known-bugs/ops/).
 
 It encodes inputs as `arbitrary` 1.x decodes `Input`: the config's four fields,
 then each op as a continue byte (1), the variant's u32 (index << 28 of 16
@@ -52,6 +53,43 @@ seeds = {
  # key it releases (dropping all but the one its error names), here once with
  # the plain guards still holding, once with them fenced.
  'owner-commit-clones-stored-keys': config() + try_lock(0x71, True) + try_lock(0x72, True) + lock(0, 1, True) + lock(0, 2, True) + owner(0, COMMIT) + lock(1, 1, True) + lock(1, 2, True) + revoke(1) + revoke(2) + owner(1, RENEW, w=4) + owner(1, COMMIT) + lock(2, 2, True, owned=True) + owner(2, COMMIT),
+ # Deadlocks (each answered at once, the victim being the transaction
+ # whose wait closed the cycle; the victim then aborts and the others go on).
+ # Two transactions, exclusive, in opposite orders.
+ 'owners-deadlock-two': config() + lock(0, 0) + lock(1, 1) + lock(0, 1) + lock(1, 0) + owner(1, ABORT) + poll_woken() + owner(0, COMMIT),
+ # Three in a ring, on two shards (the walk crosses shards).
+ 'owners-deadlock-three-ring': config(1) + lock(0, 0) + lock(1, 1) + lock(2, 2) + lock(0, 1) + lock(1, 2) + lock(2, 0) + owner(2, ABORT) + poll_woken() + owner(1, COMMIT) + poll_woken() + owner(0, COMMIT),
+ # Shared and exclusive: 1 waits (exclusive) for 0's shared hold, 0 asks a
+ # shared lock of what 1 holds exclusively; a plain reader of key 0 beside
+ # 0 is no edge.
+ 'owners-deadlock-shared': config() + try_lock(0, True) + lock(0, 0, True) + lock(1, 1) + lock(1, 0) + lock(0, 1, True) + owner(0, ABORT) + drop_guard(0) + poll_woken() + owner(1, COMMIT),
+ # Upgrades: both hold key 0 shared and 0 holds key 1; 0's upgrade waits
+ # for 1's shared hold, 1's wait for key 1 closes the cycle (1 the victim);
+ # then the same with the upgrade closing it (0 the victim: its upgrade is
+ # undone, the key still held shared).
+ 'owners-deadlock-upgrade': config() + lock(0, 0, True) + lock(1, 0, True) + lock(0, 1) + lock(0, 0) + lock(1, 1) + owner(1, ABORT) + poll_woken() + owner(0, COMMIT)
+   + lock(0, 0, True) + lock(1, 0, True) + lock(0, 1) + lock(1, 1) + lock(0, 0) + owner(0, UNLOCK, key=0) + owner(0, ABORT) + poll_woken() + owner(1, COMMIT),
+ # Behind a queued waiter: 2 holds key 0, 1 queues for it, 0 queues behind 1
+ # (a shared ask behind a queued writer), 2 asks key 1 which 0 holds: the
+ # cycle 2 -> 0 -> 1 -> 2 goes through the queue.
+ 'owners-deadlock-queued-waiter': config() + lock(0, 1) + lock(2, 0) + lock(1, 0) + lock(0, 0, True) + lock(2, 1) + owner(2, ABORT) + poll_woken() + owner(1, COMMIT) + poll_woken() + owner(0, COMMIT),
+ # lock_all: 0's lock_all waits for key 1 (held by 1) holding what it took;
+ # 1's wait for key 0 closes the cycle; then 1's lock_all is the victim and
+ # releases the keys it took in that call (2, 3).
+ 'owners-deadlock-lock-all': config(2) + lock(1, 1) + lock_all(0, [(0, False), (1, False)]) + lock(1, 0) + owner(1, ABORT) + poll_woken() + owner(0, COMMIT)
+   + lock(0, 0) + lock(1, 1) + lock(0, 1) + lock_all(1, [(2, False), (0, False), (3, True)]) + owner(1, COMMIT) + poll_woken() + owner(0, COMMIT),
+ # An owned transaction with two waits: only its first is registered; a
+ # cycle through the second is not found (it keeps its deadline), one
+ # through the first is.
+ 'owners-deadlock-owned-second-wait': config() + lock(0, 0, owned=True) + lock(1, 1) + lock(2, 2) + lock(0, 1) + lock(0, 2) + lock(2, 0) + lock(1, 0) + owner(1, ABORT) + owner(2, ABORT) + poll_woken() + owner(0, POLL) + owner(0, COMMIT),
+ # A holder whose lease lapsed blocks nobody: 0 waits for key 1, whose
+ # holder 1 (1 ms leases) lapses unsettled; 1's wait for key 0 closes no
+ # cycle. Then the same with 1's lease renewed in time: a deadlock.
+ 'owners-deadlock-lapsed-holder': config() + lock(0, 0) + lock(1, 1, lease=1) + lock(0, 1) + advance(2) + lock(1, 0) + poll_woken() + owner(0, COMMIT) + poll_woken() + owner(1, COMMIT)
+   + lock(0, 0) + lock(1, 1, lease=2) + lock(0, 1) + advance(1) + lock(1, 0) + owner(1, ABORT) + poll_woken() + owner(0, COMMIT),
+ # Ten deadlocks in a row: recent_deadlocks keeps the last eight.
+ 'owners-deadlock-history': config() + (lock(0, 0) + lock(1, 1) + lock(0, 1) + lock(1, 0) + owner(1, ABORT) + poll_woken() + owner(0, COMMIT)) * 5
+   + (lock(1, 2) + lock(0, 3, True) + lock(1, 3) + lock(0, 2) + owner(0, ABORT) + poll_woken() + owner(1, COMMIT)) * 5,
  'owners-opposite-lock-all': config(0, 1) + lock_all(0, [(0, False), (1, False)], now=False) + lock_all(1, [(1, False), (0, False)], now=False) + owner(0, POLL) + owner(1, POLL) + try_lock(0, True) + owner(0, COMMIT) + poll_woken() + owner(1, POLL) + owner(1, DROP) + lock_all(2, [(0, True), (1, True), (2, True)], owned=True) + revoke(1) + owner(2, RENEW, w=4) + owner(2, COMMIT),
 }
 # Inputs of bugs found (now fuzz/regressions/ops/), failing on the code that had them.
@@ -60,7 +98,20 @@ known_bugs = {
  # reader whose waker panics: the owner loses key 1 (owner_undo_wake_panic).
  'owner-undo-wake-panic': config() + lock(0, 1, True) + try_lock(2) + lock_all(0, [(1, False), (2, False)]) + start_lock(1, True, waker=WAKE_BOMB) + poll(0) + owner(0, DROPF) + owner(0, LOCK, key=1 | 4),
 }
+# Inputs of open bugs (fuzz/known-bugs/ops/, `KnownBugs::OPEN`), failing with
+# KEYLOCK_FUZZ_KNOWN_BUGS=none.
+open_bugs = {
+ # Key 1 stored by a plain reader whose key panics when dropped; transaction
+ # 0 holds it shared too and upgrades (waits for the reader): the upgrade
+ # names the key by a clone of the stored instance, and its registration
+ # with the deadlock detector by another; once the reader goes, the poll
+ # that sees the upgrade granted drops them and panics
+ # (owner_upgrade_key_clone). The same through a lock_all, whose stage
+ # then does not undo the upgrade.
+ 'owner-upgrade-key-clone': config() + try_lock(0x71, True) + lock(0, 1, True) + lock(0, 1) + drop_guard(0) + poll_woken() + owner(0, COMMIT),
+ 'owner-upgrade-key-clone-lock-all': config() + try_lock(0x71, True) + lock(0, 1, True) + lock_all(0, [(1, False), (2, False)]) + drop_guard(0) + poll_woken() + owner(0, COMMIT),
+}
 out = sys.argv[1]
-which = known_bugs if len(sys.argv) > 2 and sys.argv[2] == 'known-bugs' else seeds
+which = {'known-bugs': known_bugs, 'open-bugs': open_bugs}.get(sys.argv[2] if len(sys.argv) > 2 else '', seeds)
 for name, data in which.items():
     open(os.path.join(out, name), 'wb').write(data)

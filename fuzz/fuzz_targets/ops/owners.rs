@@ -169,6 +169,8 @@ struct MSlot {
 
 #[derive(Debug, Clone)]
 pub(super) struct MOwner {
+    /// `Transaction::id`, as deadlock answers name it.
+    id: u64,
     owned: bool,
     lease: Option<u64>,
     /// The transaction's deadline (model time).
@@ -232,6 +234,8 @@ enum MTErr {
     InFlight { key: usize },
     NotHeld { key: usize },
     Ended,
+    /// The call's wait closed this cycle (its own wait first).
+    Deadlock(MCycle),
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -323,6 +327,12 @@ pub(super) struct Owners<'a> {
     must: bool,
     /// Every bomb is defused (the end of a run).
     quiet: bool,
+    /// Upgrades of a transaction's call whose key the table stores as an
+    /// instance that panics when dropped: the call names the key by a clone
+    /// of that instance (known bug `owner_upgrade_key_clone`).
+    bomb_names: BTreeSet<Fid>,
+    /// The current owner operation starts, polls or drops one of them.
+    bomb_touched: bool,
 }
 
 /// The model before an owner's call, to roll back to.
@@ -330,6 +340,14 @@ struct Snap {
     model: Model,
     m: MOwner,
     futs: Vec<(Phase, u64)>,
+}
+
+/// A deadlock's cycle as the model writes it.
+fn cycle_of(d: &keylock::Deadlock<Key>) -> MCycle {
+    d.cycle()
+        .iter()
+        .map(|w| (w.transaction.get(), usize::from(w.key.id), MMode::of(w.mode)))
+        .collect()
 }
 
 fn tkey(e: &TransactionError<Key>) -> Option<usize> {
@@ -404,6 +422,14 @@ impl<'a> Harness<'a> {
                 } else {
                     RTxn::B(Box::new(self.table.transaction_with(opts)))
                 };
+                let id = match &txn {
+                    RTxn::O(t) => t.id().get(),
+                    RTxn::B(t) => t.id().get(),
+                };
+                assert!(
+                    self.owners.list.values().all(|o| o.m.id != id),
+                    "transaction id {id} given twice"
+                );
                 let i = self.owners.next;
                 self.owners.next += 1;
                 self.owners.list.insert(
@@ -412,6 +438,7 @@ impl<'a> Harness<'a> {
                         futs: Vec::new(),
                         txn: Some(txn),
                         m: MOwner {
+                            id,
                             owned: op.owned,
                             lease: op.lease,
                             deadline: op.timeout.map(|t| self.model.now + t),
@@ -550,6 +577,29 @@ impl<'a> Harness<'a> {
         (o.lease, timeout)
     }
 
+    /// The current owner operation polls or drops inner future `inner`:
+    /// note an upgrade that names its key by a clone that panics when
+    /// dropped (known bug `owner_upgrade_key_clone`).
+    fn owner_touch(&mut self, inner: Fid) {
+        self.owners.bomb_touched |= self.owners.bomb_names.contains(&inner);
+    }
+
+    /// An inner future of transaction `id`'s call pended: the first time
+    /// (its waiter is queued now), its wait is registered with the
+    /// detector, unless the transaction has a wait registered already, and
+    /// searched (`wait_unless_ended`): `Err` with the cycle it closes.
+    fn owner_wait_pends(&mut self, id: u64, inner: Fid, key: usize, mode: MMode) -> Result<(), MCycle> {
+        let fut = self.model.fut(inner);
+        if std::mem::replace(&mut fut.searched, true) {
+            return Ok(());
+        }
+        let entered = self.model.dl_enter(id, inner, key, mode);
+        if self.trace {
+            eprintln!("  transaction {id} waits for key {key} {mode:?}: {entered:?}");
+        }
+        entered.map(drop)
+    }
+
     fn fresh_fid(&mut self) -> Fid {
         let id = self.next_fid;
         self.next_fid += 1;
@@ -565,6 +615,7 @@ impl<'a> Harness<'a> {
             (std::mem::replace(&mut f.phase, Phase::Done), f.req.clone(), f.policy)
         };
         let ended = self.owners.list[&inst].m.ended;
+        let id = self.owners.list[&inst].m.id;
         let waits = policy.waits();
         let (lease, timeout) = self.inner_opts(inst, policy);
         let mut parked = Phase::Done;
@@ -579,7 +630,7 @@ impl<'a> Harness<'a> {
                         match m.find(key) {
                             None => {
                                 m.slots.push(MSlot { key, gid: None, count: 0, busy: true, away: false });
-                                let tried = self.model.try_lock(key, mode, lease, false);
+                                let tried = self.model.try_lock_for(key, mode, lease, false, id);
                                 self.owner_call_done();
                                 match tried {
                                     Ok(g) => {
@@ -592,6 +643,7 @@ impl<'a> Harness<'a> {
                                     Err(MErr::WouldBlock) => {
                                         let f = self.fresh_fid();
                                         self.model.start(f, key, mode, lease, timeout, false, WKind::Plain);
+                                        self.model.fut(f).owner = id;
                                         phase = Phase::One { key, mode, inner: f, kind: EKind::New };
                                         continue;
                                     }
@@ -613,6 +665,9 @@ impl<'a> Harness<'a> {
                                 }
                                 (s.busy, s.away) = (true, true);
                                 let f = self.fresh_fid();
+                                if self.model.keys[key].stored_bomb {
+                                    self.owners.bomb_names.insert(f);
+                                }
                                 self.model.start_upgrade(f, gid, timeout.map(|t| t));
                                 phase = Phase::One { key, mode, inner: f, kind: EKind::Upgrade(gid) };
                                 continue;
@@ -677,6 +732,8 @@ impl<'a> Harness<'a> {
                 },
                 Phase::One { key, mode, inner, kind } => {
                     if ended {
+                        self.owner_touch(inner);
+                        self.model.dl_leave(id, inner);
                         self.model.drop_fut(inner);
                         self.owner_call_done();
                         if let EKind::Upgrade(gid) = kind {
@@ -685,14 +742,34 @@ impl<'a> Harness<'a> {
                         }
                         break Some(Err(MTErr::Ended));
                     }
+                    self.owner_touch(inner);
                     let polled = self.model.poll(inner, wakes);
                     self.owner_call_done();
                     match polled {
                         MPoll::Pending => {
+                            let asked = if kind == EKind::New { mode } else { MMode::Exclusive };
+                            if let Err(cycle) = self.owner_wait_pends(id, inner, key, asked) {
+                                // The victim: its wait stops (unregistered,
+                                // its lock future dropped), its claim is
+                                // given back (a new key's slot goes, an
+                                // upgrade's guard is back, shared).
+                                self.model.dl_leave(id, inner);
+                                self.model.drop_fut(inner);
+                                self.owner_call_done();
+                                let m = &mut self.owners.list.get_mut(&inst).unwrap().m;
+                                if kind == EKind::New {
+                                    m.remove(key);
+                                } else {
+                                    let at = m.find(key).unwrap();
+                                    (m.slots[at].busy, m.slots[at].away) = (false, false);
+                                }
+                                break Some(Err(MTErr::Deadlock(cycle)));
+                            }
                             parked = Phase::One { key, mode, inner, kind };
                             break None;
                         }
                         MPoll::Ready(r) => {
+                            self.model.dl_leave(id, inner);
                             let m = &mut self.owners.list.get_mut(&inst).unwrap().m;
                             let at = m.find(key).unwrap();
                             match r {
@@ -761,7 +838,7 @@ impl<'a> Harness<'a> {
                             // Tried at once first (`try_lock_kept`); a
                             // future only for a key that must be waited
                             // for (or whose options are invalid).
-                            let tried = self.model.try_lock(e.key, e.mode, lease, false);
+                            let tried = self.model.try_lock_for(e.key, e.mode, lease, false, id);
                             self.owner_call_done();
                             if let Ok(g) = tried {
                                 ents[at].got = Some(g.gid);
@@ -770,24 +847,45 @@ impl<'a> Harness<'a> {
                             }
                             let f = self.fresh_fid();
                             self.model.start(f, e.key, e.mode, lease, timeout, false, WKind::Plain);
+                            self.model.fut(f).owner = id;
                             f
                         }
                         (None, EKind::Upgrade(gid)) => {
                             let f = self.fresh_fid();
+                            if self.model.keys[e.key].stored_bomb {
+                                self.owners.bomb_names.insert(f);
+                            }
                             self.model.start_upgrade(f, gid, timeout);
                             f
                         }
                     };
                     if ended {
+                        self.owner_touch(inner);
+                        self.model.dl_leave(id, inner);
                         self.model.drop_fut(inner);
                         self.owner_call_done();
                         self.owner_undo(inst, &ents, true);
                         break Some(Err(MTErr::Ended));
                     }
+                    self.owner_touch(inner);
                     let polled = self.model.poll(inner, wakes);
                     self.owner_call_done();
+                    if !matches!(polled, MPoll::Pending) {
+                        self.model.dl_leave(id, inner);
+                    }
                     match polled {
                         MPoll::Pending => {
+                            let asked = if e.kind == EKind::New { e.mode } else { MMode::Exclusive };
+                            if let Err(cycle) = self.owner_wait_pends(id, inner, e.key, asked) {
+                                // The victim: its wait stops (unregistered,
+                                // its lock future dropped), then the stage
+                                // undoes the call.
+                                self.model.dl_leave(id, inner);
+                                self.model.drop_fut(inner);
+                                self.owner_call_done();
+                                self.owner_undo(inst, &ents, false);
+                                break Some(Err(MTErr::Deadlock(cycle)));
+                            }
                             parked = Phase::All { ents, at, inner: Some(inner) };
                             break None;
                         }
@@ -875,9 +973,10 @@ impl<'a> Harness<'a> {
         let wakes = self.owners.list[&inst].futs[j].wakes();
         let snap = self.owner_snap(inst);
         self.owners.must = false;
+        self.owners.bomb_touched = false;
         let want = self.owner_model_poll(inst, j, wakes);
         let expect = self.owner_expect();
-        if expect == Expect::Must {
+        if expect == Expect::Must || (self.owners.bomb_touched && self.known_bugs.owner_upgrade_key_clone) {
             self.owner_restore(inst, snap);
             return;
         }
@@ -904,7 +1003,27 @@ impl<'a> Harness<'a> {
                 f.watching = o.m.owned && !o.m.ended;
                 return;
             }
-            (Poll::Ready(got), Some(want)) => self.owner_compare_result(&what, got, want),
+            (Poll::Ready(got), Some(want)) => {
+                self.owner_compare_result(&what, &got, want);
+                // A deadlock's keys are clones of the table's copies (an
+                // upgrade's): the caller's to drop, not the crate's.
+                defused(|| drop(got));
+            }
+            (Poll::Pending, Some(Err(MTErr::Deadlock(cycle)))) => panic!(
+                "{what}: crate pending, model: its wait closes the cycle {cycle:?}, which must be answered; detector {}",
+                self.model.dl_describe()
+            ),
+            (Poll::Ready(Err(TransactionError::Deadlock(d))), None) => {
+                let cycle = cycle_of(&d);
+                // After the call: its own wait is gone from the model's
+                // registry (it pends there), so the cycle is judged as is.
+                panic!(
+                    "{what}: crate answered Deadlock {cycle:?}, the model has no cycle closed by this wait \
+                     (a cycle in the model's graph now: {}); detector {}",
+                    self.model.dl_is_cycle(&cycle),
+                    self.model.dl_describe()
+                )
+            }
             (got, want) => panic!(
                 "{what}: crate {}, model {want:?}",
                 if got.is_pending() { "pending" } else { "ready" }
@@ -913,7 +1032,7 @@ impl<'a> Harness<'a> {
         self.owner_retire_future(inst, j);
     }
 
-    fn owner_compare_result(&mut self, what: &str, got: Result<OOut, TransactionError<Key>>, want: Result<MGot, MTErr>) {
+    fn owner_compare_result(&mut self, what: &str, got: &Result<OOut, TransactionError<Key>>, want: Result<MGot, MTErr>) {
         match (got, want) {
             (Ok(OOut::One(a)), Ok(MGot::One { token, mode, count, kind })) => {
                 assert_eq!(
@@ -931,7 +1050,7 @@ impl<'a> Harness<'a> {
                     "{what}: locked set (acquired, reentered, upgraded, skipped)"
                 );
             }
-            (Err(e), Err(w)) => self.owner_expect_err(what, &e, &w),
+            (Err(e), Err(w)) => self.owner_expect_err(what, e, &w),
             (got, want) => panic!(
                 "{what}: crate {:?}, model {want:?}",
                 got.as_ref().map(|o| match o {
@@ -967,6 +1086,25 @@ impl<'a> Harness<'a> {
                 assert_eq!(key, Some(*k), "{what}: {e:?} vs {w:?}");
             }
             (TransactionError::Ended, MTErr::Ended) => {}
+            (TransactionError::Deadlock(d), MTErr::Deadlock(cycle)) => {
+                let got = cycle_of(d);
+                assert_eq!(
+                    got,
+                    *cycle,
+                    "{what}: the deadlock's cycle (transaction, key, mode), the victim's wait first; detector {}",
+                    self.model.dl_describe()
+                );
+                assert_eq!(
+                    Some(d.victim().get()),
+                    cycle.first().map(|c| c.0),
+                    "{what}: the deadlock's victim"
+                );
+                assert_eq!(key, Some(cycle[0].1), "{what}: the deadlock error's key");
+            }
+            (_, MTErr::Deadlock(cycle)) => panic!(
+                "{what}: crate {e:?}, model: its wait closes the cycle {cycle:?} (detector {})",
+                self.model.dl_describe()
+            ),
             _ => panic!("{what}: crate {e:?}, model {w:?}"),
         }
     }
@@ -994,17 +1132,20 @@ impl<'a> Harness<'a> {
     /// still goes.
     fn owner_drop_future(&mut self, inst: usize, j: usize, defuse: bool) {
         let snap = self.owner_snap(inst);
-        let (phase, ended) = {
+        let (phase, ended, id) = {
             let o = self.owners.list.get_mut(&inst).unwrap();
             let f = &mut o.futs[j];
-            (std::mem::replace(&mut f.phase, Phase::Done), o.m.ended)
+            (std::mem::replace(&mut f.phase, Phase::Done), o.m.ended, o.m.id)
         };
         self.owners.must = false;
         self.owners.quiet = defuse;
+        self.owners.bomb_touched = false;
         let mut undo_panics = false;
         match phase {
             Phase::Unpolled | Phase::Done => {}
             Phase::One { key, inner, kind, .. } => {
+                self.owner_touch(inner);
+                self.model.dl_leave(id, inner);
                 self.model.drop_fut(inner);
                 self.owner_call_done();
                 if ended {
@@ -1024,6 +1165,8 @@ impl<'a> Harness<'a> {
             }
             Phase::All { ents, inner, .. } => {
                 if let Some(f) = inner {
+                    self.owner_touch(f);
+                    self.model.dl_leave(id, f);
                     self.model.drop_fut(f);
                     self.owner_call_done();
                 }
@@ -1034,6 +1177,11 @@ impl<'a> Harness<'a> {
         self.owners.quiet = false;
         if undo_panics && self.known_bugs.owner_undo_wake_panic {
             // Known bug: the undo stops at the panic.
+            self.owner_restore(inst, snap);
+            return;
+        }
+        if self.owners.bomb_touched && self.known_bugs.owner_upgrade_key_clone && !defuse {
+            // Known bug: the upgrade's clone of its key panics when dropped.
             self.owner_restore(inst, snap);
             return;
         }
@@ -1231,8 +1379,16 @@ impl<'a> Harness<'a> {
         }
     }
 
-    /// Every owner's view against the model's; no lost wakeup of a call.
+    /// Every owner's view against the model's; no lost wakeup of a call;
+    /// the deadlocks the table broke last.
     pub(super) fn owner_compare(&self) {
+        // The keys are clones of the table's copies: the caller's to drop.
+        let recent: Vec<MCycle> = defused(|| self.table.recent_deadlocks().iter().map(cycle_of).collect());
+        assert_eq!(
+            recent,
+            self.model.dl.recent.iter().cloned().collect::<Vec<_>>(),
+            "recent_deadlocks()"
+        );
         for (inst, o) in &self.owners.list {
             for f in &o.futs {
                 let inner = f.inner().filter(|i| self.model.futs.contains_key(i));
@@ -1291,5 +1447,218 @@ impl<'a> Harness<'a> {
             }
         }
         assert!(self.owners.list.is_empty(), "owners left");
+    }
+}
+
+// ---------------------------------------------------------------------------
+// Deadlock detection (`src/deadlock.rs`, `src/queue/edges.rs`)
+// ---------------------------------------------------------------------------
+
+/// The table's search limit (`Builder::deadlock_search_limit`, default).
+const DL_LIMIT: usize = 50;
+/// How many broken cycles the table keeps (`Builder::deadlock_history`,
+/// default).
+const DL_HISTORY: usize = 8;
+
+/// One wait of a cycle: the transaction, the key, the mode asked (an
+/// upgrade asks `Exclusive`).
+pub(super) type MCycle = Vec<(u64, usize, MMode)>;
+
+/// A wait registered with the detector.
+#[derive(Debug, Clone)]
+pub(super) struct MWait {
+    key: usize,
+    mode: MMode,
+    /// The inner future (lock or upgrade) whose wait it is: the
+    /// registration ends with it (`wait_unless_ended`'s guard).
+    fid: Fid,
+    /// Answered as a deadlock's victim (its wait ends in the same call).
+    victim: bool,
+}
+
+/// The detector's registry, by transaction id, and the cycles broken, oldest
+/// first.
+#[derive(Debug, Clone, Default)]
+pub(super) struct MDetector {
+    waiting: BTreeMap<u64, MWait>,
+    recent: VecDeque<MCycle>,
+}
+
+impl MDetector {
+    pub(super) fn is_empty(&self) -> bool {
+        self.waiting.is_empty() && self.recent.is_empty()
+    }
+}
+
+fn compatible(a: MMode, b: MMode) -> bool {
+    a == MMode::Shared && b == MMode::Shared
+}
+
+fn want_mode(w: MWant) -> MMode {
+    match w {
+        MWant::Grant(m) => m,
+        MWant::Upgrade { .. } => MMode::Exclusive,
+    }
+}
+
+impl Model {
+    /// edges.rs `wait_edges`: whom `owner`'s waiter on key `k` (the first
+    /// of the queue that is `owner`'s) waits for: the waiters ahead of it
+    /// of a transaction whose mode excludes its own, then the live holders
+    /// of another transaction whose mode excludes it (for an upgrade: every
+    /// other holder), in the table's orders, duplicates kept. `None` if
+    /// `owner` has no waiter queued on `k`.
+    pub(super) fn dl_wait_edges(&self, owner: u64, k: usize) -> Option<Vec<u64>> {
+        let key = &self.keys[k];
+        let mut ahead = Vec::new();
+        let mut mine = None;
+        for f in &key.queue {
+            let fut = &self.futs[f];
+            if fut.owner == owner {
+                mine = Some(fut.want);
+                break;
+            }
+            if fut.owner != 0 {
+                ahead.push((fut.owner, want_mode(fut.want)));
+            }
+        }
+        let want = mine?;
+        let asked = want_mode(want);
+        let mut out: Vec<u64> = ahead
+            .into_iter()
+            .filter(|&(_, m)| !compatible(m, asked))
+            .map(|(o, _)| o)
+            .collect();
+        for h in key.holders.iter() {
+            let blocks = match want {
+                MWant::Upgrade { token, .. } => h.token != token,
+                MWant::Grant(m) => !compatible(key.mode, m),
+            };
+            if blocks && h.owner != 0 && h.owner != owner && self.live(h) {
+                out.push(h.owner);
+            }
+        }
+        Some(out)
+    }
+
+    /// deadlock.rs `edges_of`: the edges of `owner`'s registered wait, if
+    /// it has one that is not a victim's and its waiter is queued.
+    fn dl_edges_of(&self, owner: u64) -> Option<Vec<u64>> {
+        let w = self.dl.waiting.get(&owner).filter(|w| !w.victim)?;
+        self.dl_wait_edges(owner, w.key)
+    }
+
+    /// deadlock.rs `find_cycle`: the same depth-first walk, in the same
+    /// order (edges as `dl_wait_edges` lists them; a transaction is visited
+    /// once; at most `DL_LIMIT` visited): the path from `owner` whose last
+    /// transaction waits for `owner`.
+    fn dl_find_cycle(&self, owner: u64) -> Option<Vec<u64>> {
+        let first = self.dl_edges_of(owner)?;
+        if !first.iter().any(|o| self.dl.waiting.contains_key(o)) {
+            return None;
+        }
+        let mut path = vec![owner];
+        let mut visited = vec![owner];
+        let mut frames: Vec<(Vec<u64>, usize)> = vec![(first, 0)];
+        while let Some((edges, next)) = frames.last_mut() {
+            let Some(&to) = edges.get(*next) else {
+                frames.pop();
+                path.pop();
+                continue;
+            };
+            *next += 1;
+            if to == owner {
+                return Some(path);
+            }
+            if visited.contains(&to) || visited.len() >= DL_LIMIT {
+                continue;
+            }
+            visited.push(to);
+            if let Some(edges) = self.dl_edges_of(to) {
+                path.push(to);
+                frames.push((edges, 0));
+            }
+        }
+        None
+    }
+
+    /// deadlock.rs `enter_wait`: transaction `owner`'s wait for `key` in
+    /// `mode` (inner future `fid`, queued) is registered unless the
+    /// transaction has one (`Ok(false)`), and searched: `Err` with the
+    /// cycle it closes (the victim's wait first), recorded in the history.
+    pub(super) fn dl_enter(&mut self, owner: u64, fid: Fid, key: usize, mode: MMode) -> Result<bool, MCycle> {
+        if self.dl.waiting.contains_key(&owner) {
+            return Ok(false);
+        }
+        self.dl.waiting.insert(owner, MWait { key, mode, fid, victim: false });
+        if self.dl.waiting.len() == 1 {
+            return Ok(true);
+        }
+        let Some(cycle) = self.dl_find_cycle(owner) else {
+            return Ok(true);
+        };
+        // The crate confirms the cycle with its shards locked at once; here
+        // nothing changed since the walk, so it must hold.
+        for (i, o) in cycle.iter().enumerate() {
+            let next = cycle[(i + 1) % cycle.len()];
+            let w = &self.dl.waiting[o];
+            assert!(
+                self.dl_wait_edges(*o, w.key).is_some_and(|e| e.contains(&next)),
+                "model: cycle {cycle:?}: {o} is not blocked by {next}"
+            );
+        }
+        self.dl.waiting.get_mut(&owner).unwrap().victim = true;
+        let record: MCycle = cycle
+            .iter()
+            .map(|o| {
+                let w = &self.dl.waiting[o];
+                (*o, w.key, w.mode)
+            })
+            .collect();
+        if self.dl.recent.len() == DL_HISTORY {
+            self.dl.recent.pop_front();
+        }
+        self.dl.recent.push_back(record.clone());
+        Err(record)
+    }
+
+    /// The wait of inner future `fid` ends (resolved, or dropped): its
+    /// registration, if it is the one `owner` has, goes.
+    pub(super) fn dl_leave(&mut self, owner: u64, fid: Fid) {
+        if self.dl.waiting.get(&owner).is_some_and(|w| w.fid == fid) {
+            self.dl.waiting.remove(&owner);
+        }
+    }
+
+    /// Whether `cycle` is a cycle of the model's wait-for graph now: each
+    /// wait registered (not a victim's), its waiter queued, blocked by the
+    /// next transaction (the last by the first).
+    pub(super) fn dl_is_cycle(&self, cycle: &[(u64, usize, MMode)]) -> bool {
+        !cycle.is_empty()
+            && cycle.iter().enumerate().all(|(i, &(o, k, m))| {
+                let next = cycle[(i + 1) % cycle.len()].0;
+                self.dl.waiting.get(&o).is_some_and(|w| w.key == k && w.mode == m)
+                    && self.dl_wait_edges(o, k).is_some_and(|e| e.contains(&next))
+            })
+    }
+
+    /// The registry and each registered wait's edges, for messages and traces.
+    pub(super) fn dl_describe(&self) -> String {
+        let waits: Vec<String> = self
+            .dl
+            .waiting
+            .iter()
+            .map(|(o, w)| {
+                format!(
+                    "{o} waits for key {} {:?} (fut {}{}) blocked by {:?}",
+                    w.key,
+                    w.mode,
+                    w.fid,
+                    if w.victim { ", victim" } else { "" },
+                    self.dl_wait_edges(*o, w.key)
+                )
+            })
+            .collect();
+        format!("[{}]; recent {:?}", waits.join("; "), self.dl.recent)
     }
 }
