@@ -2,7 +2,8 @@
 """Writes the hand-written owner seeds of the `ops` target (fuzz/corpus/ops/owner*-*)
 into the directory given as the first argument (with a second argument
 `known-bugs`, the inputs of bugs found and fixed, now in fuzz/regressions/ops/;
-with `open-bugs`, the inputs of open bugs, in fuzz/known-bugs/ops/).
+with `open-bugs`, the inputs of open bugs, in fuzz/known-bugs/ops/: none
+now).
 
 It encodes inputs as `arbitrary` 1.x decodes `Input`: the config's four fields,
 then each op as a continue byte (1), the variant's u32 (index << 28 of 16
@@ -97,10 +98,6 @@ known_bugs = {
  # A dropped lock_all undoes its upgrade of key 1; the downgrade admits a
  # reader whose waker panics: the owner loses key 1 (owner_undo_wake_panic).
  'owner-undo-wake-panic': config() + lock(0, 1, True) + try_lock(2) + lock_all(0, [(1, False), (2, False)]) + start_lock(1, True, waker=WAKE_BOMB) + poll(0) + owner(0, DROPF) + owner(0, LOCK, key=1 | 4),
-}
-# Inputs of open bugs (fuzz/known-bugs/ops/, `KnownBugs::OPEN`), failing with
-# KEYLOCK_FUZZ_KNOWN_BUGS=none.
-open_bugs = {
  # Key 1 stored by a plain reader whose key panics when dropped; transaction
  # 0 holds it shared too and upgrades (waits for the reader): the upgrade
  # names the key by a clone of the stored instance, and its registration
@@ -112,6 +109,7 @@ open_bugs = {
  'owner-upgrade-key-clone-lock-all': config() + try_lock(0x71, True) + lock(0, 1, True) + lock_all(0, [(1, False), (2, False)]) + drop_guard(0) + poll_woken() + owner(0, COMMIT),
 }
 out = sys.argv[1]
+open_bugs = {}
 which = {'known-bugs': known_bugs, 'open-bugs': open_bugs}.get(sys.argv[2] if len(sys.argv) > 2 else '', seeds)
 for name, data in which.items():
     open(os.path.join(out, name), 'wb').write(data)

@@ -297,11 +297,14 @@ impl<K> From<Stop<K>> for TransactionError<K> {
     }
 }
 
-/// A transaction's wait for a key, for deadlock detection: the key (cloned
-/// only if the wait is queued), its hash and the mode asked for.
+/// A transaction's wait for a key, for deadlock detection: the key, its
+/// hash and the mode asked for. The key is the caller's (or a clone of it),
+/// shared with the detector's registration, which never holds its last
+/// reference: the caller drops that after the call's state is settled, so
+/// a key whose `Drop` panics cannot interrupt the call half done.
 pub(crate) struct WaitFor<'k, K> {
     pub(crate) hash: u64,
-    pub(crate) key: &'k K,
+    pub(crate) key: &'k Arc<K>,
     pub(crate) mode: Mode,
 }
 
@@ -358,7 +361,7 @@ where
             let owner = watch.access.owner();
             let table = owner.reach.table();
             if table.detector().is_on() {
-                let key = Arc::new(wait.key.clone());
+                let key = Arc::clone(wait.key);
                 let id = owner.opts.id.get();
                 match table.enter_wait(id, wait.hash, key, wait.mode) {
                     Ok(registered) => watch.detecting = registered,

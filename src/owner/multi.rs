@@ -50,6 +50,7 @@ use std::future::Future;
 use std::mem;
 use std::panic::{catch_unwind, resume_unwind, AssertUnwindSafe};
 use std::pin::Pin;
+use std::sync::Arc;
 use std::task::{Context, Poll};
 
 use crate::mode::Mode;
@@ -541,8 +542,9 @@ where
             }
             Err(key) => key,
         };
-        // The name for an error or a skip (the key goes to the table).
-        let name = key.clone();
+        // The name for the detector, an error or a skip (the key goes to
+        // the table).
+        let name = Arc::new(key.clone());
         let hash = request.hash;
         let lock = access.owner().reach.lock_with(key, opts);
         let wait = WaitFor {
@@ -554,11 +556,11 @@ where
             Err(stop) => return Err(stop.into()),
             Ok(Ok(guard)) => taken.push((i, guard)),
             Ok(Err(error)) if policy == WaitPolicy::SkipLocked && is_taken(&error) => {
-                skipped.push(name);
+                skipped.push(KeyOf::<A>::clone(&name));
             }
             Ok(Err(error)) => {
                 return Err(TransactionError::from_lock(
-                    name,
+                    KeyOf::<A>::clone(&name),
                     request.mode,
                     policy.waits(),
                     error,
@@ -708,7 +710,7 @@ where
                     }
                     Err(key) => key,
                 };
-                let name = key.clone();
+                let name = Arc::new(key.clone());
                 let lock = stage.access.owner().reach.lock_with(key, opts);
                 let wait = WaitFor {
                     hash: request.hash,
@@ -730,7 +732,12 @@ where
                 } = &mut stage;
                 let entry = &mut entries[i];
                 let guard = entry.guard.as_mut().expect("held");
-                let name = guard.key().clone();
+                // The caller's key names the wait (never a clone of the
+                // table's: its drop, last, comes after the flag below).
+                let name = Arc::new(match request.key.take() {
+                    Some(key) => key,
+                    None => guard.key().clone(),
+                });
                 let wait = WaitFor {
                     hash: request.hash,
                     key: &name,

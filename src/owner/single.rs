@@ -21,6 +21,7 @@
 
 use std::future::Future;
 use std::pin::Pin;
+use std::sync::Arc;
 use std::time::Duration;
 
 use crate::mode::Mode;
@@ -191,10 +192,10 @@ where
                 claim.guard = Some(guard);
                 return Ok(claim.settle(AcquireKind::New));
             }
-            Err(key) => drop(key),
+            Err(k) => key = k,
         }
     }
-    Err(Box::pin(wait(claim, upgrading, mode, policy)))
+    Err(Box::pin(wait(claim, upgrading, key, mode, policy)))
 }
 
 /// Puts a new key's guard into the set if no other call of the transaction
@@ -234,19 +235,24 @@ where
 }
 
 /// The slow path: a new key that was not free at once, or an upgrade.
+///
+/// `key` is the caller's: it names the wait for deadlock detection, and
+/// drops (after the call settled) at the end.
 async fn wait<A: Access>(
     claim: Claim<'_, A>,
     upgrading: bool,
+    key: KeyOf<A>,
     mode: Mode,
     policy: WaitPolicy,
 ) -> Result<Acquired, TransactionError<KeyOf<A>>>
 where
     KeyOf<A>: Clone,
 {
+    let name = Arc::new(key);
     if upgrading {
-        upgrade(claim, mode, policy).await
+        upgrade(claim, &name, mode, policy).await
     } else {
-        wait_new(claim, mode, policy).await
+        wait_new(claim, &name, mode, policy).await
     }
 }
 
@@ -254,6 +260,7 @@ where
 /// policy that does not wait, the zero-timeout wait names the holder).
 async fn wait_new<A: Access>(
     mut claim: Claim<'_, A>,
+    name: &Arc<KeyOf<A>>,
     mode: Mode,
     policy: WaitPolicy,
 ) -> Result<Acquired, TransactionError<KeyOf<A>>>
@@ -267,11 +274,10 @@ where
         Ok(None) | Err(Ended) => return Err(TransactionError::Ended),
     };
     let opts = claim.access.owner().opts.lock_options(mode, policy);
-    let name = key.clone();
     let lock = claim.access.owner().reach.lock_with(key, opts);
     let wait = WaitFor {
         hash,
-        key: &name,
+        key: name,
         mode,
     };
     match wait_unless_ended(&mut *claim.access, wait, lock).await {
@@ -295,6 +301,7 @@ where
 /// A key held shared, asked exclusive: upgrade its guard.
 async fn upgrade<A: Access>(
     mut claim: Claim<'_, A>,
+    name: &Arc<KeyOf<A>>,
     mode: Mode,
     policy: WaitPolicy,
 ) -> Result<Acquired, TransactionError<KeyOf<A>>>
@@ -310,10 +317,9 @@ where
             ..
         } = &mut claim;
         let guard = guard.as_mut().expect("set by the caller");
-        let name = guard.key().clone();
         let wait = WaitFor {
             hash: *hash,
-            key: &name,
+            key: name,
             mode: Mode::Exclusive,
         };
         wait_unless_ended(&mut **access, wait, guard.upgrade(opts)).await
