@@ -7,14 +7,23 @@
 //! - `process_uncontended`: one process takes and releases one key:
 //!   `ProcessLockTable::try_lock` + drop, against a plain `flock` +
 //!   unlock of one open file (the kernel floor).
-//! - `process_handoff`: two processes hand one key back and forth. Each
-//!   round trip is two handoffs: the partner process (this bench binary
-//!   re-invoked) and this one each take the key, find it is their turn (a
-//!   byte in a file read under the lock), pass the turn and release. A
-//!   process that takes the key out of turn releases it and takes it again.
-//!   Against the same protocol on one `flock`ed file (the kernel floor) and
-//!   on a mkdir lock that retries with jittered backoff (from 100 µs,
-//!   doubling to 2 ms), the lock of the reference document.
+//! - `process_calls`: the system calls one uncontended lock+unlock of the
+//!   process scope makes (seven: see BENCHMARKS.md), made by hand on an open
+//!   file with nothing else, as a sequence and one by one: the floor of the
+//!   design, and what each call costs.
+//! - `process_handoff_round_trip`: two processes hand one key back and
+//!   forth. Each round trip is two handoffs: the partner process (this bench
+//!   binary re-invoked) and this one each take the key, find it is their
+//!   turn (a byte in a file read under the lock), pass the turn and release.
+//!   A process that takes the key out of turn releases it and takes it
+//!   again. Against the same protocol on one `flock`ed file (the kernel
+//!   floor) and on a mkdir lock whose waiters retry with jittered backoff
+//!   from 100 µs doubling to 2 ms (`mkdir_fast`, a tuned mkdir lock).
+//! - `process_handoff_round_trip_reference`: the same protocol on the mkdir
+//!   lock of the reference document, at its cadence: a waiter
+//!   retries after `retryMs * (0.5 + random)` with its default `retryMs` of
+//!   80 ms (`mkdir_reference`). Flat sampling, few round trips per sample,
+//!   so that a sample stays a second or two.
 //!
 //! Each sample spawns a partner process and times from its "ready" line to
 //! the end of this process's share of the round trips.
@@ -27,7 +36,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use criterion::Criterion;
+use criterion::{Criterion, SamplingMode};
 use keylock::ProcessLockTable;
 
 const ROLE: &str = "KEYLOCK_BENCH_PARTNER";
@@ -63,20 +72,28 @@ impl Lock for Flock {
     }
 }
 
-struct Mkdir(PathBuf, u64);
+/// A mkdir lock: `mkdir` takes it, `rmdir` releases it; a waiter sleeps
+/// `pause * (0.5 + random)` between tries, `pause` starting at `first_ns`
+/// and doubling up to `max_ns` (equal: a fixed mean, as the reference's).
+struct Mkdir {
+    path: PathBuf,
+    seed: u64,
+    first_ns: u64,
+    max_ns: u64,
+}
 impl Lock for Mkdir {
     fn with<R>(&mut self, f: impl FnOnce() -> R) -> R {
-        let mut pause = 100_000u64;
-        while std::fs::create_dir(&self.0).is_err() {
+        let mut pause = self.first_ns;
+        while std::fs::create_dir(&self.path).is_err() {
             // xorshift jitter in [0.5, 1.5) x pause
-            self.1 ^= self.1 << 13;
-            self.1 ^= self.1 >> 7;
-            self.1 ^= self.1 << 17;
-            std::thread::sleep(Duration::from_nanos(pause / 2 + self.1 % pause));
-            pause = (pause * 2).min(2_000_000);
+            self.seed ^= self.seed << 13;
+            self.seed ^= self.seed >> 7;
+            self.seed ^= self.seed << 17;
+            std::thread::sleep(Duration::from_nanos(pause / 2 + self.seed % pause));
+            pause = (pause * 2).min(self.max_ns);
         }
         let out = f();
-        std::fs::remove_dir(&self.0).unwrap();
+        std::fs::remove_dir(&self.path).unwrap();
         out
     }
 }
@@ -101,8 +118,18 @@ fn make_lock(kind: &str, dir: &Path) -> Locker {
             let mut l = Flock(file);
             Box::new(move |f| l.with(f))
         }
-        "mkdir" => {
-            let mut l = Mkdir(dir.join("mkdir.lock"), u64::from(std::process::id()) | 1);
+        "mkdir_fast" | "mkdir_reference" => {
+            let (first_ns, max_ns) = if kind == "mkdir_fast" {
+                (100_000, 2_000_000)
+            } else {
+                (80_000_000, 80_000_000) // retryMs = 80, no growth
+            };
+            let mut l = Mkdir {
+                path: dir.join("mkdir.lock"),
+                seed: u64::from(std::process::id()) | 1,
+                first_ns,
+                max_ns,
+            };
             Box::new(move |f| l.with(f))
         }
         other => panic!("unknown lock {other}"),
@@ -195,10 +222,109 @@ fn handoffs(c: &mut Criterion) {
         .sample_size(10)
         .measurement_time(Duration::from_secs(4))
         .warm_up_time(Duration::from_secs(1));
-    for kind in ["flock", "keylock", "mkdir"] {
+    for kind in ["flock", "keylock", "mkdir_fast"] {
         group.bench_function(kind, |b| b.iter_custom(|rounds| handoff(kind, rounds)));
     }
     group.finish();
+    // About 80 ms per handoff: flat sampling, 10 samples of a few round
+    // trips each.
+    let mut group = c.benchmark_group("process_handoff_round_trip_reference");
+    group
+        .sample_size(10)
+        .sampling_mode(SamplingMode::Flat)
+        .measurement_time(Duration::from_secs(8))
+        .warm_up_time(Duration::from_millis(500));
+    group.bench_function("mkdir_reference", |b| {
+        b.iter_custom(|rounds| handoff("mkdir_reference", rounds))
+    });
+    group.finish();
+}
+
+/// The system calls of one uncontended lock+unlock, by hand: open file
+/// description lock of the state and slot bytes, `fstat`, `pread` of the
+/// state, `pwrite` of the stamp, unlock of the state byte; on release,
+/// `pwrite` of the release cell and unlock of the slot byte.
+fn calls(c: &mut Criterion) {
+    let dir = std::env::temp_dir().join(format!("keylock-bench-c-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let file = OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create(true)
+        .truncate(false)
+        .open(dir.join("calls.state"))
+        .unwrap();
+    file.set_len(2048).unwrap();
+    let mut buf = [0u8; 2048];
+    let stamp = [7u8; 512];
+    let mut group = c.benchmark_group("process_calls");
+    group.bench_function("all_seven_in_sequence", |b| {
+        b.iter(|| {
+            ofd(&file, libc::F_WRLCK, 0, 2);
+            assert_eq!(file.metadata().unwrap().len(), 2048);
+            file.read_exact_at(&mut buf, 0).unwrap();
+            file.write_all_at(&stamp, 0).unwrap();
+            ofd(&file, libc::F_UNLCK, 0, 1);
+            file.write_all_at(&buf[..8], 1536).unwrap();
+            ofd(&file, libc::F_UNLCK, 1, 1);
+        })
+    });
+    // The same steps with `flock` on two files (a state file and a slot
+    // file), the design before byte-range locks: nine calls (two locks
+    // cannot be one call across files; each file's identity is checked).
+    let slot = OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create(true)
+        .truncate(false)
+        .open(dir.join("calls.slot0"))
+        .unwrap();
+    group.bench_function("flock_two_files_nine_in_sequence", |b| {
+        b.iter(|| {
+            flock(&file, libc::LOCK_EX | libc::LOCK_NB);
+            assert_eq!(file.metadata().unwrap().len(), 2048);
+            file.read_exact_at(&mut buf, 0).unwrap();
+            flock(&slot, libc::LOCK_EX | libc::LOCK_NB);
+            assert_eq!(slot.metadata().unwrap().len(), 0);
+            file.write_all_at(&stamp, 0).unwrap();
+            flock(&file, libc::LOCK_UN);
+            file.write_all_at(&buf[..8], 1536).unwrap();
+            flock(&slot, libc::LOCK_UN);
+        })
+    });
+    group.bench_function("ofd_lock_unlock_pair", |b| {
+        b.iter(|| {
+            ofd(&file, libc::F_WRLCK, 0, 2);
+            ofd(&file, libc::F_UNLCK, 0, 2);
+        })
+    });
+    group.bench_function("fstat", |b| b.iter(|| file.metadata().unwrap().len()));
+    group.bench_function("pread_2048", |b| {
+        b.iter(|| file.read_exact_at(&mut buf, 0).unwrap())
+    });
+    group.bench_function("pwrite_512", |b| {
+        b.iter(|| file.write_all_at(&stamp, 0).unwrap())
+    });
+    group.bench_function("pwrite_8", |b| {
+        b.iter(|| file.write_all_at(&stamp[..8], 1536).unwrap())
+    });
+    group.finish();
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// An open file description lock call (`F_OFD_SETLK`) on `len` bytes.
+fn ofd(file: &File, kind: libc::c_int, start: i64, len: i64) {
+    // SAFETY: all zeros is a valid `flock` struct (l_pid must be 0).
+    let mut req: libc::flock = unsafe { std::mem::zeroed() };
+    req.l_type = kind as libc::c_short;
+    req.l_whence = libc::SEEK_SET as libc::c_short;
+    req.l_start = start;
+    req.l_len = len;
+    // SAFETY: `req` is a valid flock struct borrowed for the call; `file`
+    // keeps its descriptor open.
+    let rc = unsafe { libc::fcntl(file.as_raw_fd(), libc::F_OFD_SETLK, &mut req) };
+    assert_eq!(rc, 0, "fcntl");
 }
 
 fn main() {
@@ -208,6 +334,7 @@ fn main() {
     }
     let mut c = Criterion::default().configure_from_args();
     uncontended(&mut c);
+    calls(&mut c);
     handoffs(&mut c);
     c.final_summary();
 }

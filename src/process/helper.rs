@@ -1,6 +1,6 @@
 //! Waiting for a kernel lock without blocking the caller: a helper thread
-//! makes the blocking `flock` call and wakes the waiting future when the
-//! kernel grants it.
+//! makes the blocking lock call (`fcntl(F_OFD_SETLKW)` on one byte of the
+//! key's file) and wakes the waiting future when the kernel grants it.
 //!
 //! A [`KernelWait`] owns one request. The helper thread blocks in the kernel
 //! until the lock is its, then publishes the locked file in the request's
@@ -9,7 +9,7 @@
 //!
 //! # Cancellation
 //!
-//! A thread blocked in `flock` cannot be called back. Dropping a
+//! A thread blocked in a lock call cannot be called back. Dropping a
 //! [`KernelWait`] marks its cell abandoned instead: if the helper already
 //! holds the lock, the drop closes the file, which frees it; if it is still
 //! blocked, it keeps waiting, and when the kernel grants it the lock it finds
@@ -107,7 +107,7 @@ enum Cell {
 }
 
 /// A kernel lock being waited for on a helper thread; resolves to the file,
-/// locked (exclusive, or shared if asked).
+/// holding the lock.
 ///
 /// # Cancel safety
 ///
@@ -130,17 +130,13 @@ impl std::fmt::Debug for Cell {
 }
 
 impl KernelWait {
-    /// Starts waiting for `file`'s kernel lock.
-    pub(crate) fn start(file: File, shared: bool) -> io::Result<Self> {
+    /// Starts waiting for the kernel lock of byte `byte` of `file`.
+    pub(crate) fn start(file: File, kind: unix::Kind, byte: u64) -> io::Result<Self> {
         let cell = Arc::new(Mutex::new(Cell::Waiting(None)));
         let theirs = Arc::clone(&cell);
         spawn(Box::new(move || {
             BLOCKED.fetch_add(1, Ordering::Relaxed);
-            let result = if shared {
-                unix::lock_shared(&file)
-            } else {
-                unix::lock(&file)
-            };
+            let result = unix::lock_range(&file, kind, byte, 1);
             BLOCKED.fetch_sub(1, Ordering::Relaxed);
             let result = result.map(|()| file);
             let mut cell = lock(&theirs);

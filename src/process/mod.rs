@@ -90,6 +90,7 @@
 //! clock and boot id); other Unixes and Windows have no process scope yet.
 
 mod acquire;
+mod cache;
 mod error;
 mod guard;
 mod helper;

@@ -10,6 +10,7 @@ use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 
+use super::cache::{FileCache, CACHED_KEYS};
 use super::error::ProcessLockError;
 use super::guard::{Held, OwnedProcessGuard, ProcessGuard};
 use super::stamp::{ProcessHolder, MAX_LABEL};
@@ -26,6 +27,9 @@ pub(crate) struct Inner {
     pub(crate) local: Arc<LockTable<String>>,
     /// Waiters of this table at the file level right now.
     pub(crate) file_waiters: AtomicUsize,
+    /// The open files of recently used keys (shared with the tables made
+    /// from this one by `with_label`).
+    pub(crate) cache: Arc<FileCache>,
 }
 
 /// A table of keyed locks shared by every process of the host that opens
@@ -78,11 +82,23 @@ pub struct ProcessStats {
     /// Helper threads of this process (all tables) blocked in the kernel on
     /// a key's file now.
     pub kernel_waits: usize,
+    /// Keys whose files this table keeps open between uses now (at most
+    /// [`MAX_CACHED_KEYS`](Self::MAX_CACHED_KEYS); a key held is not
+    /// counted: its guard has its files).
+    pub cached_keys: usize,
+}
+
+impl ProcessStats {
+    /// The most keys whose files a table keeps open between uses (two
+    /// descriptors each at most): taking a key whose files are open costs
+    /// no `open`; one more key closes the least recently used key's files.
+    pub const MAX_CACHED_KEYS: usize = CACHED_KEYS;
 }
 
 impl<K: AsRef<[u8]>> ProcessLockTable<K> {
     /// Opens the table kept in `dir`, which must exist and be writable, on a
-    /// file system with `flock` (local ext4, xfs, btrfs, tmpfs: yes; see the
+    /// file system with open file description locks (local ext4, xfs,
+    /// btrfs, tmpfs: yes; see the
     /// [module documentation](crate::process#file-systems)). Checks both
     /// now, by taking a kernel lock on `dir/keylock.dir`.
     ///
@@ -119,15 +135,18 @@ impl<K: AsRef<[u8]>> ProcessLockTable<K> {
             .open(&probe)
             .map_err(|e| ProcessLockError::io("create a file in the lock directory", &probe, e))?;
         // Shared, so that tables opening at once do not exclude each other.
-        unix::lock_shared(&file)
-            .and_then(|()| unix::unlock(&file))
-            .map_err(|e| ProcessLockError::io("take a kernel lock (flock) on", &probe, e))?;
+        unix::lock_range(&file, unix::Kind::Shared, 0, 1)
+            .and_then(|()| unix::unlock_range(&file, 0, 1))
+            .map_err(|e| {
+                ProcessLockError::io("take a kernel lock (fcntl F_OFD_SETLKW) on", &probe, e)
+            })?;
         Ok(Self {
             inner: Arc::new(Inner {
                 dir,
                 label: None,
                 local: Arc::new(LockTable::new()),
                 file_waiters: AtomicUsize::new(0),
+                cache: Arc::new(FileCache::default()),
             }),
             _key: PhantomData,
         })
@@ -161,6 +180,7 @@ impl<K: AsRef<[u8]>> ProcessLockTable<K> {
                 label: Some(label),
                 local: Arc::clone(&self.inner.local),
                 file_waiters: AtomicUsize::new(0),
+                cache: Arc::clone(&self.inner.cache),
             }),
             _key: PhantomData,
         }
@@ -183,6 +203,7 @@ impl<K> ProcessLockTable<K> {
         ProcessStats {
             file_waiters: self.inner.file_waiters.load(Ordering::Relaxed),
             kernel_waits: super::helper::blocked(),
+            cached_keys: self.inner.cache.len(),
         }
     }
 
