@@ -25,8 +25,19 @@
 //!   80 ms (`mkdir_reference`). Flat sampling, few round trips per sample,
 //!   so that a sample stays a second or two.
 //!
+//! - `process_handoff_to_a_waiter` (and `..._reference` for the mkdir lock
+//!   at the reference's cadence): the latency of one handoff to a process
+//!   that is already waiting. The holder waits, holding the key, until the
+//!   other process has said (a flag in a file) that it is about to lock,
+//!   then 200 µs more so that it is asleep in its wait (in the kernel, or in
+//!   a backoff sleep), then writes the time (`CLOCK_MONOTONIC`, one clock
+//!   for both processes) and releases; the waiter, once it holds the key,
+//!   reads that time: the latency is the difference. Criterion gets the sum
+//!   of the latencies (not the wall time, which includes the 200 µs holds).
+//!
 //! Each sample spawns a partner process and times from its "ready" line to
-//! the end of this process's share of the round trips.
+//! the end of this process's share of the round trips (or sums the
+//! latencies of this process's acquisitions).
 
 use std::fs::{File, OpenOptions};
 use std::io::{BufRead, BufReader};
@@ -162,6 +173,113 @@ fn play(kind: &str, dir: &Path, me: u8, turns: u64, ready: impl FnOnce()) {
     }
 }
 
+fn now_ns() -> u64 {
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: `ts` is a valid, writable timespec.
+    let rc = unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
+    assert_eq!(rc, 0);
+    ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
+}
+
+/// The turn file of `play_waiting`: the turn (byte 0), the release time of
+/// the last handoff (bytes 8-15), "about to lock" flags (byte 16 + player).
+const RELEASED_AT: u64 = 8;
+const WAITING_AT: u64 = 16;
+
+/// Takes `turns` turns as player `me`, each a handoff to a waiter (see the
+/// module doc); returns the sum of the latencies of this player's
+/// acquisitions that followed a release by the other, and their count.
+fn play_waiting(
+    kind: &str,
+    dir: &Path,
+    me: u8,
+    turns: u64,
+    other_waits_after: impl Fn(u64) -> bool,
+    ready: impl FnOnce(),
+) -> (Duration, u64) {
+    let file = OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(dir.join("turn"))
+        .unwrap();
+    let mut lock = make_lock(kind, dir);
+    ready();
+    let (mut total, mut count, mut done) = (0u64, 0u64, 0u64);
+    let other = 1 - me;
+    while done < turns {
+        file.write_all_at(&[1], WAITING_AT + u64::from(me)).unwrap();
+        let mut mine = false;
+        lock(&mut || {
+            let got = now_ns();
+            let mut b = [0u8];
+            file.read_exact_at(&mut b, 0).unwrap();
+            if b[0] != me {
+                return;
+            }
+            mine = true;
+            let mut t = [0u8; 8];
+            file.read_exact_at(&mut t, RELEASED_AT).unwrap();
+            let released = u64::from_le_bytes(t);
+            if released != 0 {
+                total += got - released;
+                count += 1;
+            }
+            file.write_all_at(&[0], WAITING_AT + u64::from(me)).unwrap();
+            file.write_all_at(&[other], 0).unwrap();
+            if other_waits_after(done + 1) {
+                // Hold until the other is about to lock, and then asleep in
+                // its wait.
+                let mut w = [0u8];
+                loop {
+                    file.read_exact_at(&mut w, WAITING_AT + u64::from(other))
+                        .unwrap();
+                    if w[0] == 1 {
+                        break;
+                    }
+                    std::thread::yield_now();
+                }
+                std::thread::sleep(Duration::from_micros(200));
+            }
+            file.write_all_at(&now_ns().to_le_bytes(), RELEASED_AT)
+                .unwrap();
+        });
+        if mine {
+            done += 1;
+        }
+    }
+    (Duration::from_nanos(total), count)
+}
+
+/// `handoffs` handoffs from a partner to this process, each to a waiting
+/// waiter: the sum of their latencies.
+fn handoff_waiting(kind: &str, handoffs: u64) -> Duration {
+    let dir = std::env::temp_dir().join(format!("keylock-bench-w-{}-{kind}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    std::fs::write(dir.join("turn"), [0u8; 32]).unwrap();
+    let mut partner = Command::new(std::env::current_exe().unwrap())
+        .env(ROLE, format!("{kind} {handoffs} waiting"))
+        .env("KEYLOCK_BENCH_DIR", &dir)
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut line = String::new();
+    BufReader::new(partner.stdout.take().unwrap())
+        .read_line(&mut line)
+        .unwrap();
+    assert_eq!(line.trim(), "ready");
+    // Player 0 takes the first turn and one after each of the partner's:
+    // `handoffs + 1` turns; the partner waits for its last one.
+    let (total, count) = play_waiting(kind, &dir, 0, handoffs + 1, |k| k <= handoffs, || {});
+    assert_eq!(count, handoffs);
+    assert!(partner.wait().unwrap().success());
+    std::fs::remove_dir_all(&dir).unwrap();
+    total
+}
+
 /// Round trips between this process and a partner, timed.
 fn handoff(kind: &str, rounds: u64) -> Duration {
     let dir = std::env::temp_dir().join(format!("keylock-bench-{}-{kind}", std::process::id()));
@@ -188,9 +306,14 @@ fn handoff(kind: &str, rounds: u64) -> Duration {
 }
 
 fn partner(spec: &str) {
-    let (kind, rounds) = spec.split_once(' ').unwrap();
+    let parts: Vec<&str> = spec.split(' ').collect();
     let dir = PathBuf::from(std::env::var("KEYLOCK_BENCH_DIR").unwrap());
-    play(kind, &dir, 1, rounds.parse().unwrap(), || println!("ready"));
+    let (kind, rounds) = (parts[0], parts[1].parse().unwrap());
+    if parts.get(2) == Some(&"waiting") {
+        play_waiting(kind, &dir, 1, rounds, |_| true, || println!("ready"));
+    } else {
+        play(kind, &dir, 1, rounds, || println!("ready"));
+    }
 }
 
 fn uncontended(c: &mut Criterion) {
@@ -236,6 +359,29 @@ fn handoffs(c: &mut Criterion) {
         .warm_up_time(Duration::from_millis(500));
     group.bench_function("mkdir_reference", |b| {
         b.iter_custom(|rounds| handoff("mkdir_reference", rounds))
+    });
+    group.finish();
+
+    // Criterion sees the latencies, not the 200 µs holds: short
+    // measurement times keep the wall time of a run to seconds.
+    let mut group = c.benchmark_group("process_handoff_to_a_waiter");
+    group
+        .sample_size(10)
+        .sampling_mode(SamplingMode::Flat)
+        .measurement_time(Duration::from_millis(300))
+        .warm_up_time(Duration::from_millis(100));
+    for kind in ["flock", "keylock", "mkdir_fast"] {
+        group.bench_function(kind, |b| b.iter_custom(|n| handoff_waiting(kind, n)));
+    }
+    group.finish();
+    let mut group = c.benchmark_group("process_handoff_to_a_waiter_reference");
+    group
+        .sample_size(10)
+        .sampling_mode(SamplingMode::Flat)
+        .measurement_time(Duration::from_secs(3))
+        .warm_up_time(Duration::from_millis(300));
+    group.bench_function("mkdir_reference", |b| {
+        b.iter_custom(|n| handoff_waiting("mkdir_reference", n))
     });
     group.finish();
 }
