@@ -32,8 +32,11 @@
 //!   then 200 µs more so that it is asleep in its wait (in the kernel, or in
 //!   a backoff sleep), then writes the time (`CLOCK_MONOTONIC`, one clock
 //!   for both processes) and releases; the waiter, once it holds the key,
-//!   reads that time: the latency is the difference. Criterion gets the sum
-//!   of the latencies (not the wall time, which includes the 200 µs holds).
+//!   reads that time: the latency is the difference. A process whose turn
+//!   it is not does not lock (it watches the turn byte without the lock),
+//!   so nobody barges. Criterion gets the sum of the latencies (not the
+//!   wall time, which includes the 200 µs holds); the bench also prints the
+//!   median and the 10th and 90th percentiles of every handoff measured.
 //!
 //! Each sample spawns a partner process and times from its "ready" line to
 //! the end of this process's share of the round trips (or sums the
@@ -191,15 +194,15 @@ const WAITING_AT: u64 = 16;
 
 /// Takes `turns` turns as player `me`, each a handoff to a waiter (see the
 /// module doc); returns the sum of the latencies of this player's
-/// acquisitions that followed a release by the other, and their count.
+/// acquisitions that followed a release by the other (ns).
 fn play_waiting(
-    kind: &str,
+    kind: &'static str,
     dir: &Path,
     me: u8,
     turns: u64,
     other_waits_after: impl Fn(u64) -> bool,
     ready: impl FnOnce(),
-) -> (Duration, u64) {
+) -> Vec<u64> {
     let file = OpenOptions::new()
         .read(true)
         .write(true)
@@ -207,9 +210,19 @@ fn play_waiting(
         .unwrap();
     let mut lock = make_lock(kind, dir);
     ready();
-    let (mut total, mut count, mut done) = (0u64, 0u64, 0u64);
+    let (mut latencies, mut done) = (Vec::new(), 0u64);
     let other = 1 - me;
     while done < turns {
+        // No barging: wait (without the lock) until the other passed the
+        // turn, so that every lock call is a handoff to a waiter.
+        let mut b = [0u8];
+        loop {
+            file.read_exact_at(&mut b, 0).unwrap();
+            if b[0] == me {
+                break;
+            }
+            std::thread::yield_now();
+        }
         file.write_all_at(&[1], WAITING_AT + u64::from(me)).unwrap();
         let mut mine = false;
         lock(&mut || {
@@ -224,8 +237,7 @@ fn play_waiting(
             file.read_exact_at(&mut t, RELEASED_AT).unwrap();
             let released = u64::from_le_bytes(t);
             if released != 0 {
-                total += got - released;
-                count += 1;
+                latencies.push(got - released);
             }
             file.write_all_at(&[0], WAITING_AT + u64::from(me)).unwrap();
             file.write_all_at(&[other], 0).unwrap();
@@ -250,12 +262,48 @@ fn play_waiting(
             done += 1;
         }
     }
-    (Duration::from_nanos(total), count)
+    latencies
+}
+
+/// Every latency `handoff_waiting` measured, by lock, for the medians
+/// printed at the end (criterion's estimates are means, which a few
+/// handoffs delayed by the scheduler of a busy machine dominate).
+static LATENCIES: std::sync::Mutex<Vec<(&'static str, u64)>> = std::sync::Mutex::new(Vec::new());
+
+fn print_latency_medians() {
+    let all = LATENCIES.lock().unwrap();
+    let mut kinds: Vec<&str> = all.iter().map(|(k, _)| *k).collect();
+    kinds.dedup();
+    if kinds.is_empty() {
+        return;
+    }
+    println!("handoff to a waiter, all measured handoffs (warm-up included):");
+    println!(
+        "{:<16} {:>9} {:>12} {:>12} {:>12}",
+        "lock", "handoffs", "p10", "median", "p90"
+    );
+    for kind in kinds {
+        let mut v: Vec<u64> = all
+            .iter()
+            .filter(|(k, _)| *k == kind)
+            .map(|(_, l)| *l)
+            .collect();
+        v.sort_unstable();
+        let at = |q: usize| Duration::from_nanos(v[(v.len() - 1) * q / 100]);
+        println!(
+            "{:<16} {:>9} {:>12?} {:>12?} {:>12?}",
+            kind,
+            v.len(),
+            at(10),
+            at(50),
+            at(90)
+        );
+    }
 }
 
 /// `handoffs` handoffs from a partner to this process, each to a waiting
 /// waiter: the sum of their latencies.
-fn handoff_waiting(kind: &str, handoffs: u64) -> Duration {
+fn handoff_waiting(kind: &'static str, handoffs: u64) -> Duration {
     let dir = std::env::temp_dir().join(format!("keylock-bench-w-{}-{kind}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir).unwrap();
@@ -273,10 +321,15 @@ fn handoff_waiting(kind: &str, handoffs: u64) -> Duration {
     assert_eq!(line.trim(), "ready");
     // Player 0 takes the first turn and one after each of the partner's:
     // `handoffs + 1` turns; the partner waits for its last one.
-    let (total, count) = play_waiting(kind, &dir, 0, handoffs + 1, |k| k <= handoffs, || {});
-    assert_eq!(count, handoffs);
+    let latencies = play_waiting(kind, &dir, 0, handoffs + 1, |k| k <= handoffs, || {});
+    assert_eq!(latencies.len() as u64, handoffs);
     assert!(partner.wait().unwrap().success());
     std::fs::remove_dir_all(&dir).unwrap();
+    let total = Duration::from_nanos(latencies.iter().sum());
+    LATENCIES
+        .lock()
+        .unwrap()
+        .extend(latencies.into_iter().map(|l| (kind, l)));
     total
 }
 
@@ -310,6 +363,13 @@ fn partner(spec: &str) {
     let dir = PathBuf::from(std::env::var("KEYLOCK_BENCH_DIR").unwrap());
     let (kind, rounds) = (parts[0], parts[1].parse().unwrap());
     if parts.get(2) == Some(&"waiting") {
+        let kind: &'static str = match kind {
+            "flock" => "flock",
+            "keylock" => "keylock",
+            "mkdir_fast" => "mkdir_fast",
+            "mkdir_reference" => "mkdir_reference",
+            other => panic!("unknown lock {other}"),
+        };
         play_waiting(kind, &dir, 1, rounds, |_| true, || println!("ready"));
     } else {
         play(kind, &dir, 1, rounds, || println!("ready"));
@@ -368,7 +428,7 @@ fn handoffs(c: &mut Criterion) {
     group
         .sample_size(10)
         .sampling_mode(SamplingMode::Flat)
-        .measurement_time(Duration::from_millis(300))
+        .measurement_time(Duration::from_secs(1))
         .warm_up_time(Duration::from_millis(100));
     for kind in ["flock", "keylock", "mkdir_fast"] {
         group.bench_function(kind, |b| b.iter_custom(|n| handoff_waiting(kind, n)));
@@ -483,4 +543,5 @@ fn main() {
     calls(&mut c);
     handoffs(&mut c);
     c.final_summary();
+    print_latency_medians();
 }

@@ -874,3 +874,38 @@ fn two_tables_of_one_process_exclude_each_other_through_their_own_files() {
     drop(held);
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+#[test]
+fn blocking_lock_without_a_deadline_waits_in_the_kernel_on_its_own_thread() {
+    let dir = temp_dir("direct");
+    let table = Arc::new(ProcessLockTable::open(&dir).unwrap());
+    for end in ["release", "kill"] {
+        let mut kid = Kid::spawn("hold", &dir, &[]);
+        let token = kid.locked_token();
+        let waiter = std::thread::spawn({
+            let table = Arc::clone(&table);
+            // No deadline, a holder without a lease: the thread itself
+            // blocks in the kernel.
+            move || table.blocking_lock("k").unwrap().token().get()
+        });
+        // At the file level (`kernel_waits` counts the whole process, whose
+        // other tests wait too: not asserted here).
+        while table.stats().file_waiters == 0 {
+            std::thread::yield_now();
+        }
+        std::thread::sleep(Duration::from_millis(20)); // into the kernel, likely
+        if end == "release" {
+            kid.tell("release");
+            assert_eq!(kid.line(), format!("released ok {token}"));
+            kid.finish();
+        } else {
+            kid.signal(libc::SIGKILL);
+            let _ = kid.child.wait();
+        }
+        let got = waiter.join().unwrap();
+        assert!(got > token, "{end}: {got} > {token}");
+        assert_eq!(table.stats().file_waiters, 0);
+        assert!(table.holder(&"k").unwrap().is_none());
+    }
+    std::fs::remove_dir_all(&dir).unwrap();
+}

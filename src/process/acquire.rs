@@ -57,7 +57,8 @@
 //!
 //! Waiting for a slot (or for the state lock, when another process sits in
 //! it for longer than a few yields) is a blocking lock call on a helper
-//! thread ([`super::helper`]), on a second open of the key's file (a lock
+//! thread ([`super::helper`]) (or, for `blocking_lock` without a deadline
+//! and a holder without a lease, on the caller's own thread), on a second open of the key's file (a lock
 //! of the open file the caller already uses would not wait): the kernel
 //! wakes it when the lock is released or its holder dies, with no polling.
 //! A timer (the crate's own) wakes the waiter at the holder's lease deadline
@@ -75,7 +76,7 @@ use std::task::Poll;
 use std::time::{Duration, Instant};
 
 use super::error::ProcessLockError;
-use super::helper::KernelWait;
+use super::helper::{self, KernelWait};
 use super::stamp::{unix_now_ns, ProcessHolder, Stamp, State, FILE_LEN, MAX_SLOTS};
 use super::table::Inner;
 use super::unix::{self, slot_byte, Kind, STATE_BYTE};
@@ -416,6 +417,7 @@ impl Inner {
         lease: Option<Duration>,
         deadline: Option<Instant>,
         started: Instant,
+        on_this_thread: bool,
     ) -> Result<Grant, ProcessLockError> {
         self.file_waiters.fetch_add(1, Ordering::Relaxed);
         let _count = DecOnDrop(&self.file_waiters);
@@ -483,6 +485,22 @@ impl Inner {
                     slot,
                     lease_deadline,
                 } => {
+                    if on_this_thread && deadline.is_none() && lease_deadline.is_none() {
+                        // Only the kernel can end this wait: make it here,
+                        // on the caller's own (blocking) thread.
+                        drop(pending.take());
+                        let file = self.spare(&mut files)?;
+                        helper::wait_here(|| {
+                            unix::lock_range(&file, Kind::Exclusive, slot_byte(slot), 1)
+                        })
+                        .map_err(|e| ProcessLockError::io("lock", &files.path, e))?;
+                        files.spare = Some(file);
+                        have = Some(Have {
+                            slot,
+                            on: On::Spare,
+                        });
+                        continue;
+                    }
                     if pending.as_ref().is_none_or(|(s, _)| *s != slot) {
                         drop(pending.take());
                         let file = self.spare(&mut files)?;

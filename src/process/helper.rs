@@ -93,8 +93,17 @@ fn spawn(job: Job) -> io::Result<()> {
         .map(drop)
 }
 
-/// How many helper threads are blocked in the kernel on a lock right now,
-/// in this process.
+/// Runs `wait`, a blocking lock call, on the calling thread, counted as a
+/// kernel wait.
+pub(crate) fn wait_here<R>(wait: impl FnOnce() -> R) -> R {
+    BLOCKED.fetch_add(1, Ordering::Relaxed);
+    let out = wait();
+    BLOCKED.fetch_sub(1, Ordering::Relaxed);
+    out
+}
+
+/// How many threads (helpers, or callers of `blocking_lock`) are blocked in
+/// the kernel on a lock right now, in this process.
 pub(crate) fn blocked() -> usize {
     BLOCKED.load(Ordering::Relaxed)
 }

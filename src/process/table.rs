@@ -79,8 +79,10 @@ pub struct ProcessStats {
     /// Waiters of this table at the file level now: at most one per key,
     /// since the others queue in the process first.
     pub file_waiters: usize,
-    /// Helper threads of this process (all tables) blocked in the kernel on
-    /// a key's file now.
+    /// Threads of this process (all tables) blocked in the kernel on a
+    /// key's file now: helper threads, and callers of
+    /// [`blocking_lock`](ProcessLockTable::blocking_lock) waiting without a
+    /// deadline.
     pub kernel_waits: usize,
     /// Keys whose files this table keeps open between uses now (at most
     /// [`MAX_CACHED_KEYS`](Self::MAX_CACHED_KEYS); a key held is not
@@ -286,13 +288,16 @@ async fn acquire<K: AsRef<[u8]>>(
     inner: Arc<Inner>,
     key: K,
     opts: LockOptions,
+    on_this_thread: bool,
 ) -> Result<Held<K>, ProcessLockError> {
     let started = Instant::now();
     let lease = check_options(&opts)?;
     let stem = key::encode(key.as_ref())?;
     let deadline = deadline_of(&opts, started);
     let local = local_lock(&inner, &stem, lease, deadline, started).await?;
-    let grant = inner.acquire(&stem, lease, deadline, started).await?;
+    let grant = inner
+        .acquire(&stem, lease, deadline, started, on_this_thread)
+        .await?;
     if let Some(lease) = lease {
         // The local lease runs from the file grant too (a hint only: the
         // file's stamp is the authority).
@@ -457,7 +462,11 @@ impl<K: AsRef<[u8]> + Send> ProcessLockTable<K> {
     {
         let inner = Arc::clone(&self.inner);
         ProcessLock {
-            inner: Box::pin(async move { acquire(inner, key, opts).await.map(ProcessGuard::new) }),
+            inner: Box::pin(async move {
+                acquire(inner, key, opts, false)
+                    .await
+                    .map(ProcessGuard::new)
+            }),
         }
     }
 
@@ -521,7 +530,7 @@ impl<K: AsRef<[u8]> + Send> ProcessLockTable<K> {
         let inner = Arc::clone(&self.inner);
         OwnedProcessLock {
             inner: Box::pin(async move {
-                acquire(inner, key, opts)
+                acquire(inner, key, opts, false)
                     .await
                     .map(|held| OwnedProcessGuard::new(self, held))
             }),
@@ -529,8 +538,10 @@ impl<K: AsRef<[u8]> + Send> ProcessLockTable<K> {
     }
 
     /// Blocks the calling thread until `key` is taken; [`lock`](Self::lock)
-    /// for plain threads (the thread parks; a helper thread waits in the
-    /// kernel). Do not call it on an async runtime's worker thread.
+    /// for plain threads. Without a deadline, and while the holder has no
+    /// lease, the thread itself waits in the kernel for the key's lock;
+    /// otherwise it parks and a helper thread waits in the kernel. Do not
+    /// call it on an async runtime's worker thread.
     ///
     /// # Errors
     ///
@@ -547,7 +558,7 @@ impl<K: AsRef<[u8]> + Send> ProcessLockTable<K> {
     /// # Ok::<(), keylock::ProcessLockError>(())
     /// ```
     pub fn blocking_lock(&self, key: K) -> Result<ProcessGuard<'_, K>, ProcessLockError> {
-        crate::blocking::block_on(self.lock(key))
+        self.blocking_lock_with(key, LockOptions::new())
     }
 
     /// Like [`blocking_lock`](Self::blocking_lock), with options as
@@ -573,7 +584,13 @@ impl<K: AsRef<[u8]> + Send> ProcessLockTable<K> {
         key: K,
         opts: LockOptions,
     ) -> Result<ProcessGuard<'_, K>, ProcessLockError> {
-        crate::blocking::block_on(self.lock_with(key, opts))
+        // The calling thread may block in the kernel itself (no helper
+        // thread, one wake-up less per handoff) when nothing but the
+        // kernel can end the wait: no deadline, a holder without a lease.
+        let inner = Arc::clone(&self.inner);
+        crate::blocking::block_on(async move {
+            acquire(inner, key, opts, true).await.map(ProcessGuard::new)
+        })
     }
 
     /// Takes `key` now if no live holder has it: a holder that died is taken
