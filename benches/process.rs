@@ -140,7 +140,8 @@ fn make_lock(kind: &str, dir: &Path) -> Locker {
             };
             let mut l = Mkdir {
                 path: dir.join("mkdir.lock"),
-                seed: u64::from(std::process::id()) | 1,
+                // A new draw per lock (not the same sequence per sample).
+                seed: (u64::from(std::process::id()) << 32 ^ now_ns()) | 1,
                 first_ns,
                 max_ns,
             };
