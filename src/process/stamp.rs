@@ -56,8 +56,9 @@ const RESERVE_LEN: usize = 32;
 const STATE_MAGIC: &[u8; 4] = b"KLPS";
 const RESERVE_MAGIC: &[u8; 4] = b"KLPR";
 /// 2: release cells, a word-wise checksum, and the kernel locks on bytes
-/// of the state file (1 had slot files; a directory used by version 1 must not be shared with 2, and
-/// a version 1 state file is refused as [`ProcessLockError::Corrupt`]).
+/// of the state file (1 had slot files; a directory used by version 1 must
+/// not be shared with version 2, and a version 1 state file is refused as
+/// [`ProcessLockError::Corrupt`]).
 const VERSION: u32 = 2;
 const CELLS_AT: usize = 1536;
 
@@ -96,7 +97,7 @@ pub(crate) struct Stamp {
 pub(crate) struct State {
     /// The last token handed out for the key (0: none yet).
     pub(crate) last_token: u64,
-    /// The slot file the holder locks (or the last holder locked).
+    /// The slot the holder locks (or the last holder locked).
     pub(crate) slot: u32,
     pub(crate) holder: Option<Stamp>,
     /// The durable token ceiling.
