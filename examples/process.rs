@@ -14,6 +14,11 @@
 //!    holding the key.
 //!
 //! The holders are this example re-invoked with `KEYLOCK_EXAMPLE_HOLDER`.
+//!
+//! `cargo run --release --example process -- --loop N` instead takes and
+//! releases one key N times (`try_lock` + drop) in one process and exits: run
+//! it under `strace -c -f` with N = 0 and N = 10000 to count the system
+//! calls of one uncontended lock+unlock (see BENCHMARKS.md).
 
 use std::io::{BufRead, BufReader, Read};
 use std::process::{Child, Command, Stdio};
@@ -66,6 +71,18 @@ fn median(mut v: Vec<Duration>) -> Duration {
     v[v.len() / 2]
 }
 
+/// `--loop N`: N uncontended lock+unlock of one key, nothing else.
+fn uncontended_loop(n: u64) {
+    let dir = std::env::temp_dir().join(format!("keylock-example-loop-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let table = ProcessLockTable::open(&dir).unwrap();
+    for _ in 0..n {
+        drop(table.try_lock("k").unwrap());
+    }
+    drop(table);
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
 fn main() {
     if let Ok(dir) = std::env::var(ROLE) {
         let lease = std::env::var("KEYLOCK_EXAMPLE_LEASE_MS")
@@ -73,6 +90,13 @@ fn main() {
             .map(|s| s.parse().unwrap());
         holder(&dir, lease);
         return;
+    }
+    let args: Vec<String> = std::env::args().collect();
+    if let [_, flag, n] = args.as_slice() {
+        if flag == "--loop" {
+            uncontended_loop(n.parse().expect("--loop N"));
+            return;
+        }
     }
     let dir = std::env::temp_dir().join(format!("keylock-example-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();

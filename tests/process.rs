@@ -60,11 +60,20 @@ fn child_entry() {
             }
         }
         "hold" => {
+            if std::env::var("KL_WARM").is_ok() {
+                // Take and release the key once: its files go to the
+                // table's descriptor cache, and the lock below uses them.
+                drop(table.try_lock(key.clone()).unwrap());
+                assert_eq!(table.stats().cached_keys, 1);
+            }
             let mut opts = patient();
             if let Ok(ms) = std::env::var("KL_LEASE_MS") {
                 opts = opts.lease(Duration::from_millis(ms.parse().unwrap()));
             }
             let guard = block_on(table.lock_with(key, opts)).unwrap();
+            if std::env::var("KL_WARM").is_ok() {
+                assert_eq!(table.stats().cached_keys, 0, "checked out of the cache");
+            }
             say(&format!("locked {}", guard.token().get()));
             let mut lines = std::io::stdin().lock().lines();
             while let Some(Ok(line)) = lines.next() {
@@ -701,5 +710,202 @@ fn deleted_key_files_are_noticed_by_the_next_locker_and_the_holder() {
     // The key works on fresh files.
     let again = table.try_lock("k").unwrap();
     assert!(again.check().is_ok());
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+// ---------------------------------------------------------------- the descriptor cache
+
+/// How many of this process's descriptors are open on key files in `dir`.
+fn open_key_files(dir: &Path) -> usize {
+    let dir = dir.canonicalize().unwrap();
+    std::fs::read_dir("/proc/self/fd")
+        .unwrap()
+        .filter_map(|fd| std::fs::read_link(fd.ok()?.path()).ok())
+        .filter(|target| {
+            target.parent() == Some(dir.as_path())
+                && target
+                    .file_name()
+                    .and_then(|n| n.to_str())
+                    .is_some_and(|n| n.starts_with("key-"))
+        })
+        .count()
+}
+
+/// How many of this process's descriptors are open on `key`'s state file.
+fn open_files_of(dir: &Path, key: &str) -> usize {
+    let path = dir.canonicalize().unwrap().join(format!("key-{key}.state"));
+    std::fs::read_dir("/proc/self/fd")
+        .unwrap()
+        .filter_map(|fd| std::fs::read_link(fd.ok()?.path()).ok())
+        .filter(|target| *target == path)
+        .count()
+}
+
+#[test]
+fn a_released_key_keeps_its_file_open_and_reopens_it_after_eviction() {
+    use keylock::process::ProcessStats;
+    let dir = temp_dir("evict");
+    let table = ProcessLockTable::<String>::open(&dir).unwrap();
+    let first = table.try_lock("k0".to_string()).unwrap().token();
+    assert_eq!(table.stats().cached_keys, 1);
+    assert_eq!(open_files_of(&dir, "k0"), 1, "kept open after release");
+    // The same key again: from the cache, nothing more opened.
+    let again = table.try_lock("k0".to_string()).unwrap();
+    assert_eq!(table.stats().cached_keys, 0, "checked out while held");
+    assert_eq!(open_files_of(&dir, "k0"), 1);
+    assert!(again.token() > first);
+    let second = again.token();
+    drop(again);
+    // Use as many other keys as the cache holds: k0 is the least recently
+    // used, and its file is closed.
+    for i in 1..=ProcessStats::MAX_CACHED_KEYS {
+        drop(table.try_lock(format!("k{i}")).unwrap());
+    }
+    assert_eq!(table.stats().cached_keys, ProcessStats::MAX_CACHED_KEYS);
+    assert_eq!(open_files_of(&dir, "k0"), 0, "evicted: closed");
+    // Reopened, with its token state intact; another process sees it held.
+    let third = table.try_lock("k0".to_string()).unwrap();
+    assert!(third.token() > second);
+    assert_eq!(open_files_of(&dir, "k0"), 1);
+    let holder = table.holder(&"k0").unwrap().unwrap();
+    assert_eq!((holder.token, holder.alive), (third.token(), true));
+    let mut kid = Kid::spawn("hold", &dir, &[("KL_KEY", "k0".into())]);
+    drop(third);
+    assert!(
+        kid.locked_token() > holder.token.get(),
+        "freed for the other process"
+    );
+    kid.tell("release");
+    kid.line();
+    kid.finish();
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn many_keys_beyond_the_cache_size_hold_and_release_with_a_bounded_cache() {
+    use keylock::process::ProcessStats;
+    let dir = temp_dir("manycache");
+    let table = ProcessLockTable::<String>::open(&dir).unwrap();
+    let n = ProcessStats::MAX_CACHED_KEYS * 3;
+    for round in 0..2 {
+        // All held at once: one open file each, whatever the cache size.
+        let held: Vec<_> = (0..n)
+            .map(|i| table.try_lock(format!("key-{i}")).unwrap())
+            .collect();
+        assert_eq!(open_key_files(&dir), n);
+        let mut kid = Kid::spawn("try_all", &dir, &[("KL_N", n.to_string())]);
+        assert_eq!(kid.line(), format!("free 0 busy {n}"), "round {round}");
+        kid.finish();
+        drop(held);
+        // Released: only the cache's keys stay open.
+        assert_eq!(table.stats().cached_keys, ProcessStats::MAX_CACHED_KEYS);
+        assert_eq!(open_key_files(&dir), ProcessStats::MAX_CACHED_KEYS);
+        let mut kid = Kid::spawn("try_all", &dir, &[("KL_N", n.to_string())]);
+        assert_eq!(kid.line(), format!("free {n} busy 0"), "round {round}");
+        kid.finish();
+    }
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn a_process_killed_holding_a_key_from_its_cache_frees_it_at_once() {
+    let dir = temp_dir("cachekill");
+    let table = ProcessLockTable::open(&dir).unwrap();
+    // The child locks, releases and locks again: the second grant is on the
+    // file its cache kept open (it asserts so).
+    let mut kid = Kid::spawn("hold", &dir, &[("KL_WARM", "1".into())]);
+    let token = kid.locked_token();
+    // A waiter of this process, at the file level when the child dies.
+    let waiter = std::thread::spawn({
+        let dir = dir.clone();
+        move || {
+            let table = ProcessLockTable::open(&dir).unwrap();
+            table
+                .blocking_lock_with("k", patient())
+                .unwrap()
+                .token()
+                .get()
+        }
+    });
+    while table.stats().kernel_waits == 0 {
+        std::thread::yield_now();
+    }
+    kid.signal(libc::SIGKILL);
+    let _ = kid.child.wait();
+    let got = waiter.join().unwrap();
+    assert!(got > token, "{got} > {token}");
+    // And without a waiter: a second warm child, killed; try_lock takes over.
+    let mut kid = Kid::spawn("hold", &dir, &[("KL_WARM", "1".into())]);
+    let token = kid.locked_token();
+    assert!(matches!(
+        table.try_lock("k"),
+        Err(ProcessLockError::WouldBlock { .. })
+    ));
+    kid.signal(libc::SIGKILL);
+    let _ = kid.child.wait();
+    let holder = table
+        .holder(&"k")
+        .unwrap()
+        .expect("the dead holder's stamp");
+    assert!(!holder.alive);
+    assert!(table.try_lock("k").unwrap().token().get() > token);
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn two_tables_of_one_process_exclude_each_other_through_their_own_files() {
+    let dir = temp_dir("twotables");
+    let a = ProcessLockTable::open(&dir).unwrap();
+    let b = ProcessLockTable::open(&dir).unwrap();
+    // Warm both caches on the key.
+    drop(a.try_lock("k").unwrap());
+    drop(b.try_lock("k").unwrap());
+    let held = a.try_lock("k").unwrap();
+    assert!(matches!(
+        b.try_lock("k"),
+        Err(ProcessLockError::WouldBlock { .. })
+    ));
+    drop(held);
+    let held = b.try_lock("k").unwrap();
+    assert!(matches!(
+        a.try_lock("k"),
+        Err(ProcessLockError::WouldBlock { .. })
+    ));
+    drop(held);
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn blocking_lock_without_a_deadline_waits_in_the_kernel_on_its_own_thread() {
+    let dir = temp_dir("direct");
+    let table = Arc::new(ProcessLockTable::open(&dir).unwrap());
+    for end in ["release", "kill"] {
+        let mut kid = Kid::spawn("hold", &dir, &[]);
+        let token = kid.locked_token();
+        let waiter = std::thread::spawn({
+            let table = Arc::clone(&table);
+            // No deadline, a holder without a lease: the thread itself
+            // blocks in the kernel.
+            move || table.blocking_lock("k").unwrap().token().get()
+        });
+        // At the file level (`kernel_waits` counts the whole process, whose
+        // other tests wait too: not asserted here).
+        while table.stats().file_waiters == 0 {
+            std::thread::yield_now();
+        }
+        std::thread::sleep(Duration::from_millis(20)); // into the kernel, likely
+        if end == "release" {
+            kid.tell("release");
+            assert_eq!(kid.line(), format!("released ok {token}"));
+            kid.finish();
+        } else {
+            kid.signal(libc::SIGKILL);
+            let _ = kid.child.wait();
+        }
+        let got = waiter.join().unwrap();
+        assert!(got > token, "{end}: {got} > {token}");
+        assert_eq!(table.stats().file_waiters, 0);
+        assert!(table.holder(&"k").unwrap().is_none());
+    }
     std::fs::remove_dir_all(&dir).unwrap();
 }

@@ -1,51 +1,70 @@
 //! The cross-process acquisition of one key: the judgement made under the
 //! key's short kernel lock, and the wait between judgements.
 //!
-//! # The files of a key
+//! # The file of a key, and its locks
 //!
-//! - `<stem>.state`: the token state and the owner stamp
-//!   ([`super::stamp`]). Its kernel lock (`flock`) is the *state lock*: held
-//!   only while the state is read and written, never while waiting.
-//! - `<stem>.slot<N>`: the *slot* files. The holder of a key holds the
-//!   kernel lock of the slot the state names, for as long as it holds the
-//!   key. Usually that is slot 0; other slots are used only after a lease
-//!   takeover (below).
+//! A key has one file, `<stem>.state`: the token state, the owner stamp and
+//! the release cells ([`super::stamp`]). Its kernel locks are open file
+//! description locks on single bytes of it (never on its data; see
+//! [`super::unix`]):
+//!
+//! - byte 0 is the *state lock*: held only while the state is read and
+//!   written, never while waiting;
+//! - byte `1 + N` is *slot* `N`. The holder of a key holds the lock of the
+//!   slot the state names, for as long as it holds the key. Usually that is
+//!   slot 0; other slots are used only after a lease takeover (below).
+//!
+//! An uncontended lock takes bytes 0 and 1 (the state lock and slot 0) in
+//! one call: the two steps are one system call when slot 0 is free, and
+//! fall back to the state lock alone when it is not.
 //!
 //! # The judgement (under the state lock)
 //!
-//! With the state read:
+//! With the state read, and the stamp counted as no holder if its token is
+//! in its slot's release cell (the holder released it):
 //!
-//! 1. **No holder.** Take the state's slot (try-lock it); if it is locked,
-//!    another process's waiter was just handed it by the kernel and is about
-//!    to take the key: wait for that slot.
+//! 1. **No holder.** Take the key on a slot the caller already holds (slot
+//!    0 taken with the state lock, or a slot the kernel just handed it);
+//!    else try-lock the state's slot; if it is locked, another process's
+//!    waiter was just handed it by the kernel and is about to take the key:
+//!    wait for that slot.
 //! 2. **A holder, and its slot is free** (or the caller already holds it):
 //!    the holder is dead (a live holder keeps its slot locked until after it
-//!    cleared the stamp, and the kernel frees the lock of a process that
+//!    wrote its release, and the kernel frees the locks of a process that
 //!    dies, however it dies). Take the key over, on that slot.
 //! 3. **A live holder whose lease lapsed** (its slot is locked, and the
 //!    host's monotonic clock is past the deadline in its stamp): take the
-//!    key over on *another* slot, the first free one. The stamp now names
-//!    the new holder, its token and its slot; the old holder still holds its
-//!    old slot, which no longer means anything.
+//!    key over on *another* slot (one the caller holds, or the first free
+//!    one). The stamp now names the new holder, its token and its slot; the
+//!    old holder still holds its old slot, which no longer means anything.
 //! 4. **A live holder within its lease**: wait for its slot, and wake at its
 //!    lease deadline to judge again.
 //!
 //! Taking the key mints the next token (durably above every earlier one,
 //! see [`super::stamp`]) and writes the stamp, then lets the state lock go.
 //!
-//! A stuck holder's `check()` and release read the state under the state
-//! lock: the token there is no longer theirs, so the check fails and the
-//! release changes nothing (it only closes its old slot file).
+//! # Release, check
+//!
+//! A holder releases without the state lock: it writes its token into its
+//! slot's release cell, then lets the slot go. Only the holder of a slot
+//! writes that slot's cell, so no lock is needed; a holder that was taken
+//! over writes the cell of its old slot, which the stamp no longer names,
+//! so it frees nothing of the successor's. A stuck holder's `check()` reads
+//! the state under the state lock (shared): the token there is no longer
+//! its own, so the check fails.
 //!
 //! # The wait
 //!
-//! Waiting for a slot (or for the state lock, when another process is
-//! inside it) is a blocking `flock` on a helper thread ([`super::helper`]):
-//! the kernel wakes it when the lock is released or its holder dies, with
-//! no polling. A timer (the crate's own) wakes the waiter at the holder's
-//! lease deadline and at the caller's deadline. Only a state in which every
-//! slot is locked by stuck holders (not reachable without 64 of them) falls
-//! back to sleeping with jittered backoff.
+//! Waiting for a slot (or for the state lock, when another process sits in
+//! it for longer than a few yields) is a blocking lock call on a helper
+//! thread ([`super::helper`]) (or, for `blocking_lock` without a deadline
+//! and a holder without a lease, on the caller's own thread), on a second open of the key's file (a lock
+//! of the open file the caller already uses would not wait): the kernel
+//! wakes it when the lock is released or its holder dies, with no polling.
+//! A timer (the crate's own) wakes the waiter at the holder's lease deadline
+//! and at the caller's deadline. Only a state in which every slot is locked
+//! by stuck holders (not reachable without 64 of them) falls back to
+//! sleeping with jittered backoff.
 
 use std::fs::{File, OpenOptions};
 use std::future::poll_fn;
@@ -57,35 +76,60 @@ use std::task::Poll;
 use std::time::{Duration, Instant};
 
 use super::error::ProcessLockError;
-use super::helper::KernelWait;
-use super::stamp::{unix_now_ns, ProcessHolder, Stamp, State, FILE_LEN};
+use super::helper::{self, KernelWait};
+use super::stamp::{unix_now_ns, ProcessHolder, Stamp, State, FILE_LEN, MAX_SLOTS};
 use super::table::Inner;
-use super::unix;
+use super::unix::{self, slot_byte, Kind, STATE_BYTE};
 use crate::clock::Clock;
 use crate::timer::Sleep;
 
-/// The most slot files a key may use (one per stuck holder taken over).
-pub(crate) const MAX_SLOTS: u32 = 64;
+/// How many times an acquirer yields and tries the state lock again before
+/// it waits for it on a helper thread: the state lock is held for a few
+/// system calls at a time.
+const STATE_SPINS: u32 = 4;
 
-/// The open state file of one key.
+/// The open files of one key, used by one acquirer or guard at a time (see
+/// [`super::cache`]).
 #[derive(Debug)]
 pub(crate) struct KeyFiles {
     pub(crate) stem: String,
     pub(crate) path: PathBuf,
+    /// The state file: the state lock, and the slot of a key taken without
+    /// waiting.
     pub(crate) state: File,
+    /// A second open of the state file: the one a helper thread waits on
+    /// (its locks belong to another open file than `state`'s), and so the
+    /// holder of the slot of a key taken after such a wait.
+    pub(crate) spare: Option<File>,
 }
 
-/// A key taken: the locked slot and the token.
+/// Which open file of a key holds a slot's lock.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum On {
+    State,
+    Spare,
+}
+
+/// A slot whose lock the caller holds.
+#[derive(Debug, Clone, Copy)]
+struct Have {
+    slot: u32,
+    on: On,
+}
+
+/// A key taken: its files, the locked slot and the token.
 #[derive(Debug)]
 pub(crate) struct Grant {
     pub(crate) files: KeyFiles,
-    pub(crate) slot_file: File,
+    pub(crate) slot: u32,
+    pub(crate) on: On,
     pub(crate) token: u64,
 }
 
 enum Step {
     Granted {
-        slot: File,
+        slot: u32,
+        on: On,
         token: u64,
     },
     /// Wait for this slot's kernel lock; judge again at the lease deadline.
@@ -106,13 +150,68 @@ fn open_rw(path: &Path) -> io::Result<File> {
         .open(path)
 }
 
+impl KeyFiles {
+    fn file(&self, on: On) -> &File {
+        match on {
+            On::State => &self.state,
+            On::Spare => self.spare.as_ref().expect("a slot is held on the spare"),
+        }
+    }
+
+    /// Lets slot `slot`, held on `on`, go.
+    pub(crate) fn unlock_slot(&self, slot: u32, on: On) -> Result<(), ProcessLockError> {
+        unix::unlock_range(self.file(on), slot_byte(slot), 1)
+            .map_err(|e| ProcessLockError::io("unlock", &self.path, e))
+    }
+
+    fn unlock_state(&self) -> Result<(), ProcessLockError> {
+        unix::unlock_range(&self.state, STATE_BYTE, 1)
+            .map_err(|e| ProcessLockError::io("unlock", &self.path, e))
+    }
+
+    /// Tries the state lock; with slot 0 in the same call if `with_slot0`
+    /// (then `Some(true)` says both were taken, `Some(false)` the state lock
+    /// alone); `None` if another open file holds the state lock.
+    fn try_state(&self, with_slot0: bool) -> Result<Option<bool>, ProcessLockError> {
+        let io = |e| ProcessLockError::io("lock", &self.path, e);
+        // The state byte and slot 0's are adjacent: one range, one call.
+        const _: () = assert!(STATE_BYTE + 1 == slot_byte(0));
+        if with_slot0
+            && unix::try_lock_range(&self.state, Kind::Exclusive, STATE_BYTE, 2).map_err(io)?
+        {
+            return Ok(Some(true));
+        }
+        if unix::try_lock_range(&self.state, Kind::Exclusive, STATE_BYTE, 1).map_err(io)? {
+            return Ok(Some(false));
+        }
+        Ok(None)
+    }
+
+    /// Try-locks slot `slot` on the state file.
+    fn try_slot(&self, slot: u32) -> Result<bool, ProcessLockError> {
+        unix::try_lock_range(&self.state, Kind::Exclusive, slot_byte(slot), 1)
+            .map_err(|e| ProcessLockError::io("lock", &self.path, e))
+    }
+
+    /// Whether the state file was deleted since it was opened: its path
+    /// then names another file (or none), whose locks are not ours.
+    fn unlinked(&self) -> Result<bool, ProcessLockError> {
+        unix::is_unlinked(&self.state).map_err(|e| ProcessLockError::io("stat", &self.path, e))
+    }
+}
+
 impl Inner {
     pub(crate) fn state_path(&self, stem: &str) -> PathBuf {
         self.dir.join(format!("{stem}.state"))
     }
 
-    fn slot_path(&self, stem: &str, slot: u32) -> PathBuf {
-        self.dir.join(format!("{stem}.slot{slot}"))
+    /// A key's files: from the descriptor cache, else opened.
+    #[inline]
+    fn key_files(&self, stem: &str) -> Result<KeyFiles, ProcessLockError> {
+        match self.cache.checkout(stem) {
+            Some(files) => Ok(files),
+            None => self.open_key(stem),
+        }
     }
 
     /// Opens (creating if need be) a key's state file.
@@ -150,76 +249,71 @@ impl Inner {
             stem: stem.to_owned(),
             path,
             state,
+            spare: None,
         })
     }
 
-    fn open_slot(&self, stem: &str, slot: u32) -> Result<File, ProcessLockError> {
-        let path = self.slot_path(stem, slot);
-        open_rw(&path).map_err(|e| ProcessLockError::io("open the slot file", &path, e))
+    /// Puts a key's files, which hold no lock now, back into the cache.
+    pub(crate) fn put_back(&self, files: KeyFiles) {
+        self.cache.checkin(files);
     }
 
-    /// Try-locks a slot; `None` if another holds it.
-    fn try_slot(&self, stem: &str, slot: u32) -> Result<Option<File>, ProcessLockError> {
-        for _ in 0..3 {
-            let file = self.open_slot(stem, slot)?;
-            let path = || self.slot_path(stem, slot);
-            if !unix::try_lock(&file).map_err(|e| ProcessLockError::io("lock", path(), e))? {
-                return Ok(None);
-            }
-            // Locked a file that was deleted since it was opened: the path
-            // now names another file (or none). Open it again.
-            if !unix::is_unlinked(&file).map_err(|e| ProcessLockError::io("stat", path(), e))? {
-                return Ok(Some(file));
-            }
+    /// A second open file of the key, for a helper thread to wait on.
+    fn spare(&self, files: &mut KeyFiles) -> Result<File, ProcessLockError> {
+        match files.spare.take() {
+            Some(file) => Ok(file),
+            None => open_rw(&files.path)
+                .map_err(|e| ProcessLockError::io("open the state file", &files.path, e)),
         }
-        Ok(None)
     }
 
-    /// The judgement, made by a caller holding the key's state lock
-    /// exclusively. `mine` is a slot the caller holds already.
+    /// The judgement, made by a caller holding the key's state lock on
+    /// `files.state`. `have` is a slot the caller holds already; it is let
+    /// go unless the key is taken on it.
     fn judge(
         &self,
         files: &KeyFiles,
-        mine: Option<(u32, File)>,
+        have: Option<Have>,
         lease: Option<Duration>,
     ) -> Result<Step, ProcessLockError> {
         let mut state = State::load(&files.state, &files.path)?;
         let now = unix::monotonic_ns();
         let current = state.slot;
-        let (slot, slot_file) = match &state.holder {
-            None => match mine {
-                Some((m, file)) if m == current => (current, file),
-                other => {
-                    drop(other);
-                    match self.try_slot(&files.stem, current)? {
-                        Some(file) => (current, file),
-                        None => {
-                            return Ok(Step::WaitSlot {
-                                slot: current,
-                                lease_deadline: None,
-                            })
-                        }
-                    }
+        let let_go = |have: Option<Have>| match have {
+            Some(h) => files.unlock_slot(h.slot, h.on),
+            None => Ok(()),
+        };
+        let (slot, on) = match state.holding() {
+            None => match have {
+                // Nobody holds the key: any slot of ours will do.
+                Some(h) => (h.slot, h.on),
+                None if files.try_slot(current)? => (current, On::State),
+                None => {
+                    return Ok(Step::WaitSlot {
+                        slot: current,
+                        lease_deadline: None,
+                    })
                 }
             },
-            Some(holder) => match mine {
+            Some(holder) => match have {
                 // The holder's slot is ours: it is dead.
-                Some((m, file)) if m == current => (current, file),
-                mine => {
-                    if let Some(file) = self.try_slot(&files.stem, current)? {
+                Some(h) if h.slot == current => (h.slot, h.on),
+                have => {
+                    if files.try_slot(current)? {
                         // Free: the holder is dead.
-                        drop(mine);
-                        (current, file)
+                        let_go(have)?;
+                        (current, On::State)
                     } else if holder.lease_deadline.is_some_and(|d| now >= d) {
                         // Alive, past its lease: take over on another slot.
-                        match mine {
-                            Some(m) => m,
-                            None => match self.free_slot(&files.stem, current)? {
-                                Some(found) => found,
+                        match have {
+                            Some(h) => (h.slot, h.on),
+                            None => match self.free_slot(files, current)? {
+                                Some(slot) => (slot, On::State),
                                 None => return Ok(Step::Backoff),
                             },
                         }
                     } else {
+                        let_go(have)?;
                         return Ok(Step::WaitSlot {
                             slot: current,
                             lease_deadline: holder.lease_deadline,
@@ -228,12 +322,14 @@ impl Inner {
                 }
             },
         };
+        // On an error from here the caller drops (closes) the files: the
+        // slot is let go with them, nothing is held.
         let token = state.mint(&files.state, &files.path)?;
         let lease_deadline =
             lease.map(|l| now.saturating_add(u64::try_from(l.as_nanos()).unwrap_or(u64::MAX)));
         state.slot = slot;
         state.holder = Some(Stamp {
-            pid: std::process::id(),
+            pid: unix::pid(),
             token,
             lease_deadline,
             granted_mono: now,
@@ -241,44 +337,39 @@ impl Inner {
             host: unix::hostname().to_owned(),
             label: self.label.clone(),
         });
-        // On an error the slot file closes: nothing is held.
         state.store(&files.state, &files.path)?;
-        Ok(Step::Granted {
-            slot: slot_file,
-            token,
-        })
+        Ok(Step::Granted { slot, on, token })
     }
 
-    fn free_slot(&self, stem: &str, except: u32) -> Result<Option<(u32, File)>, ProcessLockError> {
+    fn free_slot(&self, files: &KeyFiles, except: u32) -> Result<Option<u32>, ProcessLockError> {
         for slot in (0..MAX_SLOTS).filter(|&s| s != except) {
-            if let Some(file) = self.try_slot(stem, slot)? {
-                return Ok(Some((slot, file)));
+            if files.try_slot(slot)? {
+                return Ok(Some(slot));
             }
         }
         Ok(None)
     }
 
-    /// One judgement under the state lock, which the caller already holds
-    /// on `files.state`; the lock is let go before returning.
+    /// One judgement by a caller that just took the state lock on
+    /// `files.state` (and `have`); both are let go, but for the slot of a
+    /// grant. `None`: the file had been deleted, `files` is opened afresh.
     fn judge_locked(
         &self,
         files: &mut KeyFiles,
-        mine: Option<(u32, File)>,
+        have: Option<Have>,
         lease: Option<Duration>,
     ) -> Result<Option<Step>, ProcessLockError> {
-        let unlinked = unix::is_unlinked(&files.state)
-            .map_err(|e| ProcessLockError::io("stat", &files.path, e));
-        let step = match unlinked {
-            Ok(false) => self.judge(files, mine, lease).map(Some),
-            Ok(true) => Ok(None),
-            Err(e) => Err(e),
-        };
-        let _ = unix::unlock(&files.state);
-        if matches!(step, Ok(None)) {
-            // Deleted since opened: the path names another file now.
+        if files.unlinked()? {
+            // Closing the deleted file's descriptors lets its locks go.
             *files = self.open_key(&files.stem)?;
+            return Ok(None);
         }
-        step
+        let step = self.judge(files, have, lease);
+        // On any error the caller drops the files, which frees their locks.
+        let unlocked = files.unlock_state();
+        let step = step?;
+        unlocked?;
+        Ok(Some(step))
     }
 
     /// Takes the key now if no live holder has it (no wait beyond a moment
@@ -288,30 +379,34 @@ impl Inner {
         stem: &str,
         lease: Option<Duration>,
     ) -> Result<Result<Grant, Option<Box<ProcessHolder>>>, ProcessLockError> {
-        let mut files = self.open_key(stem)?;
+        let mut files = self.key_files(stem)?;
         let mut backoff = Backoff::new();
         for _ in 0..64 {
-            let locked = unix::try_lock(&files.state)
-                .map_err(|e| ProcessLockError::io("lock", &files.path, e))?;
-            if !locked {
+            let Some(slot0) = files.try_state(true)? else {
                 if backoff.step > 6 {
                     break;
                 }
                 std::thread::sleep(backoff.next());
                 continue;
-            }
-            match self.judge_locked(&mut files, None, lease)? {
+            };
+            let have = slot0.then_some(Have {
+                slot: 0,
+                on: On::State,
+            });
+            match self.judge_locked(&mut files, have, lease)? {
                 None => {}
-                Some(Step::Granted { slot, token, .. }) => {
+                Some(Step::Granted { slot, on, token }) => {
                     return Ok(Ok(Grant {
                         files,
-                        slot_file: slot,
+                        slot,
+                        on,
                         token,
                     }))
                 }
                 Some(Step::WaitSlot { .. } | Step::Backoff) => break,
             }
         }
+        self.put_back(files);
         Ok(Err(self.holder_of(stem)?.map(Box::new)))
     }
 
@@ -322,37 +417,67 @@ impl Inner {
         lease: Option<Duration>,
         deadline: Option<Instant>,
         started: Instant,
+        on_this_thread: bool,
     ) -> Result<Grant, ProcessLockError> {
         self.file_waiters.fetch_add(1, Ordering::Relaxed);
         let _count = DecOnDrop(&self.file_waiters);
-        let mut files = self.open_key(stem)?;
-        let mut mine: Option<(u32, File)> = None;
+        let mut files = self.key_files(stem)?;
+        // A slot the kernel handed a helper thread, on `files.spare`.
+        let mut have: Option<Have> = None;
         let mut pending: Option<(u32, KernelWait)> = None;
         let mut backoff = Backoff::new();
         loop {
-            let locked = unix::try_lock(&files.state)
-                .map_err(|e| ProcessLockError::io("lock", &files.path, e))?;
-            if !locked {
-                // Another process is inside the state lock: have the kernel
-                // wake us when it leaves.
-                let file = open_rw(&files.path)
-                    .map_err(|e| ProcessLockError::io("open the state file", &files.path, e))?;
-                let mut wait = KernelWait::start(file, false).map_err(|e| {
-                    ProcessLockError::io("start a helper thread for", &files.path, e)
-                })?;
-                match wait_until(&mut wait, deadline).await {
-                    Some(Ok(file)) => files.state = file,
-                    Some(Err(e)) => return Err(ProcessLockError::io("lock", &files.path, e)),
-                    None => return Err(self.timeout(stem, started)),
+            let mut locked = files.try_state(have.is_none())?;
+            for _ in 0..STATE_SPINS {
+                if locked.is_some() {
+                    break;
                 }
+                std::thread::yield_now();
+                locked = files.try_state(have.is_none())?;
             }
-            let step = self.judge_locked(&mut files, mine.take(), lease)?;
-            let Some(step) = step else { continue };
+            let slot0 = match locked {
+                Some(slot0) => slot0,
+                None => {
+                    // Another process sits in the state lock: have the
+                    // kernel wake us when it leaves, on a new open file (the
+                    // spare may hold a slot).
+                    let file = open_rw(&files.path)
+                        .map_err(|e| ProcessLockError::io("open the state file", &files.path, e))?;
+                    let mut wait =
+                        KernelWait::start(file, Kind::Exclusive, STATE_BYTE).map_err(|e| {
+                            ProcessLockError::io("start a helper thread for", &files.path, e)
+                        })?;
+                    match wait_until(&mut wait, deadline).await {
+                        Some(Ok(file)) => {
+                            // The new open file is the state file now; the
+                            // old one (no locks) becomes the spare if free.
+                            let old = std::mem::replace(&mut files.state, file);
+                            if files.spare.is_none() && have.is_none() {
+                                files.spare = Some(old);
+                            }
+                        }
+                        Some(Err(e)) => return Err(ProcessLockError::io("lock", &files.path, e)),
+                        None => return Err(self.timeout(stem, started)),
+                    }
+                    false
+                }
+            };
+            if slot0 {
+                have = Some(Have {
+                    slot: 0,
+                    on: On::State,
+                });
+            }
+            let Some(step) = self.judge_locked(&mut files, have.take(), lease)? else {
+                pending = None;
+                continue;
+            };
             match step {
-                Step::Granted { slot, token, .. } => {
+                Step::Granted { slot, on, token } => {
                     return Ok(Grant {
                         files,
-                        slot_file: slot,
+                        slot,
+                        on,
                         token,
                     })
                 }
@@ -360,11 +485,29 @@ impl Inner {
                     slot,
                     lease_deadline,
                 } => {
+                    if on_this_thread && deadline.is_none() && lease_deadline.is_none() {
+                        // Only the kernel can end this wait: make it here,
+                        // on the caller's own (blocking) thread.
+                        drop(pending.take());
+                        let file = self.spare(&mut files)?;
+                        helper::wait_here(|| {
+                            unix::lock_range(&file, Kind::Exclusive, slot_byte(slot), 1)
+                        })
+                        .map_err(|e| ProcessLockError::io("lock", &files.path, e))?;
+                        files.spare = Some(file);
+                        have = Some(Have {
+                            slot,
+                            on: On::Spare,
+                        });
+                        continue;
+                    }
                     if pending.as_ref().is_none_or(|(s, _)| *s != slot) {
-                        let file = self.open_slot(stem, slot)?;
-                        let wait = KernelWait::start(file, false).map_err(|e| {
-                            ProcessLockError::io("start a helper thread for", &files.path, e)
-                        })?;
+                        drop(pending.take());
+                        let file = self.spare(&mut files)?;
+                        let wait = KernelWait::start(file, Kind::Exclusive, slot_byte(slot))
+                            .map_err(|e| {
+                                ProcessLockError::io("start a helper thread for", &files.path, e)
+                            })?;
                         pending = Some((slot, wait));
                     }
                     let lapse = lease_deadline.map(instant_of_monotonic);
@@ -375,13 +518,14 @@ impl Inner {
                     let (_, wait) = pending.as_mut().expect("set above");
                     match wait_until(wait, wake).await {
                         Some(Ok(file)) => {
-                            mine = Some((slot, file));
+                            files.spare = Some(file);
+                            have = Some(Have {
+                                slot,
+                                on: On::Spare,
+                            });
                             pending = None;
                         }
-                        Some(Err(e)) => {
-                            let path = self.slot_path(stem, slot);
-                            return Err(ProcessLockError::io("lock", path, e));
-                        }
+                        Some(Err(e)) => return Err(ProcessLockError::io("lock", &files.path, e)),
                         None => {
                             if deadline.is_some_and(|d| Instant::now() >= d) {
                                 return Err(self.timeout(stem, started));
@@ -425,7 +569,9 @@ impl Inner {
         let mut locked = false;
         let mut backoff = Backoff::new();
         while backoff.step < 8 {
-            if unix::try_lock_shared(&file).map_err(|e| ProcessLockError::io("lock", &path, e))? {
+            if unix::try_lock_range(&file, Kind::Shared, STATE_BYTE, 1)
+                .map_err(|e| ProcessLockError::io("lock", &path, e))?
+            {
                 locked = true;
                 break;
             }
@@ -437,19 +583,16 @@ impl Inner {
             Err(ProcessLockError::Corrupt { .. }) if !locked => return Ok(None),
             Err(err) => return Err(err),
         };
-        let Some(stamp) = &state.holder else {
+        let Some(stamp) = state.holding() else {
             return Ok(None);
         };
-        // Alive while its slot is locked: probe it shared (probes do not
-        // exclude each other).
-        let slot = self.open_slot(stem, state.slot)?;
-        let free = unix::try_lock_shared(&slot)
-            .map_err(|e| ProcessLockError::io("lock", self.slot_path(stem, state.slot), e))?;
-        drop(slot);
+        // Alive while its slot is locked: a look at the lock, taking none.
+        let alive = unix::range_locked(&file, slot_byte(state.slot), 1)
+            .map_err(|e| ProcessLockError::io("lock", &path, e))?;
         drop(file);
         Ok(ProcessHolder::from_stamp(
             stamp,
-            !free,
+            alive,
             unix::monotonic_ns(),
         ))
     }
@@ -519,7 +662,7 @@ pub(crate) struct Backoff {
 
 impl Backoff {
     pub(crate) fn new() -> Self {
-        let seed = unix::monotonic_ns() ^ (u64::from(std::process::id()) << 32) | 1;
+        let seed = unix::monotonic_ns() ^ (u64::from(unix::pid()) << 32) | 1;
         Self { step: 0, seed }
     }
 

@@ -1,32 +1,33 @@
 //! The guards of the process scope: a key held across processes, released
 //! on drop.
 
-use std::fs::File;
-use std::sync::{Arc, Mutex, PoisonError};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::{Duration, Instant};
 
-use super::acquire::{instant_of_monotonic, Grant, KeyFiles};
+use super::acquire::{instant_of_monotonic, Grant, KeyFiles, On};
 use super::error::ProcessLockError;
-use super::stamp::State;
+use super::stamp::{write_released, State};
 use super::table::{Inner, ProcessLockTable};
-use super::unix;
+use super::unix::{self, Kind, STATE_BYTE};
 use crate::{FencingToken, OwnedGuard, DEFAULT_MAX_LEASE};
 
-/// What a guard holds: the key's slot lock, its state file, its token, and
-/// the in-process grant that keeps the process's other waiters queued.
+/// What a guard holds: the key's file (holding the slot's lock), its token,
+/// and the in-process grant that keeps the process's other waiters queued.
 #[derive(Debug)]
 pub(crate) struct Held<K> {
     key: K,
     token: FencingToken,
-    /// The state file, behind a lock: its kernel lock is per open file, so
-    /// two threads using one guard must not interleave on it.
-    files: Mutex<KeyFiles>,
-    /// The slot's kernel lock; closed on release.
-    slot: Option<File>,
+    /// The key's files, behind a lock: a kernel lock belongs to an open
+    /// file, so two threads using one guard must not interleave on it.
+    /// `None` once released.
+    files: Mutex<Option<KeyFiles>>,
+    /// The slot held, and which open file of `files` holds it.
+    slot: u32,
+    on: On,
     /// Released after the files, so that the next waiter of this process
     /// finds the key's files free.
     local: Option<OwnedGuard<String>>,
-    _inner: Arc<Inner>,
+    inner: Arc<Inner>,
 }
 
 /// How a grant stands, read from the state file.
@@ -39,16 +40,64 @@ enum Standing {
     Lost,
 }
 
+/// Runs `f` on a key's state under its state lock (exclusive or shared),
+/// judging how the grant of `token` stands.
+fn with_state<R>(
+    files: &KeyFiles,
+    token: FencingToken,
+    exclusive: bool,
+    f: impl FnOnce(&KeyFiles, Standing) -> Result<R, ProcessLockError>,
+) -> Result<R, ProcessLockError> {
+    let kind = if exclusive {
+        Kind::Exclusive
+    } else {
+        Kind::Shared
+    };
+    // The guard's own slot may be on the same open file: another byte, no
+    // conflict.
+    unix::lock_range(&files.state, kind, STATE_BYTE, 1)
+        .map_err(|e| ProcessLockError::io("lock", &files.path, e))?;
+    let result = (|| {
+        if unix::is_unlinked(&files.state)
+            .map_err(|e| ProcessLockError::io("stat", &files.path, e))?
+        {
+            return f(files, Standing::Lost);
+        }
+        let state = State::load(&files.state, &files.path)?;
+        let standing = match state.holding() {
+            Some(h) if h.token == token.get() => {
+                if h.lease_deadline.is_some_and(|d| unix::monotonic_ns() >= d) {
+                    Standing::Lapsed(state)
+                } else {
+                    Standing::Live(state)
+                }
+            }
+            _ => Standing::Lost,
+        };
+        f(files, standing)
+    })();
+    let unlocked = unix::unlock_range(&files.state, STATE_BYTE, 1)
+        .map_err(|e| ProcessLockError::io("unlock", &files.path, e));
+    let result = result?;
+    unlocked?;
+    Ok(result)
+}
+
 impl<K> Held<K> {
     pub(crate) fn new(inner: Arc<Inner>, key: K, grant: Grant, local: OwnedGuard<String>) -> Self {
         Self {
             key,
             token: FencingToken::new(grant.token).expect("tokens start at 1"),
-            files: Mutex::new(grant.files),
-            slot: Some(grant.slot_file),
+            files: Mutex::new(Some(grant.files)),
+            slot: grant.slot,
+            on: grant.on,
             local: Some(local),
-            _inner: inner,
+            inner,
         }
+    }
+
+    fn files(&self) -> MutexGuard<'_, Option<KeyFiles>> {
+        self.files.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
     /// Runs `f` on the state under the state lock (exclusive or shared).
@@ -57,34 +106,11 @@ impl<K> Held<K> {
         exclusive: bool,
         f: impl FnOnce(&KeyFiles, Standing) -> Result<R, ProcessLockError>,
     ) -> Result<R, ProcessLockError> {
-        let files = self.files.lock().unwrap_or_else(PoisonError::into_inner);
-        let locked = if exclusive {
-            unix::lock(&files.state)
-        } else {
-            unix::lock_shared(&files.state)
-        };
-        locked.map_err(|e| ProcessLockError::io("lock", &files.path, e))?;
-        let result = (|| {
-            if unix::is_unlinked(&files.state)
-                .map_err(|e| ProcessLockError::io("stat", &files.path, e))?
-            {
-                return f(&files, Standing::Lost);
-            }
-            let state = State::load(&files.state, &files.path)?;
-            let standing = match &state.holder {
-                Some(h) if h.token == self.token.get() => {
-                    if h.lease_deadline.is_some_and(|d| unix::monotonic_ns() >= d) {
-                        Standing::Lapsed(state)
-                    } else {
-                        Standing::Live(state)
-                    }
-                }
-                _ => Standing::Lost,
-            };
-            f(&files, standing)
-        })();
-        let _ = unix::unlock(&files.state);
-        result
+        let files = self.files();
+        match files.as_ref() {
+            Some(files) => with_state(files, self.token, exclusive, f),
+            None => Err(ProcessLockError::Expired { token: self.token }),
+        }
     }
 
     fn check(&self) -> Result<FencingToken, ProcessLockError> {
@@ -130,41 +156,44 @@ impl<K> Held<K> {
         Ok(())
     }
 
-    /// Clears the stamp if it is still ours, then lets the slot and the
-    /// in-process grant go. `Ok(token)` if the grant was live to the end.
-    /// Idempotent: a second call finds nothing to release.
-    fn release(&mut self) -> Result<FencingToken, ProcessLockError> {
+    /// Writes the release into the slot's cell, then lets the slot and the
+    /// in-process grant go. With `checked`, first reads (under the shared
+    /// state lock) whether the grant was live to the end: `Ok(token)` if
+    /// so. Idempotent: a second call finds nothing to release.
+    fn release(&mut self, checked: bool) -> Result<FencingToken, ProcessLockError> {
         let token = self.token;
-        if self.slot.is_none() {
+        let Some(files) = self.files().take() else {
             return Err(ProcessLockError::Expired { token });
-        }
-        let result = self.with_state(true, |files, standing| match standing {
-            Standing::Live(mut state) => {
-                state.holder = None;
-                state.store(&files.state, &files.path).map(|()| token)
-            }
-            Standing::Lapsed(mut state) => {
-                state.holder = None;
-                state.store(&files.state, &files.path)?;
-                Err(ProcessLockError::Expired { token })
-            }
-            // Taken over: the state is the successor's; touch nothing.
-            Standing::Lost => Err(ProcessLockError::Expired { token }),
-        });
-        // Whatever happened above, the slot goes: if the stamp could not be
-        // cleared, the next locker finds the slot free and judges this
+        };
+        let verdict = if checked {
+            with_state(&files, token, false, |_, standing| match standing {
+                Standing::Live(_) => Ok(token),
+                // Lapsed (the cell below frees the key) or taken over (the
+                // stamp is the successor's, on another slot: the cell of
+                // this grant's slot frees nothing of it).
+                _ => Err(ProcessLockError::Expired { token }),
+            })
+        } else {
+            Ok(token)
+        };
+        // While the slot is still held: nobody else writes its cell. If the
+        // write fails, the next locker finds the slot free and judges this
         // holder dead, which it now is as a holder.
-        drop(self.slot.take());
+        let _ = write_released(&files.state, &files.path, self.slot, token.get());
+        match files.unlock_slot(self.slot, self.on) {
+            // No lock left on the files: they may serve the next lock.
+            Ok(()) => self.inner.put_back(files),
+            // Closing them frees the lock.
+            Err(_) => drop(files),
+        }
         drop(self.local.take());
-        result
+        verdict
     }
 }
 
 impl<K> Drop for Held<K> {
     fn drop(&mut self) {
-        if self.slot.is_some() {
-            let _ = self.release();
-        }
+        let _ = self.release(false);
     }
 }
 
@@ -231,7 +260,7 @@ macro_rules! process_guard_methods {
         /// state file could not be written (the key is freed all the same:
         /// its slot lock is let go).
         pub fn release_checked(mut self) -> Result<FencingToken, ProcessLockError> {
-            self.held.release()
+            self.held.release(true)
         }
 
         /// Releases the key now; the same as dropping the guard. A release

@@ -1,6 +1,6 @@
 //! Waiting for a kernel lock without blocking the caller: a helper thread
-//! makes the blocking `flock` call and wakes the waiting future when the
-//! kernel grants it.
+//! makes the blocking lock call (`fcntl(F_OFD_SETLKW)` on one byte of the
+//! key's file) and wakes the waiting future when the kernel grants it.
 //!
 //! A [`KernelWait`] owns one request. The helper thread blocks in the kernel
 //! until the lock is its, then publishes the locked file in the request's
@@ -9,7 +9,7 @@
 //!
 //! # Cancellation
 //!
-//! A thread blocked in `flock` cannot be called back. Dropping a
+//! A thread blocked in a lock call cannot be called back. Dropping a
 //! [`KernelWait`] marks its cell abandoned instead: if the helper already
 //! holds the lock, the drop closes the file, which frees it; if it is still
 //! blocked, it keeps waiting, and when the kernel grants it the lock it finds
@@ -93,8 +93,17 @@ fn spawn(job: Job) -> io::Result<()> {
         .map(drop)
 }
 
-/// How many helper threads are blocked in the kernel on a lock right now,
-/// in this process.
+/// Runs `wait`, a blocking lock call, on the calling thread, counted as a
+/// kernel wait.
+pub(crate) fn wait_here<R>(wait: impl FnOnce() -> R) -> R {
+    BLOCKED.fetch_add(1, Ordering::Relaxed);
+    let out = wait();
+    BLOCKED.fetch_sub(1, Ordering::Relaxed);
+    out
+}
+
+/// How many threads (helpers, or callers of `blocking_lock`) are blocked in
+/// the kernel on a lock right now, in this process.
 pub(crate) fn blocked() -> usize {
     BLOCKED.load(Ordering::Relaxed)
 }
@@ -107,7 +116,7 @@ enum Cell {
 }
 
 /// A kernel lock being waited for on a helper thread; resolves to the file,
-/// locked (exclusive, or shared if asked).
+/// holding the lock.
 ///
 /// # Cancel safety
 ///
@@ -130,17 +139,13 @@ impl std::fmt::Debug for Cell {
 }
 
 impl KernelWait {
-    /// Starts waiting for `file`'s kernel lock.
-    pub(crate) fn start(file: File, shared: bool) -> io::Result<Self> {
+    /// Starts waiting for the kernel lock of byte `byte` of `file`.
+    pub(crate) fn start(file: File, kind: unix::Kind, byte: u64) -> io::Result<Self> {
         let cell = Arc::new(Mutex::new(Cell::Waiting(None)));
         let theirs = Arc::clone(&cell);
         spawn(Box::new(move || {
             BLOCKED.fetch_add(1, Ordering::Relaxed);
-            let result = if shared {
-                unix::lock_shared(&file)
-            } else {
-                unix::lock(&file)
-            };
+            let result = unix::lock_range(&file, kind, byte, 1);
             BLOCKED.fetch_sub(1, Ordering::Relaxed);
             let result = result.map(|()| file);
             let mut cell = lock(&theirs);

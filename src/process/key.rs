@@ -11,7 +11,7 @@
 //! The stem is prefixed with `key-`. Upper case letters are escaped so that
 //! two keys differing only in case never share a file on a case-insensitive
 //! file system; `.` is escaped so that no stem is `.`, `..` or hidden, and so
-//! that the suffixes after the stem (`.state`, `.slot0`, ...) cannot be
+//! that the suffixes after the stem (`.state`) cannot be
 //! confused with it. Decoding is the inverse, so two distinct keys always
 //! name distinct files. No hashing is involved: an encoded stem longer than
 //! [`MAX_ENCODED_KEY`] bytes is refused ([`ProcessLockError::Key`]), since

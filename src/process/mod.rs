@@ -30,10 +30,12 @@
 //!
 //! # How a dead holder and a stuck holder both lose the key
 //!
-//! Each key has a state file (token state and owner stamp) and slot files
-//! (see `acquire.rs` for the details and docs/ARCHITECTURE.md, "Process
-//! scope"). The holder holds the kernel lock (`flock`) of the slot its stamp
-//! names, for as long as it holds the key:
+//! Each key has a state file (token state and owner stamp) whose bytes
+//! carry its kernel locks: byte 0 is the short *state lock*, bytes 1 and up
+//! are *slots* (see `acquire.rs` for the details and docs/ARCHITECTURE.md,
+//! "Process scope"). The holder holds the kernel lock (an open file
+//! description lock, `fcntl(F_OFD_SETLK)`) of the slot its stamp names, for
+//! as long as it holds the key:
 //!
 //! - **A dead holder** loses its kernel lock when it dies, however it dies
 //!   (SIGKILL, a crash, a lost container): the kernel frees it and wakes
@@ -61,26 +63,32 @@
 //! Waiters of one process queue on an in-process
 //! [`LockTable`](crate::LockTable) first (FIFO, one wake slot each), so at
 //! most one waiter per process and key waits on the key's files. That one is
-//! woken by the kernel: a helper thread blocks in `flock` and wakes the
+//! woken by the kernel: a helper thread blocks in the lock call and wakes the
 //! future, with no polling; a timer wakes it at the holder's lease deadline
 //! and at its own deadline. Across processes the kernel decides who is next
-//! (`flock` is not FIFO). A timeout names the holder: pid, host, label,
+//! (kernel locks are not FIFO). A timeout names the holder: pid, host, label,
 //! whether it is alive (holds its kernel lock), its token and how long it
 //! has held the key ([`ProcessHolder`]).
 //!
 //! # Files
 //!
-//! The directory holds `keylock.dir`, and per key `key-<encoded>.state`
-//! (1.5 KiB) and `key-<encoded>.slot<N>` (empty; usually only `slot0`).
-//! Key files are never deleted by the table: deleting a key's files while
-//! processes use it is unsupported (a holder of the deleted files then sees
-//! its `check()` fail, but the next locker starts the key afresh, tokens
+//! The directory holds `keylock.dir`, and per key one file,
+//! `key-<encoded>.state` (2 KiB). Key files are never deleted by the table:
+//! deleting a key's file while processes use it is unsupported (a holder of
+//! the deleted file then sees its `check()` fail, and every table notices
+//! at its next lock of the key, but the key starts afresh, tokens
 //! included). See [`MAX_ENCODED_KEY`] for the key encoding.
+//!
+//! A table keeps the files of the keys it used last open, at most
+//! [`ProcessStats::MAX_CACHED_KEYS`] of them (a descriptor or two each), so
+//! that taking a key again opens nothing: an uncontended lock and release
+//! is seven system calls (see BENCHMARKS.md).
 //!
 //! # File systems
 //!
-//! Local file systems with `flock`: ext4, xfs, btrfs, tmpfs. Not NFS or
-//! other network file systems (their `flock` emulation does not free the
+//! Local file systems: ext4, xfs, btrfs, tmpfs (open file description
+//! locks need Linux 3.15 or later). Not NFS or other network file systems
+//! (their byte-range locks are the server's, which does not free the
 //! locks of a dead client at once, and the processes are on other hosts,
 //! whose monotonic clocks differ): use a cluster lock there.
 //!
@@ -90,6 +98,7 @@
 //! clock and boot id); other Unixes and Windows have no process scope yet.
 
 mod acquire;
+mod cache;
 mod error;
 mod guard;
 mod helper;

@@ -1,13 +1,26 @@
 //! The owner stamp and the token state of one key, as stored in the key's
 //! state file, and the public view of a holder ([`ProcessHolder`]).
 //!
-//! # Layout of `<stem>.state` (1,536 bytes, little-endian)
+//! # Layout of `<stem>.state` (2,048 bytes, little-endian)
 //!
 //! | offset | size | what |
 //! |--------|------|------|
 //! | 0      | 512  | the state record: last token, current slot, holder stamp |
 //! | 512    | 32   | reservation record A |
 //! | 1024   | 32   | reservation record B |
+//! | 1536   | 512  | the release cells: one token (8 bytes) per slot |
+//!
+//! The file's *bytes* 0 to 64 also carry its kernel locks (see
+//! [`super::acquire`]); locks are not data, so the layout above is unaffected.
+//!
+//! A **release cell** is written by the holder of its slot as it releases
+//! the key, with its token, without the state lock: only the holder of slot
+//! `n` ever writes cell `n`, and it does so while it still holds the slot.
+//! A stamp whose token is in its slot's cell was released (the key is free);
+//! one whose token is not, and whose slot is free, names a holder that died.
+//! A torn read of a cell (a concurrent release) reads as "not released",
+//! which leads to the same judgement as a released stamp: the slot is free,
+//! the key is taken over on it.
 //!
 //! The **state record** is rewritten in place on every grant and release,
 //! under the key's short kernel lock, and never `fsync`ed: after a process
@@ -36,13 +49,26 @@ use super::unix;
 use crate::FencingToken;
 
 /// Bytes of a state file.
-pub(crate) const FILE_LEN: usize = 1536;
+pub(crate) const FILE_LEN: usize = 2048;
 const STATE_LEN: usize = 512;
 const RESERVE_AT: [usize; 2] = [512, 1024];
 const RESERVE_LEN: usize = 32;
 const STATE_MAGIC: &[u8; 4] = b"KLPS";
 const RESERVE_MAGIC: &[u8; 4] = b"KLPR";
-const VERSION: u32 = 1;
+/// 2: release cells, a word-wise checksum, and the kernel locks on bytes
+/// of the state file (1 had slot files; a directory used by version 1 must
+/// not be shared with version 2, and a version 1 state file is refused as
+/// [`ProcessLockError::Corrupt`]).
+const VERSION: u32 = 2;
+const CELLS_AT: usize = 1536;
+
+/// The most slots a key may use (one per stuck holder taken over).
+pub(crate) const MAX_SLOTS: u32 = 64;
+
+/// The offset of slot `slot`'s release cell.
+fn cell_at(slot: u32) -> usize {
+    CELLS_AT + 8 * slot.min(MAX_SLOTS - 1) as usize
+}
 
 /// How many tokens one durable reservation covers.
 pub(crate) const RESERVE_BLOCK: u64 = 1024;
@@ -71,21 +97,31 @@ pub(crate) struct Stamp {
 pub(crate) struct State {
     /// The last token handed out for the key (0: none yet).
     pub(crate) last_token: u64,
-    /// The slot file the holder locks (or the last holder locked).
+    /// The slot the holder locks (or the last holder locked).
     pub(crate) slot: u32,
     pub(crate) holder: Option<Stamp>,
     /// The durable token ceiling.
     pub(crate) reserved: u64,
     /// Which reservation record is older or invalid: the next to write.
     reserve_next: usize,
+    /// The release cell of `slot`: the token of the last holder of that
+    /// slot that released it.
+    pub(crate) released: u64,
 }
 
 fn checksum(bytes: &[u8]) -> u64 {
-    // FNV-1a, 64 bits: detects torn or foreign records, not an adversary.
-    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
-    for &b in bytes {
-        h ^= u64::from(b);
-        h = h.wrapping_mul(0x0100_0000_01b3);
+    // A multiply-xor-rotate over 64-bit words: detects torn or foreign
+    // records, not an adversary. Every step is a bijection of `h`, so two
+    // records that differ in one word always differ in their checksums.
+    const K: u64 = 0x9e37_79b9_7f4a_7c15;
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325 ^ bytes.len() as u64;
+    let mut words = bytes.chunks_exact(8);
+    for word in &mut words {
+        let word = u64::from_le_bytes(word.try_into().expect("8 bytes"));
+        h = (h ^ word).wrapping_mul(K).rotate_left(31);
+    }
+    for &b in words.remainder() {
+        h = (h ^ u64::from(b)).wrapping_mul(K).rotate_left(31);
     }
     h
 }
@@ -243,6 +279,7 @@ impl State {
             holder: None,
             reserved,
             reserve_next,
+            released: 0,
         };
         match decode_state(&buf[..STATE_LEN]) {
             Record::Empty => {
@@ -261,7 +298,7 @@ impl State {
                 last_token,
                 slot,
                 holder,
-            } => {
+            } if slot < MAX_SLOTS => {
                 if boot != unix::boot_id() {
                     // Written before a reboot: its holder is gone, its
                     // deadline meaningless, and tokens may have been handed
@@ -278,9 +315,18 @@ impl State {
                     holder,
                     reserved,
                     reserve_next,
+                    released: u64_at(&buf, cell_at(slot)),
                 })
             }
+            Record::Valid { .. } => Err(ProcessLockError::Corrupt { path: path.into() }),
         }
+    }
+
+    /// The stamp of the key's holder: `None` if there is none or it was
+    /// released (its token is in its slot's release cell). A holder named
+    /// here may be dead: its slot's kernel lock says.
+    pub(crate) fn holding(&self) -> Option<&Stamp> {
+        self.holder.as_ref().filter(|h| h.token != self.released)
     }
 
     /// Mints the next token, first making its ceiling durable if it passes
@@ -312,6 +358,19 @@ impl State {
         file.write_all_at(&encode_state(self), 0)
             .map_err(|err| ProcessLockError::io("write the owner stamp to", path, err))
     }
+}
+
+/// Writes slot `slot`'s release cell: the holder of token `token`, which
+/// holds that slot, lets the key go. Not under the state lock (see the
+/// module doc).
+pub(crate) fn write_released(
+    file: &File,
+    path: &Path,
+    slot: u32,
+    token: u64,
+) -> Result<(), ProcessLockError> {
+    file.write_all_at(&token.to_le_bytes(), cell_at(slot) as u64)
+        .map_err(|err| ProcessLockError::io("write the release of", path, err))
 }
 
 /// Who holds a key, as its owner stamp says, judged at the moment of the

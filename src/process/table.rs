@@ -10,6 +10,7 @@ use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 
+use super::cache::{FileCache, CACHED_KEYS};
 use super::error::ProcessLockError;
 use super::guard::{Held, OwnedProcessGuard, ProcessGuard};
 use super::stamp::{ProcessHolder, MAX_LABEL};
@@ -26,6 +27,9 @@ pub(crate) struct Inner {
     pub(crate) local: Arc<LockTable<String>>,
     /// Waiters of this table at the file level right now.
     pub(crate) file_waiters: AtomicUsize,
+    /// The open files of recently used keys (shared with the tables made
+    /// from this one by `with_label`).
+    pub(crate) cache: Arc<FileCache>,
 }
 
 /// A table of keyed locks shared by every process of the host that opens
@@ -75,14 +79,28 @@ pub struct ProcessStats {
     /// Waiters of this table at the file level now: at most one per key,
     /// since the others queue in the process first.
     pub file_waiters: usize,
-    /// Helper threads of this process (all tables) blocked in the kernel on
-    /// a key's file now.
+    /// Threads of this process (all tables) blocked in the kernel on a
+    /// key's file now: helper threads, and callers of
+    /// [`blocking_lock`](ProcessLockTable::blocking_lock) waiting without a
+    /// deadline.
     pub kernel_waits: usize,
+    /// Keys whose files this table keeps open between uses now (at most
+    /// [`MAX_CACHED_KEYS`](Self::MAX_CACHED_KEYS); a key held is not
+    /// counted: its guard has its files).
+    pub cached_keys: usize,
+}
+
+impl ProcessStats {
+    /// The most keys whose files a table keeps open between uses (two
+    /// descriptors each at most): taking a key whose files are open costs
+    /// no `open`; one more key closes the least recently used key's files.
+    pub const MAX_CACHED_KEYS: usize = CACHED_KEYS;
 }
 
 impl<K: AsRef<[u8]>> ProcessLockTable<K> {
     /// Opens the table kept in `dir`, which must exist and be writable, on a
-    /// file system with `flock` (local ext4, xfs, btrfs, tmpfs: yes; see the
+    /// file system with open file description locks (local ext4, xfs,
+    /// btrfs, tmpfs: yes; see the
     /// [module documentation](crate::process#file-systems)). Checks both
     /// now, by taking a kernel lock on `dir/keylock.dir`.
     ///
@@ -119,15 +137,18 @@ impl<K: AsRef<[u8]>> ProcessLockTable<K> {
             .open(&probe)
             .map_err(|e| ProcessLockError::io("create a file in the lock directory", &probe, e))?;
         // Shared, so that tables opening at once do not exclude each other.
-        unix::lock_shared(&file)
-            .and_then(|()| unix::unlock(&file))
-            .map_err(|e| ProcessLockError::io("take a kernel lock (flock) on", &probe, e))?;
+        unix::lock_range(&file, unix::Kind::Shared, 0, 1)
+            .and_then(|()| unix::unlock_range(&file, 0, 1))
+            .map_err(|e| {
+                ProcessLockError::io("take a kernel lock (fcntl F_OFD_SETLKW) on", &probe, e)
+            })?;
         Ok(Self {
             inner: Arc::new(Inner {
                 dir,
                 label: None,
                 local: Arc::new(LockTable::new()),
                 file_waiters: AtomicUsize::new(0),
+                cache: Arc::new(FileCache::default()),
             }),
             _key: PhantomData,
         })
@@ -161,6 +182,7 @@ impl<K: AsRef<[u8]>> ProcessLockTable<K> {
                 label: Some(label),
                 local: Arc::clone(&self.inner.local),
                 file_waiters: AtomicUsize::new(0),
+                cache: Arc::clone(&self.inner.cache),
             }),
             _key: PhantomData,
         }
@@ -183,6 +205,7 @@ impl<K> ProcessLockTable<K> {
         ProcessStats {
             file_waiters: self.inner.file_waiters.load(Ordering::Relaxed),
             kernel_waits: super::helper::blocked(),
+            cached_keys: self.inner.cache.len(),
         }
     }
 
@@ -265,13 +288,16 @@ async fn acquire<K: AsRef<[u8]>>(
     inner: Arc<Inner>,
     key: K,
     opts: LockOptions,
+    on_this_thread: bool,
 ) -> Result<Held<K>, ProcessLockError> {
     let started = Instant::now();
     let lease = check_options(&opts)?;
     let stem = key::encode(key.as_ref())?;
     let deadline = deadline_of(&opts, started);
     let local = local_lock(&inner, &stem, lease, deadline, started).await?;
-    let grant = inner.acquire(&stem, lease, deadline, started).await?;
+    let grant = inner
+        .acquire(&stem, lease, deadline, started, on_this_thread)
+        .await?;
     if let Some(lease) = lease {
         // The local lease runs from the file grant too (a hint only: the
         // file's stamp is the authority).
@@ -436,7 +462,11 @@ impl<K: AsRef<[u8]> + Send> ProcessLockTable<K> {
     {
         let inner = Arc::clone(&self.inner);
         ProcessLock {
-            inner: Box::pin(async move { acquire(inner, key, opts).await.map(ProcessGuard::new) }),
+            inner: Box::pin(async move {
+                acquire(inner, key, opts, false)
+                    .await
+                    .map(ProcessGuard::new)
+            }),
         }
     }
 
@@ -500,7 +530,7 @@ impl<K: AsRef<[u8]> + Send> ProcessLockTable<K> {
         let inner = Arc::clone(&self.inner);
         OwnedProcessLock {
             inner: Box::pin(async move {
-                acquire(inner, key, opts)
+                acquire(inner, key, opts, false)
                     .await
                     .map(|held| OwnedProcessGuard::new(self, held))
             }),
@@ -508,8 +538,10 @@ impl<K: AsRef<[u8]> + Send> ProcessLockTable<K> {
     }
 
     /// Blocks the calling thread until `key` is taken; [`lock`](Self::lock)
-    /// for plain threads (the thread parks; a helper thread waits in the
-    /// kernel). Do not call it on an async runtime's worker thread.
+    /// for plain threads. Without a deadline, and while the holder has no
+    /// lease, the thread itself waits in the kernel for the key's lock;
+    /// otherwise it parks and a helper thread waits in the kernel. Do not
+    /// call it on an async runtime's worker thread.
     ///
     /// # Errors
     ///
@@ -526,7 +558,7 @@ impl<K: AsRef<[u8]> + Send> ProcessLockTable<K> {
     /// # Ok::<(), keylock::ProcessLockError>(())
     /// ```
     pub fn blocking_lock(&self, key: K) -> Result<ProcessGuard<'_, K>, ProcessLockError> {
-        crate::blocking::block_on(self.lock(key))
+        self.blocking_lock_with(key, LockOptions::new())
     }
 
     /// Like [`blocking_lock`](Self::blocking_lock), with options as
@@ -552,7 +584,13 @@ impl<K: AsRef<[u8]> + Send> ProcessLockTable<K> {
         key: K,
         opts: LockOptions,
     ) -> Result<ProcessGuard<'_, K>, ProcessLockError> {
-        crate::blocking::block_on(self.lock_with(key, opts))
+        // The calling thread may block in the kernel itself (no helper
+        // thread, one wake-up less per handoff) when nothing but the
+        // kernel can end the wait: no deadline, a holder without a lease.
+        let inner = Arc::clone(&self.inner);
+        crate::blocking::block_on(async move {
+            acquire(inner, key, opts, true).await.map(ProcessGuard::new)
+        })
     }
 
     /// Takes `key` now if no live holder has it: a holder that died is taken

@@ -4,7 +4,7 @@
 //! Everything above this file speaks of "the monotonic clock in
 //! nanoseconds", "this boot" and "lock this file"; only this file knows that
 //! they are `CLOCK_MONOTONIC`, `/proc/sys/kernel/random/boot_id` and
-//! `flock(2)`. A port to another Unix or to
+//! open file description byte-range locks (`fcntl(F_OFD_SETLK)`). A port to another Unix or to
 //! Windows is a sibling of this file.
 
 use std::fs::File;
@@ -12,7 +12,8 @@ use std::io;
 use std::os::fd::AsRawFd;
 use std::os::unix::fs::MetadataExt;
 use std::path::Path;
-use std::sync::OnceLock;
+use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
+use std::sync::{Once, OnceLock};
 
 /// `CLOCK_MONOTONIC` in nanoseconds: one clock for every process of the host
 /// (it counts from boot and never steps), so a lease deadline written by one
@@ -62,14 +63,51 @@ pub(crate) fn hostname() -> &'static str {
     })
 }
 
-/// One `flock(2)` call on `file`, retried on `EINTR`. (std's `File::lock`
-/// makes the same call, but needs Rust 1.89, above the crate's MSRV.)
-fn flock(file: &File, op: libc::c_int) -> io::Result<()> {
+/// The byte of a key's state file whose lock is the *state lock*.
+pub(crate) const STATE_BYTE: u64 = 0;
+
+/// The byte of a key's state file whose lock is slot `slot`.
+pub(crate) const fn slot_byte(slot: u32) -> u64 {
+    1 + slot as u64
+}
+
+/// What a range lock call asks for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Kind {
+    Exclusive,
+    Shared,
+}
+
+/// An open file description (OFD) lock request on `len` bytes from `start`.
+fn ofd_request(kind: Option<Kind>, start: u64, len: u64) -> libc::flock {
+    // SAFETY: `libc::flock` is a plain C struct of integers, for which all
+    // zeros is a valid value (and `l_pid` must be 0 for OFD locks).
+    let mut req: libc::flock = unsafe { std::mem::zeroed() };
+    #[allow(clippy::cast_possible_truncation)] // F_* constants fit in a short
+    {
+        req.l_type = match kind {
+            Some(Kind::Exclusive) => libc::F_WRLCK,
+            Some(Kind::Shared) => libc::F_RDLCK,
+            None => libc::F_UNLCK,
+        } as libc::c_short;
+        req.l_whence = libc::SEEK_SET as libc::c_short;
+    }
+    #[allow(clippy::cast_possible_wrap)] // offsets below 2^63
+    {
+        req.l_start = start as libc::off_t;
+        req.l_len = len as libc::off_t;
+    }
+    req
+}
+
+/// One `fcntl(2)` OFD lock call, retried on `EINTR`.
+fn ofd(file: &File, cmd: libc::c_int, req: &mut libc::flock) -> io::Result<()> {
     loop {
-        // SAFETY: flock takes a file descriptor, which `file` keeps open for
-        // the duration of the call, and an operation; it touches no memory.
-        let rc = unsafe { libc::flock(file.as_raw_fd(), op) };
-        if rc == 0 {
+        // SAFETY: `req` is a valid, exclusively borrowed `flock` struct for
+        // the duration of the call, and `file` keeps its descriptor open;
+        // the OFD lock commands read and write only `*req`.
+        let rc = unsafe { libc::fcntl(file.as_raw_fd(), cmd, req as *mut libc::flock) };
+        if rc != -1 {
             return Ok(());
         }
         let err = io::Error::last_os_error();
@@ -79,40 +117,75 @@ fn flock(file: &File, op: libc::c_int) -> io::Result<()> {
     }
 }
 
-/// A non-blocking `flock`: `Ok(false)` when another open file description
-/// holds a conflicting lock.
-fn try_flock(file: &File, op: libc::c_int) -> io::Result<bool> {
-    match flock(file, op | libc::LOCK_NB) {
+/// Takes the lock of `len` bytes from `start` of `file` if no other open
+/// file description holds a conflicting one now: `Ok(false)` if one does.
+/// All or nothing: no byte of the range is locked when it fails.
+///
+/// These are open file description locks (`F_OFD_SETLK`): owned by the open
+/// file (not the process, unlike classic POSIX locks, and unaffected by
+/// closing other descriptors of the file), freed by the kernel when the
+/// last descriptor of it closes, which a process that dies does whatever it
+/// dies of. Locks of one open file never conflict with each other.
+pub(crate) fn try_lock_range(file: &File, kind: Kind, start: u64, len: u64) -> io::Result<bool> {
+    let mut req = ofd_request(Some(kind), start, len);
+    match ofd(file, libc::F_OFD_SETLK, &mut req) {
         Ok(()) => Ok(true),
-        Err(err) if err.raw_os_error() == Some(libc::EWOULDBLOCK) => Ok(false),
+        // EAGAIN (EWOULDBLOCK), or EACCES on some file systems.
+        Err(err) if matches!(err.raw_os_error(), Some(libc::EAGAIN | libc::EACCES)) => Ok(false),
         Err(err) => Err(err),
     }
 }
 
-/// Takes `file`'s exclusive kernel lock if it is free now: `Ok(false)` when
-/// another open file description holds it.
-pub(crate) fn try_lock(file: &File) -> io::Result<bool> {
-    try_flock(file, libc::LOCK_EX)
+/// Blocks the calling thread until the lock of `len` bytes from `start` is
+/// `file`'s.
+pub(crate) fn lock_range(file: &File, kind: Kind, start: u64, len: u64) -> io::Result<()> {
+    let mut req = ofd_request(Some(kind), start, len);
+    ofd(file, libc::F_OFD_SETLKW, &mut req)
 }
 
-/// Takes `file`'s shared kernel lock if no exclusive holder has it now.
-pub(crate) fn try_lock_shared(file: &File) -> io::Result<bool> {
-    try_flock(file, libc::LOCK_SH)
+/// Lets the lock of `len` bytes from `start` go (closing the file's last
+/// descriptor does too).
+pub(crate) fn unlock_range(file: &File, start: u64, len: u64) -> io::Result<()> {
+    let mut req = ofd_request(None, start, len);
+    ofd(file, libc::F_OFD_SETLK, &mut req)
 }
 
-/// Blocks the calling thread until `file`'s exclusive kernel lock is its.
-pub(crate) fn lock(file: &File) -> io::Result<()> {
-    flock(file, libc::LOCK_EX)
+/// Whether another open file description holds an exclusive lock on a byte
+/// of the range now (`F_OFD_GETLK`: a look, no lock taken).
+pub(crate) fn range_locked(file: &File, start: u64, len: u64) -> io::Result<bool> {
+    let mut req = ofd_request(Some(Kind::Shared), start, len);
+    ofd(file, libc::F_OFD_GETLK, &mut req)?;
+    Ok(i32::from(req.l_type) != libc::F_UNLCK)
 }
 
-/// Blocks the calling thread until `file`'s shared kernel lock is its.
-pub(crate) fn lock_shared(file: &File) -> io::Result<()> {
-    flock(file, libc::LOCK_SH)
+static PID: AtomicU32 = AtomicU32::new(0);
+static PID_CACHED: AtomicBool = AtomicBool::new(false);
+
+/// Run in a forked child: its pid is not its parent's.
+unsafe extern "C" fn forget_pid() {
+    PID.store(0, Ordering::Relaxed);
 }
 
-/// Lets `file`'s kernel lock go (closing the file does too).
-pub(crate) fn unlock(file: &File) -> io::Result<()> {
-    flock(file, libc::LOCK_UN)
+/// This process's id, read once (and again in a child after `fork`).
+/// std's `process::id` makes a system call each time.
+pub(crate) fn pid() -> u32 {
+    let pid = PID.load(Ordering::Relaxed);
+    if pid != 0 {
+        return pid;
+    }
+    static AT_FORK: Once = Once::new();
+    AT_FORK.call_once(|| {
+        // SAFETY: the handler only stores to an atomic (async-signal-safe,
+        // as a forked child's handlers must be); registering has no other
+        // precondition.
+        let rc = unsafe { libc::pthread_atfork(None, None, Some(forget_pid)) };
+        PID_CACHED.store(rc == 0, Ordering::Relaxed);
+    });
+    let pid = std::process::id();
+    if PID_CACHED.load(Ordering::Relaxed) {
+        PID.store(pid, Ordering::Relaxed);
+    }
+    pid
 }
 
 /// Whether `file` was unlinked from its directory since it was opened: a

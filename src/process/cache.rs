@@ -1,0 +1,112 @@
+//! The descriptor cache: the open state files of the keys a table used
+//! last, so that taking a key again opens nothing.
+//!
+//! # Invariants
+//!
+//! - A cached [`KeyFiles`] holds no kernel lock: it is checked in only
+//!   after its slot and state locks were let go (a failed unlock drops the
+//!   files instead, and closing them frees their locks).
+//! - A [`KeyFiles`] is used by one acquirer or guard at a time: it is
+//!   *checked out* (removed from the cache) for the whole acquisition and
+//!   hold, because a kernel lock belongs to an open file, and two users of
+//!   one open file would not exclude each other. A second user of the same
+//!   key opens the file afresh.
+//! - At most [`CACHED_KEYS`] keys per table (two descriptors each at most):
+//!   checking in one more closes the files of the least recently used key.
+//! - After a `fork`, the child's copy of the cache is dropped, not used:
+//!   the child shares the parent's open files, so its locks on them would
+//!   not exclude the parent's.
+//!
+//! The files of a key are never deleted by the table, and an acquirer
+//! re-checks after taking the state lock that the path still names the
+//! file it locked (`nlink != 0`), opening it again if not; so a cached
+//! descriptor of a deleted file is noticed at its next use.
+
+use std::collections::HashMap;
+use std::sync::{Mutex, PoisonError};
+
+use super::acquire::KeyFiles;
+use super::unix;
+
+/// The most keys whose files a table keeps open between uses.
+pub(crate) const CACHED_KEYS: usize = 64;
+
+#[derive(Debug, Default)]
+struct Entries {
+    /// The process that filled the cache.
+    pid: u32,
+    tick: u64,
+    /// By stem: when last checked in, and the files.
+    map: HashMap<String, (u64, KeyFiles), foldhash::fast::RandomState>,
+}
+
+/// The open files of recently used keys (see the module doc).
+#[derive(Debug, Default)]
+pub(crate) struct FileCache {
+    entries: Mutex<Entries>,
+}
+
+impl FileCache {
+    fn entries(&self) -> std::sync::MutexGuard<'_, Entries> {
+        // Nothing panics while holding it; ignore poisoning.
+        self.entries.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Takes the files of `stem` out of the cache, if it has them.
+    #[inline]
+    pub(crate) fn checkout(&self, stem: &str) -> Option<KeyFiles> {
+        let pid = unix::pid();
+        let mut entries = self.entries();
+        if entries.pid != pid {
+            // New, or forked: these are the parent's open files.
+            let stale = std::mem::take(&mut entries.map);
+            entries.pid = pid;
+            drop(entries);
+            drop(stale);
+            return None;
+        }
+        entries.map.remove(stem).map(|(_, files)| files)
+    }
+
+    /// Puts `files`, which hold no kernel lock, back into the cache,
+    /// closing the least recently used key's if it is full.
+    #[inline]
+    pub(crate) fn checkin(&self, files: KeyFiles) {
+        let pid = unix::pid();
+        let mut entries = self.entries();
+        if entries.pid != pid {
+            // New, or forked (then `files` may be the parent's open file
+            // too, held by a guard the child inherited: not cached).
+            let forked = entries.pid != 0;
+            let stale = std::mem::take(&mut entries.map);
+            entries.pid = pid;
+            drop(entries);
+            drop(stale);
+            if forked {
+                return;
+            }
+            entries = self.entries();
+        }
+        entries.tick += 1;
+        let tick = entries.tick;
+        let mut evicted = None;
+        if entries.map.len() >= CACHED_KEYS && !entries.map.contains_key(&files.stem) {
+            let oldest = entries
+                .map
+                .iter()
+                .min_by_key(|(_, (t, _))| *t)
+                .map(|(stem, _)| stem.clone());
+            evicted = oldest.and_then(|stem| entries.map.remove(&stem));
+        }
+        let replaced = entries.map.insert(files.stem.clone(), (tick, files));
+        drop(entries);
+        // Closing files is a system call: outside the lock.
+        drop(evicted);
+        drop(replaced);
+    }
+
+    /// How many keys' files are open in the cache.
+    pub(crate) fn len(&self) -> usize {
+        self.entries().map.len()
+    }
+}
