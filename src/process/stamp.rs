@@ -486,6 +486,7 @@ mod tests {
     }
 
     #[test]
+    #[cfg_attr(miri, ignore = "reads the system (boot id, files): not under miri")]
     fn a_state_record_round_trips_with_long_text_cut_on_char_boundaries() {
         let state = State {
             last_token: 9,
@@ -514,6 +515,7 @@ mod tests {
     }
 
     #[test]
+    #[cfg_attr(miri, ignore = "reads the system (boot id, files): not under miri")]
     fn a_torn_record_is_detected() {
         let mut buf = encode_state(&State::default());
         buf[13] ^= 1;
@@ -525,6 +527,7 @@ mod tests {
     }
 
     #[test]
+    #[cfg_attr(miri, ignore = "reads the system (boot id, files): not under miri")]
     fn after_a_reboot_tokens_restart_above_the_durable_ceiling() {
         let dir = std::env::temp_dir().join(format!("keylock-stamp-{}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
