@@ -31,6 +31,9 @@
 //!   that spends tokio's cooperative budget (see [Time](#time)).
 //! - `test-util`: `ManualClock` and `Builder::clock`, time moved by hand for
 //!   deterministic tests (see [Time](#time)).
+//! - `etcd`: the cluster scope, module `etcd` (`ClusterLockTable`): the same
+//!   locks across machines on an etcd v3 cluster. Needs a tokio runtime,
+//!   and `protoc` to build.
 //!
 //! # Runtimes
 //!
@@ -279,6 +282,9 @@ mod clock;
 mod deadlock;
 mod deferred;
 mod error;
+#[cfg(feature = "etcd")]
+#[cfg_attr(docsrs, doc(cfg(feature = "etcd")))]
+pub mod etcd;
 mod fairness;
 mod guard;
 mod hold;
@@ -310,6 +316,8 @@ mod waiter;
 pub use clock::ManualClock;
 pub use deadlock::{CycleWait, Deadlock, TransactionId};
 pub use error::{LockError, TryLockError};
+#[cfg(feature = "etcd")]
+pub use etcd::{ClusterGuard, ClusterLockError, ClusterLockTable, OwnedClusterGuard};
 pub use fairness::Fairness;
 pub use guard::{Guard, OwnedGuard};
 pub use hold::Hold;

@@ -1,0 +1,193 @@
+//! The cluster scope under faults, against a real etcd cluster: a holder
+//! process killed with SIGKILL, a member killed and restarted.
+//!
+//! Needs the `etcd` feature, `KEYLOCK_ETCD_ENDPOINTS` and `KEYLOCK_ETCD_DIR`
+//! (see `tests/etcd_cluster/`); run serially (`--test-threads 1`): the
+//! member test kills a member of the shared cluster. Assertions are on
+//! outcomes; durations only bound hangs.
+
+#![cfg(all(feature = "etcd", target_os = "linux"))]
+
+mod etcd_cluster;
+
+use std::io::{BufRead, BufReader};
+use std::process::{Command, Stdio};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use keylock::etcd::{ClusterLockTable, ClusterOptions};
+
+const HANG: Duration = Duration::from_secs(90);
+
+async fn table(endpoints: &[String], prefix: &str, label: &str) -> ClusterLockTable<String> {
+    let opts = ClusterOptions::new()
+        .prefix(prefix)
+        .label(label)
+        .session_ttl(Duration::from_secs(2));
+    ClusterLockTable::connect_with(endpoints, opts)
+        .await
+        .expect("connect to the test cluster")
+}
+
+/// The child half of `sigkill_frees_the_key_after_the_ttl`: takes the key
+/// named by `KEYLOCK_ETCD_CHILD_KEY` under `KEYLOCK_ETCD_CHILD_PREFIX`,
+/// prints its token, and holds it until killed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn child_holder() {
+    let (Ok(prefix), Ok(key)) = (
+        std::env::var("KEYLOCK_ETCD_CHILD_PREFIX"),
+        std::env::var("KEYLOCK_ETCD_CHILD_KEY"),
+    ) else {
+        return; // not run as a child: nothing to do
+    };
+    let Some(eps) = etcd_cluster::endpoints("child_holder") else {
+        return;
+    };
+    let t = table(&eps, &prefix, "child").await;
+    let g = t.lock(key).await.unwrap();
+    println!("HELD {}", g.token().get());
+    tokio::time::sleep(Duration::from_secs(600)).await;
+    drop(g);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigkill_frees_the_key_after_the_ttl() {
+    let Some(eps) = etcd_cluster::endpoints("sigkill_frees_the_key_after_the_ttl") else {
+        return;
+    };
+    let prefix = etcd_cluster::prefix("sigkill");
+    let mut child = Command::new(std::env::current_exe().unwrap())
+        .args([
+            "child_holder",
+            "--exact",
+            "--nocapture",
+            "--test-threads",
+            "1",
+        ])
+        .env("KEYLOCK_ETCD_CHILD_PREFIX", &prefix)
+        .env("KEYLOCK_ETCD_CHILD_KEY", "job")
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut line = String::new();
+    let mut out = BufReader::new(child.stdout.take().unwrap());
+    // libtest prints "test child_holder ... " on the same line first.
+    let child_token: u64 = loop {
+        line.clear();
+        assert!(
+            out.read_line(&mut line).unwrap() > 0,
+            "the child ended early"
+        );
+        if let Some(at) = line.find("HELD ") {
+            break line[at + "HELD ".len()..].trim().parse().unwrap();
+        }
+    };
+    let t = table(&eps, &prefix, "parent").await;
+    let h = t
+        .holder("job")
+        .await
+        .unwrap()
+        .expect("the child holds the key");
+    assert_eq!(h.token.get(), child_token);
+    assert_eq!(h.pid, Some(child.id()));
+    // SIGKILL: no release, no lease revoke; only the TTL frees the key.
+    // SAFETY: kill(2) on the child's pid, which we have not reaped.
+    assert_eq!(unsafe { libc::kill(child.id() as i32, libc::SIGKILL) }, 0);
+    child.wait().unwrap();
+    let g = tokio::time::timeout(HANG, t.lock("job".to_owned()))
+        .await
+        .expect("taken over after the dead holder's TTL")
+        .unwrap();
+    assert!(g.token().get() > child_token);
+    assert!(g.check().is_ok());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn member_killed_and_restarted_keeps_exclusion() {
+    let Some(eps) = etcd_cluster::endpoints("member_killed_and_restarted_keeps_exclusion") else {
+        return;
+    };
+    let Some(dir) = etcd_cluster::cluster_dir("member_killed_and_restarted_keeps_exclusion") else {
+        return;
+    };
+    let prefix = etcd_cluster::prefix("member");
+    // Each table prefers another member (the first endpoint it is given).
+    let mut tables = Vec::new();
+    for i in 0..3 {
+        let mut mine = eps.clone();
+        mine.rotate_left(i);
+        tables.push(Arc::new(table(&mine, &prefix, &format!("t{i}")).await));
+    }
+    let inside = Arc::new(AtomicUsize::new(0));
+    let tokens = Arc::new(Mutex::new(Vec::new()));
+    let stop = Arc::new(AtomicUsize::new(0));
+    let mut tasks = Vec::new();
+    for t in &tables {
+        for _ in 0..2 {
+            let (t, inside, tokens, stop) = (
+                Arc::clone(t),
+                Arc::clone(&inside),
+                Arc::clone(&tokens),
+                Arc::clone(&stop),
+            );
+            tasks.push(tokio::spawn(async move {
+                let mut n = 0;
+                while stop.load(Ordering::SeqCst) == 0 || n < 3 {
+                    let g = t.lock("k".to_owned()).await.unwrap();
+                    assert_eq!(
+                        inside.fetch_add(1, Ordering::SeqCst),
+                        0,
+                        "two holders at once"
+                    );
+                    tokens.lock().unwrap().push(g.token());
+                    tokio::time::sleep(Duration::from_millis(2)).await;
+                    inside.fetch_sub(1, Ordering::SeqCst);
+                    drop(g);
+                    n += 1;
+                }
+            }));
+        }
+    }
+    let wait_for = |n: usize| {
+        let tokens = Arc::clone(&tokens);
+        async move {
+            tokio::time::timeout(HANG, async {
+                while tokens.lock().unwrap().len() < n {
+                    tokio::time::sleep(Duration::from_millis(10)).await;
+                }
+            })
+            .await
+            .expect("the lock keeps being handed over");
+        }
+    };
+    wait_for(10).await;
+    // Kill member 1 (some tables' first endpoint) and let the lock keep
+    // changing hands without it.
+    let dir2 = dir.clone();
+    tokio::task::spawn_blocking(move || etcd_cluster::member("kill", &dir2, 1))
+        .await
+        .unwrap();
+    let before = tokens.lock().unwrap().len();
+    wait_for(before + 20).await;
+    let dir2 = dir.clone();
+    tokio::task::spawn_blocking(move || etcd_cluster::member("restart", &dir2, 1))
+        .await
+        .unwrap();
+    let before = tokens.lock().unwrap().len();
+    wait_for(before + 10).await;
+    stop.store(1, Ordering::SeqCst);
+    for task in tasks {
+        tokio::time::timeout(HANG, task).await.unwrap().unwrap();
+    }
+    let tokens = tokens.lock().unwrap();
+    assert!(
+        tokens.windows(2).all(|w| w[0] < w[1]),
+        "tokens in grant order: {tokens:?}"
+    );
+    let retries: u64 = tables
+        .iter()
+        .map(|t| t.stats().retries_refused + t.stats().retries_ambiguous)
+        .sum();
+    eprintln!("{} grants, {retries} etcd calls retried", tokens.len());
+}
