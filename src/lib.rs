@@ -300,6 +300,7 @@ mod owner;
 #[cfg_attr(docsrs, doc(cfg(target_os = "linux")))]
 pub mod process;
 mod queue;
+mod scope;
 mod shard_lock;
 mod stats;
 mod status;
@@ -331,6 +332,7 @@ pub use owner::{
 pub use process::{
     OwnedProcessGuard, ProcessGuard, ProcessHolder, ProcessLockError, ProcessLockTable,
 };
+pub use scope::{ScopedGuard, ScopedLockTable};
 pub use stats::Stats;
 pub use status::{HolderStatus, LockStatus, WaiterStatus};
 pub use table::{Builder, DefaultHashBuilder, LockTable};

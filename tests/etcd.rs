@@ -333,3 +333,49 @@ async fn cancelled_waiter_leaves_nothing() {
         .unwrap();
     g.unlock().await.unwrap();
 }
+
+/// Generic code written once against [`ScopedLockTable`]: counts in a shared
+/// cell under the lock, and checks the tokens increase.
+async fn bump_many<T>(table: &T, key: &str, counter: &Mutex<u64>, rounds: usize) -> Vec<u64>
+where
+    T: keylock::ScopedLockTable<String>,
+{
+    use keylock::ScopedGuard;
+    let mut tokens = Vec::new();
+    for _ in 0..rounds {
+        let guard = table.lock(key.to_owned()).await.unwrap();
+        assert!(
+            table.try_lock(key.to_owned()).await.unwrap().is_none(),
+            "a second grant while held"
+        );
+        assert!(!guard.is_expired());
+        *counter.lock().unwrap() += 1;
+        tokens.push(guard.token().get());
+    }
+    tokens
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_api_across_scopes() {
+    let counter = Mutex::new(0);
+    // In-process.
+    let local = keylock::LockTable::new();
+    let t1 = bump_many(&local, "acct", &counter, 3).await;
+    // Across the processes of this host.
+    let dir = std::env::temp_dir().join(format!("keylock-scopes-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let host = keylock::ProcessLockTable::open(&dir).unwrap();
+    let t2 = bump_many(&host, "acct", &counter, 3).await;
+    std::fs::remove_dir_all(&dir).unwrap();
+    for t in [&t1, &t2] {
+        assert!(t.windows(2).all(|w| w[0] < w[1]), "{t:?}");
+    }
+    // Across the cluster.
+    let Some(eps) = etcd_cluster::endpoints("one_api_across_scopes (cluster part)") else {
+        return;
+    };
+    let cluster = table(&eps, &etcd_cluster::prefix("scopes"), "scopes").await;
+    let t3 = bump_many(&cluster, "acct", &counter, 3).await;
+    assert!(t3.windows(2).all(|w| w[0] < w[1]), "{t3:?}");
+    assert_eq!(*counter.lock().unwrap(), 9);
+}
