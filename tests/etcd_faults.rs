@@ -20,6 +20,16 @@ use keylock::etcd::{ClusterLockTable, ClusterOptions};
 
 const HANG: Duration = Duration::from_secs(90);
 
+/// Kills the child holder if the test fails before it does.
+struct KillOnDrop(std::process::Child);
+
+impl Drop for KillOnDrop {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
 async fn table(endpoints: &[String], prefix: &str, label: &str) -> ClusterLockTable<String> {
     let opts = ClusterOptions::new()
         .prefix(prefix)
@@ -57,21 +67,23 @@ async fn sigkill_frees_the_key_after_the_ttl() {
         return;
     };
     let prefix = etcd_cluster::prefix("sigkill");
-    let mut child = Command::new(std::env::current_exe().unwrap())
-        .args([
-            "child_holder",
-            "--exact",
-            "--nocapture",
-            "--test-threads",
-            "1",
-        ])
-        .env("KEYLOCK_ETCD_CHILD_PREFIX", &prefix)
-        .env("KEYLOCK_ETCD_CHILD_KEY", "job")
-        .stdout(Stdio::piped())
-        .spawn()
-        .unwrap();
+    let mut child = KillOnDrop(
+        Command::new(std::env::current_exe().unwrap())
+            .args([
+                "child_holder",
+                "--exact",
+                "--nocapture",
+                "--test-threads",
+                "1",
+            ])
+            .env("KEYLOCK_ETCD_CHILD_PREFIX", &prefix)
+            .env("KEYLOCK_ETCD_CHILD_KEY", "job")
+            .stdout(Stdio::piped())
+            .spawn()
+            .unwrap(),
+    );
     let mut line = String::new();
-    let mut out = BufReader::new(child.stdout.take().unwrap());
+    let mut out = BufReader::new(child.0.stdout.take().unwrap());
     // libtest prints "test child_holder ... " on the same line first.
     let child_token: u64 = loop {
         line.clear();
@@ -90,11 +102,11 @@ async fn sigkill_frees_the_key_after_the_ttl() {
         .unwrap()
         .expect("the child holds the key");
     assert_eq!(h.token.get(), child_token);
-    assert_eq!(h.pid, Some(child.id()));
+    assert_eq!(h.pid, Some(child.0.id()));
     // SIGKILL: no release, no lease revoke; only the TTL frees the key.
     // SAFETY: kill(2) on the child's pid, which we have not reaped.
-    assert_eq!(unsafe { libc::kill(child.id() as i32, libc::SIGKILL) }, 0);
-    child.wait().unwrap();
+    assert_eq!(unsafe { libc::kill(child.0.id() as i32, libc::SIGKILL) }, 0);
+    child.0.wait().unwrap();
     let g = tokio::time::timeout(HANG, t.lock("job".to_owned()))
         .await
         .expect("taken over after the dead holder's TTL")
