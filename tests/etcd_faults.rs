@@ -18,6 +18,11 @@ use std::time::Duration;
 
 use keylock::etcd::{ClusterLockTable, ClusterOptions};
 
+/// The session TTL of the test tables: long enough that a keep-alive
+/// delayed by a busy machine (or a member being killed) does not lose the
+/// session; short enough that a dead holder's key is taken over soon.
+const SESSION_TTL: u64 = 4;
+
 const HANG: Duration = Duration::from_secs(90);
 
 /// Kills the child holder if the test fails before it does.
@@ -34,7 +39,7 @@ async fn table(endpoints: &[String], prefix: &str, label: &str) -> ClusterLockTa
     let opts = ClusterOptions::new()
         .prefix(prefix)
         .label(label)
-        .session_ttl(Duration::from_secs(2));
+        .session_ttl(Duration::from_secs(SESSION_TTL));
     ClusterLockTable::connect_with(endpoints, opts)
         .await
         .expect("connect to the test cluster")
