@@ -120,12 +120,38 @@ async fn sigkill_frees_the_key_after_the_ttl() {
     assert!(g.check().is_ok());
 }
 
+/// The member (1, 2 or 3) that leads the cluster now.
+async fn leader(eps: &[String]) -> u32 {
+    let mut c = etcd_client::Client::connect(eps, None).await.unwrap();
+    let leader = c.status().await.unwrap().leader();
+    let members = c.member_list().await.unwrap();
+    let m = members
+        .members()
+        .iter()
+        .find(|m| m.id() == leader)
+        .expect("the leader is a member");
+    m.name()[1..].parse().unwrap()
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn member_killed_and_restarted_keeps_exclusion() {
-    let Some(eps) = etcd_cluster::endpoints("member_killed_and_restarted_keeps_exclusion") else {
+    churn_through_a_restart("member_killed_and_restarted_keeps_exclusion", false).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn leader_killed_and_restarted_keeps_exclusion() {
+    churn_through_a_restart("leader_killed_and_restarted_keeps_exclusion", true).await;
+}
+
+/// Six callers in three tables (each preferring another member) keep
+/// taking one key while a member (member 1, or the leader) is killed and
+/// restarted: no two hold it at once, tokens increase in grant order, and
+/// the key keeps changing hands.
+async fn churn_through_a_restart(test: &str, kill_leader: bool) {
+    let Some(eps) = etcd_cluster::endpoints(test) else {
         return;
     };
-    let Some(dir) = etcd_cluster::cluster_dir("member_killed_and_restarted_keeps_exclusion") else {
+    let Some(dir) = etcd_cluster::cluster_dir(test) else {
         return;
     };
     let prefix = etcd_cluster::prefix("member");
@@ -179,16 +205,17 @@ async fn member_killed_and_restarted_keeps_exclusion() {
         }
     };
     wait_for(10).await;
-    // Kill member 1 (some tables' first endpoint) and let the lock keep
+    // Kill the member (some table's first endpoint) and let the lock keep
     // changing hands without it.
+    let victim = if kill_leader { leader(&eps).await } else { 1 };
     let dir2 = dir.clone();
-    tokio::task::spawn_blocking(move || etcd_cluster::member("kill", &dir2, 1))
+    tokio::task::spawn_blocking(move || etcd_cluster::member("kill", &dir2, victim))
         .await
         .unwrap();
     let before = tokens.lock().unwrap().len();
     wait_for(before + 20).await;
     let dir2 = dir.clone();
-    tokio::task::spawn_blocking(move || etcd_cluster::member("restart", &dir2, 1))
+    tokio::task::spawn_blocking(move || etcd_cluster::member("restart", &dir2, victim))
         .await
         .unwrap();
     let before = tokens.lock().unwrap().len();
@@ -206,5 +233,61 @@ async fn member_killed_and_restarted_keeps_exclusion() {
         .iter()
         .map(|t| t.stats().retries_refused + t.stats().retries_ambiguous)
         .sum();
-    eprintln!("{} grants, {retries} etcd calls retried", tokens.len());
+    eprintln!(
+        "member {victim} killed and restarted: {} grants, {retries} etcd calls retried",
+        tokens.len()
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn holder_cut_from_the_cluster_is_fenced_before_the_takeover() {
+    let test = "holder_cut_from_the_cluster_is_fenced_before_the_takeover";
+    let Some(eps) = etcd_cluster::endpoints(test) else {
+        return;
+    };
+    let Some(dir) = etcd_cluster::cluster_dir(test) else {
+        return;
+    };
+    let prefix = etcd_cluster::prefix("cut");
+    // The holder talks to member 2 only; the waiter to members 1 and 3.
+    let holder = table(&eps[1..2], &prefix, "cut-off").await;
+    let waiter = table(&[eps[0].clone(), eps[2].clone()], &prefix, "waiter").await;
+    let old = holder.lock("k".to_owned()).await.unwrap();
+    let old_fence = old.fence();
+    let dir2 = dir.clone();
+    tokio::task::spawn_blocking(move || etcd_cluster::member("kill", &dir2, 2))
+        .await
+        .unwrap();
+    // The holder's keep-alives now fail; its lease expires; the waiter
+    // takes the key over.
+    let new = tokio::time::timeout(HANG, waiter.lock("k".to_owned()))
+        .await
+        .expect("taken over after the cut-off holder's TTL")
+        .unwrap();
+    assert!(new.token() > old.token());
+    // By then the cut-off holder has fenced itself, with no round trip ...
+    assert!(old.check().is_err(), "two accepted holders");
+    // ... and etcd refuses its fence.
+    let mut c = waiter.client().clone();
+    let txn = |f: keylock::etcd::Fence| {
+        etcd_client::Txn::new()
+            .when([f.compare()])
+            .and_then([etcd_client::TxnOp::put(format!("{prefix}-data"), "x", None)])
+    };
+    assert!(!c.txn(txn(old_fence)).await.unwrap().succeeded());
+    assert!(c.txn(txn(new.fence())).await.unwrap().succeeded());
+    drop(new);
+    // Its release frees nothing of the successor's (the compare fails) and
+    // lets the table's in-process tier go.
+    drop(old);
+    let dir2 = dir.clone();
+    tokio::task::spawn_blocking(move || etcd_cluster::member("restart", &dir2, 2))
+        .await
+        .unwrap();
+    // The holder's next lock runs on a new session.
+    let again = tokio::time::timeout(HANG, holder.lock("k".to_owned()))
+        .await
+        .expect("the cut-off table locks again once its member is back")
+        .unwrap();
+    assert!(again.check().is_ok());
 }
