@@ -4,9 +4,10 @@
 //! - **uncontended** lock + unlock, one process (each unlock waits until
 //!   etcd has deleted the key);
 //! - **handoff** between two processes connected to different members:
-//!   both lock the same key in a loop; a handoff is the time from the
-//!   holder starting its release to the other process holding the key
-//!   (both on this host's clock);
+//!   both lock the same key in a loop, and a holder releases only once the
+//!   other process waits (its waiter key is in etcd); a handoff is the time
+//!   from the holder starting its release to the other process holding the
+//!   key (both on this host's wall clock);
 //! - **takeover** after the holder is killed with SIGKILL: from the kill to
 //!   the waiter holding the key (goal: at most the session TTL + 0.5 s).
 //!
@@ -47,6 +48,22 @@ async fn keylock_table(endpoint: &str, prefix: &str, ttl: u64) -> Res<ClusterLoc
     Ok(ClusterLockTable::connect_with([endpoint], opts).await?)
 }
 
+/// Waits (up to 2 s) until `prefix` has two keys: the holder's and the
+/// other process's waiter, so that the release is a handoff.
+async fn until_other_waits(c: &mut etcd_client::Client, prefix: &str) -> Res<()> {
+    let deadline = Instant::now() + Duration::from_secs(2);
+    let opts = etcd_client::GetOptions::new()
+        .with_prefix()
+        .with_count_only();
+    while Instant::now() < deadline {
+        if c.get(prefix, Some(opts.clone())).await?.count() >= 2 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_micros(500)).await;
+    }
+    Ok(())
+}
+
 /// One side of a handoff run: `rounds` grants, each logged as
 /// (grant time, release start time) on the wall clock.
 async fn handoff_side(
@@ -59,9 +76,12 @@ async fn handoff_side(
     match kind {
         "keylock" => {
             let t = keylock_table(endpoint, prefix, 10).await?;
+            let mut c = t.client().clone();
+            let key_prefix = t.key_prefix("hot");
             for _ in 0..rounds {
                 let g = t.lock("hot".to_owned()).await?;
                 let granted = wall_ns();
+                until_other_waits(&mut c, &key_prefix).await?;
                 let release = wall_ns();
                 g.unlock().await?;
                 log.push((granted, release));
@@ -76,6 +96,7 @@ async fn handoff_side(
                 let opts = etcd_client::LockOptions::new().with_lease(lease);
                 let key = c.lock(name.clone(), Some(opts)).await?.key().to_vec();
                 let granted = wall_ns();
+                until_other_waits(&mut c, &format!("{name}/")).await?;
                 let release = wall_ns();
                 c.unlock(key).await?;
                 log.push((granted, release));

@@ -25,9 +25,9 @@ pub struct ClusterHolder {
     /// The holder's fencing token: its waiter key's create revision.
     pub token: FencingToken,
     /// How long the holder has held the key, by the wall clock of the
-    /// holder's host when it took it and the caller's now; `None` while the
-    /// holder has not stamped its grant yet (it does so right after taking
-    /// the key).
+    /// holder's host when it took it and the caller's now. A holder that
+    /// waited restamps its key right after the grant; until then this
+    /// counts from its enqueue. `None` if the waiter key does not say.
     pub held_for: Option<Duration>,
     /// The holder's process id, if it said.
     pub pid: Option<u32>,
@@ -51,7 +51,7 @@ impl fmt::Display for ClusterHolder {
         }
         match self.held_for {
             Some(d) => write!(f, ", held for {d:?})"),
-            None => f.write_str(", just granted)"),
+            None => f.write_str(")"),
         }
     }
 }

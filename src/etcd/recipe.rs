@@ -11,6 +11,9 @@
 //!    ambiguous failure finds the key and returns the same revision, so the
 //!    enqueue is idempotent (the in-process tier guarantees that this
 //!    session has no other waiter key for the key).
+//!    The same transaction reads the head of the queue (the oldest key under
+//!    the prefix): if it is `me`, the key is ours with this one round trip,
+//!    and steps 2 and 3 are skipped.
 //! 2. **Find the predecessor.** `get(prefix, max_create_revision = mine -
 //!    1, sort by create revision descending, limit 1)`. None: the key is
 //!    ours.
@@ -175,7 +178,9 @@ pub(crate) async fn acquire(
     let prefix = key::key_prefix(&inner.prefix, stem);
     let me = key::waiter_key(&prefix, session.state.lease_id);
     let lease_id = session.state.lease_id;
-    let stamp = key::stamp(inner.label.as_deref(), false);
+    // `since` now: right if the key is ours at once (the uncontended case,
+    // which then needs no second write); a waiter restamps when it gets it.
+    let stamp = key::stamp(inner.label.as_deref(), true);
     // The deadline of the etcd calls: the caller's, or for a try_lock one
     // TTL (the session is lost by then anyway if etcd cannot be reached).
     let call_bound = deadline.or_else(|| Some(Instant::now() + session.state.ttl));
@@ -190,16 +195,35 @@ pub(crate) async fn acquire(
         let mut c = inner.client.clone();
         let txn = Txn::new()
             .when([Compare::create_revision(me.clone(), CompareOp::Equal, 0)])
-            .and_then([TxnOp::put(
-                me.clone(),
-                stamp.clone(),
-                Some(PutOptions::new().with_lease(lease_id)),
-            )])
+            .and_then([
+                TxnOp::put(
+                    me.clone(),
+                    stamp.clone(),
+                    Some(PutOptions::new().with_lease(lease_id)),
+                ),
+                // The head of the queue, as of this put: if it is ours, the
+                // key is ours with this one round trip.
+                TxnOp::get(
+                    prefix.clone(),
+                    Some(
+                        GetOptions::new()
+                            .with_prefix()
+                            .with_sort(SortTarget::Create, SortOrder::Ascend)
+                            .with_limit(1)
+                            .with_keys_only(),
+                    ),
+                ),
+            ])
             .or_else([TxnOp::get(me.clone(), None)]);
         async move { c.txn(txn).await }
     })
     .await?;
+    let mut at_once = false;
     let revision = if enqueued.succeeded() {
+        at_once = enqueued.op_responses().into_iter().any(|r| match r {
+            TxnOpResponse::Get(g) => g.kvs().first().is_some_and(|kv| kv.key() == me.as_bytes()),
+            _ => false,
+        });
         revision_of(enqueued.header())
     } else {
         enqueued
@@ -223,6 +247,9 @@ pub(crate) async fn acquire(
 
     // 2 and 3. Wait for every predecessor to go.
     loop {
+        if at_once {
+            break;
+        }
         let pred = retry("read the predecessor", &inner.counts, call_bound, || {
             let mut c = inner.client.clone();
             let opts = GetOptions::new()
@@ -262,6 +289,7 @@ pub(crate) async fn acquire(
     // 4. Granted: stamp it (and move it onto its own lease, if asked).
     let held_stamp = key::stamp(inner.label.as_deref(), true);
     let lease = match own_lease {
+        None if at_once => GrantLease::Session(Arc::clone(session)),
         None => {
             let mut c = inner.client.clone();
             let key = me.clone();
