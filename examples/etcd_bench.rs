@@ -185,6 +185,17 @@ async fn uncontended(eps: &[String], rounds: usize) -> Res<()> {
         "uncontended lock+unlock, {:>16}: median {med:>10.2?}, p90 {p90:>10.2?}",
         "etcd lock API"
     );
+    // The floor: one plain put (a round trip and a raft commit).
+    let mut v = Vec::new();
+    for i in 0..rounds {
+        let start = Instant::now();
+        c.put(format!("{prefix}/put{}", i % 8), "x", None).await?;
+        v.push(start.elapsed());
+    }
+    let (med, p90, _) = median(v);
+    println!("one etcd put (the floor),                  median {med:>10.2?}, p90 {p90:>10.2?}");
+    let all = etcd_client::DeleteOptions::new().with_prefix();
+    c.delete(format!("{prefix}/"), Some(all)).await?;
     c.lease_revoke(lease).await?;
     Ok(())
 }

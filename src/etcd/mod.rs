@@ -31,11 +31,13 @@
 //!
 //! One etcd lease per table (the *session*), kept alive by a task; a waiter
 //! key per session under the key's prefix,
-//! `<prefix>/<encoded key>/<lease id>`; FIFO by create revision; each
-//! waiter watches only its predecessor's key, from the revision it read + 1
-//! (a current watch, woken as the deletion commits). Not etcd's own lock
-//! API, and no polling. See `recipe.rs` and docs/ARCHITECTURE.md ("Cluster
-//! scope").
+//! `<prefix>/<encoded key>/<lease id>`; FIFO by create revision; the
+//! enqueue reads the queue's head in the same transaction (an uncontended
+//! lock is one round trip); a waiter opens a watch of the deletions under
+//! the prefix from now (a current watch, woken as each deletion commits),
+//! then reads the keys ahead of it once, and holds the key when all of them
+//! are gone. Not etcd's own lock API, and no polling. See
+//! `recipe.rs` and docs/ARCHITECTURE.md ("Cluster scope").
 //!
 //! # Two tiers
 //!

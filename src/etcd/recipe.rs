@@ -1,6 +1,6 @@
 //! The etcd v3 lock recipe: a waiter key per session under the key's
-//! prefix, FIFO by create revision, each waiter watching only its
-//! predecessor's deletion.
+//! prefix, FIFO by create revision, each waiter woken by a current watch of
+//! the deletions of the keys ahead of it.
 //!
 //! # Acquiring
 //!
@@ -14,20 +14,27 @@
 //!    The same transaction reads the head of the queue (the oldest key under
 //!    the prefix): if it is `me`, the key is ours with this one round trip,
 //!    and steps 2 and 3 are skipped.
-//! 2. **Find the predecessor.** `get(prefix, max_create_revision = mine -
-//!    1, sort by create revision descending, limit 1)`. None: the key is
-//!    ours.
-//! 3. **Wait for its deletion** by a watch on that one key starting at the
-//!    read's revision + 1, so that the watch is current: etcd sends the
-//!    deletion as it commits it. (A watch from the read's own revision is
-//!    "behind" and served by etcd's 100 ms catch-up loop instead; that is
-//!    what makes etcd's own lock API slow to hand over.) On the deletion, or
-//!    if the watch breaks, go back to 2: the predecessor may have been a
-//!    waiter that gave up, with others still ahead.
-//! 4. **Granted.** Stamp the grant (the host's wall clock, for diagnosis)
-//!    with a put that compares the create revision and keeps the lease; for
-//!    a grant with a lease of its own, the same put moves the key onto that
-//!    lease (a put keeps a key's create revision, so the token stands).
+//! 2. **Watch, then read.** Open a watch of the deletions under the
+//!    prefix from now, and once etcd says it is created, read the keys
+//!    ahead of ours (`get(prefix, max_create_revision = mine - 1, keys
+//!    only)`). None: the key is ours.
+//! 3. **Wait for their deletion.** A deletion after the read is seen by the
+//!    watch, one before it is absent from the read, and no key older than
+//!    ours can appear later (new keys get newer revisions): when every key
+//!    read is deleted the key is ours, with no further read, so a handoff
+//!    costs the holder's delete and one watch event. The watch starts from
+//!    "now", so etcd serves it as a current watch, sending each deletion as
+//!    it commits. (A watch from a past revision, even the read's + 1 once
+//!    anything else has been written, is "behind" and served by etcd's
+//!    100 ms catch-up loop instead; that is what makes etcd's own lock API
+//!    slow to hand over.) If the watch breaks, start again at 2. Every
+//!    waiter of the key sees every deletion under its prefix, but with the
+//!    in-process tier there is at most one waiter per process and key.
+//! 4. **Granted.** A waiter granted after waiting restamps its key (the
+//!    host's wall clock, for diagnosis) with a put that compares the create
+//!    revision and keeps the lease, not waited for; for a grant with a lease
+//!    of its own, such a put (waited for) moves the key onto that lease (a
+//!    put keeps a key's create revision, so the token stands).
 //!
 //! # Releasing
 //!
@@ -36,6 +43,7 @@
 //! deletes it). The in-process grant is let go only after, so that the next
 //! caller of this process never finds the old key.
 
+use std::collections::HashSet;
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
@@ -148,7 +156,9 @@ impl Undo {
 
 /// How a wait for the predecessor ended.
 enum Wake {
-    /// Deleted, or the watch broke: read again.
+    /// Every waiter key ahead is gone: the key is ours.
+    Granted,
+    /// The watch broke or was cancelled: read again.
     Again,
     /// The caller's deadline passed.
     Deadline,
@@ -245,34 +255,28 @@ pub(crate) async fn acquire(
             reason: format!("etcd answered the enqueue with revision {revision}"),
         })?;
 
-    // 2 and 3. Wait for every predecessor to go.
+    // 2 and 3. Wait for every waiter key ahead to go.
     loop {
         if at_once {
             break;
         }
-        let pred = retry("read the predecessor", &inner.counts, call_bound, || {
-            let mut c = inner.client.clone();
-            let opts = GetOptions::new()
-                .with_prefix()
-                .with_max_create_revision(revision - 1)
-                .with_sort(SortTarget::Create, SortOrder::Descend)
-                .with_limit(1)
-                .with_keys_only();
-            let prefix = prefix.clone();
-            async move { c.get(prefix, Some(opts)).await }
-        })
-        .await?;
-        let Some(pred_kv) = pred.kvs().first() else {
-            break;
-        };
         if !wait {
+            let ahead = retry("read the waiters ahead", &inner.counts, call_bound, || {
+                let mut c = inner.client.clone();
+                let prefix = prefix.clone();
+                async move { c.get(prefix, Some(ahead_of(revision))).await }
+            })
+            .await?;
+            if ahead.kvs().is_empty() {
+                break;
+            }
             let (holder, _) = head(inner, &prefix, revision).await;
             return Err(ClusterLockError::WouldBlock {
                 holder: holder.map(Box::new),
             });
         }
-        let from = revision_of(pred.header()) + 1;
-        match wait_deleted(inner, session, pred_kv.key().to_vec(), from, deadline).await {
+        match wait_turn(inner, session, &prefix, revision, deadline).await {
+            Wake::Granted => break,
             Wake::Again => {}
             Wake::Deadline => {
                 let (holder, ahead) = head(inner, &prefix, revision).await;
@@ -374,50 +378,77 @@ pub(crate) async fn acquire(
     })
 }
 
-/// Waits for `key`'s deletion by a watch from revision `from`.
-async fn wait_deleted(
+/// The read of the waiter keys older than ours (keys only).
+fn ahead_of(revision: i64) -> GetOptions {
+    GetOptions::new()
+        .with_prefix()
+        .with_max_create_revision(revision - 1)
+        .with_keys_only()
+}
+
+/// Waits until every waiter key older than ours is deleted: opens a watch
+/// of the deletions under the prefix *first* (from now: etcd serves it as
+/// a current watch, woken as each deletion commits), then reads the keys
+/// ahead. A deletion after the read is seen by the watch; one before it is
+/// absent from the read; and no key older than ours can appear later (new
+/// keys get newer revisions). So when every key read is deleted, the key is
+/// ours, with no further read.
+async fn wait_turn(
     inner: &Inner,
     session: &Session,
-    key: Vec<u8>,
-    from: i64,
+    prefix: &str,
+    revision: i64,
     deadline: Option<Instant>,
 ) -> Wake {
-    let watch = async {
+    let turn = async {
         let mut c = inner.client.clone();
         let opts = WatchOptions::new()
-            .with_start_revision(from)
+            .with_prefix()
             .with_filters([WatchFilterType::NoPut]);
-        let mut stream = c.watch(key, Some(opts)).await?;
-        while let Some(resp) = stream.message().await? {
+        let mut stream = c.watch(prefix, Some(opts)).await?;
+        // The watch is in place once etcd says it is created.
+        match stream.message().await? {
+            Some(resp) if resp.created() && !resp.canceled() => {}
+            _ => return Ok(Wake::Again),
+        }
+        let read = c.get(prefix, Some(ahead_of(revision))).await?;
+        let mut ahead: HashSet<Vec<u8>> = read.kvs().iter().map(|kv| kv.key().to_vec()).collect();
+        while !ahead.is_empty() {
+            let Some(resp) = stream.message().await? else {
+                return Ok(Wake::Again);
+            };
             if resp.canceled() {
-                break;
+                return Ok(Wake::Again);
             }
-            if resp
-                .events()
-                .iter()
-                .any(|e| e.event_type() == EventType::Delete)
-            {
-                break;
+            for e in resp.events() {
+                if e.event_type() == EventType::Delete {
+                    if let Some(kv) = e.kv() {
+                        ahead.remove(kv.key());
+                    }
+                }
             }
         }
-        Ok::<(), etcd_client::Error>(())
+        Ok::<Wake, etcd_client::Error>(Wake::Granted)
     };
     let far = Instant::now() + Duration::from_secs(86_400 * 365);
     let until = tokio::time::Instant::from_std(deadline.unwrap_or(far));
     tokio::select! {
-        r = watch => {
-            if let Err(err) = r {
-                // The stream broke (a member died, a leader changed): read
-                // again, after a short pause so that a dead member is not
-                // hammered.
+        r = turn => match r {
+            Ok(wake) => wake,
+            Err(err) => {
+                // The stream or the read broke (a member died, a leader
+                // changed): start again, after a short pause so that a dead
+                // member is not hammered.
                 match super::retry::classify(&err) {
-                    super::retry::Failure::Refused => inner.counts.refused.fetch_add(1, Ordering::Relaxed),
+                    super::retry::Failure::Refused => {
+                        inner.counts.refused.fetch_add(1, Ordering::Relaxed)
+                    }
                     _ => inner.counts.ambiguous.fetch_add(1, Ordering::Relaxed),
                 };
                 tokio::time::sleep(Duration::from_millis(20)).await;
+                Wake::Again
             }
-            Wake::Again
-        }
+        },
         () = tokio::time::sleep_until(until) => Wake::Deadline,
         () = session.state.ended() => Wake::SessionEnded,
     }
