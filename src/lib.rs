@@ -35,6 +35,16 @@
 //!   locks across machines on an etcd v3 cluster. Needs a tokio runtime,
 //!   and `protoc` to build.
 //!
+//! # Scopes
+//!
+//! The same shape at three scopes: this in-process [`LockTable`]; the
+//! processes of one host (`ProcessLockTable`, Linux); the machines of a
+//! cluster (`ClusterLockTable` on etcd, feature `etcd`). At the wider
+//! scopes a process's callers queue on an in-process table first, so each
+//! process sends at most one waiter per key to the slower tier. Generic
+//! code is written once for all of them with [`ScopedLockTable`] and
+//! [`ScopedGuard`].
+//!
 //! # Runtimes
 //!
 //! Waits are plain futures woken through their [`Waker`](std::task::Waker).

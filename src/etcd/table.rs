@@ -277,7 +277,7 @@ impl<K> ClusterLockTable<K> {
     }
 
     /// The etcd lease of the current session (a new one after a session is
-    /// lost).
+    /// lost; 0 while a new session is being started).
     pub fn lease_id(&self) -> i64 {
         self.inner
             .session
