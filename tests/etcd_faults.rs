@@ -276,6 +276,13 @@ async fn holder_cut_from_the_cluster_is_fenced_before_the_takeover() {
     };
     assert!(!c.txn(txn(old_fence)).await.unwrap().succeeded());
     assert!(c.txn(txn(new.fence())).await.unwrap().succeeded());
+    // While cut off, a lock with a timeout fails (its session is lost and
+    // a new one cannot be started) instead of hanging.
+    let wait = keylock::LockOptions::new().timeout(Duration::from_secs(1));
+    let cut = tokio::time::timeout(HANG, holder.lock_with("other".to_owned(), wait))
+        .await
+        .expect("a lock with a timeout returns while etcd cannot be reached");
+    assert!(cut.is_err());
     drop(new);
     // Its release frees nothing of the successor's (the compare fails) and
     // lets the table's in-process tier go.

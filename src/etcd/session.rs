@@ -129,16 +129,18 @@ impl std::fmt::Debug for Session {
 }
 
 impl Session {
-    /// Grants a lease of `ttl` and starts keeping it alive.
+    /// Grants a lease of `ttl` and starts keeping it alive; retries until
+    /// `deadline` (for ever without one).
     pub(crate) async fn start(
         client: &etcd_client::Client,
         handle: &tokio::runtime::Handle,
         ttl: Duration,
         counts: &super::retry::RetryCounts,
+        deadline: Option<Instant>,
     ) -> Result<Self, ClusterLockError> {
         let secs = i64::try_from(ttl.as_secs().max(1)).unwrap_or(i64::MAX);
         let sent = Instant::now();
-        let granted = super::retry::retry("grant the session lease", counts, None, || {
+        let granted = super::retry::retry("grant the session lease", counts, deadline, || {
             let mut c = client.clone();
             async move { c.lease_grant(secs, None).await }
         })

@@ -116,12 +116,20 @@ impl std::fmt::Debug for Inner {
 }
 
 impl Inner {
-    /// The live session, starting a new one if the current one was lost.
-    async fn session(&self) -> Result<Arc<Session>, ClusterLockError> {
+    /// The live session, starting a new one if the current one was lost
+    /// (retrying until `deadline`, or for ever without one).
+    async fn session(&self, deadline: Option<Instant>) -> Result<Arc<Session>, ClusterLockError> {
         let mut current = self.session.lock().await;
         if !current.state.is_live() {
             *current = Arc::new(
-                Session::start(&self.client, &self.handle, self.session_ttl, &self.counts).await?,
+                Session::start(
+                    &self.client,
+                    &self.handle,
+                    self.session_ttl,
+                    &self.counts,
+                    deadline,
+                )
+                .await?,
             );
         }
         Ok(Arc::clone(&current))
@@ -248,7 +256,11 @@ impl<K> ClusterLockTable<K> {
             .await
             .map_err(|e| ClusterLockError::etcd("connect", e))?;
         let counts = RetryCounts::default();
-        let session = Session::start(&client, &handle, opts.session_ttl, &counts).await?;
+        // A cluster that cannot be reached fails the connect, after
+        // retrying for one session TTL (or one request timeout, if longer).
+        let bound = Instant::now() + opts.session_ttl.max(opts.request_timeout);
+        let session =
+            Session::start(&client, &handle, opts.session_ttl, &counts, Some(bound)).await?;
         Ok(Self {
             inner: Arc::new(Inner {
                 client,
@@ -458,7 +470,30 @@ async fn remote(
     local: OwnedGuard<String>,
     mut tx: tokio::sync::oneshot::Sender<Outcome>,
 ) {
-    let session = match inner.session().await {
+    // A session (a new one if the last was lost), within the caller's
+    // deadline and abandoned if the caller gives up.
+    // A try_lock never waits long: one TTL at most for etcd to answer.
+    let session_bound = deadline.or_else(|| (!wait).then(|| started + inner.session_ttl));
+    let session = async {
+        match session_bound {
+            Some(d) => tokio::time::timeout_at(d.into(), inner.session(Some(d)))
+                .await
+                .unwrap_or_else(|_| {
+                    Err(ClusterLockError::Timeout {
+                        waited: started.elapsed(),
+                        holder: None,
+                        ahead: 0,
+                    })
+                }),
+            None => inner.session(None).await,
+        }
+    };
+    let session = tokio::select! {
+        biased;
+        () = tx.closed() => return,
+        s = session => s,
+    };
+    let session = match session {
         Ok(s) => s,
         Err(err) => {
             drop(local);
