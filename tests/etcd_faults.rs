@@ -1,9 +1,11 @@
 //! The cluster scope under faults, against a real etcd cluster: a holder
-//! process killed with SIGKILL, a member killed and restarted.
+//! process killed with SIGKILL, a member and the leader killed and
+//! restarted, a holder cut from the cluster, and a history check of fenced
+//! critical sections across worker processes with kills.
 //!
 //! Needs the `etcd` feature, `KEYLOCK_ETCD_ENDPOINTS` and `KEYLOCK_ETCD_DIR`
 //! (see `tests/etcd_cluster/`); run serially (`--test-threads 1`): the
-//! member test kills a member of the shared cluster. Assertions are on
+//! tests kill members of the shared cluster. Assertions are on
 //! outcomes; durations only bound hangs.
 
 #![cfg(all(feature = "etcd", target_os = "linux"))]
@@ -297,4 +299,157 @@ async fn holder_cut_from_the_cluster_is_fenced_before_the_takeover() {
         .expect("the cut-off table locks again once its member is back")
         .unwrap();
     assert!(again.check().is_ok());
+}
+
+/// The worker of `history_check`: `KEYLOCK_ETCD_HISTORY_OPS` critical
+/// sections on keys `h0`..`h2` under `KEYLOCK_ETCD_HISTORY_PREFIX`, each a
+/// read-modify-write of the key's counter committed by an etcd transaction
+/// that compares the grant's fence. Prints one line per accepted section:
+/// `ACCEPT key token granted_ns committed_ns`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn history_worker() {
+    let (Ok(prefix), Ok(ops)) = (
+        std::env::var("KEYLOCK_ETCD_HISTORY_PREFIX"),
+        std::env::var("KEYLOCK_ETCD_HISTORY_OPS"),
+    ) else {
+        return; // not run as a worker
+    };
+    let Some(eps) = etcd_cluster::endpoints("history_worker") else {
+        return;
+    };
+    let ops: usize = ops.parse().unwrap();
+    let mut mine = eps.clone();
+    mine.rotate_left(std::process::id() as usize % eps.len());
+    let t = table(&mine, &prefix, "history").await;
+    let mut c = t.client().clone();
+    let now = || {
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap()
+            .as_nanos()
+    };
+    for i in 0..ops {
+        let key = format!("h{}", (i + std::process::id() as usize) % 3);
+        let Ok(g) = t.lock(key.clone()).await else {
+            continue; // a lost session (a member restarting): next one
+        };
+        let granted = now();
+        let counter = format!("{prefix}-counter/{key}");
+        let Ok(read) = c.get(counter.clone(), None).await else {
+            continue;
+        };
+        let v: u64 = read
+            .kvs()
+            .first()
+            .map_or(0, |kv| kv.value_str().unwrap().parse().unwrap());
+        tokio::time::sleep(Duration::from_millis(1)).await;
+        let txn = etcd_client::Txn::new()
+            .when([g.fence().compare()])
+            .and_then([etcd_client::TxnOp::put(counter, (v + 1).to_string(), None)]);
+        if let Ok(resp) = c.txn(txn).await {
+            if resp.succeeded() {
+                println!("ACCEPT {key} {} {granted} {}", g.token().get(), now());
+            }
+        }
+        drop(g);
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn history_check() {
+    let test = "history_check";
+    let Some(eps) = etcd_cluster::endpoints(test) else {
+        return;
+    };
+    let Some(dir) = etcd_cluster::cluster_dir(test) else {
+        return;
+    };
+    let prefix = etcd_cluster::prefix("history");
+    let spawn = |ops: usize| {
+        let mut child = Command::new(std::env::current_exe().unwrap())
+            .args([
+                "history_worker",
+                "--exact",
+                "--nocapture",
+                "--test-threads",
+                "1",
+            ])
+            .env("KEYLOCK_ETCD_HISTORY_PREFIX", &prefix)
+            .env("KEYLOCK_ETCD_HISTORY_OPS", ops.to_string())
+            .stdout(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let out = child.stdout.take().unwrap();
+        let reader = std::thread::spawn(move || {
+            BufReader::new(out)
+                .lines()
+                .map_while(Result::ok)
+                .filter_map(|l| l.find("ACCEPT ").map(|at| l[at..].to_owned()))
+                .collect::<Vec<_>>()
+        });
+        (KillOnDrop(child), reader)
+    };
+    let mut workers: Vec<_> = (0..3).map(|_| spawn(40)).collect();
+    // Faults while they run: a worker killed (its keys go with its lease),
+    // a member restarted, another worker started.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    // SAFETY: kill(2) on our own child's pid, not yet reaped.
+    unsafe { libc::kill(workers[0].0 .0.id() as i32, libc::SIGKILL) };
+    let dir2 = dir.clone();
+    tokio::task::spawn_blocking(move || {
+        etcd_cluster::member("kill", &dir2, 3);
+        etcd_cluster::member("restart", &dir2, 3);
+    })
+    .await
+    .unwrap();
+    workers.push(spawn(40));
+    let mut accepted = Vec::new();
+    for (mut child, reader) in workers {
+        let status = tokio::task::spawn_blocking(move || {
+            let s = child.0.wait().unwrap();
+            (s, reader.join().unwrap())
+        });
+        let (_, lines) = tokio::time::timeout(HANG, status).await.unwrap().unwrap();
+        accepted.extend(lines);
+    }
+    // Per key: accepted sections, in grant order, have increasing tokens and
+    // never overlap; the counter counts every accepted section (the killed
+    // worker may have committed one it did not live to print).
+    let mut by_key: std::collections::BTreeMap<String, Vec<(u128, u128, u64)>> =
+        std::collections::BTreeMap::new();
+    for line in &accepted {
+        let f: Vec<&str> = line.split_whitespace().collect();
+        by_key.entry(f[1].to_owned()).or_default().push((
+            f[3].parse().unwrap(),
+            f[4].parse().unwrap(),
+            f[2].parse().unwrap(),
+        ));
+    }
+    let mut c = etcd_client::Client::connect(&eps, None).await.unwrap();
+    for (key, sections) in &mut by_key {
+        sections.sort();
+        for w in sections.windows(2) {
+            assert!(
+                w[0].1 <= w[1].0,
+                "{key}: overlapping accepted sections {w:?}"
+            );
+            assert!(w[0].2 < w[1].2, "{key}: tokens out of order {w:?}");
+        }
+        let counter = c
+            .get(format!("{prefix}-counter/{key}"), None)
+            .await
+            .unwrap();
+        let n: usize = counter.kvs()[0].value_str().unwrap().parse().unwrap();
+        assert!(
+            n == sections.len() || n == sections.len() + 1,
+            "{key}: counter {n}, {} accepted sections",
+            sections.len()
+        );
+    }
+    assert!(accepted.len() >= 40, "{} accepted sections", accepted.len());
+    eprintln!(
+        "{} accepted sections on {} keys, no overlap",
+        accepted.len(),
+        by_key.len()
+    );
 }
