@@ -31,6 +31,19 @@
 //!   that spends tokio's cooperative budget (see [Time](#time)).
 //! - `test-util`: `ManualClock` and `Builder::clock`, time moved by hand for
 //!   deterministic tests (see [Time](#time)).
+//! - `etcd`: the cluster scope, module `etcd` (`ClusterLockTable`): the same
+//!   locks across machines on an etcd v3 cluster. Needs a tokio runtime,
+//!   and `protoc` to build.
+//!
+//! # Scopes
+//!
+//! The same shape at three scopes: this in-process [`LockTable`]; the
+//! processes of one host (`ProcessLockTable`, Linux); the machines of a
+//! cluster (`ClusterLockTable` on etcd, feature `etcd`). At the wider
+//! scopes a process's callers queue on an in-process table first, so each
+//! process sends at most one waiter per key to the slower tier. Generic
+//! code is written once for all of them with [`ScopedLockTable`] and
+//! [`ScopedGuard`].
 //!
 //! # Runtimes
 //!
@@ -279,6 +292,9 @@ mod clock;
 mod deadlock;
 mod deferred;
 mod error;
+#[cfg(feature = "etcd")]
+#[cfg_attr(docsrs, doc(cfg(feature = "etcd")))]
+pub mod etcd;
 mod fairness;
 mod guard;
 mod hold;
@@ -295,6 +311,7 @@ mod owner;
 #[cfg_attr(docsrs, doc(cfg(target_os = "linux")))]
 pub mod process;
 mod queue;
+mod scope;
 mod shard_lock;
 mod stats;
 mod status;
@@ -311,6 +328,8 @@ mod waiter;
 pub use clock::ManualClock;
 pub use deadlock::{CycleWait, Deadlock, TransactionId};
 pub use error::{LockError, TryLockError};
+#[cfg(feature = "etcd")]
+pub use etcd::{ClusterGuard, ClusterLockError, ClusterLockTable, OwnedClusterGuard};
 pub use fairness::Fairness;
 pub use guard::{Guard, OwnedGuard};
 pub use hold::Hold;
@@ -324,6 +343,7 @@ pub use owner::{
 pub use process::{
     OwnedProcessGuard, ProcessGuard, ProcessHolder, ProcessLockError, ProcessLockTable,
 };
+pub use scope::{ScopedGuard, ScopedLockTable};
 pub use stats::Stats;
 pub use status::{HolderStatus, LockStatus, WaiterStatus};
 pub use table::{Builder, DefaultHashBuilder, LockTable};

@@ -1,0 +1,175 @@
+//! Errors of the cluster scope, each naming the holder, the lease or the
+//! etcd call at fault.
+
+use std::fmt;
+use std::time::Duration;
+
+use crate::FencingToken;
+
+/// Who holds a key of a [`ClusterLockTable`](super::ClusterLockTable), as
+/// its waiter key in etcd says.
+///
+/// ```
+/// # let holder: Option<keylock::etcd::ClusterHolder> = None;
+/// if let Some(h) = holder {
+///     println!("held by lease {:x} (pid {:?} on {:?}) for {:?}", h.lease_id, h.pid, h.host, h.held_for);
+/// }
+/// ```
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct ClusterHolder {
+    /// The etcd lease the holder's waiter key is attached to: its session's
+    /// (or its grant's own, for a grant with a lease). The key is freed when
+    /// this lease ends.
+    pub lease_id: i64,
+    /// The holder's fencing token: its waiter key's create revision.
+    pub token: FencingToken,
+    /// How long the holder has held the key, by the wall clock of the
+    /// holder's host when it took it and the caller's now. A holder that
+    /// waited restamps its key right after the grant; until then this
+    /// counts from its enqueue. `None` if the waiter key does not say.
+    pub held_for: Option<Duration>,
+    /// The holder's process id, if it said.
+    pub pid: Option<u32>,
+    /// The holder's host name, if it said.
+    pub host: Option<String>,
+    /// The holder's table label ([`ClusterOptions::label`](super::ClusterOptions::label)).
+    pub label: Option<String>,
+}
+
+impl fmt::Display for ClusterHolder {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "lease {:x} (token {}", self.lease_id, self.token)?;
+        if let Some(pid) = self.pid {
+            write!(f, ", pid {pid}")?;
+        }
+        if let Some(host) = &self.host {
+            write!(f, " on {host}")?;
+        }
+        if let Some(label) = &self.label {
+            write!(f, ", label {label:?}")?;
+        }
+        match self.held_for {
+            Some(d) => write!(f, ", held for {d:?})"),
+            None => f.write_str(")"),
+        }
+    }
+}
+
+/// Why a cluster-scope lock, check or renewal failed.
+///
+/// ```
+/// let err = keylock::etcd::ClusterLockError::NoRuntime;
+/// assert!(err.to_string().contains("tokio"));
+/// ```
+#[derive(Debug)]
+#[non_exhaustive]
+pub enum ClusterLockError {
+    /// The table was not created inside a tokio runtime (its etcd client
+    /// needs one).
+    NoRuntime,
+    /// An etcd call failed in a way that retrying does not cure (bad
+    /// endpoints, permissions, ...), or kept failing until the caller's
+    /// deadline. Nothing is held.
+    Etcd {
+        /// What was being done ("connect", "enqueue the waiter key", ...).
+        op: &'static str,
+        /// The client's answer.
+        source: etcd_client::Error,
+    },
+    /// An option was out of range or unsupported; nothing was taken.
+    InvalidOptions {
+        /// The option at fault.
+        option: &'static str,
+        /// Why it was refused.
+        reason: String,
+    },
+    /// The key is held (or another waiter is ahead) and the caller would not
+    /// wait.
+    WouldBlock {
+        /// Who holds it, as its waiter key says; `None` when the one ahead
+        /// is a caller of this process (queued on the in-process tier).
+        holder: Option<Box<ClusterHolder>>,
+    },
+    /// The wait ran out.
+    Timeout {
+        /// How long the caller waited.
+        waited: Duration,
+        /// Who held the key when the caller gave up (its lease id, token,
+        /// and how long it had held it); `None` if the one ahead was a
+        /// caller of this process, or the key had no holder yet.
+        holder: Option<Box<ClusterHolder>>,
+        /// How many waiter keys of other processes were ahead in etcd.
+        ahead: usize,
+    },
+    /// The session's lease could not be kept alive (or was revoked): every
+    /// guard of the session is fenced, and waits of the session end.
+    SessionLost {
+        /// The session's lease.
+        lease_id: i64,
+        /// What happened.
+        reason: String,
+    },
+    /// The grant lost its authority: its lease ended (the session's
+    /// keep-alive failed, or the grant's own lease lapsed). Do not commit.
+    Expired {
+        /// The token of the grant that lost the key.
+        token: FencingToken,
+    },
+}
+
+impl ClusterLockError {
+    pub(crate) fn etcd(op: &'static str, source: etcd_client::Error) -> Self {
+        Self::Etcd { op, source }
+    }
+}
+
+impl fmt::Display for ClusterLockError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Self::NoRuntime => f.write_str(
+                "no tokio runtime: create a ClusterLockTable inside one (its etcd client needs it)",
+            ),
+            Self::Etcd { op, source } => write!(f, "etcd: cannot {op}: {source}"),
+            Self::InvalidOptions { option, reason } => write!(f, "invalid {option}: {reason}"),
+            Self::WouldBlock { holder } => {
+                f.write_str("the key is held")?;
+                match holder {
+                    Some(h) => write!(f, " by {h}"),
+                    None => f.write_str(" (by a caller of this process, or one is ahead)"),
+                }
+            }
+            Self::Timeout {
+                waited,
+                holder,
+                ahead,
+            } => {
+                write!(f, "timed out after {waited:?}")?;
+                match holder {
+                    Some(h) => write!(f, "; held by {h}")?,
+                    None => {
+                        f.write_str("; no holder in etcd (a caller of this process was ahead)")?
+                    }
+                }
+                write!(f, "; {ahead} waiter(s) of other processes ahead")
+            }
+            Self::SessionLost { lease_id, reason } => write!(
+                f,
+                "the session's lease {lease_id:x} was lost ({reason}); its grants are fenced"
+            ),
+            Self::Expired { token } => write!(
+                f,
+                "grant {token} has lost the key (its lease ended); do not commit its work"
+            ),
+        }
+    }
+}
+
+impl std::error::Error for ClusterLockError {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        match self {
+            Self::Etcd { source, .. } => Some(source),
+            _ => None,
+        }
+    }
+}

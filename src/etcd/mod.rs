@@ -1,0 +1,93 @@
+//! The cluster scope (feature `etcd`): the same keyed locks shared by every
+//! process, on any machine, that connects to the same etcd v3 cluster
+//! ([`ClusterLockTable`]).
+//!
+//! The shape is the in-process table's: `table.lock(key).await` yields a
+//! guard that releases the key on drop; grants carry fencing tokens (the
+//! waiter key's create revision, ordered cluster-wide); `try_lock`, owned
+//! forms, leases, timeouts and deadlines work as in-process.
+//!
+//! ```no_run
+//! # #[tokio::main] async fn main() -> Result<(), Box<dyn std::error::Error>> {
+//! use std::time::Duration;
+//! use keylock::{etcd::{ClusterLockTable, ClusterOptions}, LockOptions};
+//!
+//! let opts = ClusterOptions::new().label("invoice-worker");
+//! let table = ClusterLockTable::connect_with(["http://127.0.0.1:2379"], opts).await?;
+//! let guard = table
+//!     .lock_with("invoice-17", LockOptions::new().timeout(Duration::from_secs(5)))
+//!     .await?;
+//! guard.check()?; // judged now against the session's lease, no round trip
+//! // Fence the write at the store: applied only while the grant holds the key.
+//! let txn = etcd_client::Txn::new()
+//!     .when([guard.fence().compare()])
+//!     .and_then([etcd_client::TxnOp::put("invoices/17", "paid", None)]);
+//! assert!(table.client().clone().txn(txn).await?.succeeded());
+//! drop(guard);
+//! # Ok(()) }
+//! ```
+//!
+//! # The recipe
+//!
+//! One etcd lease per table (the *session*), kept alive by a task; a waiter
+//! key per session under the key's prefix,
+//! `<prefix>/<encoded key>/<lease id>`; FIFO by create revision; the
+//! enqueue reads the queue's head in the same transaction (an uncontended
+//! lock is one round trip); a waiter opens a watch of the deletions under
+//! the prefix from now (a current watch, woken as each deletion commits),
+//! then reads the keys ahead of it once, and holds the key when all of them
+//! are gone. Not etcd's own lock API, and no polling. See
+//! `recipe.rs` and docs/ARCHITECTURE.md ("Cluster scope").
+//!
+//! # Two tiers
+//!
+//! Callers of one table queue on an in-process
+//! [`LockTable`](crate::LockTable) first, so at most one of them has a
+//! waiter key in etcd per key: a hot key costs etcd one waiter per process,
+//! and handoffs inside the process cost one delete.
+//!
+//! # Fencing
+//!
+//! [`ClusterGuard::check`] is judged locally against the lease that carries
+//! the grant: the session knows a bound before which etcd cannot have
+//! expired its lease (the send time of the last answered keep-alive plus
+//! the TTL), so `check()` needs no round trip and fails at once when
+//! keep-alives stop being answered past that bound. At the store,
+//! [`ClusterGuard::fence`] gives the compare (`create_revision(waiter key)
+//! == token`) to put in your own etcd transactions: etcd itself then
+//! refuses a holder that lost the key, whatever its clock says.
+//!
+//! # Faults
+//!
+//! - A holder that dies (SIGKILL, a crash, a lost machine) frees its keys
+//!   when its session's lease expires: at most the session TTL after its
+//!   last keep-alive ([`ClusterOptions::session_ttl`]).
+//! - A session whose keep-alives fail past its bound is lost: its guards'
+//!   `check()` fails and its waits end with
+//!   [`ClusterLockError::SessionLost`]; the table starts a new session for
+//!   the next lock.
+//! - A member that dies, or a leader change: every call is retried; a
+//!   refused connection is safe to send again, a timeout or a leader
+//!   change is ambiguous, and every call is written so that sending it
+//!   again is the re-read (see `retry.rs`). Watches and keep-alive streams
+//!   are re-established on another member.
+//!
+//! # Runtime
+//!
+//! The etcd client needs tokio: create the table inside a tokio runtime. Its
+//! calls then run as tasks on that runtime, so the futures of the table may
+//! be awaited from any executor (or a plain thread, with
+//! [`ClusterLockTable::blocking_lock`]) while the runtime runs. Dropping a
+//! guard spawns its release there and never blocks.
+
+mod error;
+mod guard;
+mod key;
+mod recipe;
+mod retry;
+mod session;
+mod table;
+
+pub use error::{ClusterHolder, ClusterLockError};
+pub use guard::{ClusterGuard, Fence, OwnedClusterGuard};
+pub use table::{ClusterLock, ClusterLockTable, ClusterOptions, ClusterStats, OwnedClusterLock};

@@ -1,0 +1,524 @@
+//! The etcd v3 lock recipe: a waiter key per session under the key's
+//! prefix, FIFO by create revision, each waiter woken by a current watch of
+//! the deletions of the keys ahead of it.
+//!
+//! # Acquiring
+//!
+//! 1. **Enqueue.** `txn(if create_revision(me) == 0 then put(me, stamp,
+//!    session lease) else get(me))`, where `me` is
+//!    `<prefix>/<key>/<session lease id>`. The answer gives `me`'s create
+//!    revision: the grant's fencing token. Sending it again after an
+//!    ambiguous failure finds the key and returns the same revision, so the
+//!    enqueue is idempotent (the in-process tier guarantees that this
+//!    session has no other waiter key for the key).
+//!    The same transaction reads the head of the queue (the oldest key under
+//!    the prefix): if it is `me`, the key is ours with this one round trip,
+//!    and steps 2 and 3 are skipped.
+//! 2. **Watch, then read.** Open a watch of the deletions under the
+//!    prefix from now, and once etcd says it is created, read the keys
+//!    ahead of ours (`get(prefix, max_create_revision = mine - 1, keys
+//!    only)`). None: the key is ours.
+//! 3. **Wait for their deletion.** A deletion after the read is seen by the
+//!    watch, one before it is absent from the read, and no key older than
+//!    ours can appear later (new keys get newer revisions): when every key
+//!    read is deleted the key is ours, with no further read, so a handoff
+//!    costs the holder's delete and one watch event. The watch starts from
+//!    "now", so etcd serves it as a current watch, sending each deletion as
+//!    it commits. (A watch from a past revision, even the read's + 1 once
+//!    anything else has been written, is "behind" and served by etcd's
+//!    100 ms catch-up loop instead; that is what makes etcd's own lock API
+//!    slow to hand over.) If the watch breaks, start again at 2. Every
+//!    waiter of the key sees every deletion under its prefix, but with the
+//!    in-process tier there is at most one waiter per process and key.
+//! 4. **Granted.** A waiter granted after waiting restamps its key (the
+//!    host's wall clock, for diagnosis) with a put that compares the create
+//!    revision and keeps the lease, not waited for; for a grant with a lease
+//!    of its own, such a put (waited for) moves the key onto that lease (a
+//!    put keeps a key's create revision, so the token stands).
+//!
+//! # Releasing
+//!
+//! `txn(if create_revision(me) == token then delete(me))`, retried until
+//! it is done or the lease that carries the key has ended (etcd then
+//! deletes it). The in-process grant is let go only after, so that the next
+//! caller of this process never finds the old key.
+
+use std::collections::HashSet;
+use std::sync::atomic::Ordering;
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::{Duration, Instant};
+
+use etcd_client::{
+    Compare, CompareOp, EventType, GetOptions, PutOptions, SortOrder, SortTarget, Txn, TxnOp,
+    TxnOpResponse, WatchFilterType, WatchOptions,
+};
+
+use super::error::{ClusterHolder, ClusterLockError};
+use super::key;
+use super::retry::retry;
+use super::session::Session;
+use super::table::Inner;
+use crate::FencingToken;
+
+/// The lease that carries a grant's waiter key.
+#[derive(Debug)]
+pub(crate) enum GrantLease {
+    /// The session's: kept alive with the session.
+    Session(Arc<Session>),
+    /// The grant's own (`LockOptions::lease`): not kept alive, renewed by
+    /// hand.
+    Own {
+        id: i64,
+        ttl: Duration,
+        valid_until: Mutex<Instant>,
+    },
+}
+
+impl GrantLease {
+    pub(crate) fn id(&self) -> i64 {
+        match self {
+            Self::Session(s) => s.state.lease_id,
+            Self::Own { id, .. } => *id,
+        }
+    }
+
+    /// Before this instant etcd cannot have ended the lease.
+    pub(crate) fn valid_until(&self) -> Instant {
+        match self {
+            Self::Session(s) => s.state.valid_until(),
+            Self::Own { valid_until, .. } => {
+                *valid_until.lock().unwrap_or_else(PoisonError::into_inner)
+            }
+        }
+    }
+
+    pub(crate) fn is_live(&self) -> bool {
+        match self {
+            Self::Session(s) => s.state.is_live(),
+            Self::Own { .. } => Instant::now() < self.valid_until(),
+        }
+    }
+}
+
+/// A key taken in etcd.
+#[derive(Debug)]
+pub(crate) struct Grant {
+    pub(crate) waiter_key: String,
+    pub(crate) revision: i64,
+    pub(crate) token: FencingToken,
+    pub(crate) lease: GrantLease,
+}
+
+/// What a failed or cancelled acquisition must undo: the waiter key it may
+/// have written (named before it is sent, so that an enqueue cut short is
+/// undone too) and the lease of its own it may have been granted.
+#[derive(Debug, Default)]
+pub(crate) struct Undo {
+    waiter_key: Mutex<Option<String>>,
+    own_lease: Mutex<Option<i64>>,
+}
+
+impl Undo {
+    /// Deletes the waiter key (whoever wrote it: this session has no other
+    /// for the key while the in-process grant is held) and revokes the
+    /// lease of its own, retrying while the session lives.
+    pub(crate) async fn run(&self, inner: &Inner, session: Option<&Session>) {
+        let key = self
+            .waiter_key
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .take();
+        if let Some(key) = key {
+            let bound = session.map(|s| s.state.valid_until());
+            let _ = retry("delete the waiter key", &inner.counts, bound, || {
+                let mut c = inner.client.clone();
+                let key = key.clone();
+                async move { c.delete(key, None).await }
+            })
+            .await;
+            inner.etcd_waiters.fetch_sub(1, Ordering::Relaxed);
+        }
+        let own = self
+            .own_lease
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .take();
+        if let Some(id) = own {
+            let bound = Some(Instant::now() + Duration::from_secs(5));
+            let _ = retry("revoke the grant's lease", &inner.counts, bound, || {
+                let mut c = inner.client.clone();
+                async move { c.lease_revoke(id).await }
+            })
+            .await;
+        }
+    }
+}
+
+/// How a wait for the predecessor ended.
+enum Wake {
+    /// Every waiter key ahead is gone: the key is ours.
+    Granted,
+    /// The watch broke or was cancelled: read again.
+    Again,
+    /// The caller's deadline passed.
+    Deadline,
+    /// The session ended.
+    SessionEnded,
+}
+
+fn revision_of(header: Option<&etcd_client::ResponseHeader>) -> i64 {
+    header.map_or(0, etcd_client::ResponseHeader::revision)
+}
+
+/// The whole acquisition in etcd; on an error the caller runs `undo`.
+#[allow(clippy::too_many_arguments)]
+pub(crate) async fn acquire(
+    inner: &Inner,
+    session: &Arc<Session>,
+    stem: &str,
+    own_lease: Option<Duration>,
+    deadline: Option<Instant>,
+    wait: bool,
+    started: Instant,
+    undo: &Undo,
+) -> Result<Grant, ClusterLockError> {
+    if !session.state.is_live() {
+        return Err(session.state.lost_error());
+    }
+    let prefix = key::key_prefix(&inner.prefix, stem);
+    let me = key::waiter_key(&prefix, session.state.lease_id);
+    let lease_id = session.state.lease_id;
+    // `since` now: right if the key is ours at once (the uncontended case,
+    // which then needs no second write); a waiter restamps when it gets it.
+    let stamp = key::stamp(inner.label.as_deref(), true);
+    // The deadline of the etcd calls: the caller's, or for a try_lock one
+    // TTL (the session is lost by then anyway if etcd cannot be reached).
+    let call_bound = deadline.or_else(|| Some(Instant::now() + session.state.ttl));
+
+    // 1. Enqueue.
+    *undo
+        .waiter_key
+        .lock()
+        .unwrap_or_else(PoisonError::into_inner) = Some(me.clone());
+    inner.etcd_waiters.fetch_add(1, Ordering::Relaxed);
+    let enqueued = retry("enqueue the waiter key", &inner.counts, call_bound, || {
+        let mut c = inner.client.clone();
+        let txn = Txn::new()
+            .when([Compare::create_revision(me.clone(), CompareOp::Equal, 0)])
+            .and_then([
+                TxnOp::put(
+                    me.clone(),
+                    stamp.clone(),
+                    Some(PutOptions::new().with_lease(lease_id)),
+                ),
+                // The head of the queue, as of this put: if it is ours, the
+                // key is ours with this one round trip.
+                TxnOp::get(
+                    prefix.clone(),
+                    Some(
+                        GetOptions::new()
+                            .with_prefix()
+                            .with_sort(SortTarget::Create, SortOrder::Ascend)
+                            .with_limit(1)
+                            .with_keys_only(),
+                    ),
+                ),
+            ])
+            .or_else([TxnOp::get(me.clone(), None)]);
+        async move { c.txn(txn).await }
+    })
+    .await?;
+    let mut at_once = false;
+    let revision = if enqueued.succeeded() {
+        at_once = enqueued.op_responses().into_iter().any(|r| match r {
+            TxnOpResponse::Get(g) => g.kvs().first().is_some_and(|kv| kv.key() == me.as_bytes()),
+            _ => false,
+        });
+        revision_of(enqueued.header())
+    } else {
+        enqueued
+            .op_responses()
+            .into_iter()
+            .find_map(|r| match r {
+                TxnOpResponse::Get(g) => {
+                    g.kvs().first().map(etcd_client::KeyValue::create_revision)
+                }
+                _ => None,
+            })
+            .unwrap_or(0)
+    };
+    let token = u64::try_from(revision)
+        .ok()
+        .and_then(FencingToken::new)
+        .ok_or_else(|| ClusterLockError::InvalidOptions {
+            option: "waiter key",
+            reason: format!("etcd answered the enqueue with revision {revision}"),
+        })?;
+
+    // 2 and 3. Wait for every waiter key ahead to go.
+    loop {
+        if at_once {
+            break;
+        }
+        if !wait {
+            let ahead = retry("read the waiters ahead", &inner.counts, call_bound, || {
+                let mut c = inner.client.clone();
+                let prefix = prefix.clone();
+                async move { c.get(prefix, Some(ahead_of(revision))).await }
+            })
+            .await?;
+            if ahead.kvs().is_empty() {
+                break;
+            }
+            let (holder, _) = head(inner, &prefix, revision).await;
+            return Err(ClusterLockError::WouldBlock {
+                holder: holder.map(Box::new),
+            });
+        }
+        match wait_turn(inner, session, &prefix, revision, deadline).await {
+            Wake::Granted => break,
+            Wake::Again => {}
+            Wake::Deadline => {
+                let (holder, ahead) = head(inner, &prefix, revision).await;
+                return Err(ClusterLockError::Timeout {
+                    waited: started.elapsed(),
+                    holder: holder.map(Box::new),
+                    ahead,
+                });
+            }
+            Wake::SessionEnded => return Err(session.state.lost_error()),
+        }
+    }
+
+    // 4. Granted: stamp it (and move it onto its own lease, if asked).
+    let held_stamp = key::stamp(inner.label.as_deref(), true);
+    let lease = match own_lease {
+        None if at_once => GrantLease::Session(Arc::clone(session)),
+        None => {
+            let mut c = inner.client.clone();
+            let key = me.clone();
+            // Diagnosis only: not waited for.
+            drop(inner.handle.spawn(async move {
+                let txn = Txn::new()
+                    .when([Compare::create_revision(
+                        key.clone(),
+                        CompareOp::Equal,
+                        revision,
+                    )])
+                    .and_then([TxnOp::put(
+                        key,
+                        held_stamp,
+                        Some(PutOptions::new().with_ignore_lease()),
+                    )]);
+                let _ = c.txn(txn).await;
+            }));
+            GrantLease::Session(Arc::clone(session))
+        }
+        Some(ttl) => {
+            let secs = i64::try_from(ttl.as_secs() + u64::from(ttl.subsec_nanos() > 0))
+                .unwrap_or(i64::MAX)
+                .max(1);
+            let sent = Instant::now();
+            let granted = retry("grant the grant's lease", &inner.counts, call_bound, || {
+                let mut c = inner.client.clone();
+                async move { c.lease_grant(secs, None).await }
+            })
+            .await?;
+            *undo
+                .own_lease
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner) = Some(granted.id());
+            let own_id = granted.id();
+            let moved = retry(
+                "move the key onto its lease",
+                &inner.counts,
+                call_bound,
+                || {
+                    let mut c = inner.client.clone();
+                    let txn = Txn::new()
+                        .when([Compare::create_revision(
+                            me.clone(),
+                            CompareOp::Equal,
+                            revision,
+                        )])
+                        .and_then([TxnOp::put(
+                            me.clone(),
+                            held_stamp.clone(),
+                            Some(PutOptions::new().with_lease(own_id)),
+                        )]);
+                    async move { c.txn(txn).await }
+                },
+            )
+            .await?;
+            if !moved.succeeded() {
+                return Err(session.state.lost_error());
+            }
+            let ttl = Duration::from_secs(u64::try_from(granted.ttl()).unwrap_or(1));
+            GrantLease::Own {
+                id: own_id,
+                ttl,
+                valid_until: Mutex::new(sent + ttl),
+            }
+        }
+    };
+    // The grant owns the key now: nothing to undo.
+    undo.waiter_key
+        .lock()
+        .unwrap_or_else(PoisonError::into_inner)
+        .take();
+    undo.own_lease
+        .lock()
+        .unwrap_or_else(PoisonError::into_inner)
+        .take();
+    Ok(Grant {
+        waiter_key: me,
+        revision,
+        token,
+        lease,
+    })
+}
+
+/// The read of the waiter keys older than ours (keys only).
+fn ahead_of(revision: i64) -> GetOptions {
+    GetOptions::new()
+        .with_prefix()
+        .with_max_create_revision(revision - 1)
+        .with_keys_only()
+}
+
+/// Waits until every waiter key older than ours is deleted: opens a watch
+/// of the deletions under the prefix *first* (from now: etcd serves it as
+/// a current watch, woken as each deletion commits), then reads the keys
+/// ahead. A deletion after the read is seen by the watch; one before it is
+/// absent from the read; and no key older than ours can appear later (new
+/// keys get newer revisions). So when every key read is deleted, the key is
+/// ours, with no further read.
+async fn wait_turn(
+    inner: &Inner,
+    session: &Session,
+    prefix: &str,
+    revision: i64,
+    deadline: Option<Instant>,
+) -> Wake {
+    let turn = async {
+        let mut c = inner.client.clone();
+        let opts = WatchOptions::new()
+            .with_prefix()
+            .with_filters([WatchFilterType::NoPut]);
+        let mut stream = c.watch(prefix, Some(opts)).await?;
+        // The watch is in place once etcd says it is created.
+        match stream.message().await? {
+            Some(resp) if resp.created() && !resp.canceled() => {}
+            _ => return Ok(Wake::Again),
+        }
+        let read = c.get(prefix, Some(ahead_of(revision))).await?;
+        let mut ahead: HashSet<Vec<u8>> = read.kvs().iter().map(|kv| kv.key().to_vec()).collect();
+        while !ahead.is_empty() {
+            let Some(resp) = stream.message().await? else {
+                return Ok(Wake::Again);
+            };
+            if resp.canceled() {
+                return Ok(Wake::Again);
+            }
+            for e in resp.events() {
+                if e.event_type() == EventType::Delete {
+                    if let Some(kv) = e.kv() {
+                        ahead.remove(kv.key());
+                    }
+                }
+            }
+        }
+        Ok::<Wake, etcd_client::Error>(Wake::Granted)
+    };
+    let far = Instant::now() + Duration::from_secs(86_400 * 365);
+    let until = tokio::time::Instant::from_std(deadline.unwrap_or(far));
+    tokio::select! {
+        r = turn => match r {
+            Ok(wake) => wake,
+            Err(err) => {
+                // The stream or the read broke (a member died, a leader
+                // changed): start again, after a short pause so that a dead
+                // member is not hammered.
+                match super::retry::classify(&err) {
+                    super::retry::Failure::Refused => {
+                        inner.counts.refused.fetch_add(1, Ordering::Relaxed)
+                    }
+                    _ => inner.counts.ambiguous.fetch_add(1, Ordering::Relaxed),
+                };
+                tokio::time::sleep(Duration::from_millis(20)).await;
+                Wake::Again
+            }
+        },
+        () = tokio::time::sleep_until(until) => Wake::Deadline,
+        () = session.state.ended() => Wake::SessionEnded,
+    }
+}
+
+/// The key's holder (the oldest waiter key) and how many waiter keys are
+/// older than `revision` (all of them if it is 0); for a diagnosis, so
+/// failures answer `None` and 0.
+pub(crate) async fn head(
+    inner: &Inner,
+    prefix: &str,
+    revision: i64,
+) -> (Option<ClusterHolder>, usize) {
+    let mut c = inner.client.clone();
+    let limit = Duration::from_secs(2);
+    let first = GetOptions::new()
+        .with_prefix()
+        .with_sort(SortTarget::Create, SortOrder::Ascend)
+        .with_limit(1);
+    let holder = match tokio::time::timeout(limit, c.get(prefix, Some(first))).await {
+        Ok(Ok(resp)) => resp.kvs().first().and_then(key::holder_of),
+        _ => None,
+    };
+    // etcd's `count` ignores the revision filters: count the keys instead.
+    let mut older = GetOptions::new().with_prefix().with_keys_only();
+    if revision > 0 {
+        older = older.with_max_create_revision(revision - 1);
+    }
+    let ahead = match tokio::time::timeout(limit, c.get(prefix, Some(older))).await {
+        Ok(Ok(resp)) => resp.kvs().len(),
+        _ => 0,
+    };
+    (holder, ahead)
+}
+
+/// Deletes a grant's waiter key (if it still is that grant's) and revokes
+/// its own lease, retrying while the lease that carries the key lives.
+pub(crate) async fn release(inner: &Inner, grant: &Grant) -> Result<(), ClusterLockError> {
+    let mut result;
+    loop {
+        let bound = grant.lease.valid_until();
+        result = retry("delete the waiter key", &inner.counts, Some(bound), || {
+            let mut c = inner.client.clone();
+            let txn = Txn::new()
+                .when([Compare::create_revision(
+                    grant.waiter_key.clone(),
+                    CompareOp::Equal,
+                    grant.revision,
+                )])
+                .and_then([TxnOp::delete(grant.waiter_key.clone(), None)]);
+            async move { c.txn(txn).await }
+        })
+        .await
+        .map(drop);
+        match &result {
+            Err(ClusterLockError::Etcd { source, .. })
+                if super::retry::classify(source) != super::retry::Failure::Fatal
+                    && grant.lease.is_live() => {}
+            _ => break,
+        }
+    }
+    if let GrantLease::Own { id, .. } = &grant.lease {
+        let id = *id;
+        let bound = Some(Instant::now() + Duration::from_secs(5));
+        let _ = retry("revoke the grant's lease", &inner.counts, bound, || {
+            let mut c = inner.client.clone();
+            async move { c.lease_revoke(id).await }
+        })
+        .await;
+    }
+    inner.etcd_waiters.fetch_sub(1, Ordering::Relaxed);
+    result
+}
