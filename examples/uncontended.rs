@@ -176,6 +176,53 @@ fn main() {
                 txn.commit().expect("no lease");
             }
         }
+        // Sixteen keys per iteration, as `benches/owners.rs` does: an owned
+        // transaction's locks and commit (`owned16`) against sixteen owned
+        // plain guards (`guards_owned16`).
+        "owned16" => {
+            let table = std::sync::Arc::new(keylock::LockTable::<u64>::new());
+            let mut cx = Context::from_waker(futures::task::noop_waker_ref());
+            for _ in 0..n {
+                let txn = table.clone().transaction_owned();
+                for k in 0..16 {
+                    let fut = pin!(txn.lock(black_box(k), keylock::Mode::Exclusive));
+                    let Poll::Ready(got) = fut.poll(&mut cx) else {
+                        unreachable!("uncontended")
+                    };
+                    black_box(got.expect("uncontended"));
+                }
+                txn.commit().expect("no lease");
+            }
+        }
+        "txn16" => {
+            let mut cx = Context::from_waker(futures::task::noop_waker_ref());
+            for _ in 0..n {
+                let mut txn = table.transaction();
+                for k in 0..16 {
+                    let fut = pin!(txn.lock(black_box(k), keylock::Mode::Exclusive));
+                    let Poll::Ready(got) = fut.poll(&mut cx) else {
+                        unreachable!("uncontended")
+                    };
+                    black_box(got.expect("uncontended"));
+                }
+                txn.commit().expect("no lease");
+            }
+        }
+        "guards_owned16" => {
+            let table = std::sync::Arc::new(keylock::LockTable::<u64>::new());
+            let mut cx = Context::from_waker(futures::task::noop_waker_ref());
+            let mut guards = Vec::with_capacity(16);
+            for _ in 0..n {
+                for k in 0..16 {
+                    let fut = pin!(table.clone().lock_owned(black_box(k)));
+                    let Poll::Ready(guard) = fut.poll(&mut cx) else {
+                        unreachable!("uncontended")
+                    };
+                    guards.push(guard);
+                }
+                guards.clear();
+            }
+        }
         // Reference points, not keylock: one async mutex and the bare
         // futex mutex the shards use.
         "tokio" => {
@@ -193,7 +240,7 @@ fn main() {
             }
         }
         other => panic!(
-            "unknown mode {other:?}: try | lease | lock | txn1 | txn2 | guards2 | audit | audit_guards | owned1 | tokio | std"
+            "unknown mode {other:?}: try | lease | lock | txn1 | txn2 | guards2 | audit | audit_guards | owned1 | owned16 | guards_owned16 | tokio | std"
         ),
     }
     assert!(table.is_empty());

@@ -549,17 +549,6 @@ impl<K, S> OwnedGuard<K, S> {
         })
     }
 
-    /// The grant, out of the guard, which is gone without releasing it (the
-    /// table's `Arc` drops): see [`Guard::into_held`].
-    pub(crate) fn into_held(self) -> Held<K> {
-        let this = std::mem::ManuallyDrop::new(self);
-        // SAFETY: `this` is never used again and its `Drop` never runs, so
-        // the table's `Arc` and the grant are read out exactly once.
-        let (table, held) = unsafe { (std::ptr::read(&this.table), std::ptr::read(&this.held)) };
-        drop(table);
-        held
-    }
-
     /// As [`Guard::release_if_live`].
     #[inline]
     pub(crate) fn release_if_live(self) -> Result<FencingToken, Self> {

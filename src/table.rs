@@ -369,15 +369,30 @@ impl<K, S> LockTable<K, S> {
         hash: u64,
         op: impl FnOnce(&mut ShardState<K>, &mut Ctx<'_, '_, K>) -> R,
     ) -> R {
-        let shard = self.shard(hash);
         let mut left = Leftovers::default();
+        let result = self.with_shard_leaving(hash, &mut left, op);
+        left.flush();
+        result
+    }
+
+    /// [`with_shard`](Self::with_shard), leaving what must be done after
+    /// unlocking (wakes, drops) in `left`, which the caller drops (or
+    /// flushes) later: for a caller that holds a lock of its own around the
+    /// operation, and must not run user code under it.
+    #[inline]
+    pub(crate) fn with_shard_leaving<R>(
+        &self,
+        hash: u64,
+        left: &mut Leftovers<K>,
+        op: impl FnOnce(&mut ShardState<K>, &mut Ctx<'_, '_, K>) -> R,
+    ) -> R {
+        let shard = self.shard(hash);
         let mut state = shard.state.lock();
         // Made after locking: stores made before a locked compare-and-swap
         // must drain before it completes.
-        let mut ctx = shard.ctx(&self.clock, &mut left);
+        let mut ctx = shard.ctx(&self.clock, left);
         let result = op(&mut state, &mut ctx);
         drop(state);
-        left.flush();
         result
     }
 
@@ -858,24 +873,31 @@ where
         }
     }
 
-    /// [`try_lock_kept`](Self::try_lock_kept) for a table behind an `Arc`.
-    pub(crate) fn try_lock_owned_kept(
-        self: Arc<Self>,
+    /// [`try_lock_kept`](Self::try_lock_kept) for a caller that holds a lock
+    /// of its own (an owned transaction's set): nothing is woken or dropped
+    /// here. What the attempt leaves to do is left in `left`, and the
+    /// caller's key, if the table did not keep it, is returned beside the
+    /// outcome: the caller drops both after releasing its lock.
+    #[inline]
+    pub(crate) fn try_lock_leaving(
+        &self,
         hash: u64,
         key: K,
         opts: LockOptions,
-    ) -> Result<OwnedGuard<K, S>, K> {
+        left: &mut Leftovers<K>,
+    ) -> (Result<Guard<'_, K, S>, K>, Option<K>) {
         let Ok(lease) = self.leases.resolve(opts.lease_duration()) else {
-            return Err(key);
+            return (Err(key), None);
         };
         debug_assert_eq!(hash, self.hash(&key));
-        match self.try_acquire(hash, key, opts.lock_mode(), terms_of(lease, &opts)) {
-            (Some(grant), spare) => {
-                let guard = OwnedGuard::new(self, Held::new(hash, grant));
-                drop(spare);
-                Ok(guard)
-            }
-            (None, spare) => Err(spare.expect("kept when not taken")),
+        let mut key = Some(key);
+        let (mode, terms, fairness) = (opts.lock_mode(), terms_of(lease, &opts), self.fairness);
+        let grant = self.with_shard_leaving(hash, left, |state, ctx| {
+            state.try_acquire(hash, &mut key, mode, terms, fairness, ctx)
+        });
+        match grant {
+            Some(grant) => (Ok(Guard::new(self, Held::new(hash, grant))), key),
+            None => (Err(key.expect("kept when not taken")), None),
         }
     }
 

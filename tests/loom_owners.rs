@@ -7,7 +7,7 @@
 //! only wake it gets); a pending call dropped while its upgrade of a shared
 //! key races the other reader's release (the undo by downgrade); two calls
 //! of one owned transaction racing for the same new key (one takes it, the
-//! other is counted or fails `InFlight`, neither waits on its own grant);
+//! other is counted on it, neither waits on its own grant);
 //! deadlock detection racing a release that breaks the cycle (no false
 //! answer) and the cancel of a waiter of the cycle as it closes (answered
 //! once, or not at all, never a hang).
@@ -625,52 +625,50 @@ mod models {
     }
 
     /// (d) Two calls of one owned transaction for the same new key, polled
-    /// once each on two threads, in `mode`: the one that claims first takes
-    /// the key; the other is counted on it (it came after) or fails
-    /// `InFlight` (it came while the first was taking it). Never does a
-    /// call wait on its own transaction's grant (a pending call here would
-    /// wait for ever); the table ends with the one grant, released by the
-    /// end.
+    /// once each on two threads, in `mode`: the one that takes the set's
+    /// lock first looks the key up, takes it on the table and puts it in,
+    /// in that one step; the other then finds it and is counted on the
+    /// grant, however the two interleave (it never fails `InFlight`: that
+    /// is for a key claimed by a pending call, which a lock had at once
+    /// never leaves). Never does a call wait on its own transaction's
+    /// grant (a pending call here would wait for ever); the table ends with
+    /// the one grant, released by the end.
     fn two_calls_race_for_one_key(name: &str, mode: Mode) {
-        model(
-            name,
-            &["the second in flight", "the second re-entered"],
-            move |seen| {
-                let table = table();
-                let [a, _, _] = keys();
-                let txn = table.clone().transaction_owned();
-                let first = txn.lock(a, mode);
-                let second = txn.lock(a, mode);
-                let other = thread::spawn(move || Polled::new(second).poll());
-                let mine = Polled::new(first).poll();
-                let theirs = other.join().unwrap();
-                let (Some(mine), Some(theirs)) = (mine, theirs) else {
-                    panic!("a call of the transaction waited on its own grant");
-                };
-                let mut kinds = [&mine, &theirs].map(|r| match r {
-                    Ok(got) => format!("{:?}", got.kind),
-                    Err(TransactionError::InFlight { key }) if *key == a => "InFlight".into(),
-                    Err(e) => panic!("unexpected error: {e}"),
-                });
-                kinds.sort();
-                seen.note(match kinds.each_ref().map(String::as_str) {
-                    ["InFlight", "New"] => {
-                        assert_eq!(txn.count(&a), 1);
-                        "the second in flight"
-                    }
-                    ["New", "Reentered"] => {
-                        assert_eq!(txn.count(&a), 2);
-                        "the second re-entered"
-                    }
-                    other => panic!("outcomes {other:?}"),
-                });
-                assert_eq!(txn.mode(&a), Some(mode));
-                assert!(table.is_locked(&a));
-                drop(txn);
-                table.assert_consistent();
-                assert!(table.is_empty(), "the end left the key held");
-            },
-        );
+        model(name, &["the second re-entered"], move |seen| {
+            let table = table();
+            let [a, _, _] = keys();
+            let txn = table.clone().transaction_owned();
+            let first = txn.lock(a, mode);
+            let second = txn.lock(a, mode);
+            let other = thread::spawn(move || Polled::new(second).poll());
+            let mine = Polled::new(first).poll();
+            let theirs = other.join().unwrap();
+            let (Some(mine), Some(theirs)) = (mine, theirs) else {
+                panic!("a call of the transaction waited on its own grant");
+            };
+            let mut kinds = [&mine, &theirs].map(|r| match r {
+                Ok(got) => format!("{:?}", got.kind),
+                Err(TransactionError::InFlight { key }) if *key == a => "InFlight".into(),
+                Err(e) => panic!("unexpected error: {e}"),
+            });
+            kinds.sort();
+            seen.note(match kinds.each_ref().map(String::as_str) {
+                ["InFlight", "New"] => {
+                    assert_eq!(txn.count(&a), 1);
+                    "the second in flight"
+                }
+                ["New", "Reentered"] => {
+                    assert_eq!(txn.count(&a), 2);
+                    "the second re-entered"
+                }
+                other => panic!("outcomes {other:?}"),
+            });
+            assert_eq!(txn.mode(&a), Some(mode));
+            assert!(table.is_locked(&a));
+            drop(txn);
+            table.assert_consistent();
+            assert!(table.is_empty(), "the end left the key held");
+        });
     }
 
     #[test]

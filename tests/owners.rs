@@ -389,6 +389,90 @@ async fn owned_drop_while_a_lock_is_pending_on_another_task() {
     assert!(table.is_empty());
 }
 
+/// Two locks of one owned transaction for one new key, on two threads at
+/// once, many times: however they interleave, one takes the key and the
+/// other re-enters it (a lock had at once leaves nothing in flight for the
+/// other to fail `InFlight` on, and neither waits on its own transaction's
+/// grant), and the end releases the one grant.
+#[test]
+fn two_owned_locks_of_one_new_key_at_once_take_it_once() {
+    let table = Arc::new(LockTable::<u32>::new());
+    for round in 0..2_000 {
+        let txn = Arc::new(table.clone().transaction_owned());
+        let mode = if round % 2 == 0 {
+            Mode::Exclusive
+        } else {
+            Mode::Shared
+        };
+        let start = Arc::new(std::sync::Barrier::new(2));
+        let (t, b) = (txn.clone(), start.clone());
+        let other = std::thread::spawn(move || {
+            b.wait();
+            block(t.lock(7, mode))
+        });
+        start.wait();
+        let mine = block(txn.lock(7, mode)).expect("granted or re-entered");
+        let theirs = other.join().unwrap().expect("granted or re-entered");
+        let mut kinds = [mine.kind, theirs.kind];
+        kinds.sort_by_key(|k| *k != AcquireKind::New);
+        assert_eq!(kinds, [AcquireKind::New, AcquireKind::Reentered]);
+        assert_eq!((mine.token, txn.count(&7)), (theirs.token, 2));
+        Arc::into_inner(txn)
+            .expect("the thread is done")
+            .commit()
+            .unwrap();
+        assert!(table.is_empty(), "round {round}: the end left the key held");
+    }
+}
+
+/// A lock whose try on the table unwinds (the key's `Eq` panics as the
+/// table compares it with the held one) leaves no mark of its attempt: the
+/// next lock of that key by the same owned transaction waits and takes it
+/// as usual (a mark left behind would make it wait for ever for an attempt
+/// that ended).
+#[test]
+fn an_owned_lock_whose_try_panics_leaves_the_key_lockable() {
+    #[derive(Debug, Clone)]
+    struct Bomb {
+        id: u32,
+        armed: bool,
+    }
+    impl PartialEq for Bomb {
+        fn eq(&self, other: &Self) -> bool {
+            assert!(!self.armed && !other.armed, "a planted panic in Eq");
+            self.id == other.id
+        }
+    }
+    impl Eq for Bomb {}
+    impl Hash for Bomb {
+        fn hash<H: Hasher>(&self, state: &mut H) {
+            self.id.hash(state);
+        }
+    }
+    let key = |armed| Bomb { id: 1, armed };
+
+    let table = Arc::new(LockTable::new());
+    let other = table.try_lock(key(false)).unwrap();
+    let txn = table.clone().transaction_owned();
+    let tried = catch_unwind(AssertUnwindSafe(|| {
+        block(txn.lock(key(true), Mode::Exclusive))
+    }));
+    assert!(tried.is_err(), "the planted panic reaches the caller");
+    assert_eq!(txn.len(), 0);
+
+    let w = W::new();
+    let mut again = Box::pin(txn.lock(key(false), Mode::Exclusive));
+    assert!(w.poll(&mut again).is_pending(), "queued behind the holder");
+    drop(other);
+    let Poll::Ready(got) = w.poll(&mut again) else {
+        panic!("granted at the release")
+    };
+    assert_eq!(got.unwrap().kind, AcquireKind::New);
+    assert_eq!(txn.count(&key(false)), 1);
+    txn.commit().unwrap();
+    assert!(table.is_empty());
+}
+
 #[test]
 fn two_pending_calls_of_one_owner_for_one_key_do_not_wait_on_each_other() {
     let table = Arc::new(LockTable::new());

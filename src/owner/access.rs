@@ -1,13 +1,14 @@
 //! How a call reaches its transaction's state: directly through `&mut` (a
 //! [`Transaction`](crate::Transaction), whose calls borrow it), or through
 //! an `Arc` shared with the pending futures of an
-//! [`OwnedTransaction`](crate::OwnedTransaction), behind a mutex, with an
-//! *ended* mark.
+//! [`OwnedTransaction`](crate::OwnedTransaction), behind a lock (the
+//! table's spin lock, `shard_lock.rs`: its sections are a search of the set
+//! and a few stores), with an *ended* mark.
 //!
 //! # Ending an owned transaction
 //!
 //! Commit, abort and drop end the transaction the same way, from any
-//! thread: under the mutex it is marked ended and its set of keys is taken;
+//! thread: under the lock it is marked ended and its set of keys is taken;
 //! after unlocking, the keys are released and every pending future is woken.
 //! A woken future (or one that completes on its own) finds the mark at its
 //! next step, releases what it had got (its guard, or its waiter slot) and
@@ -17,20 +18,22 @@
 //! seen), until it is dropped.
 //!
 //! No guard is released, no key dropped and no waker of a pending future
-//! woken while the mutex is held: they are user code (a waker may call back
-//! into the transaction). Two kinds of user code do run under it: a key's
-//! `Eq` and `Clone` while the set is searched (a panic there leaves the set
-//! as it was, and the mutex is used on, its poison ignored), and, in
-//! `renew`, the wakes of [`Lost`](crate::futures::Lost) watchers of a grant
-//! whose renewal moved its deadline earlier (the table wakes them as the
-//! renewal returns); a waker that polls inline and calls back into the same
-//! owned transaction would block on that mutex.
+//! woken while the lock is held: they are user code (a waker may call back
+//! into the transaction). Three kinds of user code do run under it: a
+//! key's `Eq` and `Clone` while the set is searched and a pending future's
+//! waker's `clone` as it registers (a panic there leaves the state as it
+//! was, and the unwinding releases the lock), and, in `renew`, the wakes of
+//! [`Lost`](crate::futures::Lost) watchers of a grant whose renewal moved
+//! its deadline earlier (the table wakes them as the renewal returns); a
+//! waker that polls inline and calls back into the same owned transaction
+//! would spin on that lock.
 //!
-//! The mutex and the mark come from the loom shim (`crate::loom`), so the
-//! loom models (`tests/loom_owners.rs`) explore the end racing a pending
-//! call.
+//! The lock (loom's mutex under loom) and the mark come from the loom shim
+//! (`crate::loom`), so the loom models (`tests/loom_owners.rs`) explore the
+//! end racing a pending call.
 
 use std::future::{poll_fn, Future};
+use std::ops::DerefMut;
 use std::panic::{catch_unwind, resume_unwind, AssertUnwindSafe};
 use std::pin::pin;
 use std::sync::atomic::Ordering;
@@ -38,13 +41,14 @@ use std::sync::Arc;
 use std::task::{Poll, Waker};
 
 use crate::deadlock::Deadlock;
-use crate::loom::{AtomicBool, Mutex, MutexGuard};
+use crate::loom::AtomicBool;
 use crate::mode::Mode;
 use crate::owner::error::TransactionError;
-use crate::owner::held::HeldSet;
+use crate::owner::held::{Acquired, Found, HeldSet};
 use crate::owner::policy::Resolved;
 use crate::owner::reach::Reach;
-use crate::owner::single::KeyOf;
+use crate::owner::single::{GuardOf, KeyOf};
+use crate::shard_lock::ShardMutex;
 
 /// The set of keys of an owner reaching its table through `R`.
 pub(crate) type SetOf<R> = HeldSet<<R as Reach>::Guard, <R as Reach>::Key>;
@@ -68,16 +72,30 @@ pub(crate) trait Access {
     type R: Reach;
 
     /// Whether this call is the transaction's only one (the borrowed form):
-    /// then a key may be taken on the table before it is claimed in the set.
-    /// With other calls pending (the owned form), a call claims first, so
-    /// that a second call for the same key fails `InFlight` rather than
-    /// waiting on its own transaction's grant.
+    /// then a `lock_all` may take keys on the table before it claims them
+    /// in the set. With other calls pending (the owned form), a `lock_all`
+    /// claims first, so that a second call for the same key fails
+    /// `InFlight` rather than waiting on its own transaction's grant (a
+    /// single lock's attempt is marked instead: see [`look`](Self::look)).
     const SOLE: bool;
 
     fn owner(&self) -> &Owner<Self::R>;
 
     /// Runs `f` on the set of keys, unless the transaction has ended.
     fn with<T>(&mut self, f: impl FnOnce(&mut SetOf<Self::R>) -> T) -> Result<T, Ended>;
+
+    /// A lock's fast path, in one step on the set (under its lock, in the
+    /// owned form): a key held in a covering mode is counted; an absent one
+    /// is tried on the table by `try_` (which must wake and drop nothing:
+    /// see [`Reach::try_lock_leaving`]) and, if had, put in. User code
+    /// (`Eq`) runs in the search and the table's probe.
+    fn fast(
+        &mut self,
+        hash: u64,
+        key: KeyOf<Self>,
+        mode: Mode,
+        try_: impl FnOnce(&Owner<Self::R>, KeyOf<Self>) -> Result<GuardOf<Self>, KeyOf<Self>>,
+    ) -> Fast<KeyOf<Self>>;
 
     /// Whether the transaction has ended (cheap, no lock).
     fn is_ended(&self) -> bool;
@@ -87,6 +105,19 @@ pub(crate) trait Access {
     fn watch(&mut self, slot: &mut Option<usize>, waker: &Waker) -> bool;
 
     fn unwatch(&mut self, slot: usize);
+}
+
+/// What [`Access::fast`] did.
+#[derive(Debug)]
+pub(crate) enum Fast<K> {
+    /// Counted on a covering grant, or taken: done.
+    Done(Acquired),
+    /// Not free at once: the key back, for the claiming path's wait.
+    NotFree(K),
+    /// Held in a weaker mode, or busy with another call: the claiming path.
+    Other(K),
+    /// The transaction has ended (the key, to drop).
+    Ended(K),
 }
 
 /// The borrowed form: the call has the transaction to itself, and it cannot
@@ -112,6 +143,17 @@ impl<R: Reach> Access for Direct<'_, R> {
     }
 
     #[inline]
+    fn fast(
+        &mut self,
+        hash: u64,
+        key: KeyOf<Self>,
+        mode: Mode,
+        try_: impl FnOnce(&Owner<R>, KeyOf<Self>) -> Result<GuardOf<Self>, KeyOf<Self>>,
+    ) -> Fast<KeyOf<Self>> {
+        fast_in(self.set, self.owner, hash, key, mode, try_)
+    }
+
+    #[inline]
     fn is_ended(&self) -> bool {
         false
     }
@@ -126,11 +168,37 @@ impl<R: Reach> Access for Direct<'_, R> {
 }
 
 /// The owned form's state, shared by the handle and its pending futures.
+///
+/// Field order is drop order: the state (its guards) goes before the owner
+/// (its way to the table), which the guards may borrow (`reach::Pinned`).
 pub(crate) struct Shared<R: Reach> {
-    owner: Owner<R>,
+    /// The table's spin lock (see `shard_lock.rs`): its sections are a
+    /// search of the set and a few stores, and it unlocks with a store, not
+    /// a read-modify-write (two calls per lock: a look and a put).
+    state: ShardMutex<State<R>>,
     /// Set once, under `state`'s lock; read without it as a hint.
     ended: AtomicBool,
-    state: Mutex<State<R>>,
+    owner: Owner<R>,
+}
+
+/// [`Access::fast`] on a set the caller has to itself.
+#[inline]
+fn fast_in<R: Reach>(
+    set: &mut SetOf<R>,
+    owner: &Owner<R>,
+    hash: u64,
+    key: R::Key,
+    mode: Mode,
+    try_: impl FnOnce(&Owner<R>, R::Key) -> Result<R::Guard, R::Key>,
+) -> Fast<R::Key> {
+    match set.find(hash, &key, mode) {
+        Found::Covered { at } => Fast::Done(set.reenter(at)),
+        Found::Absent => match try_(owner, key) {
+            Ok(guard) => Fast::Done(set.insert(hash, guard)),
+            Err(key) => Fast::NotFree(key),
+        },
+        Found::Other => Fast::Other(key),
+    }
 }
 
 struct State<R: Reach> {
@@ -143,13 +211,13 @@ struct State<R: Reach> {
 impl<R: Reach> Shared<R> {
     pub(crate) fn new(owner: Owner<R>) -> Self {
         Self {
-            owner,
-            ended: AtomicBool::new(false),
-            state: Mutex::new(State {
+            state: ShardMutex::new(State {
                 set: HeldSet::default(),
                 watchers: Vec::new(),
                 free: Vec::new(),
             }),
+            ended: AtomicBool::new(false),
+            owner,
         }
     }
 
@@ -161,7 +229,7 @@ impl<R: Reach> Shared<R> {
     /// during a lookup) left it: the set changes only after user code ran,
     /// so a lock released by a panic guards a consistent set (its poison,
     /// if any, is ignored).
-    fn lock(&self) -> MutexGuard<'_, State<R>> {
+    fn lock(&self) -> impl DerefMut<Target = State<R>> + '_ {
         self.state.lock()
     }
 
@@ -231,6 +299,24 @@ impl<R: Reach> Access for Arc<Shared<R>> {
     #[inline]
     fn with<T>(&mut self, f: impl FnOnce(&mut SetOf<R>) -> T) -> Result<T, Ended> {
         Shared::with(self, f)
+    }
+
+    fn fast(
+        &mut self,
+        hash: u64,
+        key: KeyOf<Self>,
+        mode: Mode,
+        try_: impl FnOnce(&Owner<R>, KeyOf<Self>) -> Result<GuardOf<Self>, KeyOf<Self>>,
+    ) -> Fast<KeyOf<Self>> {
+        let mut state = self.lock();
+        if self.ended.load(Ordering::Relaxed) {
+            return Fast::Ended(key);
+        }
+        // The whole step under the set's lock: no other call of the
+        // transaction sees the key between its look and its grant, so two
+        // locks of one new key take it once and count it once, and neither
+        // queues behind its own transaction's grant.
+        fast_in(&mut state.set, &self.owner, hash, key, mode, try_)
     }
 
     #[inline]

@@ -178,7 +178,7 @@ pub(crate) struct HeldSet<G, K> {
     /// How many slots have a count above zero.
     held: usize,
     /// Bumped by every change of the slots but a re-entry's count: a call
-    /// that looked at the set, let go of it (an owned transaction's mutex)
+    /// that looked at the set, let go of it (an owned transaction's lock)
     /// and comes back to the same version finds what it left.
     version: u64,
 }
@@ -348,31 +348,6 @@ impl<G: GuardOps<Key = K>, K: Eq> HeldSet<G, K> {
             count: slot.count,
             kind: AcquireKind::Reentered,
         }
-    }
-
-    /// Whether the slots are still as [`find`](Self::find) saw them at
-    /// `version`, for these new keys: unchanged, or at least none of them
-    /// has a slot now (a pending call of an owned transaction may have
-    /// claimed one meanwhile). User code (`Eq`) runs only if the version
-    /// moved.
-    #[inline]
-    pub(crate) fn still_absent<'g>(
-        &self,
-        version: u64,
-        mut new: impl Iterator<Item = (u64, &'g G)>,
-    ) -> Result<(), &'g G>
-    where
-        G: 'g,
-    {
-        if version == self.version {
-            return Ok(());
-        }
-        new.try_for_each(
-            |(hash, guard)| match self.position(hash, |slot| slot.is(guard.key())) {
-                Some(_) => Err(guard),
-                None => Ok(()),
-            },
-        )
     }
 
     /// Puts a new key's guard in, counted once (no user code runs).

@@ -52,7 +52,7 @@ use crate::token::FencingToken;
 
 use access::{Direct, Owner, SetOf, Shared};
 use held::{HeldSet, NotReleased};
-use reach::{GuardOps, Reach};
+use reach::{GuardOps, Pinned, Reach};
 
 pub use error::TransactionError;
 
@@ -116,10 +116,10 @@ pub struct Transaction<'t, K, S = DefaultHashBuilder> {
 #[must_use = "a transaction releases its keys as soon as it is dropped"]
 pub struct OwnedTransaction<K, S = DefaultHashBuilder>
 where
-    K: Eq + Hash,
-    S: BuildHasher,
+    K: Eq + Hash + 'static,
+    S: BuildHasher + 'static,
 {
-    shared: Arc<Shared<Arc<LockTable<K, S>>>>,
+    shared: Arc<Shared<Pinned<K, S>>>,
 }
 
 impl<K: Eq + Hash, S: BuildHasher> LockTable<K, S> {
@@ -171,7 +171,11 @@ impl<K: Eq + Hash, S: BuildHasher> LockTable<K, S> {
     /// let txn = table.transaction_owned();
     /// assert!(txn.is_empty());
     /// ```
-    pub fn transaction_owned(self: Arc<Self>) -> OwnedTransaction<K, S> {
+    pub fn transaction_owned(self: Arc<Self>) -> OwnedTransaction<K, S>
+    where
+        K: 'static,
+        S: 'static,
+    {
         self.transaction_owned_with(TransactionOptions::new())
     }
 
@@ -188,14 +192,18 @@ impl<K: Eq + Hash, S: BuildHasher> LockTable<K, S> {
     pub fn transaction_owned_with(
         self: Arc<Self>,
         opts: TransactionOptions,
-    ) -> OwnedTransaction<K, S> {
+    ) -> OwnedTransaction<K, S>
+    where
+        K: 'static,
+        S: 'static,
+    {
         let opts = opts.resolve(self.clock());
         let label = opts
             .label
             .map(|label| self.labels().register(opts.id.get(), label));
         OwnedTransaction {
             shared: Arc::new(Shared::new(Owner {
-                reach: self,
+                reach: Pinned::new(self),
                 opts,
                 _label: label,
             })),
@@ -720,15 +728,15 @@ impl<K, S> fmt::Debug for Transaction<'_, K, S> {
     }
 }
 
-impl<K: Eq + Hash, S: BuildHasher> OwnedTransaction<K, S> {
-    fn owner(&self) -> &Owner<Arc<LockTable<K, S>>> {
+impl<K: Eq + Hash + 'static, S: BuildHasher + 'static> OwnedTransaction<K, S> {
+    fn owner(&self) -> &Owner<Pinned<K, S>> {
         self.shared.owner()
     }
 
     /// The table this transaction locks keys of.
     #[must_use]
     pub fn table(&self) -> &Arc<LockTable<K, S>> {
-        &self.owner().reach
+        self.owner().reach.arc()
     }
 
     /// The deadline every lock of the transaction waits until at most.
@@ -970,10 +978,10 @@ impl<K: Eq + Hash, S: BuildHasher> OwnedTransaction<K, S> {
     where
         K: Clone,
     {
-        let hash = self.owner().reach.hash(key);
+        let hash = self.owner().reach.table().hash(key);
         let unlocked = self
             .shared
-            .with(|set| unlock_in::<Arc<LockTable<K, S>>>(set, hash, key, all))
+            .with(|set| unlock_in::<Pinned<K, S>>(set, hash, key, all))
             .map_err(|_| TransactionError::Ended)?;
         // The slot (its guard releases the key) drops after unlocking.
         let (left, slot) = unlocked?;
@@ -990,9 +998,9 @@ impl<K: Eq + Hash, S: BuildHasher> OwnedTransaction<K, S> {
         K: Borrow<Q>,
         Q: Hash + Eq + ?Sized,
     {
-        let hash = self.owner().reach.hash(key);
+        let hash = self.owner().reach.table().hash(key);
         self.shared
-            .with(|set| pick(count_of::<Arc<LockTable<K, S>>, Q>(set, hash, key)))
+            .with(|set| pick(count_of::<Pinned<K, S>, Q>(set, hash, key)))
             .ok()
     }
 
@@ -1002,12 +1010,12 @@ impl<K: Eq + Hash, S: BuildHasher> OwnedTransaction<K, S> {
     where
         K: Clone,
     {
-        let hash = self.owner().reach.hash(key);
+        let hash = self.owner().reach.table().hash(key);
         let (_, slot) = self
             .shared
-            .with(|set| unlock_in::<Arc<LockTable<K, S>>>(set, hash, key, true))
+            .with(|set| unlock_in::<Pinned<K, S>>(set, hash, key, true))
             .map_err(|_| TransactionError::Ended)??;
-        detach_slot::<Arc<LockTable<K, S>>>(&self.owner().reach, slot, key)
+        detach_slot::<Pinned<K, S>>(self.owner().reach.table(), slot, key)
     }
 
     /// The transaction's identity (see [`Transaction::id`]).
@@ -1096,7 +1104,7 @@ impl<K: Eq + Hash, S: BuildHasher> OwnedTransaction<K, S> {
     {
         let lease = renewal_lease(self.owner());
         self.shared
-            .with(|set| single::renew::<Arc<LockTable<K, S>>>(set, lease))
+            .with(|set| single::renew::<Pinned<K, S>>(set, lease))
             .map_err(|_| TransactionError::Ended)?
     }
 
@@ -1123,13 +1131,13 @@ impl<K: Eq + Hash, S: BuildHasher> OwnedTransaction<K, S> {
     }
 }
 
-impl<K: Eq + Hash, S: BuildHasher> Drop for OwnedTransaction<K, S> {
+impl<K: Eq + Hash + 'static, S: BuildHasher + 'static> Drop for OwnedTransaction<K, S> {
     fn drop(&mut self) {
         self.shared.end();
     }
 }
 
-impl<K: Eq + Hash, S: BuildHasher> fmt::Debug for OwnedTransaction<K, S> {
+impl<K: Eq + Hash + 'static, S: BuildHasher + 'static> fmt::Debug for OwnedTransaction<K, S> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("OwnedTransaction")
             .field("opts", &self.owner().opts)

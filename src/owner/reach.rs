@@ -1,16 +1,18 @@
 //! The one seam between the transaction code and its two public forms: how
-//! an owner reaches its table (a borrow, or an `Arc`) and the operations its
-//! guards ([`Guard`] or [`OwnedGuard`]) offer. Everything else in
-//! `owner/` is written once against these two traits.
+//! an owner reaches its table (a borrow, or an `Arc` kept by the owned
+//! form's state, [`Pinned`]) and the operations its guards ([`Guard`])
+//! offer. Everything else in `owner/` is written once against these two
+//! traits.
 
 use std::future::Future;
 use std::hash::{BuildHasher, Hash};
 use std::sync::Arc;
 use std::time::Duration;
 
-use crate::acquire::{LockOwnedWith, LockWith};
+use crate::acquire::LockWith;
+use crate::deferred::Leftovers;
 use crate::error::LockError;
-use crate::guard::{Guard, OwnedGuard};
+use crate::guard::Guard;
 use crate::lease::LockOptions;
 use crate::mode::Mode;
 use crate::table::LockTable;
@@ -36,6 +38,18 @@ pub(crate) trait Reach {
         key: Self::Key,
         opts: LockOptions,
     ) -> Result<Self::Guard, Self::Key>;
+
+    /// [`try_lock_kept`](Self::try_lock_kept) that wakes and drops nothing
+    /// (see [`LockTable::try_lock_leaving`]): for a caller holding its
+    /// set's lock.
+    #[allow(clippy::type_complexity)]
+    fn try_lock_leaving(
+        &self,
+        hash: u64,
+        key: Self::Key,
+        opts: LockOptions,
+        left: &mut Leftovers<Self::Key>,
+    ) -> (Result<Self::Guard, Self::Key>, Option<Self::Key>);
 }
 
 impl<'t, K: Eq + Hash, S: BuildHasher> Reach for &'t LockTable<K, S> {
@@ -58,27 +72,108 @@ impl<'t, K: Eq + Hash, S: BuildHasher> Reach for &'t LockTable<K, S> {
     fn try_lock_kept(&self, hash: u64, key: K, opts: LockOptions) -> Result<Guard<'t, K, S>, K> {
         LockTable::try_lock_kept(*self, hash, key, opts)
     }
+
+    #[inline]
+    fn try_lock_leaving(
+        &self,
+        hash: u64,
+        key: K,
+        opts: LockOptions,
+        left: &mut Leftovers<K>,
+    ) -> (Result<Guard<'t, K, S>, K>, Option<K>) {
+        LockTable::try_lock_leaving(*self, hash, key, opts, left)
+    }
 }
 
-impl<K: Eq + Hash, S: BuildHasher> Reach for Arc<LockTable<K, S>> {
+/// An owned transaction's way to its table: the table's `Arc`, kept in the
+/// transaction's shared state, and guards and lock futures that borrow the
+/// table for as long as that state lives, instead of each keeping an `Arc`
+/// of its own. That spares two atomic read-modify-writes per key (the
+/// count's increment at the grant and decrement at the release), which are
+/// most of what an uncontended key costs beyond its shard's lock
+/// (BENCHMARKS.md, issue 11's goals).
+///
+/// # The invariant that makes it sound
+///
+/// Every guard and lock future made through a `Pinned` is dropped before
+/// the `Pinned` is. They live in three places only, and none is ever handed
+/// to the caller (an owned transaction's calls return [`Acquired`], its
+/// detach a [`Hold`], which keep no reference to the table):
+///
+/// - the transaction's state (`access::Shared`), which drops its set of
+///   guards before its `Owner` (field order) and releases them in `end`
+///   while borrowing itself;
+/// - a pending call's future, which keeps an `Arc` of that state: its
+///   guards and lock futures borrow the `Arc` (through the call's `Claim`),
+///   so they are dropped before it;
+/// - the frame of a method of the transaction, which borrows the state.
+///
+/// [`Acquired`]: crate::Acquired
+/// [`Hold`]: crate::Hold
+pub(crate) struct Pinned<K, S>(Arc<LockTable<K, S>>);
+
+impl<K, S> Pinned<K, S> {
+    pub(crate) fn new(table: Arc<LockTable<K, S>>) -> Self {
+        Self(table)
+    }
+
+    pub(crate) fn arc(&self) -> &Arc<LockTable<K, S>> {
+        &self.0
+    }
+
+    /// The table, borrowed for as long as the caller needs it: see the
+    /// type's invariant, which its callers in this module keep.
+    #[inline]
+    fn extended(&self) -> &'static LockTable<K, S> {
+        // SAFETY: the `Arc` keeps the table alive for as long as `self`
+        // lives, and every guard and lock future made from this reference
+        // is dropped before `self` (the type's invariant), so it is never
+        // used after the table could be freed.
+        unsafe { &*Arc::as_ptr(&self.0) }
+    }
+}
+
+impl<K, S> std::fmt::Debug for Pinned<K, S> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_tuple("Pinned").finish_non_exhaustive()
+    }
+}
+
+impl<K: Eq + Hash + 'static, S: BuildHasher + 'static> Reach for Pinned<K, S> {
     type Key = K;
     type Hasher = S;
-    type Guard = OwnedGuard<K, S>;
-    type Lock = LockOwnedWith<K, S>;
+    type Guard = Guard<'static, K, S>;
+    type Lock = LockWith<'static, K, S>;
 
     #[inline]
     fn table(&self) -> &LockTable<K, S> {
-        self
+        &self.0
     }
 
     #[inline]
-    fn lock_with(&self, key: K, opts: LockOptions) -> LockOwnedWith<K, S> {
-        Arc::clone(self).lock_owned_with(key, opts)
+    fn lock_with(&self, key: K, opts: LockOptions) -> LockWith<'static, K, S> {
+        LockTable::lock_with(self.extended(), key, opts)
     }
 
     #[inline]
-    fn try_lock_kept(&self, hash: u64, key: K, opts: LockOptions) -> Result<OwnedGuard<K, S>, K> {
-        Arc::clone(self).try_lock_owned_kept(hash, key, opts)
+    fn try_lock_kept(
+        &self,
+        hash: u64,
+        key: K,
+        opts: LockOptions,
+    ) -> Result<Guard<'static, K, S>, K> {
+        LockTable::try_lock_kept(self.extended(), hash, key, opts)
+    }
+
+    #[inline]
+    fn try_lock_leaving(
+        &self,
+        hash: u64,
+        key: K,
+        opts: LockOptions,
+        left: &mut Leftovers<K>,
+    ) -> (Result<Guard<'static, K, S>, K>, Option<K>) {
+        LockTable::try_lock_leaving(self.extended(), hash, key, opts, left)
     }
 }
 
@@ -160,4 +255,55 @@ macro_rules! guard_ops {
 }
 
 guard_ops!('t, Guard);
-guard_ops!(OwnedGuard);
+
+/// The invariant of [`Pinned`], exercised where miri runs (`--lib`): an
+/// owned transaction outliving every other `Arc` of its table, its guards
+/// released by the end, a pending call's lock future and claim dropped
+/// after the transaction, and one completed on another thread after it.
+#[cfg(all(test, not(loom)))]
+mod tests {
+    use std::future::Future;
+    use std::pin::pin;
+    use std::sync::Arc;
+    use std::task::{Context, Poll, Waker};
+
+    use crate::{LockTable, Mode, TransactionError};
+
+    fn poll_once<F: Future>(fut: &mut std::pin::Pin<&mut F>) -> Poll<F::Output> {
+        fut.as_mut().poll(&mut Context::from_waker(Waker::noop()))
+    }
+
+    #[test]
+    fn guards_and_pending_calls_never_outlive_the_table() {
+        let table = Arc::new(LockTable::<String>::new());
+        let txn = table.clone().transaction_owned();
+        let blocker = table.clone().transaction_owned();
+        for k in ["a", "b", "c"] {
+            let got = futures::executor::block_on(txn.lock(k.to_string(), Mode::Exclusive));
+            assert_eq!(got.map(|g| g.count), Ok(1));
+        }
+        futures::executor::block_on(blocker.lock("d".to_string(), Mode::Shared)).unwrap();
+        // A pending call of `txn`: queued behind `blocker`, with its claim
+        // (a copy of the key) and its table lock future.
+        let pending = txn.lock("d".to_string(), Mode::Exclusive);
+        // The caller's own `Arc`s go: only the transactions keep the table.
+        drop(table);
+        {
+            let mut pending = pin!(pending);
+            assert!(poll_once(&mut pending).is_pending());
+            drop(txn); // the end: releases a, b and c; the call is woken
+            assert_eq!(
+                poll_once(&mut pending),
+                Poll::Ready(Err(TransactionError::Ended))
+            );
+        } // the future, its claim and its lock future go after `txn`
+          // A call made by `blocker`, completed on another thread after
+          // `blocker` itself was dropped there.
+        let later = blocker.lock("e".to_string(), Mode::Exclusive);
+        let done = std::thread::spawn(move || {
+            drop(blocker);
+            futures::executor::block_on(later)
+        });
+        assert_eq!(done.join().unwrap(), Err(TransactionError::Ended));
+    }
+}

@@ -1,18 +1,23 @@
 //! One key: a transaction's re-entrant lock (count, upgrade or take), and
 //! the operations over every key it holds (check, renew).
 //!
-//! A lock first looks at the held set ([`HeldSet::find`]): a key held in a
-//! covering mode is counted and the call returns at once; a new key is
-//! tried on the table at once and, if had, put into the set if the set is
-//! at the version the call looked at — no claim, no copy of the key. That
-//! is the borrowed form's way, whose call is the only one; an owned
-//! transaction's calls, and anything else, claim their key ([`HeldSet::begin`]): a key held shared and asked
-//! exclusive has its guard taken out and upgraded; a new key that was not
-//! free waits on the table. Until the call settles, a [`Claim`]
-//! owns what it took: dropped (the future cancelled, or unwinding), it gives
-//! the upgraded-or-not guard back as the cancelled upgrade left it (shared),
-//! and releases a new key's guard, so a cancelled call leaves the
-//! transaction as it was.
+//! A lock first looks at the held set and, for a new key, tries it on the
+//! table, in one step on the set ([`Access::fast`]; in the owned form under
+//! the set's lock, the table's shard locked inside it, nothing woken or
+//! dropped until both are released): a key held in a covering mode is
+//! counted and the call returns at once; a new key had at once goes into
+//! the set — no claim, no copy of the key, and no other call of the
+//! transaction can see it in between, so two locks of one new key at once
+//! take it once and count it once. What that step does not finish — a key
+//! held shared and asked exclusive, a key not free at once, a key busy
+//! with another call — is claimed ([`HeldSet::begin`]): a key held shared
+//! and asked exclusive has its guard taken out and upgraded; a new key that
+//! was not free waits on the table (a second call for a key claimed by a
+//! pending one fails [`InFlight`](TransactionError::InFlight)). Until the
+//! call settles, a [`Claim`] owns what it took: dropped (the future
+//! cancelled, or unwinding), it gives the upgraded-or-not guard back as the
+//! cancelled upgrade left it (shared), and releases a new key's guard, so a
+//! cancelled call leaves the transaction as it was.
 //!
 //! Everything up to the wait runs in a plain function (`lock_now`), and the
 //! wait is boxed: the lock future keeps only its arguments and one pointer,
@@ -24,10 +29,11 @@ use std::pin::Pin;
 use std::sync::Arc;
 use std::time::Duration;
 
+use crate::deferred::Leftovers;
 use crate::mode::Mode;
-use crate::owner::access::{wait_unless_ended, Access, Ended, SetOf, WaitFor};
+use crate::owner::access::{wait_unless_ended, Access, Ended, Fast, SetOf, WaitFor};
 use crate::owner::error::TransactionError;
-use crate::owner::held::{AcquireKind, Acquired, Begin, Found, HeldSet};
+use crate::owner::held::{AcquireKind, Acquired, Begin, HeldSet};
 use crate::owner::policy::WaitPolicy;
 use crate::owner::reach::{GuardOps, Reach};
 
@@ -121,7 +127,7 @@ where
 #[allow(clippy::type_complexity)]
 fn lock_now<A: Access>(
     access: &mut A,
-    mut key: KeyOf<A>,
+    key: KeyOf<A>,
     mode: Mode,
     policy: WaitPolicy,
 ) -> Result<
@@ -132,35 +138,30 @@ where
     KeyOf<A>: Clone,
 {
     let hash = access.owner().reach.table().hash(&key);
-    // The borrowed form's fast path (see `Access::SOLE`): a covered key is
-    // counted at once; a new key is taken on the table without a claim in
-    // the set (no copy of the key), then put in if the set is at the
-    // version it was looked at (it is: the check keeps the step sound on
-    // its own).
-    let found = if A::SOLE {
-        access.with(|set| match set.find(hash, &key, mode) {
-            Found::Covered { at } => Ok(set.reenter(at)),
-            Found::Absent => Err(Some(set.version())),
-            Found::Other => Err(None),
-        })
-    } else {
-        Ok(Err(None))
-    };
-    let tried = match found {
-        Err(Ended) => return Ok(Err(TransactionError::Ended)),
-        Ok(Ok(acquired)) => return Ok(Ok(acquired)),
-        Ok(Err(None)) => false,
-        Ok(Err(Some(version))) => {
-            let opts = access.owner().opts.lock_options(mode, policy);
-            match access.owner().reach.try_lock_kept(hash, key, opts) {
-                Ok(guard) => return Ok(put_new(access, hash, guard, version)),
-                // Not free at once (or options the wait will report): the
-                // claiming path, which waits with the claim's copy.
-                Err(k) => {
-                    key = k;
-                    true
-                }
-            }
+    let opts = access.owner().opts.lock_options(mode, policy);
+    // The fast path (see `Access::fast`): a covered key is counted; a new
+    // key is tried on the table and put in, in one step on the set (no
+    // claim, no copy of the key). What the table leaves to do after its
+    // shard's unlock, and a copy of the key it did not keep, are dropped
+    // here, after the set's lock (owned form) is released.
+    let mut left = Leftovers::default();
+    let mut spare = None;
+    let fast = access.fast(hash, key, mode, |owner, key| {
+        let (got, unkept) = owner.reach.try_lock_leaving(hash, key, opts, &mut left);
+        spare = unkept;
+        got
+    });
+    drop(left);
+    drop(spare);
+    let (tried, mut key) = match fast {
+        Fast::Done(acquired) => return Ok(Ok(acquired)),
+        // Not free at once (or options the wait will report): the
+        // claiming path, which waits with the claim's copy.
+        Fast::NotFree(key) => (true, key),
+        Fast::Other(key) => (false, key),
+        Fast::Ended(key) => {
+            drop(key);
+            return Ok(Err(TransactionError::Ended));
         }
     };
     let begun = match access.with(|set| set.begin(hash, &key, mode, true)) {
@@ -196,42 +197,6 @@ where
         }
     }
     Err(Box::pin(wait(claim, upgrading, key, mode, policy)))
-}
-
-/// Puts a new key's guard into the set if no other call of the transaction
-/// has claimed the key since `version`; otherwise the guard is released and
-/// this call is the one that fails [`InFlight`](TransactionError::InFlight).
-fn put_new<A: Access>(
-    access: &mut A,
-    hash: u64,
-    guard: GuardOf<A>,
-    version: u64,
-) -> Result<Acquired, TransactionError<KeyOf<A>>>
-where
-    KeyOf<A>: Clone,
-{
-    let mut guard = Some(guard);
-    let put = access.with(|set| {
-        let new = guard.as_ref().expect("not put yet");
-        if set
-            .still_absent(version, std::iter::once((hash, new)))
-            .is_err()
-        {
-            return None;
-        }
-        Some(set.insert(hash, guard.take().expect("not put yet")))
-    });
-    match put {
-        Ok(Some(acquired)) => Ok(acquired),
-        // After unlocking: named, then released.
-        Ok(None) => {
-            let guard = guard.expect("not put");
-            let key = guard.key().clone();
-            drop(guard);
-            Err(TransactionError::InFlight { key })
-        }
-        Err(Ended) => Err(TransactionError::Ended),
-    }
 }
 
 /// The slow path: a new key that was not free at once, or an upgrade.
