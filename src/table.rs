@@ -379,7 +379,7 @@ impl<K, S> LockTable<K, S> {
     /// unlocking (wakes, drops) in `left`, which the caller drops (or
     /// flushes) later: for a caller that holds a lock of its own around the
     /// operation, and must not run user code under it.
-    #[inline]
+    #[inline(always)]
     pub(crate) fn with_shard_leaving<R>(
         &self,
         hash: u64,
