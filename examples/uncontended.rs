@@ -161,6 +161,41 @@ fn main() {
                 black_box(got.expect("granted"));
             }
         }
+        // The chain of `benches/owners.rs` (`deadlock/chain8_*`): seven
+        // transactions wait in a chain (transaction i holds key i, waits
+        // for key i + 1); the timed one waits for key 0 and gives up. With
+        // `chain8_held` it holds a key first, so its wait is searched from
+        // (through the chain); without, it holds nothing and is not.
+        "chain8" | "chain8_off" | "chain8_held" => {
+            let limit = if mode == "chain8_off" { 0 } else { 50 };
+            let table = keylock::LockTable::<u64>::builder()
+                .deadlock_search_limit(limit)
+                .build();
+            let mut cx = Context::from_waker(futures::task::noop_waker_ref());
+            let mut chain: Vec<_> = (0..8).map(|_| table.transaction()).collect();
+            for (i, txn) in chain.iter_mut().enumerate() {
+                let fut = pin!(txn.lock(i as u64, keylock::Mode::Exclusive));
+                assert!(fut.poll(&mut cx).is_ready());
+            }
+            let mut waits: Vec<_> = chain
+                .iter_mut()
+                .enumerate()
+                .map(|(i, txn)| Box::pin(txn.lock(i as u64 + 1, keylock::Mode::Exclusive)))
+                .collect();
+            for w in &mut waits[..7] {
+                assert!(w.as_mut().poll(&mut cx).is_pending());
+            }
+            for i in 0..n {
+                let mut txn = table.transaction();
+                if mode == "chain8_held" {
+                    let fut = pin!(txn.lock(100 + (i & 63), keylock::Mode::Exclusive));
+                    assert!(fut.poll(&mut cx).is_ready());
+                }
+                let mut wait = Box::pin(txn.lock(black_box(0), keylock::Mode::Exclusive));
+                assert!(wait.as_mut().poll(&mut cx).is_pending());
+            }
+            drop(waits);
+        }
         "owned1" => {
             let table = std::sync::Arc::new(keylock::LockTable::<u64>::new());
             let mut cx = Context::from_waker(futures::task::noop_waker_ref());
@@ -240,7 +275,7 @@ fn main() {
             }
         }
         other => panic!(
-            "unknown mode {other:?}: try | lease | lock | txn1 | txn2 | guards2 | audit | audit_guards | owned1 | owned16 | guards_owned16 | tokio | std"
+            "unknown mode {other:?}: try | lease | lock | txn1 | txn2 | guards2 | audit | audit_guards | chain8 | chain8_off | chain8_held | owned1 | owned16 | guards_owned16 | tokio | std"
         ),
     }
     assert!(table.is_empty());

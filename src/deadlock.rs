@@ -186,6 +186,9 @@ impl<K: fmt::Debug> fmt::Display for Deadlock<K> {
 /// Transaction ids, few at a time.
 pub(crate) type Edges = SmallVec<[u64; 4]>;
 
+/// How deep a search goes before its path and visited set allocate.
+const INLINE_DEPTH: usize = 16;
+
 /// A cycle as recorded: keys shared with the registry, cloned on reading.
 type Record<K> = Vec<(u64, Arc<K>, Mode)>;
 
@@ -202,6 +205,43 @@ struct Registry<K> {
     /// By transaction id (a counter: foldhash, not SipHash).
     waiting: HashMap<u64, Wait<K>, foldhash::fast::RandomState>,
     recent: VecDeque<Record<K>>,
+    counts: DeadlockStats,
+}
+
+/// What the table's deadlock detector has done since the table was built
+/// ([`LockTable::deadlock_stats`]): how many waits it saw, how many it
+/// searched from, how far the searches went, how many cycles it broke.
+///
+/// ```
+/// use keylock::{LockTable, Mode};
+/// # futures::executor::block_on(async {
+/// let table = LockTable::<u32>::new();
+/// let mut a = table.transaction();
+/// a.lock(1, Mode::Exclusive).await?;
+/// let mut b = table.transaction();
+/// let mut waits = Box::pin(b.lock(1, Mode::Exclusive));
+/// assert!(futures::poll!(waits.as_mut()).is_pending());
+/// let stats = table.deadlock_stats();
+/// assert_eq!((stats.waits, stats.searches), (1, 0)); // nobody else waits
+/// # Ok::<(), keylock::TransactionError<u32>>(())
+/// # }).unwrap();
+/// ```
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct DeadlockStats {
+    /// Transactions' waits registered (each wait of a transaction's call,
+    /// once, when it starts to wait).
+    pub waits: u64,
+    /// Waits that searched the wait-for graph (another transaction was
+    /// waiting too, and one the wait waits for was among them).
+    pub searches: u64,
+    /// Transactions visited by all searches together (the waiting
+    /// transaction itself not counted).
+    pub visited: u64,
+    /// The most transactions one search visited.
+    pub deepest: u64,
+    /// Cycles answered (each with one victim).
+    pub cycles: u64,
 }
 
 /// A registered wait.
@@ -229,6 +269,7 @@ impl<K> Detector<K> {
             registry: Mutex::new(Registry {
                 waiting: HashMap::default(),
                 recent: VecDeque::new(),
+                counts: DeadlockStats::default(),
             }),
             limit,
             keep,
@@ -255,12 +296,21 @@ impl<K: Eq + Hash, S: BuildHasher> LockTable<K, S> {
     /// with the cycle if there is one (then `owner` is its victim);
     /// `Ok(false)` if another call of `owner` (an owned transaction's) has
     /// a wait registered already, which this one leaves in place.
+    ///
+    /// `holds_nothing`: the transaction holds no grant, and nothing can
+    /// give it one before this returns (the borrowed form's only call, with
+    /// nothing taken yet). Then nothing waits for it but, perhaps, a
+    /// transaction queued behind its waiter, which is looked for first: if
+    /// there is none, no cycle goes through this wait and no search is
+    /// made. A transaction that queues behind it later registers after it,
+    /// and its own search goes through this wait.
     pub(crate) fn enter_wait(
         &self,
         owner: u64,
         hash: u64,
         key: Arc<K>,
         mode: Mode,
+        holds_nothing: bool,
     ) -> Result<bool, Deadlock<K>>
     where
         K: Clone,
@@ -282,12 +332,28 @@ impl<K: Eq + Hash, S: BuildHasher> LockTable<K, S> {
                     victim: false,
                 },
             );
-            // A cycle needs another waiting transaction.
-            let alone = registry.waiting.len() == 1;
+            registry.counts.waits += 1;
+            // A cycle needs another waiting transaction, and one that waits
+            // for this one.
+            let alone = registry.waiting.len() == 1
+                || (holds_nothing
+                    && !self.waited_on_from_behind(hash, &registry.waiting[&owner].key, owner));
             let found = (!alone)
-                .then(|| self.find_cycle(&registry, owner, detector.limit))
+                .then(|| {
+                    let (found, visited) = self.find_cycle(&registry, owner, detector.limit);
+                    if let Some(visited) = visited {
+                        let counts = &mut registry.counts;
+                        counts.searches += 1;
+                        counts.visited += visited;
+                        counts.deepest = counts.deepest.max(visited);
+                    }
+                    found
+                })
                 .flatten()
                 .filter(|cycle| self.confirm(&registry, cycle));
+            if found.is_some() {
+                registry.counts.cycles += 1;
+            }
             let mut dropped = None;
             let found = found.map(|cycle| {
                 registry
@@ -342,20 +408,35 @@ impl<K: Eq + Hash, S: BuildHasher> LockTable<K, S> {
         records.iter().map(|r| answer(r)).collect()
     }
 
+    /// What the detector has done so far (see [`DeadlockStats`]).
+    pub fn deadlock_stats(&self) -> DeadlockStats {
+        self.detector().registry.lock().counts
+    }
+
     /// A cycle of registered waits through `owner`, as the transactions in
     /// order (each blocked by the next, the last by `owner`), if the search
-    /// finds one within `limit` transactions visited.
-    fn find_cycle(&self, registry: &Registry<K>, owner: u64, limit: usize) -> Option<Vec<u64>> {
-        let first = self.edges_of(registry, owner)?;
+    /// finds one within `limit` transactions visited; and how many were
+    /// visited, if a search was made.
+    fn find_cycle(
+        &self,
+        registry: &Registry<K>,
+        owner: u64,
+        limit: usize,
+    ) -> (Option<Vec<u64>>, Option<u64>) {
+        let Some(first) = self.edges_of(registry, owner) else {
+            return (None, None);
+        };
         // The common case: nothing the wait waits for is waiting itself.
         if !first.iter().any(|o| registry.waiting.contains_key(o)) {
-            return None;
+            return (None, None);
         }
-        let mut path: Edges = smallvec::smallvec![owner];
-        let mut visited: Edges = smallvec::smallvec![owner];
+        // Room in place for a search of `INLINE_DEPTH` transactions (the
+        // issue's depth 8, twice over): no allocation until past it.
+        let mut path: SmallVec<[u64; INLINE_DEPTH]> = smallvec::smallvec![owner];
+        let mut visited: SmallVec<[u64; INLINE_DEPTH]> = smallvec::smallvec![owner];
         // One frame per transaction on the path: the transactions its wait
         // waits for, and how many of them were tried.
-        let mut frames: SmallVec<[(Edges, usize); 4]> = smallvec::smallvec![(first, 0)];
+        let mut frames: SmallVec<[(Edges, usize); INLINE_DEPTH]> = smallvec::smallvec![(first, 0)];
         while let Some((edges, next)) = frames.last_mut() {
             let Some(&to) = edges.get(*next) else {
                 frames.pop();
@@ -364,7 +445,7 @@ impl<K: Eq + Hash, S: BuildHasher> LockTable<K, S> {
             };
             *next += 1;
             if to == owner {
-                return Some(path.to_vec());
+                return (Some(path.to_vec()), Some(visited.len() as u64 - 1));
             }
             if visited.contains(&to) || visited.len() >= limit {
                 continue;
@@ -375,7 +456,7 @@ impl<K: Eq + Hash, S: BuildHasher> LockTable<K, S> {
                 frames.push((edges, 0));
             }
         }
-        None
+        (None, Some(visited.len() as u64 - 1))
     }
 
     /// The transactions the registered wait of `owner` waits for now (none

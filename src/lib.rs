@@ -326,7 +326,7 @@ mod waiter;
 #[cfg(feature = "test-util")]
 #[cfg_attr(docsrs, doc(cfg(feature = "test-util")))]
 pub use clock::ManualClock;
-pub use deadlock::{CycleWait, Deadlock, TransactionId};
+pub use deadlock::{CycleWait, Deadlock, DeadlockStats, TransactionId};
 pub use error::{LockError, TryLockError};
 #[cfg(feature = "etcd")]
 pub use etcd::{ClusterGuard, ClusterLockError, ClusterLockTable, OwnedClusterGuard};

@@ -208,6 +208,58 @@ fn an_upgrade_waiting_for_a_reader_that_waits_for_it_is_a_cycle() {
     });
 }
 
+/// A wait of a transaction that holds nothing (and has no transaction
+/// queued behind it) closes no cycle, so it is not searched from, however
+/// long the chain of waits ahead of it; the same wait of a transaction
+/// that holds a key is. Counted by `deadlock_stats`.
+#[test]
+fn a_transaction_that_holds_nothing_is_not_searched_from() {
+    block(async {
+        let table = LockTable::<u32>::new();
+        // A chain: t[i] holds key i and waits for key i + 1; t[3] holds 3.
+        let mut t: Vec<_> = (0..4).map(|_| table.transaction()).collect();
+        for (i, txn) in t.iter_mut().enumerate() {
+            txn.lock(i as u32, Mode::Exclusive).await.unwrap();
+        }
+        let mut chain = Vec::new();
+        for (i, txn) in t.iter_mut().take(3).enumerate() {
+            let mut wait = Box::pin(txn.lock(i as u32 + 1, Mode::Exclusive));
+            assert!(poll!(wait.as_mut()).is_pending());
+            chain.push(wait);
+        }
+        let before = table.deadlock_stats();
+        assert_eq!(before.waits, 3);
+
+        // Holds nothing: registered, not searched from.
+        let mut empty = table.transaction();
+        let mut waits = Box::pin(empty.lock(0, Mode::Exclusive));
+        assert!(poll!(waits.as_mut()).is_pending());
+        let after = table.deadlock_stats();
+        assert_eq!((after.waits, after.searches), (4, before.searches));
+        drop(waits);
+
+        // The same with `lock_all` (nothing taken before the wait).
+        let mut empty = table.transaction();
+        let mut waits = Box::pin(empty.lock_all([(0, Mode::Exclusive), (9, Mode::Exclusive)]));
+        assert!(poll!(waits.as_mut()).is_pending());
+        let after = table.deadlock_stats();
+        assert_eq!((after.waits, after.searches), (5, before.searches));
+        drop(waits);
+
+        // Holds a key: searched from, through the whole chain.
+        let mut holder = table.transaction();
+        holder.lock(8, Mode::Exclusive).await.unwrap();
+        let mut waits = Box::pin(holder.lock(0, Mode::Exclusive));
+        assert!(poll!(waits.as_mut()).is_pending());
+        let after = table.deadlock_stats();
+        assert_eq!((after.waits, after.searches), (6, before.searches + 1));
+        assert_eq!(after.deepest, 4, "t0, t1, t2 and t3 visited");
+        assert_eq!(after.cycles, 0);
+        drop(waits);
+        drop(chain);
+    });
+}
+
 #[test]
 fn a_wait_behind_a_queued_writer_is_an_edge() {
     block(async {

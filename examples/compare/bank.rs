@@ -20,7 +20,9 @@
 //! `examples/compare.rs`. With `BANK_STATS` set in the environment, each
 //! keylock run prints its table's counters (grants, waits) to stderr; with
 //! `BANK_ONLY=txn`, `dashmap`, `guards` or `unsorted`, only that bank runs (to profile
-//! one bank at a time, e.g. under `perf record`).
+//! one bank at a time, e.g. under `perf record`); with `BANK_DETECTION=off`,
+//! the transactions bank's table has deadlock detection off (the cost of
+//! detection on real contended waits: run it against the default).
 
 use std::future::Future;
 use std::sync::atomic::{AtomicI64, AtomicU64, Ordering::Relaxed};
@@ -87,12 +89,23 @@ pub(crate) struct KeylockBank {
     ledger: Ledger,
 }
 
+/// The transactions bank's table: with `BANK_DETECTION=off` in the
+/// environment, deadlock detection is off (`deadlock_search_limit(0)`), to
+/// measure what detection costs its contended waits (its transfers lock in
+/// a canonical order, so it never deadlocks either way).
+fn transactions_table() -> LockTable<u64> {
+    let off = std::env::var("BANK_DETECTION").is_ok_and(|v| v == "off");
+    LockTable::builder()
+        .deadlock_search_limit(if off { 0 } else { 50 })
+        .build()
+}
+
 impl Bank for KeylockBank {
     const NAME: &'static str = "keylock (transactions)";
 
     fn open(accounts: usize) -> Self {
         Self {
-            table: LockTable::new(),
+            table: transactions_table(),
             ledger: Ledger::new(accounts),
         }
     }
@@ -102,7 +115,7 @@ impl Bank for KeylockBank {
     }
 
     fn stats(&self) -> String {
-        format!("{:?}", self.table.stats())
+        format!("{:?} {:?}", self.table.stats(), self.table.deadlock_stats())
     }
 
     async fn transfer(&self, from: u64, to: u64, amount: i64) {
@@ -162,7 +175,7 @@ impl Bank for KeylockUnorderedBank {
     }
 
     fn stats(&self) -> String {
-        format!("{:?}", self.table.stats())
+        format!("{:?} {:?}", self.table.stats(), self.table.deadlock_stats())
     }
 
     fn retries(&self) -> u64 {

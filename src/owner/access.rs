@@ -392,6 +392,9 @@ pub(crate) struct WaitFor<'k, K> {
     pub(crate) hash: u64,
     pub(crate) key: &'k Arc<K>,
     pub(crate) mode: Mode,
+    /// The transaction holds no grant, and no other call can give it one
+    /// while this one waits (see `LockTable::enter_wait`).
+    pub(crate) holds_nothing: bool,
 }
 
 /// Awaits `fut`, a lock of `wait`, unless the transaction ends first (then
@@ -449,7 +452,7 @@ where
             if table.detector().is_on() {
                 let key = Arc::clone(wait.key);
                 let id = owner.opts.id.get();
-                match table.enter_wait(id, wait.hash, key, wait.mode) {
+                match table.enter_wait(id, wait.hash, key, wait.mode, wait.holds_nothing) {
                     Ok(registered) => watch.detecting = registered,
                     Err(deadlock) => {
                         // Registered: the guard unregisters it as it drops.

@@ -547,10 +547,13 @@ where
         let name = Arc::new(key.clone());
         let hash = request.hash;
         let lock = access.owner().reach.lock_with(key, opts);
+        let holds_nothing =
+            A::SOLE && taken.is_empty() && access.with(|set| set.len() == 0).unwrap_or(false);
         let wait = WaitFor {
             hash,
             key: &name,
             mode: request.mode,
+            holds_nothing,
         };
         match wait_unless_ended(&mut *access, wait, lock).await {
             Err(stop) => return Err(stop.into()),
@@ -716,6 +719,7 @@ where
                     hash: request.hash,
                     key: &name,
                     mode: request.mode,
+                    holds_nothing: false,
                 };
                 match wait_unless_ended(&mut *stage.access, wait, lock).await {
                     Ok(Ok(guard)) => {
@@ -742,6 +746,7 @@ where
                     hash: request.hash,
                     key: &name,
                     mode: Mode::Exclusive,
+                    holds_nothing: false,
                 };
                 let upgraded = wait_unless_ended(&mut **access, wait, guard.upgrade(opts)).await;
                 if let Ok(Ok(_)) = upgraded {

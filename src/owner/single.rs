@@ -240,10 +240,14 @@ where
     };
     let opts = claim.access.owner().opts.lock_options(mode, policy);
     let lock = claim.access.owner().reach.lock_with(key, opts);
+    // The borrowed form's only call: nothing else can take a key for the
+    // transaction while it waits.
+    let holds_nothing = A::SOLE && claim.access.with(|set| set.len() == 0).unwrap_or(false);
     let wait = WaitFor {
         hash,
         key: name,
         mode,
+        holds_nothing,
     };
     match wait_unless_ended(&mut *claim.access, wait, lock).await {
         Err(stop) => Err(stop.into()),
@@ -286,6 +290,7 @@ where
             hash: *hash,
             key: name,
             mode: Mode::Exclusive,
+            holds_nothing: false,
         };
         wait_unless_ended(&mut **access, wait, guard.upgrade(opts)).await
     };

@@ -13,7 +13,10 @@
 //! table knows of, so it is never part of a cycle. A holder whose lease has
 //! lapsed blocks nobody (the next settle admits past it). Nothing here
 //! changes the shard: the detector reads the same edges twice (to find a
-//! cycle, then to confirm it with every shard of the cycle locked at once).
+//! cycle, then to confirm it with every shard of the cycle locked at once),
+//! and, for a wait of a transaction that holds nothing, looks behind it
+//! first (if no transaction waits behind it either, nothing waits for it,
+//! and no cycle can go through it).
 
 use smallvec::SmallVec;
 
@@ -33,6 +36,33 @@ fn mode_of(want: Want) -> Mode {
 }
 
 impl<K> ShardState<K> {
+    /// Whether a waiter of a transaction other than `owner` is queued
+    /// behind `owner`'s waiter on the key: whatever its mode, a possible
+    /// edge into `owner`'s wait (the detector's quick test that a wait
+    /// closes no cycle; `false` if `owner` has no waiter there).
+    pub(crate) fn waited_on_from_behind(&mut self, hash: u64, key: &K, owner: u64) -> bool
+    where
+        K: Eq,
+    {
+        let Some((entry, _)) = self.locate_by(hash, key) else {
+            return false;
+        };
+        let (mut mine, mut behind) = (false, false);
+        // SAFETY: under the shard lock; the nodes visited are linked, and
+        // each is read only here, under the lock.
+        unsafe {
+            entry.queue.walk(|ptr, _, _| {
+                let who = Waiter::owner(ptr);
+                if mine {
+                    behind |= who != 0 && who != owner;
+                } else {
+                    mine = who == owner;
+                }
+            });
+        }
+        behind
+    }
+
     /// Appends to `out` the transactions that `owner`'s waiter on the key
     /// waits for (0 never: plain guards are left out; duplicates are kept).
     /// `false` if `owner` has no waiter queued on the key.
