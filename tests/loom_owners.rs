@@ -9,8 +9,10 @@
 //! of one owned transaction racing for the same new key (one takes it, the
 //! other is counted on it, neither waits on its own grant);
 //! deadlock detection racing a release that breaks the cycle (no false
-//! answer) and the cancel of a waiter of the cycle as it closes (answered
-//! once, or not at all, never a hang).
+//! answer), the cancel of a waiter of the cycle as it closes (answered
+//! once, or not at all, never a hang), and a transaction that holds
+//! nothing (spared its search unless waited on) whose wait is closed into
+//! a cycle by one queueing behind it (answered once, never missed).
 //!
 //! Run with (what `.ci/run` does, then again without `LOOM_MAX_PREEMPTIONS`;
 //! each model takes well under a second either way):
@@ -792,6 +794,106 @@ mod models {
                     }
                     Some(other) => panic!("a is t's: u waits or is answered, got {other:?}"),
                 }
+                table.assert_consistent();
+                assert!(table.is_empty(), "entry leaked");
+            },
+        );
+    }
+
+    /// (f) A transaction that holds nothing, its wait closed into a cycle
+    /// from behind: `h` holds `a` shared and waits for `b`, which `y` holds.
+    /// The main thread's borrowed transaction `w` (holding nothing) asks
+    /// `a` exclusive (it waits for `h`); thread B's `y` asks `a` shared. If
+    /// `y` queues behind `w` (a waiting writer blocks later readers), the
+    /// waits close `w -> h -> y -> w`, and whichever of `w` and `y`
+    /// registers last must find it: `w`, which holds nothing, is spared its
+    /// search only if no transaction is queued behind it, so when `y`
+    /// queued first and registered before `w` could be followed, `w`
+    /// searches. If `y` came first it is granted with `h` (no cycle). Never
+    /// two answers, never a cycle left unanswered.
+    #[test]
+    fn a_transaction_holding_nothing_closed_into_a_cycle_from_behind() {
+        model(
+            "f: holding nothing, a cycle closed from behind",
+            &[
+                "w answered deadlock",
+                "y answered deadlock",
+                "y granted first",
+            ],
+            |seen| {
+                let table = table();
+                let [a, b, _] = keys();
+                let h = table.clone().transaction_owned();
+                let y = table.clone().transaction_owned();
+                assert!(Polled::new(h.lock(a, S)).poll().is_some());
+                assert!(Polled::new(y.lock(b, X)).poll().is_some());
+                let mut h_waits = Polled::new(h.lock(b, X));
+                assert!(h_waits.poll().is_none(), "b is y's: h waits");
+
+                let other = thread::spawn(move || {
+                    let mut y_waits = Polled::new(y.lock(a, S));
+                    let first = y_waits.poll();
+                    (y, y_waits, first)
+                });
+                let mut w = table.transaction();
+                let w_id = w.id();
+                let mut w_waits = Polled::new(w.lock(a, X));
+                let mine = w_waits.poll();
+                let (y, mut y_waits, theirs) = other.join().unwrap();
+
+                match (mine, theirs) {
+                    (Some(Err(TransactionError::Deadlock(d))), None) => {
+                        assert_eq!(d.victim(), w_id);
+                        assert_eq!(d.cycle().len(), 3, "{d}");
+                        seen.note("w answered deadlock");
+                        drop(w_waits);
+                        drop(w);
+                        // y still waits behind h's grant? No: w left, and
+                        // y's shared request is compatible with h's.
+                        let got = finish(&mut y_waits, "y's wait for a");
+                        assert!(got.is_ok(), "y gets a with h: {got:?}");
+                    }
+                    (None, Some(Err(TransactionError::Deadlock(d)))) => {
+                        assert_eq!(d.victim(), y.id());
+                        assert_eq!(d.cycle().len(), 3, "{d}");
+                        seen.note("y answered deadlock");
+                        drop(y_waits);
+                        y.abort();
+                        let got = finish(&mut h_waits, "h's wait for b");
+                        assert!(got.is_ok(), "h gets b once y aborted: {got:?}");
+                        h.commit().expect("no lease");
+                        let got = finish(&mut w_waits, "w's wait for a");
+                        assert!(got.is_ok(), "w gets a once h committed: {got:?}");
+                        drop(w_waits);
+                        drop(w);
+                        table.assert_consistent();
+                        assert!(table.is_empty(), "entry leaked");
+                        return;
+                    }
+                    (None, Some(Ok(_))) => {
+                        // y was granted a with h before w queued: no cycle.
+                        seen.note("y granted first");
+                        drop(y_waits);
+                        y.commit().expect("no lease");
+                        let got = finish(&mut h_waits, "h's wait for b");
+                        assert!(got.is_ok(), "h gets b once y committed: {got:?}");
+                        h.commit().expect("no lease");
+                        let got = finish(&mut w_waits, "w's wait for a");
+                        assert!(got.is_ok(), "w gets a: {got:?}");
+                        drop(w_waits);
+                        drop(w);
+                        table.assert_consistent();
+                        assert!(table.is_empty(), "entry leaked");
+                        return;
+                    }
+                    (None, None) => panic!("w -> h -> y -> w closed and nobody answered"),
+                    (mine, theirs) => panic!("w {mine:?}, y {theirs:?}"),
+                }
+                drop(y_waits);
+                y.commit().expect("no lease");
+                let got = finish(&mut h_waits, "h's wait for b");
+                assert!(got.is_ok(), "h gets b once y committed: {got:?}");
+                h.commit().expect("no lease");
                 table.assert_consistent();
                 assert!(table.is_empty(), "entry leaked");
             },
