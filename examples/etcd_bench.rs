@@ -10,11 +10,22 @@
 //!   key (both on this host's wall clock);
 //! - **takeover** after the holder is killed with SIGKILL: from the kill to
 //!   the waiter holding the key (goal: at most the session TTL + 0.5 s).
+//! - **leader takeover** (`--leader-takeover [RUNS] [TTL]`, needs
+//!   `KEYLOCK_ETCD_DIR`, the directory given to `cluster.sh start`): a
+//!   holder process connected to the leader member only, a waiter
+//!   connected to another member only; the holder and the leader member
+//!   are killed with SIGKILL at once, and the time from the kills to the
+//!   waiter holding the key is measured (goal: at most the election
+//!   timeout + TTL + 1 s); the member is restarted between runs. Also
+//!   printed: when the waiter's member first named a new leader.
 //!
 //! ```sh
 //! tests/etcd_cluster/cluster.sh start /tmp/keylock-etcd
 //! KEYLOCK_ETCD_ENDPOINTS=$(tests/etcd_cluster/cluster.sh endpoints /tmp/keylock-etcd) \
 //!     cargo run --release --features etcd --example etcd_bench -- [ROUNDS]
+//! KEYLOCK_ETCD_ENDPOINTS=$(tests/etcd_cluster/cluster.sh endpoints /tmp/keylock-etcd) \
+//!     KEYLOCK_ETCD_DIR=/tmp/keylock-etcd \
+//!     cargo run --release --features etcd --example etcd_bench -- --leader-takeover 5 2
 //! tests/etcd_cluster/cluster.sh stop /tmp/keylock-etcd
 //! ```
 
@@ -194,6 +205,40 @@ async fn uncontended(eps: &[String], rounds: usize) -> Res<()> {
     }
     let (med, p90, _) = median(v);
     println!("one etcd put (the floor),                  median {med:>10.2?}, p90 {p90:>10.2?}");
+    // The handoff's floor: a delete sent to one member, seen by a watch on
+    // another (what a keylock handoff costs at least: the holder's delete
+    // and one watch event).
+    let mut w = etcd_client::Client::connect([&eps[1]], None).await?;
+    let key = format!("{prefix}/floor");
+    let mut stream = w
+        .watch(
+            key.as_str(),
+            Some(
+                etcd_client::WatchOptions::new()
+                    .with_filters([etcd_client::WatchFilterType::NoPut]),
+            ),
+        )
+        .await?;
+    stream.message().await?; // created
+    let mut v = Vec::new();
+    for _ in 0..rounds {
+        c.put(key.as_str(), "x", None).await?;
+        let start = Instant::now();
+        let mut d = c.clone();
+        let k = key.clone();
+        // The event may come before the delete's answer: time the event.
+        let delete = tokio::spawn(async move { d.delete(k, None).await });
+        loop {
+            let resp = stream.message().await?.ok_or("the watch ended")?;
+            if !resp.events().is_empty() {
+                break;
+            }
+        }
+        v.push(start.elapsed());
+        delete.await??;
+    }
+    let (med, p90, _) = median(v);
+    println!("delete, seen by a watch on another member,  median {med:>10.2?}, p90 {p90:>10.2?} (the handoff's floor)");
     let all = etcd_client::DeleteOptions::new().with_prefix();
     c.delete(format!("{prefix}/"), Some(all)).await?;
     c.lease_revoke(lease).await?;
@@ -226,6 +271,125 @@ async fn takeover(eps: &[String], ttl: u64) -> Res<()> {
     Ok(())
 }
 
+/// The member (1, 2 or 3, from its name `mN`) that the cluster names its
+/// leader, asked of every endpoint in turn until one answers.
+async fn leader_member(eps: &[String]) -> Res<usize> {
+    let mut c = etcd_client::Client::connect(eps, None).await?;
+    let leader = c.status().await?.leader();
+    let members = c.member_list().await?;
+    let m = members
+        .members()
+        .iter()
+        .find(|m| m.id() == leader)
+        .ok_or("the leader is not a member")?;
+    Ok(m.name()[1..].parse()?)
+}
+
+fn cluster_sh(cmd: &str, dir: &str, n: usize) -> Res<()> {
+    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/etcd_cluster/cluster.sh");
+    let status = Command::new("bash")
+        .args([script, cmd, dir, &n.to_string()])
+        .status()?;
+    if !status.success() {
+        return Err(format!("cluster.sh {cmd} {n} failed").into());
+    }
+    Ok(())
+}
+
+/// One run of the leader takeover: returns (kill -> waiter holds the key,
+/// kill -> the waiter's member names a new leader).
+async fn leader_takeover(eps: &[String], dir: &str, ttl: u64) -> Res<(Duration, Duration)> {
+    let leader = leader_member(eps).await?;
+    let other = leader % eps.len() + 1;
+    let (leader_ep, other_ep) = (&eps[leader - 1], &eps[other - 1]);
+    let prefix = format!("keylock-bench/{}-{}", std::process::id(), wall_ns());
+    let mut child = Command::new(std::env::current_exe()?)
+        .args(["--holder", leader_ep, &prefix, &ttl.to_string()])
+        .stdout(Stdio::piped())
+        .spawn()?;
+    let mut line = String::new();
+    BufReader::new(child.stdout.take().unwrap()).read_line(&mut line)?;
+    assert!(
+        line.starts_with("HELD"),
+        "the holder did not take the key: {line:?}"
+    );
+    let t = std::sync::Arc::new(keylock_table(other_ep, &prefix, ttl).await?);
+    let mut c = t.client().clone();
+    let key_prefix = t.key_prefix("job");
+    let waiter = {
+        let t = std::sync::Arc::clone(&t);
+        tokio::spawn(async move {
+            loop {
+                // A session lost meanwhile (its keep-alives go through the
+                // dead leader too) is started again by the next lock.
+                match std::sync::Arc::clone(&t).lock_owned("job".to_owned()).await {
+                    Ok(g) => return (Instant::now(), g),
+                    Err(e) => eprintln!("  the waiter's lock failed ({e}); again"),
+                }
+            }
+        })
+    };
+    // The waiter's key is in etcd (it waits behind the holder's).
+    until_other_waits(&mut c, &key_prefix).await?;
+    // Who leads, as the waiter's member sees it, polled every 10 ms.
+    let mut s = etcd_client::Client::connect([other_ep], None).await?;
+    let leader_id = s.status().await?.leader();
+    let pid: i32 = std::fs::read_to_string(format!("{dir}/m{leader}.pid"))?
+        .trim()
+        .parse()?;
+    let killed = Instant::now();
+    // SAFETY: kill(2) on our own child's pid (not yet reaped) and on the
+    // member's pid, which cluster.sh recorded.
+    unsafe {
+        libc::kill(child.id() as i32, libc::SIGKILL);
+        libc::kill(pid, libc::SIGKILL);
+    }
+    std::fs::remove_file(format!("{dir}/m{leader}.pid"))?;
+    child.wait()?;
+    let elected = tokio::spawn(async move {
+        loop {
+            if let Ok(st) = s.status().await {
+                if st.leader() != 0 && st.leader() != leader_id {
+                    return Instant::now();
+                }
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    });
+    let (held, g) = waiter.await?;
+    let elected = elected.await?;
+    drop(g);
+    let dir = dir.to_owned();
+    tokio::task::spawn_blocking(move || {
+        cluster_sh("restart", &dir, leader).map_err(|e| e.to_string())
+    })
+    .await??;
+    Ok((held - killed, elected - killed))
+}
+
+async fn leader_takeovers(eps: &[String], runs: usize, ttl: u64) -> Res<()> {
+    let dir = std::env::var("KEYLOCK_ETCD_DIR")
+        .expect("set KEYLOCK_ETCD_DIR (the directory given to cluster.sh start)");
+    let mut takeovers = Vec::new();
+    for i in 0..runs {
+        let (took, elected) = leader_takeover(eps, &dir, ttl).await?;
+        println!(
+            "leader takeover {}: new leader seen after {elected:.2?}, key held after {took:.2?} (TTL {ttl} s)",
+            i + 1
+        );
+        takeovers.push(took);
+        // Let the restarted member catch up before the next run.
+        tokio::time::sleep(Duration::from_secs(2)).await;
+    }
+    takeovers.sort();
+    println!(
+        "takeover with the leader killed (session TTL {ttl} s, {runs} runs): median {:.2?}, max {:.2?}",
+        takeovers[runs / 2],
+        takeovers[runs - 1]
+    );
+    Ok(())
+}
+
 #[tokio::main(flavor = "multi_thread", worker_threads = 2)]
 async fn main() -> Res<()> {
     let args: Vec<String> = std::env::args().collect();
@@ -242,6 +406,11 @@ async fn main() -> Res<()> {
         println!("HELD");
         tokio::time::sleep(Duration::from_secs(600)).await;
         return Ok(());
+    }
+    if args.get(1).map(String::as_str) == Some("--leader-takeover") {
+        let runs = args.get(2).map_or(Ok(5), |r| r.parse())?;
+        let ttl = args.get(3).map_or(Ok(2), |r| r.parse())?;
+        return leader_takeovers(&endpoints(), runs.max(1), ttl).await;
     }
     let rounds = args.get(1).map_or(Ok(200), |r| r.parse())?;
     let eps = endpoints();

@@ -132,6 +132,216 @@ async fn fifo_across_tables() {
     assert_eq!(*order.lock().unwrap(), vec![0, 1, 2, 3]);
 }
 
+fn shared() -> LockOptions {
+    LockOptions::new().shared()
+}
+
+/// Waits until `n` waiter keys of `key` are in etcd.
+async fn until_keys(t: &ClusterLockTable<String>, key: &str, n: usize) {
+    tokio::time::timeout(HANG, async {
+        while count_keys(t, key).await < n {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+    })
+    .await
+    .expect("the waiter keys appear");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn readers_share_a_key() {
+    let Some(eps) = etcd_cluster::endpoints("readers_share_a_key") else {
+        return;
+    };
+    let prefix = etcd_cluster::prefix("readers");
+    let mut other = eps.clone();
+    other.rotate_left(1);
+    let a = table(&eps, &prefix, "a").await;
+    let b = table(&other, &prefix, "b").await;
+    // Two readers in one table, a third in another (on another member).
+    let r1 = a.lock_with("k".to_owned(), shared()).await.unwrap();
+    let r2 = a.lock_with("k".to_owned(), shared()).await.unwrap();
+    let r3 = b.try_lock_with("k".to_owned(), shared()).await.unwrap();
+    for r in [&r1, &r2, &r3] {
+        assert_eq!(r.mode(), keylock::Mode::Shared);
+        assert!(r.check().is_ok());
+    }
+    assert!(r1.token() < r2.token() && r2.token() < r3.token());
+    assert_eq!(count_keys(&a, "k").await, 3);
+    // A writer is refused while they read, in either table.
+    assert!(matches!(
+        b.try_lock("k".to_owned()).await,
+        Err(ClusterLockError::WouldBlock { .. })
+    ));
+    assert!(matches!(
+        a.try_lock("k".to_owned()).await,
+        Err(ClusterLockError::WouldBlock { .. })
+    ));
+    // Each reader's fence holds at the store until it lets go.
+    let mut c = a.client().clone();
+    let fenced = |f: keylock::etcd::Fence| {
+        etcd_client::Txn::new()
+            .when([f.compare()])
+            .and_then([etcd_client::TxnOp::get(format!("{prefix}-x"), None)])
+    };
+    let f1 = r1.fence();
+    assert!(c.txn(fenced(f1.clone())).await.unwrap().succeeded());
+    r1.unlock().await.unwrap();
+    assert!(!c.txn(fenced(f1)).await.unwrap().succeeded());
+    assert!(c.txn(fenced(r2.fence())).await.unwrap().succeeded());
+    r2.unlock().await.unwrap();
+    let last_reader = r3.unlock().await.unwrap();
+    // All gone: a writer takes it at once, after every reader.
+    let w = b.try_lock("k".to_owned()).await.unwrap();
+    assert_eq!(w.mode(), keylock::Mode::Exclusive);
+    assert!(w.token() > last_reader);
+    assert_eq!(count_keys(&a, "k").await, 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_writer_excludes_readers() {
+    let Some(eps) = etcd_cluster::endpoints("a_writer_excludes_readers") else {
+        return;
+    };
+    let prefix = etcd_cluster::prefix("writer");
+    let mut other = eps.clone();
+    other.rotate_left(1);
+    let a = table(&eps, &prefix, "writer").await;
+    let b = Arc::new(table(&other, &prefix, "reader").await);
+    let w = a.lock("k".to_owned()).await.unwrap();
+    assert!(matches!(
+        b.try_lock_with("k".to_owned(), shared()).await,
+        Err(ClusterLockError::WouldBlock { .. })
+    ));
+    let reader = {
+        let b = Arc::clone(&b);
+        tokio::spawn(async move {
+            let r = b.lock_with("k".to_owned(), shared()).await.unwrap();
+            r.unlock().await.unwrap()
+        })
+    };
+    until_keys(&a, "k", 2).await;
+    // It waits while the writer holds the key (its key is older).
+    assert!(!reader.is_finished());
+    let w_token = w.unlock().await.unwrap();
+    let r_token = tokio::time::timeout(HANG, reader).await.unwrap().unwrap();
+    assert!(r_token > w_token);
+}
+
+/// FIFO across modes: a writer waiting behind a reader blocks the readers
+/// that come after it, so a stream of readers cannot starve it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_waiting_writer_blocks_later_readers() {
+    let Some(eps) = etcd_cluster::endpoints("a_waiting_writer_blocks_later_readers") else {
+        return;
+    };
+    let prefix = etcd_cluster::prefix("rwfifo");
+    let mut tables = Vec::new();
+    for i in 0..3 {
+        let mut mine = eps.clone();
+        mine.rotate_left(i);
+        tables.push(Arc::new(table(&mine, &prefix, &format!("t{i}")).await));
+    }
+    let r1 = tables[0].lock_with("k".to_owned(), shared()).await.unwrap();
+    let order = Arc::new(Mutex::new(Vec::new()));
+    let (held_tx, held_rx) = tokio::sync::oneshot::channel();
+    let (go_tx, go_rx) = tokio::sync::oneshot::channel::<()>();
+    let writer = {
+        let (t, order) = (Arc::clone(&tables[1]), Arc::clone(&order));
+        tokio::spawn(async move {
+            let w = t.lock("k".to_owned()).await.unwrap();
+            order.lock().unwrap().push("writer");
+            held_tx.send(w.token()).unwrap();
+            go_rx.await.unwrap();
+            w.unlock().await.unwrap();
+        })
+    };
+    until_keys(&tables[0], "k", 2).await;
+    // A later reader is refused: the writer waits ahead of it.
+    assert!(matches!(
+        tables[2].try_lock_with("k".to_owned(), shared()).await,
+        Err(ClusterLockError::WouldBlock { .. })
+    ));
+    let reader = {
+        let (t, order) = (Arc::clone(&tables[2]), Arc::clone(&order));
+        tokio::spawn(async move {
+            let r = t.lock_with("k".to_owned(), shared()).await.unwrap();
+            order.lock().unwrap().push("reader");
+            r.unlock().await.unwrap()
+        })
+    };
+    until_keys(&tables[0], "k", 3).await;
+    assert!(order.lock().unwrap().is_empty());
+    // The first reader goes: the writer, then the later reader.
+    r1.unlock().await.unwrap();
+    let w_token = tokio::time::timeout(HANG, held_rx).await.unwrap().unwrap();
+    assert!(
+        !reader.is_finished(),
+        "a reader got in while the writer held the key"
+    );
+    assert_eq!(*order.lock().unwrap(), vec!["writer"]);
+    go_tx.send(()).unwrap();
+    tokio::time::timeout(HANG, writer).await.unwrap().unwrap();
+    let r_token = tokio::time::timeout(HANG, reader).await.unwrap().unwrap();
+    assert!(r_token > w_token);
+    assert_eq!(*order.lock().unwrap(), vec!["writer", "reader"]);
+}
+
+/// Readers and writers in three tables (each on another member) take one
+/// key in turn: a writer is always alone, a reader never meets a writer,
+/// and writers' tokens increase in grant order.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn readers_and_writers_exclude_each_other() {
+    let Some(eps) = etcd_cluster::endpoints("readers_and_writers_exclude_each_other") else {
+        return;
+    };
+    let prefix = etcd_cluster::prefix("rwchurn");
+    let readers = Arc::new(AtomicUsize::new(0));
+    let writers = Arc::new(AtomicUsize::new(0));
+    let write_tokens = Arc::new(Mutex::new(Vec::new()));
+    let mut tasks = Vec::new();
+    for i in 0..3 {
+        let mut mine = eps.clone();
+        mine.rotate_left(i);
+        let t = Arc::new(table(&mine, &prefix, &format!("t{i}")).await);
+        for j in 0..3usize {
+            let (t, readers, writers, write_tokens) = (
+                Arc::clone(&t),
+                Arc::clone(&readers),
+                Arc::clone(&writers),
+                Arc::clone(&write_tokens),
+            );
+            tasks.push(tokio::spawn(async move {
+                for n in 0..12usize {
+                    // Two tasks in three read: a mix that keeps readers
+                    // together and writers between them.
+                    if (n + j) % 3 != 0 {
+                        let r = t.lock_with("k".to_owned(), shared()).await.unwrap();
+                        readers.fetch_add(1, Ordering::SeqCst);
+                        assert_eq!(writers.load(Ordering::SeqCst), 0, "a reader met a writer");
+                        tokio::time::sleep(Duration::from_millis(2)).await;
+                        readers.fetch_sub(1, Ordering::SeqCst);
+                        r.unlock().await.unwrap();
+                    } else {
+                        let w = t.lock("k".to_owned()).await.unwrap();
+                        assert_eq!(writers.fetch_add(1, Ordering::SeqCst), 0, "two writers");
+                        assert_eq!(readers.load(Ordering::SeqCst), 0, "a writer met a reader");
+                        write_tokens.lock().unwrap().push(w.token());
+                        tokio::time::sleep(Duration::from_millis(2)).await;
+                        writers.fetch_sub(1, Ordering::SeqCst);
+                        w.unlock().await.unwrap();
+                    }
+                }
+            }));
+        }
+    }
+    for task in tasks {
+        tokio::time::timeout(HANG, task).await.unwrap().unwrap();
+    }
+    let tokens = write_tokens.lock().unwrap();
+    assert_eq!(tokens.len(), 36);
+    assert!(tokens.windows(2).all(|w| w[0] < w[1]), "{tokens:?}");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn timeout_names_the_holder() {
     let Some(eps) = etcd_cluster::endpoints("timeout_names_the_holder") else {

@@ -122,17 +122,28 @@ async fn sigkill_frees_the_key_after_the_ttl() {
     assert!(g.check().is_ok());
 }
 
-/// The member (1, 2 or 3) that leads the cluster now.
+/// The member (1, 2 or 3) that leads the cluster now, asked again (for up
+/// to `HANG`) while the cluster has none or a member does not answer.
 async fn leader(eps: &[String]) -> u32 {
-    let mut c = etcd_client::Client::connect(eps, None).await.unwrap();
-    let leader = c.status().await.unwrap().leader();
-    let members = c.member_list().await.unwrap();
-    let m = members
-        .members()
-        .iter()
-        .find(|m| m.id() == leader)
-        .expect("the leader is a member");
-    m.name()[1..].parse().unwrap()
+    let give_up = tokio::time::Instant::now() + HANG;
+    loop {
+        if let Some(n) = leader_once(eps).await {
+            return n;
+        }
+        assert!(
+            tokio::time::Instant::now() < give_up,
+            "the cluster has no leader"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+async fn leader_once(eps: &[String]) -> Option<u32> {
+    let mut c = etcd_client::Client::connect(eps, None).await.ok()?;
+    let leader = c.status().await.ok()?.leader();
+    let members = c.member_list().await.ok()?;
+    let m = members.members().iter().find(|m| m.id() == leader)?;
+    m.name()[1..].parse().ok()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -301,62 +312,154 @@ async fn holder_cut_from_the_cluster_is_fenced_before_the_takeover() {
     assert!(again.check().is_ok());
 }
 
-/// The worker of `history_check`: `KEYLOCK_ETCD_HISTORY_OPS` critical
-/// sections on keys `h0`..`h2` under `KEYLOCK_ETCD_HISTORY_PREFIX`, each a
+/// A small seeded generator (splitmix64), so that a failing history
+/// check's schedule can be replayed from the seed it prints.
+struct Rng(u64);
+
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+
+    /// Uniform in `lo..hi` (`hi > lo`).
+    fn range(&mut self, lo: u64, hi: u64) -> u64 {
+        lo + self.next() % (hi - lo)
+    }
+}
+
+fn unix_ns() -> u128 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_nanos()
+}
+
+/// How many keys the history check's workers share.
+const HISTORY_KEYS: u64 = 3;
+
+/// The worker of `history_check`: critical sections on random keys
+/// `h0`..`h2` under `KEYLOCK_ETCD_HISTORY_PREFIX` until the wall clock
+/// passes `KEYLOCK_ETCD_HISTORY_UNTIL` (ns since the epoch), each a
 /// read-modify-write of the key's counter committed by an etcd transaction
-/// that compares the grant's fence. Prints one line per accepted section:
-/// `ACCEPT key token granted_ns committed_ns`.
+/// that compares the grant's fence. Prints one line per accepted section,
+/// `ACCEPT key token read_revision commit_revision value` (the revisions
+/// are etcd's: of the counter's read and of the committing transaction),
+/// and `UNKNOWN key` for a commit whose answer was lost (it may have been
+/// applied).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn history_worker() {
-    let (Ok(prefix), Ok(ops)) = (
+    let (Ok(prefix), Ok(until), Ok(seed)) = (
         std::env::var("KEYLOCK_ETCD_HISTORY_PREFIX"),
-        std::env::var("KEYLOCK_ETCD_HISTORY_OPS"),
+        std::env::var("KEYLOCK_ETCD_HISTORY_UNTIL"),
+        std::env::var("KEYLOCK_ETCD_HISTORY_WORKER_SEED"),
     ) else {
         return; // not run as a worker
     };
     let Some(eps) = etcd_cluster::endpoints("history_worker") else {
         return;
     };
-    let ops: usize = ops.parse().unwrap();
+    let until: u128 = until.parse().unwrap();
+    let mut rng = Rng(seed.parse().unwrap());
     let mut mine = eps.clone();
-    mine.rotate_left(std::process::id() as usize % eps.len());
+    mine.rotate_left(rng.range(0, eps.len() as u64) as usize);
     let t = table(&mine, &prefix, "history").await;
     let mut c = t.client().clone();
-    let now = || {
-        std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .unwrap()
-            .as_nanos()
-    };
-    for i in 0..ops {
-        let key = format!("h{}", (i + std::process::id() as usize) % 3);
+    while unix_ns() < until {
+        let key = format!("h{}", rng.range(0, HISTORY_KEYS));
         let Ok(g) = t.lock(key.clone()).await else {
-            continue; // a lost session (a member restarting): next one
+            // A lost session (a member or the leader down): the next lock
+            // starts a new one.
+            tokio::time::sleep(Duration::from_millis(20)).await;
+            continue;
         };
-        let granted = now();
         let counter = format!("{prefix}-counter/{key}");
         let Ok(read) = c.get(counter.clone(), None).await else {
             continue;
         };
+        let read_rev = read.header().unwrap().revision();
         let v: u64 = read
             .kvs()
             .first()
             .map_or(0, |kv| kv.value_str().unwrap().parse().unwrap());
-        tokio::time::sleep(Duration::from_millis(1)).await;
+        tokio::time::sleep(Duration::from_micros(rng.range(0, 3000))).await;
         let txn = etcd_client::Txn::new()
             .when([g.fence().compare()])
             .and_then([etcd_client::TxnOp::put(counter, (v + 1).to_string(), None)]);
-        if let Ok(resp) = c.txn(txn).await {
-            if resp.succeeded() {
-                println!("ACCEPT {key} {} {granted} {}", g.token().get(), now());
+        match c.txn(txn).await {
+            Ok(resp) if resp.succeeded() => {
+                let commit_rev = resp.header().unwrap().revision();
+                println!(
+                    "ACCEPT {key} {} {read_rev} {commit_rev} {}",
+                    g.token().get(),
+                    v + 1
+                );
             }
+            Ok(_) => {} // refused by the fence: not applied
+            Err(_) => println!("UNKNOWN {key}"),
+        }
+        if rng.range(0, 4) == 0 {
+            tokio::time::sleep(Duration::from_micros(rng.range(0, 2000))).await;
         }
         drop(g);
     }
 }
 
+/// Restarts the member a test killed if the test fails before it does, so
+/// that the tests after it find the whole cluster.
+struct RestartOnDrop {
+    dir: std::path::PathBuf,
+    member: Option<u32>,
+}
+
+impl Drop for RestartOnDrop {
+    fn drop(&mut self) {
+        if let Some(n) = self.member.take() {
+            if !etcd_cluster::try_member("restart", &self.dir, n) {
+                eprintln!("!!! member {n} could not be restarted");
+            }
+        }
+    }
+}
+
+/// What the history check does at a point of its schedule.
+#[derive(Debug, Clone, Copy)]
+enum Fault {
+    /// SIGKILL a running worker (picked at random) ...
+    KillWorker,
+    /// ... and start a new one.
+    StartWorker,
+    /// Kill and restart a member that does not lead.
+    RestartFollower,
+    /// Kill the member that leads ...
+    KillLeader,
+    /// ... and restart it.
+    RestartLeader,
+}
+
+/// A Jepsen-style history check: worker processes (the test binary
+/// re-invoked) take three keys at random for `HISTORY_RUN`, each critical
+/// section a read-modify-write of the key's counter committed by a
+/// transaction that compares the grant's fence; meanwhile, on a seeded
+/// random schedule, workers are killed with SIGKILL and replaced, a
+/// follower is killed and restarted, and the leader is killed and
+/// restarted. Checked on etcd's own order (revisions, no clocks): per key,
+/// in commit order, tokens increase, each section's read follows the
+/// previous section's commit (no overlap), the values written increase (no
+/// lost update), and the counter exceeds the number of accepted sections
+/// by at most the commits whose outcome is unknown (a killed worker's last
+/// section, a commit whose answer was lost).
+/// `KEYLOCK_ETCD_HISTORY_SEED=N` replays a schedule (the times, the faults,
+/// the workers killed and their keys; which members go down depends on
+/// which one leads at the time).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn history_check() {
+    const HISTORY_RUN: Duration = Duration::from_secs(30);
+    const WORKERS: usize = 4;
+    const WORKER_KILLS: usize = 6;
     let test = "history_check";
     let Some(eps) = etcd_cluster::endpoints(test) else {
         return;
@@ -364,8 +467,18 @@ async fn history_check() {
     let Some(dir) = etcd_cluster::cluster_dir(test) else {
         return;
     };
+    let seed: u64 = std::env::var("KEYLOCK_ETCD_HISTORY_SEED").map_or_else(
+        |_| (unix_ns() as u64) ^ u64::from(std::process::id()),
+        |s| s.parse().unwrap(),
+    );
+    let ctx = format!("history_check seed {seed} (KEYLOCK_ETCD_HISTORY_SEED={seed} replays it)");
+    eprintln!("{ctx}");
+    let mut rng = Rng(seed);
     let prefix = etcd_cluster::prefix("history");
-    let spawn = |ops: usize| {
+    let until = unix_ns() + HISTORY_RUN.as_nanos();
+    let mut spawned = 0u64;
+    let mut spawn = || {
+        spawned += 1;
         let mut child = Command::new(std::env::current_exe().unwrap())
             .args([
                 "history_worker",
@@ -375,7 +488,11 @@ async fn history_check() {
                 "1",
             ])
             .env("KEYLOCK_ETCD_HISTORY_PREFIX", &prefix)
-            .env("KEYLOCK_ETCD_HISTORY_OPS", ops.to_string())
+            .env("KEYLOCK_ETCD_HISTORY_UNTIL", until.to_string())
+            .env(
+                "KEYLOCK_ETCD_HISTORY_WORKER_SEED",
+                (seed ^ spawned.wrapping_mul(0x9E37_79B9_7F4A_7C15)).to_string(),
+            )
             .stdout(Stdio::piped())
             .spawn()
             .unwrap();
@@ -384,72 +501,172 @@ async fn history_check() {
             BufReader::new(out)
                 .lines()
                 .map_while(Result::ok)
-                .filter_map(|l| l.find("ACCEPT ").map(|at| l[at..].to_owned()))
+                .filter_map(|l| {
+                    l.find("ACCEPT ")
+                        .or_else(|| l.find("UNKNOWN "))
+                        .map(|at| l[at..].to_owned())
+                })
                 .collect::<Vec<_>>()
         });
         (KillOnDrop(child), reader)
     };
-    let mut workers: Vec<_> = (0..3).map(|_| spawn(40)).collect();
-    // Faults while they run: a worker killed (its keys go with its lease),
-    // a member restarted, another worker started.
-    tokio::time::sleep(Duration::from_millis(500)).await;
-    // SAFETY: kill(2) on our own child's pid, not yet reaped.
-    unsafe { libc::kill(workers[0].0 .0.id() as i32, libc::SIGKILL) };
-    let dir2 = dir.clone();
-    tokio::task::spawn_blocking(move || {
-        etcd_cluster::member("kill", &dir2, 3);
-        etcd_cluster::member("restart", &dir2, 3);
-    })
-    .await
-    .unwrap();
-    workers.push(spawn(40));
-    let mut accepted = Vec::new();
-    for (mut child, reader) in workers {
+    // The schedule, in ms from the start.
+    let run_ms = HISTORY_RUN.as_millis() as u64;
+    let mut schedule = Vec::new();
+    for _ in 0..WORKER_KILLS {
+        let at = rng.range(1_000, run_ms - 4_000);
+        schedule.push((at, Fault::KillWorker));
+        schedule.push((at + rng.range(0, 1_500), Fault::StartWorker));
+    }
+    schedule.push((rng.range(3_000, run_ms / 3), Fault::RestartFollower));
+    let leader_at = rng.range(run_ms / 2 - 2_000, run_ms / 2 + 4_000);
+    schedule.push((leader_at, Fault::KillLeader));
+    schedule.push((leader_at + rng.range(500, 2_500), Fault::RestartLeader));
+    schedule.sort_by_key(|&(at, _)| at);
+    eprintln!("{ctx}: schedule (ms, fault) {schedule:?}");
+
+    let started = tokio::time::Instant::now();
+    let mut running: Vec<_> = (0..WORKERS).map(|_| spawn()).collect();
+    let mut done = Vec::new();
+    let mut killed_workers = 0;
+    let mut killed_leader = RestartOnDrop {
+        dir: dir.clone(),
+        member: None,
+    };
+    let mut member_faults = Vec::new();
+    for (at, fault) in schedule {
+        tokio::time::sleep_until(started + Duration::from_millis(at)).await;
+        match fault {
+            // (Kills that bunch up before their replacements start leave
+            // one worker running at least.)
+            Fault::KillWorker if running.len() > 1 => {
+                let w = running.remove(rng.range(0, running.len() as u64) as usize);
+                // SAFETY: kill(2) on our own child's pid, not yet reaped.
+                unsafe { libc::kill(w.0 .0.id() as i32, libc::SIGKILL) };
+                killed_workers += 1;
+                done.push(w);
+            }
+            Fault::KillWorker => {}
+            Fault::StartWorker => running.push(spawn()),
+            Fault::RestartFollower => {
+                let leader = leader(&eps).await;
+                let n = [1, 2, 3]
+                    .into_iter()
+                    .filter(|&m| m != leader)
+                    .nth(rng.range(0, 2) as usize)
+                    .unwrap();
+                let dir2 = dir.clone();
+                tokio::task::spawn_blocking(move || {
+                    etcd_cluster::member("kill", &dir2, n);
+                    etcd_cluster::member("restart", &dir2, n);
+                })
+                .await
+                .unwrap();
+                member_faults.push(format!("follower {n} restarted"));
+            }
+            Fault::KillLeader => {
+                let n = leader(&eps).await;
+                let dir2 = dir.clone();
+                tokio::task::spawn_blocking(move || etcd_cluster::member("kill", &dir2, n))
+                    .await
+                    .unwrap();
+                killed_leader.member = Some(n);
+            }
+            Fault::RestartLeader => {
+                let n = killed_leader
+                    .member
+                    .take()
+                    .expect("the leader was killed first");
+                let dir2 = dir.clone();
+                tokio::task::spawn_blocking(move || etcd_cluster::member("restart", &dir2, n))
+                    .await
+                    .unwrap();
+                member_faults.push(format!("leader {n} killed and restarted"));
+            }
+        }
+    }
+    done.extend(running);
+    let mut lines = Vec::new();
+    for (mut child, reader) in done {
         let status = tokio::task::spawn_blocking(move || {
             let s = child.0.wait().unwrap();
             (s, reader.join().unwrap())
         });
-        let (_, lines) = tokio::time::timeout(HANG, status).await.unwrap().unwrap();
-        accepted.extend(lines);
+        let (_, out) = tokio::time::timeout(HANG, status)
+            .await
+            .unwrap_or_else(|_| panic!("{ctx}: a worker did not finish"))
+            .unwrap();
+        lines.extend(out);
     }
-    // Per key: accepted sections, in grant order, have increasing tokens and
-    // never overlap; the counter counts every accepted section (the killed
-    // worker may have committed one it did not live to print).
-    let mut by_key: std::collections::BTreeMap<String, Vec<(u128, u128, u64)>> =
+    // (token, read revision, commit revision, value) per key.
+    let mut by_key: std::collections::BTreeMap<String, Vec<(i64, i64, u64, u64)>> =
         std::collections::BTreeMap::new();
-    for line in &accepted {
+    let mut unknown = 0;
+    let mut accepted = 0;
+    for line in &lines {
         let f: Vec<&str> = line.split_whitespace().collect();
-        by_key.entry(f[1].to_owned()).or_default().push((
-            f[3].parse().unwrap(),
-            f[4].parse().unwrap(),
-            f[2].parse().unwrap(),
-        ));
+        match f.as_slice() {
+            ["ACCEPT", key, token, read, commit, value] => {
+                accepted += 1;
+                by_key.entry((*key).to_owned()).or_default().push((
+                    commit.parse().unwrap(),
+                    read.parse().unwrap(),
+                    token.parse().unwrap(),
+                    value.parse().unwrap(),
+                ));
+            }
+            ["UNKNOWN", _] => unknown += 1,
+            // A line cut short by SIGKILL: a section the check cannot
+            // count, as if the worker had died before printing it.
+            _ => {}
+        }
     }
+    // Commits that may be in etcd without an ACCEPT line: one per killed
+    // worker (killed after its commit, before its print) and each lost
+    // answer.
+    let unrecorded = killed_workers + unknown;
     let mut c = etcd_client::Client::connect(&eps, None).await.unwrap();
-    for (key, sections) in &mut by_key {
+    let mut extra = 0;
+    for k in 0..HISTORY_KEYS {
+        let key = format!("h{k}");
+        let sections = by_key.entry(key.clone()).or_default();
+        // Commit order: etcd's revisions are a total order.
         sections.sort();
         for w in sections.windows(2) {
+            let ((c0, _, t0, v0), (_, r1, t1, v1)) = (w[0], w[1]);
+            assert!(t0 < t1, "{ctx}: {key}: tokens out of commit order {w:?}");
             assert!(
-                w[0].1 <= w[1].0,
-                "{key}: overlapping accepted sections {w:?}"
+                c0 < r1,
+                "{ctx}: {key}: a section read before the previous one committed (overlap) {w:?}"
             );
-            assert!(w[0].2 < w[1].2, "{key}: tokens out of order {w:?}");
+            assert!(v0 < v1, "{ctx}: {key}: a lost update {w:?}");
         }
         let counter = c
             .get(format!("{prefix}-counter/{key}"), None)
             .await
             .unwrap();
-        let n: usize = counter.kvs()[0].value_str().unwrap().parse().unwrap();
+        let n: usize = counter
+            .kvs()
+            .first()
+            .map_or(0, |kv| kv.value_str().unwrap().parse().unwrap());
         assert!(
-            n == sections.len() || n == sections.len() + 1,
-            "{key}: counter {n}, {} accepted sections",
+            n >= sections.len() && n as u64 >= sections.last().map_or(0, |s| s.3),
+            "{ctx}: {key}: counter {n} below its {} accepted sections",
             sections.len()
         );
+        extra += n - sections.len();
     }
-    assert!(accepted.len() >= 40, "{} accepted sections", accepted.len());
+    assert!(
+        extra <= unrecorded,
+        "{ctx}: {extra} commits without an accepted section, at most {unrecorded} possible \
+         ({killed_workers} workers killed, {unknown} answers lost)"
+    );
+    assert!(accepted >= 40, "{ctx}: only {accepted} accepted sections");
     eprintln!(
-        "{} accepted sections on {} keys, no overlap",
-        accepted.len(),
-        by_key.len()
+        "{ctx}: {accepted} accepted sections on {} keys, no overlap, no lost update; \
+         {spawned} workers ({killed_workers} killed), {}, {unknown} commit answers lost, \
+         {extra} commits unrecorded",
+        by_key.len(),
+        member_faults.join(", ")
     );
 }

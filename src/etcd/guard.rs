@@ -7,7 +7,7 @@ use std::time::Instant;
 use super::error::ClusterLockError;
 use super::recipe::{self, Grant, GrantLease};
 use super::table::{ClusterLockTable, Inner};
-use crate::{FencingToken, OwnedGuard};
+use crate::{FencingToken, Mode, OwnedGuard};
 
 /// The fence of a grant at the store: its waiter key and create revision.
 /// An etcd transaction that includes [`compare`](Self::compare) applies
@@ -181,6 +181,15 @@ macro_rules! cluster_guard_methods {
         /// The key this guard holds.
         pub fn key(&self) -> &K {
             &self.held.key
+        }
+
+        /// The mode of this grant: [`Mode::Exclusive`] (a writer, alone)
+        /// or [`Mode::Shared`] (a reader, with the key's other readers).
+        pub fn mode(&self) -> Mode {
+            self.held
+                .local
+                .as_ref()
+                .map_or(Mode::Exclusive, OwnedGuard::mode)
         }
 
         /// The fencing token of this grant: its waiter key's create

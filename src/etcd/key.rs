@@ -4,8 +4,9 @@
 //! A key's bytes map to a path segment by a reversible rule (so distinct
 //! keys never share a prefix): `a`-`z`, `A`-`Z`, `0`-`9`, `-`, `_` and `.`
 //! stand for themselves, every other byte (`/` included) becomes `%` and two
-//! upper case hex digits. The waiter key of a lease is
-//! `<table prefix>/<encoded key>/<lease id, 16 hex digits>`.
+//! upper case hex digits. The waiter key of a lease (an exclusive grant's)
+//! is `<table prefix>/<encoded key>/<lease id, 16 hex digits>`; a shared
+//! grant's is `<table prefix>/<encoded key>/r-<lease id>-<n>`.
 
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
@@ -33,9 +34,25 @@ pub(crate) fn key_prefix(table_prefix: &str, stem: &str) -> String {
     format!("{table_prefix}/{stem}/")
 }
 
-/// The waiter key of a lease under a key's prefix.
+/// The waiter key of a lease under a key's prefix: an exclusive grant's
+/// (a writer's), one per lease and key (the in-process tier lets one
+/// writer of a table at a time into etcd).
 pub(crate) fn waiter_key(prefix: &str, lease_id: i64) -> String {
     format!("{prefix}{lease_id:016x}")
+}
+
+/// The waiter key of a shared grant (a reader's): `r-<lease id>-<n>`, one
+/// per grant, since a table may have several readers of a key in etcd at
+/// once. Writers' names are 16 lower-case hex digits and readers' start
+/// with `r`, after every hex digit, so a key's writers are the range
+/// `[prefix, writers_end(prefix))`.
+pub(crate) fn reader_key(prefix: &str, lease_id: i64, n: u64) -> String {
+    format!("{prefix}r-{lease_id:016x}-{n:x}")
+}
+
+/// The end (excluded) of the range of a key's writers' waiter keys.
+pub(crate) fn writers_end(prefix: &str) -> String {
+    format!("{prefix}g")
 }
 
 fn unix_ms() -> u64 {

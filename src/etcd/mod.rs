@@ -39,12 +39,23 @@
 //! are gone. Not etcd's own lock API, and no polling. See
 //! `recipe.rs` and docs/ARCHITECTURE.md ("Cluster scope").
 //!
+//! # Shared and exclusive
+//!
+//! [`LockOptions::shared`](crate::LockOptions::shared) takes a key as a
+//! reader: readers hold it together, a writer (a plain `lock`) alone, FIFO
+//! across modes, so a writer waiting behind readers blocks the readers that
+//! come after it. A reader's waiter key is `<prefix>/<encoded key>/r-<lease
+//! id>-<n>` (one per grant: a table may have several readers of a key at
+//! once); a reader waits only for the writers' keys older than its own, a
+//! writer for every older key. A reader's fence says that it still reads.
+//!
 //! # Two tiers
 //!
 //! Callers of one table queue on an in-process
-//! [`LockTable`](crate::LockTable) first, so at most one of them has a
-//! waiter key in etcd per key: a hot key costs etcd one waiter per process,
-//! and handoffs inside the process cost one delete.
+//! [`LockTable`](crate::LockTable) first (in their mode), so at most one
+//! writer of them has a waiter key in etcd per key: a hot key costs etcd
+//! one writer per process. Readers of one table share the in-process grant
+//! and each enqueue in etcd.
 //!
 //! # Fencing
 //!

@@ -36,6 +36,15 @@
 //!    of its own, such a put (waited for) moves the key onto that lease (a
 //!    put keeps a key's create revision, so the token stands).
 //!
+//! # Readers
+//!
+//! A shared grant's waiter key is `<prefix>/<key>/r-<lease id>-<n>`, one
+//! per grant; writers' names (16 hex digits) sort before every reader's, so
+//! `[<prefix>/<key>/, <prefix>/<key>/g)` is the key's writers. A reader's
+//! enqueue reads that range (empty: the key is ours), and a waiting reader
+//! waits only for the writers older than it; a writer waits for every older
+//! key. So a writer waiting behind readers blocks the readers after it.
+//!
 //! # Releasing
 //!
 //! `txn(if create_revision(me) == token then delete(me))`, retried until
@@ -58,7 +67,7 @@ use super::key;
 use super::retry::retry;
 use super::session::Session;
 use super::table::Inner;
-use crate::FencingToken;
+use crate::{FencingToken, Mode};
 
 /// The lease that carries a grant's waiter key.
 #[derive(Debug)]
@@ -176,6 +185,7 @@ pub(crate) async fn acquire(
     inner: &Inner,
     session: &Arc<Session>,
     stem: &str,
+    mode: Mode,
     own_lease: Option<Duration>,
     deadline: Option<Instant>,
     wait: bool,
@@ -186,7 +196,13 @@ pub(crate) async fn acquire(
         return Err(session.state.lost_error());
     }
     let prefix = key::key_prefix(&inner.prefix, stem);
-    let me = key::waiter_key(&prefix, session.state.lease_id);
+    let shared = mode == Mode::Shared;
+    let me = if shared {
+        let n = inner.readers.fetch_add(1, Ordering::Relaxed);
+        key::reader_key(&prefix, session.state.lease_id, n)
+    } else {
+        key::waiter_key(&prefix, session.state.lease_id)
+    };
     let lease_id = session.state.lease_id;
     // `since` now: right if the key is ours at once (the uncontended case,
     // which then needs no second write); a waiter restamps when it gets it.
@@ -211,17 +227,24 @@ pub(crate) async fn acquire(
                     stamp.clone(),
                     Some(PutOptions::new().with_lease(lease_id)),
                 ),
-                // The head of the queue, as of this put: if it is ours, the
-                // key is ours with this one round trip.
+                // A writer: the head of the queue, as of this put; if it is
+                // ours, the key is ours with this one round trip. A reader:
+                // any writer (all are older than this put); if there is
+                // none, the key is ours.
                 TxnOp::get(
                     prefix.clone(),
-                    Some(
+                    Some(if shared {
+                        GetOptions::new()
+                            .with_range(key::writers_end(&prefix))
+                            .with_limit(1)
+                            .with_keys_only()
+                    } else {
                         GetOptions::new()
                             .with_prefix()
                             .with_sort(SortTarget::Create, SortOrder::Ascend)
                             .with_limit(1)
-                            .with_keys_only(),
-                    ),
+                            .with_keys_only()
+                    }),
                 ),
             ])
             .or_else([TxnOp::get(me.clone(), None)]);
@@ -231,6 +254,7 @@ pub(crate) async fn acquire(
     let mut at_once = false;
     let revision = if enqueued.succeeded() {
         at_once = enqueued.op_responses().into_iter().any(|r| match r {
+            TxnOpResponse::Get(g) if shared => g.kvs().is_empty(),
             TxnOpResponse::Get(g) => g.kvs().first().is_some_and(|kv| kv.key() == me.as_bytes()),
             _ => false,
         });
@@ -264,7 +288,10 @@ pub(crate) async fn acquire(
             let ahead = retry("read the waiters ahead", &inner.counts, call_bound, || {
                 let mut c = inner.client.clone();
                 let prefix = prefix.clone();
-                async move { c.get(prefix, Some(ahead_of(revision))).await }
+                async move {
+                    c.get(prefix.clone(), Some(ahead_of(&prefix, revision, shared)))
+                        .await
+                }
             })
             .await?;
             if ahead.kvs().is_empty() {
@@ -275,7 +302,7 @@ pub(crate) async fn acquire(
                 holder: holder.map(Box::new),
             });
         }
-        match wait_turn(inner, session, &prefix, revision, deadline).await {
+        match wait_turn(inner, session, &prefix, revision, shared, deadline).await {
             Wake::Granted => break,
             Wake::Again => {}
             Wake::Deadline => {
@@ -378,12 +405,15 @@ pub(crate) async fn acquire(
     })
 }
 
-/// The read of the waiter keys older than ours (keys only).
-fn ahead_of(revision: i64) -> GetOptions {
-    GetOptions::new()
-        .with_prefix()
-        .with_max_create_revision(revision - 1)
-        .with_keys_only()
+/// The read of the waiter keys older than ours that we wait for (keys
+/// only): all of them for a writer, the writers' for a reader.
+fn ahead_of(prefix: &str, revision: i64, shared: bool) -> GetOptions {
+    let opts = if shared {
+        GetOptions::new().with_range(key::writers_end(prefix))
+    } else {
+        GetOptions::new().with_prefix()
+    };
+    opts.with_max_create_revision(revision - 1).with_keys_only()
 }
 
 /// Waits until every waiter key older than ours is deleted: opens a watch
@@ -398,6 +428,7 @@ async fn wait_turn(
     session: &Session,
     prefix: &str,
     revision: i64,
+    shared: bool,
     deadline: Option<Instant>,
 ) -> Wake {
     let turn = async {
@@ -411,7 +442,9 @@ async fn wait_turn(
             Some(resp) if resp.created() && !resp.canceled() => {}
             _ => return Ok(Wake::Again),
         }
-        let read = c.get(prefix, Some(ahead_of(revision))).await?;
+        let read = c
+            .get(prefix, Some(ahead_of(prefix, revision, shared)))
+            .await?;
         let mut ahead: HashSet<Vec<u8>> = read.kvs().iter().map(|kv| kv.key().to_vec()).collect();
         while !ahead.is_empty() {
             let Some(resp) = stream.message().await? else {

@@ -4,7 +4,7 @@
 use std::future::Future;
 use std::marker::PhantomData;
 use std::pin::Pin;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
@@ -103,6 +103,8 @@ pub(crate) struct Inner {
     pub(crate) local: Arc<LockTable<String>>,
     /// Waiter keys of this table in etcd now (waiting or holding).
     pub(crate) etcd_waiters: AtomicUsize,
+    /// Numbers shared grants' waiter keys (one per grant).
+    pub(crate) readers: AtomicU64,
     pub(crate) counts: RetryCounts,
 }
 
@@ -271,6 +273,7 @@ impl<K> ClusterLockTable<K> {
                 session: tokio::sync::Mutex::new(Arc::new(session)),
                 local: Arc::new(LockTable::new()),
                 etcd_waiters: AtomicUsize::new(0),
+                readers: AtomicU64::new(0),
                 counts,
             }),
             _key: PhantomData,
@@ -377,12 +380,6 @@ fn deadline_of(opts: &LockOptions, now: Instant) -> Option<Instant> {
 }
 
 fn check_options(opts: &LockOptions) -> Result<Option<Duration>, ClusterLockError> {
-    if opts.lock_mode() != Mode::Exclusive {
-        return Err(ClusterLockError::InvalidOptions {
-            option: "mode",
-            reason: "the cluster scope takes keys exclusively only".into(),
-        });
-    }
     match opts.lease_duration() {
         Some(lease) if lease.is_zero() || lease > DEFAULT_MAX_LEASE => {
             Err(ClusterLockError::InvalidOptions {
@@ -404,6 +401,7 @@ async fn acquire<K: AsRef<[u8]>>(
 ) -> Result<Held<K>, ClusterLockError> {
     let started = Instant::now();
     let own_lease = check_options(&opts)?;
+    let mode = opts.lock_mode();
     let stem = key::encode(key.as_ref());
     let deadline = if wait {
         deadline_of(&opts, started)
@@ -411,7 +409,7 @@ async fn acquire<K: AsRef<[u8]>>(
         None
     };
     let local = if wait {
-        let mut local_opts = LockOptions::new();
+        let mut local_opts = LockOptions::new().mode(mode);
         if let Some(d) = deadline {
             local_opts = local_opts.deadline(d);
         }
@@ -436,13 +434,13 @@ async fn acquire<K: AsRef<[u8]>>(
         }
     } else {
         Arc::clone(&inner.local)
-            .try_lock_owned(stem.clone())
+            .try_lock_owned_with(stem.clone(), LockOptions::new().mode(mode))
             .map_err(|_| ClusterLockError::WouldBlock { holder: None })?
     };
     let (tx, rx) = tokio::sync::oneshot::channel();
     let task_inner = Arc::clone(&inner);
     drop(inner.handle.spawn(remote(
-        task_inner, stem, own_lease, deadline, wait, started, local, tx,
+        task_inner, stem, mode, own_lease, deadline, wait, started, local, tx,
     )));
     match rx.await {
         Ok(Ok((grant, local))) => Ok(Held::new(inner, key, grant, local)),
@@ -463,6 +461,7 @@ type Outcome = Result<(Grant, OwnedGuard<String>), ClusterLockError>;
 async fn remote(
     inner: Arc<Inner>,
     stem: String,
+    mode: Mode,
     own_lease: Option<Duration>,
     deadline: Option<Instant>,
     wait: bool,
@@ -505,7 +504,7 @@ async fn remote(
     let outcome = tokio::select! {
         biased;
         () = tx.closed() => None,
-        r = recipe::acquire(&inner, &session, &stem, own_lease, deadline, wait, started, &undo) => Some(r),
+        r = recipe::acquire(&inner, &session, &stem, mode, own_lease, deadline, wait, started, &undo) => Some(r),
     };
     match outcome {
         Some(Ok(grant)) => {
@@ -622,15 +621,17 @@ impl<K: AsRef<[u8]> + Send> ClusterLockTable<K> {
     /// (whole seconds, rounded up), not kept alive: at its end etcd deletes
     /// the waiter key and the next waiter takes the key, unless
     /// [`renew`](ClusterGuard::renew)ed. The timeout and deadline bound the
-    /// whole wait, in the process and in etcd. Shared mode is not
-    /// supported.
+    /// whole wait, in the process and in etcd. Shared mode
+    /// ([`LockOptions::shared`]) takes the key as a reader: readers hold it
+    /// together, a writer alone, FIFO across modes (a waiting writer
+    /// blocks the readers behind it).
     ///
     /// # Errors
     ///
     /// As [`lock`](Self::lock); [`ClusterLockError::Timeout`] naming the
     /// holder (its lease id, token and how long it has held the key) when
     /// the wait runs out; [`ClusterLockError::InvalidOptions`] for a lease
-    /// of zero or over an hour, or shared mode.
+    /// of zero or over an hour.
     ///
     /// # Cancel safety
     ///

@@ -53,6 +53,18 @@ pub fn member(cmd: &str, dir: &std::path::Path, n: u32) {
     assert!(status.success(), "cluster.sh {cmd} {n} failed");
 }
 
+/// Runs `cluster.sh CMD DIR N`, answering whether it succeeded (for drop
+/// handlers, which must not panic).
+pub fn try_member(cmd: &str, dir: &std::path::Path, n: u32) -> bool {
+    Command::new("bash")
+        .arg(script())
+        .arg(cmd)
+        .arg(dir)
+        .arg(n.to_string())
+        .status()
+        .is_ok_and(|s| s.success())
+}
+
 /// A prefix of etcd keys of its own for one test run.
 pub fn prefix(test: &str) -> String {
     let nanos = std::time::SystemTime::now()
