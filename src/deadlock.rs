@@ -3,10 +3,15 @@
 //! the table's record of the cycles it broke.
 //!
 //! A transaction that must wait registers its wait here (after its waiter
-//! is queued) and searches, under the registry's one mutex, for a path of
+//! is queued) and searches, under the registry's one lock, for a path of
 //! waits from the keys it waits on back to itself: the edges at each key are
 //! read from the table, one shard at a time ([`ShardState::wait_edges`]:
-//! holders and waiters ahead whose modes exclude the wait). Registration and
+//! holders and waiters ahead whose modes exclude the wait). The walk goes
+//! through registered waits and through waiters queued ahead on the key it
+//! comes from (their wait is there). A transaction that holds nothing and
+//! can get nothing while it waits does not register: only a transaction
+//! queued behind it on its key can wait for it, and that one registers
+//! later and follows it through the queue. Registration and
 //! search happen together under that mutex, so of the transactions whose
 //! waits close a cycle, only the last to register finds it: it is the
 //! *victim*, answered with [`Deadlock`] at once; the others keep waiting and
@@ -40,8 +45,8 @@ use std::sync::Arc;
 
 use smallvec::SmallVec;
 
-use crate::loom::Mutex;
 use crate::mode::Mode;
+use crate::shard_lock::ShardMutex;
 use crate::table::LockTable;
 
 /// The identity of a transaction ([`Transaction::id`](crate::Transaction::id)):
@@ -183,8 +188,35 @@ impl<K: fmt::Debug> fmt::Display for Deadlock<K> {
     }
 }
 
-/// Transaction ids, few at a time.
-pub(crate) type Edges = SmallVec<[u64; 4]>;
+/// One edge of the wait-for graph out of a wait: the transaction it waits
+/// for, and, if that transaction waits ahead of it on the same key, the
+/// mode of that waiter (its wait is on this key: the search follows it
+/// whether or not it is registered).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Edge {
+    pub(crate) to: u64,
+    pub(crate) ahead: Option<Mode>,
+}
+
+/// Edges, few at a time.
+pub(crate) type Edges = SmallVec<[Edge; 4]>;
+
+/// A wait the search walks through: a registered one, or one reached as a
+/// waiter ahead on the key of the wait before it.
+struct Node<'r, K> {
+    owner: u64,
+    hash: u64,
+    key: &'r Arc<K>,
+    mode: Mode,
+}
+
+impl<K> Clone for Node<'_, K> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+
+impl<K> Copy for Node<'_, K> {}
 
 /// How deep a search goes before its path and visited set allocate.
 const INLINE_DEPTH: usize = 16;
@@ -194,7 +226,7 @@ type Record<K> = Vec<(u64, Arc<K>, Mode)>;
 
 /// The registry and its bounds; one per table.
 pub(crate) struct Detector<K> {
-    registry: Mutex<Registry<K>>,
+    registry: ShardMutex<Registry<K>>,
     /// Most transactions one search visits (0: detection off).
     limit: usize,
     /// How many broken cycles are kept for [`LockTable::recent_deadlocks`].
@@ -219,6 +251,7 @@ struct Registry<K> {
 /// let mut a = table.transaction();
 /// a.lock(1, Mode::Exclusive).await?;
 /// let mut b = table.transaction();
+/// b.lock(2, Mode::Exclusive).await?;
 /// let mut waits = Box::pin(b.lock(1, Mode::Exclusive));
 /// assert!(futures::poll!(waits.as_mut()).is_pending());
 /// let stats = table.deadlock_stats();
@@ -230,7 +263,9 @@ struct Registry<K> {
 #[non_exhaustive]
 pub struct DeadlockStats {
     /// Transactions' waits registered (each wait of a transaction's call,
-    /// once, when it starts to wait).
+    /// once, when it starts to wait; not the waits of transactions that
+    /// hold nothing, which need no registration: see
+    /// [`LockTable::deadlock_stats`]).
     pub waits: u64,
     /// Waits that searched the wait-for graph (another transaction was
     /// waiting too, and one the wait waits for was among them).
@@ -266,7 +301,7 @@ impl<K> fmt::Debug for Detector<K> {
 impl<K> Detector<K> {
     pub(crate) fn new(limit: usize, keep: usize) -> Self {
         Self {
-            registry: Mutex::new(Registry {
+            registry: ShardMutex::new(Registry {
                 waiting: HashMap::default(),
                 recent: VecDeque::new(),
                 counts: DeadlockStats::default(),
@@ -297,20 +332,12 @@ impl<K: Eq + Hash, S: BuildHasher> LockTable<K, S> {
     /// `Ok(false)` if another call of `owner` (an owned transaction's) has
     /// a wait registered already, which this one leaves in place.
     ///
-    /// `holds_nothing`: the transaction holds no grant, and nothing can
-    /// give it one before this returns (the borrowed form's only call, with
-    /// nothing taken yet). Then nothing waits for it but, perhaps, a
-    /// transaction queued behind its waiter, which is looked for first: if
-    /// there is none, no cycle goes through this wait and no search is
-    /// made. A transaction that queues behind it later registers after it,
-    /// and its own search goes through this wait.
     pub(crate) fn enter_wait(
         &self,
         owner: u64,
         hash: u64,
         key: Arc<K>,
         mode: Mode,
-        holds_nothing: bool,
     ) -> Result<bool, Deadlock<K>>
     where
         K: Clone,
@@ -333,49 +360,36 @@ impl<K: Eq + Hash, S: BuildHasher> LockTable<K, S> {
                 },
             );
             registry.counts.waits += 1;
-            // A cycle needs another waiting transaction, and one that waits
-            // for this one.
-            let alone = registry.waiting.len() == 1
-                || (holds_nothing
-                    && !self.waited_on_from_behind(hash, &registry.waiting[&owner].key, owner));
-            let found = (!alone)
-                .then(|| {
-                    let (found, visited) = self.find_cycle(&registry, owner, detector.limit);
-                    if let Some(visited) = visited {
-                        let counts = &mut registry.counts;
-                        counts.searches += 1;
-                        counts.visited += visited;
-                        counts.deepest = counts.deepest.max(visited);
-                    }
-                    found
-                })
-                .flatten()
-                .filter(|cycle| self.confirm(&registry, cycle));
-            if found.is_some() {
-                registry.counts.cycles += 1;
+            // A cycle needs another registered wait: a transaction that
+            // holds something (see `wait_unless_ended` for those that hold
+            // nothing).
+            let alone = registry.waiting.len() == 1;
+            let (found, visited) = if alone {
+                (None, None)
+            } else {
+                self.search(&registry, owner, detector.limit)
+            };
+            if let Some(visited) = visited {
+                let counts = &mut registry.counts;
+                counts.searches += 1;
+                counts.visited += visited;
+                counts.deepest = counts.deepest.max(visited);
             }
             let mut dropped = None;
-            let found = found.map(|cycle| {
+            if let Some(record) = &found {
+                registry.counts.cycles += 1;
                 registry
                     .waiting
                     .get_mut(&owner)
                     .expect("registered above")
                     .victim = true;
-                let record: Record<K> = cycle
-                    .iter()
-                    .map(|o| {
-                        let w = &registry.waiting[o];
-                        (*o, Arc::clone(&w.key), w.mode)
-                    })
-                    .collect();
                 if detector.keep > 0 {
                     if registry.recent.len() == detector.keep {
                         dropped = registry.recent.pop_front();
                     }
                     registry.recent.push_back(record.clone());
                 }
-                record
-            });
+            }
             (found, (old, dropped))
         };
         drop(dropped);
@@ -409,79 +423,137 @@ impl<K: Eq + Hash, S: BuildHasher> LockTable<K, S> {
     }
 
     /// What the detector has done so far (see [`DeadlockStats`]).
+    ///
+    /// A wait of a transaction that holds nothing (a borrowed transaction's
+    /// call with nothing taken yet) is neither registered nor searched
+    /// from: nothing but a transaction queued behind it on its key can wait
+    /// for it, and such a transaction's search follows it through the
+    /// queue. So a hot key that transactions lock one at a time costs the
+    /// detector nothing.
     pub fn deadlock_stats(&self) -> DeadlockStats {
         self.detector().registry.lock().counts
     }
 
-    /// A cycle of registered waits through `owner`, as the transactions in
-    /// order (each blocked by the next, the last by `owner`), if the search
-    /// finds one within `limit` transactions visited; and how many were
-    /// visited, if a search was made.
-    fn find_cycle(
+    /// A cycle through `owner`'s registered wait, found and confirmed, as
+    /// recorded; and how many transactions the search visited, if one was
+    /// made.
+    fn search(
         &self,
         registry: &Registry<K>,
         owner: u64,
         limit: usize,
-    ) -> (Option<Vec<u64>>, Option<u64>) {
-        let Some(first) = self.edges_of(registry, owner) else {
+    ) -> (Option<Record<K>>, Option<u64>) {
+        let (cycle, visited) = self.find_cycle(registry, owner, limit);
+        let record = cycle.filter(|c| self.confirm(c)).map(|c| {
+            c.iter()
+                .map(|n| (n.owner, Arc::clone(n.key), n.mode))
+                .collect()
+        });
+        (record, visited)
+    }
+
+    /// A cycle of waits through `owner`'s, as its waits in order (each
+    /// blocked by the next, the last by `owner`), if the search finds one
+    /// within `limit` transactions visited; and how many were visited, if a
+    /// search was made. The walk follows registered waits, and waiters
+    /// ahead on the key of the wait it comes from (whose wait is there,
+    /// registered or not: a transaction that holds nothing does not
+    /// register, and only those queued behind it can wait for it).
+    fn find_cycle<'r>(
+        &self,
+        registry: &'r Registry<K>,
+        owner: u64,
+        limit: usize,
+    ) -> (Option<Vec<Node<'r, K>>>, Option<u64>) {
+        let Some(start) = registered(registry, owner) else {
+            return (None, None);
+        };
+        let Some(first) = self.edges_of(&start) else {
             return (None, None);
         };
         // The common case: nothing the wait waits for is waiting itself.
-        if !first.iter().any(|o| registry.waiting.contains_key(o)) {
+        if !first
+            .iter()
+            .any(|e| e.ahead.is_some() || registry.waiting.contains_key(&e.to))
+        {
             return (None, None);
         }
         // Room in place for a search of `INLINE_DEPTH` transactions (the
         // issue's depth 8, twice over): no allocation until past it.
-        let mut path: SmallVec<[u64; INLINE_DEPTH]> = smallvec::smallvec![owner];
+        let mut path: SmallVec<[Node<'r, K>; INLINE_DEPTH]> = smallvec::smallvec![start];
         let mut visited: SmallVec<[u64; INLINE_DEPTH]> = smallvec::smallvec![owner];
-        // One frame per transaction on the path: the transactions its wait
-        // waits for, and how many of them were tried.
+        // One frame per wait on the path: the edges out of it, and how many
+        // of them were tried.
         let mut frames: SmallVec<[(Edges, usize); INLINE_DEPTH]> = smallvec::smallvec![(first, 0)];
         while let Some((edges, next)) = frames.last_mut() {
-            let Some(&to) = edges.get(*next) else {
+            let Some(&edge) = edges.get(*next) else {
                 frames.pop();
                 path.pop();
                 continue;
             };
             *next += 1;
-            if to == owner {
+            if edge.to == owner {
                 return (Some(path.to_vec()), Some(visited.len() as u64 - 1));
             }
-            if visited.contains(&to) || visited.len() >= limit {
+            if visited.contains(&edge.to) || visited.len() >= limit {
                 continue;
             }
-            visited.push(to);
-            if let Some(edges) = self.edges_of(registry, to) {
-                path.push(to);
+            visited.push(edge.to);
+            let from = *path.last().expect("a frame per node");
+            let node = match registry.waiting.get(&edge.to) {
+                Some(_) => registered(registry, edge.to),
+                None => edge.ahead.map(|mode| Node {
+                    owner: edge.to,
+                    mode,
+                    ..from
+                }),
+            };
+            if let Some(edges) = node.as_ref().and_then(|n| self.edges_of(n)) {
+                path.push(node.expect("edges of a node"));
                 frames.push((edges, 0));
             }
         }
         (None, Some(visited.len() as u64 - 1))
     }
 
-    /// The transactions the registered wait of `owner` waits for now (none
-    /// if it does not wait, or is a victim already).
-    fn edges_of(&self, registry: &Registry<K>, owner: u64) -> Option<Edges> {
-        let wait = registry.waiting.get(&owner).filter(|w| !w.victim)?;
+    /// The transactions the wait `node` waits for now (none if its waiter
+    /// is not queued there).
+    fn edges_of(&self, node: &Node<'_, K>) -> Option<Edges> {
         let mut out = Edges::new();
-        self.wait_edges(wait.hash, &wait.key, owner, &mut out)
+        self.wait_edges(node.hash, node.key, node.owner, &mut out)
             .then_some(out)
     }
 
-    /// Whether every wait of `cycle` is blocked by the next transaction's
-    /// (the last by the first's) with the shards of all its keys locked at
-    /// once: the cycle is real at that instant.
-    fn confirm(&self, registry: &Registry<K>, cycle: &[u64]) -> bool {
+    /// Whether every wait of `cycle` is blocked by the next one's
+    /// transaction (the last by the first's) with the shards of all its
+    /// keys locked at once: the cycle is real at that instant.
+    fn confirm(&self, cycle: &[Node<'_, K>]) -> bool {
         let edges: Vec<(u64, &K, u64, u64)> = cycle
             .iter()
             .enumerate()
-            .map(|(i, o)| {
-                let w = &registry.waiting[o];
-                (w.hash, &*w.key, *o, cycle[(i + 1) % cycle.len()])
+            .map(|(i, n)| {
+                (
+                    n.hash,
+                    &**n.key,
+                    n.owner,
+                    cycle[(i + 1) % cycle.len()].owner,
+                )
             })
             .collect();
         self.edges_hold(&edges)
     }
+}
+
+/// `owner`'s registered wait as a node, unless it has none or is a
+/// victim's (its wait is about to end: no search goes through it).
+fn registered<K>(registry: &Registry<K>, owner: u64) -> Option<Node<'_, K>> {
+    let w = registry.waiting.get(&owner).filter(|w| !w.victim)?;
+    Some(Node {
+        owner,
+        hash: w.hash,
+        key: &w.key,
+        mode: w.mode,
+    })
 }
 
 /// The answer for a recorded cycle (keys cloned: no lock is held).

@@ -325,19 +325,6 @@ impl<K, S> LockTable<K, S> {
         state.wait_edges(hash, key, owner, out, &mut now)
     }
 
-    /// Whether a transaction's waiter other than `owner`'s is queued behind
-    /// `owner`'s waiter on `key` (an edge into `owner`'s wait). See
-    /// `queue/edges.rs`.
-    pub(crate) fn waited_on_from_behind(&self, hash: u64, key: &K, owner: u64) -> bool
-    where
-        K: Eq,
-    {
-        self.shard(hash)
-            .state
-            .lock()
-            .waited_on_from_behind(hash, key, owner)
-    }
-
     /// Whether every edge `(hash, key, owner, next)` holds (`owner`'s
     /// waiter on `key` waits for `next`) with the shards of all the keys
     /// locked at once. The shards are locked in index order; nothing else
@@ -360,7 +347,8 @@ impl<K, S> LockTable<K, S> {
                 .binary_search(&self.shard_index(hash))
                 .expect("locked above");
             out.clear();
-            locked[at].wait_edges(hash, key, owner, &mut out, &mut now) && out.contains(&next)
+            locked[at].wait_edges(hash, key, owner, &mut out, &mut now)
+                && out.iter().any(|e| e.to == next)
         })
     }
 

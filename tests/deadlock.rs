@@ -208,12 +208,14 @@ fn an_upgrade_waiting_for_a_reader_that_waits_for_it_is_a_cycle() {
     });
 }
 
-/// A wait of a transaction that holds nothing (and has no transaction
-/// queued behind it) closes no cycle, so it is not searched from, however
-/// long the chain of waits ahead of it; the same wait of a transaction
-/// that holds a key is. Counted by `deadlock_stats`.
+/// A wait of a transaction that holds nothing closes no cycle (only a
+/// transaction queued behind it could wait for it, and that one's search
+/// follows it through the queue), so it is not registered, however long
+/// the chain of waits ahead of it; the same wait of a transaction that
+/// holds a key is registered and searched from. Counted by
+/// `deadlock_stats`.
 #[test]
-fn a_transaction_that_holds_nothing_is_not_searched_from() {
+fn a_transaction_that_holds_nothing_is_not_registered() {
     block(async {
         let table = LockTable::<u32>::new();
         // A chain: t[i] holds key i and waits for key i + 1; t[3] holds 3.
@@ -230,33 +232,76 @@ fn a_transaction_that_holds_nothing_is_not_searched_from() {
         let before = table.deadlock_stats();
         assert_eq!(before.waits, 3);
 
-        // Holds nothing: registered, not searched from.
+        // Holds nothing: not registered, not searched from.
         let mut empty = table.transaction();
         let mut waits = Box::pin(empty.lock(0, Mode::Exclusive));
         assert!(poll!(waits.as_mut()).is_pending());
-        let after = table.deadlock_stats();
-        assert_eq!((after.waits, after.searches), (4, before.searches));
+        assert_eq!(table.deadlock_stats(), before);
         drop(waits);
 
-        // The same with `lock_all` (nothing taken before the wait).
+        // The same with `lock_all` (both keys held: it waits for the first
+        // in its order having taken nothing).
         let mut empty = table.transaction();
-        let mut waits = Box::pin(empty.lock_all([(0, Mode::Exclusive), (9, Mode::Exclusive)]));
+        let mut waits = Box::pin(empty.lock_all([(0, Mode::Exclusive), (1, Mode::Exclusive)]));
         assert!(poll!(waits.as_mut()).is_pending());
-        let after = table.deadlock_stats();
-        assert_eq!((after.waits, after.searches), (5, before.searches));
+        assert_eq!(table.deadlock_stats(), before);
         drop(waits);
 
-        // Holds a key: searched from, through the whole chain.
+        // Holds a key: registered and searched from, through the chain.
         let mut holder = table.transaction();
         holder.lock(8, Mode::Exclusive).await.unwrap();
         let mut waits = Box::pin(holder.lock(0, Mode::Exclusive));
         assert!(poll!(waits.as_mut()).is_pending());
         let after = table.deadlock_stats();
-        assert_eq!((after.waits, after.searches), (6, before.searches + 1));
+        assert_eq!((after.waits, after.searches), (4, before.searches + 1));
         assert_eq!(after.deepest, 4, "t0, t1, t2 and t3 visited");
         assert_eq!(after.cycles, 0);
         drop(waits);
         drop(chain);
+    });
+}
+
+/// A cycle through a transaction that holds nothing (so is not
+/// registered): `w` waits for `a` exclusive behind `h`'s shared grant; `y`,
+/// queued behind `w` for `a` shared, holds `b`, which `h` waits for. `y`
+/// closes `y -> w -> h -> y`; its search follows `w` through `a`'s queue.
+#[test]
+fn a_cycle_through_a_transaction_that_holds_nothing_is_found_through_the_queue() {
+    block(async {
+        let table = LockTable::<&str>::new();
+        let (mut h, mut w, mut y) = (
+            table.transaction(),
+            table.transaction(),
+            table.transaction(),
+        );
+        let (w_id, h_id) = (w.id(), h.id());
+        h.lock("a", Mode::Shared).await.unwrap();
+        y.lock("b", Mode::Exclusive).await.unwrap();
+        let mut h_waits = Box::pin(h.lock("b", Mode::Exclusive));
+        assert!(poll!(h_waits.as_mut()).is_pending());
+        let mut w_waits = Box::pin(w.lock("a", Mode::Exclusive));
+        assert!(poll!(w_waits.as_mut()).is_pending());
+        let Err(TransactionError::Deadlock(d)) = y.lock("a", Mode::Shared).await else {
+            panic!("y closes the cycle");
+        };
+        let cycle: Vec<_> = d
+            .cycle()
+            .iter()
+            .map(|c| (c.transaction, c.key, c.mode))
+            .collect();
+        assert_eq!(
+            cycle,
+            [
+                (y.id(), "a", Mode::Shared),
+                (w_id, "a", Mode::Exclusive),
+                (h_id, "b", Mode::Exclusive)
+            ],
+            "{d}"
+        );
+        drop(y); // the victim aborts: h gets b, commits; w gets a
+        assert!(h_waits.await.is_ok());
+        drop(h);
+        assert!(w_waits.await.is_ok());
     });
 }
 

@@ -11,8 +11,8 @@
 //! deadlock detection racing a release that breaks the cycle (no false
 //! answer), the cancel of a waiter of the cycle as it closes (answered
 //! once, or not at all, never a hang), and a transaction that holds
-//! nothing (spared its search unless waited on) whose wait is closed into
-//! a cycle by one queueing behind it (answered once, never missed).
+//! nothing (not registered) whose wait is closed into a cycle by one
+//! queueing behind it (answered once, never missed).
 //!
 //! Run with (what `.ci/run` does, then again without `LOOM_MAX_PREEMPTIONS`;
 //! each model takes well under a second either way):
@@ -802,15 +802,13 @@ mod models {
 
     /// (f) A transaction that holds nothing, its wait closed into a cycle
     /// from behind: `h` holds `a` shared and waits for `b`, which `y` holds.
-    /// The main thread's borrowed transaction `w` (holding nothing) asks
-    /// `a` exclusive (it waits for `h`); thread B's `y` asks `a` shared. If
-    /// `y` queues behind `w` (a waiting writer blocks later readers), the
-    /// waits close `w -> h -> y -> w`, and whichever of `w` and `y`
-    /// registers last must find it: `w`, which holds nothing, is spared its
-    /// search only if no transaction is queued behind it, so when `y`
-    /// queued first and registered before `w` could be followed, `w`
-    /// searches. If `y` came first it is granted with `h` (no cycle). Never
-    /// two answers, never a cycle left unanswered.
+    /// The main thread's borrowed transaction `w` (holding nothing: it does
+    /// not register) asks `a` exclusive (it waits for `h`); thread B's `y`
+    /// asks `a` shared. If `y` queues behind `w` (a waiting writer blocks
+    /// later readers), the waits close `y -> w -> h -> y`: `y`'s search
+    /// must follow `w` through `a`'s queue, however `w`'s enqueue and poll
+    /// interleave with `y`'s. If `y` came first it is granted with `h` (no
+    /// cycle). Never a cycle left unanswered; `w` is never answered.
     #[test]
     fn a_transaction_holding_nothing_closed_into_a_cycle_from_behind() {
         model(

@@ -449,10 +449,15 @@ where
             searched = true;
             let owner = watch.access.owner();
             let table = owner.reach.table();
-            if table.detector().is_on() {
+            // A transaction that holds nothing, and can get nothing while
+            // this call waits (the borrowed form's only call), is waited
+            // for only by transactions queued behind it on this key, which
+            // come after it and whose searches follow it through the queue
+            // (`deadlock.rs`): it closes no cycle and is not registered.
+            if table.detector().is_on() && !wait.holds_nothing {
                 let key = Arc::clone(wait.key);
                 let id = owner.opts.id.get();
-                match table.enter_wait(id, wait.hash, key, wait.mode, wait.holds_nothing) {
+                match table.enter_wait(id, wait.hash, key, wait.mode) {
                     Ok(registered) => watch.detecting = registered,
                     Err(deadlock) => {
                         // Registered: the guard unregisters it as it drops.

@@ -13,14 +13,12 @@
 //! table knows of, so it is never part of a cycle. A holder whose lease has
 //! lapsed blocks nobody (the next settle admits past it). Nothing here
 //! changes the shard: the detector reads the same edges twice (to find a
-//! cycle, then to confirm it with every shard of the cycle locked at once),
-//! and, for a wait of a transaction that holds nothing, looks behind it
-//! first (if no transaction waits behind it either, nothing waits for it,
-//! and no cycle can go through it).
+//! cycle, then to confirm it with every shard of the cycle locked at once).
 
 use smallvec::SmallVec;
 
 use crate::clock::Now;
+use crate::deadlock::Edge;
 use crate::lease::HOLD_OWNER;
 use crate::mode::Mode;
 use crate::waiter::{Waiter, Want};
@@ -36,35 +34,11 @@ fn mode_of(want: Want) -> Mode {
 }
 
 impl<K> ShardState<K> {
-    /// Whether a waiter of a transaction other than `owner` is queued
-    /// behind `owner`'s waiter on the key: whatever its mode, a possible
-    /// edge into `owner`'s wait (the detector's quick test that a wait
-    /// closes no cycle; `false` if `owner` has no waiter there).
-    pub(crate) fn waited_on_from_behind(&mut self, hash: u64, key: &K, owner: u64) -> bool
-    where
-        K: Eq,
-    {
-        let Some((entry, _)) = self.locate_by(hash, key) else {
-            return false;
-        };
-        let (mut mine, mut behind) = (false, false);
-        // SAFETY: under the shard lock; the nodes visited are linked, and
-        // each is read only here, under the lock.
-        unsafe {
-            entry.queue.walk(|ptr, _, _| {
-                let who = Waiter::owner(ptr);
-                if mine {
-                    behind |= who != 0 && who != owner;
-                } else {
-                    mine = who == owner;
-                }
-            });
-        }
-        behind
-    }
-
     /// Appends to `out` the transactions that `owner`'s waiter on the key
-    /// waits for (0 never: plain guards are left out; duplicates are kept).
+    /// waits for (0 never: plain guards are left out; duplicates are kept),
+    /// each marked with the mode of its waiter if it waits ahead on this
+    /// key (then its wait is here: the detector follows it even if it is
+    /// not registered).
     /// `false` if `owner` has no waiter queued on the key.
     pub(crate) fn wait_edges(
         &mut self,
@@ -106,7 +80,10 @@ impl<K> ShardState<K> {
             ahead
                 .iter()
                 .filter(|&&(_, mode)| !mode.is_compatible_with(asked))
-                .map(|&(who, _)| who),
+                .map(|&(who, mode)| Edge {
+                    to: who,
+                    ahead: Some(mode),
+                }),
         );
         let held = entry.mode;
         for holder in entry.holders.iter() {
@@ -116,7 +93,10 @@ impl<K> ShardState<K> {
             };
             let transaction = holder.owner != 0 && holder.owner != HOLD_OWNER;
             if blocks && transaction && holder.owner != owner && holder.is_live(now) {
-                out.push(holder.owner);
+                out.push(Edge {
+                    to: holder.owner,
+                    ahead: None,
+                });
             }
         }
         true

@@ -588,9 +588,21 @@ impl<'a> Harness<'a> {
     /// (its waiter is queued now), its wait is registered with the
     /// detector, unless the transaction has a wait registered already, and
     /// searched (`wait_unless_ended`): `Err` with the cycle it closes.
-    fn owner_wait_pends(&mut self, id: u64, inner: Fid, key: usize, mode: MMode) -> Result<(), MCycle> {
+    fn owner_wait_pends(
+        &mut self,
+        id: u64,
+        inner: Fid,
+        key: usize,
+        mode: MMode,
+        holds_nothing: bool,
+    ) -> Result<(), MCycle> {
         let fut = self.model.fut(inner);
         if std::mem::replace(&mut fut.searched, true) {
+            return Ok(());
+        }
+        // access.rs: a borrowed transaction that holds nothing (nothing
+        // held, nothing taken by this call) is not registered.
+        if holds_nothing {
             return Ok(());
         }
         let entered = self.model.dl_enter(id, inner, key, mode);
@@ -748,7 +760,11 @@ impl<'a> Harness<'a> {
                     match polled {
                         MPoll::Pending => {
                             let asked = if kind == EKind::New { mode } else { MMode::Exclusive };
-                            if let Err(cycle) = self.owner_wait_pends(id, inner, key, asked) {
+                            let holds_nothing = {
+                                let m = &self.owners.list[&inst].m;
+                                !m.owned && kind == EKind::New && m.slots.iter().all(|s| s.count == 0)
+                            };
+                            if let Err(cycle) = self.owner_wait_pends(id, inner, key, asked, holds_nothing) {
                                 // The victim: its wait stops (unregistered,
                                 // its lock future dropped), its claim is
                                 // given back (a new key's slot goes, an
@@ -876,7 +892,14 @@ impl<'a> Harness<'a> {
                     match polled {
                         MPoll::Pending => {
                             let asked = if e.kind == EKind::New { e.mode } else { MMode::Exclusive };
-                            if let Err(cycle) = self.owner_wait_pends(id, inner, e.key, asked) {
+                            let holds_nothing = {
+                                let m = &self.owners.list[&inst].m;
+                                !m.owned
+                                    && e.kind == EKind::New
+                                    && m.slots.iter().all(|s| s.count == 0)
+                                    && ents[..at].iter().all(|e| e.got.is_none())
+                            };
+                            if let Err(cycle) = self.owner_wait_pends(id, inner, e.key, asked, holds_nothing) {
                                 // The victim: its wait stops (unregistered,
                                 // its lock future dropped), then the stage
                                 // undoes the call.
@@ -1464,6 +1487,13 @@ const DL_HISTORY: usize = 8;
 /// upgrade asks `Exclusive`).
 pub(super) type MCycle = Vec<(u64, usize, MMode)>;
 
+/// A wait the search walks through: transaction, key, mode.
+type MNode = (u64, usize, MMode);
+
+/// An edge: the transaction waited for, and its waiter's mode if it waits
+/// ahead on the same key.
+pub(super) type MEdge = (u64, Option<MMode>);
+
 /// A wait registered with the detector.
 #[derive(Debug, Clone)]
 pub(super) struct MWait {
@@ -1506,9 +1536,9 @@ impl Model {
     /// of the queue that is `owner`'s) waits for: the waiters ahead of it
     /// of a transaction whose mode excludes its own, then the live holders
     /// of another transaction whose mode excludes it (for an upgrade: every
-    /// other holder), in the table's orders, duplicates kept. `None` if
-    /// `owner` has no waiter queued on `k`.
-    pub(super) fn dl_wait_edges(&self, owner: u64, k: usize) -> Option<Vec<u64>> {
+    /// other holder), in the table's orders, duplicates kept; a waiter ahead
+    /// with its mode. `None` if `owner` has no waiter queued on `k`.
+    pub(super) fn dl_wait_edges(&self, owner: u64, k: usize) -> Option<Vec<MEdge>> {
         let key = &self.keys[k];
         let mut ahead = Vec::new();
         let mut mine = None;
@@ -1524,10 +1554,10 @@ impl Model {
         }
         let want = mine?;
         let asked = want_mode(want);
-        let mut out: Vec<u64> = ahead
+        let mut out: Vec<MEdge> = ahead
             .into_iter()
             .filter(|&(_, m)| !compatible(m, asked))
-            .map(|(o, _)| o)
+            .map(|(o, m)| (o, Some(m)))
             .collect();
         for h in key.holders.iter() {
             let blocks = match want {
@@ -1535,33 +1565,35 @@ impl Model {
                 MWant::Grant(m) => !compatible(key.mode, m),
             };
             if blocks && h.owner != 0 && h.owner != owner && self.live(h) {
-                out.push(h.owner);
+                out.push((h.owner, None));
             }
         }
         Some(out)
     }
 
-    /// deadlock.rs `edges_of`: the edges of `owner`'s registered wait, if
-    /// it has one that is not a victim's and its waiter is queued.
-    fn dl_edges_of(&self, owner: u64) -> Option<Vec<u64>> {
+    /// deadlock.rs `registered`: `owner`'s registered wait as a node,
+    /// unless it has none or is a victim's.
+    fn dl_registered(&self, owner: u64) -> Option<MNode> {
         let w = self.dl.waiting.get(&owner).filter(|w| !w.victim)?;
-        self.dl_wait_edges(owner, w.key)
+        Some((owner, w.key, w.mode))
     }
 
     /// deadlock.rs `find_cycle`: the same depth-first walk, in the same
     /// order (edges as `dl_wait_edges` lists them; a transaction is visited
-    /// once; at most `DL_LIMIT` visited): the path from `owner` whose last
-    /// transaction waits for `owner`.
-    fn dl_find_cycle(&self, owner: u64) -> Option<Vec<u64>> {
-        let first = self.dl_edges_of(owner)?;
-        if !first.iter().any(|o| self.dl.waiting.contains_key(o)) {
+    /// once; at most `DL_LIMIT` visited), through registered waits and
+    /// waiters ahead on the key of the wait it comes from (registered or
+    /// not): the path of waits from `owner`'s whose last waits for `owner`.
+    fn dl_find_cycle(&self, owner: u64) -> Option<Vec<MNode>> {
+        let start = self.dl_registered(owner)?;
+        let first = self.dl_wait_edges(owner, start.1)?;
+        if !first.iter().any(|&(o, ahead)| ahead.is_some() || self.dl.waiting.contains_key(&o)) {
             return None;
         }
-        let mut path = vec![owner];
+        let mut path = vec![start];
         let mut visited = vec![owner];
-        let mut frames: Vec<(Vec<u64>, usize)> = vec![(first, 0)];
+        let mut frames: Vec<(Vec<MEdge>, usize)> = vec![(first, 0)];
         while let Some((edges, next)) = frames.last_mut() {
-            let Some(&to) = edges.get(*next) else {
+            let Some(&(to, ahead)) = edges.get(*next) else {
                 frames.pop();
                 path.pop();
                 continue;
@@ -1574,9 +1606,16 @@ impl Model {
                 continue;
             }
             visited.push(to);
-            if let Some(edges) = self.dl_edges_of(to) {
-                path.push(to);
-                frames.push((edges, 0));
+            let from = *path.last().unwrap();
+            let node = match self.dl.waiting.get(&to) {
+                Some(_) => self.dl_registered(to),
+                None => ahead.map(|m| (to, from.1, m)),
+            };
+            if let Some(node) = node {
+                if let Some(edges) = self.dl_wait_edges(to, node.1) {
+                    path.push(node);
+                    frames.push((edges, 0));
+                }
             }
         }
         None
@@ -1599,22 +1638,15 @@ impl Model {
         };
         // The crate confirms the cycle with its shards locked at once; here
         // nothing changed since the walk, so it must hold.
-        for (i, o) in cycle.iter().enumerate() {
-            let next = cycle[(i + 1) % cycle.len()];
-            let w = &self.dl.waiting[o];
+        for (i, &(o, k, _)) in cycle.iter().enumerate() {
+            let next = cycle[(i + 1) % cycle.len()].0;
             assert!(
-                self.dl_wait_edges(*o, w.key).is_some_and(|e| e.contains(&next)),
+                self.dl_wait_edges(o, k).is_some_and(|e| e.iter().any(|&(to, _)| to == next)),
                 "model: cycle {cycle:?}: {o} is not blocked by {next}"
             );
         }
         self.dl.waiting.get_mut(&owner).unwrap().victim = true;
-        let record: MCycle = cycle
-            .iter()
-            .map(|o| {
-                let w = &self.dl.waiting[o];
-                (*o, w.key, w.mode)
-            })
-            .collect();
+        let record: MCycle = cycle;
         if self.dl.recent.len() == DL_HISTORY {
             self.dl.recent.pop_front();
         }
@@ -1637,8 +1669,8 @@ impl Model {
         !cycle.is_empty()
             && cycle.iter().enumerate().all(|(i, &(o, k, m))| {
                 let next = cycle[(i + 1) % cycle.len()].0;
-                self.dl.waiting.get(&o).is_some_and(|w| w.key == k && w.mode == m)
-                    && self.dl_wait_edges(o, k).is_some_and(|e| e.contains(&next))
+                self.dl.waiting.get(&o).is_none_or(|w| w.key == k && w.mode == m)
+                    && self.dl_wait_edges(o, k).is_some_and(|e| e.iter().any(|&(to, _)| to == next))
             })
     }
 
