@@ -103,6 +103,7 @@ mod error;
 mod guard;
 mod helper;
 mod key;
+mod shared;
 mod stamp;
 mod table;
 mod unix;

@@ -4,7 +4,8 @@
 //! Everything above this file speaks of "the monotonic clock in
 //! nanoseconds", "this boot" and "lock this file"; only this file knows that
 //! they are `CLOCK_MONOTONIC`, `/proc/sys/kernel/random/boot_id` and
-//! open file description byte-range locks (`fcntl(F_OFD_SETLK)`). A port to another Unix or to
+//! open file description byte-range locks (`fcntl(F_OFD_SETLK)`) (the
+//! shared memory of a key is [`super::shared`]'s). A port to another Unix or to
 //! Windows is a sibling of this file.
 
 use std::fs::File;
@@ -63,8 +64,10 @@ pub(crate) fn hostname() -> &'static str {
     })
 }
 
-/// The byte of a key's state file whose lock is the *state lock*.
-pub(crate) const STATE_BYTE: u64 = 0;
+/// The byte of a key's state file whose lock is taken (briefly) by the
+/// first process of a boot to map the file, to reset the state left from
+/// before the reboot.
+pub(crate) const BOOT_BYTE: u64 = 0;
 
 /// The byte of a key's state file whose lock is slot `slot`.
 pub(crate) const fn slot_byte(slot: u32) -> u64 {
@@ -192,6 +195,23 @@ pub(crate) fn pid() -> u32 {
 /// lock on it then protects nothing that a later opener of the path sees.
 pub(crate) fn is_unlinked(file: &File) -> io::Result<bool> {
     Ok(file.metadata()?.nlink() == 0)
+}
+
+/// Allocates the first `len` bytes of `file` on the disk
+/// (`posix_fallocate`): a full disk fails here.
+pub(crate) fn allocate(file: &File, len: u64) -> io::Result<()> {
+    #[allow(clippy::cast_possible_wrap)] // a few kilobytes
+    let len = len as libc::off_t;
+    loop {
+        // SAFETY: `file` keeps its descriptor open for the call, which
+        // touches no memory of ours.
+        let rc = unsafe { libc::posix_fallocate(file.as_raw_fd(), 0, len) };
+        match rc {
+            0 => return Ok(()),
+            libc::EINTR => {}
+            errno => return Err(io::Error::from_raw_os_error(errno)),
+        }
+    }
 }
 
 /// Makes a new directory entry durable (`fsync` of the directory).
