@@ -83,7 +83,7 @@ use std::time::{Duration, Instant};
 use super::error::ProcessLockError;
 use super::helper::{self, KernelWait};
 use super::stamp::{
-    init_file, unix_now_ns, KeyState, ProcessHolder, Stamp, Word, MAX_SLOTS, TAKEN,
+    init_file, unix_now_ns, KeyState, NewStamp, ProcessHolder, Stamp, Word, MAX_SLOTS, TAKEN,
 };
 use super::table::Inner;
 use super::unix::{self, slot_byte, Kind};
@@ -109,6 +109,11 @@ pub(crate) struct KeyFiles {
     /// (its locks belong to another open file than `state`'s), and so the
     /// holder of the slot of a key taken after such a wait.
     pub(crate) spare: Option<File>,
+    /// The directory's open epoch when `state` was last known to be linked
+    /// (see [`super::dir`]).
+    pub(crate) epoch: u64,
+    /// Found deleted by its holder's `check()`: not to be cached again.
+    pub(crate) stale: bool,
 }
 
 /// Which open file of a key holds a slot's lock.
@@ -231,6 +236,10 @@ impl Inner {
     /// Opens (creating if need be) and maps a key's state file.
     pub(crate) fn open_key(&self, stem: &str) -> Result<KeyFiles, ProcessLockError> {
         let path = self.state_path(stem);
+        // Before the open: another process's cached descriptor of a file
+        // this path no longer names is noticed at its next lock.
+        self.dir_state.bump();
+        let epoch = self.dir_state.epoch();
         let state = match open_rw(&path) {
             Ok(file) => file,
             Err(err) if err.kind() == io::ErrorKind::NotFound => {
@@ -246,12 +255,17 @@ impl Inner {
             state,
             map,
             spare: None,
+            epoch,
+            stale: false,
         })
     }
 
-    /// Puts a key's files, which hold no lock now, back into the cache.
+    /// Puts a key's files, which hold no lock now, back into the cache
+    /// (closes them if they were found deleted).
     pub(crate) fn put_back(&self, files: KeyFiles) {
-        self.cache.checkin(files);
+        if !files.stale {
+            self.cache.checkin(files);
+        }
     }
 
     /// A second open file of the key, for a helper thread to wait on.
@@ -358,14 +372,14 @@ impl Inner {
                 lease.map(|l| now.saturating_add(u64::try_from(l.as_nanos()).unwrap_or(u64::MAX)));
             map.write_stamp(
                 mine.slot,
-                &Stamp {
+                &NewStamp {
                     pid: unix::pid(),
                     token,
                     lease_deadline,
                     granted_mono: now,
                     granted_unix_ns: unix_now_ns(),
-                    host: unix::hostname().to_owned(),
-                    label: self.label.clone(),
+                    host: unix::hostname(),
+                    label: self.label.as_deref(),
                 },
             );
             return Ok(Step::Granted {
@@ -385,19 +399,26 @@ impl Inner {
         Ok(None)
     }
 
-    /// One judgement, first checking that the file is still linked (the
-    /// caller may hold `have`). `None`: the file had been deleted; `files`
-    /// is opened afresh (and `have` let go with the old one).
+    /// One judgement, first making sure that the file is still linked if
+    /// a key file was opened in the directory since the last look (the
+    /// caller may hold `have`; see [`super::dir`]). `None`: the file had
+    /// been deleted; `files` is opened afresh (and `have` let go with the
+    /// old one).
+    #[inline]
     fn judge_checked(
         &self,
         files: &mut KeyFiles,
         have: Option<Have>,
         lease: Option<Duration>,
     ) -> Result<Option<Step>, ProcessLockError> {
-        if files.unlinked()? {
-            // Closing the deleted file's descriptors lets its locks go.
-            *files = self.open_key(&files.stem)?;
-            return Ok(None);
+        let epoch = self.dir_state.epoch();
+        if epoch != files.epoch {
+            if files.unlinked()? {
+                // Closing the deleted file's descriptors lets its locks go.
+                *files = self.open_key(&files.stem)?;
+                return Ok(None);
+            }
+            files.epoch = epoch;
         }
         self.judge(files, have, lease).map(Some)
     }

@@ -104,10 +104,20 @@ impl<K> Held<K> {
 
     fn check(&self) -> Result<FencingToken, ProcessLockError> {
         let token = self.token;
-        self.with_standing(|_, standing| match standing {
+        let mut files = self.files();
+        let Some(files) = files.as_mut() else {
+            return Err(ProcessLockError::Expired { token });
+        };
+        match standing(files, token, self.slot)? {
             Standing::Live(_) => Ok(token),
-            _ => Err(ProcessLockError::Expired { token }),
-        })
+            _ => {
+                // Deleted: not to be used again by this process.
+                if files.unlinked()? {
+                    files.stale = true;
+                }
+                Err(ProcessLockError::Expired { token })
+            }
+        }
     }
 
     fn expires_at(&self) -> Result<Option<Instant>, ProcessLockError> {

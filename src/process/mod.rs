@@ -99,6 +99,7 @@
 
 mod acquire;
 mod cache;
+mod dir;
 mod error;
 mod guard;
 mod helper;

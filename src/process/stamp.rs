@@ -151,6 +151,33 @@ pub(crate) struct Stamp {
     pub(crate) label: Option<String>,
 }
 
+/// A stamp to write: [`Stamp`] with borrowed text.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct NewStamp<'a> {
+    pub(crate) pid: u32,
+    pub(crate) token: u64,
+    pub(crate) lease_deadline: Option<u64>,
+    pub(crate) granted_mono: u64,
+    pub(crate) granted_unix_ns: u64,
+    pub(crate) host: &'a str,
+    pub(crate) label: Option<&'a str>,
+}
+
+impl Stamp {
+    #[cfg(test)]
+    fn borrow(&self) -> NewStamp<'_> {
+        NewStamp {
+            pid: self.pid,
+            token: self.token,
+            lease_deadline: self.lease_deadline,
+            granted_mono: self.granted_mono,
+            granted_unix_ns: self.granted_unix_ns,
+            host: &self.host,
+            label: self.label.as_deref(),
+        }
+    }
+}
+
 fn checksum(words: &[u64]) -> u64 {
     // A multiply-xor-rotate over 64-bit words: detects torn or foreign
     // records, not an adversary. Every step is a bijection of `h`, so two
@@ -350,7 +377,7 @@ impl KeyState {
     }
 
     /// Writes slot `slot`'s stamp (its holder does, right after its grant).
-    pub(crate) fn write_stamp(&self, slot: u32, stamp: &Stamp) {
+    pub(crate) fn write_stamp(&self, slot: u32, stamp: &NewStamp<'_>) {
         let at = stamp_at(slot);
         let w = |o: usize| self.map.word(at + o);
         w(S_TOKEN).store(0, Ordering::Relaxed);
@@ -359,8 +386,8 @@ impl KeyState {
         w(S_PID).store(u64::from(stamp.pid), Ordering::Relaxed);
         w(S_MONO).store(stamp.granted_mono, Ordering::Relaxed);
         w(S_UNIX).store(stamp.granted_unix_ns, Ordering::Relaxed);
-        let host = cut(&stamp.host, MAX_HOST);
-        let label = stamp.label.as_deref().map(|l| cut(l, MAX_LABEL));
+        let host = cut(stamp.host, MAX_HOST);
+        let label = stamp.label.map(|l| cut(l, MAX_LABEL));
         let lens = host.len() as u64
             | (label.map_or(0, str::len) as u64) << 8
             | u64::from(label.is_some()) << 16;
@@ -588,7 +615,7 @@ mod tests {
         assert!(!state.released(word));
         assert_eq!(state.read_stamp(word), None, "not written yet");
         assert_eq!(state.lease_of(word), None);
-        state.write_stamp(3, &stamp(1));
+        state.write_stamp(3, &stamp(1).borrow());
         let read = state.read_stamp(word).unwrap();
         assert_eq!(read.host.len(), MAX_HOST);
         assert_eq!(
@@ -612,7 +639,7 @@ mod tests {
         let (dir, path, file) = temp("torn");
         let state = KeyState::map(&file, &path, true).unwrap();
         let word = Word { token: 7, slot: 2 };
-        state.write_stamp(2, &stamp(7));
+        state.write_stamp(2, &stamp(7).borrow());
         assert!(state.read_stamp(word).is_some());
         // A writer between its zeroing of the token and its last store.
         let token = state.map.word(stamp_at(2) + S_TOKEN);
@@ -634,7 +661,7 @@ mod tests {
             let word = state.load();
             let token = state.swap(word, 0, &path).unwrap().unwrap();
             state.reserve(token, &path).unwrap();
-            state.write_stamp(0, &stamp(token));
+            state.write_stamp(0, &stamp(token).borrow());
         }
         assert_eq!(state.load().token, 5);
         assert_eq!(state.reserved().0, 1 + RESERVE_BLOCK);

@@ -11,6 +11,7 @@ use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 
 use super::cache::{FileCache, CACHED_KEYS};
+use super::dir::DirState;
 use super::error::ProcessLockError;
 use super::guard::{Held, OwnedProcessGuard, ProcessGuard};
 use super::stamp::{ProcessHolder, MAX_LABEL};
@@ -30,6 +31,9 @@ pub(crate) struct Inner {
     /// The open files of recently used keys (shared with the tables made
     /// from this one by `with_label`).
     pub(crate) cache: Arc<FileCache>,
+    /// The directory's open epoch (shared with the tables made from this
+    /// one by `with_label`).
+    pub(crate) dir_state: Arc<DirState>,
 }
 
 /// A table of keyed locks shared by every process of the host that opens
@@ -142,6 +146,7 @@ impl<K: AsRef<[u8]>> ProcessLockTable<K> {
             .map_err(|e| {
                 ProcessLockError::io("take a kernel lock (fcntl F_OFD_SETLKW) on", &probe, e)
             })?;
+        let dir_state = Arc::new(DirState::map(&file, &probe)?);
         Ok(Self {
             inner: Arc::new(Inner {
                 dir,
@@ -149,6 +154,7 @@ impl<K: AsRef<[u8]>> ProcessLockTable<K> {
                 local: Arc::new(LockTable::new()),
                 file_waiters: AtomicUsize::new(0),
                 cache: Arc::new(FileCache::default()),
+                dir_state,
             }),
             _key: PhantomData,
         })
@@ -183,6 +189,7 @@ impl<K: AsRef<[u8]>> ProcessLockTable<K> {
                 local: Arc::clone(&self.inner.local),
                 file_waiters: AtomicUsize::new(0),
                 cache: Arc::clone(&self.inner.cache),
+                dir_state: Arc::clone(&self.inner.dir_state),
             }),
             _key: PhantomData,
         }

@@ -11,7 +11,6 @@
 use std::fs::File;
 use std::io;
 use std::os::fd::AsRawFd;
-use std::os::unix::fs::MetadataExt;
 use std::path::Path;
 use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::sync::{Once, OnceLock};
@@ -194,7 +193,14 @@ pub(crate) fn pid() -> u32 {
 /// Whether `file` was unlinked from its directory since it was opened: a
 /// lock on it then protects nothing that a later opener of the path sees.
 pub(crate) fn is_unlinked(file: &File) -> io::Result<bool> {
-    Ok(file.metadata()?.nlink() == 0)
+    // SAFETY: all zeros is a valid `stat` (plain integers).
+    let mut st: libc::stat = unsafe { std::mem::zeroed() };
+    // SAFETY: `st` is a valid, exclusively borrowed `stat` for the call,
+    // and `file` keeps its descriptor open; fstat writes only `st`.
+    if unsafe { libc::fstat(file.as_raw_fd(), &mut st) } != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(st.st_nlink == 0)
 }
 
 /// Allocates the first `len` bytes of `file` on the disk
