@@ -86,7 +86,7 @@ use super::stamp::{
     init_file, unix_now_ns, KeyState, NewStamp, ProcessHolder, Stamp, Word, MAX_SLOTS, TAKEN,
 };
 use super::table::Inner;
-use super::unix::{self, slot_byte, Kind};
+use super::unix;
 use crate::clock::Clock;
 use crate::timer::Sleep;
 
@@ -173,13 +173,13 @@ impl KeyFiles {
 
     /// Lets slot `slot`, held on `on`, go.
     pub(crate) fn unlock_slot(&self, slot: u32, on: On) -> Result<(), ProcessLockError> {
-        unix::unlock_range(self.file(on), slot_byte(slot), 1)
+        unix::unlock_slot(self.file(on), slot)
             .map_err(|e| ProcessLockError::io("unlock", &self.path, e))
     }
 
     /// Try-locks slot `slot` on the state file.
     fn try_slot(&self, slot: u32) -> Result<bool, ProcessLockError> {
-        unix::try_lock_range(&self.state, Kind::Exclusive, slot_byte(slot), 1)
+        unix::try_lock_slot(&self.state, slot)
             .map_err(|e| ProcessLockError::io("lock", &self.path, e))
     }
 
@@ -494,10 +494,8 @@ impl Inner {
                         // on the caller's own (blocking) thread.
                         drop(pending.take());
                         let file = self.spare(&mut files)?;
-                        helper::wait_here(|| {
-                            unix::lock_range(&file, Kind::Exclusive, slot_byte(slot), 1)
-                        })
-                        .map_err(|e| ProcessLockError::io("lock", &files.path, e))?;
+                        helper::wait_here(|| unix::lock_slot(&file, slot))
+                            .map_err(|e| ProcessLockError::io("lock", &files.path, e))?;
                         files.spare = Some(file);
                         have = Some(Have {
                             slot,
@@ -508,10 +506,9 @@ impl Inner {
                     if pending.as_ref().is_none_or(|(s, _)| *s != slot) {
                         drop(pending.take());
                         let file = self.spare(&mut files)?;
-                        let wait = KernelWait::start(file, Kind::Exclusive, slot_byte(slot))
-                            .map_err(|e| {
-                                ProcessLockError::io("start a helper thread for", &files.path, e)
-                            })?;
+                        let wait = KernelWait::start(file, slot).map_err(|e| {
+                            ProcessLockError::io("start a helper thread for", &files.path, e)
+                        })?;
                         pending = Some((slot, wait));
                     }
                     let lapse = recheck.map(instant_of_monotonic);
@@ -590,7 +587,7 @@ impl Inner {
         let now = unix::monotonic_ns();
         let stamp = stamp.unwrap_or_else(|| unstamped(word, now));
         // Alive while its slot is locked: a look at the lock, taking none.
-        let alive = unix::range_locked(&file, slot_byte(word.slot), 1)
+        let alive = unix::slot_locked(&file, word.slot)
             .map_err(|e| ProcessLockError::io("lock", &path, e))?;
         drop(map);
         drop(file);

@@ -68,8 +68,9 @@ pub(crate) fn hostname() -> &'static str {
 /// before the reboot.
 pub(crate) const BOOT_BYTE: u64 = 0;
 
-/// The byte of a key's state file whose lock is slot `slot`.
-pub(crate) const fn slot_byte(slot: u32) -> u64 {
+/// The byte of a key's state file whose lock is slot `slot` (1 and up;
+/// slot 0 is the file's `flock` lock).
+const fn slot_byte(slot: u32) -> u64 {
     1 + slot as u64
 }
 
@@ -158,6 +159,77 @@ pub(crate) fn range_locked(file: &File, start: u64, len: u64) -> io::Result<bool
     let mut req = ofd_request(Some(Kind::Shared), start, len);
     ofd(file, libc::F_OFD_GETLK, &mut req)?;
     Ok(i32::from(req.l_type) != libc::F_UNLCK)
+}
+
+/// One `flock(2)` call, retried on `EINTR`: `Ok(false)` if a non-blocking
+/// request found the lock taken.
+fn flock(file: &File, op: libc::c_int) -> io::Result<bool> {
+    loop {
+        // SAFETY: `file` keeps its descriptor open for the call, which
+        // touches no memory of ours.
+        if unsafe { libc::flock(file.as_raw_fd(), op) } == 0 {
+            return Ok(true);
+        }
+        let err = io::Error::last_os_error();
+        match err.raw_os_error() {
+            Some(libc::EINTR) => {}
+            Some(libc::EWOULDBLOCK) if op & libc::LOCK_NB != 0 => return Ok(false),
+            _ => return Err(err),
+        }
+    }
+}
+
+// Slot locks. Slot 0, the one of every uncontended grant, is the `flock`
+// lock of the whole state file: a `flock` call costs about half an OFD
+// byte-range call here (see BENCHMARKS.md). Slots 1 and up (used only
+// after lease takeovers) are OFD locks of byte `1 + N`. On Linux the two
+// kinds do not interact; both belong to the open file and are freed by the
+// kernel when its last descriptor closes, however the process ends.
+
+/// Takes slot `slot`'s lock on `file` if it is free now: `Ok(false)` if
+/// another open file holds it.
+#[inline]
+pub(crate) fn try_lock_slot(file: &File, slot: u32) -> io::Result<bool> {
+    if slot == 0 {
+        flock(file, libc::LOCK_EX | libc::LOCK_NB)
+    } else {
+        try_lock_range(file, Kind::Exclusive, slot_byte(slot), 1)
+    }
+}
+
+/// Blocks the calling thread until slot `slot`'s lock is `file`'s.
+pub(crate) fn lock_slot(file: &File, slot: u32) -> io::Result<()> {
+    if slot == 0 {
+        flock(file, libc::LOCK_EX).map(drop)
+    } else {
+        lock_range(file, Kind::Exclusive, slot_byte(slot), 1)
+    }
+}
+
+/// Lets slot `slot`'s lock, held on `file`, go.
+#[inline]
+pub(crate) fn unlock_slot(file: &File, slot: u32) -> io::Result<()> {
+    if slot == 0 {
+        flock(file, libc::LOCK_UN).map(drop)
+    } else {
+        unlock_range(file, slot_byte(slot), 1)
+    }
+}
+
+/// Whether another open file holds slot `slot`'s lock now. For slot 0
+/// (`flock` has no look without a lock) a shared lock is tried and at once
+/// let go: it may make a concurrent try-lock of the slot fail for that
+/// instant, which then waits for the slot and is woken at once.
+pub(crate) fn slot_locked(file: &File, slot: u32) -> io::Result<bool> {
+    if slot == 0 {
+        let got = flock(file, libc::LOCK_SH | libc::LOCK_NB)?;
+        if got {
+            flock(file, libc::LOCK_UN)?;
+        }
+        Ok(!got)
+    } else {
+        range_locked(file, slot_byte(slot), 1)
+    }
 }
 
 static PID: AtomicU32 = AtomicU32::new(0);
