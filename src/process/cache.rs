@@ -1,10 +1,10 @@
-//! The descriptor cache: the open state files of the keys a table used
-//! last, so that taking a key again opens nothing.
+//! The descriptor cache: the open (and mapped) state files of the keys a
+//! table used last, so that taking a key again opens nothing.
 //!
 //! # Invariants
 //!
 //! - A cached [`KeyFiles`] holds no kernel lock: it is checked in only
-//!   after its slot and state locks were let go (a failed unlock drops the
+//!   after its slot lock was let go (a failed unlock drops the
 //!   files instead, and closing them frees their locks).
 //! - A [`KeyFiles`] is used by one acquirer or guard at a time: it is
 //!   *checked out* (removed from the cache) for the whole acquisition and
@@ -18,9 +18,10 @@
 //!   not exclude the parent's.
 //!
 //! The files of a key are never deleted by the table, and an acquirer
-//! re-checks after taking the state lock that the path still names the
-//! file it locked (`nlink != 0`), opening it again if not; so a cached
-//! descriptor of a deleted file is noticed at its next use.
+//! re-checks that the path still names the file it locked (`nlink != 0`)
+//! whenever a key file was opened in the directory since it last looked
+//! (see [`super::dir`]), opening it again if not; so a cached descriptor of
+//! a deleted file is noticed before the file that replaced it is locked.
 
 use std::collections::HashMap;
 use std::sync::{Mutex, PoisonError};

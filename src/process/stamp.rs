@@ -499,7 +499,9 @@ pub(crate) fn init_file(file: &File) -> std::io::Result<()> {
 #[derive(Debug, Clone, PartialEq, Eq)]
 #[non_exhaustive]
 pub struct ProcessHolder {
-    /// The holder's process id.
+    /// The holder's process id; 0 (and no host, label or lease) for a
+    /// grant whose stamp was never written: its holder died, or stopped,
+    /// in the microseconds between taking the key and writing its stamp.
     pub pid: u32,
     /// Whether the holder still holds its kernel lock. `false`: it died (or
     /// its files were replaced); the next locker takes the key at once.
