@@ -99,7 +99,8 @@ const UNSTAMPED_RECHECK: Duration = Duration::from_millis(1);
 /// [`super::cache`]).
 #[derive(Debug)]
 pub(crate) struct KeyFiles {
-    pub(crate) stem: String,
+    /// Shared with the cache's index (no copy per check-in).
+    pub(crate) stem: std::sync::Arc<str>,
     pub(crate) path: PathBuf,
     /// The state file: the slot of a key taken without waiting.
     pub(crate) state: File,
@@ -250,7 +251,7 @@ impl Inner {
         };
         let map = KeyState::map(&state, &path, true)?;
         Ok(KeyFiles {
-            stem: stem.to_owned(),
+            stem: std::sync::Arc::from(stem),
             path,
             state,
             map,
@@ -415,7 +416,7 @@ impl Inner {
         if epoch != files.epoch {
             if files.unlinked()? {
                 // Closing the deleted file's descriptors lets its locks go.
-                *files = self.open_key(&files.stem)?;
+                *files = self.open_key(&std::sync::Arc::clone(&files.stem))?;
                 return Ok(None);
             }
             files.epoch = epoch;

@@ -24,7 +24,7 @@
 //! a deleted file is noticed before the file that replaced it is locked.
 
 use std::collections::HashMap;
-use std::sync::{Mutex, PoisonError};
+use std::sync::{Arc, Mutex, PoisonError};
 
 use super::acquire::KeyFiles;
 use super::unix;
@@ -38,7 +38,7 @@ struct Entries {
     pid: u32,
     tick: u64,
     /// By stem: when last checked in, and the files.
-    map: HashMap<String, (u64, KeyFiles), foldhash::fast::RandomState>,
+    map: HashMap<Arc<str>, (u64, KeyFiles), foldhash::fast::RandomState>,
 }
 
 /// The open files of recently used keys (see the module doc).
@@ -96,10 +96,10 @@ impl FileCache {
                 .map
                 .iter()
                 .min_by_key(|(_, (t, _))| *t)
-                .map(|(stem, _)| stem.clone());
+                .map(|(stem, _)| Arc::clone(stem));
             evicted = oldest.and_then(|stem| entries.map.remove(&stem));
         }
-        let replaced = entries.map.insert(files.stem.clone(), (tick, files));
+        let replaced = entries.map.insert(Arc::clone(&files.stem), (tick, files));
         drop(entries);
         // Closing files is a system call: outside the lock.
         drop(evicted);
