@@ -424,12 +424,13 @@ impl Inner {
         self.judge(files, have, lease).map(Some)
     }
 
-    /// Takes the key now if no live holder has it (no wait).
-    pub(crate) fn try_acquire(
+    /// Takes the key now if no live holder has it (no wait): `None` if one
+    /// has.
+    pub(crate) fn try_grant(
         &self,
         stem: &str,
         lease: Option<Duration>,
-    ) -> Result<Result<Grant, Option<Box<ProcessHolder>>>, ProcessLockError> {
+    ) -> Result<Option<Grant>, ProcessLockError> {
         let mut files = self.key_files(stem)?;
         for _ in 0..4 {
             let have = files.try_slot(0)?.then_some(Have {
@@ -439,7 +440,7 @@ impl Inner {
             match self.judge_checked(&mut files, have, lease)? {
                 None => {}
                 Some(Step::Granted { slot, on, token }) => {
-                    return Ok(Ok(Grant {
+                    return Ok(Some(Grant {
                         files,
                         slot,
                         on,
@@ -450,7 +451,7 @@ impl Inner {
             }
         }
         self.put_back(files);
-        Ok(Err(self.holder_of(stem)?.map(Box::new)))
+        Ok(None)
     }
 
     /// Waits for the key until `deadline`.

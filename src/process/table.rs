@@ -10,6 +10,7 @@ use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 
+use super::acquire::Grant;
 use super::cache::{FileCache, CACHED_KEYS};
 use super::dir::DirState;
 use super::error::ProcessLockError;
@@ -328,15 +329,48 @@ fn try_acquire<K: AsRef<[u8]>>(
             })
         }
     };
-    match inner.try_acquire(&stem, lease)? {
-        Ok(grant) => {
-            if let Some(lease) = lease {
-                let _ = local.renew(lease);
-            }
-            Ok(Held::new(Arc::clone(inner), key, grant, local))
-        }
-        Err(holder) => Err(ProcessLockError::WouldBlock { holder }),
+    match inner.try_grant(&stem, lease)? {
+        Some(grant) => Ok(held(inner, key, grant, local, lease)),
+        None => Err(ProcessLockError::WouldBlock {
+            holder: inner.holder_of(&stem)?.map(Box::new),
+        }),
     }
+}
+
+/// A guard's state for `grant`, whose local lease runs from now too (a
+/// hint only: the file's stamp is the authority).
+fn held<K>(
+    inner: &Arc<Inner>,
+    key: K,
+    grant: Grant,
+    local: OwnedGuard<String>,
+    lease: Option<Duration>,
+) -> Held<K> {
+    if let Some(lease) = lease {
+        let _ = local.renew(lease);
+    }
+    Held::new(Arc::clone(inner), key, grant, local)
+}
+
+/// The first step of a blocking lock: takes the key if it is free now (no
+/// waiter of this process ahead, no live holder), without the future and
+/// the diagnosis of a failed `try_lock`. Gives the key back if not.
+fn try_first<K: AsRef<[u8]>>(
+    inner: &Arc<Inner>,
+    key: K,
+    opts: &LockOptions,
+) -> Result<Result<Held<K>, K>, ProcessLockError> {
+    let lease = check_options(opts)?;
+    let Ok(stem) = key::encode(key.as_ref()) else {
+        return Ok(Err(key)); // the full path reports it
+    };
+    let Ok(local) = Arc::clone(&inner.local).try_lock_owned(stem.clone()) else {
+        return Ok(Err(key));
+    };
+    Ok(match inner.try_grant(&stem, lease)? {
+        Some(grant) => Ok(held(inner, key, grant, local, lease)),
+        None => Err(key),
+    })
 }
 
 type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
@@ -594,6 +628,10 @@ impl<K: AsRef<[u8]> + Send> ProcessLockTable<K> {
         // The calling thread may block in the kernel itself (no helper
         // thread, one wake-up less per handoff) when nothing but the
         // kernel can end the wait: no deadline, a holder without a lease.
+        let key = match try_first(&self.inner, key, &opts)? {
+            Ok(held) => return Ok(ProcessGuard::new(held)),
+            Err(key) => key,
+        };
         let inner = Arc::clone(&self.inner);
         crate::blocking::block_on(async move {
             acquire(inner, key, opts, true).await.map(ProcessGuard::new)
