@@ -6,17 +6,19 @@
 //! A key has one file, `<stem>.state`, mapped into every process that uses
 //! it ([`super::shared`]): the state word (the current grant's token and
 //! slot), the release cells, the owner stamps and the token ceilings
-//! ([`super::stamp`]). Its kernel locks are open file description locks on
-//! single bytes of it (never on its data; see [`super::unix`]): byte `1 +
-//! N` is *slot* `N`. The holder of a key holds the lock of the slot the
-//! state word names, for as long as it holds the key. Usually that is slot
-//! 0; other slots are used only after a lease takeover (below). Byte 0 is
-//! locked only by the first process of a boot to map the file (to reset
-//! the state left from before the reboot).
+//! ([`super::stamp`]). Its kernel locks say who is alive (never what the
+//! state is; see [`super::unix`]): *slot* 0 is the `flock` lock of the
+//! file, slot `N` (1 and up) the open file description lock of its byte
+//! `1 + N`. The holder of a key holds the lock of the slot the state word
+//! names, for as long as it holds the key. Usually that is slot 0; other
+//! slots are used only after a lease takeover (below). Byte 0 is locked
+//! only by the first process of a boot to map the file (to reset the state
+//! left from before the reboot).
 //!
-//! An uncontended lock is one lock call (slot 0), a look at the file's
-//! link count (`fstat`: the file was not deleted), and a compare-and-swap
-//! of the state word in memory; its release is a store into the slot's
+//! An uncontended lock is one lock call (slot 0), a load of the
+//! directory's open epoch (the file is re-checked with `fstat` only if a
+//! key file was opened since: [`super::dir`]), and a compare-and-swap of
+//! the state word in memory; its release is a store into the slot's
 //! release cell and one unlock call.
 //!
 //! # The judgement (no lock but the slots)

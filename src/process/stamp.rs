@@ -14,8 +14,9 @@
 //! | 512    | 512  | the release cells: one token per slot |
 //! | 4096   | 64 x 384 | the owner stamps: one per slot |
 //!
-//! The file's *bytes* 0 to 64 also carry its kernel locks (see
-//! [`super::acquire`]); locks are not data, so the layout is unaffected.
+//! The file also carries its kernel locks (its `flock` lock and the
+//! byte-range locks of bytes 0 to 64; see [`super::acquire`]); locks are
+//! not data, so the layout is unaffected.
 //!
 //! The **state word** names the current grant: its token (the last one
 //! handed out) and the slot its holder locks. A grant is a
