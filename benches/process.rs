@@ -8,9 +8,12 @@
 //!   `ProcessLockTable::try_lock` + drop, against a plain `flock` +
 //!   unlock of one open file (the kernel floor).
 //! - `process_calls`: the system calls one uncontended lock+unlock of the
-//!   process scope makes (seven: see BENCHMARKS.md), made by hand on an open
-//!   file with nothing else, as a sequence and one by one: the floor of the
-//!   design, and what each call costs.
+//!   process scope makes (three: lock slot 0, `fstat`, unlock; see
+//!   BENCHMARKS.md), made by hand on an open file with nothing else, as a
+//!   sequence and one by one: the floor of the design, and what each call
+//!   costs; the same with `flock` (the alternative of one slot file per
+//!   slot), and the seven calls of format 2 (a state lock, `pread` and
+//!   `pwrite` of the state) for comparison.
 //! - `process_handoff_round_trip`: two processes hand one key back and
 //!   forth. Each round trip is two handoffs: the partner process (this bench
 //!   binary re-invoked) and this one each take the key, find it is their
@@ -448,9 +451,11 @@ fn handoffs(c: &mut Criterion) {
 }
 
 /// The system calls of one uncontended lock+unlock, by hand: open file
-/// description lock of the state and slot bytes, `fstat`, `pread` of the
-/// state, `pwrite` of the stamp, unlock of the state byte; on release,
-/// `pwrite` of the release cell and unlock of the slot byte.
+/// description lock of slot 0's byte, `fstat` (the file is still linked),
+/// unlock (the state is in shared memory: no call); and those of format 2:
+/// lock of the state and slot bytes, `fstat`, `pread` of the state,
+/// `pwrite` of the stamp, unlock of the state byte; on release, `pwrite`
+/// of the release cell and unlock of the slot byte.
 fn calls(c: &mut Criterion) {
     let dir = std::env::temp_dir().join(format!("keylock-bench-c-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
@@ -466,7 +471,29 @@ fn calls(c: &mut Criterion) {
     let mut buf = [0u8; 2048];
     let stamp = [7u8; 512];
     let mut group = c.benchmark_group("process_calls");
-    group.bench_function("all_seven_in_sequence", |b| {
+    group.bench_function("three_in_sequence", |b| {
+        b.iter(|| {
+            ofd(&file, libc::F_WRLCK, 1, 1);
+            assert_eq!(file.metadata().unwrap().len(), 2048);
+            ofd(&file, libc::F_UNLCK, 1, 1);
+        })
+    });
+    // The same with `flock` on a slot file of its own (the alternative
+    // design: one file per slot).
+    group.bench_function("flock_three_in_sequence", |b| {
+        b.iter(|| {
+            flock(&file, libc::LOCK_EX | libc::LOCK_NB);
+            assert_eq!(file.metadata().unwrap().len(), 2048);
+            flock(&file, libc::LOCK_UN);
+        })
+    });
+    group.bench_function("flock_lock_unlock_pair", |b| {
+        b.iter(|| {
+            flock(&file, libc::LOCK_EX | libc::LOCK_NB);
+            flock(&file, libc::LOCK_UN);
+        })
+    });
+    group.bench_function("format_2_seven_in_sequence", |b| {
         b.iter(|| {
             ofd(&file, libc::F_WRLCK, 0, 2);
             assert_eq!(file.metadata().unwrap().len(), 2048);
@@ -502,8 +529,8 @@ fn calls(c: &mut Criterion) {
     });
     group.bench_function("ofd_lock_unlock_pair", |b| {
         b.iter(|| {
-            ofd(&file, libc::F_WRLCK, 0, 2);
-            ofd(&file, libc::F_UNLCK, 0, 2);
+            ofd(&file, libc::F_WRLCK, 1, 1);
+            ofd(&file, libc::F_UNLCK, 1, 1);
         })
     });
     group.bench_function("fstat", |b| b.iter(|| file.metadata().unwrap().len()));

@@ -909,3 +909,127 @@ fn blocking_lock_without_a_deadline_waits_in_the_kernel_on_its_own_thread() {
     }
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+// ---------------------------------------------------------------- races of the shared state word
+
+#[test]
+fn takers_racing_for_a_lapsed_key_one_wins_the_swap_and_the_others_see_it() {
+    let dir = temp_dir("racing-takers");
+    let holder = ProcessLockTable::open(&dir).unwrap();
+    // Tables of their own: each goes to the files (no shared in-process
+    // queue), as other processes would.
+    let takers: Vec<_> = (0..4)
+        .map(|_| ProcessLockTable::open(&dir).unwrap())
+        .collect();
+    for round in 0..20 {
+        let stuck = holder
+            .try_lock_with("k", LockOptions::new().lease(Duration::from_millis(1)))
+            .unwrap();
+        while !stuck.is_expired() {
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        let start = std::sync::Barrier::new(takers.len());
+        let results: Vec<_> = std::thread::scope(|s| {
+            let handles: Vec<_> = takers
+                .iter()
+                .map(|t| {
+                    let start = &start;
+                    s.spawn(move || {
+                        start.wait();
+                        t.try_lock("k")
+                    })
+                })
+                .collect();
+            handles.into_iter().map(|h| h.join().unwrap()).collect()
+        });
+        let won: Vec<_> = results.iter().filter_map(|r| r.as_ref().ok()).collect();
+        assert_eq!(won.len(), 1, "round {round}: exactly one taker wins");
+        for r in &results {
+            if let Err(e) = r {
+                assert!(matches!(e, ProcessLockError::WouldBlock { .. }), "{e}");
+            }
+        }
+        let winner = won[0];
+        assert!(winner.token() > stuck.token());
+        assert!(winner.check().is_ok());
+        assert!(stuck.check().is_err(), "the stuck holder is fenced");
+        drop(results);
+        assert!(stuck.release_checked().is_err());
+    }
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn a_renew_racing_a_takeover_never_lets_both_win() {
+    let dir = temp_dir("renew-race");
+    let holder = ProcessLockTable::open(&dir).unwrap();
+    let taker = ProcessLockTable::open(&dir).unwrap();
+    let lease = Duration::from_micros(500);
+    for round in 0..100 {
+        let guard = holder
+            .try_lock_with("k", LockOptions::new().lease(lease))
+            .unwrap();
+        let at = Instant::now() + lease;
+        let start = std::sync::Barrier::new(2);
+        let (renewed, taken) = std::thread::scope(|s| {
+            let renew = s.spawn(|| {
+                start.wait();
+                while Instant::now() < at {
+                    std::hint::spin_loop();
+                }
+                guard.renew(Duration::from_secs(60))
+            });
+            let take = s.spawn(|| {
+                start.wait();
+                while Instant::now() < at {
+                    std::hint::spin_loop();
+                }
+                // Until the lease lapses (or was renewed): a judgement.
+                taker.try_lock("k")
+            });
+            (renew.join().unwrap(), take.join().unwrap())
+        });
+        match (&renewed, &taken) {
+            (Ok(()), Ok(_)) => panic!("round {round}: the renew and the takeover both won"),
+            (Ok(()), Err(e)) => {
+                assert!(matches!(e, ProcessLockError::WouldBlock { .. }), "{e}");
+                assert!(guard.check().is_ok(), "round {round}: renewed, still held");
+            }
+            (Err(e), taken) => {
+                assert!(matches!(e, ProcessLockError::Expired { .. }), "{e}");
+                assert!(guard.check().is_err(), "round {round}");
+                if let Ok(next) = taken {
+                    assert!(next.token() > guard.token());
+                    assert!(next.check().is_ok());
+                }
+            }
+        }
+        drop(taken);
+        drop(guard);
+    }
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// A process that dies after winning the state word's swap and before
+/// writing its stamp (the `test-util` hook `KEYLOCK_TEST_DIE_AFTER_SWAP`
+/// aborts it there): its slot is free, so the grant is judged dead and
+/// taken over, with a higher token.
+#[cfg(feature = "test-util")]
+#[test]
+fn a_taker_that_dies_between_its_swap_and_its_stamp_is_taken_over() {
+    let dir = temp_dir("die-after-swap");
+    let table = ProcessLockTable::open(&dir).unwrap();
+    let before = table.try_lock("k").unwrap().token();
+    let mut kid = Kid::spawn("hold", &dir, &[("KEYLOCK_TEST_DIE_AFTER_SWAP", "1".into())]);
+    let status = kid.child.wait().unwrap();
+    assert!(!status.success(), "the child aborted at the hook");
+    // Its grant is in the word, with no stamp, and nobody holds its slot.
+    let holder = table.holder(&"k").unwrap().expect("an unreleased grant");
+    assert!(!holder.alive, "{holder}");
+    assert_eq!(holder.token.get(), before.get() + 1, "{holder}");
+    let next = table.try_lock("k").unwrap();
+    assert!(next.token().get() > before.get() + 1);
+    assert!(next.check().is_ok());
+    drop(next);
+    std::fs::remove_dir_all(&dir).unwrap();
+}

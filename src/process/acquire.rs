@@ -1,106 +1,122 @@
-//! The cross-process acquisition of one key: the judgement made under the
-//! key's short kernel lock, and the wait between judgements.
+//! The cross-process acquisition of one key: the judgement, made on the
+//! key's shared state word, and the wait between judgements.
 //!
-//! # The file of a key, and its locks
+//! # The file of a key, its memory, and its locks
 //!
-//! A key has one file, `<stem>.state`: the token state, the owner stamp and
-//! the release cells ([`super::stamp`]). Its kernel locks are open file
-//! description locks on single bytes of it (never on its data; see
-//! [`super::unix`]):
+//! A key has one file, `<stem>.state`, mapped into every process that uses
+//! it ([`super::shared`]): the state word (the current grant's token and
+//! slot), the release cells, the owner stamps and the token ceilings
+//! ([`super::stamp`]). Its kernel locks say who is alive (never what the
+//! state is; see [`super::unix`]): *slot* 0 is the `flock` lock of the
+//! file, slot `N` (1 and up) the open file description lock of its byte
+//! `1 + N`. The holder of a key holds the lock of the slot the state word
+//! names, for as long as it holds the key. Usually that is slot 0; other
+//! slots are used only after a lease takeover (below). Byte 0 is locked
+//! only by the first process of a boot to map the file (to reset the state
+//! left from before the reboot).
 //!
-//! - byte 0 is the *state lock*: held only while the state is read and
-//!   written, never while waiting;
-//! - byte `1 + N` is *slot* `N`. The holder of a key holds the lock of the
-//!   slot the state names, for as long as it holds the key. Usually that is
-//!   slot 0; other slots are used only after a lease takeover (below).
+//! An uncontended lock is one lock call (slot 0), a load of the
+//! directory's open epoch (the file is re-checked with `fstat` only if a
+//! key file was opened since: [`super::dir`]), and a compare-and-swap of
+//! the state word in memory; its release is a store into the slot's
+//! release cell and one unlock call.
 //!
-//! An uncontended lock takes bytes 0 and 1 (the state lock and slot 0) in
-//! one call: the two steps are one system call when slot 0 is free, and
-//! fall back to the state lock alone when it is not.
+//! # The judgement (no lock but the slots)
 //!
-//! # The judgement (under the state lock)
+//! With the state word read, and its grant counted as released if its
+//! token is in its slot's release cell:
 //!
-//! With the state read, and the stamp counted as no holder if its token is
-//! in its slot's release cell (the holder released it):
-//!
-//! 1. **No holder.** Take the key on a slot the caller already holds (slot
-//!    0 taken with the state lock, or a slot the kernel just handed it);
-//!    else try-lock the state's slot; if it is locked, another process's
-//!    waiter was just handed it by the kernel and is about to take the key:
-//!    wait for that slot.
-//! 2. **A holder, and its slot is free** (or the caller already holds it):
-//!    the holder is dead (a live holder keeps its slot locked until after it
+//! 1. **Released (or no grant yet).** Take the key on a slot the caller
+//!    already holds (slot 0, tried first, or a slot the kernel just handed
+//!    it); else try-lock the word's slot; if it is locked, another
+//!    process's waiter was just handed it by the kernel and is about to
+//!    take the key: wait for that slot.
+//! 2. **A grant, and its slot is free** (or the caller holds it): the
+//!    holder is dead (a live holder keeps its slot locked until after it
 //!    wrote its release, and the kernel frees the locks of a process that
 //!    dies, however it dies). Take the key over, on that slot.
-//! 3. **A live holder whose lease lapsed** (its slot is locked, and the
-//!    host's monotonic clock is past the deadline in its stamp): take the
-//!    key over on *another* slot (one the caller holds, or the first free
-//!    one). The stamp now names the new holder, its token and its slot; the
+//! 3. **A live holder whose lease lapsed** (its slot is locked, its stamp
+//!    is written and its lease word is past on the host's monotonic
+//!    clock): mark the lease word taken (compare-and-swap: a `renew`
+//!    racing it fails, or it makes this one fail), then take the key over
+//!    on *another* slot (one the caller holds, or the first free one). The
 //!    old holder still holds its old slot, which no longer means anything.
-//! 4. **A live holder within its lease**: wait for its slot, and wake at its
-//!    lease deadline to judge again.
+//! 4. **A live holder within its lease**, or one whose stamp is not
+//!    written yet (between its grant and its stamp: microseconds): wait for
+//!    its slot, and wake at its lease deadline (or in a millisecond, for an
+//!    unwritten stamp) to judge again.
 //!
-//! Taking the key mints the next token (durably above every earlier one,
-//! see [`super::stamp`]) and writes the stamp, then lets the state lock go.
+//! Taking the key is a compare-and-swap of the state word from the word
+//! judged to the next token and the caller's slot: if another process
+//! changed the word meanwhile (a grant, a takeover), the swap fails and
+//! the caller judges again, keeping the slot it locked. The winner then
+//! makes the token's ceiling durable if it passed it, and writes its stamp.
 //!
 //! # Release, check
 //!
-//! A holder releases without the state lock: it writes its token into its
-//! slot's release cell, then lets the slot go. Only the holder of a slot
-//! writes that slot's cell, so no lock is needed; a holder that was taken
-//! over writes the cell of its old slot, which the stamp no longer names,
-//! so it frees nothing of the successor's. A stuck holder's `check()` reads
-//! the state under the state lock (shared): the token there is no longer
-//! its own, so the check fails.
+//! A holder releases with a store of its token into its slot's release
+//! cell, then lets the slot go. Only the holder of a slot writes that
+//! slot's cell and stamp, so no lock is needed; a holder that was taken
+//! over writes the cell of its old slot, which the word no longer names,
+//! so it frees nothing of the successor's. A stuck holder's `check()` loads
+//! the word: it no longer names its token and slot, so the check fails.
 //!
 //! # The wait
 //!
-//! Waiting for a slot (or for the state lock, when another process sits in
-//! it for longer than a few yields) is a blocking lock call on a helper
-//! thread ([`super::helper`]) (or, for `blocking_lock` without a deadline
-//! and a holder without a lease, on the caller's own thread), on a second open of the key's file (a lock
-//! of the open file the caller already uses would not wait): the kernel
-//! wakes it when the lock is released or its holder dies, with no polling.
-//! A timer (the crate's own) wakes the waiter at the holder's lease deadline
-//! and at the caller's deadline. Only a state in which every slot is locked
-//! by stuck holders (not reachable without 64 of them) falls back to
-//! sleeping with jittered backoff.
+//! Waiting for a slot is a blocking lock call on a helper thread
+//! ([`super::helper`]) (or, for `blocking_lock` without a deadline and a
+//! holder without a lease, on the caller's own thread), on a second open
+//! of the key's file (a lock of the open file the caller already uses would
+//! not wait): the kernel wakes it when the lock is released or its holder
+//! dies, with no polling. A timer (the crate's own) wakes the waiter at the
+//! holder's lease deadline and at the caller's deadline. Only a state in
+//! which every slot is locked by stuck holders (not reachable without 64 of
+//! them) falls back to sleeping with jittered backoff.
 
 use std::fs::{File, OpenOptions};
 use std::future::poll_fn;
 use std::io;
 use std::path::{Path, PathBuf};
 use std::pin::Pin;
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::task::Poll;
 use std::time::{Duration, Instant};
 
 use super::error::ProcessLockError;
 use super::helper::{self, KernelWait};
-use super::stamp::{unix_now_ns, ProcessHolder, Stamp, State, FILE_LEN, MAX_SLOTS};
+use super::stamp::{
+    init_file, unix_now_ns, KeyState, NewStamp, ProcessHolder, Stamp, Word, MAX_SLOTS, TAKEN,
+};
 use super::table::Inner;
-use super::unix::{self, slot_byte, Kind, STATE_BYTE};
+use super::unix;
 use crate::clock::Clock;
 use crate::timer::Sleep;
 
-/// How many times an acquirer yields and tries the state lock again before
-/// it waits for it on a helper thread: the state lock is held for a few
-/// system calls at a time.
-const STATE_SPINS: u32 = 4;
+/// How soon a waiter judges again when the holder's stamp was not written
+/// yet (it is written microseconds after the grant; its lease is unknown
+/// until then).
+const UNSTAMPED_RECHECK: Duration = Duration::from_millis(1);
 
 /// The open files of one key, used by one acquirer or guard at a time (see
 /// [`super::cache`]).
 #[derive(Debug)]
 pub(crate) struct KeyFiles {
-    pub(crate) stem: String,
+    /// Shared with the cache's index (no copy per check-in).
+    pub(crate) stem: std::sync::Arc<str>,
     pub(crate) path: PathBuf,
-    /// The state file: the state lock, and the slot of a key taken without
-    /// waiting.
+    /// The state file: the slot of a key taken without waiting.
     pub(crate) state: File,
+    /// The state file, mapped.
+    pub(crate) map: KeyState,
     /// A second open of the state file: the one a helper thread waits on
     /// (its locks belong to another open file than `state`'s), and so the
     /// holder of the slot of a key taken after such a wait.
     pub(crate) spare: Option<File>,
+    /// The directory's open epoch when `state` was last known to be linked
+    /// (see [`super::dir`]).
+    pub(crate) epoch: u64,
+    /// Found deleted by its holder's `check()`: not to be cached again.
+    pub(crate) stale: bool,
 }
 
 /// Which open file of a key holds a slot's lock.
@@ -132,10 +148,11 @@ enum Step {
         on: On,
         token: u64,
     },
-    /// Wait for this slot's kernel lock; judge again at the lease deadline.
+    /// Wait for this slot's kernel lock; judge again at `recheck` (on the
+    /// host's monotonic clock) if it comes first.
     WaitSlot {
         slot: u32,
-        lease_deadline: Option<u64>,
+        recheck: Option<u64>,
     },
     /// Every slot is locked (by stuck holders): sleep and judge again.
     Backoff,
@@ -145,8 +162,7 @@ fn open_rw(path: &Path) -> io::Result<File> {
     OpenOptions::new()
         .read(true)
         .write(true)
-        .create(true)
-        .truncate(false)
+        .create(false)
         .open(path)
 }
 
@@ -160,42 +176,19 @@ impl KeyFiles {
 
     /// Lets slot `slot`, held on `on`, go.
     pub(crate) fn unlock_slot(&self, slot: u32, on: On) -> Result<(), ProcessLockError> {
-        unix::unlock_range(self.file(on), slot_byte(slot), 1)
+        unix::unlock_slot(self.file(on), slot)
             .map_err(|e| ProcessLockError::io("unlock", &self.path, e))
-    }
-
-    fn unlock_state(&self) -> Result<(), ProcessLockError> {
-        unix::unlock_range(&self.state, STATE_BYTE, 1)
-            .map_err(|e| ProcessLockError::io("unlock", &self.path, e))
-    }
-
-    /// Tries the state lock; with slot 0 in the same call if `with_slot0`
-    /// (then `Some(true)` says both were taken, `Some(false)` the state lock
-    /// alone); `None` if another open file holds the state lock.
-    fn try_state(&self, with_slot0: bool) -> Result<Option<bool>, ProcessLockError> {
-        let io = |e| ProcessLockError::io("lock", &self.path, e);
-        // The state byte and slot 0's are adjacent: one range, one call.
-        const _: () = assert!(STATE_BYTE + 1 == slot_byte(0));
-        if with_slot0
-            && unix::try_lock_range(&self.state, Kind::Exclusive, STATE_BYTE, 2).map_err(io)?
-        {
-            return Ok(Some(true));
-        }
-        if unix::try_lock_range(&self.state, Kind::Exclusive, STATE_BYTE, 1).map_err(io)? {
-            return Ok(Some(false));
-        }
-        Ok(None)
     }
 
     /// Try-locks slot `slot` on the state file.
     fn try_slot(&self, slot: u32) -> Result<bool, ProcessLockError> {
-        unix::try_lock_range(&self.state, Kind::Exclusive, slot_byte(slot), 1)
+        unix::try_lock_slot(&self.state, slot)
             .map_err(|e| ProcessLockError::io("lock", &self.path, e))
     }
 
     /// Whether the state file was deleted since it was opened: its path
     /// then names another file (or none), whose locks are not ours.
-    fn unlinked(&self) -> Result<bool, ProcessLockError> {
+    pub(crate) fn unlinked(&self) -> Result<bool, ProcessLockError> {
         unix::is_unlinked(&self.state).map_err(|e| ProcessLockError::io("stat", &self.path, e))
     }
 }
@@ -214,48 +207,68 @@ impl Inner {
         }
     }
 
-    /// Opens (creating if need be) a key's state file.
+    /// Creates a key's state file, whole: made and synced under a temporary
+    /// name, then linked to its path (so that no process ever opens a
+    /// state file without its header), unless another process did first.
+    fn create_key(&self, path: &Path) -> Result<(), ProcessLockError> {
+        static SEQ: AtomicU64 = AtomicU64::new(0);
+        let tmp = self.dir.join(format!(
+            ".keylock-new-{}-{}",
+            unix::pid(),
+            SEQ.fetch_add(1, Ordering::Relaxed)
+        ));
+        let file = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create_new(true)
+            .open(&tmp)
+            .map_err(|e| ProcessLockError::io("create the state file", &tmp, e))?;
+        // Allocated now, so a full disk shows here, before any key is held.
+        let made = init_file(&file).and_then(|()| std::fs::hard_link(&tmp, path));
+        drop(file);
+        let _ = std::fs::remove_file(&tmp);
+        match made {
+            // The key's token ceiling lives in it: make its entry durable.
+            Ok(()) => unix::sync_dir(&self.dir)
+                .map_err(|e| ProcessLockError::io("create the state file", path, e)),
+            Err(err) if err.kind() == io::ErrorKind::AlreadyExists => Ok(()),
+            Err(err) => Err(ProcessLockError::io("create the state file", path, err)),
+        }
+    }
+
+    /// Opens (creating if need be) and maps a key's state file.
     pub(crate) fn open_key(&self, stem: &str) -> Result<KeyFiles, ProcessLockError> {
         let path = self.state_path(stem);
-        let state = match OpenOptions::new().read(true).write(true).open(&path) {
+        // Before the open: another process's cached descriptor of a file
+        // this path no longer names is noticed at its next lock.
+        self.dir_state.bump();
+        let epoch = self.dir_state.epoch();
+        let state = match open_rw(&path) {
             Ok(file) => file,
             Err(err) if err.kind() == io::ErrorKind::NotFound => {
-                match OpenOptions::new()
-                    .read(true)
-                    .write(true)
-                    .create_new(true)
-                    .open(&path)
-                {
-                    Ok(file) => {
-                        // Size it now, so a full disk shows here, before
-                        // any key is held, and make its entry durable: the
-                        // key's token ceiling lives in it.
-                        file.set_len(FILE_LEN as u64)
-                            .and_then(|()| file.sync_all())
-                            .and_then(|()| unix::sync_dir(&self.dir))
-                            .map_err(|e| ProcessLockError::io("create the state file", &path, e))?;
-                        file
-                    }
-                    Err(err) if err.kind() == io::ErrorKind::AlreadyExists => open_rw(&path)
-                        .map_err(|e| ProcessLockError::io("open the state file", &path, e))?,
-                    Err(err) => {
-                        return Err(ProcessLockError::io("create the state file", &path, err))
-                    }
-                }
+                self.create_key(&path)?;
+                open_rw(&path).map_err(|e| ProcessLockError::io("open the state file", &path, e))?
             }
             Err(err) => return Err(ProcessLockError::io("open the state file", &path, err)),
         };
+        let map = KeyState::map(&state, &path, true)?;
         Ok(KeyFiles {
-            stem: stem.to_owned(),
+            stem: std::sync::Arc::from(stem),
             path,
             state,
+            map,
             spare: None,
+            epoch,
+            stale: false,
         })
     }
 
-    /// Puts a key's files, which hold no lock now, back into the cache.
+    /// Puts a key's files, which hold no lock now, back into the cache
+    /// (closes them if they were found deleted).
     pub(crate) fn put_back(&self, files: KeyFiles) {
-        self.cache.checkin(files);
+        if !files.stale {
+            self.cache.checkin(files);
+        }
     }
 
     /// A second open file of the key, for a helper thread to wait on.
@@ -267,78 +280,117 @@ impl Inner {
         }
     }
 
-    /// The judgement, made by a caller holding the key's state lock on
-    /// `files.state`. `have` is a slot the caller holds already; it is let
-    /// go unless the key is taken on it.
+    /// The judgement (see the module doc). `have` is a slot the caller
+    /// holds already; it is let go unless the key is taken on it. On an
+    /// error the caller drops (closes) the files, which frees their locks.
     fn judge(
         &self,
         files: &KeyFiles,
-        have: Option<Have>,
+        mut have: Option<Have>,
         lease: Option<Duration>,
     ) -> Result<Step, ProcessLockError> {
-        let mut state = State::load(&files.state, &files.path)?;
-        let now = unix::monotonic_ns();
-        let current = state.slot;
+        let map = &files.map;
         let let_go = |have: Option<Have>| match have {
             Some(h) => files.unlock_slot(h.slot, h.on),
             None => Ok(()),
         };
-        let (slot, on) = match state.holding() {
-            None => match have {
-                // Nobody holds the key: any slot of ours will do.
-                Some(h) => (h.slot, h.on),
-                None if files.try_slot(current)? => (current, On::State),
-                None => {
-                    return Ok(Step::WaitSlot {
+        loop {
+            let word = map.load();
+            let current = word.slot;
+            let mine = match have {
+                // The grant's slot is ours: its holder released or died.
+                Some(h) if h.slot == current => h,
+                _ if map.released(word) => match have {
+                    Some(h) => h,
+                    None if files.try_slot(current)? => Have {
                         slot: current,
-                        lease_deadline: None,
-                    })
+                        on: On::State,
+                    },
+                    None => {
+                        return Ok(Step::WaitSlot {
+                            slot: current,
+                            recheck: None,
+                        })
+                    }
+                },
+                _ if files.try_slot(current)? => {
+                    // Free: the holder is dead.
+                    let_go(have.take())?;
+                    Have {
+                        slot: current,
+                        on: On::State,
+                    }
                 }
-            },
-            Some(holder) => match have {
-                // The holder's slot is ours: it is dead.
-                Some(h) if h.slot == current => (h.slot, h.on),
-                have => {
-                    if files.try_slot(current)? {
-                        // Free: the holder is dead.
+                _ => {
+                    let now = unix::monotonic_ns();
+                    let Some(deadline) = map.lease_of(word) else {
+                        // Alive, its stamp not written yet.
                         let_go(have)?;
-                        (current, On::State)
-                    } else if holder.lease_deadline.is_some_and(|d| now >= d) {
-                        // Alive, past its lease: take over on another slot.
-                        match have {
-                            Some(h) => (h.slot, h.on),
-                            None => match self.free_slot(files, current)? {
-                                Some(slot) => (slot, On::State),
-                                None => return Ok(Step::Backoff),
-                            },
-                        }
-                    } else {
+                        let soon = u64::try_from(UNSTAMPED_RECHECK.as_nanos()).unwrap_or(0);
+                        return Ok(Step::WaitSlot {
+                            slot: current,
+                            recheck: Some(now.saturating_add(soon)),
+                        });
+                    };
+                    if now < deadline {
+                        // Alive, within its lease (or without one).
                         let_go(have)?;
                         return Ok(Step::WaitSlot {
                             slot: current,
-                            lease_deadline: holder.lease_deadline,
+                            recheck: (deadline != super::stamp::NO_LEASE).then_some(deadline),
                         });
                     }
+                    // Alive, past its lease: mark it taken, so that a renew
+                    // racing us fails (or makes us fail and judge again).
+                    if deadline != TAKEN
+                        && map
+                            .lease(current)
+                            .compare_exchange(deadline, TAKEN, Ordering::SeqCst, Ordering::SeqCst)
+                            .is_err()
+                    {
+                        continue;
+                    }
+                    // Take over on another slot.
+                    match have {
+                        Some(h) => h,
+                        None => match self.free_slot(files, current)? {
+                            Some(slot) => Have {
+                                slot,
+                                on: On::State,
+                            },
+                            None => return Ok(Step::Backoff),
+                        },
+                    }
                 }
-            },
-        };
-        // On an error from here the caller drops (closes) the files: the
-        // slot is let go with them, nothing is held.
-        let token = state.mint(&files.state, &files.path)?;
-        let lease_deadline =
-            lease.map(|l| now.saturating_add(u64::try_from(l.as_nanos()).unwrap_or(u64::MAX)));
-        state.slot = slot;
-        state.holder = Some(Stamp {
-            pid: unix::pid(),
-            token,
-            lease_deadline,
-            granted_mono: now,
-            granted_unix_ns: unix_now_ns(),
-            host: unix::hostname().to_owned(),
-            label: self.label.clone(),
-        });
-        state.store(&files.state, &files.path)?;
-        Ok(Step::Granted { slot, on, token })
+            };
+            let Some(token) = map.swap(word, mine.slot, &files.path)? else {
+                // The word moved: judge again, keeping the slot we hold.
+                have = Some(mine);
+                continue;
+            };
+            test_hook::after_swap();
+            map.reserve(token, &files.path)?;
+            let now = unix::monotonic_ns();
+            let lease_deadline =
+                lease.map(|l| now.saturating_add(u64::try_from(l.as_nanos()).unwrap_or(u64::MAX)));
+            map.write_stamp(
+                mine.slot,
+                &NewStamp {
+                    pid: unix::pid(),
+                    token,
+                    lease_deadline,
+                    granted_mono: now,
+                    granted_unix_ns: unix_now_ns(),
+                    host: unix::hostname(),
+                    label: self.label.as_deref(),
+                },
+            );
+            return Ok(Step::Granted {
+                slot: mine.slot,
+                on: mine.on,
+                token,
+            });
+        }
     }
 
     fn free_slot(&self, files: &KeyFiles, except: u32) -> Result<Option<u32>, ProcessLockError> {
@@ -350,53 +402,47 @@ impl Inner {
         Ok(None)
     }
 
-    /// One judgement by a caller that just took the state lock on
-    /// `files.state` (and `have`); both are let go, but for the slot of a
-    /// grant. `None`: the file had been deleted, `files` is opened afresh.
-    fn judge_locked(
+    /// One judgement, first making sure that the file is still linked if
+    /// a key file was opened in the directory since the last look (the
+    /// caller may hold `have`; see [`super::dir`]). `None`: the file had
+    /// been deleted; `files` is opened afresh (and `have` let go with the
+    /// old one).
+    #[inline]
+    fn judge_checked(
         &self,
         files: &mut KeyFiles,
         have: Option<Have>,
         lease: Option<Duration>,
     ) -> Result<Option<Step>, ProcessLockError> {
-        if files.unlinked()? {
-            // Closing the deleted file's descriptors lets its locks go.
-            *files = self.open_key(&files.stem)?;
-            return Ok(None);
+        let epoch = self.dir_state.epoch();
+        if epoch != files.epoch {
+            if files.unlinked()? {
+                // Closing the deleted file's descriptors lets its locks go.
+                *files = self.open_key(&std::sync::Arc::clone(&files.stem))?;
+                return Ok(None);
+            }
+            files.epoch = epoch;
         }
-        let step = self.judge(files, have, lease);
-        // On any error the caller drops the files, which frees their locks.
-        let unlocked = files.unlock_state();
-        let step = step?;
-        unlocked?;
-        Ok(Some(step))
+        self.judge(files, have, lease).map(Some)
     }
 
-    /// Takes the key now if no live holder has it (no wait beyond a moment
-    /// of contention on the state lock).
-    pub(crate) fn try_acquire(
+    /// Takes the key now if no live holder has it (no wait): `None` if one
+    /// has.
+    pub(crate) fn try_grant(
         &self,
         stem: &str,
         lease: Option<Duration>,
-    ) -> Result<Result<Grant, Option<Box<ProcessHolder>>>, ProcessLockError> {
+    ) -> Result<Option<Grant>, ProcessLockError> {
         let mut files = self.key_files(stem)?;
-        let mut backoff = Backoff::new();
-        for _ in 0..64 {
-            let Some(slot0) = files.try_state(true)? else {
-                if backoff.step > 6 {
-                    break;
-                }
-                std::thread::sleep(backoff.next());
-                continue;
-            };
-            let have = slot0.then_some(Have {
+        for _ in 0..4 {
+            let have = files.try_slot(0)?.then_some(Have {
                 slot: 0,
                 on: On::State,
             });
-            match self.judge_locked(&mut files, have, lease)? {
+            match self.judge_checked(&mut files, have, lease)? {
                 None => {}
                 Some(Step::Granted { slot, on, token }) => {
-                    return Ok(Ok(Grant {
+                    return Ok(Some(Grant {
                         files,
                         slot,
                         on,
@@ -407,7 +453,7 @@ impl Inner {
             }
         }
         self.put_back(files);
-        Ok(Err(self.holder_of(stem)?.map(Box::new)))
+        Ok(None)
     }
 
     /// Waits for the key until `deadline`.
@@ -427,48 +473,13 @@ impl Inner {
         let mut pending: Option<(u32, KernelWait)> = None;
         let mut backoff = Backoff::new();
         loop {
-            let mut locked = files.try_state(have.is_none())?;
-            for _ in 0..STATE_SPINS {
-                if locked.is_some() {
-                    break;
-                }
-                std::thread::yield_now();
-                locked = files.try_state(have.is_none())?;
-            }
-            let slot0 = match locked {
-                Some(slot0) => slot0,
-                None => {
-                    // Another process sits in the state lock: have the
-                    // kernel wake us when it leaves, on a new open file (the
-                    // spare may hold a slot).
-                    let file = open_rw(&files.path)
-                        .map_err(|e| ProcessLockError::io("open the state file", &files.path, e))?;
-                    let mut wait =
-                        KernelWait::start(file, Kind::Exclusive, STATE_BYTE).map_err(|e| {
-                            ProcessLockError::io("start a helper thread for", &files.path, e)
-                        })?;
-                    match wait_until(&mut wait, deadline).await {
-                        Some(Ok(file)) => {
-                            // The new open file is the state file now; the
-                            // old one (no locks) becomes the spare if free.
-                            let old = std::mem::replace(&mut files.state, file);
-                            if files.spare.is_none() && have.is_none() {
-                                files.spare = Some(old);
-                            }
-                        }
-                        Some(Err(e)) => return Err(ProcessLockError::io("lock", &files.path, e)),
-                        None => return Err(self.timeout(stem, started)),
-                    }
-                    false
-                }
-            };
-            if slot0 {
+            if have.is_none() && files.try_slot(0)? {
                 have = Some(Have {
                     slot: 0,
                     on: On::State,
                 });
             }
-            let Some(step) = self.judge_locked(&mut files, have.take(), lease)? else {
+            let Some(step) = self.judge_checked(&mut files, have.take(), lease)? else {
                 pending = None;
                 continue;
             };
@@ -481,19 +492,14 @@ impl Inner {
                         token,
                     })
                 }
-                Step::WaitSlot {
-                    slot,
-                    lease_deadline,
-                } => {
-                    if on_this_thread && deadline.is_none() && lease_deadline.is_none() {
+                Step::WaitSlot { slot, recheck } => {
+                    if on_this_thread && deadline.is_none() && recheck.is_none() {
                         // Only the kernel can end this wait: make it here,
                         // on the caller's own (blocking) thread.
                         drop(pending.take());
                         let file = self.spare(&mut files)?;
-                        helper::wait_here(|| {
-                            unix::lock_range(&file, Kind::Exclusive, slot_byte(slot), 1)
-                        })
-                        .map_err(|e| ProcessLockError::io("lock", &files.path, e))?;
+                        helper::wait_here(|| unix::lock_slot(&file, slot))
+                            .map_err(|e| ProcessLockError::io("lock", &files.path, e))?;
                         files.spare = Some(file);
                         have = Some(Have {
                             slot,
@@ -504,13 +510,12 @@ impl Inner {
                     if pending.as_ref().is_none_or(|(s, _)| *s != slot) {
                         drop(pending.take());
                         let file = self.spare(&mut files)?;
-                        let wait = KernelWait::start(file, Kind::Exclusive, slot_byte(slot))
-                            .map_err(|e| {
-                                ProcessLockError::io("start a helper thread for", &files.path, e)
-                            })?;
+                        let wait = KernelWait::start(file, slot).map_err(|e| {
+                            ProcessLockError::io("start a helper thread for", &files.path, e)
+                        })?;
                         pending = Some((slot, wait));
                     }
-                    let lapse = lease_deadline.map(instant_of_monotonic);
+                    let lapse = recheck.map(instant_of_monotonic);
                     let wake = match (deadline, lapse) {
                         (Some(a), Some(b)) => Some(a.min(b)),
                         (a, b) => a.or(b),
@@ -555,8 +560,8 @@ impl Inner {
         }
     }
 
-    /// Reads a key's owner stamp and asks the kernel whether its holder is
-    /// alive.
+    /// Reads a key's state word and owner stamp and asks the kernel whether
+    /// its holder is alive.
     pub(crate) fn holder_of(&self, stem: &str) -> Result<Option<ProcessHolder>, ProcessLockError> {
         let path = self.state_path(stem);
         let file = match File::open(&path) {
@@ -564,38 +569,66 @@ impl Inner {
             Err(err) if err.kind() == io::ErrorKind::NotFound => return Ok(None),
             Err(err) => return Err(ProcessLockError::io("open the state file", &path, err)),
         };
-        // The state lock, shared; if a process sits in it (stopped?) for
-        // long, read without it: a torn read then shows no holder.
-        let mut locked = false;
-        let mut backoff = Backoff::new();
-        while backoff.step < 8 {
-            if unix::try_lock_range(&file, Kind::Shared, STATE_BYTE, 1)
-                .map_err(|e| ProcessLockError::io("lock", &path, e))?
-            {
-                locked = true;
+        let map = KeyState::map(&file, &path, false)?;
+        if !map.this_boot() {
+            // Written before a reboot: nobody holds it now.
+            return Ok(None);
+        }
+        let mut word = map.load();
+        let mut stamp = None;
+        for _ in 0..16 {
+            if map.released(word) {
+                return Ok(None);
+            }
+            stamp = map.read_stamp(word);
+            if stamp.is_some() {
                 break;
             }
-            std::thread::sleep(backoff.next());
+            // Its stamp is being written: a moment.
+            std::thread::yield_now();
+            word = map.load();
         }
-        let state = State::load(&file, &path);
-        let state = match state {
-            Ok(state) => state,
-            Err(ProcessLockError::Corrupt { .. }) if !locked => return Ok(None),
-            Err(err) => return Err(err),
-        };
-        let Some(stamp) = state.holding() else {
-            return Ok(None);
-        };
+        let now = unix::monotonic_ns();
+        let stamp = stamp.unwrap_or_else(|| unstamped(word, now));
         // Alive while its slot is locked: a look at the lock, taking none.
-        let alive = unix::range_locked(&file, slot_byte(state.slot), 1)
+        let alive = unix::slot_locked(&file, word.slot)
             .map_err(|e| ProcessLockError::io("lock", &path, e))?;
+        drop(map);
         drop(file);
-        Ok(ProcessHolder::from_stamp(
-            stamp,
-            alive,
-            unix::monotonic_ns(),
-        ))
+        Ok(ProcessHolder::from_stamp(&stamp, alive, now))
     }
+}
+
+/// What is known of a grant whose stamp was never written (its holder
+/// died, or is stopped, between its grant and its stamp).
+fn unstamped(word: Word, now: u64) -> Stamp {
+    Stamp {
+        pid: 0,
+        token: word.token,
+        lease_deadline: None,
+        granted_mono: now,
+        granted_unix_ns: unix_now_ns(),
+        host: String::new(),
+        label: None,
+    }
+}
+
+/// A test hook: with the `test-util` feature, a process whose environment
+/// has `KEYLOCK_TEST_DIE_AFTER_SWAP` set aborts right after winning a
+/// grant's swap, before its stamp is written (the tests of a taker dying
+/// there). Without the feature it is nothing.
+mod test_hook {
+    #[cfg(feature = "test-util")]
+    pub(super) fn after_swap() {
+        static DIE: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+        if *DIE.get_or_init(|| std::env::var_os("KEYLOCK_TEST_DIE_AFTER_SWAP").is_some()) {
+            std::process::abort();
+        }
+    }
+
+    #[cfg(not(feature = "test-util"))]
+    #[inline(always)]
+    pub(super) fn after_swap() {}
 }
 
 struct DecOnDrop<'a>(&'a std::sync::atomic::AtomicUsize);

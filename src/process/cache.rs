@@ -1,10 +1,10 @@
-//! The descriptor cache: the open state files of the keys a table used
-//! last, so that taking a key again opens nothing.
+//! The descriptor cache: the open (and mapped) state files of the keys a
+//! table used last, so that taking a key again opens nothing.
 //!
 //! # Invariants
 //!
 //! - A cached [`KeyFiles`] holds no kernel lock: it is checked in only
-//!   after its slot and state locks were let go (a failed unlock drops the
+//!   after its slot lock was let go (a failed unlock drops the
 //!   files instead, and closing them frees their locks).
 //! - A [`KeyFiles`] is used by one acquirer or guard at a time: it is
 //!   *checked out* (removed from the cache) for the whole acquisition and
@@ -18,12 +18,13 @@
 //!   not exclude the parent's.
 //!
 //! The files of a key are never deleted by the table, and an acquirer
-//! re-checks after taking the state lock that the path still names the
-//! file it locked (`nlink != 0`), opening it again if not; so a cached
-//! descriptor of a deleted file is noticed at its next use.
+//! re-checks that the path still names the file it locked (`nlink != 0`)
+//! whenever a key file was opened in the directory since it last looked
+//! (see [`super::dir`]), opening it again if not; so a cached descriptor of
+//! a deleted file is noticed before the file that replaced it is locked.
 
 use std::collections::HashMap;
-use std::sync::{Mutex, PoisonError};
+use std::sync::{Arc, Mutex, PoisonError};
 
 use super::acquire::KeyFiles;
 use super::unix;
@@ -37,7 +38,7 @@ struct Entries {
     pid: u32,
     tick: u64,
     /// By stem: when last checked in, and the files.
-    map: HashMap<String, (u64, KeyFiles), foldhash::fast::RandomState>,
+    map: HashMap<Arc<str>, (u64, KeyFiles), foldhash::fast::RandomState>,
 }
 
 /// The open files of recently used keys (see the module doc).
@@ -95,10 +96,10 @@ impl FileCache {
                 .map
                 .iter()
                 .min_by_key(|(_, (t, _))| *t)
-                .map(|(stem, _)| stem.clone());
+                .map(|(stem, _)| Arc::clone(stem));
             evicted = oldest.and_then(|stem| entries.map.remove(&stem));
         }
-        let replaced = entries.map.insert(files.stem.clone(), (tick, files));
+        let replaced = entries.map.insert(Arc::clone(&files.stem), (tick, files));
         drop(entries);
         // Closing files is a system call: outside the lock.
         drop(evicted);

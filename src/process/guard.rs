@@ -1,14 +1,15 @@
 //! The guards of the process scope: a key held across processes, released
 //! on drop.
 
+use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::{Duration, Instant};
 
 use super::acquire::{instant_of_monotonic, Grant, KeyFiles, On};
 use super::error::ProcessLockError;
-use super::stamp::{write_released, State};
+use super::stamp::{Word, NO_LEASE, TAKEN};
 use super::table::{Inner, ProcessLockTable};
-use super::unix::{self, Kind, STATE_BYTE};
+use super::unix;
 use crate::{FencingToken, OwnedGuard, DEFAULT_MAX_LEASE};
 
 /// What a guard holds: the key's file (holding the slot's lock), its token,
@@ -30,57 +31,46 @@ pub(crate) struct Held<K> {
     inner: Arc<Inner>,
 }
 
-/// How a grant stands, read from the state file.
+/// How a grant stands, read from the shared state.
 enum Standing {
-    /// The stamp is ours and its lease (if any) has not lapsed.
-    Live(State),
-    /// The stamp is ours, past its lease; nobody took the key over yet.
-    Lapsed(State),
-    /// The stamp is another grant's (or none): the key was taken over.
+    /// The word names this grant and its lease word (the value given) has
+    /// not lapsed.
+    Live(u64),
+    /// The word names this grant, past its lease; nobody took the key yet.
+    Lapsed(u64),
+    /// The word names another grant, a taker marked the lease taken, or
+    /// the file was deleted: the key was (or is being) taken over.
     Lost,
 }
 
-/// Runs `f` on a key's state under its state lock (exclusive or shared),
-/// judging how the grant of `token` stands.
-fn with_state<R>(
+/// How the grant of `token` on `slot` stands now.
+fn standing(
     files: &KeyFiles,
     token: FencingToken,
-    exclusive: bool,
-    f: impl FnOnce(&KeyFiles, Standing) -> Result<R, ProcessLockError>,
-) -> Result<R, ProcessLockError> {
-    let kind = if exclusive {
-        Kind::Exclusive
+    slot: u32,
+) -> Result<Standing, ProcessLockError> {
+    if files.unlinked()? {
+        return Ok(Standing::Lost);
+    }
+    let map = &files.map;
+    if map.load()
+        != (Word {
+            token: token.get(),
+            slot,
+        })
+    {
+        return Ok(Standing::Lost);
+    }
+    // Our own slot's stamp: only we write it, but a taker may mark its
+    // lease word taken.
+    let lease = map.lease(slot).load(Ordering::SeqCst);
+    Ok(if lease == TAKEN {
+        Standing::Lost
+    } else if unix::monotonic_ns() >= lease {
+        Standing::Lapsed(lease)
     } else {
-        Kind::Shared
-    };
-    // The guard's own slot may be on the same open file: another byte, no
-    // conflict.
-    unix::lock_range(&files.state, kind, STATE_BYTE, 1)
-        .map_err(|e| ProcessLockError::io("lock", &files.path, e))?;
-    let result = (|| {
-        if unix::is_unlinked(&files.state)
-            .map_err(|e| ProcessLockError::io("stat", &files.path, e))?
-        {
-            return f(files, Standing::Lost);
-        }
-        let state = State::load(&files.state, &files.path)?;
-        let standing = match state.holding() {
-            Some(h) if h.token == token.get() => {
-                if h.lease_deadline.is_some_and(|d| unix::monotonic_ns() >= d) {
-                    Standing::Lapsed(state)
-                } else {
-                    Standing::Live(state)
-                }
-            }
-            _ => Standing::Lost,
-        };
-        f(files, standing)
-    })();
-    let unlocked = unix::unlock_range(&files.state, STATE_BYTE, 1)
-        .map_err(|e| ProcessLockError::io("unlock", &files.path, e));
-    let result = result?;
-    unlocked?;
-    Ok(result)
+        Standing::Live(lease)
+    })
 }
 
 impl<K> Held<K> {
@@ -100,34 +90,42 @@ impl<K> Held<K> {
         self.files.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
-    /// Runs `f` on the state under the state lock (exclusive or shared).
-    fn with_state<R>(
+    /// Runs `f` on the key's files and how the grant stands.
+    fn with_standing<R>(
         &self,
-        exclusive: bool,
         f: impl FnOnce(&KeyFiles, Standing) -> Result<R, ProcessLockError>,
     ) -> Result<R, ProcessLockError> {
         let files = self.files();
         match files.as_ref() {
-            Some(files) => with_state(files, self.token, exclusive, f),
+            Some(files) => f(files, standing(files, self.token, self.slot)?),
             None => Err(ProcessLockError::Expired { token: self.token }),
         }
     }
 
     fn check(&self) -> Result<FencingToken, ProcessLockError> {
         let token = self.token;
-        self.with_state(false, |_, standing| match standing {
+        let mut files = self.files();
+        let Some(files) = files.as_mut() else {
+            return Err(ProcessLockError::Expired { token });
+        };
+        match standing(files, token, self.slot)? {
             Standing::Live(_) => Ok(token),
-            _ => Err(ProcessLockError::Expired { token }),
-        })
+            _ => {
+                // Deleted: not to be used again by this process.
+                if files.unlinked()? {
+                    files.stale = true;
+                }
+                Err(ProcessLockError::Expired { token })
+            }
+        }
     }
 
     fn expires_at(&self) -> Result<Option<Instant>, ProcessLockError> {
         let token = self.token;
-        self.with_state(false, |_, standing| match standing {
-            Standing::Live(state) | Standing::Lapsed(state) => Ok(state
-                .holder
-                .and_then(|h| h.lease_deadline)
-                .map(instant_of_monotonic)),
+        self.with_standing(|_, standing| match standing {
+            Standing::Live(lease) | Standing::Lapsed(lease) => {
+                Ok((lease != NO_LEASE).then(|| instant_of_monotonic(lease)))
+            }
             Standing::Lost => Err(ProcessLockError::Expired { token }),
         })
     }
@@ -140,15 +138,28 @@ impl<K> Held<K> {
             });
         }
         let token = self.token;
-        self.with_state(true, |files, standing| match standing {
-            Standing::Live(mut state) => {
-                if let Some(h) = &mut state.holder {
-                    let nanos = u64::try_from(lease.as_nanos()).unwrap_or(u64::MAX);
-                    h.lease_deadline = Some(unix::monotonic_ns().saturating_add(nanos));
+        let slot = self.slot;
+        self.with_standing(|files, standing| {
+            let Standing::Live(mut seen) = standing else {
+                return Err(ProcessLockError::Expired { token });
+            };
+            let nanos = u64::try_from(lease.as_nanos()).unwrap_or(u64::MAX);
+            // A taker marks a lapsed lease word taken before it swaps the
+            // state word: of it and this swap, one fails.
+            loop {
+                let until = unix::monotonic_ns().saturating_add(nanos);
+                match files.map.lease(slot).compare_exchange(
+                    seen,
+                    until,
+                    Ordering::SeqCst,
+                    Ordering::SeqCst,
+                ) {
+                    Ok(_) => return Ok(()),
+                    // Renewed by another thread of this guard, or taken.
+                    Err(now) if now != TAKEN && unix::monotonic_ns() < now => seen = now,
+                    Err(_) => return Err(ProcessLockError::Expired { token }),
                 }
-                state.store(&files.state, &files.path)
             }
-            _ => Err(ProcessLockError::Expired { token }),
         })?;
         if let Some(local) = &self.local {
             let _ = local.renew(lease);
@@ -157,29 +168,28 @@ impl<K> Held<K> {
     }
 
     /// Writes the release into the slot's cell, then lets the slot and the
-    /// in-process grant go. With `checked`, first reads (under the shared
-    /// state lock) whether the grant was live to the end: `Ok(token)` if
-    /// so. Idempotent: a second call finds nothing to release.
+    /// in-process grant go. With `checked`, first reads whether the grant
+    /// was live to the end: `Ok(token)` if so. Idempotent: a second call
+    /// finds nothing to release.
     fn release(&mut self, checked: bool) -> Result<FencingToken, ProcessLockError> {
         let token = self.token;
         let Some(files) = self.files().take() else {
             return Err(ProcessLockError::Expired { token });
         };
         let verdict = if checked {
-            with_state(&files, token, false, |_, standing| match standing {
-                Standing::Live(_) => Ok(token),
+            match standing(&files, token, self.slot) {
+                Ok(Standing::Live(_)) => Ok(token),
                 // Lapsed (the cell below frees the key) or taken over (the
-                // stamp is the successor's, on another slot: the cell of
+                // word names the successor, on another slot: the cell of
                 // this grant's slot frees nothing of it).
-                _ => Err(ProcessLockError::Expired { token }),
-            })
+                Ok(_) => Err(ProcessLockError::Expired { token }),
+                Err(err) => Err(err),
+            }
         } else {
             Ok(token)
         };
-        // While the slot is still held: nobody else writes its cell. If the
-        // write fails, the next locker finds the slot free and judges this
-        // holder dead, which it now is as a holder.
-        let _ = write_released(&files.state, &files.path, self.slot, token.get());
+        // While the slot is still held: nobody else writes its cell.
+        files.map.release(self.slot, token.get());
         match files.unlock_slot(self.slot, self.on) {
             // No lock left on the files: they may serve the next lock.
             Ok(()) => self.inner.put_back(files),

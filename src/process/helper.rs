@@ -1,6 +1,6 @@
 //! Waiting for a kernel lock without blocking the caller: a helper thread
-//! makes the blocking lock call (`fcntl(F_OFD_SETLKW)` on one byte of the
-//! key's file) and wakes the waiting future when the kernel grants it.
+//! makes the blocking lock call (`flock` of the key's file for slot 0,
+//! `fcntl(F_OFD_SETLKW)` on one byte of it for the others) and wakes the waiting future when the kernel grants it.
 //!
 //! A [`KernelWait`] owns one request. The helper thread blocks in the kernel
 //! until the lock is its, then publishes the locked file in the request's
@@ -139,13 +139,13 @@ impl std::fmt::Debug for Cell {
 }
 
 impl KernelWait {
-    /// Starts waiting for the kernel lock of byte `byte` of `file`.
-    pub(crate) fn start(file: File, kind: unix::Kind, byte: u64) -> io::Result<Self> {
+    /// Starts waiting for the kernel lock of slot `slot` of `file`.
+    pub(crate) fn start(file: File, slot: u32) -> io::Result<Self> {
         let cell = Arc::new(Mutex::new(Cell::Waiting(None)));
         let theirs = Arc::clone(&cell);
         spawn(Box::new(move || {
             BLOCKED.fetch_add(1, Ordering::Relaxed);
-            let result = unix::lock_range(&file, kind, byte, 1);
+            let result = unix::lock_slot(&file, slot);
             BLOCKED.fetch_sub(1, Ordering::Relaxed);
             let result = result.map(|()| file);
             let mut cell = lock(&theirs);

@@ -30,30 +30,32 @@
 //!
 //! # How a dead holder and a stuck holder both lose the key
 //!
-//! Each key has a state file (token state and owner stamp) whose bytes
-//! carry its kernel locks: byte 0 is the short *state lock*, bytes 1 and up
-//! are *slots* (see `acquire.rs` for the details and docs/ARCHITECTURE.md,
-//! "Process scope"). The holder holds the kernel lock (an open file
-//! description lock, `fcntl(F_OFD_SETLK)`) of the slot its stamp names, for
-//! as long as it holds the key:
+//! Each key has a state file, mapped into the memory of every process that
+//! uses the key: a *state word* naming the current grant (its token and
+//! the *slot* its holder locks), owner stamps and release cells (see
+//! `acquire.rs` for the details and docs/ARCHITECTURE.md, "Process
+//! scope"). A grant is a compare-and-swap of the state word, made while
+//! holding the slot's kernel lock (`flock` of the file for slot 0, an open
+//! file description byte-range lock for the others), which the holder
+//! keeps for as long as it holds the key:
 //!
 //! - **A dead holder** loses its kernel lock when it dies, however it dies
 //!   (SIGKILL, a crash, a lost container): the kernel frees it and wakes
-//!   the next waiter, which finds the stamp's slot free and takes the key
+//!   the next waiter, which finds the word's slot free and takes the key
 //!   over. No pid is ever checked (pids are reused) and no age is ever
 //!   judged.
 //! - **A live holder past its lease** (stopped, stuck, or just slow) keeps
 //!   its kernel lock, so the kernel alone cannot take the key from it. Its
 //!   stamp carries the lease deadline on the host's monotonic clock; a
-//!   waiter woken at that deadline writes its own stamp and a higher token
-//!   under the key's short state lock, on another slot. The old holder's
-//!   `check()` and release read the stamp: it is not theirs any more, so
-//!   the check fails and the release frees nothing of the successor's.
+//!   waiter woken at that deadline marks the lease taken and swaps the
+//!   state word to a higher token on another slot. The old holder's
+//!   `check()` loads the word: it no longer names its grant, so the check
+//!   fails, and its release frees nothing of the successor's.
 //!
 //! # Fencing tokens
 //!
 //! Per key, tokens strictly increase across all processes and restarts:
-//! they are minted under the state lock from the last one written, and a
+//! each grant swaps the state word from the last token to the next, and a
 //! durable ceiling (written and synced once every 1,024 grants) keeps them
 //! increasing across a power loss or reboot too. Tokens of different keys
 //! are unrelated.
@@ -72,22 +74,27 @@
 //!
 //! # Files
 //!
-//! The directory holds `keylock.dir`, and per key one file,
-//! `key-<encoded>.state` (2 KiB). Key files are never deleted by the table:
-//! deleting a key's file while processes use it is unsupported (a holder of
-//! the deleted file then sees its `check()` fail, and every table notices
-//! at its next lock of the key, but the key starts afresh, tokens
-//! included). See [`MAX_ENCODED_KEY`] for the key encoding.
+//! The directory holds `keylock.dir` (one page: a counter of key file
+//! opens, mapped by every table), and per key one file,
+//! `key-<encoded>.state` (28 KiB, allocated when created). Key files are
+//! never deleted, truncated or replaced by the table: doing so while
+//! processes use them is unsupported (a holder of a deleted file sees its
+//! `check()` fail, and every table notices before it locks the file that
+//! replaced it, but the key starts afresh, tokens included; a file
+//! truncated while mapped makes its users crash with `SIGBUS`). See
+//! [`MAX_ENCODED_KEY`] for the key encoding.
 //!
-//! A table keeps the files of the keys it used last open, at most
-//! [`ProcessStats::MAX_CACHED_KEYS`] of them (a descriptor or two each), so
-//! that taking a key again opens nothing: an uncontended lock and release
-//! is seven system calls (see BENCHMARKS.md).
+//! A table keeps the files of the keys it used last open and mapped, at
+//! most [`ProcessStats::MAX_CACHED_KEYS`] of them (a descriptor or two
+//! each), so that taking a key again opens nothing: an uncontended lock and
+//! release is two system calls, the lock and the unlock of slot 0 (see
+//! BENCHMARKS.md).
 //!
 //! # File systems
 //!
 //! Local file systems: ext4, xfs, btrfs, tmpfs (open file description
-//! locks need Linux 3.15 or later). Not NFS or other network file systems
+//! locks need Linux 3.15 or later; the state is shared through the page
+//! cache, `mmap` with `MAP_SHARED`). Not NFS or other network file systems
 //! (their byte-range locks are the server's, which does not free the
 //! locks of a dead client at once, and the processes are on other hosts,
 //! whose monotonic clocks differ): use a cluster lock there.
@@ -99,10 +106,12 @@
 
 mod acquire;
 mod cache;
+mod dir;
 mod error;
 mod guard;
 mod helper;
 mod key;
+mod shared;
 mod stamp;
 mod table;
 mod unix;

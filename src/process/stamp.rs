@@ -1,81 +1,141 @@
-//! The owner stamp and the token state of one key, as stored in the key's
-//! state file, and the public view of a holder ([`ProcessHolder`]).
+//! The token state and the owner stamps of one key, as laid out in the
+//! key's state file and shared by every process through its mapping
+//! ([`super::shared`]), and the public view of a holder ([`ProcessHolder`]).
 //!
-//! # Layout of `<stem>.state` (2,048 bytes, little-endian)
+//! # Layout of `<stem>.state` (format 3, 28,672 bytes, 64-bit words)
 //!
 //! | offset | size | what |
 //! |--------|------|------|
-//! | 0      | 512  | the state record: last token, current slot, holder stamp |
-//! | 512    | 32   | reservation record A |
-//! | 1024   | 32   | reservation record B |
-//! | 1536   | 512  | the release cells: one token (8 bytes) per slot |
+//! | 0      | 8    | magic and format (`KLPS`, 3) |
+//! | 8      | 16   | the boot id the state was last trusted under |
+//! | 24     | 8    | the **state word**: `token << 6 \| slot` |
+//! | 64     | 24   | reservation record A |
+//! | 96     | 24   | reservation record B |
+//! | 512    | 512  | the release cells: one token per slot |
+//! | 4096   | 64 x 384 | the owner stamps: one per slot |
 //!
-//! The file's *bytes* 0 to 64 also carry its kernel locks (see
-//! [`super::acquire`]); locks are not data, so the layout above is unaffected.
+//! The file also carries its kernel locks (its `flock` lock and the
+//! byte-range locks of bytes 0 to 64; see [`super::acquire`]); locks are
+//! not data, so the layout is unaffected.
+//!
+//! The **state word** names the current grant: its token (the last one
+//! handed out) and the slot its holder locks. A grant is a
+//! compare-and-swap of the word from what the granter judged to the next
+//! token and its own slot: of two processes judging the same word, one
+//! wins; the other sees a new word and judges again.
 //!
 //! A **release cell** is written by the holder of its slot as it releases
-//! the key, with its token, without the state lock: only the holder of slot
-//! `n` ever writes cell `n`, and it does so while it still holds the slot.
-//! A stamp whose token is in its slot's cell was released (the key is free);
-//! one whose token is not, and whose slot is free, names a holder that died.
-//! A torn read of a cell (a concurrent release) reads as "not released",
-//! which leads to the same judgement as a released stamp: the slot is free,
-//! the key is taken over on it.
+//! the key (its token), before it lets the slot go: only the holder of slot
+//! `n` ever writes cell `n`. The word's grant was released when its token
+//! is in its slot's cell.
 //!
-//! The **state record** is rewritten in place on every grant and release,
-//! under the key's short kernel lock, and never `fsync`ed: after a process
-//! crash the page cache still holds it, which is all a restart of a process
-//! needs. It carries the boot id it was written under.
+//! An **owner stamp** (pid, token, lease deadline, grant times, host,
+//! label) is written by the holder of its slot right after the grant's
+//! compare-and-swap, token last (a sequence lock: the token is zeroed,
+//! the fields written, the token stored; a reader accepts the fields only
+//! if it read the same, expected token before and after them). A reader
+//! that finds the word's token ahead of the stamp of its slot sees a grant
+//! whose stamp is not written yet. Only the holder of a slot writes its
+//! stamp, with one exception, the **lease word** of a stamp (its deadline
+//! on the host's monotonic clock; [`NO_LEASE`] for none): `renew` moves it
+//! forward by compare-and-swap, and a taker replaces a lapsed one by
+//! [`TAKEN`] (a deadline long past) by compare-and-swap before it swaps the
+//! state word, so a renew racing a takeover loses or wins as a whole.
 //!
-//! A **reservation record** holds a token ceiling `R`: no token above `R` is
-//! ever handed out before a record holding `R` or more is on disk
-//! (`fdatasync`). A grant that would pass the ceiling first writes a new one,
-//! [`RESERVE_BLOCK`] higher, into whichever of A and B is older or invalid,
-//! and syncs it; so one grant in `RESERVE_BLOCK` pays a disk sync, and a torn
-//! write of one record (power lost during the write) leaves the other,
-//! older, ceiling intact. After a reboot (the state record's boot id is not
-//! this boot's, or the record is torn) the state record is not trusted: the
+//! The state is never `fsync`ed: after a process crash the page cache still
+//! holds it, which is all a restart of a process needs. A **reservation
+//! record** holds a token ceiling `R`: no token above `R` is ever handed
+//! out before a record holding `R` or more is on disk (`msync`). A grant
+//! that passes the ceiling first writes a new one, [`RESERVE_BLOCK`]
+//! higher, into whichever of A and B is older or invalid, and syncs it; so
+//! one grant in `RESERVE_BLOCK` pays a disk sync, and a torn write of one
+//! record (power lost during the write) leaves the other, older, ceiling
+//! intact. After a reboot (the boot id in the file is not this boot's) the
+//! state is not trusted: the first process to map the file resets it (the
 //! next token is the highest valid ceiling plus one, above every token
-//! handed out before the crash. Every record carries a checksum.
+//! handed out before the crash, and no holder), under the kernel lock of
+//! byte 0, and then writes this boot's id.
 
 use std::fmt;
 use std::fs::File;
-use std::os::unix::fs::FileExt;
 use std::path::Path;
+use std::sync::atomic::{fence, Ordering};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use super::error::ProcessLockError;
+use super::shared::Mapping;
 use super::unix;
 use crate::FencingToken;
 
 /// Bytes of a state file.
-pub(crate) const FILE_LEN: usize = 2048;
-const STATE_LEN: usize = 512;
-const RESERVE_AT: [usize; 2] = [512, 1024];
-const RESERVE_LEN: usize = 32;
-const STATE_MAGIC: &[u8; 4] = b"KLPS";
-const RESERVE_MAGIC: &[u8; 4] = b"KLPR";
-/// 2: release cells, a word-wise checksum, and the kernel locks on bytes
-/// of the state file (1 had slot files; a directory used by version 1 must
-/// not be shared with version 2, and a version 1 state file is refused as
-/// [`ProcessLockError::Corrupt`]).
-const VERSION: u32 = 2;
-const CELLS_AT: usize = 1536;
+pub(crate) const FILE_LEN: usize = STAMPS_AT + MAX_SLOTS as usize * STAMP_LEN;
+/// 3: the state in shared memory, a state word swapped atomically, one
+/// stamp per slot (2 had a 2,048-byte file read and written under a state
+/// lock; a format 2 file is refused as [`ProcessLockError::Corrupt`]).
+const VERSION: u32 = 3;
+const MAGIC: u64 = u64::from_le_bytes([b'K', b'L', b'P', b'S', VERSION as u8, 0, 0, 0]);
+const RESERVE_MAGIC: u64 = u64::from_le_bytes([b'K', b'L', b'P', b'R', VERSION as u8, 0, 0, 0]);
+const BOOT_AT: usize = 8;
+const WORD_AT: usize = 24;
+const RESERVE_AT: [usize; 2] = [64, 96];
+/// Where the ceilings live: the first page, which `msync` writes back.
+const RESERVE_PAGE: usize = 4096;
+const CELLS_AT: usize = 512;
+const STAMPS_AT: usize = 4096;
+const STAMP_LEN: usize = 384;
+// Offsets within a stamp.
+const S_TOKEN: usize = 0;
+const S_LEASE: usize = 8;
+const S_PID: usize = 16;
+const S_MONO: usize = 24;
+const S_UNIX: usize = 32;
+const S_LENS: usize = 40;
+const S_HOST: usize = 48;
+const S_LABEL: usize = 112;
 
 /// The most slots a key may use (one per stuck holder taken over).
 pub(crate) const MAX_SLOTS: u32 = 64;
-
-/// The offset of slot `slot`'s release cell.
-fn cell_at(slot: u32) -> usize {
-    CELLS_AT + 8 * slot.min(MAX_SLOTS - 1) as usize
-}
+const SLOT_BITS: u32 = 6;
+const _: () = assert!(1 << SLOT_BITS == MAX_SLOTS);
+const _: () = assert!(S_LABEL + 256 <= STAMP_LEN);
 
 /// How many tokens one durable reservation covers.
 pub(crate) const RESERVE_BLOCK: u64 = 1024;
+/// Tokens stay below this (the word keeps 58 bits of token).
+const TOKEN_LIMIT: u64 = (1 << (64 - SLOT_BITS)) - RESERVE_BLOCK;
+
+/// A lease word without a lease: never lapses.
+pub(crate) const NO_LEASE: u64 = u64::MAX;
+/// A lease word marked lapsed by a taker: a deadline long past, which a
+/// renew can no longer move.
+pub(crate) const TAKEN: u64 = 1;
 
 /// The longest label accepted, in bytes.
 pub const MAX_LABEL: usize = 255;
 const MAX_HOST: usize = 64;
+
+/// The state word: the current grant's token and slot.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Word {
+    /// The last token handed out (0: none yet).
+    pub(crate) token: u64,
+    /// The slot the holder of `token` locks.
+    pub(crate) slot: u32,
+}
+
+impl Word {
+    fn pack(self) -> u64 {
+        self.token << SLOT_BITS | u64::from(self.slot)
+    }
+
+    fn unpack(word: u64) -> Self {
+        #[allow(clippy::cast_possible_truncation)] // six bits
+        Self {
+            token: word >> SLOT_BITS,
+            slot: (word & u64::from(MAX_SLOTS - 1)) as u32,
+        }
+    }
+}
 
 /// The holder stamp as stored.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -92,285 +152,324 @@ pub(crate) struct Stamp {
     pub(crate) label: Option<String>,
 }
 
-/// A key's state as read under its kernel lock.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub(crate) struct State {
-    /// The last token handed out for the key (0: none yet).
-    pub(crate) last_token: u64,
-    /// The slot the holder locks (or the last holder locked).
-    pub(crate) slot: u32,
-    pub(crate) holder: Option<Stamp>,
-    /// The durable token ceiling.
-    pub(crate) reserved: u64,
-    /// Which reservation record is older or invalid: the next to write.
-    reserve_next: usize,
-    /// The release cell of `slot`: the token of the last holder of that
-    /// slot that released it.
-    pub(crate) released: u64,
+/// A stamp to write: [`Stamp`] with borrowed text.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct NewStamp<'a> {
+    pub(crate) pid: u32,
+    pub(crate) token: u64,
+    pub(crate) lease_deadline: Option<u64>,
+    pub(crate) granted_mono: u64,
+    pub(crate) granted_unix_ns: u64,
+    pub(crate) host: &'a str,
+    pub(crate) label: Option<&'a str>,
 }
 
-fn checksum(bytes: &[u8]) -> u64 {
+impl Stamp {
+    #[cfg(test)]
+    fn borrow(&self) -> NewStamp<'_> {
+        NewStamp {
+            pid: self.pid,
+            token: self.token,
+            lease_deadline: self.lease_deadline,
+            granted_mono: self.granted_mono,
+            granted_unix_ns: self.granted_unix_ns,
+            host: &self.host,
+            label: self.label.as_deref(),
+        }
+    }
+}
+
+fn checksum(words: &[u64]) -> u64 {
     // A multiply-xor-rotate over 64-bit words: detects torn or foreign
     // records, not an adversary. Every step is a bijection of `h`, so two
     // records that differ in one word always differ in their checksums.
     const K: u64 = 0x9e37_79b9_7f4a_7c15;
-    let mut h: u64 = 0xcbf2_9ce4_8422_2325 ^ bytes.len() as u64;
-    let mut words = bytes.chunks_exact(8);
-    for word in &mut words {
-        let word = u64::from_le_bytes(word.try_into().expect("8 bytes"));
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325 ^ words.len() as u64;
+    for &word in words {
         h = (h ^ word).wrapping_mul(K).rotate_left(31);
-    }
-    for &b in words.remainder() {
-        h = (h ^ u64::from(b)).wrapping_mul(K).rotate_left(31);
     }
     h
 }
 
-fn u32_at(buf: &[u8], at: usize) -> u32 {
-    u32::from_le_bytes(buf[at..at + 4].try_into().expect("4 bytes"))
+fn stamp_at(slot: u32) -> usize {
+    STAMPS_AT + STAMP_LEN * slot.min(MAX_SLOTS - 1) as usize
 }
 
-fn u64_at(buf: &[u8], at: usize) -> u64 {
-    u64::from_le_bytes(buf[at..at + 8].try_into().expect("8 bytes"))
+fn cell_at(slot: u32) -> usize {
+    CELLS_AT + 8 * slot.min(MAX_SLOTS - 1) as usize
 }
 
-fn decode_reserve(buf: &[u8]) -> Option<u64> {
-    if &buf[0..4] != RESERVE_MAGIC || u32_at(buf, 4) != VERSION {
-        return None;
+/// The bytes of a new state file's first page: the magic, this boot's id,
+/// no grant yet, no reservation.
+pub(crate) fn new_file_header() -> Vec<u8> {
+    let mut page = vec![0u8; STAMPS_AT];
+    page[0..8].copy_from_slice(&MAGIC.to_le_bytes());
+    page[BOOT_AT..BOOT_AT + 16].copy_from_slice(&unix::boot_id());
+    page
+}
+
+fn boot_words() -> [u64; 2] {
+    let id = unix::boot_id();
+    [
+        u64::from_le_bytes(id[..8].try_into().expect("8 bytes")),
+        u64::from_le_bytes(id[8..].try_into().expect("8 bytes")),
+    ]
+}
+
+/// A key's state, in its mapped state file.
+#[derive(Debug)]
+pub(crate) struct KeyState {
+    map: Mapping,
+}
+
+impl KeyState {
+    /// Maps a state file, refusing one that is not a format 3 state file
+    /// ([`ProcessLockError::Corrupt`]). With `writable`, a state left from
+    /// another boot is reset first (see the module doc).
+    pub(crate) fn map(file: &File, path: &Path, writable: bool) -> Result<Self, ProcessLockError> {
+        let len = file
+            .metadata()
+            .map_err(|e| ProcessLockError::io("stat", path, e))?
+            .len();
+        if len != FILE_LEN as u64 {
+            return Err(ProcessLockError::Corrupt { path: path.into() });
+        }
+        let map = Mapping::map(file, FILE_LEN, writable)
+            .map_err(|e| ProcessLockError::io("map", path, e))?;
+        let state = Self { map };
+        if state.map.word(0).load(Ordering::Acquire) != MAGIC {
+            return Err(ProcessLockError::Corrupt { path: path.into() });
+        }
+        if writable && !state.this_boot() {
+            state.reset_after_reboot(file, path)?;
+        }
+        Ok(state)
     }
-    (checksum(&buf[..24]) == u64_at(buf, 24)).then(|| u64_at(buf, 8))
-}
 
-fn encode_reserve(reserved: u64) -> [u8; RESERVE_LEN] {
-    let mut buf = [0u8; RESERVE_LEN];
-    buf[0..4].copy_from_slice(RESERVE_MAGIC);
-    buf[4..8].copy_from_slice(&VERSION.to_le_bytes());
-    buf[8..16].copy_from_slice(&reserved.to_le_bytes());
-    let sum = checksum(&buf[..24]);
-    buf[24..32].copy_from_slice(&sum.to_le_bytes());
-    buf
-}
+    /// Whether the state was last trusted under this boot.
+    pub(crate) fn this_boot(&self) -> bool {
+        let [a, b] = boot_words();
+        self.map.word(BOOT_AT).load(Ordering::Acquire) == a
+            && self.map.word(BOOT_AT + 8).load(Ordering::Acquire) == b
+    }
 
-/// What the state record says, before it is weighed against the boot.
-enum Record {
-    /// Never written (a new file).
-    Empty,
-    /// Written and intact.
-    Valid {
-        boot: [u8; 16],
-        last_token: u64,
+    /// The first process of a boot to map the file: no holder survived
+    /// and tokens may have been handed out above the word (never synced),
+    /// never above the durable ceiling. Under the kernel lock of byte 0,
+    /// so that exactly one process resets it.
+    fn reset_after_reboot(&self, file: &File, path: &Path) -> Result<(), ProcessLockError> {
+        unix::lock_range(file, unix::Kind::Exclusive, unix::BOOT_BYTE, 1)
+            .map_err(|e| ProcessLockError::io("lock", path, e))?;
+        if !self.this_boot() {
+            let (reserved, _) = self.reserved();
+            self.word().store(
+                Word {
+                    token: reserved,
+                    slot: 0,
+                }
+                .pack(),
+                Ordering::SeqCst,
+            );
+            self.map.word(cell_at(0)).store(reserved, Ordering::SeqCst);
+            let [a, b] = boot_words();
+            self.map.word(BOOT_AT).store(a, Ordering::SeqCst);
+            self.map.word(BOOT_AT + 8).store(b, Ordering::SeqCst);
+        }
+        unix::unlock_range(file, unix::BOOT_BYTE, 1)
+            .map_err(|e| ProcessLockError::io("unlock", path, e))
+    }
+
+    fn word(&self) -> &std::sync::atomic::AtomicU64 {
+        self.map.word(WORD_AT)
+    }
+
+    /// The current grant.
+    #[inline]
+    pub(crate) fn load(&self) -> Word {
+        Word::unpack(self.word().load(Ordering::SeqCst))
+    }
+
+    /// Swaps the state word from `seen` to the next token on `slot`: the
+    /// grant. `Ok(None)` if the word is no longer `seen`.
+    #[inline]
+    pub(crate) fn swap(
+        &self,
+        seen: Word,
         slot: u32,
-        holder: Option<Stamp>,
-    },
-    /// A keylock record whose checksum fails (torn by a crash).
-    Torn,
-    /// Not a keylock record, or a newer format.
-    Foreign,
-}
-
-fn decode_state(buf: &[u8]) -> Record {
-    if buf.iter().all(|&b| b == 0) {
-        return Record::Empty;
-    }
-    if &buf[0..4] != STATE_MAGIC || u32_at(buf, 4) != VERSION {
-        return Record::Foreign;
-    }
-    if checksum(&buf[..STATE_LEN - 8]) != u64_at(buf, STATE_LEN - 8) {
-        return Record::Torn;
-    }
-    let flags = u32_at(buf, 8);
-    let mut boot = [0u8; 16];
-    boot.copy_from_slice(&buf[64..80]);
-    let text = |len_at: usize, max: usize| {
-        let len = usize::from(buf[len_at]).min(max);
-        String::from_utf8_lossy(&buf[len_at + 1..len_at + 1 + len]).into_owned()
-    };
-    let holder = (flags & 1 != 0).then(|| {
-        let lease = u64_at(buf, 32);
-        Stamp {
-            pid: u32_at(buf, 20),
-            token: u64_at(buf, 24),
-            lease_deadline: (flags & 2 != 0).then_some(lease),
-            granted_mono: u64_at(buf, 40),
-            granted_unix_ns: u64_at(buf, 48),
-            host: text(80, MAX_HOST),
-            label: (flags & 4 != 0).then(|| text(145, MAX_LABEL)),
+        path: &Path,
+    ) -> Result<Option<u64>, ProcessLockError> {
+        let token = seen.token + 1;
+        if token >= TOKEN_LIMIT {
+            return Err(ProcessLockError::InvalidOptions {
+                option: "token",
+                reason: format!("the fencing tokens of `{}` are exhausted", path.display()),
+            });
         }
-    });
-    Record::Valid {
-        boot,
-        last_token: u64_at(buf, 12),
-        slot: u32_at(buf, 56),
-        holder,
+        let next = Word { token, slot }.pack();
+        Ok(self
+            .word()
+            .compare_exchange(seen.pack(), next, Ordering::SeqCst, Ordering::SeqCst)
+            .is_ok()
+            .then_some(token))
     }
-}
 
-fn encode_state(state: &State) -> [u8; STATE_LEN] {
-    let mut buf = [0u8; STATE_LEN];
-    buf[0..4].copy_from_slice(STATE_MAGIC);
-    buf[4..8].copy_from_slice(&VERSION.to_le_bytes());
-    let mut flags = 0u32;
-    buf[12..20].copy_from_slice(&state.last_token.to_le_bytes());
-    buf[56..60].copy_from_slice(&state.slot.to_le_bytes());
-    buf[64..80].copy_from_slice(&unix::boot_id());
-    if let Some(h) = &state.holder {
-        flags |= 1;
-        buf[20..24].copy_from_slice(&h.pid.to_le_bytes());
-        buf[24..32].copy_from_slice(&h.token.to_le_bytes());
-        if let Some(deadline) = h.lease_deadline {
-            flags |= 2;
-            buf[32..40].copy_from_slice(&deadline.to_le_bytes());
-        }
-        buf[40..48].copy_from_slice(&h.granted_mono.to_le_bytes());
-        buf[48..56].copy_from_slice(&h.granted_unix_ns.to_le_bytes());
-        let mut put = |len_at: usize, max: usize, s: &str| {
-            let mut len = s.len().min(max);
-            while !s.is_char_boundary(len) {
-                len -= 1;
-            }
-            #[allow(clippy::cast_possible_truncation)] // at most 255
-            {
-                buf[len_at] = len as u8;
-            }
-            buf[len_at + 1..len_at + 1 + len].copy_from_slice(&s.as_bytes()[..len]);
+    /// Whether the grant of `word` was released (or there was none).
+    #[inline]
+    pub(crate) fn released(&self, word: Word) -> bool {
+        word.token == 0 || self.map.word(cell_at(word.slot)).load(Ordering::SeqCst) == word.token
+    }
+
+    /// Writes slot `slot`'s release cell: the holder of token `token`,
+    /// which holds that slot, lets the key go.
+    #[inline]
+    pub(crate) fn release(&self, slot: u32, token: u64) {
+        self.map.word(cell_at(slot)).store(token, Ordering::SeqCst);
+    }
+
+    /// The lease word of slot `slot`'s stamp (see the module doc).
+    #[inline]
+    pub(crate) fn lease(&self, slot: u32) -> &std::sync::atomic::AtomicU64 {
+        self.map.word(stamp_at(slot) + S_LEASE)
+    }
+
+    /// The lease word of the grant `word`, if the stamp of its slot is
+    /// its stamp (`None`: not written yet).
+    #[inline]
+    pub(crate) fn lease_of(&self, word: Word) -> Option<u64> {
+        let at = stamp_at(word.slot);
+        (self.map.word(at + S_TOKEN).load(Ordering::Acquire) == word.token)
+            .then(|| self.lease(word.slot).load(Ordering::SeqCst))
+    }
+
+    /// The durable ceiling, and which record to overwrite next.
+    fn reserved(&self) -> (u64, usize) {
+        let read = |at: usize| {
+            let w = [0, 8, 16].map(|o| self.map.word(at + o).load(Ordering::Acquire));
+            (w[0] == RESERVE_MAGIC && checksum(&w[..2]) == w[2]).then_some(w[1])
         };
-        put(80, MAX_HOST, &h.host);
-        if let Some(label) = &h.label {
-            flags |= 4;
-            put(145, MAX_LABEL, label);
-        }
-    }
-    buf[8..12].copy_from_slice(&flags.to_le_bytes());
-    let sum = checksum(&buf[..STATE_LEN - 8]);
-    buf[STATE_LEN - 8..].copy_from_slice(&sum.to_le_bytes());
-    buf
-}
-
-fn read_all(file: &File, path: &Path) -> Result<[u8; FILE_LEN], ProcessLockError> {
-    let mut buf = [0u8; FILE_LEN];
-    let mut read = 0;
-    while read < FILE_LEN {
-        match file.read_at(&mut buf[read..], read as u64) {
-            Ok(0) => break, // a new or short file: the rest reads as zeros
-            Ok(n) => read += n,
-            Err(err) if err.kind() == std::io::ErrorKind::Interrupted => {}
-            Err(err) => return Err(ProcessLockError::io("read the state file", path, err)),
-        }
-    }
-    Ok(buf)
-}
-
-impl State {
-    /// Reads a key's state. The caller holds the key's kernel lock
-    /// (exclusive to change it, shared to look).
-    pub(crate) fn load(file: &File, path: &Path) -> Result<Self, ProcessLockError> {
-        let buf = read_all(file, path)?;
-        let reserves = RESERVE_AT.map(|at| decode_reserve(&buf[at..at + RESERVE_LEN]));
-        let reserved = reserves.iter().flatten().copied().max().unwrap_or(0);
+        let records = RESERVE_AT.map(read);
+        let reserved = records.iter().flatten().copied().max().unwrap_or(0);
         // Overwrite the invalid record, else the lower one.
-        let reserve_next = match reserves {
+        let next = match records {
             [None, _] => 0,
             [_, None] => 1,
             [Some(a), Some(b)] => usize::from(b < a),
         };
-        let fresh = Self {
-            last_token: reserved,
-            slot: 0,
-            holder: None,
-            reserved,
-            reserve_next,
-            released: 0,
-        };
-        match decode_state(&buf[..STATE_LEN]) {
-            Record::Empty => {
-                let rest_empty = buf[STATE_LEN..].iter().all(|&b| b == 0);
-                if reserves.iter().all(Option::is_none) && !rest_empty {
-                    return Err(ProcessLockError::Corrupt { path: path.into() });
-                }
-                Ok(fresh)
-            }
-            Record::Foreign => Err(ProcessLockError::Corrupt { path: path.into() }),
-            // Torn by a crash: every token handed out is at most the
-            // durable ceiling, and no holder survived.
-            Record::Torn => Ok(fresh),
-            Record::Valid {
-                boot,
-                last_token,
-                slot,
-                holder,
-            } if slot < MAX_SLOTS => {
-                if boot != unix::boot_id() {
-                    // Written before a reboot: its holder is gone, its
-                    // deadline meaningless, and tokens may have been handed
-                    // out after it was last written (it is never synced); the
-                    // ceiling covers them.
-                    return Ok(fresh);
-                }
-                // Same boot: the page cache is the truth (the record may be
-                // above a ceiling whose newest copy was torn, never below
-                // a token handed out).
-                Ok(Self {
-                    last_token,
-                    slot,
-                    holder,
-                    reserved,
-                    reserve_next,
-                    released: u64_at(&buf, cell_at(slot)),
-                })
-            }
-            Record::Valid { .. } => Err(ProcessLockError::Corrupt { path: path.into() }),
+        (reserved, next)
+    }
+
+    /// Makes a ceiling at or above `token` durable before it is handed out
+    /// (the caller won the grant of `token`).
+    #[inline]
+    pub(crate) fn reserve(&self, token: u64, path: &Path) -> Result<(), ProcessLockError> {
+        let (reserved, next) = self.reserved();
+        if token <= reserved {
+            return Ok(());
         }
+        let ceiling = token + RESERVE_BLOCK;
+        let at = RESERVE_AT[next];
+        self.map.word(at).store(RESERVE_MAGIC, Ordering::Release);
+        self.map.word(at + 8).store(ceiling, Ordering::Release);
+        let sum = checksum(&[RESERVE_MAGIC, ceiling]);
+        self.map.word(at + 16).store(sum, Ordering::Release);
+        self.map
+            .sync(RESERVE_PAGE)
+            .map_err(|err| ProcessLockError::io("reserve fencing tokens in", path, err))
     }
 
-    /// The stamp of the key's holder: `None` if there is none or it was
-    /// released (its token is in its slot's release cell). A holder named
-    /// here may be dead: its slot's kernel lock says.
-    pub(crate) fn holding(&self) -> Option<&Stamp> {
-        self.holder.as_ref().filter(|h| h.token != self.released)
-    }
-
-    /// Mints the next token, first making its ceiling durable if it passes
-    /// the current one.
-    pub(crate) fn mint(&mut self, file: &File, path: &Path) -> Result<u64, ProcessLockError> {
-        let token = self
-            .last_token
-            .checked_add(1)
-            .filter(|&t| t < u64::MAX - RESERVE_BLOCK)
-            .ok_or_else(|| ProcessLockError::InvalidOptions {
-                option: "token",
-                reason: format!("the fencing tokens of `{}` are exhausted", path.display()),
-            })?;
-        if token > self.reserved {
-            let ceiling = token + RESERVE_BLOCK;
-            let at = RESERVE_AT[self.reserve_next];
-            file.write_all_at(&encode_reserve(ceiling), at as u64)
-                .and_then(|()| file.sync_data())
-                .map_err(|err| ProcessLockError::io("reserve fencing tokens in", path, err))?;
-            self.reserved = ceiling;
-            self.reserve_next ^= 1;
+    /// Writes slot `slot`'s stamp (its holder does, right after its grant).
+    pub(crate) fn write_stamp(&self, slot: u32, stamp: &NewStamp<'_>) {
+        let at = stamp_at(slot);
+        let w = |o: usize| self.map.word(at + o);
+        w(S_TOKEN).store(0, Ordering::Relaxed);
+        fence(Ordering::Release);
+        w(S_LEASE).store(stamp.lease_deadline.unwrap_or(NO_LEASE), Ordering::Relaxed);
+        w(S_PID).store(u64::from(stamp.pid), Ordering::Relaxed);
+        w(S_MONO).store(stamp.granted_mono, Ordering::Relaxed);
+        w(S_UNIX).store(stamp.granted_unix_ns, Ordering::Relaxed);
+        let host = cut(stamp.host, MAX_HOST);
+        let label = stamp.label.map(|l| cut(l, MAX_LABEL));
+        let lens = host.len() as u64
+            | (label.map_or(0, str::len) as u64) << 8
+            | u64::from(label.is_some()) << 16;
+        w(S_LENS).store(lens, Ordering::Relaxed);
+        put_text(host.as_bytes(), |i, v| {
+            w(S_HOST + 8 * i).store(v, Ordering::Relaxed)
+        });
+        if let Some(label) = label {
+            put_text(label.as_bytes(), |i, v| {
+                w(S_LABEL + 8 * i).store(v, Ordering::Relaxed);
+            });
         }
-        self.last_token = token;
-        Ok(token)
+        w(S_TOKEN).store(stamp.token, Ordering::Release);
     }
 
-    /// Writes the state record (not synced; see the module doc).
-    pub(crate) fn store(&self, file: &File, path: &Path) -> Result<(), ProcessLockError> {
-        file.write_all_at(&encode_state(self), 0)
-            .map_err(|err| ProcessLockError::io("write the owner stamp to", path, err))
+    /// Reads the stamp of the grant `word`: `None` if the stamp of its slot
+    /// is not (or not yet) that grant's, or was being rewritten.
+    pub(crate) fn read_stamp(&self, word: Word) -> Option<Stamp> {
+        let at = stamp_at(word.slot);
+        let w = |o: usize| self.map.word(at + o).load(Ordering::Relaxed);
+        let before = self.map.word(at + S_TOKEN).load(Ordering::Acquire);
+        if before != word.token || before == 0 {
+            return None;
+        }
+        let lease = w(S_LEASE);
+        let pid = w(S_PID);
+        let granted_mono = w(S_MONO);
+        let granted_unix_ns = w(S_UNIX);
+        let lens = w(S_LENS);
+        #[allow(clippy::cast_possible_truncation)] // masked to a byte
+        let (host_len, label_len) = ((lens & 0xFF) as usize, (lens >> 8 & 0xFF) as usize);
+        let host = get_text(host_len.min(MAX_HOST), |i| w(S_HOST + 8 * i));
+        let label = (lens >> 16 & 1 != 0).then(|| get_text(label_len, |i| w(S_LABEL + 8 * i)));
+        fence(Ordering::Acquire);
+        let after = self.map.word(at + S_TOKEN).load(Ordering::Relaxed);
+        (after == before).then(|| Stamp {
+            #[allow(clippy::cast_possible_truncation)] // written from a u32
+            pid: pid as u32,
+            token: before,
+            lease_deadline: (lease != NO_LEASE).then_some(lease),
+            granted_mono,
+            granted_unix_ns,
+            host,
+            label,
+        })
     }
 }
 
-/// Writes slot `slot`'s release cell: the holder of token `token`, which
-/// holds that slot, lets the key go. Not under the state lock (see the
-/// module doc).
-pub(crate) fn write_released(
-    file: &File,
-    path: &Path,
-    slot: u32,
-    token: u64,
-) -> Result<(), ProcessLockError> {
-    file.write_all_at(&token.to_le_bytes(), cell_at(slot) as u64)
-        .map_err(|err| ProcessLockError::io("write the release of", path, err))
+/// `s` cut to at most `max` bytes, on a character boundary.
+fn cut(s: &str, max: usize) -> &str {
+    let mut len = s.len().min(max);
+    while !s.is_char_boundary(len) {
+        len -= 1;
+    }
+    &s[..len]
+}
+
+fn put_text(bytes: &[u8], mut store: impl FnMut(usize, u64)) {
+    for (i, chunk) in bytes.chunks(8).enumerate() {
+        let mut word = [0u8; 8];
+        word[..chunk.len()].copy_from_slice(chunk);
+        store(i, u64::from_le_bytes(word));
+    }
+}
+
+fn get_text(len: usize, load: impl Fn(usize) -> u64) -> String {
+    let bytes: Vec<u8> = (0..len.div_ceil(8))
+        .flat_map(|i| load(i).to_le_bytes())
+        .take(len)
+        .collect();
+    String::from_utf8_lossy(&bytes).into_owned()
+}
+
+/// Makes `file` (new, empty) a state file: allocates all its blocks (a
+/// full disk fails here, never at a later store into the mapping), writes
+/// its header (magic, this boot's id, no grant) and syncs it.
+pub(crate) fn init_file(file: &File) -> std::io::Result<()> {
+    use std::os::unix::fs::FileExt;
+    unix::allocate(file, FILE_LEN as u64)?;
+    file.write_all_at(&new_file_header(), 0)?;
+    file.sync_all()
 }
 
 /// Who holds a key, as its owner stamp says, judged at the moment of the
@@ -401,7 +500,9 @@ pub(crate) fn write_released(
 #[derive(Debug, Clone, PartialEq, Eq)]
 #[non_exhaustive]
 pub struct ProcessHolder {
-    /// The holder's process id.
+    /// The holder's process id; 0 (and no host, label or lease) for a
+    /// grant whose stamp was never written: its holder died, or stopped,
+    /// in the microseconds between taking the key and writing its stamp.
     pub pid: u32,
     /// Whether the holder still holds its kernel lock. `false`: it died (or
     /// its files were replaced); the next locker takes the key at once.
@@ -472,11 +573,12 @@ pub(crate) fn unix_now_ns() -> u64 {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::os::unix::fs::FileExt;
 
-    fn stamp() -> Stamp {
+    fn stamp(token: u64) -> Stamp {
         Stamp {
             pid: 42,
-            token: 7,
+            token,
             lease_deadline: Some(123),
             granted_mono: 100,
             granted_unix_ns: 5,
@@ -485,51 +587,8 @@ mod tests {
         }
     }
 
-    #[test]
-    #[cfg_attr(miri, ignore = "reads the system (boot id, files): not under miri")]
-    fn a_state_record_round_trips_with_long_text_cut_on_char_boundaries() {
-        let state = State {
-            last_token: 9,
-            slot: 3,
-            holder: Some(stamp()),
-            ..State::default()
-        };
-        let Record::Valid {
-            last_token,
-            slot,
-            holder,
-            boot,
-        } = decode_state(&encode_state(&state))
-        else {
-            panic!("not valid")
-        };
-        assert_eq!((last_token, slot, boot), (9, 3, unix::boot_id()));
-        let holder = holder.unwrap();
-        assert_eq!(holder.host.len(), MAX_HOST);
-        assert_eq!(
-            holder.label.as_ref().unwrap().len(),
-            254,
-            "127 two-byte chars"
-        );
-        assert_eq!(holder.lease_deadline, Some(123));
-    }
-
-    #[test]
-    #[cfg_attr(miri, ignore = "reads the system (boot id, files): not under miri")]
-    fn a_torn_record_is_detected() {
-        let mut buf = encode_state(&State::default());
-        buf[13] ^= 1;
-        assert!(matches!(decode_state(&buf), Record::Torn));
-        let mut r = encode_reserve(77);
-        assert_eq!(decode_reserve(&r), Some(77));
-        r[9] ^= 4;
-        assert_eq!(decode_reserve(&r), None);
-    }
-
-    #[test]
-    #[cfg_attr(miri, ignore = "reads the system (boot id, files): not under miri")]
-    fn after_a_reboot_tokens_restart_above_the_durable_ceiling() {
-        let dir = std::env::temp_dir().join(format!("keylock-stamp-{}", std::process::id()));
+    fn temp(name: &str) -> (std::path::PathBuf, std::path::PathBuf, File) {
+        let dir = std::env::temp_dir().join(format!("keylock-stamp-{name}-{}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
         let path = dir.join("s");
         let file = std::fs::OpenOptions::new()
@@ -539,34 +598,116 @@ mod tests {
             .truncate(true)
             .open(&path)
             .unwrap();
-        let mut state = State::load(&file, &path).unwrap();
+        init_file(&file).unwrap();
+        (dir, path, file)
+    }
+
+    #[test]
+    #[cfg_attr(miri, ignore = "maps files: not under miri")]
+    fn a_stamp_round_trips_with_long_text_cut_on_char_boundaries() {
+        let (dir, path, file) = temp("round");
+        let state = KeyState::map(&file, &path, true).unwrap();
+        let word = state.load();
+        assert_eq!(word, Word { token: 0, slot: 0 });
+        assert!(state.released(word));
+        let token = state.swap(word, 3, &path).unwrap().unwrap();
+        assert_eq!(token, 1);
+        assert_eq!(state.swap(word, 3, &path).unwrap(), None, "stale word");
+        let word = state.load();
+        assert_eq!(word, Word { token: 1, slot: 3 });
+        assert!(!state.released(word));
+        assert_eq!(state.read_stamp(word), None, "not written yet");
+        assert_eq!(state.lease_of(word), None);
+        state.write_stamp(3, &stamp(1).borrow());
+        let read = state.read_stamp(word).unwrap();
+        assert_eq!(read.host.len(), MAX_HOST);
+        assert_eq!(
+            read.label.as_ref().unwrap().len(),
+            254,
+            "127 two-byte chars"
+        );
+        assert_eq!(read.lease_deadline, Some(123));
+        assert_eq!(state.lease_of(word), Some(123));
+        // Another process sees the same memory.
+        let other = KeyState::map(&file, &path, false).unwrap();
+        assert_eq!(other.read_stamp(word), Some(read));
+        state.release(3, 1);
+        assert!(other.released(other.load()));
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    #[cfg_attr(miri, ignore = "maps files: not under miri")]
+    fn a_stamp_being_rewritten_or_of_another_grant_is_not_read() {
+        let (dir, path, file) = temp("torn");
+        let state = KeyState::map(&file, &path, true).unwrap();
+        let word = Word { token: 7, slot: 2 };
+        state.write_stamp(2, &stamp(7).borrow());
+        assert!(state.read_stamp(word).is_some());
+        // A writer between its zeroing of the token and its last store.
+        let token = state.map.word(stamp_at(2) + S_TOKEN);
+        token.store(0, Ordering::SeqCst);
+        assert_eq!(state.read_stamp(word), None);
+        // The stamp of an older grant of the slot.
+        token.store(6, Ordering::SeqCst);
+        assert_eq!(state.read_stamp(word), None);
+        assert_eq!(state.lease_of(word), None);
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    #[cfg_attr(miri, ignore = "maps files: not under miri")]
+    fn after_a_reboot_tokens_restart_above_the_durable_ceiling() {
+        let (dir, path, file) = temp("reboot");
+        let state = KeyState::map(&file, &path, true).unwrap();
         for _ in 0..5 {
-            state.mint(&file, &path).unwrap();
+            let word = state.load();
+            let token = state.swap(word, 0, &path).unwrap().unwrap();
+            state.reserve(token, &path).unwrap();
+            state.write_stamp(0, &stamp(token).borrow());
         }
-        state.store(&file, &path).unwrap();
-        assert_eq!(State::load(&file, &path).unwrap().last_token, 5);
-        // Forge a record of another boot: its last token is not trusted.
-        let mut buf = encode_state(&state);
-        buf[64] ^= 0xFF;
-        let sum = checksum(&buf[..STATE_LEN - 8]);
-        buf[STATE_LEN - 8..].copy_from_slice(&sum.to_le_bytes());
-        file.write_all_at(&buf, 0).unwrap();
-        let after = State::load(&file, &path).unwrap();
-        assert_eq!(after.last_token, 1 + RESERVE_BLOCK);
-        assert!(after.holder.is_none());
+        assert_eq!(state.load().token, 5);
+        assert_eq!(state.reserved().0, 1 + RESERVE_BLOCK);
+        // Forge another boot: the word is not trusted, the holder is gone.
+        state.map.word(BOOT_AT).fetch_xor(0xFF, Ordering::SeqCst);
+        drop(state);
+        let after = KeyState::map(&file, &path, true).unwrap();
+        assert!(after.this_boot());
+        let word = after.load();
+        assert_eq!(word.token, 1 + RESERVE_BLOCK);
+        assert!(after.released(word));
         // A torn reservation falls back on the other one.
-        let mut state = after;
-        state.last_token = state.reserved; // pass the ceiling: a new one is written
-        state.mint(&file, &path).unwrap();
-        let higher = state.reserved;
-        file.write_all_at(&[0xAA; 8], RESERVE_AT[1 - state.reserve_next] as u64 + 8)
-            .unwrap();
-        let torn = State::load(&file, &path).unwrap();
-        assert!(torn.reserved < higher && torn.reserved > 0);
-        // Garbage is refused, not reset.
+        let token = word.token + 1;
+        after.swap(word, 0, &path).unwrap().unwrap();
+        after.reserve(token, &path).unwrap();
+        let (higher, next) = after.reserved();
+        assert_eq!(higher, token + RESERVE_BLOCK);
+        after
+            .map
+            .word(RESERVE_AT[1 - next] + 8)
+            .store(0xAAAA, Ordering::SeqCst);
+        let (torn, _) = after.reserved();
+        assert!(torn < higher && torn > 0);
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    #[cfg_attr(miri, ignore = "maps files: not under miri")]
+    fn files_that_are_not_format_3_state_files_are_refused() {
+        let (dir, path, file) = temp("garbage");
         file.write_all_at(b"not a keylock file", 0).unwrap();
         assert!(matches!(
-            State::load(&file, &path),
+            KeyState::map(&file, &path, true),
+            Err(ProcessLockError::Corrupt { .. })
+        ));
+        // A format 2 file: 2,048 bytes, magic `KLPS`, version 2.
+        file.set_len(0).unwrap();
+        let mut old = vec![0u8; 2048];
+        old[..4].copy_from_slice(b"KLPS");
+        old[4..8].copy_from_slice(&2u32.to_le_bytes());
+        file.write_all_at(&old, 0).unwrap();
+        assert!(matches!(
+            KeyState::map(&file, &path, true),
             Err(ProcessLockError::Corrupt { .. })
         ));
         std::fs::remove_dir_all(&dir).unwrap();

@@ -10,7 +10,9 @@ use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 
+use super::acquire::Grant;
 use super::cache::{FileCache, CACHED_KEYS};
+use super::dir::DirState;
 use super::error::ProcessLockError;
 use super::guard::{Held, OwnedProcessGuard, ProcessGuard};
 use super::stamp::{ProcessHolder, MAX_LABEL};
@@ -30,6 +32,9 @@ pub(crate) struct Inner {
     /// The open files of recently used keys (shared with the tables made
     /// from this one by `with_label`).
     pub(crate) cache: Arc<FileCache>,
+    /// The directory's open epoch (shared with the tables made from this
+    /// one by `with_label`).
+    pub(crate) dir_state: Arc<DirState>,
 }
 
 /// A table of keyed locks shared by every process of the host that opens
@@ -142,6 +147,7 @@ impl<K: AsRef<[u8]>> ProcessLockTable<K> {
             .map_err(|e| {
                 ProcessLockError::io("take a kernel lock (fcntl F_OFD_SETLKW) on", &probe, e)
             })?;
+        let dir_state = Arc::new(DirState::map(&file, &probe)?);
         Ok(Self {
             inner: Arc::new(Inner {
                 dir,
@@ -149,6 +155,7 @@ impl<K: AsRef<[u8]>> ProcessLockTable<K> {
                 local: Arc::new(LockTable::new()),
                 file_waiters: AtomicUsize::new(0),
                 cache: Arc::new(FileCache::default()),
+                dir_state,
             }),
             _key: PhantomData,
         })
@@ -183,6 +190,7 @@ impl<K: AsRef<[u8]>> ProcessLockTable<K> {
                 local: Arc::clone(&self.inner.local),
                 file_waiters: AtomicUsize::new(0),
                 cache: Arc::clone(&self.inner.cache),
+                dir_state: Arc::clone(&self.inner.dir_state),
             }),
             _key: PhantomData,
         }
@@ -321,15 +329,48 @@ fn try_acquire<K: AsRef<[u8]>>(
             })
         }
     };
-    match inner.try_acquire(&stem, lease)? {
-        Ok(grant) => {
-            if let Some(lease) = lease {
-                let _ = local.renew(lease);
-            }
-            Ok(Held::new(Arc::clone(inner), key, grant, local))
-        }
-        Err(holder) => Err(ProcessLockError::WouldBlock { holder }),
+    match inner.try_grant(&stem, lease)? {
+        Some(grant) => Ok(held(inner, key, grant, local, lease)),
+        None => Err(ProcessLockError::WouldBlock {
+            holder: inner.holder_of(&stem)?.map(Box::new),
+        }),
     }
+}
+
+/// A guard's state for `grant`, whose local lease runs from now too (a
+/// hint only: the file's stamp is the authority).
+fn held<K>(
+    inner: &Arc<Inner>,
+    key: K,
+    grant: Grant,
+    local: OwnedGuard<String>,
+    lease: Option<Duration>,
+) -> Held<K> {
+    if let Some(lease) = lease {
+        let _ = local.renew(lease);
+    }
+    Held::new(Arc::clone(inner), key, grant, local)
+}
+
+/// The first step of a blocking lock: takes the key if it is free now (no
+/// waiter of this process ahead, no live holder), without the future and
+/// the diagnosis of a failed `try_lock`. Gives the key back if not.
+fn try_first<K: AsRef<[u8]>>(
+    inner: &Arc<Inner>,
+    key: K,
+    opts: &LockOptions,
+) -> Result<Result<Held<K>, K>, ProcessLockError> {
+    let lease = check_options(opts)?;
+    let Ok(stem) = key::encode(key.as_ref()) else {
+        return Ok(Err(key)); // the full path reports it
+    };
+    let Ok(local) = Arc::clone(&inner.local).try_lock_owned(stem.clone()) else {
+        return Ok(Err(key));
+    };
+    Ok(match inner.try_grant(&stem, lease)? {
+        Some(grant) => Ok(held(inner, key, grant, local, lease)),
+        None => Err(key),
+    })
 }
 
 type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
@@ -587,6 +628,10 @@ impl<K: AsRef<[u8]> + Send> ProcessLockTable<K> {
         // The calling thread may block in the kernel itself (no helper
         // thread, one wake-up less per handoff) when nothing but the
         // kernel can end the wait: no deadline, a holder without a lease.
+        let key = match try_first(&self.inner, key, &opts)? {
+            Ok(held) => return Ok(ProcessGuard::new(held)),
+            Err(key) => key,
+        };
         let inner = Arc::clone(&self.inner);
         crate::blocking::block_on(async move {
             acquire(inner, key, opts, true).await.map(ProcessGuard::new)

@@ -4,13 +4,13 @@
 //! Everything above this file speaks of "the monotonic clock in
 //! nanoseconds", "this boot" and "lock this file"; only this file knows that
 //! they are `CLOCK_MONOTONIC`, `/proc/sys/kernel/random/boot_id` and
-//! open file description byte-range locks (`fcntl(F_OFD_SETLK)`). A port to another Unix or to
+//! open file description byte-range locks (`fcntl(F_OFD_SETLK)`) (the
+//! shared memory of a key is [`super::shared`]'s). A port to another Unix or to
 //! Windows is a sibling of this file.
 
 use std::fs::File;
 use std::io;
 use std::os::fd::AsRawFd;
-use std::os::unix::fs::MetadataExt;
 use std::path::Path;
 use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::sync::{Once, OnceLock};
@@ -63,11 +63,14 @@ pub(crate) fn hostname() -> &'static str {
     })
 }
 
-/// The byte of a key's state file whose lock is the *state lock*.
-pub(crate) const STATE_BYTE: u64 = 0;
+/// The byte of a key's state file whose lock is taken (briefly) by the
+/// first process of a boot to map the file, to reset the state left from
+/// before the reboot.
+pub(crate) const BOOT_BYTE: u64 = 0;
 
-/// The byte of a key's state file whose lock is slot `slot`.
-pub(crate) const fn slot_byte(slot: u32) -> u64 {
+/// The byte of a key's state file whose lock is slot `slot` (1 and up;
+/// slot 0 is the file's `flock` lock).
+const fn slot_byte(slot: u32) -> u64 {
     1 + slot as u64
 }
 
@@ -158,6 +161,77 @@ pub(crate) fn range_locked(file: &File, start: u64, len: u64) -> io::Result<bool
     Ok(i32::from(req.l_type) != libc::F_UNLCK)
 }
 
+/// One `flock(2)` call, retried on `EINTR`: `Ok(false)` if a non-blocking
+/// request found the lock taken.
+fn flock(file: &File, op: libc::c_int) -> io::Result<bool> {
+    loop {
+        // SAFETY: `file` keeps its descriptor open for the call, which
+        // touches no memory of ours.
+        if unsafe { libc::flock(file.as_raw_fd(), op) } == 0 {
+            return Ok(true);
+        }
+        let err = io::Error::last_os_error();
+        match err.raw_os_error() {
+            Some(libc::EINTR) => {}
+            Some(libc::EWOULDBLOCK) if op & libc::LOCK_NB != 0 => return Ok(false),
+            _ => return Err(err),
+        }
+    }
+}
+
+// Slot locks. Slot 0, the one of every uncontended grant, is the `flock`
+// lock of the whole state file: a `flock` call costs about half an OFD
+// byte-range call here (see BENCHMARKS.md). Slots 1 and up (used only
+// after lease takeovers) are OFD locks of byte `1 + N`. On Linux the two
+// kinds do not interact; both belong to the open file and are freed by the
+// kernel when its last descriptor closes, however the process ends.
+
+/// Takes slot `slot`'s lock on `file` if it is free now: `Ok(false)` if
+/// another open file holds it.
+#[inline]
+pub(crate) fn try_lock_slot(file: &File, slot: u32) -> io::Result<bool> {
+    if slot == 0 {
+        flock(file, libc::LOCK_EX | libc::LOCK_NB)
+    } else {
+        try_lock_range(file, Kind::Exclusive, slot_byte(slot), 1)
+    }
+}
+
+/// Blocks the calling thread until slot `slot`'s lock is `file`'s.
+pub(crate) fn lock_slot(file: &File, slot: u32) -> io::Result<()> {
+    if slot == 0 {
+        flock(file, libc::LOCK_EX).map(drop)
+    } else {
+        lock_range(file, Kind::Exclusive, slot_byte(slot), 1)
+    }
+}
+
+/// Lets slot `slot`'s lock, held on `file`, go.
+#[inline]
+pub(crate) fn unlock_slot(file: &File, slot: u32) -> io::Result<()> {
+    if slot == 0 {
+        flock(file, libc::LOCK_UN).map(drop)
+    } else {
+        unlock_range(file, slot_byte(slot), 1)
+    }
+}
+
+/// Whether another open file holds slot `slot`'s lock now. For slot 0
+/// (`flock` has no look without a lock) a shared lock is tried and at once
+/// let go: it may make a concurrent try-lock of the slot fail for that
+/// instant, which then waits for the slot and is woken at once.
+pub(crate) fn slot_locked(file: &File, slot: u32) -> io::Result<bool> {
+    if slot == 0 {
+        let got = flock(file, libc::LOCK_SH | libc::LOCK_NB)?;
+        if got {
+            flock(file, libc::LOCK_UN)?;
+        }
+        Ok(!got)
+    } else {
+        range_locked(file, slot_byte(slot), 1)
+    }
+}
+
 static PID: AtomicU32 = AtomicU32::new(0);
 static PID_CACHED: AtomicBool = AtomicBool::new(false);
 
@@ -191,7 +265,31 @@ pub(crate) fn pid() -> u32 {
 /// Whether `file` was unlinked from its directory since it was opened: a
 /// lock on it then protects nothing that a later opener of the path sees.
 pub(crate) fn is_unlinked(file: &File) -> io::Result<bool> {
-    Ok(file.metadata()?.nlink() == 0)
+    // SAFETY: all zeros is a valid `stat` (plain integers).
+    let mut st: libc::stat = unsafe { std::mem::zeroed() };
+    // SAFETY: `st` is a valid, exclusively borrowed `stat` for the call,
+    // and `file` keeps its descriptor open; fstat writes only `st`.
+    if unsafe { libc::fstat(file.as_raw_fd(), &mut st) } != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(st.st_nlink == 0)
+}
+
+/// Allocates the first `len` bytes of `file` on the disk
+/// (`posix_fallocate`): a full disk fails here.
+pub(crate) fn allocate(file: &File, len: u64) -> io::Result<()> {
+    #[allow(clippy::cast_possible_wrap)] // a few kilobytes
+    let len = len as libc::off_t;
+    loop {
+        // SAFETY: `file` keeps its descriptor open for the call, which
+        // touches no memory of ours.
+        let rc = unsafe { libc::posix_fallocate(file.as_raw_fd(), 0, len) };
+        match rc {
+            0 => return Ok(()),
+            libc::EINTR => {}
+            errno => return Err(io::Error::from_raw_os_error(errno)),
+        }
+    }
 }
 
 /// Makes a new directory entry durable (`fsync` of the directory).
