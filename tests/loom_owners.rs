@@ -813,11 +813,7 @@ mod models {
     fn a_transaction_holding_nothing_closed_into_a_cycle_from_behind() {
         model(
             "f: holding nothing, a cycle closed from behind",
-            &[
-                "w answered deadlock",
-                "y answered deadlock",
-                "y granted first",
-            ],
+            &["y answered deadlock", "y granted first"],
             |seen| {
                 let table = table();
                 let [a, b, _] = keys();
@@ -834,22 +830,13 @@ mod models {
                     (y, y_waits, first)
                 });
                 let mut w = table.transaction();
-                let w_id = w.id();
                 let mut w_waits = Polled::new(w.lock(a, X));
                 let mine = w_waits.poll();
                 let (y, mut y_waits, theirs) = other.join().unwrap();
 
                 match (mine, theirs) {
                     (Some(Err(TransactionError::Deadlock(d))), None) => {
-                        assert_eq!(d.victim(), w_id);
-                        assert_eq!(d.cycle().len(), 3, "{d}");
-                        seen.note("w answered deadlock");
-                        drop(w_waits);
-                        drop(w);
-                        // y still waits behind h's grant? No: w left, and
-                        // y's shared request is compatible with h's.
-                        let got = finish(&mut y_waits, "y's wait for a");
-                        assert!(got.is_ok(), "y gets a with h: {got:?}");
+                        panic!("w holds nothing and is not registered: answered {d}")
                     }
                     (None, Some(Err(TransactionError::Deadlock(d)))) => {
                         assert_eq!(d.victim(), y.id());
@@ -866,7 +853,6 @@ mod models {
                         drop(w);
                         table.assert_consistent();
                         assert!(table.is_empty(), "entry leaked");
-                        return;
                     }
                     (None, Some(Ok(_))) => {
                         // y was granted a with h before w queued: no cycle.
@@ -882,18 +868,10 @@ mod models {
                         drop(w);
                         table.assert_consistent();
                         assert!(table.is_empty(), "entry leaked");
-                        return;
                     }
                     (None, None) => panic!("w -> h -> y -> w closed and nobody answered"),
                     (mine, theirs) => panic!("w {mine:?}, y {theirs:?}"),
                 }
-                drop(y_waits);
-                y.commit().expect("no lease");
-                let got = finish(&mut h_waits, "h's wait for b");
-                assert!(got.is_ok(), "h gets b once y committed: {got:?}");
-                h.commit().expect("no lease");
-                table.assert_consistent();
-                assert!(table.is_empty(), "entry leaked");
             },
         );
     }
