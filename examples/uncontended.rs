@@ -165,9 +165,10 @@ fn main() {
         // transactions wait in a chain (transaction i holds key i, waits
         // for key i + 1); the timed one waits for key 0 and gives up. With
         // `chain8_held` it holds a key first, so its wait is searched from
-        // (through the chain); without, it holds nothing and is not.
-        "chain8" | "chain8_off" | "chain8_held" => {
-            let limit = if mode == "chain8_off" { 0 } else { 50 };
+        // (through the chain); without, it holds nothing and is not
+        // registered. `_off`: the same with detection off.
+        "chain8" | "chain8_off" | "chain8_held" | "chain8_held_off" => {
+            let limit = if mode.ends_with("_off") { 0 } else { 50 };
             let table = keylock::LockTable::<u64>::builder()
                 .deadlock_search_limit(limit)
                 .build();
@@ -187,7 +188,7 @@ fn main() {
             }
             for i in 0..n {
                 let mut txn = table.transaction();
-                if mode == "chain8_held" {
+                if mode.starts_with("chain8_held") {
                     let fut = pin!(txn.lock(100 + (i & 63), keylock::Mode::Exclusive));
                     assert!(fut.poll(&mut cx).is_ready());
                 }
@@ -275,7 +276,7 @@ fn main() {
             }
         }
         other => panic!(
-            "unknown mode {other:?}: try | lease | lock | txn1 | txn2 | guards2 | audit | audit_guards | chain8 | chain8_off | chain8_held | owned1 | owned16 | guards_owned16 | tokio | std"
+            "unknown mode {other:?}: try | lease | lock | txn1 | txn2 | guards2 | audit | audit_guards | chain8 | chain8_off | chain8_held | chain8_held_off | owned1 | owned16 | guards_owned16 | tokio | std"
         ),
     }
     assert!(table.is_empty());
