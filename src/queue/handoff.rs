@@ -21,7 +21,7 @@ use crate::token::TokenCounter;
 use crate::waiter::Waiter;
 
 use super::entry::{Admission, Entry};
-use super::holders::Holder;
+use super::holders::{Holder, HolderSpares};
 use super::Grant;
 
 /// What queue surgery needs beside one entry.
@@ -29,6 +29,7 @@ pub(super) struct Keys<'s> {
     pub(super) tokens: &'s mut TokenCounter,
     pub(super) fair_at: &'s mut Option<Instant>,
     pub(super) loss: &'s mut LossWatchers,
+    pub(super) spares: &'s mut HolderSpares,
 }
 
 impl Keys<'_> {
@@ -72,12 +73,15 @@ impl Keys<'_> {
         let (deadline, since) = grant_times(terms, ctx.clock());
         // SAFETY: just unlinked, under the lock; not touched again.
         let waker = unsafe { Waiter::grant(head, token, deadline, mode) };
-        entry.holders.push(Holder {
-            token,
-            deadline,
-            since,
-            owner: terms.owner,
-        });
+        entry.holders.push(
+            Holder {
+                token,
+                deadline,
+                since,
+                owner: terms.owner,
+            },
+            self.spares,
+        );
         entry.mode = mode;
         ctx.counters().handed_off();
         ctx.counters().acquired(true);
@@ -98,10 +102,10 @@ impl Keys<'_> {
         let Some((head, _)) = (unsafe { entry.queue.pop_front() }) else {
             return;
         };
-        entry.holders.remove(old.token);
+        entry.holders.remove(old.token, self.spares);
         // SAFETY: just unlinked, under the lock; not touched again.
         let waker = unsafe { Waiter::grant(head, token, old.deadline, Mode::Exclusive) };
-        entry.holders.push(Holder { token, ..old });
+        entry.holders.push(Holder { token, ..old }, self.spares);
         entry.mode = Mode::Exclusive;
         ctx.counters().handed_off();
         if let Some(waker) = waker {
@@ -151,7 +155,7 @@ impl Keys<'_> {
         if entry.holders.is_only(token) {
             entry.holders.clear_only();
         } else {
-            entry.holders.remove(token);
+            entry.holders.remove(token, self.spares);
         }
         if entry.holders.is_empty() {
             self.pass_on(entry, fairness, ctx);
@@ -175,12 +179,15 @@ impl Keys<'_> {
         let token = self.tokens.mint();
         let (deadline, since) = grant_times(terms, ctx.clock());
         ctx.counters().acquired(contended);
-        entry.holders.push(Holder {
-            token,
-            deadline,
-            since,
-            owner: terms.owner,
-        });
+        entry.holders.push(
+            Holder {
+                token,
+                deadline,
+                since,
+                owner: terms.owner,
+            },
+            self.spares,
+        );
         entry.mode = mode;
         Grant {
             key: entry.key,

@@ -4,7 +4,10 @@
 //! grants. Each grant is a [`Holder`]: its token, its lease deadline and when
 //! it was made. The first holder lives inline (an exclusive grant, or the
 //! only reader, costs no allocation); further shared holders live in a
-//! vector allocated when the second reader arrives.
+//! vector taken when the second reader arrives. The vectors come from, and
+//! go back to, a small per-shard pool ([`HolderSpares`]), so that readers
+//! coming and going do not call the allocator under the shard lock (where a
+//! contended allocator would stall every thread spinning on the shard).
 
 use crate::clock::{Now, Stamp};
 use crate::mode::Mode;
@@ -36,11 +39,13 @@ pub(super) struct Holders {
     first: Option<Holder>,
     /// Shared holders beyond the first (`None` until a second one comes,
     /// and again once they have all gone: never empty).
-    /// Boxed: one word in every entry rather than three, for the rare key
-    /// with several readers at once.
-    #[allow(clippy::box_collection)]
-    rest: Option<Box<Vec<Holder>>>,
+    rest: Option<RestHolders>,
 }
+
+/// Holders beyond the first. Boxed: one word in every entry rather than
+/// three, for the rare key with several readers at once.
+#[allow(clippy::box_collection)]
+type RestHolders = Box<Vec<Holder>>;
 
 impl Holders {
     /// One holder.
@@ -96,11 +101,12 @@ impl Holders {
     }
 
     /// Adds a holder (the caller keeps the key's mode consistent).
-    pub(super) fn push(&mut self, holder: Holder) {
+    #[inline]
+    pub(super) fn push(&mut self, holder: Holder, spares: &mut HolderSpares) {
         if self.first.is_none() {
             self.first = Some(holder);
         } else {
-            self.rest.get_or_insert_with(Box::default).push(holder);
+            self.rest.get_or_insert_with(|| spares.take()).push(holder);
         }
     }
 
@@ -133,29 +139,35 @@ impl Holders {
 
     /// Removes the grant with `token`, if it holds the key.
     #[inline]
-    pub(super) fn remove(&mut self, token: FencingToken) -> Option<Holder> {
+    pub(super) fn remove(
+        &mut self,
+        token: FencingToken,
+        spares: &mut HolderSpares,
+    ) -> Option<Holder> {
         match self.first {
             Some(first) if first.token == token => {
                 self.first = self.rest.as_mut().and_then(|rest| rest.pop());
-                self.drop_empty_rest();
+                self.return_empty_rest(spares);
                 Some(first)
             }
             _ => {
                 let rest = self.rest.as_mut()?;
                 let at = rest.iter().position(|h| h.token == token)?;
                 let removed = rest.swap_remove(at);
-                self.drop_empty_rest();
+                self.return_empty_rest(spares);
                 Some(removed)
             }
         }
     }
 
     /// Keeps `rest` `None` rather than empty, so that a lone holder is
-    /// recognized by one check.
+    /// recognized by one check; its vector goes back to the pool.
     #[inline]
-    fn drop_empty_rest(&mut self) {
+    fn return_empty_rest(&mut self, spares: &mut HolderSpares) {
         if self.rest.as_ref().is_some_and(|rest| rest.is_empty()) {
-            self.rest = None;
+            if let Some(rest) = self.rest.take() {
+                spares.give(rest);
+            }
         }
     }
 
@@ -204,5 +216,104 @@ impl Holders {
     #[inline]
     pub(super) fn admits(&self, held: Mode, mode: Mode) -> bool {
         self.is_empty() || held.is_compatible_with(mode)
+    }
+}
+
+/// How many empty holder vectors a shard keeps for reuse.
+const SPARES: usize = 8;
+
+/// A shard's empty vectors for holders beyond the first, kept for reuse.
+/// Touched only under the shard lock. A fixed array, as the key pool is:
+/// taking and giving compile to a few moves.
+#[derive(Debug, Default)]
+pub(crate) struct HolderSpares {
+    /// `spare[..count]` are empty vectors; the rest are `None`.
+    spare: [Option<RestHolders>; SPARES],
+    count: usize,
+}
+
+impl HolderSpares {
+    /// An empty vector: a spare one if there is one, else a new one.
+    #[inline]
+    fn take(&mut self) -> RestHolders {
+        if let Some(top) = self.count.checked_sub(1) {
+            if let Some(spare) = self.spare.get_mut(top).and_then(Option::take) {
+                self.count = top;
+                return spare;
+            }
+        }
+        Box::new(Vec::with_capacity(4))
+    }
+
+    /// Keeps the emptied `rest` for reuse, or frees it when the pool is
+    /// full.
+    #[inline]
+    fn give(&mut self, rest: RestHolders) {
+        debug_assert!(rest.is_empty());
+        if let Some(slot) = self.spare.get_mut(self.count) {
+            *slot = Some(rest);
+            self.count += 1;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{Holder, HolderSpares, Holders, SPARES};
+    use crate::clock::Stamp;
+    use crate::token::FencingToken;
+
+    fn holder(token: u64) -> Holder {
+        Holder {
+            token: FencingToken::from_raw(token),
+            deadline: Stamp::NONE,
+            since: Stamp::NONE,
+            owner: 0,
+        }
+    }
+
+    #[test]
+    fn readers_leaving_return_their_vector_and_the_next_readers_reuse_it() {
+        let mut spares = HolderSpares::default();
+        let mut holders = Holders::default();
+        for t in 1..=3 {
+            holders.push(holder(t), &mut spares);
+        }
+        let vector: *const Vec<Holder> = &**holders.rest.as_ref().unwrap();
+        assert_eq!(holders.len(), 3);
+        for t in [2, 1, 3] {
+            assert_eq!(
+                holders
+                    .remove(FencingToken::from_raw(t), &mut spares)
+                    .unwrap()
+                    .token
+                    .get(),
+                t
+            );
+        }
+        assert!(holders.is_empty() && holders.rest.is_none());
+        assert_eq!(spares.count, 1);
+        holders.push(holder(4), &mut spares);
+        holders.push(holder(5), &mut spares);
+        assert_eq!(spares.count, 0);
+        assert!(std::ptr::eq(&**holders.rest.as_ref().unwrap(), vector));
+    }
+
+    #[test]
+    fn the_pool_keeps_at_most_its_capacity() {
+        let mut spares = HolderSpares::default();
+        let mut keys: Vec<Holders> = (0..SPARES as u64 + 3)
+            .map(|k| {
+                let mut h = Holders::default();
+                h.push(holder(2 * k + 1), &mut spares);
+                h.push(holder(2 * k + 2), &mut spares);
+                h
+            })
+            .collect();
+        for (k, h) in keys.iter_mut().enumerate() {
+            h.remove(FencingToken::from_raw(2 * k as u64 + 2), &mut spares);
+            assert!(h.only().is_some());
+        }
+        assert_eq!(spares.count, SPARES);
     }
 }

@@ -56,7 +56,7 @@ impl Keys<'_> {
         if !entry.queue.is_empty() {
             self.tokens.check_available();
         }
-        let holder = entry.holders.remove(token)?;
+        let holder = entry.holders.remove(token, self.spares)?;
         entry.fenced = fenced;
         // Its `Lost` futures, if any (one check when there are none).
         self.loss.wake(holder.token, ctx);

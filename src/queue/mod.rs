@@ -47,7 +47,7 @@ mod waiting;
 
 use entry::Entry;
 use handoff::{grant_times, Keys};
-use holders::{Holder, Holders};
+use holders::{Holder, HolderSpares, Holders};
 pub(crate) use status::{RawStatus, RawWaiter};
 
 /// A grant handed to a caller.
@@ -142,6 +142,8 @@ pub(crate) struct ShardState<K> {
     /// the head waiter directly (`None`: at the next release).
     fair_at: Option<Instant>,
     keys: KeyPool<K>,
+    /// Empty vectors for keys' shared holders beyond the first.
+    spares: HolderSpares,
     /// The wakers of `Lost` futures of this shard's grants (empty unless
     /// loss notification is used).
     loss: LossWatchers,
@@ -172,6 +174,7 @@ impl<K> ShardState<K> {
             keys: KeyPool::new(),
             tokens,
             fair_at: None,
+            spares: HolderSpares::default(),
             loss: LossWatchers::default(),
         }
     }
@@ -196,6 +199,7 @@ impl<K> ShardState<K> {
                 tokens: &mut self.tokens,
                 fair_at: &mut self.fair_at,
                 loss: &mut self.loss,
+                spares: &mut self.spares,
             },
         )
     }
@@ -219,6 +223,7 @@ impl<K> ShardState<K> {
                 tokens: &mut self.tokens,
                 fair_at: &mut self.fair_at,
                 loss: &mut self.loss,
+                spares: &mut self.spares,
             },
         ))
     }
@@ -261,6 +266,7 @@ impl<K> ShardState<K> {
             tokens,
             fair_at,
             loss,
+            spares,
         } = self;
         let probe = key.as_ref().expect("keylock: the caller's key is present");
         // SAFETY: `e` is in the table, so its key cell is live.
@@ -271,6 +277,7 @@ impl<K> ShardState<K> {
                     tokens,
                     fair_at,
                     loss,
+                    spares,
                 },
             )),
             Err(vacant) => {

@@ -140,11 +140,14 @@ impl<K> ShardState<K> {
         if entry.holders.only().is_some() {
             // The only holder: exclusive at once, with a fresh token.
             let fresh = keys.tokens.mint();
-            entry.holders.remove(token);
-            entry.holders.push(Holder {
-                token: fresh,
-                ..mine
-            });
+            entry.holders.remove(token, keys.spares);
+            entry.holders.push(
+                Holder {
+                    token: fresh,
+                    ..mine
+                },
+                keys.spares,
+            );
             entry.mode = Mode::Exclusive;
             ctx.counters().acquired(false);
             return Ok(Attempt::Acquired(grant(fresh, entry)));
@@ -381,6 +384,7 @@ impl<K> ShardState<K> {
             tokens,
             fair_at,
             loss,
+            spares,
         } = self;
         let Some(index) = entries.find(hash, |e| e.key == key) else {
             debug_assert!(false, "{ENTRY_PRESENT}");
@@ -396,6 +400,7 @@ impl<K> ShardState<K> {
                 tokens,
                 fair_at,
                 loss,
+                spares,
             }
             .let_go(entry, token, fairness, ctx);
             return;
