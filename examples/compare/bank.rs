@@ -20,7 +20,9 @@
 //! `examples/compare.rs`. With `BANK_STATS` set in the environment, each
 //! keylock run prints its table's counters (grants, waits) to stderr; with
 //! `BANK_ONLY=txn`, `dashmap`, `guards` or `unsorted`, only that bank runs (to profile
-//! one bank at a time, e.g. under `perf record`); with `BANK_DETECTION=off`,
+//! one bank at a time, e.g. under `perf record`; `floor` is the same
+//! harness with no locks at all, the ceiling no lock can pass: it loses
+//! updates, so it is reported but not checked); with `BANK_DETECTION=off`,
 //! the transactions bank's table has deadlock detection off (the cost of
 //! detection on real contended waits: run it against the default).
 
@@ -271,6 +273,36 @@ impl Bank for KeylockGuardsBank {
 
 type RwLockArc = Arc<tokio::sync::RwLock<()>>;
 
+/// The harness with no locks: what the tellers and auditors cost by
+/// themselves (tasks, yields, clocks, the ledger). No lock can make a bank
+/// faster than this; it loses updates and sees half-done transfers, so its
+/// runs are not checked.
+pub(crate) struct NoLockBank {
+    ledger: Ledger,
+}
+
+impl Bank for NoLockBank {
+    const NAME: &'static str = "no locks (the harness's ceiling; unchecked)";
+
+    fn open(accounts: usize) -> Self {
+        Self {
+            ledger: Ledger::new(accounts),
+        }
+    }
+
+    fn ledger(&self) -> &Ledger {
+        &self.ledger
+    }
+
+    async fn transfer(&self, from: u64, to: u64, amount: i64) {
+        self.ledger.transfer(from, to, amount);
+    }
+
+    async fn audit(&self) -> i64 {
+        self.ledger.total()
+    }
+}
+
 /// The bank as written by hand today: a map of reader-writer locks, keys
 /// sorted and de-duplicated before locking.
 pub(crate) struct DashMapBank {
@@ -480,8 +512,8 @@ pub(crate) fn run<B: Bank>(rt: &Runtime, shape: BankRun, hang: Duration) -> Bank
 /// keylock's throughput against the hand-written bank's.
 pub(crate) fn compare(rt: &Runtime, shape: BankRun, reps: usize, hang: Duration) -> String {
     use std::fmt::Write as _;
-    let (mut ours, mut theirs, mut guards, mut unsorted) =
-        (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+    let (mut ours, mut theirs, mut guards, mut unsorted, mut floor) =
+        (Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new());
     let only = std::env::var("BANK_ONLY").unwrap_or_default();
     let runs = |name: &str| only.is_empty() || only == name;
     for _ in 0..reps {
@@ -496,6 +528,9 @@ pub(crate) fn compare(rt: &Runtime, shape: BankRun, reps: usize, hang: Duration)
         }
         if runs("unsorted") {
             unsorted.push(checked::<KeylockUnorderedBank>(rt, shape, hang));
+        }
+        if runs("floor") {
+            floor.push(run::<NoLockBank>(rt, shape, hang));
         }
     }
     let mut o = String::new();
@@ -517,10 +552,11 @@ pub(crate) fn compare(rt: &Runtime, shape: BankRun, reps: usize, hang: Duration)
     row(&mut o, DashMapBank::NAME, &theirs);
     row(&mut o, KeylockGuardsBank::NAME, &guards);
     row(&mut o, KeylockUnorderedBank::NAME, &unsorted);
+    row(&mut o, NoLockBank::NAME, &floor);
     // Time per transfer, so that the verdict reads as for the workloads.
     let per =
         |o: &[BankOutcome]| -> Vec<f64> { o.iter().map(|o| 1e9 / o.transfers_per_sec()).collect() };
-    let (our_ns, their_ns) = (per(&ours), per(&theirs));
+    let (our_ns, their_ns, floor_ns) = (per(&ours), per(&theirs), per(&floor));
     let med = |v: &[f64]| super::verdict::median(&mut v.to_vec()).unwrap_or(f64::NAN);
     let word = super::verdict::Verdict::of(&our_ns, &their_ns).map_or("", |v| v.word());
     writeln!(
@@ -530,6 +566,15 @@ pub(crate) fn compare(rt: &Runtime, shape: BankRun, reps: usize, hang: Duration)
         med(&their_ns) / med(&our_ns)
     )
     .unwrap();
+    if !floor.is_empty() {
+        writeln!(
+            o,
+            "With no locks at all, the same harness runs {:.2}x the hand-written bank's \
+             transfers: no lock can take a bank past that.",
+            med(&their_ns) / med(&floor_ns)
+        )
+        .unwrap();
+    }
     o
 }
 
