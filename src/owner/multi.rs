@@ -370,7 +370,7 @@ where
     KeyOf<A>: Ord + Clone,
 {
     let mut requests = order(&access.owner().reach, requests);
-    let mut taken: Few<(usize, GuardOf<A>)> = Few::new();
+    let mut taken: Few<(usize, GuardOf<A>)> = Few::with_capacity(requests.len());
     if A::SOLE {
         let mut found: Few<Found> = Few::with_capacity(requests.len());
         match take_now(access, &mut requests, &mut found, &mut taken, policy) {
