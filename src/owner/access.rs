@@ -35,7 +35,7 @@
 use std::future::{poll_fn, Future};
 use std::ops::DerefMut;
 use std::panic::{catch_unwind, resume_unwind, AssertUnwindSafe};
-use std::pin::pin;
+use std::pin::Pin;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::task::{Poll, Waker};
@@ -405,7 +405,7 @@ pub(crate) struct WaitFor<'k, K> {
 pub(crate) async fn wait_unless_ended<A: Access, F: Future>(
     access: &mut A,
     wait: WaitFor<'_, KeyOf<A>>,
-    fut: F,
+    mut fut: Pin<&mut F>,
 ) -> Result<F::Output, Stop<KeyOf<A>>>
 where
     KeyOf<A>: Clone,
@@ -430,7 +430,6 @@ where
         }
     }
 
-    let mut fut = pin!(fut);
     let mut watch = Watch {
         access,
         slot: None,

@@ -49,7 +49,7 @@
 use std::future::Future;
 use std::mem;
 use std::panic::{catch_unwind, resume_unwind, AssertUnwindSafe};
-use std::pin::Pin;
+use std::pin::{pin, Pin};
 use std::sync::Arc;
 use std::task::{Context, Poll};
 
@@ -515,7 +515,16 @@ fn put_all<A: Access>(
 /// transaction is borrowed by this call, so the set cannot change
 /// meanwhile. Dropped at an await, or failing, the call releases what it
 /// took (its guards drop) and the set is as it was.
-async fn wait_sole<A: Access>(
+///
+/// A plain function returning an `async move` block, not an `async fn`:
+/// an `async fn` keeps its arguments and its own copies of them side by
+/// side in the future (here 432 bytes twice), and this future is boxed: a
+/// box past the allocator's small-block size (1,032 bytes for glibc's
+/// per-thread cache) makes every contended call lock an allocator arena
+/// when the box is freed on another thread (`tests/alloc.rs` checks it).
+// Not an `async fn`: see the doc above.
+#[allow(clippy::manual_async_fn)]
+fn wait_sole<A: Access>(
     access: &mut A,
     mut requests: Few<Request<KeyOf<A>>>,
     found: Few<Found>,
@@ -523,59 +532,78 @@ async fn wait_sole<A: Access>(
     mut taken: Few<(usize, GuardOf<A>)>,
     from: usize,
     policy: WaitPolicy,
-) -> Outcome<A>
+) -> impl Future<Output = Outcome<A>> + '_
 where
     KeyOf<A>: Ord + Clone,
 {
-    let mut skipped = Vec::new();
-    for i in from..requests.len() {
-        if found[i] != Found::Absent {
-            continue;
-        }
-        let request = &mut requests[i];
-        let key = request.key.take().expect("taken once");
-        let opts = access.owner().opts.lock_options(request.mode, policy);
-        let key = match access.owner().reach.try_lock_kept(request.hash, key, opts) {
-            Ok(guard) => {
-                taken.push((i, guard));
+    async move {
+        let mut skipped = Vec::new();
+        for i in from..requests.len() {
+            if found[i] != Found::Absent {
                 continue;
             }
-            Err(key) => key,
-        };
-        // The name for the detector, an error or a skip (the key goes to
-        // the table).
-        let name = Arc::new(key.clone());
-        let hash = request.hash;
-        let lock = access.owner().reach.lock_with(key, opts);
-        let holds_nothing =
-            A::SOLE && taken.is_empty() && access.with(|set| set.len() == 0).unwrap_or(false);
-        let wait = WaitFor {
-            hash,
-            key: &name,
-            mode: request.mode,
-            holds_nothing,
-        };
-        match wait_unless_ended(&mut *access, wait, lock).await {
-            Err(stop) => return Err(stop.into()),
-            Ok(Ok(guard)) => taken.push((i, guard)),
-            Ok(Err(error)) if policy == WaitPolicy::SkipLocked && is_taken(&error) => {
-                skipped.push(KeyOf::<A>::clone(&name));
-            }
-            Ok(Err(error)) => {
-                return Err(TransactionError::from_lock(
-                    KeyOf::<A>::clone(&name),
-                    request.mode,
-                    policy.waits(),
-                    error,
-                ))
+            let (hash, mode) = (requests[i].hash, requests[i].mode);
+            let key = requests[i].key.take().expect("taken once");
+            let key = match try_now(access, hash, key, mode, policy) {
+                Ok(guard) => {
+                    taken.push((i, guard));
+                    continue;
+                }
+                Err(key) => key,
+            };
+            // The name for the detector, an error or a skip (the key goes to
+            // the table).
+            let name = Arc::new(key.clone());
+            // Built in place, with nothing else held across the wait: this
+            // future is boxed (see above).
+            let lock = pin!(access
+                .owner()
+                .reach
+                .lock_with(key, access.owner().opts.lock_options(mode, policy)));
+            let holds_nothing =
+                A::SOLE && taken.is_empty() && access.with(|set| set.len() == 0).unwrap_or(false);
+            let wait = WaitFor {
+                hash,
+                key: &name,
+                mode,
+                holds_nothing,
+            };
+            match wait_unless_ended(&mut *access, wait, lock).await {
+                Err(stop) => return Err(stop.into()),
+                Ok(Ok(guard)) => taken.push((i, guard)),
+                Ok(Err(error)) if policy == WaitPolicy::SkipLocked && is_taken(&error) => {
+                    skipped.push(KeyOf::<A>::clone(&name));
+                }
+                Ok(Err(error)) => {
+                    return Err(TransactionError::from_lock(
+                        KeyOf::<A>::clone(&name),
+                        mode,
+                        policy.waits(),
+                        error,
+                    ))
+                }
             }
         }
+        match put_all(access, &requests, &found, version, &mut taken, skipped) {
+            Ok(done) => done,
+            // The call has the transaction to itself: its set cannot move.
+            Err(_) => unreachable!("a borrowed transaction's set changed during its call"),
+        }
     }
-    match put_all(access, &requests, &found, version, &mut taken, skipped) {
-        Ok(done) => done,
-        // The call has the transaction to itself: its set cannot move.
-        Err(_) => unreachable!("a borrowed transaction's set changed during its call"),
-    }
+}
+
+/// Tries `key` on the table at once, as the transaction's call would
+/// lock it (a plain function: its locals are not kept in the waiting
+/// future).
+fn try_now<A: Access>(
+    access: &A,
+    hash: u64,
+    key: KeyOf<A>,
+    mode: Mode,
+    policy: WaitPolicy,
+) -> Result<GuardOf<A>, KeyOf<A>> {
+    let opts = access.owner().opts.lock_options(mode, policy);
+    access.owner().reach.try_lock_kept(hash, key, opts)
 }
 
 /// The claiming way: every key claimed in the set (the guards the fast
@@ -684,83 +712,91 @@ where
 }
 
 /// The slow path: the requests from `from` on, waiting where needed.
-async fn wait_rest<A: Access>(
-    mut stage: Stage<'_, A>,
+///
+/// A plain function returning an `async move` block, for the size of its
+/// boxed future (see [`wait_sole`]).
+// Not an `async fn`: see the doc above.
+#[allow(clippy::manual_async_fn)]
+fn wait_rest<'a, A: Access>(
+    mut stage: Stage<'a, A>,
     mut requests: Few<Request<KeyOf<A>>>,
     from: usize,
     policy: WaitPolicy,
-) -> Result<LockedSet<KeyOf<A>>, TransactionError<KeyOf<A>>>
+) -> impl Future<Output = Result<LockedSet<KeyOf<A>>, TransactionError<KeyOf<A>>>> + 'a
 where
     KeyOf<A>: Ord + Clone,
 {
-    let skip = policy == WaitPolicy::SkipLocked;
-    for (i, request) in requests.iter_mut().enumerate().skip(from) {
-        let opts = stage.access.owner().opts.lock_options(request.mode, policy);
-        let result = match stage.entries[i].kind {
-            Kind::Covered => continue,
-            Kind::New if stage.entries[i].guard.is_some() => continue,
-            Kind::New => {
-                let key = request.key.take().expect("locked once");
-                // Tried at once first (it never barges past queued waiters,
-                // so fairness is the same): an uncontended key creates no
-                // lock future. The key goes to the table only if it takes
-                // it; a busy one comes back for the wait.
-                let reach = &stage.access.owner().reach;
-                let key = match reach.try_lock_kept(request.hash, key, opts) {
-                    Ok(guard) => {
-                        stage.entries[i].guard = Some(guard);
-                        continue;
+    async move {
+        let skip = policy == WaitPolicy::SkipLocked;
+        for (i, request) in requests.iter_mut().enumerate().skip(from) {
+            let opts = stage.access.owner().opts.lock_options(request.mode, policy);
+            let result = match stage.entries[i].kind {
+                Kind::Covered => continue,
+                Kind::New if stage.entries[i].guard.is_some() => continue,
+                Kind::New => {
+                    let key = request.key.take().expect("locked once");
+                    // Tried at once first (it never barges past queued waiters,
+                    // so fairness is the same): an uncontended key creates no
+                    // lock future. The key goes to the table only if it takes
+                    // it; a busy one comes back for the wait.
+                    let reach = &stage.access.owner().reach;
+                    let key = match reach.try_lock_kept(request.hash, key, opts) {
+                        Ok(guard) => {
+                            stage.entries[i].guard = Some(guard);
+                            continue;
+                        }
+                        Err(key) => key,
+                    };
+                    let name = Arc::new(key.clone());
+                    let lock = stage.access.owner().reach.lock_with(key, opts);
+                    let wait = WaitFor {
+                        hash: request.hash,
+                        key: &name,
+                        mode: request.mode,
+                        holds_nothing: false,
+                    };
+                    match wait_unless_ended(&mut *stage.access, wait, pin!(lock)).await {
+                        Ok(Ok(guard)) => {
+                            stage.entries[i].guard = Some(guard);
+                            Ok(Ok(()))
+                        }
+                        Ok(Err(error)) => Ok(Err(error)),
+                        Err(stop) => Err(stop),
                     }
-                    Err(key) => key,
-                };
-                let name = Arc::new(key.clone());
-                let lock = stage.access.owner().reach.lock_with(key, opts);
-                let wait = WaitFor {
-                    hash: request.hash,
-                    key: &name,
-                    mode: request.mode,
-                    holds_nothing: false,
-                };
-                match wait_unless_ended(&mut *stage.access, wait, lock).await {
-                    Ok(Ok(guard)) => {
-                        stage.entries[i].guard = Some(guard);
-                        Ok(Ok(()))
+                }
+                Kind::Upgrade => {
+                    let Stage {
+                        access, entries, ..
+                    } = &mut stage;
+                    let entry = &mut entries[i];
+                    let guard = entry.guard.as_mut().expect("held");
+                    // The caller's key names the wait (never a clone of the
+                    // table's: its drop, last, comes after the flag below).
+                    let name = Arc::new(match request.key.take() {
+                        Some(key) => key,
+                        None => guard.key().clone(),
+                    });
+                    let wait = WaitFor {
+                        hash: request.hash,
+                        key: &name,
+                        mode: Mode::Exclusive,
+                        holds_nothing: false,
+                    };
+                    let upgraded =
+                        wait_unless_ended(&mut **access, wait, pin!(guard.upgrade(opts))).await;
+                    if let Ok(Ok(_)) = upgraded {
+                        entry.upgraded = true;
                     }
-                    Ok(Err(error)) => Ok(Err(error)),
-                    Err(stop) => Err(stop),
+                    upgraded.map(|r| r.map(drop))
                 }
+            };
+            match result {
+                Err(stop) => return Err(stop.into()),
+                Ok(Ok(())) => {}
+                Ok(Err(error)) if skip && is_taken(&error) => stage.entries[i].skipped = true,
+                Ok(Err(error)) => return Err(stage.fail(i, request.mode, policy.waits(), error)),
             }
-            Kind::Upgrade => {
-                let Stage {
-                    access, entries, ..
-                } = &mut stage;
-                let entry = &mut entries[i];
-                let guard = entry.guard.as_mut().expect("held");
-                // The caller's key names the wait (never a clone of the
-                // table's: its drop, last, comes after the flag below).
-                let name = Arc::new(match request.key.take() {
-                    Some(key) => key,
-                    None => guard.key().clone(),
-                });
-                let wait = WaitFor {
-                    hash: request.hash,
-                    key: &name,
-                    mode: Mode::Exclusive,
-                    holds_nothing: false,
-                };
-                let upgraded = wait_unless_ended(&mut **access, wait, guard.upgrade(opts)).await;
-                if let Ok(Ok(_)) = upgraded {
-                    entry.upgraded = true;
-                }
-                upgraded.map(|r| r.map(drop))
-            }
-        };
-        match result {
-            Err(stop) => return Err(stop.into()),
-            Ok(Ok(())) => {}
-            Ok(Err(error)) if skip && is_taken(&error) => stage.entries[i].skipped = true,
-            Ok(Err(error)) => return Err(stage.fail(i, request.mode, policy.waits(), error)),
         }
+        stage.finish()
     }
-    stage.finish()
 }

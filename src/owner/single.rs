@@ -25,7 +25,7 @@
 //! uncontended lock allocates nothing.
 
 use std::future::Future;
-use std::pin::Pin;
+use std::pin::{pin, Pin};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -249,7 +249,7 @@ where
         mode,
         holds_nothing,
     };
-    match wait_unless_ended(&mut *claim.access, wait, lock).await {
+    match wait_unless_ended(&mut *claim.access, wait, pin!(lock)).await {
         Err(stop) => Err(stop.into()),
         Ok(Ok(guard)) => {
             claim.guard = Some(guard);
@@ -292,7 +292,7 @@ where
             mode: Mode::Exclusive,
             holds_nothing: false,
         };
-        wait_unless_ended(&mut **access, wait, guard.upgrade(opts)).await
+        wait_unless_ended(&mut **access, wait, pin!(guard.upgrade(opts))).await
     };
     match upgraded {
         Err(stop) => Err(stop.into()),
