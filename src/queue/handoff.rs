@@ -17,7 +17,7 @@ use crate::fairness::Fairness;
 use crate::lease::{PackedDuration, Terms};
 use crate::lost::LossWatchers;
 use crate::mode::Mode;
-use crate::token::TokenCounter;
+use crate::token::{FencingToken, TokenCounter};
 use crate::waiter::Waiter;
 
 use super::entry::{Admission, Entry};
@@ -62,6 +62,26 @@ impl Keys<'_> {
         nudge_head_for_timer(entry, ctx);
     }
 
+    /// Adds grant `token` to the key's holders, who now hold it in `mode`.
+    #[inline]
+    fn hold<K>(
+        &mut self,
+        entry: &mut Entry<K>,
+        token: FencingToken,
+        (deadline, since): (Stamp, Stamp),
+        owner: u64,
+        mode: Mode,
+    ) {
+        let holder = Holder {
+            token,
+            deadline,
+            since,
+            owner,
+        };
+        entry.holders.push(holder, self.spares);
+        entry.mode = mode;
+    }
+
     /// Grants the head waiter a new grant in `mode` and wakes it.
     fn grant_head<K>(&mut self, entry: &mut Entry<K>, mode: Mode, ctx: &mut Ctx<'_, '_, K>) {
         // Panics (token space exhausted) before anything changes.
@@ -73,16 +93,7 @@ impl Keys<'_> {
         let (deadline, since) = grant_times(terms, ctx.clock());
         // SAFETY: just unlinked, under the lock; not touched again.
         let waker = unsafe { Waiter::grant(head, token, deadline, mode) };
-        entry.holders.push(
-            Holder {
-                token,
-                deadline,
-                since,
-                owner: terms.owner,
-            },
-            self.spares,
-        );
-        entry.mode = mode;
+        self.hold(entry, token, (deadline, since), terms.owner, mode);
         ctx.counters().handed_off();
         ctx.counters().acquired(true);
         if let Some(waker) = waker {
@@ -145,7 +156,7 @@ impl Keys<'_> {
     pub(super) fn let_go<K>(
         &mut self,
         entry: &mut Entry<K>,
-        token: crate::token::FencingToken,
+        token: FencingToken,
         fairness: Fairness,
         ctx: &mut Ctx<'_, '_, K>,
     ) {
@@ -179,16 +190,7 @@ impl Keys<'_> {
         let token = self.tokens.mint();
         let (deadline, since) = grant_times(terms, ctx.clock());
         ctx.counters().acquired(contended);
-        entry.holders.push(
-            Holder {
-                token,
-                deadline,
-                since,
-                owner: terms.owner,
-            },
-            self.spares,
-        );
-        entry.mode = mode;
+        self.hold(entry, token, (deadline, since), terms.owner, mode);
         Grant {
             key: entry.key,
             token,
