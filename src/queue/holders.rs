@@ -222,6 +222,11 @@ impl Holders {
 /// How many empty holder vectors a shard keeps for reuse.
 const SPARES: usize = 8;
 
+/// The largest vector (in holders) a shard keeps: one grown by a crowd of
+/// readers is freed when they have gone, so that a burst does not pin its
+/// memory for ever.
+const SPARE_CAPACITY: usize = 16;
+
 /// A shard's empty vectors for holders beyond the first, kept for reuse.
 /// Touched only under the shard lock. A fixed array, as the key pool is:
 /// taking and giving compile to a few moves.
@@ -246,10 +251,13 @@ impl HolderSpares {
     }
 
     /// Keeps the emptied `rest` for reuse, or frees it when the pool is
-    /// full.
+    /// full or the vector grew past [`SPARE_CAPACITY`].
     #[inline]
     fn give(&mut self, rest: RestHolders) {
         debug_assert!(rest.is_empty());
+        if rest.capacity() > SPARE_CAPACITY {
+            return;
+        }
         if let Some(slot) = self.spare.get_mut(self.count) {
             *slot = Some(rest);
             self.count += 1;
@@ -259,7 +267,7 @@ impl HolderSpares {
 
 #[cfg(test)]
 mod tests {
-    use super::{Holder, HolderSpares, Holders, SPARES};
+    use super::{Holder, HolderSpares, Holders, SPARES, SPARE_CAPACITY};
     use crate::clock::Stamp;
     use crate::token::FencingToken;
 
@@ -315,5 +323,20 @@ mod tests {
             assert!(h.only().is_some());
         }
         assert_eq!(spares.count, SPARES);
+    }
+
+    #[test]
+    fn a_vector_grown_by_a_crowd_of_readers_is_not_kept() {
+        let mut spares = HolderSpares::default();
+        let mut holders = Holders::default();
+        let crowd = 2 * SPARE_CAPACITY as u64;
+        for t in 1..=crowd {
+            holders.push(holder(t), &mut spares);
+        }
+        for t in 1..=crowd {
+            holders.remove(FencingToken::from_raw(t), &mut spares);
+        }
+        assert!(holders.is_empty());
+        assert_eq!(spares.count, 0);
     }
 }
