@@ -10,6 +10,8 @@
 use std::mem::MaybeUninit;
 use std::ptr::NonNull;
 
+use crate::spares::Spares;
+
 /// How many empty slots a shard keeps for reuse. Bounded, so an idle table
 /// holds a fixed amount of memory however many keys it has seen.
 const POOL_CAPACITY: usize = 16;
@@ -67,16 +69,13 @@ impl<K> KeyPtr<K> {
 
 /// The per-shard pool of empty key slots. Touched only under the shard lock.
 pub(crate) struct KeyPool<K> {
-    /// `spare[..count]` are empty slots; the rest are `None`. A fixed array
-    /// rather than a `Vec`: pushing and popping compile to a few moves.
-    spare: [Option<Box<MaybeUninit<K>>>; POOL_CAPACITY],
-    count: usize,
+    spare: Spares<Box<MaybeUninit<K>>, POOL_CAPACITY>,
 }
 
 impl<K> std::fmt::Debug for KeyPool<K> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("KeyPool")
-            .field("spare", &self.count)
+            .field("spare", &self.spare)
             .finish()
     }
 }
@@ -84,22 +83,17 @@ impl<K> std::fmt::Debug for KeyPool<K> {
 impl<K> KeyPool<K> {
     pub(crate) fn new() -> Self {
         Self {
-            spare: std::array::from_fn(|_| None),
-            count: 0,
+            spare: Spares::default(),
         }
     }
 
     /// Moves `key` into a slot, reusing a spare one when there is one.
     #[inline(always)]
     pub(crate) fn store(&mut self, key: K) -> KeyPtr<K> {
-        let spare = match self.count.checked_sub(1) {
-            Some(top) => {
-                self.count = top;
-                self.spare.get_mut(top).and_then(Option::take)
-            }
-            None => None,
-        };
-        let mut slot = spare.unwrap_or_else(|| Box::new(MaybeUninit::uninit()));
+        let mut slot = self
+            .spare
+            .take()
+            .unwrap_or_else(|| Box::new(MaybeUninit::uninit()));
         slot.write(key);
         // The slot is initialized now; its ownership passes to the entry.
         KeyPtr(NonNull::from(Box::leak(slot)).cast())
@@ -119,10 +113,7 @@ impl<K> KeyPool<K> {
         let slot = unsafe { Box::from_raw(ptr.0.cast::<MaybeUninit<K>>().as_ptr()) };
         // SAFETY: the slot was initialized by `store` and not read out since.
         let key = unsafe { slot.assume_init_read() };
-        if let Some(free) = self.spare.get_mut(self.count) {
-            *free = Some(slot);
-            self.count += 1;
-        }
+        self.spare.give(slot);
         key
     }
 }

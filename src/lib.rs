@@ -313,6 +313,7 @@ pub mod process;
 mod queue;
 mod scope;
 mod shard_lock;
+mod spares;
 mod stats;
 mod status;
 mod table;

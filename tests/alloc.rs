@@ -73,6 +73,13 @@ fn allocations_and_largest(f: impl FnOnce()) -> (usize, usize) {
     (ALLOCS.with(Cell::get), LARGEST.with(Cell::get))
 }
 
+/// Runs `run` once to warm the table up, then asserts that a second run
+/// allocates nothing.
+fn assert_warm_allocates_nothing(mut run: impl FnMut()) {
+    run();
+    assert_eq!(allocations(&mut run), 0, "a warm run allocated");
+}
+
 /// The largest request glibc's allocator serves from its per-thread cache
 /// (`tcache`), without locking an arena, on 64-bit targets: a block freed on
 /// another thread than the one that allocated it costs an arena lock above
@@ -110,8 +117,7 @@ fn readers_joining_and_leaving_a_key_allocate_nothing_once_warm() {
             drop(readers);
         }
     };
-    run(&table);
-    assert_eq!(allocations(|| run(&table)), 0);
+    assert_warm_allocates_nothing(|| run(&table));
     assert_eq!(table.len(), 0);
 }
 
@@ -187,8 +193,7 @@ fn uncontended_lock_await_u64_allocates_nothing() {
             drop(g);
         }
     };
-    run(&table);
-    assert_eq!(allocations(|| run(&table)), 0);
+    assert_warm_allocates_nothing(|| run(&table));
     assert_eq!(table.len(), 0);
 }
 
@@ -248,8 +253,7 @@ fn uncontended_owned_locks_on_an_arc_table_allocate_nothing() {
             drop(poll_ready(table.clone().lock_owned(k)));
         }
     };
-    run(&table);
-    assert_eq!(allocations(|| run(&table)), 0);
+    assert_warm_allocates_nothing(|| run(&table));
     assert_eq!(table.len(), 0);
     assert_eq!(Arc::strong_count(&table), 1);
 }
@@ -265,8 +269,7 @@ fn holding_several_keys_at_once_allocates_nothing_once_warm() {
             drop(guards);
         }
     };
-    run(&table);
-    assert_eq!(allocations(|| run(&table)), 0);
+    assert_warm_allocates_nothing(|| run(&table));
     assert_eq!(table.len(), 0);
 }
 
@@ -290,8 +293,7 @@ fn a_warm_handoff_to_a_waiter_allocates_nothing() {
             // iteration and frees the key.
         }
     };
-    run(&table, cx);
-    assert_eq!(allocations(|| run(&table, cx)), 0);
+    assert_warm_allocates_nothing(|| run(&table, cx));
     assert_eq!(table.len(), 0);
     assert_eq!(table.stats().handoffs, 2 * 2 * (N as u64 / 10));
 }

@@ -11,6 +11,7 @@
 
 use crate::clock::{Now, Stamp};
 use crate::mode::Mode;
+use crate::spares::Spares;
 use crate::token::FencingToken;
 
 /// One grant of a key.
@@ -228,26 +229,17 @@ const SPARES: usize = 8;
 const SPARE_CAPACITY: usize = 16;
 
 /// A shard's empty vectors for holders beyond the first, kept for reuse.
-/// Touched only under the shard lock. A fixed array, as the key pool is:
-/// taking and giving compile to a few moves.
+/// Touched only under the shard lock.
 #[derive(Debug, Default)]
-pub(crate) struct HolderSpares {
-    /// `spare[..count]` are empty vectors; the rest are `None`.
-    spare: [Option<RestHolders>; SPARES],
-    count: usize,
-}
+pub(crate) struct HolderSpares(Spares<RestHolders, SPARES>);
 
 impl HolderSpares {
     /// An empty vector: a spare one if there is one, else a new one.
     #[inline]
     fn take(&mut self) -> RestHolders {
-        if let Some(top) = self.count.checked_sub(1) {
-            if let Some(spare) = self.spare.get_mut(top).and_then(Option::take) {
-                self.count = top;
-                return spare;
-            }
-        }
-        Box::new(Vec::with_capacity(4))
+        self.0
+            .take()
+            .unwrap_or_else(|| Box::new(Vec::with_capacity(4)))
     }
 
     /// Keeps the emptied `rest` for reuse, or frees it when the pool is
@@ -255,12 +247,8 @@ impl HolderSpares {
     #[inline]
     fn give(&mut self, rest: RestHolders) {
         debug_assert!(rest.is_empty());
-        if rest.capacity() > SPARE_CAPACITY {
-            return;
-        }
-        if let Some(slot) = self.spare.get_mut(self.count) {
-            *slot = Some(rest);
-            self.count += 1;
+        if rest.capacity() <= SPARE_CAPACITY {
+            self.0.give(rest);
         }
     }
 }
@@ -300,10 +288,10 @@ mod tests {
             );
         }
         assert!(holders.is_empty() && holders.rest.is_none());
-        assert_eq!(spares.count, 1);
+        assert_eq!(spares.0.len(), 1);
         holders.push(holder(4), &mut spares);
         holders.push(holder(5), &mut spares);
-        assert_eq!(spares.count, 0);
+        assert_eq!(spares.0.len(), 0);
         assert!(std::ptr::eq(&**holders.rest.as_ref().unwrap(), vector));
     }
 
@@ -322,7 +310,7 @@ mod tests {
             h.remove(FencingToken::from_raw(2 * k as u64 + 2), &mut spares);
             assert!(h.only().is_some());
         }
-        assert_eq!(spares.count, SPARES);
+        assert_eq!(spares.0.len(), SPARES);
     }
 
     #[test]
@@ -337,6 +325,6 @@ mod tests {
             holders.remove(FencingToken::from_raw(t), &mut spares);
         }
         assert!(holders.is_empty());
-        assert_eq!(spares.count, 0);
+        assert_eq!(spares.0.len(), 0);
     }
 }
