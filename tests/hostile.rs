@@ -1697,4 +1697,102 @@ mod tests {
             table.assert_consistent();
         });
     }
+
+    // ---------------------------------------------------------------------------
+    // A transaction's waiting `lock_all` under hostile wakers.
+    // ---------------------------------------------------------------------------
+
+    /// A transaction's `lock_all` takes its first key and waits for its
+    /// second (the boxed wait), with a waker that panics on clone, wake or
+    /// drop, or calls back into the table from clone or wake; then the call
+    /// is either completed once the key is released, or dropped while still
+    /// queued. Every key ends free and the table empty.
+    #[test]
+    fn a_transactions_waiting_lock_all_under_hostile_wakers_strands_nothing() {
+        use keylock::Mode;
+        watchdog("lock-all-hostile-wakers", || {
+            let table: Arc<LockTable<u32>> = Arc::new(LockTable::builder().shards(1).build());
+            let reenter = |table: &Arc<LockTable<u32>>| {
+                let table = Arc::clone(table);
+                move || {
+                    drop(table.try_lock(99));
+                    let _ = table.is_locked(&1);
+                }
+            };
+            for misbehaviour in 0..5 {
+                for complete in [true, false] {
+                    let what = format!("misbehaviour {misbehaviour}, complete {complete}");
+                    let hostile = match misbehaviour {
+                        3 => Hostile::on_clone(reenter(&table)),
+                        4 => Hostile::on_wake(reenter(&table)),
+                        _ => Hostile::new(),
+                    };
+                    let waker = hostile.waker();
+                    let held = table.try_lock(2).expect("key 2 is free");
+                    let mut txn = table.transaction();
+                    let mut fut =
+                        Box::pin(txn.lock_all([(1, Mode::Exclusive), (2, Mode::Exclusive)]));
+                    match misbehaviour {
+                        0 => hostile.arm_clone_panic(),
+                        1 => hostile.arm_wake_panic(),
+                        2 => hostile.arm_drop_panic(),
+                        _ => {}
+                    }
+                    let queued = match poll_caught(&mut fut, &waker) {
+                        Ok(Poll::Pending) => true,
+                        Ok(Poll::Ready(_)) => panic!("{what}: key 2 is held"),
+                        Err(payload) => {
+                            expect_planted(payload, &what);
+                            false
+                        }
+                    };
+                    hostile.disarm_clone_panic();
+                    if complete && queued {
+                        planted_or(&what, || drop(held));
+                        match poll_caught(&mut fut, &waker) {
+                            Ok(Poll::Ready(taken)) => {
+                                taken.expect("both keys are had");
+                            }
+                            Ok(Poll::Pending) => panic!("{what}: key 2 was released"),
+                            Err(payload) => {
+                                expect_planted(payload, &what);
+                            }
+                        }
+                        planted_or(&what, || drop(fut));
+                    } else {
+                        // Dropped while queued (or after its poll
+                        // panicked): the table drops its waker, unlocked.
+                        planted_or(&what, || drop(fut));
+                        planted_or(&what, || drop(held));
+                    }
+                    planted_or(&what, || drop(txn));
+                    // The misbehaviour happened where the table runs the waker.
+                    match misbehaviour {
+                        0 => assert!(!queued, "{what}: the poll's clone panicked"),
+                        1 => assert_eq!(
+                            hostile.wake_panics(),
+                            usize::from(complete),
+                            "{what}: the handoff's wake panicked"
+                        ),
+                        2 => assert_eq!(
+                            hostile.drop_panics(),
+                            usize::from(!complete),
+                            "{what}: the cancelled wait's waker drop panicked"
+                        ),
+                        3 => assert!(hostile.clones.load(SeqCst) > 0, "{what}: cloned"),
+                        _ => assert_eq!(
+                            hostile.wakes(),
+                            usize::from(complete),
+                            "{what}: woken by the handoff"
+                        ),
+                    }
+                    hostile.disarm_drop_panic();
+                    drop(waker);
+                    assert_key_free(&table, || 1, &what);
+                    assert_key_free(&table, || 2, &what);
+                    assert_table_empty(&table, 3, &what);
+                }
+            }
+        });
+    }
 }
