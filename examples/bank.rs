@@ -19,7 +19,10 @@
 //! `DashMap<u64, Arc<tokio::sync::RwLock<()>>>` whose callers sort and
 //! de-duplicate their keys by hand and lock them one by one. Both run on the
 //! same two-worker tokio runtime, interleaved, repetition by repetition
-//! (`examples/compare.rs` runs the same comparison). The run fails if money
+//! (`examples/compare.rs` runs the same comparison). Two more rows bound
+//! what any keyed table could reach here: the same bank with one tokio, or
+//! async-lock, reader-writer lock per account made up front (no map at
+//! all), and the harness with no locks. The run fails if money
 //! is created or lost, if an audit sees a transfer half done, or if
 //! anything hangs.
 

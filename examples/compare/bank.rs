@@ -22,7 +22,10 @@
 //! `BANK_ONLY=txn`, `dashmap`, `guards` or `unsorted`, only that bank runs (to profile
 //! one bank at a time, e.g. under `perf record`; `floor` is the same
 //! harness with no locks at all, the ceiling no lock can pass: it loses
-//! updates, so it is reported but not checked); with `BANK_DETECTION=off`,
+//! updates, so it is reported but not checked; `fixed` is the bank with one
+//! tokio, then one async-lock, reader-writer lock per account made when it
+//! opens, looked up by index: no map at all, the most any keyed table of
+//! those locks could reach); with `BANK_DETECTION=off`,
 //! the transactions bank's table has deadlock detection off (the cost of
 //! detection on real contended waits: run it against the default).
 
@@ -273,6 +276,80 @@ impl Bank for KeylockGuardsBank {
 
 type RwLockArc = Arc<tokio::sync::RwLock<()>>;
 
+/// A reader-writer lock a fixed-lock bank can use: tokio's or async-lock's.
+pub(crate) trait AccountLock: Default + Send + Sync + 'static {
+    const NAME: &'static str;
+    fn write(&self) -> impl Future<Output = impl Send + '_> + Send + '_;
+    fn read(&self) -> impl Future<Output = impl Send + '_> + Send + '_;
+}
+
+impl AccountLock for tokio::sync::RwLock<()> {
+    const NAME: &'static str = "a tokio RwLock per account, allocated up front (no map)";
+    fn write(&self) -> impl Future<Output = impl Send + '_> + Send + '_ {
+        self.write()
+    }
+    fn read(&self) -> impl Future<Output = impl Send + '_> + Send + '_ {
+        self.read()
+    }
+}
+
+impl AccountLock for async_lock::RwLock<()> {
+    const NAME: &'static str = "an async-lock RwLock per account, allocated up front (no map)";
+    fn write(&self) -> impl Future<Output = impl Send + '_> + Send + '_ {
+        self.write()
+    }
+    fn read(&self) -> impl Future<Output = impl Send + '_> + Send + '_ {
+        self.read()
+    }
+}
+
+/// The bank with one lock per account, made when the bank opens and never
+/// looked up: no map, no insert, no removal. What the best reader-writer
+/// locks of the field reach when nothing is keyed, sorted by hand as the
+/// DashMap bank is: the ceiling of any lock table built on such locks.
+pub(crate) struct FixedLocksBank<L> {
+    locks: Vec<L>,
+    ledger: Ledger,
+}
+
+impl<L: AccountLock> Bank for FixedLocksBank<L> {
+    const NAME: &'static str = L::NAME;
+
+    fn open(accounts: usize) -> Self {
+        Self {
+            locks: (0..accounts).map(|_| L::default()).collect(),
+            ledger: Ledger::new(accounts),
+        }
+    }
+
+    fn ledger(&self) -> &Ledger {
+        &self.ledger
+    }
+
+    async fn transfer(&self, from: u64, to: u64, amount: i64) {
+        let mut keys = [from, to];
+        keys.sort_unstable();
+        let first = self.locks[keys[0] as usize].write().await;
+        let second = if keys[1] != keys[0] {
+            Some(self.locks[keys[1] as usize].write().await)
+        } else {
+            None
+        };
+        self.ledger.transfer(from, to, amount);
+        drop((second, first));
+    }
+
+    async fn audit(&self) -> i64 {
+        let mut guards = Vec::with_capacity(self.locks.len());
+        for lock in &self.locks {
+            guards.push(lock.read().await);
+        }
+        let total = self.ledger.total();
+        drop(guards);
+        total
+    }
+}
+
 /// The harness with no locks: what the tellers and auditors cost by
 /// themselves (tasks, yields, clocks, the ledger). No lock can make a bank
 /// faster than this; it loses updates and sees half-done transfers, so its
@@ -514,6 +591,7 @@ pub(crate) fn compare(rt: &Runtime, shape: BankRun, reps: usize, hang: Duration)
     use std::fmt::Write as _;
     let (mut ours, mut theirs, mut guards, mut unsorted, mut floor) =
         (Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new());
+    let (mut fixed_tokio, mut fixed_async) = (Vec::new(), Vec::new());
     let only = std::env::var("BANK_ONLY").unwrap_or_default();
     let runs = |name: &str| only.is_empty() || only == name;
     for _ in 0..reps {
@@ -531,6 +609,14 @@ pub(crate) fn compare(rt: &Runtime, shape: BankRun, reps: usize, hang: Duration)
         }
         if runs("floor") {
             floor.push(run::<NoLockBank>(rt, shape, hang));
+        }
+        if runs("fixed") {
+            fixed_tokio.push(checked::<FixedLocksBank<tokio::sync::RwLock<()>>>(
+                rt, shape, hang,
+            ));
+            fixed_async.push(checked::<FixedLocksBank<async_lock::RwLock<()>>>(
+                rt, shape, hang,
+            ));
         }
     }
     let mut o = String::new();
@@ -553,6 +639,16 @@ pub(crate) fn compare(rt: &Runtime, shape: BankRun, reps: usize, hang: Duration)
     row(&mut o, KeylockGuardsBank::NAME, &guards);
     row(&mut o, KeylockUnorderedBank::NAME, &unsorted);
     row(&mut o, NoLockBank::NAME, &floor);
+    row(
+        &mut o,
+        <tokio::sync::RwLock<()> as AccountLock>::NAME,
+        &fixed_tokio,
+    );
+    row(
+        &mut o,
+        <async_lock::RwLock<()> as AccountLock>::NAME,
+        &fixed_async,
+    );
     // Time per transfer, so that the verdict reads as for the workloads.
     let per =
         |o: &[BankOutcome]| -> Vec<f64> { o.iter().map(|o| 1e9 / o.transfers_per_sec()).collect() };
@@ -566,6 +662,17 @@ pub(crate) fn compare(rt: &Runtime, shape: BankRun, reps: usize, hang: Duration)
         med(&their_ns) / med(&our_ns)
     )
     .unwrap();
+    if !fixed_tokio.is_empty() {
+        writeln!(
+            o,
+            "With a lock per account made up front (no map, no lookup, no entry to make or \
+             remove: what a keyed table of those locks could at best reach), tokio's RwLock \
+             runs {:.2}x and async-lock's {:.2}x the hand-written bank's transfers.",
+            med(&their_ns) / med(&per(&fixed_tokio)),
+            med(&their_ns) / med(&per(&fixed_async)),
+        )
+        .unwrap();
+    }
     if !floor.is_empty() {
         writeln!(
             o,
