@@ -197,6 +197,41 @@ fn main() {
             }
             drop(waits);
         }
+        // A wait queued on a hot key behind 7 waiting transactions, each
+        // holding a key of its own (so each is registered): the search goes
+        // through the queue (`hot8`), against the same without detection
+        // (`hot8_off`).
+        "hot8" | "hot8_off" => {
+            let limit = if mode.ends_with("_off") { 0 } else { 50 };
+            let table = keylock::LockTable::<u64>::builder()
+                .deadlock_search_limit(limit)
+                .build();
+            let mut cx = Context::from_waker(futures::task::noop_waker_ref());
+            let mut holder = table.transaction();
+            assert!(pin!(holder.lock(0, keylock::Mode::Exclusive)).poll(&mut cx).is_ready());
+            let mut queued: Vec<_> = (0..7).map(|_| table.transaction()).collect();
+            for (i, txn) in queued.iter_mut().enumerate() {
+                let fut = pin!(txn.lock(1 + i as u64, keylock::Mode::Exclusive));
+                assert!(fut.poll(&mut cx).is_ready());
+            }
+            let mut waits: Vec<_> = queued
+                .iter_mut()
+                .map(|txn| Box::pin(txn.lock(0, keylock::Mode::Exclusive)))
+                .collect();
+            for w in &mut waits {
+                assert!(w.as_mut().poll(&mut cx).is_pending());
+            }
+            for i in 0..n {
+                let mut txn = table.transaction();
+                {
+                    let fut = pin!(txn.lock(100 + (i & 63), keylock::Mode::Exclusive));
+                    assert!(fut.poll(&mut cx).is_ready());
+                }
+                let mut wait = Box::pin(txn.lock(black_box(0), keylock::Mode::Exclusive));
+                assert!(wait.as_mut().poll(&mut cx).is_pending());
+            }
+            drop(waits);
+        }
         "owned1" => {
             let table = std::sync::Arc::new(keylock::LockTable::<u64>::new());
             let mut cx = Context::from_waker(futures::task::noop_waker_ref());
@@ -276,7 +311,7 @@ fn main() {
             }
         }
         other => panic!(
-            "unknown mode {other:?}: try | lease | lock | txn1 | txn2 | guards2 | audit | audit_guards | chain8 | chain8_off | chain8_held | chain8_held_off | owned1 | owned16 | guards_owned16 | tokio | std"
+            "unknown mode {other:?}: try | lease | lock | txn1 | txn2 | guards2 | audit | audit_guards | chain8 | chain8_off | chain8_held | chain8_held_off | hot8 | hot8_off | owned1 | owned16 | guards_owned16 | tokio | std"
         ),
     }
     assert!(table.is_empty());

@@ -18,6 +18,13 @@
 //! proceed once the victim's call gives up its wait (and, as it should, the
 //! victim aborts).
 //!
+//! A registered wait keeps the edges a search last read for it, with its
+//! shard's count of queue jumps then; while that count stands, later
+//! searches use them (a superset of the table's: see [`Read`]), and redo the
+//! walk from the table whenever its answer might not be the table's. A
+//! waiter ahead of an exclusive wait on the same key is passed over (see
+//! [`passes_over`]).
+//!
 //! No false answers: the edges read one shard at a time may be stale (a
 //! holder released since, a waiter granted since), so a cycle found is
 //! confirmed with the shards of all its keys locked at once, in shard
@@ -35,7 +42,7 @@
 //!
 //! [`ShardState::wait_edges`]: crate::queue::ShardState::wait_edges
 
-use std::cell::Cell;
+use std::cell::{Cell, RefCell};
 use std::collections::{HashMap, VecDeque};
 use std::fmt;
 use std::hash::{BuildHasher, Hash};
@@ -198,8 +205,8 @@ pub(crate) struct Edge {
     pub(crate) ahead: Option<Mode>,
 }
 
-/// Edges, few at a time.
-pub(crate) type Edges = SmallVec<[Edge; 4]>;
+/// Edges, few at a time (a key's queue of up to 8 in place).
+pub(crate) type Edges = SmallVec<[Edge; 8]>;
 
 /// A wait the search walks through: a registered one, or one reached as a
 /// waiter ahead on the key of the wait before it.
@@ -208,6 +215,23 @@ struct Node<'r, K> {
     hash: u64,
     key: &'r Arc<K>,
     mode: Mode,
+    /// The registered wait, whose edges are cached (`None`: a waiter ahead
+    /// that is not registered).
+    wait: Option<&'r Wait<K>>,
+}
+
+impl<'r, K> Node<'r, K> {
+    /// `owner`'s registered wait as a node, unless it is a victim's (its
+    /// wait is about to end: no search goes through it).
+    fn registered(owner: u64, wait: &'r Wait<K>) -> Option<Self> {
+        (!wait.victim).then_some(Node {
+            owner,
+            hash: wait.hash,
+            key: &wait.key,
+            mode: wait.mode,
+            wait: Some(wait),
+        })
+    }
 }
 
 impl<K> Clone for Node<'_, K> {
@@ -287,6 +311,54 @@ struct Wait<K> {
     /// Answered as a deadlock's victim: its wait is about to end, so no
     /// search goes through it.
     victim: bool,
+    /// Its edges as a search last read them from the table, in canonical
+    /// order, with the count of queue jumps of the key's shard then
+    /// ([`LockTable::queue_jumps`]). While that count has not moved, they
+    /// are a superset of its edges now: edges only go (a holder leaves, a
+    /// waiter ahead leaves or is granted and stays the same transaction)
+    /// unless something jumps the queue.
+    edges: RefCell<Option<(u64, Edges)>>,
+}
+
+/// Where a search reads a registered wait's edges.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Read {
+    /// From the wait's cache while it is valid (a superset of its edges).
+    Cached,
+    /// From the table, every time (exact; the cache is refreshed).
+    Table,
+}
+
+/// What one depth-first walk found.
+struct Walk<'r, K> {
+    /// The cycle, as its waits in order.
+    cycle: Option<Vec<Node<'r, K>>>,
+    /// Transactions visited, if a search was made.
+    visited: Option<u64>,
+    /// A walk on cached edges that may have missed a cycle the table has: it
+    /// was cut short by the limit, or followed a waiter ahead that is no
+    /// longer queued where a cached edge said (an edge gone since).
+    may_miss: bool,
+    /// A walk on cached edges that passed over a waiter ahead (see
+    /// [`passes_over`]) on the word of a cached edge, which may be gone:
+    /// its answer may not be the table's.
+    may_differ: bool,
+}
+
+/// Whether the walk passes over `to`, reached from `from` as a waiter ahead
+/// of it: without following it, only marking it visited. That is so when
+/// `from` asks for its key exclusively and `to`'s wait is on the same key:
+/// everything `to` waits for there (holders, waiters ahead of it),
+/// `from` waits for too (an exclusive request is blocked by every holder
+/// and every waiter ahead; `from` holds no key it waits for, and is behind
+/// `to`), so the branch adds nothing the walk does not take from `from`.
+/// On a hot key this turns a search through every waiter of the queue
+/// into a look at each.
+fn passes_over<K: Eq>(from: &Node<'_, K>, edge: Edge, to: &Node<'_, K>) -> bool {
+    edge.ahead.is_some()
+        && from.mode == Mode::Exclusive
+        && to.hash == from.hash
+        && (Arc::ptr_eq(to.key, from.key) || **to.key == **from.key)
 }
 
 impl<K> fmt::Debug for Detector<K> {
@@ -357,6 +429,7 @@ impl<K: Eq + Hash, S: BuildHasher> LockTable<K, S> {
                     key,
                     mode,
                     victim: false,
+                    edges: RefCell::new(None),
                 },
             );
             registry.counts.waits += 1;
@@ -437,14 +510,33 @@ impl<K: Eq + Hash, S: BuildHasher> LockTable<K, S> {
     /// A cycle through `owner`'s registered wait, found and confirmed, as
     /// recorded; and how many transactions the search visited, if one was
     /// made.
+    ///
+    /// The walk reads each registered wait's edges from its cache while the
+    /// cache is valid: a superset of the edges the table has. A cycle found
+    /// that way is confirmed on the table; if it does not hold, or if the
+    /// walk may have missed one (cut by the limit, or misled by an edge
+    /// gone since), the walk is made again from the table. Every edge the
+    /// table has is in the cache and the order of the edges is canonical,
+    /// so a cycle that holds is the one the walk from the table would find
+    /// first (a branch the cache adds either reaches `owner`, through an
+    /// edge that is gone, and then the cycle does not hold, or never
+    /// reaches it, and only marks transactions that cannot).
     fn search(
         &self,
         registry: &Registry<K>,
         owner: u64,
         limit: usize,
     ) -> (Option<Record<K>>, Option<u64>) {
-        let (cycle, visited) = self.find_cycle(registry, owner, limit);
-        let record = cycle.filter(|c| self.confirm(c)).map(|c| {
+        let walk = self.find_cycle(registry, owner, limit, Read::Cached);
+        let (cycle, visited) = match walk.cycle {
+            Some(cycle) if !walk.may_differ && self.confirm(&cycle) => (Some(cycle), walk.visited),
+            None if !walk.may_miss && !walk.may_differ => (None, walk.visited),
+            _ => {
+                let exact = self.find_cycle(registry, owner, limit, Read::Table);
+                (exact.cycle.filter(|c| self.confirm(c)), exact.visited)
+            }
+        };
+        let record = cycle.map(|c| {
             c.iter()
                 .map(|n| (n.owner, Arc::clone(n.key), n.mode))
                 .collect()
@@ -458,70 +550,142 @@ impl<K: Eq + Hash, S: BuildHasher> LockTable<K, S> {
     /// search was made. The walk follows registered waits, and waiters
     /// ahead on the key of the wait it comes from (whose wait is there,
     /// registered or not: a transaction that holds nothing does not
-    /// register, and only those queued behind it can wait for it).
+    /// register, and only those queued behind it can wait for it). Edges
+    /// are tried in canonical order (by transaction; a waiter ahead before
+    /// a holder).
     fn find_cycle<'r>(
         &self,
         registry: &'r Registry<K>,
         owner: u64,
         limit: usize,
-    ) -> (Option<Vec<Node<'r, K>>>, Option<u64>) {
-        let Some(start) = registered(registry, owner) else {
-            return (None, None);
+        read: Read,
+    ) -> Walk<'r, K> {
+        let mut walk = Walk {
+            cycle: None,
+            visited: None,
+            may_miss: false,
+            may_differ: false,
         };
-        let Some(first) = self.edges_of(&start) else {
-            return (None, None);
+        let Some(start) = registry
+            .waiting
+            .get(&owner)
+            .and_then(|w| Node::registered(owner, w))
+        else {
+            return walk;
         };
-        // The common case: nothing the wait waits for is waiting itself.
-        if !first
-            .iter()
-            .any(|e| e.ahead.is_some() || registry.waiting.contains_key(&e.to))
-        {
-            return (None, None);
+        // The edges of the waits on the path, one run per wait, end to end
+        // (a stack: a wait's run goes when it leaves the path).
+        let mut edges: SmallVec<[Edge; 2 * INLINE_DEPTH]> = SmallVec::new();
+        let Some(fresh) = self.edges_into(&start, read, &mut edges) else {
+            return walk;
+        };
+        // The common case: nothing the wait waits for is waiting itself
+        // (waiters ahead of an exclusive wait are passed over: see
+        // `passes_over`), so there is nothing to walk.
+        let leads_on = |&edge: &Edge| match registry.waiting.get(&edge.to) {
+            Some(wait) => {
+                Node::registered(edge.to, wait).is_some_and(|to| !passes_over(&start, edge, &to))
+            }
+            // Followed only as a waiter ahead, on the start's key.
+            None => edge.ahead.is_some() && start.mode == Mode::Shared,
+        };
+        if !edges.iter().any(leads_on) {
+            return walk;
         }
         // Room in place for a search of `INLINE_DEPTH` transactions (the
         // issue's depth 8, twice over): no allocation until past it.
         let mut path: SmallVec<[Node<'r, K>; INLINE_DEPTH]> = smallvec::smallvec![start];
         let mut visited: SmallVec<[u64; INLINE_DEPTH]> = smallvec::smallvec![owner];
-        // One frame per wait on the path: the edges out of it, and how many
-        // of them were tried.
-        let mut frames: SmallVec<[(Edges, usize); INLINE_DEPTH]> = smallvec::smallvec![(first, 0)];
-        while let Some((edges, next)) = frames.last_mut() {
+        // One frame per wait on the path: where its run of edges starts, the
+        // next of them to try, and whether they were read from the table in
+        // this walk.
+        let mut frames: SmallVec<[(usize, usize, bool); INLINE_DEPTH]> =
+            smallvec::smallvec![(0, 0, fresh)];
+        while let Some(&mut (run, ref mut next, fresh)) = frames.last_mut() {
             let Some(&edge) = edges.get(*next) else {
                 frames.pop();
                 path.pop();
+                edges.truncate(run);
                 continue;
             };
             *next += 1;
             if edge.to == owner {
-                return (Some(path.to_vec()), Some(visited.len() as u64 - 1));
+                walk.cycle = Some(path.to_vec());
+                break;
             }
-            if visited.contains(&edge.to) || visited.len() >= limit {
+            if visited.contains(&edge.to) {
+                continue;
+            }
+            if visited.len() >= limit {
+                walk.may_miss = true;
                 continue;
             }
             visited.push(edge.to);
             let from = *path.last().expect("a frame per node");
             let node = match registry.waiting.get(&edge.to) {
-                Some(_) => registered(registry, edge.to),
+                Some(wait) => Node::registered(edge.to, wait),
                 None => edge.ahead.map(|mode| Node {
                     owner: edge.to,
                     mode,
+                    wait: None,
                     ..from
                 }),
             };
-            if let Some(edges) = node.as_ref().and_then(|n| self.edges_of(n)) {
-                path.push(node.expect("edges of a node"));
-                frames.push((edges, 0));
+            let Some(node) = node else { continue };
+            if passes_over(&from, edge, &node) {
+                walk.may_differ |= !fresh;
+                continue;
+            }
+            let run = edges.len();
+            if let Some(fresh) = self.edges_into(&node, read, &mut edges) {
+                path.push(node);
+                frames.push((run, run, fresh));
+            } else {
+                // A waiter ahead no longer queued where the edge said: the
+                // edge may be gone, and the transaction, now marked
+                // visited, may wait elsewhere.
+                walk.may_miss |= node.wait.is_none();
             }
         }
-        (None, Some(visited.len() as u64 - 1))
+        walk.visited = Some(visited.len() as u64 - 1);
+        walk
     }
 
-    /// The transactions the wait `node` waits for now (none if its waiter
-    /// is not queued there).
-    fn edges_of(&self, node: &Node<'_, K>) -> Option<Edges> {
-        let mut out = Edges::new();
-        self.wait_edges(node.hash, node.key, node.owner, &mut out)
-            .then_some(out)
+    /// Appends to `out` the transactions the wait `node` waits for, in
+    /// canonical order: from its cache while that is valid
+    /// (`Read::Cached`), else from the table (then cached). Whether they
+    /// were read from the table; `None` if its waiter is not queued there.
+    fn edges_into<const N: usize>(
+        &self,
+        node: &Node<'_, K>,
+        read: Read,
+        out: &mut SmallVec<[Edge; N]>,
+    ) -> Option<bool>
+    where
+        [Edge; N]: smallvec::Array<Item = Edge>,
+    {
+        if let (Read::Cached, Some(wait)) = (read, node.wait) {
+            if let Some((jumps, edges)) = &*wait.edges.borrow() {
+                if *jumps == self.queue_jumps(node.hash) {
+                    out.extend_from_slice(edges);
+                    return Some(false);
+                }
+            }
+        }
+        let mut fresh = Edges::new();
+        let jumps = self.wait_edges(node.hash, node.key, node.owner, &mut fresh)?;
+        // Canonical: the same order whatever order the table keeps its
+        // holders and waiters in, so that a cached list and a fresh one
+        // are walked alike.
+        let canonical = |e: &Edge| (e.to, e.ahead.is_none());
+        if !fresh.is_sorted_by_key(canonical) {
+            fresh.sort_by_key(canonical);
+        }
+        out.extend_from_slice(&fresh);
+        if let Some(wait) = node.wait {
+            *wait.edges.borrow_mut() = Some((jumps, fresh));
+        }
+        Some(true)
     }
 
     /// Whether every wait of `cycle` is blocked by the next one's
@@ -542,18 +706,6 @@ impl<K: Eq + Hash, S: BuildHasher> LockTable<K, S> {
             .collect();
         self.edges_hold(&edges)
     }
-}
-
-/// `owner`'s registered wait as a node, unless it has none or is a
-/// victim's (its wait is about to end: no search goes through it).
-fn registered<K>(registry: &Registry<K>, owner: u64) -> Option<Node<'_, K>> {
-    let w = registry.waiting.get(&owner).filter(|w| !w.victim)?;
-    Some(Node {
-        owner,
-        hash: w.hash,
-        key: &w.key,
-        mode: w.mode,
-    })
 }
 
 /// The answer for a recorded cycle (keys cloned: no lock is held).

@@ -52,6 +52,11 @@ pub(crate) struct Counters {
     expired: AtomicU64,
     timed_out: AtomicU64,
     revoked: AtomicU64,
+    /// Grants and waiters that went past queued waiters (an upgrade, a grant
+    /// past the queue under eventual fairness): each may add wait-for edges
+    /// to waits queued on the shard, which the deadlock detector's cached
+    /// edges do not have (`deadlock.rs`). Not reported in [`Stats`].
+    queue_jumps: AtomicU64,
 }
 
 /// Adds one; the caller holds the shard lock, so no other writer races.
@@ -92,6 +97,21 @@ impl Counters {
     #[inline]
     pub(crate) fn revoked(&self) {
         bump(&self.revoked);
+    }
+
+    /// A grant or waiter went past the shard's queued waiters (see
+    /// `queue_jumps`).
+    #[inline]
+    pub(crate) fn jumped_queue(&self) {
+        bump(&self.queue_jumps);
+    }
+
+    /// How many times anything went past the shard's queued waiters: edges
+    /// read from the shard are still a superset of its edges while this has
+    /// not moved.
+    #[inline]
+    pub(crate) fn queue_jumps(&self) -> u64 {
+        self.queue_jumps.load(Relaxed)
     }
 
     pub(crate) fn add_to(&self, stats: &mut Stats) {

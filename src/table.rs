@@ -308,21 +308,36 @@ impl<K, S> LockTable<K, S> {
     }
 
     /// The transactions `owner`'s waiter on `key` waits for, appended to
-    /// `out`; `false` if it has no waiter queued there. See
-    /// `queue/edges.rs`.
+    /// `out`, and the shard's count of queue jumps when they were read (see
+    /// [`queue_jumps`](Self::queue_jumps)); `None` if it has no waiter
+    /// queued there. See `queue/edges.rs`.
     pub(crate) fn wait_edges(
         &self,
         hash: u64,
         key: &K,
         owner: u64,
         out: &mut crate::deadlock::Edges,
-    ) -> bool
+    ) -> Option<u64>
     where
         K: Eq,
     {
         let mut now = Now::new(&self.clock);
-        let mut state = self.shard(hash).state.lock();
-        state.wait_edges(hash, key, owner, out, &mut now)
+        let shard = self.shard(hash);
+        let mut state = shard.state.lock();
+        let jumps = shard.counters.queue_jumps();
+        state
+            .wait_edges(hash, key, owner, out, &mut now)
+            .then_some(jumps)
+    }
+
+    /// How many times a grant or waiter went past the queued waiters of the
+    /// shard of `hash`: while it has not moved, the edges read from that
+    /// shard are a superset of its waits' edges now (the only other changes
+    /// remove edges, or turn a waiter ahead into a holder: the same
+    /// transaction).
+    #[inline]
+    pub(crate) fn queue_jumps(&self, hash: u64) -> u64 {
+        self.shard(hash).counters.queue_jumps()
     }
 
     /// Whether every edge `(hash, key, owner, next)` holds (`owner`'s

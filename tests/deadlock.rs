@@ -9,6 +9,8 @@
 use std::sync::atomic::{AtomicUsize, Ordering::SeqCst};
 use std::sync::{Arc, Barrier};
 
+use std::task::Poll;
+
 use futures::poll;
 use keylock::{LockTable, Mode, OwnedTransaction, TransactionError};
 
@@ -482,5 +484,107 @@ fn detection_can_be_turned_off_and_history_is_bounded() {
         assert_eq!(recent.len(), 2, "the last two only");
         assert_eq!(recent[0].cycle()[0].key, 10);
         assert_eq!(recent[1].cycle()[0].key, 20);
+    });
+}
+
+/// A registered wait elsewhere, so that later registrations search (and
+/// keep the edges they read): `x` holds "x1" and waits for "x2", held by
+/// `y`. Returns `y` and x's wait (pending once polled), to keep alive.
+#[allow(clippy::type_complexity)]
+fn bystanders<'t>(
+    table: &'t LockTable<&'static str>,
+) -> (
+    keylock::Transaction<'t, &'static str>,
+    std::pin::Pin<Box<dyn std::future::Future<Output = ()> + 't>>,
+) {
+    let mut x = table.transaction();
+    let mut y = table.transaction();
+    block(x.lock("x1", Mode::Exclusive)).unwrap();
+    block(y.lock("x2", Mode::Exclusive)).unwrap();
+    let x_waits = Box::pin(async move {
+        let _ = x.lock("x2", Mode::Exclusive).await;
+    });
+    (y, x_waits)
+}
+
+#[test]
+fn an_upgrade_past_a_queued_reader_adds_an_edge_the_detector_sees() {
+    let table = LockTable::<&'static str>::new();
+    let (_y, mut x_waits) = bystanders(&table);
+    block(async {
+        assert!(poll!(x_waits.as_mut()).is_pending());
+        let mut u = table.transaction();
+        let mut w = table.transaction();
+        u.lock("k", Mode::Shared).await.unwrap();
+        // A plain writer queues behind u's shared grant; w, holding "w",
+        // queues shared behind the writer. w waits for nobody a
+        // transaction holds (the writer is a plain guard; u's shared grant
+        // admits it), and its registration reads and keeps those edges.
+        let mut writer = Box::pin(table.lock("k"));
+        assert!(poll!(writer.as_mut()).is_pending());
+        w.lock("w", Mode::Exclusive).await.unwrap();
+        let w_id = w.id();
+        let mut w_waits = Box::pin(w.lock("k", Mode::Shared));
+        assert!(poll!(w_waits.as_mut()).is_pending());
+        assert_eq!(table.deadlock_stats().waits, 2, "x and w registered");
+        // u, the only holder, upgrades at once: w now waits for u too.
+        let up = u.lock("k", Mode::Exclusive).await.unwrap();
+        assert_eq!(up.kind, keylock::AcquireKind::Upgraded);
+        // u asks for w's key: u -> w -> u, through the edge the upgrade
+        // added after w's edges were read.
+        let closing = poll!(Box::pin(u.lock("w", Mode::Exclusive)));
+        let Poll::Ready(Err(TransactionError::Deadlock(d))) = closing else {
+            panic!("u closes the cycle through the upgrade's edge: {closing:?}");
+        };
+        let order: Vec<_> = d.cycle().iter().map(|c| c.transaction).collect();
+        assert_eq!(order, [u.id(), w_id], "{d}");
+        drop(u);
+        assert!(poll!(writer.as_mut()).is_ready(), "the writer is next");
+        drop(writer);
+        assert!(w_waits.await.is_ok());
+    });
+}
+
+#[cfg(feature = "test-util")]
+#[test]
+fn a_grant_past_the_queue_under_eventual_fairness_adds_an_edge_the_detector_sees() {
+    use keylock::{Fairness, ManualClock};
+    // Time stands still: once a handoff has set the shard's fairness
+    // deadline, every release within it leaves the key free.
+    let table = LockTable::<&'static str>::builder()
+        .shards(1)
+        .clock(ManualClock::new())
+        .fairness(Fairness::Eventual)
+        .build();
+    let (_y, mut x_waits) = bystanders(&table);
+    block(async {
+        let warm = table.try_lock("warm").unwrap();
+        let mut handed = Box::pin(table.lock("warm"));
+        assert!(poll!(handed.as_mut()).is_pending());
+        drop(warm);
+        drop(handed.await);
+        assert!(poll!(x_waits.as_mut()).is_pending());
+        // w, holding "w", waits for "k" behind a plain guard: no edge.
+        let mut w = table.transaction();
+        w.lock("w", Mode::Exclusive).await.unwrap();
+        let w_id = w.id();
+        let plain = table.try_lock("k").unwrap();
+        let mut w_waits = Box::pin(w.lock("k", Mode::Exclusive));
+        assert!(poll!(w_waits.as_mut()).is_pending());
+        assert_eq!(table.deadlock_stats().waits, 2, "x and w registered");
+        // The release leaves "k" free (w is only nudged), and t takes it
+        // past w: w now waits for t.
+        drop(plain);
+        let mut t = table.transaction();
+        t.lock("k", Mode::Exclusive).await.unwrap();
+        // t asks for w's key: t -> w -> t.
+        let closing = poll!(Box::pin(t.lock("w", Mode::Exclusive)));
+        let Poll::Ready(Err(TransactionError::Deadlock(d))) = closing else {
+            panic!("t closes the cycle through the barging grant's edge: {closing:?}");
+        };
+        let order: Vec<_> = d.cycle().iter().map(|c| c.transaction).collect();
+        assert_eq!(order, [t.id(), w_id], "{d}");
+        drop(t);
+        assert!(w_waits.await.is_ok());
     });
 }

@@ -137,6 +137,11 @@ impl<K> ShardState<K> {
         if entry.mode == Mode::Exclusive {
             return Ok(Attempt::Acquired(grant(token, entry)));
         }
+        if !entry.queue.is_empty() {
+            // The queued waiters now wait for the upgrade too (a deadlock
+            // search must read their edges afresh).
+            ctx.counters().jumped_queue();
+        }
         if entry.holders.only().is_some() {
             // The only holder: exclusive at once, with a fresh token.
             let fresh = keys.tokens.mint();
@@ -474,10 +479,24 @@ fn take_now<K>(
     ctx: &mut Ctx<'_, '_, K>,
 ) -> Grant<K> {
     let grant = keys.take(entry, mode, terms, false, ctx);
-    if mode == Mode::Shared && !entry.queue.is_empty() {
-        keys.admit(entry, ctx);
+    if !entry.queue.is_empty() {
+        // Past the queue (eventual fairness): the queued waiters now wait
+        // for this grant too (a deadlock search must read their edges
+        // afresh).
+        jumped_queue(ctx);
+        if mode == Mode::Shared {
+            keys.admit(entry, ctx);
+        }
     }
     grant
+}
+
+/// Counts a grant past the queue (out of line: only eventual fairness
+/// takes this path).
+#[cold]
+#[inline(never)]
+fn jumped_queue<K>(ctx: &Ctx<'_, '_, K>) {
+    ctx.counters().jumped_queue();
 }
 
 /// Links `waiter` into `entry`'s queue (at the head for an upgrade) with

@@ -1536,8 +1536,9 @@ impl Model {
     /// of the queue that is `owner`'s) waits for: the waiters ahead of it
     /// of a transaction whose mode excludes its own, then the live holders
     /// of another transaction whose mode excludes it (for an upgrade: every
-    /// other holder), in the table's orders, duplicates kept; a waiter ahead
-    /// with its mode. `None` if `owner` has no waiter queued on `k`.
+    /// other holder), duplicates kept, in the search's canonical order (by
+    /// transaction, a waiter ahead before a holder); a waiter ahead with its
+    /// mode. `None` if `owner` has no waiter queued on `k`.
     pub(super) fn dl_wait_edges(&self, owner: u64, k: usize) -> Option<Vec<MEdge>> {
         let key = &self.keys[k];
         let mut ahead = Vec::new();
@@ -1568,6 +1569,8 @@ impl Model {
                 out.push((h.owner, None));
             }
         }
+        // deadlock.rs `edges_of`: the search walks them in canonical order.
+        out.sort_by_key(|&(o, ahead)| (o, ahead.is_none()));
         Some(out)
     }
 
@@ -1580,7 +1583,8 @@ impl Model {
 
     /// deadlock.rs `find_cycle`: the same depth-first walk, in the same
     /// order (edges as `dl_wait_edges` lists them; a transaction is visited
-    /// once; at most `DL_LIMIT` visited), through registered waits and
+    /// once; at most `DL_LIMIT` visited; a waiter ahead of an exclusive wait
+    /// on the same key marked, not followed), through registered waits and
     /// waiters ahead on the key of the wait it comes from (registered or
     /// not): the path of waits from `owner`'s whose last waits for `owner`.
     fn dl_find_cycle(&self, owner: u64) -> Option<Vec<MNode>> {
@@ -1612,6 +1616,11 @@ impl Model {
                 None => ahead.map(|m| (to, from.1, m)),
             };
             if let Some(node) = node {
+                // deadlock.rs `passes_over`: a waiter ahead of an exclusive
+                // wait, waiting on the same key, is marked, not followed.
+                if ahead.is_some() && from.2 == MMode::Exclusive && node.1 == from.1 {
+                    continue;
+                }
                 if let Some(edges) = self.dl_wait_edges(to, node.1) {
                     path.push(node);
                     frames.push((edges, 0));
