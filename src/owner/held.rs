@@ -88,8 +88,11 @@ pub enum AcquireKind {
 /// How many keys a set keeps in place, before it allocates.
 const INLINE: usize = 2;
 
-/// How many keys a set makes room for when it first allocates.
-const INITIAL_CAPACITY: usize = 8;
+/// How many more keys a set makes room for when it first allocates: room
+/// for 16 in all, as many as the linear scan covers (PostgreSQL sizes a
+/// backend's lock table for 16), so that a transaction of up to 16 keys
+/// allocates once and never grows.
+const INITIAL_CAPACITY: usize = LINEAR_MAX - INLINE;
 
 /// One held (or in-flight) key; see the module's invariants.
 #[derive(Debug)]
@@ -230,8 +233,8 @@ impl<G, K> HeldSet<G, K> {
         let at = self.slots.len();
         let hash = slot.hash;
         if self.slots.len() == INLINE && !self.slots.spilled() {
-            // Past the inline slots: room for a few keys at once (PostgreSQL
-            // sizes a backend's lock table for 16), not growth one at a time.
+            // Past the inline slots: room for the rest of the linear scan's
+            // keys at once, not growth a few at a time.
             self.slots.reserve_exact(INITIAL_CAPACITY);
             self.hashes.reserve_exact(INITIAL_CAPACITY);
         }
