@@ -193,60 +193,17 @@ fn deadlocks(c: &mut Criterion) {
     // woken on another worker: this is the ratio a user's contended wait
     // pays for detection, where `chain8_*` above is the harshest case
     // (nothing but the wait and the search, on one thread).
-    for (name, limit) in [
-        ("hot_key_8_tasks_detection_off", 0),
-        ("hot_key_8_tasks_detection_on", 50),
-    ] {
-        let rt = tokio::runtime::Builder::new_multi_thread()
-            .worker_threads(2)
-            .build()
-            .expect("tokio runtime");
-        let table = Arc::new(
-            LockTable::<u64>::builder()
-                .deadlock_search_limit(limit)
-                .build(),
-        );
-        group.bench_function(name, |b| {
-            b.iter_custom(|iters| {
-                const TASKS: u64 = 8;
-                let per_task = iters.div_ceil(TASKS);
-                let start = std::time::Instant::now();
-                rt.block_on(async {
-                    let tasks: Vec<_> = (0..TASKS)
-                        .map(|_| {
-                            let table = table.clone();
-                            tokio::spawn(async move {
-                                for _ in 0..per_task {
-                                    let mut txn = table.transaction();
-                                    txn.lock(black_box(7), Mode::Exclusive).await.unwrap();
-                                    txn.commit().unwrap();
-                                }
-                            })
-                        })
-                        .collect();
-                    for task in tasks {
-                        task.await.unwrap();
-                    }
-                });
-                start
-                    .elapsed()
-                    .mul_f64(iters as f64 / (per_task * TASKS) as f64)
-            });
-        });
-        let stats = table.deadlock_stats();
-        eprintln!(
-            "{name}: {stats:?}; mean transactions visited per search {:.1}",
-            stats.visited as f64 / stats.searches.max(1) as f64
-        );
-    }
-    // The same hot key, but each transaction holds a key of its own first,
-    // so that each wait registers and searches: through the transactions
-    // queued ahead of it (up to 7; each waits for the holder and for those
-    // ahead of it), a search up to 8 deep on every contended wait, with
-    // real handoffs between workers.
-    for (name, limit) in [
-        ("hot_key_8_holding_tasks_detection_off", 0),
-        ("hot_key_8_holding_tasks_detection_on", 50),
+    //
+    // The `holding` settings are the same hot key, but each transaction
+    // holds a key of its own first, so that each wait registers and
+    // searches: through the transactions queued ahead of it (up to 7; each
+    // waits for the holder and for those ahead of it), a search up to 8
+    // deep on every contended wait, with real handoffs between workers.
+    for (name, limit, holding) in [
+        ("hot_key_8_tasks_detection_off", 0, false),
+        ("hot_key_8_tasks_detection_on", 50, false),
+        ("hot_key_8_holding_tasks_detection_off", 0, true),
+        ("hot_key_8_holding_tasks_detection_on", 50, true),
     ] {
         let rt = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(2)
@@ -269,7 +226,9 @@ fn deadlocks(c: &mut Criterion) {
                             tokio::spawn(async move {
                                 for _ in 0..per_task {
                                     let mut txn = table.transaction();
-                                    txn.lock(100 + task, Mode::Exclusive).await.unwrap();
+                                    if holding {
+                                        txn.lock(100 + task, Mode::Exclusive).await.unwrap();
+                                    }
                                     txn.lock(black_box(7), Mode::Exclusive).await.unwrap();
                                     txn.commit().unwrap();
                                 }
