@@ -335,13 +335,15 @@ struct Walk<'r, K> {
     cycle: Option<Vec<Node<'r, K>>>,
     /// Transactions visited, if a search was made.
     visited: Option<u64>,
-    /// A walk on cached edges that may have missed a cycle the table has: it
-    /// was cut short by the limit, or followed a waiter ahead that is no
-    /// longer queued where a cached edge said (an edge gone since).
+    /// A walk on cached edges that may have missed a cycle the table has, or
+    /// found another first: it was cut short by the limit, or followed a
+    /// waiter ahead that is no longer queued where a cached edge said (an
+    /// edge gone since), and marked it visited unexpanded.
     may_miss: bool,
     /// A walk on cached edges that passed over a waiter ahead (see
-    /// [`passes_over`]) on the word of a cached edge, which may be gone:
-    /// its answer may not be the table's.
+    /// [`passes_over`]) on the word of a cached edge, or followed a waiter
+    /// ahead that is not registered on one (its mode taken from the edge):
+    /// either may be gone, so its answer may not be the table's.
     may_differ: bool,
 }
 
@@ -514,8 +516,10 @@ impl<K: Eq + Hash, S: BuildHasher> LockTable<K, S> {
     /// The walk reads each registered wait's edges from its cache while the
     /// cache is valid: a superset of the edges the table has. A cycle found
     /// that way is confirmed on the table; if it does not hold, or if the
-    /// walk may have missed one (cut by the limit, or misled by an edge
-    /// gone since), the walk is made again from the table. Every edge the
+    /// walk may have missed one or found another first (cut by the limit,
+    /// misled by an edge gone since, or trusting a cached edge's word on a
+    /// waiter ahead: see [`Walk`]), the walk is made again from the table.
+    /// Every edge the
     /// table has is in the cache and the order of the edges is canonical,
     /// so a cycle that holds is the one the walk from the table would find
     /// first (a branch the cache adds either reaches `owner`, through an
@@ -529,7 +533,9 @@ impl<K: Eq + Hash, S: BuildHasher> LockTable<K, S> {
     ) -> (Option<Record<K>>, Option<u64>) {
         let walk = self.find_cycle(registry, owner, limit, Read::Cached);
         let (cycle, visited) = match walk.cycle {
-            Some(cycle) if !walk.may_differ && self.confirm(&cycle) => (Some(cycle), walk.visited),
+            Some(cycle) if !walk.may_differ && !walk.may_miss && self.confirm(&cycle) => {
+                (Some(cycle), walk.visited)
+            }
             None if !walk.may_miss && !walk.may_differ => (None, walk.visited),
             _ => {
                 let exact = self.find_cycle(registry, owner, limit, Read::Table);
@@ -632,6 +638,11 @@ impl<K: Eq + Hash, S: BuildHasher> LockTable<K, S> {
                 }),
             };
             let Some(node) = node else { continue };
+            // A waiter ahead that is not registered is named by the edge,
+            // mode and all: from a cached edge, that mode may be gone (it
+            // left and queued again, asking for another), and so may any
+            // pass-over made on its word.
+            walk.may_differ |= node.wait.is_none() && !fresh;
             if passes_over(&from, edge, &node) {
                 walk.may_differ |= !fresh;
                 continue;

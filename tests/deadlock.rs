@@ -575,6 +575,7 @@ fn a_grant_past_the_queue_under_eventual_fairness_adds_an_edge_the_detector_sees
         // The release leaves "k" free (w is only nudged), and t takes it
         // past w: w now waits for t.
         drop(plain);
+        assert!(!table.is_locked("k"), "left free, w only nudged");
         let mut t = table.transaction();
         t.lock("k", Mode::Exclusive).await.unwrap();
         // t asks for w's key: t -> w -> t.
@@ -586,5 +587,121 @@ fn a_grant_past_the_queue_under_eventual_fairness_adds_an_edge_the_detector_sees
         assert_eq!(order, [t.id(), w_id], "{d}");
         drop(t);
         assert!(w_waits.await.is_ok());
+    });
+}
+
+/// A cached edge to a waiter ahead that holds nothing may name it with a
+/// mode it no longer asks for (it left and queued again, in another
+/// mode): the walk must not pass anyone over on that word. Here the stale
+/// mode would have hidden the cycle s -> t -> s.
+#[test]
+fn a_stale_cached_mode_of_a_waiter_ahead_does_not_hide_a_cycle() {
+    let table = LockTable::<&'static str>::new();
+    let (_y, mut x_waits) = bystanders(&table);
+    block(async {
+        assert!(poll!(x_waits.as_mut()).is_pending());
+        let (mut s, mut w, mut t) = (
+            table.transaction(),
+            table.transaction(),
+            table.transaction(),
+        );
+        let (s_id, w_id, t_id) = (s.id(), w.id(), t.id());
+        assert!(w_id < t_id, "ids in creation order");
+        s.lock("k", Mode::Shared).await.unwrap();
+        w.lock("ks", Mode::Shared).await.unwrap();
+        t.lock("ks", Mode::Shared).await.unwrap();
+        // A plain writer queues on "k" behind s's shared grant; v, holding
+        // nothing (so never registered), queues exclusive behind it.
+        let mut writer = Box::pin(table.lock("k"));
+        assert!(poll!(writer.as_mut()).is_pending());
+        let mut v = table.transaction();
+        let mut v_waits = Box::pin(v.lock("k", Mode::Exclusive));
+        assert!(poll!(v_waits.as_mut()).is_pending());
+        // w queues shared behind v: its registration keeps the edge to v,
+        // marked exclusive.
+        let mut w_waits = Box::pin(w.lock("k", Mode::Shared));
+        assert!(poll!(w_waits.as_mut()).is_pending());
+        // v leaves (nothing jumps the queue), t queues exclusive (its walk
+        // passes over w, so w's kept edges stay as they were), and v queues
+        // again, shared, behind t.
+        drop(v_waits);
+        let mut t_waits = Box::pin(t.lock("k", Mode::Exclusive));
+        assert!(poll!(t_waits.as_mut()).is_pending());
+        let mut v_again = Box::pin(v.lock("k", Mode::Shared));
+        assert!(poll!(v_again.as_mut()).is_pending());
+        // s asks "ks" exclusive (held shared by w and t): t waits for s's
+        // grant of "k", s for t's of "ks".
+        let closing = poll!(Box::pin(s.lock("ks", Mode::Exclusive)));
+        let Poll::Ready(Err(TransactionError::Deadlock(d))) = closing else {
+            panic!("s closes the cycle s -> t -> s: {closing:?}");
+        };
+        let order: Vec<_> = d.cycle().iter().map(|c| c.transaction).collect();
+        assert_eq!(order, [s_id, t_id], "{d}");
+        drop(s);
+        assert!(poll!(writer.as_mut()).is_ready(), "the writer is next");
+        drop(writer);
+        drop(t_waits);
+        drop(t);
+        assert!(poll!(w_waits.as_mut()).is_ready());
+        assert!(poll!(v_again.as_mut()).is_ready());
+    });
+}
+
+/// A walk on kept edges that met a waiter ahead gone from where an edge
+/// said may find a cycle the table's own walk would not find first: it
+/// walks again from the table, and answers the table's cycle.
+#[test]
+fn a_waiter_ahead_gone_from_a_kept_edge_does_not_change_the_cycle_answered() {
+    let table = LockTable::<&'static str>::new();
+    let (_y, mut x_waits) = bystanders(&table);
+    block(async {
+        assert!(poll!(x_waits.as_mut()).is_pending());
+        let mut v = table.transaction();
+        let (mut a, mut b, mut c, mut s) = (
+            table.transaction(),
+            table.transaction(),
+            table.transaction(),
+            table.transaction(),
+        );
+        let ids = [s.id(), a.id(), b.id(), v.id()];
+        assert!(v.id() < b.id() && b.id() < c.id(), "ids in creation order");
+        a.lock("k0", Mode::Exclusive).await.unwrap();
+        b.lock("k1", Mode::Exclusive).await.unwrap();
+        c.lock("kc", Mode::Exclusive).await.unwrap();
+        s.lock("k2", Mode::Shared).await.unwrap();
+        // v (holding nothing) queues on "k1"; a queues shared behind it and
+        // keeps the edges [v ahead, b holding].
+        let mut v_waits = Box::pin(v.lock("k1", Mode::Exclusive));
+        assert!(poll!(v_waits.as_mut()).is_pending());
+        let mut a_waits = Box::pin(a.lock("k1", Mode::Shared));
+        assert!(poll!(a_waits.as_mut()).is_pending());
+        // v moves to "k2" (behind s's shared grant); c and then b queue
+        // behind it there.
+        drop(v_waits);
+        let mut v_again = Box::pin(v.lock("k2", Mode::Exclusive));
+        assert!(poll!(v_again.as_mut()).is_pending());
+        let mut c_waits = Box::pin(c.lock("k2", Mode::Exclusive));
+        assert!(poll!(c_waits.as_mut()).is_pending());
+        let mut b_waits = Box::pin(b.lock("k2", Mode::Shared));
+        assert!(poll!(b_waits.as_mut()).is_pending());
+        // s asks for a's key: s -> a -> b -> v -> s, the cycle the table's
+        // own walk finds first (c waits for s too, after v).
+        let closing = poll!(Box::pin(s.lock("k0", Mode::Exclusive)));
+        let Poll::Ready(Err(TransactionError::Deadlock(d))) = closing else {
+            panic!("s closes a cycle: {closing:?}");
+        };
+        let order: Vec<_> = d.cycle().iter().map(|w| w.transaction).collect();
+        assert_eq!(order, ids, "{d}");
+        drop(s);
+        assert!(poll!(v_again.as_mut()).is_ready(), "v is next on k2");
+        drop(v_again);
+        drop(v);
+        assert!(poll!(c_waits.as_mut()).is_ready());
+        drop(c_waits);
+        drop(c);
+        assert!(poll!(b_waits.as_mut()).is_ready());
+        drop(b_waits);
+        drop(b);
+        assert!(poll!(a_waits.as_mut()).is_ready());
     });
 }
