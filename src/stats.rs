@@ -5,7 +5,10 @@
 //! adds no shared cache line and no atomic contention to the hot path.
 //! Reading sums the shards without locking them.
 
-use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+use std::sync::atomic::{
+    AtomicU64,
+    Ordering::{Relaxed, SeqCst},
+};
 
 /// A snapshot of a table's cumulative counters.
 ///
@@ -101,9 +104,15 @@ impl Counters {
 
     /// A grant or waiter went past the shard's queued waiters (see
     /// `queue_jumps`).
+    ///
+    /// Sequentially consistent (the store is on this rare path, the load is
+    /// a plain load on x86): a search that reads the count without the
+    /// shard lock sees every jump that came before it in the one order all
+    /// such operations share, as a read under the lock would.
     #[inline]
     pub(crate) fn jumped_queue(&self) {
-        bump(&self.queue_jumps);
+        let jumps = self.queue_jumps.load(Relaxed);
+        self.queue_jumps.store(jumps.wrapping_add(1), SeqCst);
     }
 
     /// How many times anything went past the shard's queued waiters: edges
@@ -111,7 +120,7 @@ impl Counters {
     /// not moved.
     #[inline]
     pub(crate) fn queue_jumps(&self) -> u64 {
-        self.queue_jumps.load(Relaxed)
+        self.queue_jumps.load(SeqCst)
     }
 
     pub(crate) fn add_to(&self, stats: &mut Stats) {
