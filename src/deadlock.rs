@@ -603,8 +603,14 @@ impl<K: Eq + Hash, S: BuildHasher> LockTable<K, S> {
         let mut path: SmallVec<[Node<'r, K>; INLINE_DEPTH]> = smallvec::smallvec![start];
         let mut visited: SmallVec<[u64; INLINE_DEPTH]> = smallvec::smallvec![owner];
         // One frame per wait on the path: where its run of edges starts, the
-        // next of them to try, and whether they were read from the table in
-        // this walk.
+        // next of them to try, and whether the path up to it is fresh: its
+        // edges and those of every wait before it on the path read from
+        // the table in this walk. A stale branch may reach a transaction
+        // first and mark it visited; that is harmless for a registered
+        // wait (expanded alike whatever the way in), not for a waiter
+        // ahead that is not registered (expanded on the key it was reached
+        // by: an owned transaction's unregistered calls may wait on several)
+        // nor for one passed over (not expanded at all).
         let mut frames: SmallVec<[(usize, usize, bool); INLINE_DEPTH]> =
             smallvec::smallvec![(0, 0, fresh)];
         while let Some(&mut (run, ref mut next, fresh)) = frames.last_mut() {
@@ -639,18 +645,19 @@ impl<K: Eq + Hash, S: BuildHasher> LockTable<K, S> {
             };
             let Some(node) = node else { continue };
             // A waiter ahead that is not registered is named by the edge,
-            // mode and all: from a cached edge, that mode may be gone (it
-            // left and queued again, asking for another), and so may any
-            // pass-over made on its word.
+            // mode and all, and expanded on the key it was reached by: off
+            // a fresh path, the edge (its mode: it may have left and queued
+            // again, asking for another) or the way in may be gone, and so
+            // may any pass-over made on its word.
             walk.may_differ |= node.wait.is_none() && !fresh;
             if passes_over(&from, edge, &node) {
                 walk.may_differ |= !fresh;
                 continue;
             }
             let run = edges.len();
-            if let Some(fresh) = self.edges_into(&node, read, &mut edges) {
+            if let Some(read_fresh) = self.edges_into(&node, read, &mut edges) {
                 path.push(node);
-                frames.push((run, run, fresh));
+                frames.push((run, run, fresh && read_fresh));
             } else {
                 // A waiter ahead no longer queued where the edge said: the
                 // edge may be gone, and the transaction, now marked

@@ -705,3 +705,63 @@ fn a_waiter_ahead_gone_from_a_kept_edge_does_not_change_the_cycle_answered() {
         assert!(poll!(a_waits.as_mut()).is_ready());
     });
 }
+
+/// An owned transaction whose registered call ended may still wait, not
+/// registered, on several keys. A walk on kept edges that reaches it by a
+/// stale way in (here through `c`'s kept edge to `y`, which has let go of
+/// "a") must not mark it visited on the wrong key: the cycle o -> c -> x ->
+/// u -> o runs through u's wait on "k3", not on "k2".
+#[test]
+fn an_owned_transaction_waiting_on_two_keys_unregistered_is_found_on_the_right_one() {
+    let table = Arc::new(LockTable::<&'static str>::new());
+    block(async {
+        let _k2 = table.try_lock("k2").unwrap();
+        let _u1 = table.try_lock("u1").unwrap();
+        let mut q = table.transaction();
+        let y: OwnedTransaction<&str> = table.clone().transaction_owned();
+        let mut x = table.transaction();
+        let mut c = table.transaction();
+        let u: OwnedTransaction<&str> = table.clone().transaction_owned();
+        let mut o = table.transaction();
+        let ids = [o.id(), c.id(), x.id(), u.id()];
+        q.lock("a", Mode::Shared).await.unwrap();
+        y.lock("a", Mode::Shared).await.unwrap();
+        x.lock("a", Mode::Shared).await.unwrap();
+        c.lock("o", Mode::Exclusive).await.unwrap();
+        o.lock("k3", Mode::Shared).await.unwrap();
+        // u waits on three keys; the registered call ends, the other two
+        // wait on, not registered.
+        let mut u1 = Box::pin(u.lock("u1", Mode::Exclusive));
+        assert!(poll!(u1.as_mut()).is_pending());
+        let mut u2 = Box::pin(u.lock("k2", Mode::Exclusive));
+        assert!(poll!(u2.as_mut()).is_pending());
+        let mut u3 = Box::pin(u.lock("k3", Mode::Exclusive));
+        assert!(poll!(u3.as_mut()).is_pending());
+        drop(u1);
+        let mut y_waits = Box::pin(y.lock("k2", Mode::Shared));
+        assert!(poll!(y_waits.as_mut()).is_pending());
+        let mut q_waits = Box::pin(q.lock("k2", Mode::Exclusive));
+        assert!(poll!(q_waits.as_mut()).is_pending());
+        let mut x_waits = Box::pin(x.lock("k3", Mode::Shared));
+        assert!(poll!(x_waits.as_mut()).is_pending());
+        // c waits for q, y and x on "a", and keeps those edges.
+        let mut c_waits = Box::pin(c.lock("a", Mode::Exclusive));
+        assert!(poll!(c_waits.as_mut()).is_pending());
+        // q leaves, y lets go of "a": c now waits for x alone.
+        drop(q_waits);
+        drop(q);
+        y.release(&"a").unwrap();
+        let closing = poll!(Box::pin(o.lock("o", Mode::Exclusive)));
+        let Poll::Ready(Err(TransactionError::Deadlock(d))) = closing else {
+            panic!("o closes the cycle o -> c -> x -> u -> o: {closing:?}");
+        };
+        let order: Vec<_> = d.cycle().iter().map(|w| w.transaction).collect();
+        assert_eq!(order, ids, "{d}");
+        drop(o); // u gets "k3" once x's shared grant comes too
+        drop(u3);
+        drop(u2);
+        drop(x_waits);
+        drop(y_waits);
+        drop(c_waits);
+    });
+}
