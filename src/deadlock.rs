@@ -36,9 +36,10 @@
 //! transactions ([`Builder::deadlock_search_limit`](crate::Builder::deadlock_search_limit));
 //! a cycle past it is not found, and its waiters keep their timeouts.
 //! Nothing here runs while no transaction waits, and plain guards never
-//! reach it. No user code runs under the registry's mutex: keys are held in
+//! reach it. No user code but `K: Eq` runs under the registry's mutex: keys are held in
 //! `Arc`s (cloned into the answer after it is released); `K: Eq` runs in
-//! the table's probes, as everywhere.
+//! the table's probes, as everywhere, and in [`passes_over`] (two waits'
+//! keys of one hash).
 //!
 //! [`ShardState::wait_edges`]: crate::queue::ShardState::wait_edges
 
@@ -295,7 +296,8 @@ pub struct DeadlockStats {
     /// waiting too, and one the wait waits for was among them).
     pub searches: u64,
     /// Transactions visited by all searches together (the waiting
-    /// transaction itself not counted).
+    /// transaction itself not counted, nor holders that wait for nothing:
+    /// dead ends).
     pub visited: u64,
     /// The most transactions one search visited.
     pub deepest: u64,
@@ -625,6 +627,14 @@ impl<K: Eq + Hash, S: BuildHasher> LockTable<K, S> {
                 walk.cycle = Some(path.to_vec());
                 break;
             }
+            let wait = registry.waiting.get(&edge.to);
+            if wait.is_none() && edge.ahead.is_none() {
+                // A holder that is not waiting (as far as the registry
+                // knows): a dead end, not marked visited, so that the walk
+                // may still follow it where it waits ahead of another wait
+                // (a stale edge cannot hide it then).
+                continue;
+            }
             if visited.contains(&edge.to) {
                 continue;
             }
@@ -634,7 +644,7 @@ impl<K: Eq + Hash, S: BuildHasher> LockTable<K, S> {
             }
             visited.push(edge.to);
             let from = *path.last().expect("a frame per node");
-            let node = match registry.waiting.get(&edge.to) {
+            let node = match wait {
                 Some(wait) => Node::registered(edge.to, wait),
                 None => edge.ahead.map(|mode| Node {
                     owner: edge.to,

@@ -256,7 +256,8 @@ fn a_transaction_that_holds_nothing_is_not_registered() {
         assert!(poll!(waits.as_mut()).is_pending());
         let after = table.deadlock_stats();
         assert_eq!((after.waits, after.searches), (4, before.searches + 1));
-        assert_eq!(after.deepest, 4, "t0, t1, t2 and t3 visited");
+        // t3 holds 3 and waits for nothing: a dead end, not counted.
+        assert_eq!(after.deepest, 3, "t0, t1 and t2 visited");
         assert_eq!(after.cycles, 0);
         drop(waits);
         drop(chain);
@@ -763,5 +764,149 @@ fn an_owned_transaction_waiting_on_two_keys_unregistered_is_found_on_the_right_o
         drop(x_waits);
         drop(y_waits);
         drop(c_waits);
+    });
+}
+
+/// A kept edge may name a transaction as a holder of a key it has let go
+/// of since, and which now waits elsewhere holding nothing (so is not
+/// registered). Reached that way it is a dead end, and must not be marked
+/// visited: reached as a waiter ahead, it closes the cycle s -> w -> z ->
+/// h -> s.
+#[test]
+fn a_holder_gone_from_a_kept_edge_does_not_hide_it_waiting_ahead() {
+    block(async {
+        let table = LockTable::<&'static str>::new();
+        let (mut s, mut h, mut z, mut a, mut w) = (
+            table.transaction(),
+            table.transaction(),
+            table.transaction(),
+            table.transaction(),
+            table.transaction(),
+        );
+        assert!(a.id() < w.id(), "ids in creation order");
+        let ids = [s.id(), w.id(), z.id(), h.id()];
+        s.lock("k3", Mode::Exclusive).await.unwrap();
+        h.lock("k2", Mode::Shared).await.unwrap();
+        let mut h_waits = Box::pin(h.lock("k3", Mode::Exclusive));
+        assert!(poll!(h_waits.as_mut()).is_pending());
+        z.lock("k1", Mode::Shared).await.unwrap();
+        let _plain = table.try_lock_shared("k1").unwrap();
+        // a waits for "k1" and keeps the edge to z, holding it.
+        a.lock("k0", Mode::Shared).await.unwrap();
+        let mut a_waits = Box::pin(a.lock("k1", Mode::Exclusive));
+        assert!(poll!(a_waits.as_mut()).is_pending());
+        // z lets go of "k1" (a still waits for the plain grant) and, holding
+        // nothing, queues for "k2" behind h's grant; w queues behind z.
+        z.release(&"k1").unwrap();
+        w.lock("k0", Mode::Shared).await.unwrap();
+        let mut z_waits = Box::pin(z.lock("k2", Mode::Exclusive));
+        assert!(poll!(z_waits.as_mut()).is_pending());
+        let mut w_waits = Box::pin(w.lock("k2", Mode::Shared));
+        assert!(poll!(w_waits.as_mut()).is_pending());
+        let closing = poll!(Box::pin(s.lock("k0", Mode::Exclusive)));
+        let Poll::Ready(Err(TransactionError::Deadlock(d))) = closing else {
+            panic!("s closes the cycle s -> w -> z -> h -> s: {closing:?}");
+        };
+        let order: Vec<_> = d.cycle().iter().map(|c| c.transaction).collect();
+        assert_eq!(order, ids, "{d}");
+        drop(s);
+        assert!(poll!(h_waits.as_mut()).is_ready());
+        drop(h_waits);
+        drop(h);
+        assert!(poll!(z_waits.as_mut()).is_ready());
+        drop(z_waits);
+        drop(z);
+        assert!(poll!(w_waits.as_mut()).is_ready());
+        drop(a_waits);
+    });
+}
+
+/// A key whose `Eq` panics once armed, on the given call.
+#[derive(Debug, Clone)]
+struct Fuse {
+    id: u32,
+    calls_left: Arc<AtomicUsize>,
+}
+
+impl PartialEq for Fuse {
+    fn eq(&self, other: &Self) -> bool {
+        let left = self.calls_left.load(SeqCst);
+        if left == 1 {
+            self.calls_left.store(0, SeqCst);
+            panic!("Fuse::eq");
+        }
+        if left > 1 {
+            self.calls_left.store(left - 1, SeqCst);
+        }
+        self.id == other.id
+    }
+}
+
+impl Eq for Fuse {}
+
+impl std::hash::Hash for Fuse {
+    fn hash<H: std::hash::Hasher>(&self, state: &mut H) {
+        self.id.hash(state);
+    }
+}
+
+/// A key's `Eq` that panics during the search a wait makes leaves the
+/// wait unregistered once its future is dropped: the transaction's next
+/// wait is registered and searched, and answers the cycle it closes.
+#[test]
+fn a_search_that_panics_in_a_keys_eq_leaves_nothing_registered() {
+    let fuse = Arc::new(AtomicUsize::new(0));
+    let key = |id| Fuse {
+        id,
+        calls_left: Arc::clone(&fuse),
+    };
+    let table = LockTable::<Fuse>::new();
+    block(async {
+        let (mut t, mut u, mut x) = (
+            table.transaction(),
+            table.transaction(),
+            table.transaction(),
+        );
+        t.lock(key(1), Mode::Exclusive).await.unwrap();
+        u.lock(key(2), Mode::Exclusive).await.unwrap();
+        x.lock(key(3), Mode::Exclusive).await.unwrap();
+        x.lock(key(4), Mode::Exclusive).await.unwrap();
+        // x waits for u's key: registered, so t's wait below searches.
+        let mut x_waits = Box::pin(x.lock(key(2), Mode::Exclusive));
+        assert!(poll!(x_waits.as_mut()).is_pending());
+        // t asks for x's key: a try and the probe that queues it compare
+        // once each, the search's read of t's own edges next: that one
+        // panics (the registration counted below shows it came after).
+        assert_eq!(table.deadlock_stats().waits, 1);
+        fuse.store(3, SeqCst);
+        let mut t_waits = Box::pin(t.lock(key(3), Mode::Exclusive));
+        let panicked = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            let mut cx = std::task::Context::from_waker(futures::task::noop_waker_ref());
+            let _ = std::future::Future::poll(t_waits.as_mut(), &mut cx);
+        }));
+        assert!(panicked.is_err(), "the search's key comparison panicked");
+        assert_eq!(fuse.load(SeqCst), 0, "the fuse blew");
+        assert_eq!(
+            table.deadlock_stats().waits,
+            2,
+            "in the search, after t registered"
+        );
+        drop(t_waits);
+        // t waits again, for x's other key; u asks for t's key and closes
+        // u -> t -> x -> u, found only if t's new wait is registered (a
+        // registration left from the panicked wait would say t waits for
+        // key 3, where it no longer does).
+        let mut t_again = Box::pin(t.lock(key(4), Mode::Exclusive));
+        assert!(poll!(t_again.as_mut()).is_pending());
+        let closing = poll!(Box::pin(u.lock(key(1), Mode::Exclusive)));
+        let Poll::Ready(Err(TransactionError::Deadlock(d))) = closing else {
+            panic!("u closes the cycle through t's new wait: {closing:?}");
+        };
+        assert_eq!(d.victim(), u.id(), "{d}");
+        drop(u);
+        assert!(poll!(x_waits.as_mut()).is_ready());
+        drop(x_waits);
+        drop(x);
+        assert!(poll!(t_again.as_mut()).is_ready());
     });
 }

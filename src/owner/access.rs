@@ -456,6 +456,9 @@ where
             if table.detector().is_on() && !wait.holds_nothing {
                 let key = Arc::clone(wait.key);
                 let id = owner.opts.id.get();
+                // Set first: if the search panics (a key's `Eq`), the wait
+                // it registered is unregistered as the guard drops.
+                watch.detecting = true;
                 match table.enter_wait(id, wait.hash, key, wait.mode) {
                     Ok(registered) => watch.detecting = registered,
                     Err(deadlock) => {

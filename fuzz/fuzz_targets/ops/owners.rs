@@ -1606,6 +1606,10 @@ impl Model {
             if to == owner {
                 return Some(path);
             }
+            // deadlock.rs: a holder not registered is a dead end, not marked.
+            if ahead.is_none() && !self.dl.waiting.contains_key(&to) {
+                continue;
+            }
             if visited.contains(&to) || visited.len() >= DL_LIMIT {
                 continue;
             }
