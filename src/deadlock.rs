@@ -627,15 +627,15 @@ impl<K: Eq + Hash, S: BuildHasher> LockTable<K, S> {
                 walk.cycle = Some(path.to_vec());
                 break;
             }
+            if visited.contains(&edge.to) {
+                continue;
+            }
             let wait = registry.waiting.get(&edge.to);
             if wait.is_none() && edge.ahead.is_none() {
                 // A holder that is not waiting (as far as the registry
                 // knows): a dead end, not marked visited, so that the walk
                 // may still follow it where it waits ahead of another wait
                 // (a stale edge cannot hide it then).
-                continue;
-            }
-            if visited.contains(&edge.to) {
                 continue;
             }
             if visited.len() >= limit {

@@ -1606,11 +1606,14 @@ impl Model {
             if to == owner {
                 return Some(path);
             }
+            if visited.contains(&to) {
+                continue;
+            }
             // deadlock.rs: a holder not registered is a dead end, not marked.
             if ahead.is_none() && !self.dl.waiting.contains_key(&to) {
                 continue;
             }
-            if visited.contains(&to) || visited.len() >= DL_LIMIT {
+            if visited.len() >= DL_LIMIT {
                 continue;
             }
             visited.push(to);
