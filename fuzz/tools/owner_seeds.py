@@ -91,6 +91,20 @@ seeds = {
  # Ten deadlocks in a row: recent_deadlocks keeps the last eight.
  'owners-deadlock-history': config() + (lock(0, 0) + lock(1, 1) + lock(0, 1) + lock(1, 0) + owner(1, ABORT) + poll_woken() + owner(0, COMMIT)) * 5
    + (lock(1, 2) + lock(0, 3, True) + lock(1, 3) + lock(0, 2) + owner(0, ABORT) + poll_woken() + owner(1, COMMIT)) * 5,
+ # Edges a search keeps (deadlock.rs, "Cached edges"), gone stale without a
+ # queue jump. 3 waits for 2's key 3, so every later wait searches. 1 keeps
+ # an edge to 5 queued exclusive ahead of it; 5 (holding nothing, not
+ # registered) leaves and queues again shared; 0's wait closes 0 -> 2 -> 0,
+ # which the stale mode must not hide.
+ 'owners-deadlock-stale-cached-mode': config() + lock(4, 3) + lock(3, 2) + lock(3, 3) + lock(0, 0, True) + lock(1, 1, True) + lock(2, 1, True)
+   + start_lock(0) + poll(0) + lock(5, 0) + lock(1, 0, True) + owner(5, DROPF) + lock(2, 0) + lock(5, 0, True) + lock(0, 1)
+   + owner(0, ABORT) + poll_woken() + drop_guard(0) + poll_woken() + owner(2, ABORT) + poll_woken() + owner(1, COMMIT) + owner(5, COMMIT) + owner(3, ABORT) + owner(4, COMMIT),
+ # 3 keeps an edge to 2 holding key 1; 2 lets it go and, holding nothing,
+ # queues for key 2 behind 1's grant; 4 queues behind 2; 0's wait closes
+ # 0 -> 4 -> 2 -> 1 -> 0, which the stale holder edge must not hide.
+ 'owners-deadlock-stale-holder-edge': config() + lock(0, 3) + lock(1, 2, True) + lock(1, 3) + lock(2, 1, True) + try_lock(1, True) + lock(3, 0, True) + lock(3, 1)
+   + owner(2, RELEASE, key=1) + lock(4, 0, True) + lock(2, 2) + lock(4, 2, True) + lock(0, 0)
+   + owner(0, ABORT) + poll_woken() + owner(1, COMMIT) + poll_woken() + owner(2, COMMIT) + poll_woken() + owner(4, COMMIT) + drop_guard(0) + poll_woken() + owner(3, COMMIT),
  'owners-opposite-lock-all': config(0, 1) + lock_all(0, [(0, False), (1, False)], now=False) + lock_all(1, [(1, False), (0, False)], now=False) + owner(0, POLL) + owner(1, POLL) + try_lock(0, True) + owner(0, COMMIT) + poll_woken() + owner(1, POLL) + owner(1, DROP) + lock_all(2, [(0, True), (1, True), (2, True)], owned=True) + revoke(1) + owner(2, RENEW, w=4) + owner(2, COMMIT),
 }
 # Inputs of bugs found (now fuzz/regressions/ops/), failing on the code that had them.

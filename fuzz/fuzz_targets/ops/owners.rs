@@ -29,7 +29,7 @@ use keylock::{
 };
 
 /// Owner slots of a run.
-pub(super) const OWNERS: usize = 3;
+pub(super) const OWNERS: usize = 6;
 /// Pending calls of one owned transaction, at most.
 const MAX_OWNER_CALLS: usize = 3;
 
