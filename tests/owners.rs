@@ -128,6 +128,51 @@ fn many_keys_keep_their_counts() {
     assert!(table.is_empty());
 }
 
+/// Up to sixteen keys a set is searched by a scan of their hashes: every key
+/// is still found, with its own count, after early releases move the last
+/// key into each freed place, and after the set grows past the scan and
+/// shrinks again.
+#[test]
+fn a_small_set_finds_every_key_after_early_releases() {
+    let table = LockTable::new();
+    let mut txn = table.transaction();
+    let mut counts = [0usize; 24];
+    for k in 0..16u32 {
+        for _ in 0..=k % 3 {
+            txn.blocking_lock(k, Mode::Exclusive).unwrap();
+            counts[k as usize] += 1;
+        }
+    }
+    let check = |txn: &keylock::Transaction<'_, u32>, counts: &[usize; 24]| {
+        for (k, &want) in counts.iter().enumerate() {
+            assert_eq!(txn.count(&(k as u32)), want, "key {k}");
+            assert_eq!(table.is_locked(&(k as u32)), want > 0, "key {k}");
+        }
+    };
+    check(&txn, &counts);
+    for k in [0u32, 7, 15, 3, 9, 1] {
+        txn.release(&k).unwrap();
+        counts[k as usize] = 0;
+        check(&txn, &counts);
+    }
+    // Past the scan (an index takes over), then back under it.
+    for k in 16..24u32 {
+        txn.blocking_lock(k, Mode::Shared).unwrap();
+        counts[k as usize] = 1;
+    }
+    check(&txn, &counts);
+    for k in [16u32, 2, 23, 11, 20, 4] {
+        txn.release(&k).unwrap();
+        counts[k as usize] = 0;
+        check(&txn, &counts);
+    }
+    txn.blocking_lock(0, Mode::Shared).unwrap();
+    counts[0] = 1;
+    check(&txn, &counts);
+    txn.commit().unwrap();
+    assert!(table.is_empty());
+}
+
 #[test]
 fn release_lets_a_key_go_whatever_its_count() {
     let table = LockTable::new();

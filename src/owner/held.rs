@@ -171,9 +171,11 @@ pub(crate) struct HeldSet<G, K> {
     /// The slots, in no particular order; the first [`INLINE`] in place
     /// (a transfer's two keys allocate nothing).
     slots: SmallVec<[Slot<G, K>; INLINE]>,
-    /// Each slot's hash, at the slot's position: the linear search scans
-    /// these packed words, not the slots.
-    hashes: SmallVec<[u64; INLINE]>,
+    /// Each slot's hash, at the slot's position, while there is no index
+    /// (so for at most [`LINEAR_MAX`] slots): the linear search scans these
+    /// packed words, not the slots. In place, so the set allocates once
+    /// when it first grows, not twice.
+    hashes: [u64; LINEAR_MAX],
     /// Positions in `slots` by hash, once there are more than
     /// [`LINEAR_MAX`] of them.
     index: Option<HashTable<usize>>,
@@ -197,7 +199,7 @@ impl<G, K> Default for HeldSet<G, K> {
     fn default() -> Self {
         Self {
             slots: SmallVec::new(),
-            hashes: SmallVec::new(),
+            hashes: [0; LINEAR_MAX],
             index: None,
             next_id: 0,
             held: 0,
@@ -213,7 +215,9 @@ impl<G, K> HeldSet<G, K> {
         match &self.index {
             None => {
                 let mut from = 0;
-                while let Some(found) = self.hashes[from..].iter().position(|&h| h == hash) {
+                // Without an index there are at most `LINEAR_MAX` slots.
+                let hashes = &self.hashes[..self.slots.len()];
+                while let Some(found) = hashes[from..].iter().position(|&h| h == hash) {
                     let at = from + found;
                     if is(&self.slots[at]) {
                         return Some(at);
@@ -236,10 +240,11 @@ impl<G, K> HeldSet<G, K> {
             // Past the inline slots: room for the rest of the linear scan's
             // keys at once, not growth a few at a time.
             self.slots.reserve_exact(INITIAL_CAPACITY);
-            self.hashes.reserve_exact(INITIAL_CAPACITY);
         }
         self.slots.push(slot);
-        self.hashes.push(hash);
+        if self.index.is_none() && at < LINEAR_MAX {
+            self.hashes[at] = hash;
+        }
         let slots = &self.slots;
         match &mut self.index {
             Some(index) => {
@@ -274,8 +279,10 @@ impl<G, K> HeldSet<G, K> {
                     *moved = at;
                 }
             }
+        } else {
+            // The last slot moves into `at`.
+            self.hashes[at] = self.hashes[last];
         }
-        self.hashes.swap_remove(at);
         self.slots.swap_remove(at)
     }
 }
@@ -304,7 +311,6 @@ impl<G: GuardOps<Key = K>, K: Eq> HeldSet<G, K> {
     /// Makes room for `additional` more keys (a `lock_all`).
     pub(crate) fn reserve(&mut self, additional: usize) {
         self.slots.reserve(additional);
-        self.hashes.reserve(additional);
         if let Some(index) = &mut self.index {
             let slots = &self.slots;
             index.reserve(additional, |&i| slots[i].hash);
@@ -558,7 +564,6 @@ where
     set.held = 0;
     set.index = None;
     set.version += 1;
-    set.hashes.clear();
     for slot in set.slots.drain(..) {
         let Some(guard) = slot.guard else { continue };
         // A live grant is released in one visit, its key not copied; a lost

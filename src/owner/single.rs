@@ -144,14 +144,17 @@ where
     // claim, no copy of the key). What the table leaves to do after its
     // shard's unlock, and a copy of the key it did not keep, are dropped
     // here, after the set's lock (owned form) is released.
-    let mut left = Leftovers::default();
     let mut spare = None;
-    let fast = access.fast(hash, key, mode, |owner, key| {
-        let (got, unkept) = owner.reach.try_lock_leaving(hash, key, opts, &mut left);
-        spare = unkept;
-        got
-    });
-    drop(left);
+    let fast = {
+        // Dropped in place at the block's end (a `drop(left)` would move,
+        // and so copy, the whole record first).
+        let mut left = Leftovers::default();
+        access.fast(hash, key, mode, |owner, key| {
+            let (got, unkept) = owner.reach.try_lock_leaving(hash, key, opts, &mut left);
+            spare = unkept;
+            got
+        })
+    };
     drop(spare);
     let (tried, mut key) = match fast {
         Fast::Done(acquired) => return Ok(Ok(acquired)),

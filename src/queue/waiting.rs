@@ -6,6 +6,7 @@ use std::borrow::Borrow;
 use crate::deferred::Ctx;
 use crate::error::LockError;
 use crate::fairness::Fairness;
+use crate::key_map::Index;
 use crate::key_slot::KeyPtr;
 use crate::lease::{PackedDuration, Terms};
 use crate::mode::Mode;
@@ -383,6 +384,22 @@ impl<K> ShardState<K> {
         fairness: Fairness,
         ctx: &mut Ctx<'_, '_, K>,
     ) {
+        let Some(index) = self.entries.find(hash, |e| e.key == key) else {
+            debug_assert!(false, "{ENTRY_PRESENT}");
+            return;
+        };
+        self.release_at(index, token, fairness, ctx);
+    }
+
+    /// [`release`](Self::release) of the entry at `index`, already found.
+    #[inline(always)]
+    fn release_at(
+        &mut self,
+        index: Index,
+        token: FencingToken,
+        fairness: Fairness,
+        ctx: &mut Ctx<'_, '_, K>,
+    ) {
         let ShardState {
             entries,
             keys,
@@ -391,10 +408,6 @@ impl<K> ShardState<K> {
             loss,
             spares,
         } = self;
-        let Some(index) = entries.find(hash, |e| e.key == key) else {
-            debug_assert!(false, "{ENTRY_PRESENT}");
-            return;
-        };
         let entry = entries.get_mut(index);
         // The common case: the only holder lets go, and nobody waits.
         if entry.holders.is_only(token) && entry.queue.is_empty() {
@@ -437,13 +450,19 @@ impl<K> ShardState<K> {
         fairness: Fairness,
         ctx: &mut Ctx<'_, '_, K>,
     ) -> bool {
-        let (entry, _) = self.locate(hash, key);
-        let live = entry
+        // One probe of the map for the look and the release.
+        let index = self
+            .entries
+            .find(hash, |e| e.key == key)
+            .expect(ENTRY_PRESENT);
+        let live = self
+            .entries
+            .get_mut(index)
             .holders
             .get(token)
             .is_some_and(|h| h.is_live(ctx.clock()));
         if live {
-            self.release(hash, key, token, fairness, ctx);
+            self.release_at(index, token, fairness, ctx);
         }
         live
     }
