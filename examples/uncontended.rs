@@ -164,10 +164,14 @@ fn main() {
         // The chain of `benches/owners.rs` (`deadlock/chain8_*`): seven
         // transactions wait in a chain (transaction i holds key i, waits
         // for key i + 1); the timed one waits for key 0 and gives up. With
-        // `chain8_held` it holds a key first, so its wait is searched from
-        // (through the chain); without, it holds nothing and is not
-        // registered. `_off`: the same with detection off.
-        "chain8" | "chain8_off" | "chain8_held" | "chain8_held_off" => {
+        // `chain8_held` it holds a key first, so its wait is registered, but
+        // nobody waits for that key, so nothing can lead back to it and it
+        // is not searched from; with `chain8_awaited` another transaction
+        // (holding nothing) waits for that key too, so the wait is searched
+        // from, through the chain, 8 deep. Without either it holds nothing
+        // and is not registered. `_off`: the same with detection off.
+        "chain8" | "chain8_off" | "chain8_held" | "chain8_held_off" | "chain8_awaited"
+        | "chain8_awaited_off" => {
             let limit = if mode.ends_with("_off") { 0 } else { 50 };
             let table = keylock::LockTable::<u64>::builder()
                 .deadlock_search_limit(limit)
@@ -188,12 +192,22 @@ fn main() {
             }
             for i in 0..n {
                 let mut txn = table.transaction();
-                if mode.starts_with("chain8_held") {
-                    let fut = pin!(txn.lock(100 + (i & 63), keylock::Mode::Exclusive));
+                let mut other = table.transaction();
+                let mut awaits = None;
+                if mode.starts_with("chain8_held") || mode.starts_with("chain8_awaited") {
+                    let own = 100 + (i & 63);
+                    let fut = pin!(txn.lock(own, keylock::Mode::Exclusive));
                     assert!(fut.poll(&mut cx).is_ready());
+                    if mode.starts_with("chain8_awaited") {
+                        let mut fut = Box::pin(other.lock(own, keylock::Mode::Exclusive));
+                        assert!(fut.as_mut().poll(&mut cx).is_pending());
+                        awaits = Some(fut);
+                    }
                 }
                 let mut wait = Box::pin(txn.lock(black_box(0), keylock::Mode::Exclusive));
                 assert!(wait.as_mut().poll(&mut cx).is_pending());
+                drop(wait);
+                drop(awaits);
             }
             drop(waits);
         }

@@ -318,8 +318,9 @@ struct Wait<K> {
     /// ([`LockTable::queue_jumps`]). While that count has not moved, they
     /// are a superset of its edges now: edges only go (a holder leaves, a
     /// waiter ahead leaves or is granted and stays the same transaction)
-    /// unless something jumps the queue.
-    edges: RefCell<Option<(u64, Edges)>>,
+    /// unless something jumps the queue. Boxed: most waits are never
+    /// searched through, and a small entry is cheap to register and remove.
+    edges: RefCell<Option<Box<(u64, Edges)>>>,
 }
 
 /// Where a search reads a registered wait's edges.
@@ -414,6 +415,7 @@ impl<K: Eq + Hash, S: BuildHasher> LockTable<K, S> {
         hash: u64,
         key: Arc<K>,
         mode: Mode,
+        awaited: impl FnOnce() -> bool,
     ) -> Result<bool, Deadlock<K>>
     where
         K: Clone,
@@ -439,9 +441,15 @@ impl<K: Eq + Hash, S: BuildHasher> LockTable<K, S> {
             registry.counts.waits += 1;
             // A cycle needs another registered wait: a transaction that
             // holds something (see `wait_unless_ended` for those that hold
-            // nothing).
+            // nothing). And it needs a way back into this transaction: a
+            // waiter queued on a key it holds, or one queued behind it here.
+            // One behind it followed it through the queue in its own search
+            // (registered or not, a waiter ahead is followed where it
+            // waits), so only the first is asked, now that this wait is
+            // registered: a waiter that queues on its keys later searches
+            // later, under this mutex, and finds this wait registered.
             let alone = registry.waiting.len() == 1;
-            let (found, visited) = if alone {
+            let (found, visited) = if alone || !awaited() {
                 (None, None)
             } else {
                 self.search(&registry, owner, detector.limit)
@@ -693,7 +701,8 @@ impl<K: Eq + Hash, S: BuildHasher> LockTable<K, S> {
         [Edge; N]: smallvec::Array<Item = Edge>,
     {
         if let (Read::Cached, Some(wait)) = (read, node.wait) {
-            if let Some((jumps, edges)) = &*wait.edges.borrow() {
+            if let Some(cached) = &*wait.edges.borrow() {
+                let (jumps, edges) = &**cached;
                 if *jumps == self.queue_jumps(node.hash) {
                     out.extend_from_slice(edges);
                     return Some(false);
@@ -711,7 +720,12 @@ impl<K: Eq + Hash, S: BuildHasher> LockTable<K, S> {
         }
         out.extend_from_slice(&fresh);
         if let Some(wait) = node.wait {
-            *wait.edges.borrow_mut() = Some((jumps, fresh));
+            let mut cached = wait.edges.borrow_mut();
+            match &mut *cached {
+                // The box is reused.
+                Some(cached) => **cached = (jumps, fresh),
+                None => *cached = Some(Box::new((jumps, fresh))),
+            }
         }
         Some(true)
     }

@@ -447,6 +447,12 @@ impl<'a, K, S> Guard<'a, K, S> {
         })
     }
 
+    /// Whether a waiter is queued on the guard's key (one that may wait for
+    /// this grant): see [`LockTable::is_awaited`].
+    pub(crate) fn is_awaited(&self) -> bool {
+        self.table.is_awaited(self.held.hash(), self.held.key_ptr())
+    }
+
     /// Releases the key if the grant still holds it, live (one visit to
     /// the table); a grant that lost it comes back, to be named and then
     /// dropped (released as lost).

@@ -330,6 +330,15 @@ impl<K, S> LockTable<K, S> {
             .then_some(jumps)
     }
 
+    /// Whether a waiter is queued on the key of `hash` at `key` (a grant
+    /// keeps its entry in the table): any waiter that may wait for its
+    /// holders, and so an edge of the wait-for graph into them. Nothing is
+    /// settled or woken (safe under the detector's lock).
+    pub(crate) fn is_awaited(&self, hash: u64, key: KeyPtr<K>) -> bool {
+        let mut state = self.shard(hash).state.lock();
+        state.is_awaited(hash, key)
+    }
+
     /// How many times a grant or waiter went past the queued waiters of the
     /// shard of `hash`: while it has not moved, the edges read from that
     /// shard are a superset of its waits' edges now (the only other changes

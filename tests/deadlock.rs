@@ -214,7 +214,8 @@ fn an_upgrade_waiting_for_a_reader_that_waits_for_it_is_a_cycle() {
 /// transaction queued behind it could wait for it, and that one's search
 /// follows it through the queue), so it is not registered, however long
 /// the chain of waits ahead of it; the same wait of a transaction that
-/// holds a key is registered and searched from. Counted by
+/// holds a key is registered, and searched from once a waiter is queued on
+/// a key it holds (before, nothing can lead back to it). Counted by
 /// `deadlock_stats`.
 #[test]
 fn a_transaction_that_holds_nothing_is_not_registered() {
@@ -249,17 +250,30 @@ fn a_transaction_that_holds_nothing_is_not_registered() {
         assert_eq!(table.deadlock_stats(), before);
         drop(waits);
 
-        // Holds a key: registered and searched from, through the chain.
+        // Holds a key nobody waits for: registered, not searched from.
         let mut holder = table.transaction();
         holder.lock(8, Mode::Exclusive).await.unwrap();
         let mut waits = Box::pin(holder.lock(0, Mode::Exclusive));
         assert!(poll!(waits.as_mut()).is_pending());
         let after = table.deadlock_stats();
-        assert_eq!((after.waits, after.searches), (4, before.searches + 1));
+        assert_eq!((after.waits, after.searches), (4, before.searches));
+        assert_eq!(after.deepest, before.deepest);
+        drop(waits);
+
+        // Holds a key another waits for (even one that holds nothing):
+        // registered and searched from, through the chain.
+        let mut other = table.transaction();
+        let mut other_waits = Box::pin(other.lock(8, Mode::Shared));
+        assert!(poll!(other_waits.as_mut()).is_pending());
+        let mut waits = Box::pin(holder.lock(0, Mode::Exclusive));
+        assert!(poll!(waits.as_mut()).is_pending());
+        let after = table.deadlock_stats();
+        assert_eq!((after.waits, after.searches), (5, before.searches + 1));
         // t3 holds 3 and waits for nothing: a dead end, not counted.
         assert_eq!(after.deepest, 3, "t0, t1 and t2 visited");
         assert_eq!(after.cycles, 0);
         drop(waits);
+        drop(other_waits);
         drop(chain);
     });
 }
@@ -871,9 +885,13 @@ fn a_search_that_panics_in_a_keys_eq_leaves_nothing_registered() {
         u.lock(key(2), Mode::Exclusive).await.unwrap();
         x.lock(key(3), Mode::Exclusive).await.unwrap();
         x.lock(key(4), Mode::Exclusive).await.unwrap();
-        // x waits for u's key: registered, so t's wait below searches.
+        // x waits for u's key: registered, so t's wait below searches; y
+        // (which holds nothing) waits for t's key, so t's wait is awaited.
         let mut x_waits = Box::pin(x.lock(key(2), Mode::Exclusive));
         assert!(poll!(x_waits.as_mut()).is_pending());
+        let mut y = table.transaction();
+        let mut y_waits = Box::pin(y.lock(key(1), Mode::Exclusive));
+        assert!(poll!(y_waits.as_mut()).is_pending());
         // t asks for x's key: a try and the probe that queues it compare
         // once each, the search's read of t's own edges next: that one
         // panics (the registration counted below shows it came after).
@@ -908,5 +926,8 @@ fn a_search_that_panics_in_a_keys_eq_leaves_nothing_registered() {
         drop(x_waits);
         drop(x);
         assert!(poll!(t_again.as_mut()).is_ready());
+        drop(t_again);
+        drop(t);
+        assert!(poll!(y_waits.as_mut()).is_ready());
     });
 }

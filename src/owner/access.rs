@@ -100,6 +100,10 @@ pub(crate) trait Access {
     /// Whether the transaction has ended (cheap, no lock).
     fn is_ended(&self) -> bool;
 
+    /// Whether a waiter is queued on any key the set holds (so may wait
+    /// for the transaction); `true` if that cannot be told cheaply.
+    fn set_is_awaited(&self) -> bool;
+
     /// Registers `waker` (in `slot`) to be woken when the transaction ends;
     /// returns whether it already has.
     fn watch(&mut self, slot: &mut Option<usize>, waker: &Waker) -> bool;
@@ -156,6 +160,10 @@ impl<R: Reach> Access for Direct<'_, R> {
     #[inline]
     fn is_ended(&self) -> bool {
         false
+    }
+
+    fn set_is_awaited(&self) -> bool {
+        self.set.is_awaited()
     }
 
     #[inline]
@@ -324,6 +332,12 @@ impl<R: Reach> Access for Arc<Shared<R>> {
         self.ended.load(Ordering::Relaxed)
     }
 
+    /// Another call may take a key meanwhile: never asked (its waits are
+    /// [`Holding::Unknown`]), and `true` if it were.
+    fn set_is_awaited(&self) -> bool {
+        true
+    }
+
     fn watch(&mut self, slot: &mut Option<usize>, waker: &Waker) -> bool {
         let mut locked = self.lock();
         if self.ended.load(Ordering::Relaxed) {
@@ -392,9 +406,22 @@ pub(crate) struct WaitFor<'k, K> {
     pub(crate) hash: u64,
     pub(crate) key: &'k Arc<K>,
     pub(crate) mode: Mode,
-    /// The transaction holds no grant, and no other call can give it one
-    /// while this one waits (see `LockTable::enter_wait`).
-    pub(crate) holds_nothing: bool,
+    /// What the transaction holds while this call waits.
+    pub(crate) holding: Holding,
+}
+
+/// What a waiting call knows its transaction holds, for deadlock
+/// detection (see `LockTable::enter_wait`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Holding {
+    /// No grant, and no other call can give it one while this one waits.
+    Nothing,
+    /// Exactly the keys of its set, and no other call can change them
+    /// while this one waits (the borrowed form's lock of a new key).
+    TheSet,
+    /// Grants outside the set (a `lock_all`'s, an upgrade's), or keys
+    /// another call may take meanwhile (the owned form).
+    Unknown,
 }
 
 /// Awaits `fut`, a lock of `wait`, unless the transaction ends first (then
@@ -453,13 +480,17 @@ where
             // for only by transactions queued behind it on this key, which
             // come after it and whose searches follow it through the queue
             // (`deadlock.rs`): it closes no cycle and is not registered.
-            if table.detector().is_on() && !wait.holds_nothing {
+            if table.detector().is_on() && wait.holding != Holding::Nothing {
                 let key = Arc::clone(wait.key);
                 let id = owner.opts.id.get();
+                // Whether anyone may wait for the transaction through a key
+                // it holds: asked once the wait is registered.
+                let access = &*watch.access;
+                let awaited = || wait.holding != Holding::TheSet || access.set_is_awaited();
                 // Set first: if the search panics (a key's `Eq`), the wait
                 // it registered is unregistered as the guard drops.
                 watch.detecting = true;
-                match table.enter_wait(id, wait.hash, key, wait.mode) {
+                match table.enter_wait(id, wait.hash, key, wait.mode, awaited) {
                     Ok(registered) => watch.detecting = registered,
                     Err(deadlock) => {
                         // Registered: the guard unregisters it as it drops.

@@ -288,6 +288,17 @@ impl<G, K> HeldSet<G, K> {
 }
 
 impl<G: GuardOps<Key = K>, K: Eq> HeldSet<G, K> {
+    /// Whether a waiter is queued on any key held (a visit to each key's
+    /// shard; past [`LINEAR_MAX`] keys, `true` without looking). A key in
+    /// flight is not held yet.
+    pub(crate) fn is_awaited(&self) -> bool {
+        self.slots.len() > LINEAR_MAX
+            || self
+                .slots
+                .iter()
+                .any(|slot| slot.guard.as_ref().is_some_and(G::is_awaited))
+    }
+
     /// How many keys the transaction holds (a key being upgraded counts, a
     /// new key in flight does not).
     pub(crate) fn len(&self) -> usize {

@@ -54,7 +54,7 @@ use std::sync::Arc;
 use std::task::{Context, Poll};
 
 use crate::mode::Mode;
-use crate::owner::access::{wait_unless_ended, Access, Ended, WaitFor};
+use crate::owner::access::{wait_unless_ended, Access, Ended, Holding, WaitFor};
 use crate::owner::error::TransactionError;
 use crate::owner::held::{AcquireKind, Begin, Found};
 use crate::owner::policy::WaitPolicy;
@@ -560,13 +560,19 @@ where
                 .owner()
                 .reach
                 .lock_with(key, access.owner().opts.lock_options(mode, policy)));
-            let holds_nothing =
-                A::SOLE && taken.is_empty() && access.with(|set| set.len() == 0).unwrap_or(false);
+            let holding = if A::SOLE
+                && taken.is_empty()
+                && access.with(|set| set.len() == 0).unwrap_or(false)
+            {
+                Holding::Nothing
+            } else {
+                Holding::Unknown
+            };
             let wait = WaitFor {
                 hash,
                 key: &name,
                 mode,
-                holds_nothing,
+                holding,
             };
             match wait_unless_ended(&mut *access, wait, lock).await {
                 Err(stop) => return Err(stop.into()),
@@ -753,7 +759,7 @@ where
                         hash: request.hash,
                         key: &name,
                         mode: request.mode,
-                        holds_nothing: false,
+                        holding: Holding::Unknown,
                     };
                     match wait_unless_ended(&mut *stage.access, wait, pin!(lock)).await {
                         Ok(Ok(guard)) => {
@@ -780,7 +786,7 @@ where
                         hash: request.hash,
                         key: &name,
                         mode: Mode::Exclusive,
-                        holds_nothing: false,
+                        holding: Holding::Unknown,
                     };
                     let upgraded =
                         wait_unless_ended(&mut **access, wait, pin!(guard.upgrade(opts))).await;

@@ -188,6 +188,9 @@ pub(crate) trait GuardOps {
     fn check(&self) -> Result<FencingToken, LockError>;
     fn expires_at(&self) -> Option<std::time::Instant>;
     fn renew(&self, lease: Duration) -> Result<(), LockError>;
+    /// Whether a waiter is queued on the key (see
+    /// [`LockTable::is_awaited`]).
+    fn is_awaited(&self) -> bool;
     fn downgrade(&mut self) -> Result<(), LockError>;
     fn upgrade(&mut self, opts: LockOptions) -> Upgrade<'_, Self::Key, Self::Hasher>;
     /// Releases the key if the grant still holds it, live; else gives the
@@ -232,6 +235,10 @@ macro_rules! guard_ops {
 
             fn renew(&self, lease: Duration) -> Result<(), LockError> {
                 $guard::renew(self, lease)
+            }
+
+            fn is_awaited(&self) -> bool {
+                $guard::is_awaited(self)
             }
 
             fn downgrade(&mut self) -> Result<(), LockError> {

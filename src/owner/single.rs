@@ -31,7 +31,7 @@ use std::time::Duration;
 
 use crate::deferred::Leftovers;
 use crate::mode::Mode;
-use crate::owner::access::{wait_unless_ended, Access, Ended, Fast, SetOf, WaitFor};
+use crate::owner::access::{wait_unless_ended, Access, Ended, Fast, Holding, SetOf, WaitFor};
 use crate::owner::error::TransactionError;
 use crate::owner::held::{AcquireKind, Acquired, Begin, HeldSet};
 use crate::owner::policy::WaitPolicy;
@@ -244,13 +244,19 @@ where
     let opts = claim.access.owner().opts.lock_options(mode, policy);
     let lock = claim.access.owner().reach.lock_with(key, opts);
     // The borrowed form's only call: nothing else can take a key for the
-    // transaction while it waits.
-    let holds_nothing = A::SOLE && claim.access.with(|set| set.len() == 0).unwrap_or(false);
+    // transaction while it waits, so it holds exactly its set's keys.
+    let holding = if !A::SOLE {
+        Holding::Unknown
+    } else if claim.access.with(|set| set.len() == 0).unwrap_or(false) {
+        Holding::Nothing
+    } else {
+        Holding::TheSet
+    };
     let wait = WaitFor {
         hash,
         key: name,
         mode,
-        holds_nothing,
+        holding,
     };
     match wait_unless_ended(&mut *claim.access, wait, pin!(lock)).await {
         Err(stop) => Err(stop.into()),
@@ -293,7 +299,7 @@ where
             hash: *hash,
             key: name,
             mode: Mode::Exclusive,
-            holds_nothing: false,
+            holding: Holding::Unknown,
         };
         wait_unless_ended(&mut **access, wait, pin!(guard.upgrade(opts))).await
     };

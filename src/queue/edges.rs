@@ -19,6 +19,7 @@ use smallvec::SmallVec;
 
 use crate::clock::Now;
 use crate::deadlock::Edge;
+use crate::key_slot::KeyPtr;
 use crate::lease::HOLD_OWNER;
 use crate::mode::Mode;
 use crate::waiter::{Waiter, Want};
@@ -34,6 +35,13 @@ fn mode_of(want: Want) -> Mode {
 }
 
 impl<K> ShardState<K> {
+    /// Whether any waiter is queued on the key at `key` (its entry kept by
+    /// a grant): an upgrade heads the queue, so it counts too.
+    pub(crate) fn is_awaited(&mut self, hash: u64, key: KeyPtr<K>) -> bool {
+        let (entry, _) = self.locate(hash, key);
+        !entry.queue.is_empty()
+    }
+
     /// Appends to `out` the transactions that `owner`'s waiter on the key
     /// waits for (0 never: plain guards are left out; duplicates are kept),
     /// each marked with the mode of its waiter if it waits ahead on this
