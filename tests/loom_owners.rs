@@ -875,4 +875,65 @@ mod models {
             },
         );
     }
+    /// (g) Two waits that close one cycle at once: `t` holds `a`, `u`
+    /// holds `b`; thread B's `t` asks for `b` while the main thread's `u`
+    /// asks for `a`. A wait is searched from only if a waiter is queued on
+    /// a key its transaction holds, asked once it is registered: however
+    /// the two enqueues, registrations and looks interleave, the second to
+    /// register finds the first queued on its key and answers the cycle.
+    /// Exactly one is answered `Deadlock` (never none: a hang; never both);
+    /// the other gets its key once the victim aborts.
+    #[test]
+    fn two_waits_closing_one_cycle_at_once() {
+        model(
+            "g: two waits closing one cycle at once",
+            &["t answered deadlock", "u answered deadlock"],
+            |seen| {
+                let table = table();
+                let [a, b, _] = keys();
+                let t = table.clone().transaction_owned();
+                let u = table.clone().transaction_owned();
+                assert!(Polled::new(t.lock(a, X)).poll().is_some());
+                assert!(Polled::new(u.lock(b, X)).poll().is_some());
+
+                let other = thread::spawn(move || {
+                    let mut t_waits = Polled::new(t.lock(b, X));
+                    let first = t_waits.poll();
+                    (t, t_waits, first)
+                });
+                let mut u_waits = Polled::new(u.lock(a, X));
+                let mine = u_waits.poll();
+                let (t, mut t_waits, theirs) = other.join().unwrap();
+
+                match (mine, theirs) {
+                    (Some(Err(TransactionError::Deadlock(d))), None) => {
+                        assert_eq!(d.victim(), u.id(), "{d}");
+                        assert_eq!(d.cycle().len(), 2, "{d}");
+                        seen.note("u answered deadlock");
+                        drop(u_waits);
+                        u.abort();
+                        let got = finish(&mut t_waits, "t's wait for b");
+                        assert!(got.is_ok(), "t gets b once u aborted: {got:?}");
+                        drop(t_waits);
+                        t.commit().expect("no lease");
+                    }
+                    (None, Some(Err(TransactionError::Deadlock(d)))) => {
+                        assert_eq!(d.victim(), t.id(), "{d}");
+                        assert_eq!(d.cycle().len(), 2, "{d}");
+                        seen.note("t answered deadlock");
+                        drop(t_waits);
+                        t.abort();
+                        let got = finish(&mut u_waits, "u's wait for a");
+                        assert!(got.is_ok(), "u gets a once t aborted: {got:?}");
+                        drop(u_waits);
+                        u.commit().expect("no lease");
+                    }
+                    (None, None) => panic!("t -> u -> t closed and nobody answered"),
+                    (mine, theirs) => panic!("u {mine:?}, t {theirs:?}"),
+                }
+                table.assert_consistent();
+                assert!(table.is_empty(), "entry leaked");
+            },
+        );
+    }
 }

@@ -332,10 +332,13 @@ impl<R: Reach> Access for Arc<Shared<R>> {
         self.ended.load(Ordering::Relaxed)
     }
 
-    /// Another call may take a key meanwhile: never asked (its waits are
-    /// [`Holding::Unknown`]), and `true` if it were.
+    /// Under the set's lock (asked under the detector's, which is never
+    /// taken under the set's): a call that takes a key after this look is
+    /// granted after this wait is registered, so a waiter queued on that
+    /// key searches after it too, and finds it.
     fn set_is_awaited(&self) -> bool {
-        true
+        let state = self.lock();
+        self.ended.load(Ordering::Relaxed) || state.set.is_awaited()
     }
 
     fn watch(&mut self, slot: &mut Option<usize>, waker: &Waker) -> bool {
@@ -416,11 +419,10 @@ pub(crate) struct WaitFor<'k, K> {
 pub(crate) enum Holding {
     /// No grant, and no other call can give it one while this one waits.
     Nothing,
-    /// Exactly the keys of its set, and no other call can change them
-    /// while this one waits (the borrowed form's lock of a new key).
+    /// The keys of its set, and those of other calls in flight, which the
+    /// set marks (a single key's lock of a new key).
     TheSet,
-    /// Grants outside the set (a `lock_all`'s, an upgrade's), or keys
-    /// another call may take meanwhile (the owned form).
+    /// Grants of this call outside the set (a `lock_all`'s, an upgrade's).
     Unknown,
 }
 

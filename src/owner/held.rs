@@ -288,15 +288,18 @@ impl<G, K> HeldSet<G, K> {
 }
 
 impl<G: GuardOps<Key = K>, K: Eq> HeldSet<G, K> {
-    /// Whether a waiter is queued on any key held (a visit to each key's
-    /// shard; past [`LINEAR_MAX`] keys, `true` without looking). A key in
-    /// flight is not held yet.
+    /// Whether a waiter may be queued on a key the transaction holds, asked
+    /// by the one call in flight (its own slot is busy, its key not held
+    /// yet): a visit to each held key's shard. `true` without looking past
+    /// [`LINEAR_MAX`] keys, or while another call is in flight too (it may
+    /// have a grant away from the set: a new key's, an upgrade's).
     pub(crate) fn is_awaited(&self) -> bool {
         self.slots.len() > LINEAR_MAX
+            || self.slots.iter().filter(|slot| slot.busy).count() > 1
             || self
                 .slots
                 .iter()
-                .any(|slot| slot.guard.as_ref().is_some_and(G::is_awaited))
+                .any(|slot| !slot.busy && slot.guard.as_ref().is_some_and(G::is_awaited))
     }
 
     /// How many keys the transaction holds (a key being upgraded counts, a
