@@ -25,6 +25,13 @@
 //! waiter ahead of an exclusive wait on the same key is passed over (see
 //! [`passes_over`]).
 //!
+//! A wait that nothing can lead back to does not search: a single key's
+//! lock of a new key, once registered, asks whether a waiter is queued on
+//! any key its transaction holds; if none is, no cycle runs through it (a
+//! waiter queued behind it follows it through the queue in its own search,
+//! and one that queues on its keys later searches later and finds it
+//! registered). See `LockTable::enter_wait` and docs/ARCHITECTURE.md.
+//!
 //! No false answers: the edges read one shard at a time may be stale (a
 //! holder released since, a waiter granted since), so a cycle found is
 //! confirmed with the shards of all its keys locked at once, in shard
@@ -292,8 +299,10 @@ pub struct DeadlockStats {
     /// hold nothing, which need no registration: see
     /// [`LockTable::deadlock_stats`]).
     pub waits: u64,
-    /// Waits that searched the wait-for graph (another transaction was
-    /// waiting too, and one the wait waits for was among them).
+    /// Waits that searched the wait-for graph: another transaction was
+    /// waiting too, one the wait waits for was among them, and something
+    /// could lead back to the wait (a waiter queued on a key its
+    /// transaction holds; `lock_all` and upgrades always count).
     pub searches: u64,
     /// Transactions visited by all searches together (the waiting
     /// transaction itself not counted, nor holders that wait for nothing:
@@ -404,7 +413,9 @@ impl<K> Detector<K> {
 
 impl<K: Eq + Hash, S: BuildHasher> LockTable<K, S> {
     /// Registers the wait of `owner` for `key` (hash `hash`) in `mode`,
-    /// whose waiter is queued, and searches for a cycle it closes: `Err`
+    /// whose waiter is queued, and searches for a cycle it closes, unless
+    /// `awaited` (asked once it is registered, under the registry's lock)
+    /// says nothing waits on a key `owner` holds: `Err`
     /// with the cycle if there is one (then `owner` is its victim);
     /// `Ok(false)` if another call of `owner` (an owned transaction's) has
     /// a wait registered already, which this one leaves in place.
