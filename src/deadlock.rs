@@ -25,9 +25,10 @@
 //! waiter ahead of an exclusive wait on the same key is passed over (see
 //! [`passes_over`]).
 //!
-//! A wait that nothing can lead back to does not search: a single key's
-//! lock of a new key, once registered, asks whether a waiter is queued on
-//! any key its transaction holds; if none is, no cycle runs through it (a
+//! A wait that nothing can lead back to does not search: a borrowed
+//! transaction's lock of a new key, once registered, asks whether a waiter
+//! is queued on any key its transaction holds; if none is, no cycle runs
+//! through it (a
 //! waiter queued behind it follows it through the queue in its own search,
 //! and one that queues on its keys later searches later and finds it
 //! registered). See `LockTable::enter_wait` and docs/ARCHITECTURE.md.

@@ -931,3 +931,42 @@ fn a_search_that_panics_in_a_keys_eq_leaves_nothing_registered() {
         assert!(poll!(y_waits.as_mut()).is_ready());
     });
 }
+
+/// A wait is not searched when no waiter is queued on a key its
+/// transaction holds, as far as its set knows. A borrowed `lock_all` that
+/// waits while the transaction holds nothing claims nothing in the set; if
+/// that future is forgotten (`mem::forget`), its waiter is later granted
+/// the key for the transaction, outside its set. The forgotten call is
+/// still counted as waiting, so the transaction's next wait searches, and
+/// the cycle through the key the set does not know of is answered.
+#[test]
+fn a_forgotten_calls_grant_outside_the_set_still_leads_back() {
+    block(async {
+        let table = LockTable::<u32>::new();
+        let (a, c, p) = (1, 2, 3);
+        let plain = table.lock(a).await;
+        let mut txn_c = table.transaction();
+        {
+            let mut waits = Box::pin(txn_c.lock_all([(a, Mode::Exclusive)]));
+            assert!(poll!(waits.as_mut()).is_pending());
+            std::mem::forget(waits);
+        }
+        txn_c.lock(c, Mode::Exclusive).await.unwrap();
+        drop(plain); // `a` goes to the forgotten call's waiter
+        assert!(table.is_locked(&a));
+
+        let mut txn_p = table.transaction();
+        txn_p.lock(p, Mode::Exclusive).await.unwrap();
+        // p waits for `a`, held for c: p -> c.
+        let mut p_waits = Box::pin(txn_p.lock(a, Mode::Exclusive));
+        assert!(poll!(p_waits.as_mut()).is_pending());
+        // c waits for `p`: c -> p -> c.
+        let c_id = txn_c.id();
+        let polled = poll!(Box::pin(txn_c.lock(p, Mode::Exclusive)));
+        let Poll::Ready(Err(TransactionError::Deadlock(d))) = polled else {
+            panic!("c -> p -> c not answered: {polled:?}");
+        };
+        assert_eq!(d.victim(), c_id, "{d}");
+        assert_eq!(d.cycle().len(), 2, "{d}");
+    });
+}

@@ -877,12 +877,14 @@ mod models {
     }
     /// (g) Two waits that close one cycle at once: `t` holds `a`, `u`
     /// holds `b`; thread B's `t` asks for `b` while the main thread's `u`
-    /// asks for `a`. A wait is searched from only if a waiter is queued on
-    /// a key its transaction holds, asked once it is registered: however
+    /// asks for `a`. `u` is a borrowed transaction locking a new key: its
+    /// wait is searched from only if a waiter is queued on a key it holds,
+    /// asked once it is registered (`t`, owned, always searches). However
     /// the two enqueues, registrations and looks interleave, the second to
-    /// register finds the first queued on its key and answers the cycle.
-    /// Exactly one is answered `Deadlock` (never none: a hang; never both);
-    /// the other gets its key once the victim aborts.
+    /// register finds the first (queued on its key, or registered) and
+    /// answers the cycle. Exactly one is answered `Deadlock` (never none: a
+    /// hang; never both); the other gets its key once the victim aborts.
+    /// The model fails if `u` looks before it registers.
     #[test]
     fn two_waits_closing_one_cycle_at_once() {
         model(
@@ -892,9 +894,10 @@ mod models {
                 let table = table();
                 let [a, b, _] = keys();
                 let t = table.clone().transaction_owned();
-                let u = table.clone().transaction_owned();
+                let mut u = table.transaction();
                 assert!(Polled::new(t.lock(a, X)).poll().is_some());
                 assert!(Polled::new(u.lock(b, X)).poll().is_some());
+                let u_id = u.id();
 
                 let other = thread::spawn(move || {
                     let mut t_waits = Polled::new(t.lock(b, X));
@@ -907,7 +910,7 @@ mod models {
 
                 match (mine, theirs) {
                     (Some(Err(TransactionError::Deadlock(d))), None) => {
-                        assert_eq!(d.victim(), u.id(), "{d}");
+                        assert_eq!(d.victim(), u_id, "{d}");
                         assert_eq!(d.cycle().len(), 2, "{d}");
                         seen.note("u answered deadlock");
                         drop(u_waits);

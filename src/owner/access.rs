@@ -104,6 +104,14 @@ pub(crate) trait Access {
     /// for the transaction); `true` if that cannot be told cheaply.
     fn set_is_awaited(&self) -> bool;
 
+    /// A call starts a wait (counted by the borrowed form, whose
+    /// [`set_is_awaited`](Self::set_is_awaited) must know of a forgotten
+    /// call, which may hold a grant outside the set).
+    fn wait_begins(&mut self);
+
+    /// The wait [`wait_begins`](Self::wait_begins) counted is over.
+    fn wait_ends(&mut self);
+
     /// Registers `waker` (in `slot`) to be woken when the transaction ends;
     /// returns whether it already has.
     fn watch(&mut self, slot: &mut Option<usize>, waker: &Waker) -> bool;
@@ -164,6 +172,16 @@ impl<R: Reach> Access for Direct<'_, R> {
 
     fn set_is_awaited(&self) -> bool {
         self.set.is_awaited()
+    }
+
+    #[inline]
+    fn wait_begins(&mut self) {
+        self.set.waits += 1;
+    }
+
+    #[inline]
+    fn wait_ends(&mut self) {
+        self.set.waits -= 1;
     }
 
     #[inline]
@@ -332,14 +350,17 @@ impl<R: Reach> Access for Arc<Shared<R>> {
         self.ended.load(Ordering::Relaxed)
     }
 
-    /// Under the set's lock (asked under the detector's, which is never
-    /// taken under the set's): a call that takes a key after this look is
-    /// granted after this wait is registered, so a waiter queued on that
-    /// key searches after it too, and finds it.
+    /// Never asked (the owned form's waits are [`Holding::Unknown`]):
+    /// looking would take the set's lock under the detector's, and a wake
+    /// that a settle leaves to run under the set's lock (`check`, `renew`)
+    /// may reach the detector.
     fn set_is_awaited(&self) -> bool {
-        let state = self.lock();
-        self.ended.load(Ordering::Relaxed) || state.set.is_awaited()
+        true
     }
+
+    fn wait_begins(&mut self) {}
+
+    fn wait_ends(&mut self) {}
 
     fn watch(&mut self, slot: &mut Option<usize>, waker: &Waker) -> bool {
         let mut locked = self.lock();
@@ -419,10 +440,12 @@ pub(crate) struct WaitFor<'k, K> {
 pub(crate) enum Holding {
     /// No grant, and no other call can give it one while this one waits.
     Nothing,
-    /// The keys of its set, and those of other calls in flight, which the
-    /// set marks (a single key's lock of a new key).
+    /// Exactly the keys of its set, unless another of its calls is (or was,
+    /// and was forgotten) in a wait, which the set counts: the borrowed
+    /// form's lock of a new key.
     TheSet,
-    /// Grants of this call outside the set (a `lock_all`'s, an upgrade's).
+    /// Grants of this call outside the set (a `lock_all`'s, an upgrade's),
+    /// or keys another call may take meanwhile (the owned form).
     Unknown,
 }
 
@@ -449,6 +472,7 @@ where
     }
     impl<A: Access> Drop for Watch<'_, A> {
         fn drop(&mut self) {
+            self.access.wait_ends();
             if let Some(slot) = self.slot.take() {
                 self.access.unwatch(slot);
             }
@@ -459,6 +483,7 @@ where
         }
     }
 
+    access.wait_begins();
     let mut watch = Watch {
         access,
         slot: None,

@@ -182,6 +182,10 @@ pub(crate) struct HeldSet<G, K> {
     next_id: u64,
     /// How many slots have a count above zero.
     held: usize,
+    /// How many of the transaction's calls are in a wait (counted by the
+    /// borrowed form only): more than the one asking means another call,
+    /// forgotten while it waited, may hold a grant outside the set.
+    pub(crate) waits: usize,
     /// Bumped by every change of the slots but a re-entry's count: a call
     /// that looked at the set, let go of it (an owned transaction's lock)
     /// and comes back to the same version finds what it left.
@@ -203,6 +207,7 @@ impl<G, K> Default for HeldSet<G, K> {
             index: None,
             next_id: 0,
             held: 0,
+            waits: 0,
             version: 0,
         }
     }
@@ -289,13 +294,14 @@ impl<G, K> HeldSet<G, K> {
 
 impl<G: GuardOps<Key = K>, K: Eq> HeldSet<G, K> {
     /// Whether a waiter may be queued on a key the transaction holds, asked
-    /// by the one call in flight (its own slot is busy, its key not held
-    /// yet): a visit to each held key's shard. `true` without looking past
-    /// [`LINEAR_MAX`] keys, or while another call is in flight too (it may
-    /// have a grant away from the set: a new key's, an upgrade's).
+    /// by the borrowed form's one call in a wait (its own slot is busy, its
+    /// key not held yet): a visit to each held key's shard. `true` without
+    /// looking past [`LINEAR_MAX`] keys, or if another call is counted in a
+    /// wait (one forgotten there: its waiter may have been granted a key
+    /// for the transaction that the set does not know of).
     pub(crate) fn is_awaited(&self) -> bool {
-        self.slots.len() > LINEAR_MAX
-            || self.slots.iter().filter(|slot| slot.busy).count() > 1
+        self.waits > 1
+            || self.slots.len() > LINEAR_MAX
             || self
                 .slots
                 .iter()

@@ -244,9 +244,11 @@ where
     let opts = claim.access.owner().opts.lock_options(mode, policy);
     let lock = claim.access.owner().reach.lock_with(key, opts);
     // The borrowed form's only call: nothing else can take a key for the
-    // transaction while it waits. Otherwise it holds its set's keys, and
-    // those of other calls in flight (the set tells).
-    let holding = if A::SOLE && claim.access.with(|set| set.len() == 0).unwrap_or(false) {
+    // transaction while it waits, so it holds its set's keys (and those of
+    // a call it forgot while it waited: the set counts those).
+    let holding = if !A::SOLE {
+        Holding::Unknown
+    } else if claim.access.with(|set| set.len() == 0).unwrap_or(false) {
         Holding::Nothing
     } else {
         Holding::TheSet
