@@ -8,6 +8,7 @@ use std::task::Waker;
 use std::time::{Duration, Instant};
 
 use crate::clock::Stamp;
+use crate::deferred::Leftovers;
 use crate::error::LockError;
 use crate::keep_alive::KeepAlive;
 use crate::key_slot::KeyPtr;
@@ -172,6 +173,14 @@ impl<K> Held<K> {
         table.check_grant(self.hash, self.key, self.token)
     }
 
+    fn check_leaving<S>(
+        &self,
+        table: &LockTable<K, S>,
+        left: &mut Leftovers<K>,
+    ) -> Result<FencingToken, LockError> {
+        table.check_grant_leaving(self.hash, self.key, self.token, left)
+    }
+
     /// The deadline as the table knows it while the grant is current; once
     /// it lost the key, its last known deadline if that has passed, else
     /// the time of the call (the table does not keep when it was revoked).
@@ -191,6 +200,15 @@ impl<K> Held<K> {
         lease: Duration,
     ) -> Result<(), LockError> {
         table.renew_grant(self.hash, self.key, self.token, lease, &self.deadline)
+    }
+
+    fn renew_leaving<S>(
+        &self,
+        table: &LockTable<K, S>,
+        lease: Duration,
+        left: &mut Leftovers<K>,
+    ) -> Result<(), LockError> {
+        table.renew_grant_leaving(self.hash, self.key, self.token, lease, &self.deadline, left)
     }
 }
 
@@ -445,6 +463,22 @@ impl<'a, K, S> Guard<'a, K, S> {
         self.release_if_live().map_err(|lost| LockError::Expired {
             token: lost.token(),
         })
+    }
+
+    /// [`check`](Self::check), leaving the wakes and drops of what it
+    /// settles in `left`: for a transaction's set, under its lock.
+    pub(crate) fn check_leaving(&self, left: &mut Leftovers<K>) -> Result<FencingToken, LockError> {
+        self.held.check_leaving(self.table, left)
+    }
+
+    /// [`renew`](Self::renew), leaving the wakes and drops of what it
+    /// settles in `left`.
+    pub(crate) fn renew_leaving(
+        &self,
+        lease: Duration,
+        left: &mut Leftovers<K>,
+    ) -> Result<(), LockError> {
+        self.held.renew_leaving(self.table, lease, left)
     }
 
     /// Whether a waiter is queued on the guard's key (one that may wait for

@@ -470,6 +470,18 @@ impl<K, S> LockTable<K, S> {
         self.with_shard(hash, |state, ctx| state.check(hash, key, token, ctx))
     }
 
+    /// [`check_grant`](Self::check_grant), leaving the wakes and drops of
+    /// what it settles in `left` (for a caller under a lock of its own).
+    pub(crate) fn check_grant_leaving(
+        &self,
+        hash: u64,
+        key: KeyPtr<K>,
+        token: FencingToken,
+        left: &mut Leftovers<K>,
+    ) -> Result<FencingToken, LockError> {
+        self.with_shard_leaving(hash, left, |state, ctx| state.check(hash, key, token, ctx))
+    }
+
     /// Renews grant `token`; on success its new deadline is stored into
     /// `cache` (the guard's copy) under the shard lock, so the copy is never
     /// behind the table, even if waking the head waiter then panics.
@@ -481,8 +493,25 @@ impl<K, S> LockTable<K, S> {
         lease: Duration,
         cache: &crate::guard::GrantCache,
     ) -> Result<(), LockError> {
+        let mut left = Leftovers::default();
+        let renewed = self.renew_grant_leaving(hash, key, token, lease, cache, &mut left);
+        left.flush();
+        renewed
+    }
+
+    /// [`renew_grant`](Self::renew_grant), leaving the wakes and drops of
+    /// what it settles in `left` (for a caller under a lock of its own).
+    pub(crate) fn renew_grant_leaving(
+        &self,
+        hash: u64,
+        key: KeyPtr<K>,
+        token: FencingToken,
+        lease: Duration,
+        cache: &crate::guard::GrantCache,
+        left: &mut Leftovers<K>,
+    ) -> Result<(), LockError> {
         let lease = self.leases.check(lease)?;
-        self.with_shard(hash, |state, ctx| {
+        self.with_shard_leaving(hash, left, |state, ctx| {
             let deadline = state.renew(hash, key, token, lease, ctx)?;
             // A lease too long for the clock to represent never ends: it
             // reads back as no deadline.

@@ -1795,4 +1795,74 @@ mod tests {
             }
         });
     }
+    /// An owned transaction's `check` and `renew` settle what they find
+    /// (a shared co-holder's lapsed lease) and wake whoever that concerns
+    /// only after the transaction's own lock is released: a waker that
+    /// calls back into the same transaction (its `check`, its `renew`)
+    /// runs, and nothing spins on the transaction's lock.
+    #[test]
+    fn a_wake_from_an_owned_transactions_check_may_call_back_into_it() {
+        struct CallsBack {
+            txn: Mutex<Option<Arc<keylock::OwnedTransaction<u32>>>>,
+            calls: AtomicUsize,
+        }
+        impl std::task::Wake for CallsBack {
+            fn wake(self: Arc<Self>) {
+                self.wake_by_ref();
+            }
+            fn wake_by_ref(self: &Arc<Self>) {
+                let txn = self.txn.lock().unwrap().clone();
+                if let Some(txn) = txn {
+                    self.calls.fetch_add(1, SeqCst);
+                    assert!(txn.check().is_ok(), "the transaction's grant is live");
+                    assert!(txn.renew().is_ok(), "and renewable");
+                }
+            }
+        }
+        for renewing in [false, true] {
+            watchdog("owned check wakes after its lock", move || {
+                let clock = ManualClock::new();
+                let table = Arc::new(LockTable::<u32>::builder().clock(clock.clone()).build());
+                let opts = keylock::TransactionOptions::new().lease(100 * LEASE);
+                let txn = Arc::new(table.clone().transaction_owned_with(opts));
+                futures::executor::block_on(txn.lock(1, keylock::Mode::Shared)).unwrap();
+                // A plain shared co-holder with a short lease, whose loss is
+                // watched by a waker that calls back into `txn`.
+                let short = table
+                    .try_lock_with(1, LockOptions::new().shared().lease(LEASE))
+                    .unwrap();
+                let calls_back = Arc::new(CallsBack {
+                    txn: Mutex::new(None),
+                    calls: AtomicUsize::new(0),
+                });
+                let waker = Waker::from(calls_back.clone());
+                let mut lost = Box::pin(short.lost());
+                let mut cx = Context::from_waker(&waker);
+                assert!(lost.as_mut().poll(&mut cx).is_pending());
+                // Lapsed (the clock's own wake of the watcher, if any, is
+                // not the one this test is about: the waker calls back only
+                // once armed, after it).
+                clock.advance(2 * LEASE);
+                *calls_back.txn.lock().unwrap() = Some(txn.clone());
+                // Settled by the transaction's own visit of key 1: the
+                // waker runs then.
+                if renewing {
+                    assert!(txn.renew().is_ok());
+                } else {
+                    assert!(txn.check().is_ok());
+                }
+                assert_eq!(calls_back.calls.load(SeqCst), 1, "woken by the settle");
+                assert!(lost.as_mut().poll(&mut cx).is_ready());
+                calls_back.txn.lock().unwrap().take();
+                drop(lost);
+                drop(short);
+                let Ok(txn) = Arc::try_unwrap(txn) else {
+                    panic!("the last handle");
+                };
+                txn.commit().unwrap();
+                    .unwrap();
+                assert!(table.is_empty());
+            });
+        }
+    }
 }

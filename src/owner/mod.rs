@@ -667,7 +667,7 @@ impl<'t, K: Eq + Hash, S: BuildHasher> Transaction<'t, K, S> {
     where
         K: Clone,
     {
-        single::first_lost(&self.set).map_or(Ok(()), Err)
+        single::first_lost(&self.set, &mut single::Settled::new()).map_or(Ok(()), Err)
     }
 
     /// Renews every grant's lease (with the transaction's lease, else the
@@ -694,7 +694,11 @@ impl<'t, K: Eq + Hash, S: BuildHasher> Transaction<'t, K, S> {
     where
         K: Clone,
     {
-        single::renew::<&LockTable<K, S>>(&self.set, renewal_lease(&self.owner))
+        single::renew::<&LockTable<K, S>>(
+            &self.set,
+            renewal_lease(&self.owner),
+            &mut single::Settled::new(),
+        )
     }
 
     /// Releases every key, each checked as it goes (one visit to the table
@@ -1078,9 +1082,13 @@ impl<K: Eq + Hash + 'static, S: BuildHasher + 'static> OwnedTransaction<K, S> {
     where
         K: Clone,
     {
-        self.shared
-            .with(|set| single::first_lost(set).map_or(Ok(()), Err))
-            .map_err(|_| TransactionError::Ended)?
+        // What the checks settle is woken after the set's lock is released.
+        let mut settled = single::Settled::new();
+        let checked = self
+            .shared
+            .with(|set| single::first_lost(set, &mut settled).map_or(Ok(()), Err));
+        drop(settled);
+        checked.map_err(|_| TransactionError::Ended)?
     }
 
     /// As [`Transaction::renew`].
@@ -1103,9 +1111,13 @@ impl<K: Eq + Hash + 'static, S: BuildHasher + 'static> OwnedTransaction<K, S> {
         K: Clone,
     {
         let lease = renewal_lease(self.owner());
-        self.shared
-            .with(|set| single::renew::<Pinned<K, S>>(set, lease))
-            .map_err(|_| TransactionError::Ended)?
+        // What the renewals settle is woken after the set's lock is released.
+        let mut settled = single::Settled::new();
+        let renewed = self
+            .shared
+            .with(|set| single::renew::<Pinned<K, S>>(set, lease, &mut settled));
+        drop(settled);
+        renewed.map_err(|_| TransactionError::Ended)?
     }
 
     /// As [`Transaction::commit`]: ends the transaction, releasing every

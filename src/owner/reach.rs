@@ -186,8 +186,16 @@ pub(crate) trait GuardOps {
     fn mode(&self) -> Mode;
     fn token(&self) -> FencingToken;
     fn check(&self) -> Result<FencingToken, LockError>;
+    /// [`check`](Self::check), leaving wakes and drops in `left` (under
+    /// the set's lock).
+    fn check_leaving(&self, left: &mut Leftovers<Self::Key>) -> Result<FencingToken, LockError>;
     fn expires_at(&self) -> Option<std::time::Instant>;
-    fn renew(&self, lease: Duration) -> Result<(), LockError>;
+    /// Renews the grant's lease, leaving wakes and drops in `left`.
+    fn renew_leaving(
+        &self,
+        lease: Duration,
+        left: &mut Leftovers<Self::Key>,
+    ) -> Result<(), LockError>;
     /// Whether a waiter is queued on the key (see
     /// [`LockTable::is_awaited`]).
     fn is_awaited(&self) -> bool;
@@ -233,8 +241,15 @@ macro_rules! guard_ops {
                 $guard::expires_at(self)
             }
 
-            fn renew(&self, lease: Duration) -> Result<(), LockError> {
-                $guard::renew(self, lease)
+            fn check_leaving(
+                &self,
+                left: &mut Leftovers<K>,
+            ) -> Result<FencingToken, LockError> {
+                $guard::check_leaving(self, left)
+            }
+
+            fn renew_leaving(&self, lease: Duration, left: &mut Leftovers<K>) -> Result<(), LockError> {
+                $guard::renew_leaving(self, lease, left)
             }
 
             fn is_awaited(&self) -> bool {

@@ -25,6 +25,7 @@
 //! uncontended lock allocates nothing.
 
 use std::future::Future;
+use std::panic::{catch_unwind, resume_unwind, AssertUnwindSafe};
 use std::pin::{pin, Pin};
 use std::sync::Arc;
 use std::time::Duration;
@@ -321,17 +322,59 @@ where
 
 /// The first grant of the set that has lost its key, if any, as an error
 /// naming it.
-pub(crate) fn first_lost<G, K>(set: &HeldSet<G, K>) -> Option<TransactionError<K>>
+pub(crate) fn first_lost<G, K>(
+    set: &HeldSet<G, K>,
+    left: &mut Settled<K>,
+) -> Option<TransactionError<K>>
 where
     G: GuardOps<Key = K>,
     K: Eq + Clone,
 {
     set.guards().find_map(|guard| {
-        guard.check().err().map(|_| TransactionError::Expired {
+        let checked = left.leaving(|left| guard.check_leaving(left));
+        checked.err().map(|_| TransactionError::Expired {
             key: guard.key().clone(),
             token: guard.token(),
         })
     })
+}
+
+/// What checks and renewals of a set's grants leave to do (wakes, drops
+/// of what they settled), one record per visit that left anything: done
+/// when dropped, after the set's lock (owned form) is released, so no
+/// waker runs under it.
+pub(crate) struct Settled<K>(Vec<Leftovers<K>>);
+
+impl<K> Drop for Settled<K> {
+    fn drop(&mut self) {
+        // Every record's work is done even if one's wake panics (then the
+        // first panic goes on once all are done).
+        let mut first = None;
+        for mut left in self.0.drain(..) {
+            if let Err(payload) = catch_unwind(AssertUnwindSafe(|| left.flush())) {
+                first.get_or_insert(payload);
+            }
+        }
+        if let Some(payload) = first {
+            resume_unwind(payload);
+        }
+    }
+}
+
+impl<K> Settled<K> {
+    pub(crate) fn new() -> Self {
+        Self(Vec::new())
+    }
+
+    /// Runs one table visit with a record of its own, kept if it left work.
+    fn leaving<T>(&mut self, visit: impl FnOnce(&mut Leftovers<K>) -> T) -> T {
+        let mut left = Leftovers::default();
+        let out = visit(&mut left);
+        if left.is_dirty() {
+            self.0.push(left);
+        }
+        out
+    }
 }
 
 /// Renews every grant of the set with `lease`, all or nothing as far as a
@@ -340,11 +383,12 @@ where
 pub(crate) fn renew<R: Reach>(
     set: &SetOf<R>,
     lease: Option<Duration>,
+    left: &mut Settled<R::Key>,
 ) -> Result<(), TransactionError<R::Key>>
 where
     R::Key: Clone,
 {
-    if let Some(err) = first_lost(set) {
+    if let Some(err) = first_lost(set, left) {
         return Err(err);
     }
     let Some(lease) = lease else {
@@ -355,7 +399,8 @@ where
         // deadline passed in that instant) fails here; the ones renewed
         // before it stay renewed, which grants nothing to a transaction
         // that cannot commit any more.
-        guard.renew(lease).map_err(|error| {
+        let renewed = left.leaving(|left| guard.renew_leaving(lease, left));
+        renewed.map_err(|error| {
             TransactionError::from_lock(guard.key().clone(), guard.mode(), true, error)
         })?;
     }
