@@ -1860,7 +1860,6 @@ mod tests {
                     panic!("the last handle");
                 };
                 txn.commit().unwrap();
-                    .unwrap();
                 assert!(table.is_empty());
             });
         }
