@@ -970,3 +970,33 @@ fn a_forgotten_calls_grant_outside_the_set_still_leads_back() {
         assert_eq!(d.cycle().len(), 2, "{d}");
     });
 }
+
+/// The same with nothing in the set: a transaction whose set is empty but
+/// which has a call forgotten in a wait does not count as holding nothing
+/// (its forgotten waiter may have been granted a key for it), so its wait
+/// is registered and searched, and the cycle is answered.
+#[test]
+fn a_forgotten_call_makes_an_empty_transaction_register_its_waits() {
+    block(async {
+        let table = LockTable::<u32>::new();
+        let (a, p) = (1, 3);
+        let plain = table.lock(a).await;
+        let mut txn_c = table.transaction();
+        {
+            let mut waits = Box::pin(txn_c.lock_all([(a, Mode::Exclusive)]));
+            assert!(poll!(waits.as_mut()).is_pending());
+            std::mem::forget(waits);
+        }
+        drop(plain); // `a` goes to the forgotten call's waiter
+        let mut txn_p = table.transaction();
+        txn_p.lock(p, Mode::Exclusive).await.unwrap();
+        let mut p_waits = Box::pin(txn_p.lock(a, Mode::Exclusive));
+        assert!(poll!(p_waits.as_mut()).is_pending());
+        let c_id = txn_c.id();
+        let polled = poll!(Box::pin(txn_c.lock(p, Mode::Exclusive)));
+        let Poll::Ready(Err(TransactionError::Deadlock(d))) = polled else {
+            panic!("c -> p -> c not answered: {polled:?}");
+        };
+        assert_eq!(d.victim(), c_id, "{d}");
+    });
+}

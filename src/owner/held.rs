@@ -293,6 +293,13 @@ impl<G, K> HeldSet<G, K> {
 }
 
 impl<G: GuardOps<Key = K>, K: Eq> HeldSet<G, K> {
+    /// Whether the transaction holds nothing, as far as a call of the
+    /// borrowed form can tell: no key in the set, and no call forgotten in
+    /// a wait (whose waiter may since have been granted a key for it).
+    pub(crate) fn holds_nothing(&self) -> bool {
+        self.held == 0 && self.waits == 0
+    }
+
     /// Whether a waiter may be queued on a key the transaction holds, asked
     /// by the borrowed form's one call in a wait (its own slot is busy, its
     /// key not held yet): a visit to each held key's shard. `true` without

@@ -562,7 +562,7 @@ where
                 .lock_with(key, access.owner().opts.lock_options(mode, policy)));
             let holding = if A::SOLE
                 && taken.is_empty()
-                && access.with(|set| set.len() == 0).unwrap_or(false)
+                && access.with(|set| set.holds_nothing()).unwrap_or(false)
             {
                 Holding::Nothing
             } else {

@@ -249,7 +249,11 @@ where
     // a call it forgot while it waited: the set counts those).
     let holding = if !A::SOLE {
         Holding::Unknown
-    } else if claim.access.with(|set| set.len() == 0).unwrap_or(false) {
+    } else if claim
+        .access
+        .with(|set| set.holds_nothing())
+        .unwrap_or(false)
+    {
         Holding::Nothing
     } else {
         Holding::TheSet
