@@ -351,9 +351,9 @@ impl<R: Reach> Access for Arc<Shared<R>> {
     }
 
     /// Never asked (the owned form's waits are [`Holding::Unknown`]):
-    /// looking would take the set's lock under the detector's, and a wake
-    /// that a settle leaves to run under the set's lock (`check`, `renew`)
-    /// may reach the detector.
+    /// looking would take the set's lock under the detector's, whose one
+    /// mutex would then wait on any transaction's lock (and the `K: Eq`
+    /// that runs under it).
     fn set_is_awaited(&self) -> bool {
         true
     }
