@@ -361,6 +361,13 @@ where
                 // unlinks the waiter whatever panics.
                 self.state = State::Linked { key };
                 self.timing = Timing { start, until };
+                if !start.is_some() {
+                    // When the wait began, for the status view: the coarse
+                    // clock's reading on the real clock (none on others),
+                    // taken after the unlock.
+                    let table = self.table.as_deref().expect("present until completion");
+                    self.waiter.get().stamp_since(table.clock().wait_stamp());
+                }
                 // SAFETY: our own waiter, just linked, armed once.
                 match unsafe { self.waiter.get().arm_unlocked(cx.waker().clone()) } {
                     Armed::Stored => Ok(Step::Wait(wake_at)),

@@ -70,6 +70,18 @@ impl Clock {
         }
     }
 
+    /// When a wait without a timeout begins, for the status view: the
+    /// coarse clock's reading on the real clock (a cheap read), none on the
+    /// others (a wait without a timeout reads no other clock).
+    #[inline]
+    pub(crate) fn wait_stamp(&self) -> Stamp {
+        match self {
+            Self::Monotonic => coarse::stamp(),
+            #[allow(unreachable_patterns)]
+            _ => Stamp::NONE,
+        }
+    }
+
     /// Whether waiters are woken at their deadlines by their shard's timer
     /// (the real clock) rather than each by its own.
     #[inline(always)]
@@ -214,18 +226,6 @@ impl<'a> Now<'a> {
                 .nanos()
                 .unwrap_or(0),
         )
-    }
-
-    /// The time already read by this operation, else the coarse clock's on
-    /// the real clock (a cheap read), else none: for a diagnosis, which
-    /// must not make an operation read a clock it would not read otherwise.
-    #[inline]
-    pub(crate) fn cheap_stamp(&mut self) -> Stamp {
-        match (self.at, self.clock) {
-            (Some(at), _) => Stamp::new(Some(at)),
-            (None, Clock::Monotonic) => coarse::stamp(),
-            (None, _) => Stamp::NONE,
-        }
     }
 
     /// [`start_for`](Self::start_for) a duration in nanoseconds.

@@ -51,78 +51,20 @@
 //!
 //! [`ShardState::wait_edges`]: crate::queue::ShardState::wait_edges
 
-use std::cell::{Cell, RefCell};
+use std::cell::RefCell;
 use std::collections::{HashMap, VecDeque};
 use std::fmt;
 use std::hash::{BuildHasher, Hash};
-use std::num::NonZeroU64;
-use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::sync::Arc;
 
 use smallvec::SmallVec;
 
+use crate::hold::Holds;
 use crate::mode::Mode;
 use crate::shard_lock::ShardMutex;
 use crate::table::LockTable;
 
-/// The identity of a transaction ([`Transaction::id`](crate::Transaction::id)):
-/// unique in the process, named in [`Deadlock`] answers.
-///
-/// ```
-/// let table = keylock::LockTable::<u32>::new();
-/// let (a, b) = (table.transaction(), table.transaction());
-/// assert_ne!(a.id(), b.id());
-/// ```
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub struct TransactionId(NonZeroU64);
-
-impl TransactionId {
-    /// A new identity, never given before in this process.
-    pub(crate) fn next() -> Self {
-        // Each thread takes identities from a block of its own, so threads
-        // that start transactions do not contend on one counter. Identities
-        // only need to differ: no ordering with other memory is needed.
-        const BLOCK: u64 = 1024;
-        static BLOCKS: AtomicU64 = AtomicU64::new(1);
-        thread_local! {
-            static LOCAL: Cell<(u64, u64)> = const { Cell::new((0, 0)) };
-        }
-        let id = LOCAL.with(|local| {
-            let (mut next, mut end) = local.get();
-            if next == end {
-                next = BLOCKS.fetch_add(BLOCK, Relaxed);
-                end = next + BLOCK;
-            }
-            local.set((next + 1, end));
-            next
-        });
-        Self(NonZeroU64::new(id).expect("keylock: transaction ids exhausted"))
-    }
-
-    /// The identity as a number (never 0).
-    #[must_use]
-    pub const fn get(self) -> u64 {
-        self.0.get()
-    }
-
-    /// The id a grant or waiter carries, if it is a transaction's (0: none).
-    pub(crate) fn from_owner(owner: u64) -> Option<Self> {
-        if owner == crate::lease::HOLD_OWNER {
-            return None;
-        }
-        NonZeroU64::new(owner).map(Self)
-    }
-
-    fn from_raw(raw: u64) -> Self {
-        Self(NonZeroU64::new(raw).expect("a registered transaction"))
-    }
-}
-
-impl fmt::Display for TransactionId {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "transaction {}", self.0)
-    }
-}
+pub use crate::token::TransactionId;
 
 /// One wait of a deadlock cycle: `transaction` waits for `key` in `mode`.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -204,18 +146,42 @@ impl<K: fmt::Debug> fmt::Display for Deadlock<K> {
     }
 }
 
-/// One edge of the wait-for graph out of a wait: the transaction it waits
-/// for, and, if that transaction waits ahead of it on the same key, the
-/// mode of that waiter (its wait is on this key: the search follows it
-/// whether or not it is registered).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) struct Edge {
-    pub(crate) to: u64,
-    pub(crate) ahead: Option<Mode>,
+pub(crate) use crate::queue::{Edge, Edges};
+
+/// What the transaction layer keeps per table, made when a transaction
+/// first needs it: the deadlock detector and the holds.
+pub(crate) struct TransactionState<K> {
+    pub(crate) detector: Detector<K>,
+    pub(crate) holds: Holds<K>,
 }
 
-/// Edges, few at a time (a key's queue of up to 8 in place).
-pub(crate) type Edges = SmallVec<[Edge; 8]>;
+impl<K, S> LockTable<K, S> {
+    /// The transaction layer's state of this table, made on first use.
+    #[inline]
+    pub(crate) fn transaction_state(&self) -> &TransactionState<K> {
+        let (slot, limit, history) = self.transaction_slot();
+        // SAFETY: this is the slot's one accessor: it always names
+        // `TransactionState<K>`.
+        unsafe {
+            slot.get_or_init(|| TransactionState {
+                detector: Detector::new(limit, history),
+                holds: Holds::new(),
+            })
+        }
+    }
+
+    /// The deadlock detector of the table's transactions.
+    #[inline]
+    pub(crate) fn detector(&self) -> &Detector<K> {
+        &self.transaction_state().detector
+    }
+
+    /// The table's holds.
+    #[inline]
+    pub(crate) fn holds(&self) -> &Holds<K> {
+        &self.transaction_state().holds
+    }
+}
 
 /// A wait the search walks through: a registered one, or one reached as a
 /// waiter ahead on the key of the wait before it.

@@ -55,9 +55,12 @@ pub(crate) struct Ctx<'a, 'l, K> {
 /// Most operations defer nothing, so the lists are created when first needed.
 #[derive(Debug)]
 pub(crate) struct Leftovers<K> {
-    /// Whether anything was recorded: the one flag `drop` reads on the
-    /// uncontended path (the fields below have no drop glue of their own).
+    /// Whether anything but `wake` was recorded: with `wake`, what `drop`
+    /// reads on the uncontended path.
     dirty: bool,
+    /// The first waker to wake, kept apart from `work`: a handoff leaves
+    /// this alone, and waking it then neither makes nor moves `work`.
+    wake: Option<Waker>,
     /// Initialized exactly while `dirty` is set.
     work: MaybeUninit<Work<K>>,
 }
@@ -81,6 +84,7 @@ impl<K> Default for Leftovers<K> {
     fn default() -> Self {
         Self {
             dirty: false,
+            wake: None,
             work: MaybeUninit::uninit(),
         }
     }
@@ -173,7 +177,12 @@ impl<K> Leftovers<K> {
     }
 
     /// Wakes `waker` when dropped.
+    #[inline]
     pub(crate) fn wake_later(&mut self, waker: Waker) {
+        if self.wake.is_none() {
+            self.wake = Some(waker);
+            return;
+        }
         let deferred = self.deferred();
         if let Some(slot) = deferred.wake.get_mut(deferred.len) {
             *slot = Some(waker);
@@ -229,7 +238,7 @@ impl<K> Leftovers<K> {
     /// Whether any work was recorded.
     #[inline(always)]
     pub(crate) fn is_dirty(&self) -> bool {
-        self.dirty
+        self.dirty || self.wake.is_some()
     }
 
     /// Does the work now (wakes, drops), in place: calling it instead of
@@ -238,6 +247,8 @@ impl<K> Leftovers<K> {
     pub(crate) fn flush(&mut self) {
         if self.dirty {
             self.run();
+        } else if let Some(waker) = self.wake.take() {
+            wake_alone(waker);
         }
     }
 
@@ -275,7 +286,12 @@ impl<K> Leftovers<K> {
             discard,
             ..
         } = deferred;
-        for waker in wake.into_iter().flatten().chain(spill) {
+        let first_wake = self.wake.take();
+        for waker in first_wake
+            .into_iter()
+            .chain(wake.into_iter().flatten())
+            .chain(spill)
+        {
             note(catch_unwind(AssertUnwindSafe(|| waker.wake())));
         }
         for waker in discard.into_iter().flatten() {
@@ -292,12 +308,22 @@ impl<K> Leftovers<K> {
     }
 }
 
+/// Wakes the only waker an operation left: a panic in it is the
+/// operation's to resume, as `run` would (nothing else is left to do), or is
+/// swallowed if the thread is already unwinding.
+#[inline]
+fn wake_alone(waker: Waker) {
+    if std::thread::panicking() {
+        let _ = catch_unwind(AssertUnwindSafe(|| waker.wake()));
+    } else {
+        waker.wake();
+    }
+}
+
 impl<K> Drop for Leftovers<K> {
     #[inline]
     fn drop(&mut self) {
         // `work` is `MaybeUninit`: `run` is what drops it, when it is there.
-        if self.dirty {
-            self.run();
-        }
+        self.flush();
     }
 }

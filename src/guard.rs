@@ -10,11 +10,10 @@ use std::time::{Duration, Instant};
 use crate::clock::Stamp;
 use crate::deferred::Leftovers;
 use crate::error::LockError;
-use crate::keep_alive::KeepAlive;
 use crate::key_slot::KeyPtr;
-use crate::lost::{Lost, Watch};
 use crate::mode::Mode;
 use crate::queue::Grant;
+use crate::queue::Watch;
 use crate::table::{DefaultHashBuilder, LockTable};
 use crate::token::FencingToken;
 use crate::upgrade::Upgrade;
@@ -347,61 +346,6 @@ macro_rules! guard_methods {
             self.held.renew(&self.table, lease)
         }
 
-        /// A future that resolves when this grant loses its authority: its
-        /// lease lapses (woken by a timer at the deadline; a renewal
-        /// meanwhile is taken into account) or it is revoked (woken at
-        /// once). It resolves to [`LockError::Expired`] with this grant's
-        /// token, immediately if that has already happened.
-        ///
-        /// Several may be made and awaited at once (say, one per task that
-        /// works under the guard); each is woken. Creating none costs
-        /// nothing.
-        ///
-        /// # Cancel safety
-        ///
-        /// Cancel-safe: dropping it changes nothing.
-        ///
-        /// ```
-        /// # futures::executor::block_on(async {
-        /// use futures::future::{select, Either};
-        /// let table = keylock::LockTable::new();
-        /// let guard = table.lock("job").await;
-        /// table.revoke("job"); // an operator takes the key away
-        /// let work = std::future::pending::<()>(); // long work under the guard
-        /// match select(std::pin::pin!(work), guard.lost()).await {
-        ///     Either::Left(_) => unreachable!(),
-        ///     Either::Right((why, _)) => assert!(why.to_string().contains("lost the key")),
-        /// };
-        /// # });
-        /// ```
-        pub fn lost(&self) -> Lost<'_, K, S> {
-            Lost::new(&*self.table, &self.held)
-        }
-
-        /// A future that keeps this grant's lease alive: it renews it with
-        /// `lease` on its first poll and then every `interval` until it is
-        /// dropped, and resolves at the first failure with the reason (a
-        /// revocation is noticed at once); see [`KeepAlive`]. Add more
-        /// guards with [`KeepAlive::and`].
-        ///
-        /// # Cancel safety
-        ///
-        /// Cancel-safe: dropping it stops the renewals.
-        ///
-        /// ```
-        /// # futures::executor::block_on(async {
-        /// use std::time::Duration;
-        /// let table = keylock::LockTable::new();
-        /// let guard = table.lock("job").await;
-        /// let keep = guard.keep_alive(Duration::from_secs(30), Duration::ZERO);
-        /// let err = keep.await; // a zero lease is refused at once
-        /// assert!(matches!(err, keylock::LockError::InvalidOptions { option: "lease", .. }));
-        /// # });
-        /// ```
-        pub fn keep_alive(&self, interval: Duration, lease: Duration) -> KeepAlive<'_, K, S> {
-            KeepAlive::new(self.lost(), interval, lease)
-        }
-
         /// Releases the key now; the same as dropping the guard.
         #[inline]
         pub fn release(self) {
@@ -431,8 +375,8 @@ macro_rules! guard_methods {
 #[must_use = "the key is released as soon as the guard is dropped"]
 #[clippy::has_significant_drop]
 pub struct Guard<'a, K, S = DefaultHashBuilder> {
-    table: &'a LockTable<K, S>,
-    held: Held<K>,
+    pub(crate) table: &'a LockTable<K, S>,
+    pub(crate) held: Held<K>,
 }
 
 impl<'a, K, S> Guard<'a, K, S> {
@@ -549,8 +493,8 @@ impl<K: fmt::Debug, S> fmt::Debug for Guard<'_, K, S> {
 #[must_use = "the key is released as soon as the guard is dropped"]
 #[clippy::has_significant_drop]
 pub struct OwnedGuard<K, S = DefaultHashBuilder> {
-    table: Arc<LockTable<K, S>>,
-    held: Held<K>,
+    pub(crate) table: Arc<LockTable<K, S>>,
+    pub(crate) held: Held<K>,
 }
 
 impl<K, S> OwnedGuard<K, S> {

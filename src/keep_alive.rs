@@ -224,3 +224,41 @@ impl<K, S> fmt::Debug for KeepAlive<'_, K, S> {
             .finish_non_exhaustive()
     }
 }
+
+/// A guard's [`keep_alive`](crate::Guard::keep_alive), a layer over its
+/// [`lost`](crate::Guard::lost).
+macro_rules! keep_alive_methods {
+    () => {
+        /// A future that keeps this grant's lease alive: it renews it with
+        /// `lease` on its first poll and then every `interval` until it is
+        /// dropped, and resolves at the first failure with the reason (a
+        /// revocation is noticed at once); see [`KeepAlive`]. Add more
+        /// guards with [`KeepAlive::and`].
+        ///
+        /// # Cancel safety
+        ///
+        /// Cancel-safe: dropping it stops the renewals.
+        ///
+        /// ```
+        /// # futures::executor::block_on(async {
+        /// use std::time::Duration;
+        /// let table = keylock::LockTable::new();
+        /// let guard = table.lock("job").await;
+        /// let keep = guard.keep_alive(Duration::from_secs(30), Duration::ZERO);
+        /// let err = keep.await; // a zero lease is refused at once
+        /// assert!(matches!(err, keylock::LockError::InvalidOptions { option: "lease", .. }));
+        /// # });
+        /// ```
+        pub fn keep_alive(&self, interval: Duration, lease: Duration) -> KeepAlive<'_, K, S> {
+            KeepAlive::new(self.lost(), interval, lease)
+        }
+    };
+}
+
+impl<K, S> crate::Guard<'_, K, S> {
+    keep_alive_methods!();
+}
+
+impl<K, S> crate::OwnedGuard<K, S> {
+    keep_alive_methods!();
+}

@@ -302,6 +302,7 @@ mod keep_alive;
 mod key_map;
 mod key_slot;
 mod labels;
+mod layer_state;
 mod lease;
 mod loom;
 mod lost;

@@ -1,6 +1,7 @@
 //! Loss notification: the [`Lost`] future a guard hands out, which resolves
-//! when its grant loses its authority, and the per-shard registry of those
-//! futures' wakers ([`LossWatchers`]).
+//! when its grant loses its authority. It is a layer over the key machine's
+//! grant watchers (`queue/watch.rs`): the key machine keeps, per shard, the
+//! wakers of whoever watches a grant, and wakes them when the grant ends.
 //!
 //! A grant loses its authority when it is *displaced*: its lease lapsed and
 //! the lapse was noticed, or it was revoked (`revoke`, `revoke_grant`). Every
@@ -24,202 +25,13 @@
 use std::fmt;
 use std::future::Future;
 use std::pin::Pin;
-use std::task::{Context, Poll, Waker};
-use std::time::Instant;
+use std::task::{Context, Poll};
 
-use crate::deferred::Ctx;
 use crate::error::LockError;
 use crate::guard::Held;
+use crate::queue::Watch;
 use crate::table::{DefaultHashBuilder, LockTable};
 use crate::timer::Sleep;
-use crate::token::FencingToken;
-
-/// The wakers of the `Lost` futures of one shard. Touched only under the
-/// shard lock.
-///
-/// # Invariants
-///
-/// `live` is the number of `Used` slots; `free` heads a list of the `Free`
-/// ones, threaded through them.
-#[derive(Debug, Default)]
-pub(crate) struct LossWatchers {
-    slots: Vec<Slot>,
-    free: Option<usize>,
-    live: usize,
-}
-
-#[derive(Debug)]
-enum Slot {
-    Free {
-        next: Option<usize>,
-    },
-    Used {
-        token: FencingToken,
-        /// `None` once taken to wake the watcher, until it polls again.
-        waker: Option<Waker>,
-    },
-}
-
-impl LossWatchers {
-    /// Whether no watcher is registered: the one check a displacement makes
-    /// when nobody uses loss notification.
-    #[inline(always)]
-    pub(crate) fn is_empty(&self) -> bool {
-        self.live == 0
-    }
-
-    /// Registers a watcher of grant `token`; returns its slot.
-    fn register(&mut self, token: FencingToken, waker: Waker) -> usize {
-        let used = Slot::Used {
-            token,
-            waker: Some(waker),
-        };
-        self.live += 1;
-        match self.free {
-            Some(i) => {
-                let Slot::Free { next } = std::mem::replace(&mut self.slots[i], used) else {
-                    unreachable!("keylock: the free list holds free slots")
-                };
-                self.free = next;
-                i
-            }
-            None => {
-                self.slots.push(used);
-                self.slots.len() - 1
-            }
-        }
-    }
-
-    /// The waker stored in slot `i`, to keep or replace.
-    fn waker_mut(&mut self, i: usize) -> &mut Option<Waker> {
-        match &mut self.slots[i] {
-            Slot::Used { waker, .. } => waker,
-            Slot::Free { .. } => unreachable!("keylock: a watcher's slot is in use"),
-        }
-    }
-
-    /// Frees slot `i`; returns its waker, to drop after unlocking.
-    fn remove(&mut self, i: usize) -> Option<Waker> {
-        let freed = std::mem::replace(&mut self.slots[i], Slot::Free { next: self.free });
-        let Slot::Used { waker, .. } = freed else {
-            unreachable!("keylock: a watcher's slot is in use")
-        };
-        self.free = Some(i);
-        self.live -= 1;
-        waker
-    }
-
-    /// Wakes (after unlocking) every watcher of grant `token`.
-    #[inline]
-    pub(crate) fn wake<K>(&mut self, token: FencingToken, ctx: &mut Ctx<'_, '_, K>) {
-        if !self.is_empty() {
-            self.wake_slow(token, ctx);
-        }
-    }
-
-    #[cold]
-    #[inline(never)]
-    fn wake_slow<K>(&mut self, token: FencingToken, ctx: &mut Ctx<'_, '_, K>) {
-        for slot in &mut self.slots {
-            if let Slot::Used { token: t, waker } = slot {
-                if *t == token {
-                    if let Some(waker) = waker.take() {
-                        ctx.wake_later(waker);
-                    }
-                }
-            }
-        }
-    }
-
-    /// Checks the invariants; for `validate`.
-    #[cfg(feature = "test-util")]
-    pub(crate) fn validate(&self) {
-        let used = self
-            .slots
-            .iter()
-            .filter(|s| matches!(s, Slot::Used { .. }))
-            .count();
-        assert_eq!(used, self.live, "loss watchers counted");
-        let mut free = 0;
-        let mut at = self.free;
-        while let Some(i) = at {
-            let Slot::Free { next } = self.slots[i] else {
-                panic!("a loss watcher's slot in use is on the free list");
-            };
-            free += 1;
-            assert!(
-                free <= self.slots.len(),
-                "the free list of loss watchers loops"
-            );
-            at = next;
-        }
-        assert_eq!(used + free, self.slots.len(), "every free slot is listed");
-    }
-}
-
-/// What a watcher found, under the shard lock.
-#[derive(Debug)]
-pub(crate) enum Watch {
-    /// The grant has lost the key; the watcher is unregistered.
-    Lost,
-    /// The grant holds the key; the watcher is registered with a waker.
-    /// Arm a timer for the deadline, if it has one.
-    Live { deadline: Option<Instant> },
-    /// The waker must be stored and the caller brought no clone: clone it
-    /// (outside the lock) and ask again.
-    NeedWaker,
-}
-
-impl LossWatchers {
-    /// The watcher in `slot` (registered there if `Some`) of grant `token`,
-    /// which `live` says still holds its key (with `deadline`): registers
-    /// it, or keeps its waker if that wakes the same task as `current`, or
-    /// stores `fresh`; the replaced waker is dropped after unlocking.
-    pub(crate) fn watch<K>(
-        &mut self,
-        slot: &mut Option<usize>,
-        token: FencingToken,
-        live: Option<Option<Instant>>,
-        current: &Waker,
-        fresh: Option<Waker>,
-        ctx: &mut Ctx<'_, '_, K>,
-    ) -> Watch {
-        let Some(deadline) = live else {
-            if let Some(i) = slot.take() {
-                ctx.drop_waker_later(self.remove(i));
-            }
-            ctx.drop_waker_later(fresh);
-            return Watch::Lost;
-        };
-        match *slot {
-            None => match fresh {
-                Some(waker) => *slot = Some(self.register(token, waker)),
-                None => return Watch::NeedWaker,
-            },
-            Some(i) => {
-                let stored = self.waker_mut(i);
-                // `will_wake` compares pointers: no user code.
-                if !stored.as_ref().is_some_and(|w| w.will_wake(current)) {
-                    match fresh {
-                        Some(waker) => {
-                            let old = stored.replace(waker);
-                            ctx.drop_waker_later(old);
-                        }
-                        None => return Watch::NeedWaker,
-                    }
-                } else {
-                    ctx.drop_waker_later(fresh);
-                }
-            }
-        }
-        Watch::Live { deadline }
-    }
-
-    /// Unregisters the watcher in `slot`.
-    pub(crate) fn unwatch<K>(&mut self, slot: usize, ctx: &mut Ctx<'_, '_, K>) {
-        ctx.drop_waker_later(self.remove(slot));
-    }
-}
 
 /// The future returned by [`Guard::lost`](crate::Guard::lost) and
 /// [`OwnedGuard::lost`](crate::OwnedGuard::lost): resolves when the grant
@@ -350,4 +162,49 @@ impl<K, S> fmt::Debug for Lost<'_, K, S> {
             .field("done", &self.done)
             .finish_non_exhaustive()
     }
+}
+
+/// A guard's [`lost`](crate::Guard::lost): loss notification is a layer
+/// over the guard, defined here rather than in `guard.rs`.
+macro_rules! loss_methods {
+    () => {
+        /// A future that resolves when this grant loses its authority: its
+        /// lease lapses (woken by a timer at the deadline; a renewal
+        /// meanwhile is taken into account) or it is revoked (woken at
+        /// once). It resolves to [`LockError::Expired`] with this grant's
+        /// token, immediately if that has already happened.
+        ///
+        /// Several may be made and awaited at once (say, one per task that
+        /// works under the guard); each is woken. Creating none costs
+        /// nothing.
+        ///
+        /// # Cancel safety
+        ///
+        /// Cancel-safe: dropping it changes nothing.
+        ///
+        /// ```
+        /// # futures::executor::block_on(async {
+        /// use futures::future::{select, Either};
+        /// let table = keylock::LockTable::new();
+        /// let guard = table.lock("job").await;
+        /// table.revoke("job"); // an operator takes the key away
+        /// let work = std::future::pending::<()>(); // long work under the guard
+        /// match select(std::pin::pin!(work), guard.lost()).await {
+        ///     Either::Left(_) => unreachable!(),
+        ///     Either::Right((why, _)) => assert!(why.to_string().contains("lost the key")),
+        /// };
+        /// # });
+        /// ```
+        pub fn lost(&self) -> Lost<'_, K, S> {
+            Lost::new(&*self.table, &self.held)
+        }
+    };
+}
+
+impl<K, S> crate::Guard<'_, K, S> {
+    loss_methods!();
+}
+
+impl<K, S> crate::OwnedGuard<K, S> {
+    loss_methods!();
 }

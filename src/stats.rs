@@ -48,9 +48,17 @@ pub struct Stats {
 /// One shard's counters.
 #[derive(Debug, Default)]
 pub(crate) struct Counters {
-    acquisitions: AtomicU64,
-    contended: AtomicU64,
-    handoffs: AtomicU64,
+    /// Grants taken at once (no wait).
+    fresh: AtomicU64,
+    /// Grants taken by a waiter that took the key itself (under eventual
+    /// fairness, a nudged head finding the key free).
+    taken_after_wait: AtomicU64,
+    /// Grants handed to a waiter by a release: an acquisition, contended,
+    /// and a handoff, counted with one write (the hot path of a contended
+    /// key writes nothing else here).
+    granted_on_release: AtomicU64,
+    /// Upgrades handed to a waiting upgrader: a handoff only.
+    upgrades_granted: AtomicU64,
     cancelled: AtomicU64,
     expired: AtomicU64,
     timed_out: AtomicU64,
@@ -69,17 +77,26 @@ fn bump(counter: &AtomicU64) {
 }
 
 impl Counters {
+    /// A grant taken by its caller (`waited`: after waiting for it).
     #[inline]
     pub(crate) fn acquired(&self, waited: bool) {
-        bump(&self.acquisitions);
-        if waited {
-            bump(&self.contended);
-        }
+        bump(if waited {
+            &self.taken_after_wait
+        } else {
+            &self.fresh
+        });
     }
 
+    /// A grant handed by a release to the head waiter.
     #[inline]
     pub(crate) fn handed_off(&self) {
-        bump(&self.handoffs);
+        bump(&self.granted_on_release);
+    }
+
+    /// An upgrade handed to the waiting upgrader.
+    #[inline]
+    pub(crate) fn upgrade_handed_off(&self) {
+        bump(&self.upgrades_granted);
     }
 
     #[inline]
@@ -124,9 +141,13 @@ impl Counters {
     }
 
     pub(crate) fn add_to(&self, stats: &mut Stats) {
-        stats.acquisitions += self.acquisitions.load(Relaxed);
-        stats.contended += self.contended.load(Relaxed);
-        stats.handoffs += self.handoffs.load(Relaxed);
+        let fresh = self.fresh.load(Relaxed);
+        let taken = self.taken_after_wait.load(Relaxed);
+        let granted = self.granted_on_release.load(Relaxed);
+        let upgrades = self.upgrades_granted.load(Relaxed);
+        stats.acquisitions += fresh.wrapping_add(taken).wrapping_add(granted);
+        stats.contended += taken.wrapping_add(granted);
+        stats.handoffs += granted.wrapping_add(upgrades);
         stats.cancelled += self.cancelled.load(Relaxed);
         stats.expired += self.expired.load(Relaxed);
         stats.timed_out += self.timed_out.load(Relaxed);

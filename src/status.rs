@@ -15,12 +15,12 @@ use std::hash::{BuildHasher, Hash};
 use std::time::Instant;
 
 use crate::clock::Now;
-use crate::deadlock::TransactionId;
 use crate::key_slot::KeyPtr;
 use crate::mode::Mode;
 use crate::queue::{RawStatus, RawWaiter};
 use crate::table::LockTable;
 use crate::token::FencingToken;
+use crate::token::TransactionId;
 use crate::waiter::Want;
 
 /// One grant holding a key.

@@ -17,14 +17,13 @@ use crossbeam_utils::CachePadded;
 
 use crate::acquire::{Lock, LockOwned, LockOwnedWith, LockWith};
 use crate::clock::{Clock, Now};
-use crate::deadlock::Detector;
 use crate::deferred::{Ctx, Leftovers};
 use crate::error::{LockError, TryLockError};
 use crate::fairness::Fairness;
 use crate::guard::{Guard, Held, OwnedGuard};
-use crate::hold::Holds;
 use crate::key_slot::KeyPtr;
 use crate::labels::Labels;
+use crate::layer_state::LayerState;
 use crate::lease::{LeasePolicy, LockOptions, PackedDuration, Terms, DEFAULT_MAX_LEASE, MIN_LEASE};
 use crate::mode::Mode;
 use crate::queue::{Grant, ShardState};
@@ -124,10 +123,13 @@ pub struct LockTable<K, S = DefaultHashBuilder> {
     leases: LeasePolicy,
     fairness: Fairness,
     token_floor: u64,
-    /// Deadlock detection for transactions (see `deadlock.rs`).
-    detector: Detector<K>,
-    /// Grants detached from their transactions (see `hold.rs`).
-    holds: Holds<K>,
+    /// The transaction layer's state (its deadlock detector and its holds),
+    /// made when a transaction first needs it; the table never reads it.
+    transactions: LayerState,
+    /// The transaction layer's settings: the most transactions a deadlock
+    /// search visits (0: off), and how many broken cycles are kept.
+    deadlock_limit: usize,
+    deadlock_history: usize,
     /// Labeled transactions' labels (see `labels.rs`).
     labels: Labels,
 }
@@ -295,16 +297,15 @@ impl<K, S> LockTable<K, S> {
         &self.labels
     }
 
-    /// The table's holds.
+    /// The transaction layer's slot (see `layer_state.rs`), and its
+    /// settings: the deadlock search limit and history.
     #[inline]
-    pub(crate) fn holds(&self) -> &Holds<K> {
-        &self.holds
-    }
-
-    /// The deadlock detector of the table's transactions.
-    #[inline]
-    pub(crate) fn detector(&self) -> &Detector<K> {
-        &self.detector
+    pub(crate) fn transaction_slot(&self) -> (&LayerState, usize, usize) {
+        (
+            &self.transactions,
+            self.deadlock_limit,
+            self.deadlock_history,
+        )
     }
 
     /// The transactions `owner`'s waiter on `key` waits for, appended to
@@ -316,7 +317,7 @@ impl<K, S> LockTable<K, S> {
         hash: u64,
         key: &K,
         owner: u64,
-        out: &mut crate::deadlock::Edges,
+        out: &mut crate::queue::Edges,
     ) -> Option<u64>
     where
         K: Eq,
@@ -365,7 +366,7 @@ impl<K, S> LockTable<K, S> {
             .map(|&i| self.shards[i].state.lock())
             .collect();
         let mut now = Now::new(&self.clock);
-        let mut out = crate::deadlock::Edges::new();
+        let mut out = crate::queue::Edges::new();
         edges.iter().all(|&(hash, key, owner, next)| {
             let at = indices
                 .binary_search(&self.shard_index(hash))
@@ -529,7 +530,7 @@ impl<K, S> LockTable<K, S> {
         slot: &mut Option<usize>,
         current: &std::task::Waker,
         fresh: Option<std::task::Waker>,
-    ) -> crate::lost::Watch {
+    ) -> crate::queue::Watch {
         self.with_shard(hash, |state, ctx| {
             state.watch_loss(hash, key, token, slot, current, fresh, ctx)
         })
@@ -1524,8 +1525,9 @@ impl<K, S> Builder<K, S> {
             },
             fairness: self.fairness,
             token_floor: floor,
-            detector: Detector::new(self.deadlock_limit, self.deadlock_history),
-            holds: Holds::new(),
+            transactions: LayerState::new(),
+            deadlock_limit: self.deadlock_limit,
+            deadlock_history: self.deadlock_history,
             labels: Labels::new(),
         }
     }

@@ -1,6 +1,10 @@
-//! Fencing tokens: the proof a holder gives that it owns what it releases.
+//! Identities the table hands out: fencing tokens, the proof a holder gives
+//! that it owns what it releases, and the ids of transactions (owners).
 
+use std::cell::Cell;
 use std::fmt;
+use std::num::NonZeroU64;
+use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 
 /// A number that identifies one grant of a [`LockTable`](crate::LockTable).
 ///
@@ -180,5 +184,64 @@ mod tests {
         assert!(exhausted.is_err());
         // Still exhausted, and nothing was handed out.
         assert!(std::panic::catch_unwind(move || c.check_available()).is_err());
+    }
+}
+
+/// The identity of a transaction ([`Transaction::id`](crate::Transaction::id)):
+/// unique in the process, named in [`Deadlock`] answers.
+///
+/// ```
+/// let table = keylock::LockTable::<u32>::new();
+/// let (a, b) = (table.transaction(), table.transaction());
+/// assert_ne!(a.id(), b.id());
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct TransactionId(NonZeroU64);
+
+impl TransactionId {
+    /// A new identity, never given before in this process.
+    pub(crate) fn next() -> Self {
+        // Each thread takes identities from a block of its own, so threads
+        // that start transactions do not contend on one counter. Identities
+        // only need to differ: no ordering with other memory is needed.
+        const BLOCK: u64 = 1024;
+        static BLOCKS: AtomicU64 = AtomicU64::new(1);
+        thread_local! {
+            static LOCAL: Cell<(u64, u64)> = const { Cell::new((0, 0)) };
+        }
+        let id = LOCAL.with(|local| {
+            let (mut next, mut end) = local.get();
+            if next == end {
+                next = BLOCKS.fetch_add(BLOCK, Relaxed);
+                end = next + BLOCK;
+            }
+            local.set((next + 1, end));
+            next
+        });
+        Self(NonZeroU64::new(id).expect("keylock: transaction ids exhausted"))
+    }
+
+    /// The identity as a number (never 0).
+    #[must_use]
+    pub const fn get(self) -> u64 {
+        self.0.get()
+    }
+
+    /// The id a grant or waiter carries, if it is a transaction's (0: none).
+    pub(crate) fn from_owner(owner: u64) -> Option<Self> {
+        if owner == crate::lease::HOLD_OWNER {
+            return None;
+        }
+        NonZeroU64::new(owner).map(Self)
+    }
+
+    pub(crate) fn from_raw(raw: u64) -> Self {
+        Self(NonZeroU64::new(raw).expect("a registered transaction"))
+    }
+}
+
+impl fmt::Display for TransactionId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "transaction {}", self.0)
     }
 }

@@ -57,7 +57,7 @@ use std::task::Waker;
 
 use crate::clock::Stamp;
 use crate::lease::{PackedDuration, Terms};
-use crate::loom::{AtomicU8, UnsafeCell};
+use crate::loom::{AtomicU64, AtomicU8, UnsafeCell};
 use crate::mode::Mode;
 use crate::token::FencingToken;
 
@@ -92,6 +92,11 @@ pub(crate) struct Waiter {
     waker: UnsafeCell<Option<Waker>>,
     /// Links and the lease asked for while linked; the grant once made.
     node: UnsafeCell<Node>,
+    /// When it began to wait (a raw stamp; 0: not known yet), for the status
+    /// view: the wait's own start if it has a timeout, written under the lock
+    /// when it links; otherwise stamped by the owner from the coarse clock
+    /// right after the unlock, so that no clock is read under the lock.
+    since: AtomicU64,
     _pinned: PhantomPinned,
 }
 
@@ -112,8 +117,6 @@ struct Node {
     /// The transaction the waiter is for (0: none); for an upgrade, its
     /// shared grant's.
     owner: u64,
-    /// When it was linked, for the status view.
-    since: Stamp,
 }
 
 const ASK_EXCLUSIVE: u8 = 0;
@@ -265,8 +268,8 @@ impl Waiter {
                 timer_at: Stamp::NONE,
                 until: Stamp::NONE,
                 owner: 0,
-                since: Stamp::NONE,
             }),
+            since: AtomicU64::new(0),
             _pinned: PhantomPinned,
         }
     }
@@ -327,7 +330,7 @@ impl Waiter {
         self.kind.store(kind, Relaxed);
         node.ask = ask;
         node.owner = terms.owner;
-        node.since = since;
+        self.since.store(since.to_raw(), Relaxed);
         node.timer_at = Stamp::NONE;
         node.until = until;
         node.slot = NodeSlot::Links {
@@ -506,16 +509,22 @@ impl Waiter {
         PackedDuration::from_bits(unsafe { node.deref() }.ask)
     }
 
-    /// When the node was linked, under the lock, while linked.
+    /// When the node began to wait (none: not stamped yet, or no clock
+    /// was read for it), under the lock, while linked.
     ///
     /// # Safety
     ///
     /// Under the shard lock, while linked.
     pub(crate) unsafe fn since(this: WaiterPtr) -> Stamp {
-        // SAFETY: linked, under the lock (caller's contract).
-        let node = unsafe { this.as_ref() }.node.get_mut();
-        // SAFETY: as above: the node cell is the table's.
-        unsafe { node.deref() }.since
+        // SAFETY: linked, so alive (caller's contract).
+        Stamp::from_raw(unsafe { this.as_ref() }.since.load(Relaxed))
+    }
+
+    /// The owner stamps when its wait began, right after linking it and
+    /// unlocking (a status view may read it at any time: an atomic).
+    #[inline]
+    pub(crate) fn stamp_since(&self, since: Stamp) {
+        self.since.store(since.to_raw(), Relaxed);
     }
 
     /// The transaction the node waits for (0: none), under the lock, while

@@ -18,13 +18,25 @@
 use smallvec::SmallVec;
 
 use crate::clock::Now;
-use crate::deadlock::Edge;
 use crate::key_slot::KeyPtr;
 use crate::lease::HOLD_OWNER;
 use crate::mode::Mode;
 use crate::waiter::{Waiter, Want};
 
 use super::ShardState;
+
+/// One edge of the wait-for graph out of a wait: the owner it waits
+/// for, and, if that transaction waits ahead of it on the same key, the
+/// mode of that waiter (its wait is on this key: the search follows it
+/// whether or not it is registered).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Edge {
+    pub(crate) to: u64,
+    pub(crate) ahead: Option<Mode>,
+}
+
+/// Edges, few at a time (a key's queue of up to 8 in place).
+pub(crate) type Edges = SmallVec<[Edge; 8]>;
 
 /// The mode a waiter's grant will have.
 fn mode_of(want: Want) -> Mode {
@@ -53,7 +65,7 @@ impl<K> ShardState<K> {
         hash: u64,
         key: &K,
         owner: u64,
-        out: &mut crate::deadlock::Edges,
+        out: &mut Edges,
         now: &mut Now<'_>,
     ) -> bool
     where

@@ -11,11 +11,11 @@
 
 use std::time::Instant;
 
+use super::watch::GrantWatchers;
 use crate::clock::{Now, Stamp};
 use crate::deferred::Ctx;
 use crate::fairness::Fairness;
 use crate::lease::{PackedDuration, Terms};
-use crate::lost::LossWatchers;
 use crate::mode::Mode;
 use crate::token::{FencingToken, TokenCounter};
 use crate::waiter::Waiter;
@@ -28,7 +28,7 @@ use super::Grant;
 pub(super) struct Keys<'s> {
     pub(super) tokens: &'s mut TokenCounter,
     pub(super) fair_at: &'s mut Option<Instant>,
-    pub(super) loss: &'s mut LossWatchers,
+    pub(super) loss: &'s mut GrantWatchers,
     pub(super) spares: &'s mut HolderSpares,
 }
 
@@ -95,7 +95,6 @@ impl Keys<'_> {
         let waker = unsafe { Waiter::grant(head, token, deadline, mode) };
         self.hold(entry, token, (deadline, since), terms.owner, mode);
         ctx.counters().handed_off();
-        ctx.counters().acquired(true);
         if let Some(waker) = waker {
             ctx.wake_later(waker);
         }
@@ -118,7 +117,7 @@ impl Keys<'_> {
         let waker = unsafe { Waiter::grant(head, token, old.deadline, Mode::Exclusive) };
         entry.holders.push(Holder { token, ..old }, self.spares);
         entry.mode = Mode::Exclusive;
-        ctx.counters().handed_off();
+        ctx.counters().upgrade_handed_off();
         if let Some(waker) = waker {
             ctx.wake_later(waker);
         }

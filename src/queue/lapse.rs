@@ -9,11 +9,11 @@
 use std::borrow::Borrow;
 use std::time::{Duration, Instant};
 
+use super::watch::Watch;
 use crate::clock::{Now, Stamp};
 use crate::deferred::Ctx;
 use crate::error::LockError;
 use crate::key_slot::KeyPtr;
-use crate::lost::Watch;
 use crate::token::FencingToken;
 use crate::waiter::{Waiter, WaiterPtr};
 
@@ -193,7 +193,7 @@ impl<K> ShardState<K> {
     /// A `Lost` future of grant `token` asks whether it still holds its key
     /// (settling a lapse first, which wakes every watcher of the grant) and
     /// registers, or unregisters once it lost it; see
-    /// [`LossWatchers::watch`](crate::lost::LossWatchers::watch).
+    /// [`GrantWatchers::watch`](super::watch::GrantWatchers::watch).
     #[allow(clippy::too_many_arguments)]
     pub(crate) fn watch_loss(
         &mut self,

@@ -32,10 +32,10 @@ use crate::deferred::Ctx;
 use crate::fairness::Fairness;
 use crate::key_slot::{KeyPool, KeyPtr};
 use crate::lease::Terms;
-use crate::lost::LossWatchers;
 use crate::mode::Mode;
 use crate::token::{FencingToken, TokenCounter};
 use crate::waiter::Granted;
+use watch::GrantWatchers;
 
 mod edges;
 mod entry;
@@ -44,11 +44,14 @@ mod holders;
 mod lapse;
 mod status;
 mod waiting;
+mod watch;
 
+pub(crate) use edges::{Edge, Edges};
 use entry::Entry;
 use handoff::{grant_times, Keys};
 use holders::{Holder, HolderSpares, Holders};
 pub(crate) use status::{RawStatus, RawWaiter};
+pub(crate) use watch::Watch;
 
 /// A grant handed to a caller.
 #[derive(Debug)]
@@ -146,7 +149,7 @@ pub(crate) struct ShardState<K> {
     spares: HolderSpares,
     /// The wakers of `Lost` futures of this shard's grants (empty unless
     /// loss notification is used).
-    loss: LossWatchers,
+    loss: GrantWatchers,
 }
 
 // SAFETY: the entries' wait lists point at `Waiter`s owned by futures on
@@ -175,7 +178,7 @@ impl<K> ShardState<K> {
             tokens,
             fair_at: None,
             spares: HolderSpares::default(),
-            loss: LossWatchers::default(),
+            loss: GrantWatchers::default(),
         }
     }
 

@@ -539,16 +539,11 @@ unsafe fn enqueue<K>(
     let (start, until) = patience.start_and_until(ctx);
     ctx.cover(until);
     // When the wait began, for the status view: the wait's start if it
-    // has a timeout, else the coarse clock's on the real clock (no other
-    // clock is read for it).
-    let since = if start.is_some() {
-        start
-    } else {
-        ctx.clock().cheap_stamp()
-    };
+    // has a timeout; otherwise the owner stamps it after the unlock (no
+    // clock is read under the lock for it).
     // SAFETY: the caller's contract; under the shard lock.
     unsafe {
-        waiter.prepare(terms, until, want, since);
+        waiter.prepare(terms, until, want, start);
         if front {
             entry.queue.push_front(waiter);
         } else {
