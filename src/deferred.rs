@@ -55,13 +55,14 @@ pub(crate) struct Ctx<'a, 'l, K> {
 /// Most operations defer nothing, so the lists are created when first needed.
 #[derive(Debug)]
 pub(crate) struct Leftovers<K> {
-    /// Whether anything but `wake` was recorded: with `wake`, what `drop`
-    /// reads on the uncontended path.
-    dirty: bool,
+    /// What was recorded (`WAKE`, `WORK` bits): the one byte `drop` reads
+    /// on the uncontended path (the fields below have no drop glue).
+    dirty: u8,
     /// The first waker to wake, kept apart from `work`: a handoff leaves
     /// this alone, and waking it then neither makes nor moves `work`.
-    wake: Option<Waker>,
-    /// Initialized exactly while `dirty` is set.
+    /// Initialized exactly while `dirty` has `WAKE`.
+    wake: MaybeUninit<Waker>,
+    /// Initialized exactly while `dirty` has `WORK`.
     work: MaybeUninit<Work<K>>,
 }
 
@@ -79,12 +80,17 @@ struct Work<K> {
     )>,
 }
 
+/// `Leftovers::dirty`: `wake` holds a waker.
+const WAKE: u8 = 1;
+/// `Leftovers::dirty`: `work` is initialized.
+const WORK: u8 = 2;
+
 impl<K> Default for Leftovers<K> {
     #[inline]
     fn default() -> Self {
         Self {
-            dirty: false,
-            wake: None,
+            dirty: 0,
+            wake: MaybeUninit::uninit(),
             work: MaybeUninit::uninit(),
         }
     }
@@ -160,15 +166,15 @@ impl<K> Leftovers<K> {
     /// The recorded work, created on first use.
     #[inline]
     fn work(&mut self) -> &mut Work<K> {
-        if !self.dirty {
+        if self.dirty & WORK == 0 {
             self.work.write(Work {
                 keys: [None, None],
                 deferred: Deferred::default(),
                 arm: None,
             });
-            self.dirty = true;
+            self.dirty |= WORK;
         }
-        // SAFETY: `dirty` is set, so `work` is initialized.
+        // SAFETY: `dirty` has `WORK`, so `work` is initialized.
         unsafe { self.work.assume_init_mut() }
     }
 
@@ -179,8 +185,9 @@ impl<K> Leftovers<K> {
     /// Wakes `waker` when dropped.
     #[inline]
     pub(crate) fn wake_later(&mut self, waker: Waker) {
-        if self.wake.is_none() {
-            self.wake = Some(waker);
+        if self.dirty & WAKE == 0 {
+            self.wake.write(waker);
+            self.dirty |= WAKE;
             return;
         }
         let deferred = self.deferred();
@@ -238,32 +245,59 @@ impl<K> Leftovers<K> {
     /// Whether any work was recorded.
     #[inline(always)]
     pub(crate) fn is_dirty(&self) -> bool {
-        self.dirty || self.wake.is_some()
+        self.dirty != 0
     }
 
     /// Does the work now (wakes, drops), in place: calling it instead of
     /// `drop(leftovers)` avoids moving the whole struct.
-    #[inline]
+    #[inline(always)]
     pub(crate) fn flush(&mut self) {
-        if self.dirty {
+        if self.dirty != 0 {
+            self.finish();
+        }
+    }
+
+    /// The work of [`flush`](Self::flush), out of line.
+    #[inline(never)]
+    fn finish(&mut self) {
+        if self.dirty == WAKE {
+            self.wake_alone();
+        } else {
             self.run();
-        } else if let Some(waker) = self.wake.take() {
-            wake_alone(waker);
+        }
+    }
+
+    /// Wakes the only waker the operation left: a panic in it is the
+    /// operation's to resume, as `run` would (nothing else is left to do),
+    /// or is swallowed if the thread is already unwinding.
+    #[inline(always)]
+    fn wake_alone(&mut self) {
+        debug_assert_eq!(self.dirty, WAKE);
+        self.dirty = 0;
+        // SAFETY: `dirty` had `WAKE`, so `wake` is initialized; clearing the
+        // flag first hands it to this function, which reads it out once.
+        let waker = unsafe { self.wake.assume_init_read() };
+        if std::thread::panicking() {
+            let _ = catch_unwind(AssertUnwindSafe(|| waker.wake()));
+        } else {
+            waker.wake();
         }
     }
 
     #[cold]
     #[inline(never)]
     fn run(&mut self) {
-        debug_assert!(self.dirty);
-        self.dirty = false;
-        // SAFETY: `dirty` was set, so `work` is initialized; clearing the flag
-        // first hands it over to this function, which reads it out once.
+        let dirty = std::mem::replace(&mut self.dirty, 0);
+        debug_assert_ne!(dirty & WORK, 0);
+        // SAFETY: `dirty` had `WORK`, so `work` is initialized; clearing the
+        // flag first hands it over to this function, which reads it out once.
         let Work {
             keys,
             deferred,
             arm,
         } = unsafe { self.work.assume_init_read() };
+        // SAFETY: as for `work`: `dirty` had `WAKE`, and was cleared.
+        let first_wake = (dirty & WAKE != 0).then(|| unsafe { self.wake.assume_init_read() });
         let mut first: Option<Box<dyn Any + Send>> = None;
         let mut note = |r: Result<(), Box<dyn Any + Send>>| {
             if let Err(p) = r {
@@ -286,7 +320,6 @@ impl<K> Leftovers<K> {
             discard,
             ..
         } = deferred;
-        let first_wake = self.wake.take();
         for waker in first_wake
             .into_iter()
             .chain(wake.into_iter().flatten())
@@ -308,20 +341,8 @@ impl<K> Leftovers<K> {
     }
 }
 
-/// Wakes the only waker an operation left: a panic in it is the
-/// operation's to resume, as `run` would (nothing else is left to do), or is
-/// swallowed if the thread is already unwinding.
-#[inline]
-fn wake_alone(waker: Waker) {
-    if std::thread::panicking() {
-        let _ = catch_unwind(AssertUnwindSafe(|| waker.wake()));
-    } else {
-        waker.wake();
-    }
-}
-
 impl<K> Drop for Leftovers<K> {
-    #[inline]
+    #[inline(always)]
     fn drop(&mut self) {
         // `work` is `MaybeUninit`: `run` is what drops it, when it is there.
         self.flush();
