@@ -43,6 +43,24 @@ fn main() {
                 drop(black_box(guard));
             }
         }
+        // `lock_with(k, opts)` as a user writes it, its `Result` unwrapped:
+        // a 30 s lease, or a 30 s timeout.
+        "lock_lease" | "lock_timeout" => {
+            let thirty = std::time::Duration::from_secs(30);
+            let opts = if mode == "lock_lease" {
+                keylock::LockOptions::new().lease(thirty)
+            } else {
+                keylock::LockOptions::new().timeout(thirty)
+            };
+            let mut cx = Context::from_waker(futures::task::noop_waker_ref());
+            for _ in 0..n {
+                let fut = pin!(table.lock_with(black_box(7), opts));
+                let Poll::Ready(got) = fut.poll(&mut cx) else {
+                    unreachable!("uncontended")
+                };
+                drop(black_box(got.expect("uncontended")));
+            }
+        }
         "lock" => {
             let mut cx = Context::from_waker(futures::task::noop_waker_ref());
             for _ in 0..n {

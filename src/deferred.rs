@@ -40,9 +40,10 @@ struct Deferred {
 pub(crate) struct Ctx<'a, 'l, K> {
     now: Now<'a>,
     counters: &'a Counters,
-    /// The shard's timer, when the table's clock uses shard timers (the
-    /// real clock); otherwise each waiter arms its own.
-    timer: Option<(&'a ShardTimer, ShardHook)>,
+    /// The shard's timer, used when the table's clock uses shard timers
+    /// (the real clock: asked only when a deadline must be covered);
+    /// otherwise each waiter arms its own.
+    timer: (&'a ShardTimer, ShardHook),
     left: &'l mut Leftovers<K>,
 }
 
@@ -101,7 +102,7 @@ impl<'a, 'l, K> Ctx<'a, 'l, K> {
     pub(crate) fn new(
         clock: &'a Clock,
         counters: &'a Counters,
-        timer: Option<(&'a ShardTimer, ShardHook)>,
+        timer: (&'a ShardTimer, ShardHook),
         left: &'l mut Leftovers<K>,
     ) -> Self {
         Self {
@@ -116,9 +117,10 @@ impl<'a, 'l, K> Ctx<'a, 'l, K> {
     /// `false` if the table has no shard timers.
     #[inline]
     pub(crate) fn cover(&mut self, at: Stamp) -> bool {
-        let Some((timer, hook)) = self.timer else {
+        if !self.now.clock().uses_shard_timers() {
             return false;
-        };
+        }
+        let (timer, hook) = self.timer;
         if at.is_some() && timer.lower(at.to_raw()) {
             self.left
                 .arm_later(timer, self.now.clock(), hook, at.to_raw());

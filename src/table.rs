@@ -54,14 +54,11 @@ impl<K> Shard<K> {
         clock: &'a Clock,
         left: &'l mut Leftovers<K>,
     ) -> Ctx<'a, 'l, K> {
-        let timer = clock.uses_shard_timers().then(|| {
-            let hook = ShardHook {
-                ptr: std::ptr::from_ref(self).cast(),
-                fire: fire_shard::<K>,
-            };
-            (&self.timer, hook)
-        });
-        Ctx::new(clock, &self.counters, timer, left)
+        let hook = ShardHook {
+            ptr: std::ptr::from_ref(self).cast(),
+            fire: fire_shard::<K>,
+        };
+        Ctx::new(clock, &self.counters, (&self.timer, hook), left)
     }
 }
 

@@ -1,0 +1,88 @@
+//! The contended handoff alone, for profiling: 64 tasks on a two-worker
+//! tokio runtime lock one key in a loop, with only a counter increment
+//! under the lock (no yield), so that every acquisition is a handoff
+//! between tasks running on both workers (the handoff share is printed).
+//!
+//! ```text
+//! cargo build --profile bench --example handoff
+//! perf record -g target/release/examples/handoff keylock 2000000
+//! target/release/examples/handoff tokio 2000000
+//! ```
+//!
+//! `examples/compare.rs` is the comparison (its W6 is this workload); this
+//! binary runs one implementation, so a profile shows only its cost.
+
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering::Relaxed};
+use std::sync::Arc;
+use std::time::Instant;
+
+const TASKS: usize = 64;
+
+fn main() {
+    let mut args = std::env::args().skip(1);
+    let which = args.next().unwrap_or_else(|| "keylock".to_string());
+    let total: u64 = args
+        .next()
+        .map_or(1_000_000, |s| s.parse().expect("a count of acquisitions"));
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .build()
+        .expect("a runtime");
+    let per_task = total.div_ceil(TASKS as u64);
+    let counter = Arc::new(AtomicU64::new(0));
+    let last = Arc::new(AtomicUsize::new(usize::MAX));
+    let handoffs = Arc::new(AtomicU64::new(0));
+    #[cfg(feature = "tokio")]
+    let keylock = Arc::new(if which == "keylock-tokio" {
+        let _rt = rt.enter();
+        keylock::LockTable::<u64>::builder().tokio_time().build()
+    } else {
+        keylock::LockTable::<u64>::new()
+    });
+    #[cfg(not(feature = "tokio"))]
+    let keylock = Arc::new(keylock::LockTable::<u64>::new());
+    let tokio = Arc::new(tokio::sync::Mutex::new(()));
+    let start = Instant::now();
+    let tasks: Vec<_> = (0..TASKS)
+        .map(|id| {
+            let (counter, last, handoffs) = (counter.clone(), last.clone(), handoffs.clone());
+            let (keylock, tokio, which) = (keylock.clone(), tokio.clone(), which.clone());
+            rt.spawn(async move {
+                let mut mine = 0;
+                for _ in 0..per_task {
+                    let mut note = || {
+                        counter.fetch_add(1, Relaxed);
+                        if last.swap(id, Relaxed) != id {
+                            mine += 1;
+                        }
+                    };
+                    match which.as_str() {
+                        "tokio" => {
+                            let guard = tokio.lock().await;
+                            note();
+                            drop(guard);
+                        }
+                        _ => {
+                            let guard = keylock.lock(7).await;
+                            note();
+                            drop(guard);
+                        }
+                    }
+                }
+                handoffs.fetch_add(mine, Relaxed);
+            })
+        })
+        .collect();
+    rt.block_on(async {
+        for t in tasks {
+            t.await.expect("a task");
+        }
+    });
+    let elapsed = start.elapsed();
+    let n = counter.load(Relaxed);
+    println!(
+        "{which}: {:.1} ns/acquisition, {n} acquisitions, handoff share {:.1}%",
+        elapsed.as_nanos() as f64 / n as f64,
+        100.0 * handoffs.load(Relaxed) as f64 / n as f64
+    );
+}
