@@ -155,6 +155,16 @@ pub(crate) struct TransactionState<K> {
     pub(crate) holds: Holds<K>,
 }
 
+/// The state is shared as the table is: `Send + Sync` when the keys are
+/// (what `LayerState` relies on, checked here at compile time).
+const _: () = {
+    #[allow(dead_code)] // never called: it only has to compile
+    fn shared_as_the_table<K: Send + Sync>() {
+        fn send_sync<T: Send + Sync>() {}
+        send_sync::<TransactionState<K>>();
+    }
+};
+
 impl<K, S> LockTable<K, S> {
     /// The transaction layer's state of this table, made on first use.
     #[inline]

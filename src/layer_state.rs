@@ -29,8 +29,9 @@ struct Erased {
 
 // SAFETY: the value behind `ptr` is a layer's per-table state, shared the
 // way the table is: a table is `Send`/`Sync` only when its keys are (its
-// shards' state requires `K: Send + Sync`), and every layer state is made of
-// the table's keys, `Send + Sync` parts and locks. The slot itself is only
+// shards' state requires `K: Send + Sync`), and every layer state is
+// `Send + Sync` when the keys are (each layer checks that of its state at
+// compile time, beside its accessor). The slot itself is only
 // written once (by `OnceLock`) and read through shared references.
 unsafe impl Send for Erased {}
 // SAFETY: as for `Send`.
