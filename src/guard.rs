@@ -134,7 +134,7 @@ impl<K> Held<K> {
         self.token
     }
 
-    /// See [`LockTable::watch_loss`].
+    /// See [`LockTable::watch_grant`].
     pub(crate) fn watch<S>(
         &self,
         table: &LockTable<K, S>,
@@ -142,11 +142,11 @@ impl<K> Held<K> {
         current: &Waker,
         fresh: Option<Waker>,
     ) -> Watch {
-        table.watch_loss(self.hash, self.key, self.token, slot, current, fresh)
+        table.watch_grant(self.hash, self.key, self.token, slot, current, fresh)
     }
 
     pub(crate) fn unwatch<S>(&self, table: &LockTable<K, S>, slot: usize) {
-        table.unwatch_loss(self.hash, slot);
+        table.unwatch_grant(self.hash, slot);
     }
 
     #[inline]

@@ -518,8 +518,8 @@ impl<K, S> LockTable<K, S> {
         })
     }
 
-    /// See [`ShardState::watch_loss`].
-    pub(crate) fn watch_loss(
+    /// See [`ShardState::watch_grant`].
+    pub(crate) fn watch_grant(
         &self,
         hash: u64,
         key: KeyPtr<K>,
@@ -529,13 +529,13 @@ impl<K, S> LockTable<K, S> {
         fresh: Option<std::task::Waker>,
     ) -> crate::queue::Watch {
         self.with_shard(hash, |state, ctx| {
-            state.watch_loss(hash, key, token, slot, current, fresh, ctx)
+            state.watch_grant(hash, key, token, slot, current, fresh, ctx)
         })
     }
 
-    /// See [`ShardState::unwatch_loss`].
-    pub(crate) fn unwatch_loss(&self, hash: u64, slot: usize) {
-        self.with_shard(hash, |state, ctx| state.unwatch_loss(slot, ctx));
+    /// See [`ShardState::unwatch_grant`].
+    pub(crate) fn unwatch_grant(&self, hash: u64, slot: usize) {
+        self.with_shard(hash, |state, ctx| state.unwatch_grant(slot, ctx));
     }
 
     /// Makes grant `token` shared; see [`ShardState::downgrade`].

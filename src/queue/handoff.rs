@@ -28,7 +28,7 @@ use super::Grant;
 pub(super) struct Keys<'s> {
     pub(super) tokens: &'s mut TokenCounter,
     pub(super) fair_at: &'s mut Option<Instant>,
-    pub(super) loss: &'s mut GrantWatchers,
+    pub(super) watchers: &'s mut GrantWatchers,
     pub(super) spares: &'s mut HolderSpares,
 }
 

@@ -59,7 +59,7 @@ impl Keys<'_> {
         let holder = entry.holders.remove(token, self.spares)?;
         entry.fenced = fenced;
         // Its `Lost` futures, if any (one check when there are none).
-        self.loss.wake(holder.token, ctx);
+        self.watchers.wake(holder.token, ctx);
         Some(holder)
     }
 
@@ -168,7 +168,7 @@ impl<K> ShardState<K> {
         // an earlier one (or a first one) needs them to re-arm; a later one
         // does not (they fire early, find the grant live, and re-arm).
         if deadline.is_some() && (!before.is_some() || deadline.to_raw() < before.to_raw()) {
-            keys.loss.wake(token, ctx);
+            keys.watchers.wake(token, ctx);
         }
         Ok(deadline)
     }
@@ -195,7 +195,7 @@ impl<K> ShardState<K> {
     /// registers, or unregisters once it lost it; see
     /// [`GrantWatchers::watch`](super::watch::GrantWatchers::watch).
     #[allow(clippy::too_many_arguments)]
-    pub(crate) fn watch_loss(
+    pub(crate) fn watch_grant(
         &mut self,
         hash: u64,
         key: KeyPtr<K>,
@@ -214,17 +214,17 @@ impl<K> ShardState<K> {
             // The settle below ends this grant and wakes its watchers; this
             // one is running: unregister it first rather than wake it.
             if let Some(i) = slot.take() {
-                keys.loss.unwatch(i, ctx);
+                keys.watchers.unwatch(i, ctx);
             }
         }
         keys.settle(entry, ctx);
         let live = entry.holders.get(token).map(|h| h.deadline.get());
-        keys.loss.watch(slot, token, live, current, fresh, ctx)
+        keys.watchers.watch(slot, token, live, current, fresh, ctx)
     }
 
     /// A `Lost` future in `slot` is dropped.
-    pub(crate) fn unwatch_loss(&mut self, slot: usize, ctx: &mut Ctx<'_, '_, K>) {
-        self.loss.unwatch(slot, ctx);
+    pub(crate) fn unwatch_grant(&mut self, slot: usize, ctx: &mut Ctx<'_, '_, K>) {
+        self.watchers.unwatch(slot, ctx);
     }
 
     /// Forces grant `token` of a key out, if it is a live holder of the key,

@@ -147,9 +147,9 @@ pub(crate) struct ShardState<K> {
     keys: KeyPool<K>,
     /// Empty vectors for keys' shared holders beyond the first.
     spares: HolderSpares,
-    /// The wakers of `Lost` futures of this shard's grants (empty unless
-    /// loss notification is used).
-    loss: GrantWatchers,
+    /// The wakers of whoever watches this shard's grants end (empty unless
+    /// a layer watches one: the loss layer's `Lost`).
+    watchers: GrantWatchers,
 }
 
 // SAFETY: the entries' wait lists point at `Waiter`s owned by futures on
@@ -178,7 +178,7 @@ impl<K> ShardState<K> {
             tokens,
             fair_at: None,
             spares: HolderSpares::default(),
-            loss: GrantWatchers::default(),
+            watchers: GrantWatchers::default(),
         }
     }
 
@@ -201,7 +201,7 @@ impl<K> ShardState<K> {
             Keys {
                 tokens: &mut self.tokens,
                 fair_at: &mut self.fair_at,
-                loss: &mut self.loss,
+                watchers: &mut self.watchers,
                 spares: &mut self.spares,
             },
         )
@@ -225,7 +225,7 @@ impl<K> ShardState<K> {
             Keys {
                 tokens: &mut self.tokens,
                 fair_at: &mut self.fair_at,
-                loss: &mut self.loss,
+                watchers: &mut self.watchers,
                 spares: &mut self.spares,
             },
         ))
@@ -268,7 +268,7 @@ impl<K> ShardState<K> {
             keys,
             tokens,
             fair_at,
-            loss,
+            watchers,
             spares,
         } = self;
         let probe = key.as_ref().expect("keylock: the caller's key is present");
@@ -279,7 +279,7 @@ impl<K> ShardState<K> {
                 Keys {
                     tokens,
                     fair_at,
-                    loss,
+                    watchers,
                     spares,
                 },
             )),
@@ -318,7 +318,7 @@ impl<K> ShardState<K> {
     /// Checks every structural invariant of the shard; panics naming the
     /// first one broken.
     pub(crate) fn validate(&self, fairness: Fairness) {
-        self.loss.validate();
+        self.watchers.validate();
         for (_, entry) in self.entries.iter() {
             assert!(!entry.is_unused(), "an unused entry stayed in the table");
             let mut count = 0;

@@ -405,7 +405,7 @@ impl<K> ShardState<K> {
             keys,
             tokens,
             fair_at,
-            loss,
+            watchers,
             spares,
         } = self;
         let entry = entries.get_mut(index);
@@ -417,7 +417,7 @@ impl<K> ShardState<K> {
             Keys {
                 tokens,
                 fair_at,
-                loss,
+                watchers,
                 spares,
             }
             .let_go(entry, token, fairness, ctx);
