@@ -5,6 +5,7 @@
 //! cargo run --release --example compare -- --quick   # CI smoke, a few seconds
 //! cargo run --release --example compare -- --only W1,W6 --impl keylock,tokio
 //! cargo run --release --example compare -- --only bank   # the bank alone
+//! cargo run --release --example compare -- --require-idle --floor PATH   # a figure that counts
 //! ```
 //!
 //! Runs every workload (see `compare/workloads.rs`) for every implementation
@@ -19,11 +20,36 @@
 //! cost a plain loop measures for it. A progress bar goes to stderr (when it
 //! is a terminal), tables to stdout. A ratio says "faster" or "slower" only
 //! when the repetitions do not overlap (`compare/verdict.rs`).
+//!
+//! A figure counts as evidence only if it was taken on an idle machine. The
+//! report opens and closes with the load average (`compare/load.rs`) at the
+//! start and end of the run (and lists it before each workload), and warns
+//! at the top and at the end when the 1-minute load at the start was above
+//! 0.5; `--require-idle` waits for it to drop (`--idle-wait SECS`, default
+//! 120) and refuses to measure, with exit status 2, if it does not.
+//!
+//! Every contended workload that acquires (W3, W4, W6) reports its handoff
+//! share: the acquisitions that went to another task than the key's previous
+//! holder. W6, the contended goal row, also gets a row per repetition; a
+//! repetition of a FIFO lock below 95% handoffs is marked, since its tasks
+//! did not contend from both workers throughout.
+//!
+//! `--floor PATH` (or `KEYLOCK_FLOOR=PATH`) runs a measuring stick after the
+//! workloads: a binary that times a minimal keyed lock (`proto`) beside
+//! tokio's and async-lock's mutexes in its own harness (`compare/floor.rs`).
+//! The report then sets keylock's W1 and W6 against the floor's, and the
+//! floor's tokio and async_lock figures beside this run's, so that a reader
+//! sees whether the two harnesses agree. A "Goals" table at the end reads
+//! the ratios the goals are stated in off this one run.
 
 #[path = "compare/bank.rs"]
 mod bank;
+#[path = "compare/floor.rs"]
+mod floor;
 #[path = "compare/impls.rs"]
 mod impls;
+#[path = "compare/load.rs"]
+mod load;
 #[path = "compare/plain.rs"]
 mod plain;
 #[path = "compare/verdict.rs"]
@@ -33,10 +59,12 @@ mod workloads;
 
 use std::fmt::Write as _;
 use std::mem::{size_of, size_of_val};
+use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
 use impls::KeyedLock;
+use load::Load;
 use tokio::runtime::Runtime;
 use workloads::{Outcome, Workload};
 
@@ -46,6 +74,8 @@ type RunFn = fn(&Runtime, Workload, u64, &Arc<Vec<Vec<u64>>>) -> Option<Outcome>
 struct Contender {
     name: &'static str,
     keyed: bool,
+    /// Strict FIFO handoff (false: a barging lock).
+    fifo: bool,
     run: RunFn,
     self_check: fn(&Runtime) -> Option<usize>,
     /// Size of its lock future (as created, not polled) and of its guard.
@@ -58,6 +88,7 @@ const fn contender<I: KeyedLock>(plain_w1: fn(&Runtime, u64) -> Duration) -> Con
     Contender {
         name: I::NAME,
         keyed: I::KEYED,
+        fifo: I::FIFO,
         run: workloads::run::<I>,
         self_check: workloads::self_check::<I>,
         sizes: sizes::<I>,
@@ -95,6 +126,12 @@ struct Config {
     impls: Vec<&'static Contender>,
     /// Whether to run the bank (`--only` without `bank` leaves it out).
     bank: bool,
+    /// Wait for an idle machine before measuring, or refuse.
+    require_idle: bool,
+    /// How long `--require-idle` waits.
+    idle_wait: Duration,
+    /// The floor's binary (`--floor PATH` or `KEYLOCK_FLOOR`).
+    floor: Option<PathBuf>,
 }
 
 impl Config {
@@ -119,6 +156,11 @@ impl Config {
 
     fn parse() -> Self {
         let mut quick = false;
+        let mut require_idle = false;
+        let mut idle_wait = Duration::from_secs(120);
+        let mut floor = std::env::var_os("KEYLOCK_FLOOR")
+            .filter(|p| !p.is_empty())
+            .map(PathBuf::from);
         let mut reps = None;
         let mut only: Option<Vec<String>> = None;
         let mut filter: Option<Vec<String>> = None;
@@ -142,6 +184,21 @@ impl Config {
                 }
                 "--only" => only = Some(list(args.next())),
                 "--impl" => filter = Some(list(args.next())),
+                "--require-idle" => require_idle = true,
+                "--idle-wait" => {
+                    idle_wait = Duration::from_secs(
+                        args.next()
+                            .and_then(|n| n.parse().ok())
+                            .unwrap_or_else(|| usage()),
+                    )
+                }
+                "--floor" => {
+                    floor = Some(args.next().map(PathBuf::from).unwrap_or_else(|| usage()))
+                }
+                "--help" | "-h" => {
+                    println!("{USAGE}");
+                    std::process::exit(0)
+                }
                 // `cargo bench` passes this to every target it runs.
                 "--bench" => {}
                 _ => usage(),
@@ -170,14 +227,30 @@ impl Config {
             workloads,
             impls,
             bank,
+            require_idle,
+            idle_wait,
+            floor,
         }
     }
 }
 
+const USAGE: &str = "\
+usage: compare [--quick] [--reps N] [--only W1,W2,...,bank] [--impl keylock,tokio,...]
+               [--require-idle] [--idle-wait SECS] [--floor PATH]
+
+  --quick           fewer operations and 3 repetitions: a smoke run, not evidence
+  --reps N          repetitions of every measurement (default 5, 3 with --quick)
+  --only LIST       the workloads to run (W1-W6, bank)
+  --impl LIST       the implementations to run (substrings of their names)
+  --require-idle    wait for the 1-minute load average to drop to 0.5 before
+                    measuring; exit with status 2 if it does not
+  --idle-wait SECS  how long --require-idle waits (default 120), looking every 5 s
+  --floor PATH      after the workloads, run the floor binary at PATH (no
+                    arguments) and set keylock's W1 and W6 against it
+                    (default: the KEYLOCK_FLOOR environment variable)";
+
 fn usage() -> ! {
-    eprintln!(
-        "usage: compare [--quick] [--reps N] [--only W1,W2,...,bank] [--impl keylock,tokio,...]"
-    );
+    eprintln!("{USAGE}");
     std::process::exit(2)
 }
 
@@ -212,10 +285,82 @@ impl Cell {
     fn last(&self) -> Option<&Outcome> {
         self.samples.last()
     }
+
+    /// Each repetition's handoff share in percent, in the order run; empty
+    /// if the workload counts none.
+    fn shares(&self) -> Vec<f64> {
+        self.samples.iter().filter_map(share).collect()
+    }
+}
+
+/// The share of acquisitions that were handoffs, in percent.
+fn share(out: &Outcome) -> Option<f64> {
+    Some(out.handoffs? as f64 / out.ops.max(1) as f64 * 100.0)
+}
+
+/// A handoff share in percent, with two decimals below 1%.
+fn fmt_share(s: f64) -> String {
+    if s < 1.0 {
+        format!("{s:.2}%")
+    } else {
+        format!("{s:.1}%")
+    }
+}
+
+/// A W6 repetition of a FIFO lock below this handoff share (percent) did
+/// not have both workers contending throughout.
+const CONTENDED_SHARE: f64 = 95.0;
+
+/// Whether a W6 repetition with this share is marked: a FIFO lock below
+/// [`CONTENDED_SHARE`]. A barging lock's share is its own policy.
+fn ran_alone(c: &Contender, share: f64) -> bool {
+    c.fifo && share < CONTENDED_SHARE
+}
+
+/// The load average at the start, before each workload, and at the end.
+struct Loads {
+    start: Option<Load>,
+    before: Vec<(&'static str, Option<Load>)>,
+    end: Option<Load>,
+}
+
+impl Loads {
+    /// `load average: start X, end Y`, then `uptime`'s form of both.
+    fn lines(&self, o: &mut String) {
+        writeln!(
+            o,
+            "load average: start {}, end {} (1-minute; this run's own two workers \
+             raise it as the run goes: only the start says whether the machine was idle)",
+            load::One(self.start),
+            load::One(self.end),
+        )
+        .unwrap();
+        writeln!(
+            o,
+            "uptime at start: {}; at end: {}",
+            load::Uptime(self.start),
+            load::Uptime(self.end)
+        )
+        .unwrap();
+    }
 }
 
 fn main() {
     let cfg = Config::parse();
+    if cfg.require_idle {
+        if let Err(why) = load::wait_for_idle(cfg.idle_wait) {
+            eprintln!("compare: {why}");
+            std::process::exit(2);
+        }
+    }
+    let mut loads = Loads {
+        start: load::read(),
+        before: Vec::new(),
+        end: None,
+    };
+    if let Some(warning) = load::warning(loads.start) {
+        eprintln!("{warning}");
+    }
     let rt = workloads::runtime();
     let started = std::time::Instant::now();
 
@@ -239,6 +384,7 @@ fn main() {
         .sum();
     let bar = verdict::progress(measurements as u64);
     for (wi, &w) in cfg.workloads.iter().enumerate() {
+        loads.before.push((w.id(), load::read()));
         for rep in 0..cfg.reps {
             for (ii, c) in cfg.impls.iter().enumerate() {
                 bar.set_message(format!("{} {}/{} {}", w.id(), rep + 1, cfg.reps, c.name));
@@ -268,6 +414,21 @@ fn main() {
         }
     }
     bar.finish_and_clear();
+    let floor = cfg.floor.as_deref().map(|path| {
+        let name = floor::display_name(path);
+        if !floor_applies(&cfg) {
+            return Err(format!(
+                "the floor `{name}` was not run: it measures against keylock's W1 and \
+                 W6, and this run has neither"
+            ));
+        }
+        loads.before.push(("floor", load::read()));
+        eprintln!("running the floor `{name}` (about 30 s)...");
+        floor::run(path)
+    });
+    if let Some(Err(why)) = &floor {
+        eprintln!("compare: {why}");
+    }
     let bank = cfg.bank.then(|| {
         let shape = bank::BankRun {
             accounts: 64,
@@ -275,26 +436,80 @@ fn main() {
             transfers: if cfg.quick { 1_000 } else { 10_000 },
             auditors: 2,
         };
+        loads.before.push(("bank", load::read()));
         eprintln!("running the bank...");
         bank::compare(&rt, shape, cfg.reps, Duration::from_secs(120))
     });
     let wall = started.elapsed();
+    loads.end = load::read();
+    if let Some(warning) = load::warning(loads.start) {
+        eprintln!("{warning}");
+    }
 
-    print!(
-        "{}",
-        report(&cfg, &results, &leftovers, bank.as_deref(), wall)
-    );
+    let run = Run {
+        cfg: &cfg,
+        results: &results,
+        loads: &loads,
+        floor: floor.as_ref(),
+    };
+    print!("{}", report(&run, &leftovers, bank.as_deref(), wall));
+}
+
+/// Whether the floor has anything to be set against: keylock on W1 or W6.
+fn floor_applies(cfg: &Config) -> bool {
+    cfg.impls.iter().any(|c| c.name == impls::Keylock::NAME)
+        && cfg
+            .workloads
+            .iter()
+            .any(|w| matches!(w, Workload::W1 | Workload::W6))
+}
+
+/// What the report is made of.
+struct Run<'a> {
+    cfg: &'a Config,
+    /// `results[workload][implementation]`.
+    results: &'a [Vec<Cell>],
+    loads: &'a Loads,
+    /// `None`: no `--floor`; `Some(Err)`: it did not run or parse.
+    floor: Option<&'a Result<floor::Floor, String>>,
+}
+
+impl Run<'_> {
+    /// The repetitions of the implementation `name` on `w`, if both ran.
+    fn cell(&self, w: Workload, name: &str) -> Option<(&Contender, &Cell)> {
+        let wi = self.cfg.workloads.iter().position(|&x| x == w)?;
+        let ii = self.cfg.impls.iter().position(|c| c.name == name)?;
+        let cell = &self.results[wi][ii];
+        (!cell.samples.is_empty()).then_some((self.cfg.impls[ii], cell))
+    }
 }
 
 fn report(
-    cfg: &Config,
-    results: &[Vec<Cell>],
+    run: &Run<'_>,
     leftovers: &[Option<usize>],
     bank: Option<&str>,
     wall: std::time::Duration,
 ) -> String {
+    let (cfg, results) = (run.cfg, run.results);
     let mut out = String::new();
     let o = &mut out;
+    let warning = load::warning(run.loads.start);
+    if let Some(w) = &warning {
+        writeln!(o, "{w}\n").unwrap();
+    }
+    run.loads.lines(o);
+    if !run.loads.before.is_empty() {
+        write!(o, "load average before each workload:").unwrap();
+        for (i, (what, l)) in run.loads.before.iter().enumerate() {
+            let sep = if i == 0 { "" } else { "," };
+            write!(o, "{sep} {what} {}", load::One(*l)).unwrap();
+        }
+        o.push('\n');
+    }
+    if cfg.quick {
+        writeln!(o, "--quick: a smoke run of fewer operations, not evidence").unwrap();
+    }
+    o.push('\n');
     let keylock = cfg
         .impls
         .iter()
@@ -363,6 +578,8 @@ fn report(
         }
     }
 
+    handoff_tables(o, run);
+
     writeln!(o, "\n### Spread of the repetitions: (max - min) / median\n").unwrap();
     header(o, "implementation");
     for (ii, c) in cfg.impls.iter().enumerate() {
@@ -417,41 +634,6 @@ fn report(
         o.push('\n');
     }
 
-    let counted: Vec<usize> = (0..cfg.workloads.len())
-        .filter(|&wi| cfg.workloads[wi].counts_handoffs())
-        .collect();
-    if !counted.is_empty() {
-        writeln!(
-            o,
-            "\n### Handoffs in the last repetition: acquisitions that went to another task than the previous holder\n"
-        )
-        .unwrap();
-        write!(o, "| implementation |").unwrap();
-        for &wi in &counted {
-            write!(o, " {} |", cfg.workloads[wi].id()).unwrap();
-        }
-        write!(o, "\n|---|").unwrap();
-        for _ in &counted {
-            write!(o, "---:|").unwrap();
-        }
-        o.push('\n');
-        for (ii, c) in cfg.impls.iter().enumerate() {
-            write!(o, "| {} |", c.name).unwrap();
-            for &wi in &counted {
-                match results[wi][ii]
-                    .last()
-                    .and_then(|s| Some((s.handoffs?, s.ops)))
-                {
-                    None => write!(o, " n/a |").unwrap(),
-                    Some((h, ops)) => {
-                        write!(o, " {:.1}% |", h as f64 / ops as f64 * 100.0).unwrap()
-                    }
-                }
-            }
-            o.push('\n');
-        }
-    }
-
     writeln!(
         o,
         "\n### Entries left by a waiter cancelled after the holder released\n\n\
@@ -487,6 +669,10 @@ fn report(
         o.push_str(bank);
     }
 
+    if let Some(floor) = run.floor {
+        floor_tables(o, run, floor);
+    }
+
     writeln!(o, "\nWorkloads:\n").unwrap();
     for w in &cfg.workloads {
         writeln!(
@@ -500,6 +686,14 @@ fn report(
         .unwrap();
     }
     writeln!(o, "\nTotal wall time: {:.1} s", wall.as_secs_f64()).unwrap();
+
+    goals_table(o, run);
+
+    o.push('\n');
+    run.loads.lines(o);
+    if let Some(w) = &warning {
+        writeln!(o, "\n{w}").unwrap();
+    }
     out
 }
 
@@ -509,4 +703,376 @@ use verdict::{fmt_ns, PLAIN_TOLERANCE};
 /// an anchor.
 fn is_option(c: &Contender) -> bool {
     c.name.starts_with("keylock+")
+}
+
+/// The handoff share of every contended workload that acquires (W3, W4,
+/// W6), then W6 repetition by repetition.
+fn handoff_tables(o: &mut String, run: &Run<'_>) {
+    let (cfg, results) = (run.cfg, run.results);
+    let counted: Vec<usize> = (0..cfg.workloads.len())
+        .filter(|&wi| cfg.workloads[wi].counts_handoffs())
+        .collect();
+    let w5 = cfg.workloads.contains(&Workload::W5);
+    if counted.is_empty() && !w5 {
+        return;
+    }
+    writeln!(
+        o,
+        "\n### Handoff share: acquisitions that went to another task than the key's previous holder\n\n\
+         Median of the repetitions (lowest-highest). A FIFO lock hands a released key to its \
+         oldest waiter: on one contended key (W3, W6) nearly every acquisition is a handoff, and \
+         an acquisition that is not one found nobody queued when the holder released. A barging \
+         lock lets the releaser take the key back while others wait, so its share, counted the \
+         same way, is how often the key changed hands at all. W4 counts per key, over 1,024 Zipf \
+         keys (a one-lock anchor has a single key). A key's first acquisition counts as a \
+         handoff."
+    )
+    .unwrap();
+    if w5 {
+        writeln!(
+            o,
+            "W5 acquires nothing (its key is held throughout and every wait is cancelled): it has \
+             no handoff share."
+        )
+        .unwrap();
+    }
+    if counted.is_empty() {
+        return;
+    }
+    write!(o, "\n| implementation | policy |").unwrap();
+    for &wi in &counted {
+        write!(o, " {} |", cfg.workloads[wi].id()).unwrap();
+    }
+    write!(o, "\n|---|---|").unwrap();
+    for _ in &counted {
+        write!(o, "---:|").unwrap();
+    }
+    o.push('\n');
+    for (ii, c) in cfg.impls.iter().enumerate() {
+        if counted
+            .iter()
+            .all(|&wi| results[wi][ii].shares().is_empty())
+        {
+            // Ran none of them (a shared lock runs only W1 and W2).
+            continue;
+        }
+        let policy = if c.fifo { "FIFO" } else { "barging" };
+        write!(o, "| {} | {policy} |", c.name).unwrap();
+        for &wi in &counted {
+            let shares = results[wi][ii].shares();
+            let (Some(m), Some((lo, hi))) = (median(shares.clone()), verdict::range(&shares))
+            else {
+                write!(o, " n/a |").unwrap();
+                continue;
+            };
+            let single_key = matches!(cfg.workloads[wi], Workload::W3 | Workload::W6);
+            let low = shares.iter().filter(|&&s| ran_alone(c, s)).count();
+            let mark = if single_key && low > 0 {
+                format!(", **{low} of {} below {CONTENDED_SHARE}%**", shares.len())
+            } else {
+                String::new()
+            };
+            write!(
+                o,
+                " {} ({}-{}{mark}) |",
+                fmt_share(m),
+                fmt_share(lo).trim_end_matches('%'),
+                fmt_share(hi)
+            )
+            .unwrap();
+        }
+        o.push('\n');
+    }
+
+    let Some(w6) = cfg.workloads.iter().position(|&w| w == Workload::W6) else {
+        return;
+    };
+    writeln!(
+        o,
+        "\n### W6 repetition by repetition: did both workers contend?\n\n\
+         W6 is the contended goal row: {} spawned tasks on the two-worker runtime, started \
+         together behind a barrier, each looping `lock; counter += 1; unlock` on one key with no \
+         yield. A task runs until its lock is not granted at once, so a FIFO lock sees a waiter \
+         only when the other worker is running one of the tasks: a FIFO repetition below \
+         {CONTENDED_SHARE}% handoffs is marked (for a stretch, one worker ran alone and those \
+         acquisitions cost an uncontended lock). A barging lock's share is its own policy and is \
+         not marked: where its handoffs are about one per task, each task kept the key for its \
+         whole loop while the others waited, and its time is that of a lock that rarely changes \
+         hands, not of a handoff.\n\n\
+         | implementation | rep | ns/op | handoffs | |\n|---|---:|---:|---:|---|",
+        workloads::TASKS
+    )
+    .unwrap();
+    for (ii, c) in cfg.impls.iter().enumerate() {
+        for (r, out) in results[w6][ii].samples.iter().enumerate() {
+            let (Some(s), Some(n)) = (share(out), out.handoffs) else {
+                continue;
+            };
+            let note = if ran_alone(c, s) {
+                format!("(handoffs {s:.0}%: one worker ran alone)")
+            } else if !c.fifo && n <= 2 * workloads::TASKS as u64 {
+                format!("barging: each task kept the key for its whole loop ({n} handoffs)")
+            } else if !c.fifo {
+                "barging".to_string()
+            } else {
+                String::new()
+            };
+            writeln!(
+                o,
+                "| {} | {} | {} | {} | {note} |",
+                c.name,
+                r + 1,
+                fmt_ns(out.ns_per_op()),
+                fmt_share(s)
+            )
+            .unwrap();
+        }
+    }
+}
+
+/// The floor's `proto` against keylock, and the floor's anchors beside this
+/// run's, disagreeing beyond this either way, are flagged.
+const FLOOR_AGREE: f64 = 1.25;
+
+/// keylock against the floor, and whether the two harnesses agree.
+fn floor_tables(o: &mut String, run: &Run<'_>, floor: &Result<floor::Floor, String>) {
+    writeln!(o, "\n### keylock against the floor\n").unwrap();
+    let f = match floor {
+        Ok(f) => f,
+        Err(why) => {
+            writeln!(o, "No floor figures in this run: {why}.").unwrap();
+            return;
+        }
+    };
+    writeln!(
+        o,
+        "The floor is a minimal keyed lock with keylock's plain-lock semantics and nothing else \
+         (`proto`), timed in its own harness right after this run's workloads ({:.0} s): how \
+         fast a keyed async lock can be on this machine now. Median ns/op (lowest-highest \
+         repetition); keylock / floor above 1: keylock takes more time than the floor.\n\n\
+         | workload | keylock | floor `proto` | keylock / floor |\n|---|---:|---:|---:|",
+        f.wall.as_secs_f64()
+    )
+    .unwrap();
+    let sections = [
+        (Workload::W1, &f.uncontended, "uncontended"),
+        (Workload::W6, &f.contended, "contended"),
+    ];
+    for (w, section, what) in sections {
+        let proto = section.get("proto").expect("checked by floor::parse");
+        let floor_text = with_range(proto.median, &proto.reps);
+        let ours = run.cell(w, impls::Keylock::NAME).and_then(|(_, cell)| {
+            let ns = cell.ns();
+            Some((median(ns.clone())?, ns))
+        });
+        match ours {
+            Some((k, ns)) => writeln!(
+                o,
+                "| {} (floor: {what}) | {} | {floor_text} | {:.2}x |",
+                w.id(),
+                with_range(k, &ns),
+                k / proto.median
+            ),
+            None => writeln!(
+                o,
+                "| {} (floor: {what}) | not run | {floor_text} | n/a |",
+                w.id()
+            ),
+        }
+        .unwrap();
+    }
+    let ops = |w: Workload| {
+        if run.cfg.workloads.contains(&w) {
+            run.cfg.ops(w).to_string()
+        } else {
+            "-".to_string()
+        }
+    };
+    let floor_ops = |s: &floor::Section| s.ops.map_or_else(|| "?".to_string(), |n| n.to_string());
+    writeln!(
+        o,
+        "\nOperations per measurement: floor {} (uncontended), {} (contended); this run W1 {}, \
+         W6 {}.",
+        floor_ops(&f.uncontended),
+        floor_ops(&f.contended),
+        ops(Workload::W1),
+        ops(Workload::W6)
+    )
+    .unwrap();
+
+    writeln!(
+        o,
+        "\nThe floor's own anchors beside this run's: near 1, the two harnesses agree on what \
+         the machine did; beyond {FLOOR_AGREE}x either way the row is flagged.\n\n\
+         | workload | implementation | this run | floor | this run / floor |\n|---|---|---:|---:|---:|"
+    )
+    .unwrap();
+    let pairs = [
+        (impls::TokioMutex::NAME, "tokio"),
+        (impls::AsyncLockMutex::NAME, "async_lock"),
+        (impls::DashMapCleanup::NAME, "dashmap"),
+    ];
+    for (w, section, _) in sections {
+        for (ours, theirs) in pairs {
+            let Some(row) = section.get(theirs) else {
+                continue;
+            };
+            let here = run.cell(w, ours).and_then(|(_, cell)| cell.median());
+            let (here, ratio) = match here {
+                Some(h) => {
+                    let r = h / row.median;
+                    let flag = if !(1.0 / FLOOR_AGREE..=FLOOR_AGREE).contains(&r) {
+                        " **disagree**"
+                    } else {
+                        ""
+                    };
+                    (fmt_ns(h), format!("{r:.2}{flag}"))
+                }
+                None => ("not run".to_string(), "n/a".to_string()),
+            };
+            writeln!(
+                o,
+                "| {} | {ours} (floor: `{theirs}`) | {here} | {} | {ratio} |",
+                w.id(),
+                fmt_ns(row.median)
+            )
+            .unwrap();
+        }
+    }
+}
+
+/// "median (lowest-highest)", or the median alone without repetitions.
+fn with_range(median: f64, reps: &[f64]) -> String {
+    match verdict::range(reps) {
+        Some((lo, hi)) => format!("{} ({}-{})", fmt_ns(median), fmt_ns(lo), fmt_ns(hi)),
+        None => fmt_ns(median),
+    }
+}
+
+/// What a goal's ratio is taken against.
+enum Versus {
+    Impl(&'static str),
+    /// The floor's `proto` on W6.
+    Floor,
+}
+
+/// One goal: `ours` / `theirs` on `workload`, at most `goal`.
+struct Goal {
+    workload: Workload,
+    ours: &'static str,
+    theirs: Versus,
+    goal: f64,
+}
+
+const fn goal(workload: Workload, ours: &'static str, theirs: Versus, goal: f64) -> Goal {
+    Goal {
+        workload,
+        ours,
+        theirs,
+        goal,
+    }
+}
+
+/// The goals, as ratios of medians in one run.
+const GOALS: &[Goal] = {
+    use impls::*;
+    use Versus::*;
+    use Workload::*;
+    const K: &str = Keylock::NAME;
+    const LEASE: &str = KeylockLease::NAME;
+    const TIMEOUT: &str = KeylockTimeout::NAME;
+    &[
+        goal(W6, K, Impl(TokioMutex::NAME), 0.7),
+        goal(W6, K, Impl(DashMapCleanup::NAME), 0.5),
+        goal(W6, K, Impl(Lockable::NAME), 0.5),
+        goal(W6, K, Floor, 1.25),
+        goal(W1, K, Impl(AsyncLockMutex::NAME), 1.0),
+        goal(W1, K, Impl(DashMapCleanup::NAME), 0.25),
+        goal(W1, K, Impl(Lockable::NAME), 0.25),
+        goal(W1, K, Impl(DashMapLeak::NAME), 0.5),
+        goal(W1, LEASE, Impl(K), 1.15),
+        goal(W1, TIMEOUT, Impl(K), 1.10),
+        goal(W6, LEASE, Impl(K), 1.2),
+        goal(W6, TIMEOUT, Impl(K), 1.2),
+        goal(W4, LEASE, Impl(K), 1.2),
+        goal(W4, TIMEOUT, Impl(K), 1.2),
+    ]
+};
+
+/// The goals, read off this run: ratio of medians, goal, met or not.
+fn goals_table(o: &mut String, run: &Run<'_>) {
+    writeln!(o, "\n### Goals: ratios of medians in this run\n").unwrap();
+    run.loads.lines(o);
+    if let Some(w) = load::warning(run.loads.start) {
+        writeln!(o, "{w}").unwrap();
+    }
+    if run.cfg.quick {
+        writeln!(o, "--quick: a smoke run of fewer operations, not evidence").unwrap();
+    }
+    let mut rows = String::new();
+    for g in GOALS {
+        let Some((oc, ours)) = run.cell(g.workload, g.ours) else {
+            continue;
+        };
+        let Some(our_median) = ours.median() else {
+            continue;
+        };
+        // Repetitions of a FIFO lock that W6 did not contend throughout.
+        let alone = |c: &Contender, cell: &Cell| {
+            let shares = cell.shares();
+            let low = shares.iter().filter(|&&s| ran_alone(c, s)).count();
+            (g.workload == Workload::W6 && low > 0).then(|| {
+                format!(
+                    "{}: {low} of {} reps below {CONTENDED_SHARE}% handoffs",
+                    c.name,
+                    shares.len()
+                )
+            })
+        };
+        let mut notes: Vec<String> = alone(oc, ours).into_iter().collect();
+        let (label, theirs) = match &g.theirs {
+            Versus::Impl(name) => {
+                let Some((tc, cell)) = run.cell(g.workload, name) else {
+                    continue;
+                };
+                let Some(m) = cell.median() else { continue };
+                notes.extend(alone(tc, cell));
+                (format!("{} / {name}", g.ours), m)
+            }
+            Versus::Floor => {
+                let Some(Ok(f)) = run.floor else { continue };
+                let Some(proto) = f.contended.get("proto") else {
+                    continue;
+                };
+                (format!("{} / floor `proto`", g.ours), proto.median)
+            }
+        };
+        let ratio = our_median / theirs;
+        let met = match (ratio <= g.goal, notes.is_empty()) {
+            (true, true) => "met",
+            (false, true) => "not met",
+            // A W6 side whose repetitions did not all contend: not the
+            // contended figure the goal is about.
+            (true, false) => "met, not contended",
+            (false, false) => "not met, not contended",
+        };
+        writeln!(
+            rows,
+            "| {} | {label} | {ratio:.2}x | ≤ {:.2}x | {met} | {} |",
+            g.workload.id(),
+            g.goal,
+            notes.join("; ")
+        )
+        .unwrap();
+    }
+    if rows.is_empty() {
+        writeln!(o, "\nNo goal applies: their implementations were not run.").unwrap();
+        return;
+    }
+    writeln!(
+        o,
+        "\n| workload | ratio | measured | goal | | note |\n|---|---|---:|---:|---|---|"
+    )
+    .unwrap();
+    o.push_str(&rows);
 }

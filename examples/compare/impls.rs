@@ -36,6 +36,15 @@ pub(crate) trait KeyedLock: Send + Sync + 'static {
     /// nothing waits, and W6's counter would race).
     const EXCLUSIVE: bool = true;
 
+    /// Whether a released key goes to the oldest waiter, never back to a
+    /// releaser that locks again while others wait (false for the barging
+    /// locks: async_lock's, futures' and parking_lot's mutexes let any
+    /// locker take a free lock, and are fair only eventually or not at
+    /// all). For a FIFO lock on one contended key nearly every acquisition
+    /// is a handoff to another task; `compare` flags a W6 repetition where
+    /// it was not.
+    const FIFO: bool = true;
+
     fn create() -> Self;
 
     /// Inlined in every implementation: a `lock` that is not inlined returns
@@ -296,6 +305,9 @@ impl KeyedLock for AsyncLockMutex {
     type Guard<'a> = async_lock::MutexGuard<'a, ()>;
     const NAME: &'static str = "async_lock::Mutex";
     const KEYED: bool = false;
+    /// Barges: a free lock goes to whoever calls first; a waiter starved for
+    /// 0.5 ms switches it to fair handoff until it is served.
+    const FIFO: bool = false;
 
     fn create() -> Self {
         Self(async_lock::Mutex::new(()))
@@ -318,6 +330,9 @@ impl KeyedLock for FuturesMutex {
     type Guard<'a> = futures::lock::MutexGuard<'a, ()>;
     const NAME: &'static str = "futures::Mutex";
     const KEYED: bool = false;
+    /// Barges, and is never fair: unlocking wakes a waiter, which competes
+    /// with every other locker.
+    const FIFO: bool = false;
 
     fn create() -> Self {
         Self(futures::lock::Mutex::new(()))
@@ -355,6 +370,8 @@ impl KeyedLock for ParkingLot {
     const NAME: &'static str = "parking_lot::Mutex";
     const ASYNC: bool = false;
     const KEYED: bool = false;
+    /// Barges, with eventual fairness (a fair unlock about every 0.5 ms).
+    const FIFO: bool = false;
 
     fn create() -> Self {
         Self(parking_lot::RawMutex::INIT)

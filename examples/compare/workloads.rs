@@ -108,10 +108,32 @@ pub(crate) const W5_BATCH: usize = 16;
 /// The key of the single-key workloads.
 pub(crate) const HOT: u64 = 0x5EED;
 
+/// The odd multiplier of [`scramble`].
+const SCRAMBLE: u64 = 0x9E37_79B9_7F4A_7C15;
+
 /// Spreads small integers over `u64` (a bijection, so distinct stays distinct).
 #[inline]
 pub(crate) fn scramble(i: u64) -> u64 {
-    i.wrapping_mul(0x9E37_79B9_7F4A_7C15)
+    i.wrapping_mul(SCRAMBLE)
+}
+
+/// The inverse of [`scramble`]'s multiplier modulo 2^64 (Newton's iteration:
+/// each step doubles the correct low bits, from 3 to more than 64).
+const UNSCRAMBLE: u64 = {
+    let mut x = SCRAMBLE;
+    let mut i = 0;
+    while i < 5 {
+        x = x.wrapping_mul(2u64.wrapping_sub(SCRAMBLE.wrapping_mul(x)));
+        i += 1;
+    }
+    assert!(SCRAMBLE.wrapping_mul(x) == 1);
+    x
+};
+
+/// The integer [`scramble`] spread: W4 finds a key's slot with it.
+#[inline]
+pub(crate) fn unscramble(key: u64) -> u64 {
+    key.wrapping_mul(UNSCRAMBLE)
 }
 
 /// The workloads, in table order.
@@ -170,9 +192,11 @@ impl Workload {
         matches!(self, Self::W3 | Self::W4 | Self::W5)
     }
 
-    /// Whether it counts handoffs.
+    /// Whether it counts handoffs: every contended workload that acquires
+    /// (W5 acquires nothing: its key is held throughout and every wait is
+    /// cancelled).
     pub(crate) fn counts_handoffs(self) -> bool {
-        matches!(self, Self::W3 | Self::W6)
+        matches!(self, Self::W3 | Self::W4 | Self::W6)
     }
 }
 
@@ -184,8 +208,12 @@ pub(crate) struct Outcome {
     pub(crate) ops: u64,
     /// Entries the implementation still keeps once everything is released.
     pub(crate) entries_left: Option<usize>,
-    /// Acquisitions that went to a different task than the previous one (W3,
-    /// W6).
+    /// Acquisitions that went to a different task than the previous holder
+    /// of the same key (W3, W4, W6): the handoffs. For a strict FIFO lock an
+    /// acquisition that is not one means nobody was queued when the holder
+    /// released (W6: the other worker was not contending); a barging lock
+    /// lets the releaser take the key back while others wait, so its share
+    /// says how often the key changed hands at all.
     pub(crate) handoffs: Option<u64>,
 }
 
@@ -400,8 +428,16 @@ pub(crate) fn zipf_sequences(per_task: usize) -> Arc<Vec<Vec<u64>>> {
     )
 }
 
+/// The last holder of one W4 key, alone on its cache line: it is read and
+/// written only under that key's lock, by the task that holds it, so it moves
+/// between cores with the key's lock and only then. A key's first
+/// acquisition counts as a handoff, as in W3 and W6.
+#[repr(align(128))]
+struct LastHolder(AtomicUsize);
+
 /// W4: `TASKS` tasks each walk their Zipf key sequence (cycling it if `total`
-/// asks for more), holding each key across a `yield_now`.
+/// asks for more), holding each key across a `yield_now`. Counts the
+/// acquisitions that went to another task than the key's previous holder.
 pub(crate) fn w4_zipf<I: KeyedLock>(
     rt: &Runtime,
     total: u64,
@@ -410,32 +446,47 @@ pub(crate) fn w4_zipf<I: KeyedLock>(
     assert_eq!(zipf.len(), TASKS);
     let per_task = total.div_ceil(TASKS as u64).max(1);
     let table = Arc::new(I::create());
+    let last: Arc<Vec<LastHolder>> = Arc::new(
+        (0..ZIPF_KEYS)
+            .map(|_| LastHolder(AtomicUsize::new(usize::MAX)))
+            .collect(),
+    );
     let start = Instant::now();
     let handles: Vec<_> = (0..TASKS)
         .map(|id| {
             let t = Arc::clone(&table);
             let zipf = Arc::clone(zipf);
+            let last = Arc::clone(&last);
             rt.spawn(async move {
                 let keys = &zipf[id];
+                let mut handoffs = 0u64;
                 for &key in keys.iter().cycle().take(per_task as usize) {
                     let guard = t.lock(key).await;
+                    let holder = &last[unscramble(key) as usize].0;
+                    if holder.load(Relaxed) != id {
+                        holder.store(id, Relaxed);
+                        handoffs += 1;
+                    }
                     tokio::task::yield_now().await;
                     drop(guard);
                 }
+                handoffs
             })
         })
         .collect();
-    rt.block_on(async {
+    let handoffs: u64 = rt.block_on(async {
+        let mut sum = 0;
         for h in handles {
-            h.await.expect("W4 task panicked");
+            sum += h.await.expect("W4 task panicked");
         }
+        sum
     });
     let elapsed = start.elapsed();
     Outcome {
         elapsed,
         ops: per_task * TASKS as u64,
         entries_left: table.entries(),
-        handoffs: None,
+        handoffs: Some(handoffs),
     }
 }
 
