@@ -188,7 +188,7 @@ mod tests {
 }
 
 /// The identity of a transaction ([`Transaction::id`](crate::Transaction::id)):
-/// unique in the process, named in [`Deadlock`] answers.
+/// unique in the process, named in [`Deadlock`](crate::Deadlock) answers.
 ///
 /// ```
 /// let table = keylock::LockTable::<u32>::new();
