@@ -1050,6 +1050,31 @@ mod tests {
         });
     }
 
+    /// A plain handoff leaves one wake, done on its own path (no work area):
+    /// its panic reaches the releaser, and the grant stays the waiter's.
+    #[test]
+    fn a_handoffs_only_wake_that_panics_reaches_the_releaser_and_strands_nothing() {
+        watchdog("only-wake-panics", || {
+            let table: LockTable<u32> = LockTable::new();
+            let holder = table.try_lock(1).expect("key 1 is free");
+            let pa = Hostile::new();
+            let wa = pa.waker();
+            let mut a = Box::pin(table.lock(1));
+            pending(&mut a, &wa, "A queues behind the holder");
+            pa.arm_wake_panic();
+            let released = planted_or("the holder's release", || drop(holder));
+            assert!(released.is_none(), "the wake's panic reached the releaser");
+            assert_eq!(pa.wake_panics(), 1, "A, granted, was woken (and panicked)");
+            assert!(table.is_locked(&1), "the key was handed to A, not freed");
+            let ga = ready(&mut a, &wa, "A keeps the grant whose wake panicked");
+            assert_eq!(table.stats().handoffs, 1, "one handoff counted");
+            drop(ga);
+            drop(a);
+            assert_key_free(&table, || 1, "handoff");
+            assert_table_empty(&table, 2, "after the panicking wake");
+        });
+    }
+
     /// `ManualClock::advance` wakes every sleeper whose deadline it passed; the
     /// first one's wake panics, the second must still be woken.
     #[test]
