@@ -4,6 +4,7 @@
 use std::fmt;
 use std::future::Future;
 use std::hash::{BuildHasher, Hash};
+use std::mem::ManuallyDrop;
 use std::ops::Deref;
 use std::pin::Pin;
 use std::sync::Arc;
@@ -69,8 +70,10 @@ pub(crate) struct Acquire<T: TableHandle<K>, K> {
     deadline: Stamp,
     timing: Timing,
     /// The waiter's own timer, on clocks without shard timers (boxed: most
-    /// waits never need one, so a lock future stays small).
-    sleep: Option<Box<Sleep>>,
+    /// waits never need one, so a lock future stays small). Dropped by
+    /// hand in `Drop`, behind an inline check: a completed future (the
+    /// common case) then makes no call to drop it.
+    sleep: ManuallyDrop<Option<Box<Sleep>>>,
     /// The queue node, written only when the future first has to wait.
     waiter: LazyWaiter,
 }
@@ -106,7 +109,7 @@ where
             owner: opts.owner_id(),
             deadline: Stamp::new(opts.deadline_instant()),
             timing: Timing::default(),
-            sleep: None,
+            sleep: ManuallyDrop::new(None),
             waiter: LazyWaiter::new(),
         }
     }
@@ -129,7 +132,7 @@ where
             owner: 0,
             deadline: Stamp::new(opts.deadline_instant()),
             timing: Timing::default(),
-            sleep: None,
+            sleep: ManuallyDrop::new(None),
             waiter: LazyWaiter::new(),
         }
     }
@@ -534,11 +537,11 @@ where
             (Some(a), Some(b)) => a.min(b),
             (Some(at), None) | (None, Some(at)) => at,
             (None, None) => {
-                self.sleep = None;
+                *self.sleep = None;
                 return Poll::Pending;
             }
         };
-        let sleep = match &mut self.sleep {
+        let sleep = match &mut *self.sleep {
             Some(sleep) => {
                 sleep.reset(at);
                 sleep
@@ -643,13 +646,27 @@ fn try_once<K: Eq + Hash, S: BuildHasher>(
 impl<T: TableHandle<K>, K> Drop for Acquire<T, K> {
     #[inline(always)]
     fn drop(&mut self) {
-        if let State::Linked { key } = self.state {
+        if self.sleep.is_some() {
+            self.drop_with_sleep();
+        } else if let State::Linked { key } = self.state {
             self.leave(key);
         }
     }
 }
 
 impl<T: TableHandle<K>, K> Acquire<T, K> {
+    /// `Drop` with a timer: leaves, then drops the timer (user code: it
+    /// holds a waker), also if leaving panics.
+    #[cold]
+    #[inline(never)]
+    fn drop_with_sleep(&mut self) {
+        // SAFETY: taken once, here in `Drop`; the field is never used again.
+        let _sleep = unsafe { ManuallyDrop::take(&mut self.sleep) };
+        if let State::Linked { key } = self.state {
+            self.leave(key);
+        }
+    }
+
     #[cold]
     #[inline(never)]
     fn leave(&mut self, key: KeyPtr<K>) {
@@ -692,7 +709,7 @@ impl<T: TableHandle<K>, K> fmt::Debug for Acquire<T, K> {
             .field("lease", &self.lease)
             .field("timeout", &self.timeout)
             .field("timing", &self.timing)
-            .field("sleep", &self.sleep)
+            .field("sleep", &*self.sleep)
             .finish_non_exhaustive()
     }
 }

@@ -251,7 +251,7 @@ impl<K> ShardState<K> {
     /// key's entry. The caller's key is moved out of `key` only if it is
     /// stored; if `K: Eq` panics, nothing has changed and the key is still
     /// the caller's, to drop after the lock unwinds.
-    #[inline]
+    #[inline(always)]
     fn claim(
         &mut self,
         hash: u64,

@@ -36,7 +36,7 @@ impl<K> Entry<K> {
 impl<K> ShardState<K> {
     /// Takes the key if it is free (strict: and nobody waits); otherwise
     /// leaves the caller's key in `key`.
-    #[inline]
+    #[inline(always)]
     pub(crate) fn try_acquire(
         &mut self,
         hash: u64,
