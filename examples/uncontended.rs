@@ -8,7 +8,9 @@
 //!
 //! `(Ir(N) - Ir(0)) / N` is the instruction count of one lock + unlock.
 //! Modes: `try` (`try_lock` + drop, the default) and `lock` (`lock(k)` polled
-//! once with a no-op waker + drop: the async path without a runtime); for
+//! once with a no-op waker + drop: the async path without a runtime),
+//! `handoff` (a waiter linked, handed the key by a release, polled again:
+//! the contended path without threads); for
 //! reference, `tokio` (`tokio::sync::Mutex::try_lock` + drop) and `std`
 //! (`std::sync::Mutex::lock` + drop, the lock each shard is behind).
 //! `txnwait` / `txnwait_off`: a transaction's wait handed the key by the
@@ -59,6 +61,22 @@ fn main() {
                     unreachable!("uncontended")
                 };
                 drop(black_box(got.expect("uncontended")));
+            }
+        }
+        // One handoff, polled by hand: a holder, a waiter that links (its
+        // first poll), the holder's release handing it the key, the
+        // waiter's second poll taking the grant, its guard dropped.
+        "handoff" => {
+            let mut cx = Context::from_waker(futures::task::noop_waker_ref());
+            for _ in 0..n {
+                let holder = table.try_lock(black_box(7)).expect("free");
+                let mut fut = pin!(table.lock(black_box(7)));
+                assert!(fut.as_mut().poll(&mut cx).is_pending());
+                drop(holder);
+                let Poll::Ready(guard) = fut.poll(&mut cx) else {
+                    unreachable!("handed off")
+                };
+                drop(black_box(guard));
             }
         }
         "lock" => {

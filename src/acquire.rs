@@ -527,12 +527,20 @@ where
 
     /// Arms the timer for the earliest of the holder's lease deadline (when
     /// this waiter heads the queue) and the caller's own timeout.
+    #[inline(always)]
     fn arm_timer(&mut self, wake_at: Option<Instant>, cx: &mut Context<'_>) -> Poll<()> {
         let table = self.table.as_deref().expect("present until completion");
         if table.clock().uses_shard_timers() {
             // The shard's timer wakes this waiter at its deadlines.
             return Poll::Pending;
         }
+        self.arm_own_timer(wake_at, cx)
+    }
+
+    /// [`arm_timer`](Self::arm_timer) on a clock without shard timers.
+    #[inline(never)]
+    fn arm_own_timer(&mut self, wake_at: Option<Instant>, cx: &mut Context<'_>) -> Poll<()> {
+        let table = self.table.as_deref().expect("present until completion");
         let at = match (wake_at, self.until()) {
             (Some(a), Some(b)) => a.min(b),
             (Some(at), None) | (None, Some(at)) => at,

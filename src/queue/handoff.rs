@@ -205,11 +205,17 @@ impl Keys<'_> {
 /// timer, unless the timer it armed already fires by then (every waiter
 /// arms for the holders it saw, so with leases of one length a handoff
 /// nudges nobody).
+#[inline(always)]
 pub(super) fn nudge_head_for_timer<K>(entry: &Entry<K>, ctx: &mut Ctx<'_, '_, K>) {
     let deadline = entry.holder_deadline();
-    if !deadline.is_some() {
-        return;
+    if deadline.is_some() {
+        nudge_head_for_deadline(entry, deadline, ctx);
     }
+}
+
+/// [`nudge_head_for_timer`] for holders with a lease deadline.
+#[inline(never)]
+fn nudge_head_for_deadline<K>(entry: &Entry<K>, deadline: Stamp, ctx: &mut Ctx<'_, '_, K>) {
     let Some(head) = entry.queue.head() else {
         return;
     };

@@ -89,7 +89,16 @@ pub(crate) struct Patience {
 impl Patience {
     /// When a wait starting now starts and gives up (none: never), as
     /// stamps; both none for a wait without either.
+    #[inline(always)]
     fn start_and_until<K>(self, ctx: &mut Ctx<'_, '_, K>) -> (Stamp, Stamp) {
+        if self.timeout.is_none() && !self.deadline.is_some() {
+            return (Stamp::NONE, Stamp::NONE);
+        }
+        self.start_and_until_timed(ctx)
+    }
+
+    #[inline(never)]
+    fn start_and_until_timed<K>(self, ctx: &mut Ctx<'_, '_, K>) -> (Stamp, Stamp) {
         let after_timeout = match self.timeout {
             Some(timeout) => {
                 let start = ctx.clock().start_for(timeout);
