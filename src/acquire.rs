@@ -735,7 +735,7 @@ macro_rules! lock_future {
         }
 
         impl<$($lt,)? K: Eq + Hash, S: BuildHasher> $name<$($lt,)? K, S> {
-            #[inline]
+            #[inline(always)]
             pub(crate) fn new(table: $handle, key: K, opts: LockOptions) -> Self {
                 Self {
                     inner: Acquire::new(table, key, opts),

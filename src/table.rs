@@ -592,7 +592,7 @@ where
     /// assert_eq!(*guard.key(), 1);
     /// # });
     /// ```
-    #[inline]
+    #[inline(always)]
     pub fn lock(&self, key: K) -> Lock<'_, K, S> {
         Lock::new(self, key, LockOptions::new())
     }
@@ -613,7 +613,7 @@ where
     /// # drop(guard);
     /// # });
     /// ```
-    #[inline]
+    #[inline(always)]
     pub fn lock_owned(self: Arc<Self>, key: K) -> LockOwned<K, S> {
         LockOwned::new(self, key, LockOptions::new())
     }
@@ -647,7 +647,7 @@ where
     /// assert!(matches!(err, LockError::Timeout { holder: Some(t), .. } if t == held.token()));
     /// # });
     /// ```
-    #[inline]
+    #[inline(always)]
     pub fn lock_with(&self, key: K, opts: LockOptions) -> LockWith<'_, K, S> {
         LockWith::new(self, key, opts)
     }
@@ -671,7 +671,7 @@ where
     /// assert!(guard.expires_at().is_some());
     /// # });
     /// ```
-    #[inline]
+    #[inline(always)]
     pub fn lock_owned_with(self: Arc<Self>, key: K, opts: LockOptions) -> LockOwnedWith<K, S> {
         LockOwnedWith::new(self, key, opts)
     }
@@ -698,7 +698,7 @@ where
     /// assert!(table.try_lock("config").is_err());
     /// # });
     /// ```
-    #[inline]
+    #[inline(always)]
     pub fn lock_shared(&self, key: K) -> Lock<'_, K, S> {
         Lock::new(self, key, LockOptions::new().shared())
     }
@@ -718,7 +718,7 @@ where
     /// assert_eq!(guard.mode(), keylock::Mode::Shared);
     /// # });
     /// ```
-    #[inline]
+    #[inline(always)]
     pub fn lock_shared_owned(self: Arc<Self>, key: K) -> LockOwned<K, S> {
         LockOwned::new(self, key, LockOptions::new().shared())
     }
