@@ -63,7 +63,7 @@ impl Keys<'_> {
     }
 
     /// Adds grant `token` to the key's holders, who now hold it in `mode`.
-    #[inline]
+    #[inline(always)]
     fn hold<K>(
         &mut self,
         entry: &mut Entry<K>,

@@ -102,13 +102,24 @@ impl Holders {
     }
 
     /// Adds a holder (the caller keeps the key's mode consistent).
-    #[inline]
+    ///
+    /// Inline always, so that the holder goes from the caller's registers
+    /// into the entry: passed to a call through memory, it was read back
+    /// with wider loads than the stores that wrote it (a store-forwarding
+    /// stall on every handoff).
+    #[inline(always)]
     pub(super) fn push(&mut self, holder: Holder, spares: &mut HolderSpares) {
         if self.first.is_none() {
             self.first = Some(holder);
         } else {
-            self.rest.get_or_insert_with(|| spares.take()).push(holder);
+            self.push_rest(holder, spares);
         }
+    }
+
+    /// A further shared holder.
+    #[inline(never)]
+    fn push_rest(&mut self, holder: Holder, spares: &mut HolderSpares) {
+        self.rest.get_or_insert_with(|| spares.take()).push(holder);
     }
 
     /// The grant with `token`, if it holds the key.
