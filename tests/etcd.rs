@@ -594,3 +594,186 @@ async fn one_api_across_scopes() {
     assert!(t3.windows(2).all(|w| w[0] < w[1]), "{t3:?}");
     assert_eq!(*counter.lock().unwrap(), 9);
 }
+
+/// A table whose keep-alives are far apart (a TTL of 30 s: one every 10 s),
+/// so that a test can revoke its lease and act before its keep-alive task
+/// could notice.
+async fn slow_table(endpoints: &[String], prefix: &str, label: &str) -> ClusterLockTable<String> {
+    let opts = ClusterOptions::new()
+        .prefix(prefix)
+        .label(label)
+        .session_ttl(Duration::from_secs(30));
+    ClusterLockTable::connect_with(endpoints, opts)
+        .await
+        .expect("connect to the test cluster")
+}
+
+/// Waits until exactly `n` waiter keys of `key` are in etcd.
+async fn until_exactly(t: &ClusterLockTable<String>, key: &str, n: usize) {
+    tokio::time::timeout(HANG, async {
+        while count_keys(t, key).await != n {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+    })
+    .await
+    .unwrap_or_else(|_| panic!("{key} never had exactly {n} waiter keys"));
+}
+
+/// The answer of a lock whose session's lease was revoked while it waited:
+/// `SessionLost` naming that lease, never a grant.
+fn assert_session_lost(
+    r: Result<keylock::etcd::OwnedClusterGuard<String>, ClusterLockError>,
+    lease: i64,
+) {
+    match r {
+        Err(ClusterLockError::SessionLost { lease_id, .. }) => assert_eq!(lease_id, lease),
+        Ok(g) => panic!(
+            "a waiter whose lease {lease:x} was revoked was granted the key (token {}, \
+             check() {:?})",
+            g.token(),
+            g.check()
+        ),
+        Err(e) => panic!("not SessionLost: {e}"),
+    }
+}
+
+/// etcd's `TestMutexLockSessionExpired`, ported: a waiter whose session's
+/// lease is revoked while it waits is not granted the key when the holder
+/// lets go; it answers `SessionLost`, and its table's next lock runs on a
+/// new session and takes the key.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_revoked_waiter_is_not_granted() {
+    let Some(eps) = etcd_cluster::endpoints("a_revoked_waiter_is_not_granted") else {
+        return;
+    };
+    let prefix = etcd_cluster::prefix("revoked");
+    let a = table(&eps, &prefix, "a").await;
+    let b = Arc::new(slow_table(&eps, &prefix, "b").await);
+    let ga = a.lock("k".to_owned()).await.unwrap();
+    let wb = tokio::spawn(Arc::clone(&b).lock_owned("k".to_owned()));
+    until_keys(&a, "k", 2).await;
+    let lease = b.lease_id();
+    b.client().clone().lease_revoke(lease).await.unwrap();
+    ga.unlock().await.unwrap();
+    let rb = tokio::time::timeout(HANG, wb)
+        .await
+        .expect("the revoked waiter's lock returns")
+        .unwrap();
+    assert_session_lost(rb, lease);
+    // The key is free, and b's next lock takes it on a new session.
+    let g = tokio::time::timeout(HANG, b.lock("k".to_owned()))
+        .await
+        .expect("the table locks again after losing its session")
+        .unwrap();
+    assert_ne!(g.lease_id(), lease);
+    g.check().unwrap();
+    assert_eq!(count_keys(&a, "k").await, 1);
+}
+
+/// etcd's `TestMutexWaitsOnCurrentHolder`, ported: the waiter just ahead
+/// of a new one loses its session (its lease is revoked) while the first
+/// holder still holds the key; the new waiter waits on that holder, not on
+/// the deleted predecessor, takes the key when the holder lets go, and the
+/// victim's lock returns without the key.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_waiter_waits_on_the_current_holder() {
+    let Some(eps) = etcd_cluster::endpoints("a_waiter_waits_on_the_current_holder") else {
+        return;
+    };
+    let prefix = etcd_cluster::prefix("current");
+    let first = table(&eps, &prefix, "first").await;
+    let victim = Arc::new(slow_table(&eps, &prefix, "victim").await);
+    let next = Arc::new(table(&eps, &prefix, "next").await);
+    let g1 = first.lock("k".to_owned()).await.unwrap();
+    let victim_wait = tokio::spawn(Arc::clone(&victim).lock_owned("k".to_owned()));
+    until_keys(&first, "k", 2).await;
+    let next_wait = tokio::spawn(Arc::clone(&next).lock_owned("k".to_owned()));
+    until_keys(&first, "k", 3).await;
+    let lease = victim.lease_id();
+    victim.client().clone().lease_revoke(lease).await.unwrap();
+    // etcd has deleted the victim's waiter key.
+    until_exactly(&first, "k", 2).await;
+    assert!(
+        !next_wait.is_finished(),
+        "the new waiter took the key while the first holder held it"
+    );
+    let t1 = g1.unlock().await.unwrap();
+    let g = tokio::time::timeout(HANG, next_wait)
+        .await
+        .expect("the new waiter takes the key once the holder lets go")
+        .unwrap()
+        .unwrap();
+    assert!(g.token() > t1);
+    g.check().unwrap();
+    let rv = tokio::time::timeout(HANG, victim_wait)
+        .await
+        .expect("the victim's lock returns once the holder lets go")
+        .unwrap();
+    assert_session_lost(rv, lease);
+    assert_eq!(
+        first.holder("k").await.unwrap().map(|h| h.token),
+        Some(g.token())
+    );
+}
+
+/// Issue 27, item 8: a holder, a waiter `b` whose lease is revoked, and a
+/// waiter `c` behind it. When the holder lets go, `b` answers
+/// `SessionLost` and `c` takes the key; never two guards that pass
+/// `check()`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_revoked_waiter_and_the_one_behind_it_are_never_both_granted() {
+    let test = "a_revoked_waiter_and_the_one_behind_it_are_never_both_granted";
+    let Some(eps) = etcd_cluster::endpoints(test) else {
+        return;
+    };
+    let prefix = etcd_cluster::prefix("revoked2");
+    let a = table(&eps, &prefix, "a").await;
+    let b = Arc::new(slow_table(&eps, &prefix, "b").await);
+    let c = Arc::new(table(&eps, &prefix, "c").await);
+    let ga = a.lock("k".to_owned()).await.unwrap();
+    let gb = tokio::spawn(Arc::clone(&b).lock_owned("k".to_owned()));
+    until_keys(&a, "k", 2).await;
+    let gc = tokio::spawn(Arc::clone(&c).lock_owned("k".to_owned()));
+    until_keys(&a, "k", 3).await;
+    let lease = b.lease_id();
+    b.client().clone().lease_revoke(lease).await.unwrap();
+    ga.unlock().await.unwrap();
+    let gc = tokio::time::timeout(HANG, gc)
+        .await
+        .expect("c takes the key")
+        .unwrap()
+        .unwrap();
+    let gb = tokio::time::timeout(HANG, gb)
+        .await
+        .expect("b's lock returns")
+        .unwrap();
+    assert_session_lost(gb, lease);
+    gc.check().unwrap();
+    // c's fence holds at the store.
+    let txn = etcd_client::Txn::new()
+        .when([gc.fence().compare()])
+        .and_then([etcd_client::TxnOp::put(format!("{prefix}-data"), "c", None)]);
+    assert!(c.client().clone().txn(txn).await.unwrap().succeeded());
+}
+
+/// A lock (here a `try_lock`, granted at once) on a session whose lease
+/// was revoked answers `SessionLost`, not an etcd error, and the next
+/// lock runs on a new session.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_revoked_session_is_replaced_on_the_next_lock() {
+    let Some(eps) = etcd_cluster::endpoints("a_revoked_session_is_replaced_on_the_next_lock")
+    else {
+        return;
+    };
+    let prefix = etcd_cluster::prefix("replaced");
+    let b = Arc::new(slow_table(&eps, &prefix, "b").await);
+    let lease = b.lease_id();
+    b.client().clone().lease_revoke(lease).await.unwrap();
+    assert_session_lost(Arc::clone(&b).try_lock_owned("k".to_owned()).await, lease);
+    let g = tokio::time::timeout(HANG, b.try_lock("k".to_owned()))
+        .await
+        .expect("the next lock returns")
+        .expect("the next lock runs on a new session");
+    assert_ne!(g.lease_id(), lease);
+    g.check().unwrap();
+}

@@ -110,6 +110,13 @@ pub enum ClusterLockError {
         /// What happened.
         reason: String,
     },
+    /// The caller's waiter key was deleted while it waited, by another etcd
+    /// client (its lease still lives): the key was not taken, and the
+    /// waiters behind it go ahead. Nothing is held.
+    WaiterKeyDeleted {
+        /// The waiter key that was deleted.
+        key: String,
+    },
     /// The grant lost its authority: its lease ended (the session's
     /// keep-alive failed, or the grant's own lease lapsed). Do not commit.
     Expired {
@@ -156,6 +163,11 @@ impl fmt::Display for ClusterLockError {
             Self::SessionLost { lease_id, reason } => write!(
                 f,
                 "the session's lease {lease_id:x} was lost ({reason}); its grants are fenced"
+            ),
+            Self::WaiterKeyDeleted { key } => write!(
+                f,
+                "the waiter key {key} was deleted by another etcd client while it waited \
+                 (its lease lives); the key was not taken"
             ),
             Self::Expired { token } => write!(
                 f,

@@ -77,6 +77,9 @@
 //!   `check()` fails and its waits end with
 //!   [`ClusterLockError::SessionLost`]; the table starts a new session for
 //!   the next lock.
+//! - A waiter whose session's lease is revoked (or expires) while it waits
+//!   is never granted the key: its wait ends with `SessionLost` and the
+//!   waiters behind it go ahead.
 //! - A member that dies, or a leader change: every call is retried; a
 //!   refused connection is safe to send again, a timeout or a leader
 //!   change is ambiguous, and every call is written so that sending it

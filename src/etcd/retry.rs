@@ -58,6 +58,17 @@ pub(crate) fn classify(err: &etcd_client::Error) -> Failure {
     }
 }
 
+/// Whether etcd refused a call because the lease it names does not exist
+/// (revoked, or expired): a put with the lease, a keep-alive of it.
+pub(crate) fn lease_not_found(err: &etcd_client::Error) -> bool {
+    use etcd_client::Error as E;
+    match err {
+        E::GRpcStatus(status) => status.message().contains("lease not found"),
+        E::LeaseKeepAliveError(m) => m.contains("not found"),
+        _ => false,
+    }
+}
+
 /// gRPC status codes (as numbers, so that the crate needs no direct tonic
 /// dependency).
 mod tonic_code {
@@ -152,5 +163,8 @@ mod tests {
         assert_eq!(classify(&args), Failure::Fatal);
         let watch = etcd_client::Error::WatchError("cut".into());
         assert_eq!(classify(&watch), Failure::Ambiguous);
+        assert!(!lease_not_found(&watch));
+        let gone = etcd_client::Error::LeaseKeepAliveError("lease not found".into());
+        assert!(lease_not_found(&gone));
     }
 }

@@ -96,6 +96,8 @@ pub(crate) struct Inner {
     pub(crate) prefix: String,
     pub(crate) label: Option<String>,
     session_ttl: Duration,
+    /// How long one etcd call may take ([`ClusterOptions::request_timeout`]).
+    pub(crate) request_timeout: Duration,
     /// The current session; replaced by a new one when it is lost.
     session: tokio::sync::Mutex<Arc<Session>>,
     /// The in-process tier: one queue per key, so that at most one caller
@@ -270,6 +272,7 @@ impl<K> ClusterLockTable<K> {
                 prefix: opts.prefix,
                 label: opts.label,
                 session_ttl: opts.session_ttl,
+                request_timeout: opts.request_timeout,
                 session: tokio::sync::Mutex::new(Arc::new(session)),
                 local: Arc::new(LockTable::new()),
                 etcd_waiters: AtomicUsize::new(0),
