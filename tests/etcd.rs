@@ -777,3 +777,116 @@ async fn a_revoked_session_is_replaced_on_the_next_lock() {
     assert_ne!(g.lease_id(), lease);
     g.check().unwrap();
 }
+
+/// Options out of range are refused by `connect`, before any etcd call,
+/// with an error naming the option and its range (they used to panic on
+/// an instant's overflow, or to make every call fail after seconds).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn options_out_of_range_are_refused() {
+    let cases = [
+        (
+            "session_ttl",
+            ClusterOptions::new().session_ttl(Duration::MAX),
+        ),
+        (
+            "session_ttl",
+            ClusterOptions::new().session_ttl(Duration::ZERO),
+        ),
+        (
+            "session_ttl",
+            ClusterOptions::new().session_ttl(Duration::from_secs(3601)),
+        ),
+        (
+            "request_timeout",
+            ClusterOptions::new().request_timeout(Duration::MAX),
+        ),
+        (
+            "request_timeout",
+            ClusterOptions::new().request_timeout(Duration::ZERO),
+        ),
+    ];
+    for (name, opts) in cases {
+        // No etcd at this address: the options are refused before it
+        // would matter.
+        let r = tokio::time::timeout(
+            HANG,
+            ClusterLockTable::<String>::connect_with(["http://127.0.0.1:9"], opts),
+        )
+        .await
+        .unwrap_or_else(|_| panic!("{name}: connect does not answer"));
+        match r {
+            Err(ClusterLockError::InvalidOptions { option, .. }) => assert_eq!(option, name),
+            Err(e) => panic!("{name}: not InvalidOptions: {e}"),
+            Ok(_) => panic!("{name}: accepted"),
+        }
+    }
+    let err = ClusterLockTable::<String>::connect_with(
+        ["http://127.0.0.1:9"],
+        ClusterOptions::new().request_timeout(Duration::ZERO),
+    )
+    .await
+    .unwrap_err();
+    let msg = err.to_string();
+    assert!(
+        msg.contains("request_timeout") && msg.contains("between"),
+        "{msg}"
+    );
+}
+
+/// A plain `lock()` (no timeout) on a table cut off from the cluster
+/// returns an error once its session cannot be kept or started (within
+/// the session TTL and the request timeout), instead of waiting for ever;
+/// so does the next one, which must start a new session.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_plain_lock_on_an_unreachable_cluster_returns() {
+    let Some(eps) = etcd_cluster::endpoints("a_plain_lock_on_an_unreachable_cluster_returns")
+    else {
+        return;
+    };
+    let proxy = etcd_cluster::Proxy::start(&eps[0]);
+    let opts = ClusterOptions::new()
+        .prefix(etcd_cluster::prefix("unreachable"))
+        .session_ttl(Duration::from_secs(2))
+        .request_timeout(Duration::from_secs(1));
+    let t = ClusterLockTable::connect_with([proxy.url()], opts)
+        .await
+        .expect("connect through the proxy");
+    t.lock("a".to_owned())
+        .await
+        .unwrap()
+        .unlock()
+        .await
+        .unwrap();
+    let held = t.lock("held".to_owned()).await.unwrap();
+    proxy.cut();
+    let lock = |key: &'static str| {
+        let t = &t;
+        async move {
+            let r = tokio::time::timeout(HANG, t.lock(key.to_owned()))
+                .await
+                .unwrap_or_else(|_| {
+                    panic!("a plain lock of {key:?} on an unreachable cluster never returned")
+                });
+            match r {
+                Err(
+                    ClusterLockError::Unavailable { .. } | ClusterLockError::SessionLost { .. },
+                ) => {}
+                Err(e) => panic!("lock of {key:?}: not Unavailable or SessionLost: {e}"),
+                Ok(_) => panic!("lock of {key:?} granted on an unreachable cluster"),
+            }
+        }
+    };
+    // While the session may still be live: the enqueue cannot be sent.
+    lock("a").await;
+    // Once the session is certainly lost (its guards fenced), the next lock
+    // must start a new session, and cannot.
+    tokio::time::timeout(HANG, async {
+        while !held.is_expired() {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    })
+    .await
+    .expect("a guard of a table cut off from the cluster is fenced");
+    lock("b").await;
+    drop(held);
+}

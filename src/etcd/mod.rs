@@ -104,4 +104,7 @@ mod table;
 
 pub use error::{ClusterHolder, ClusterLockError};
 pub use guard::{ClusterGuard, Fence, OwnedClusterGuard};
-pub use table::{ClusterLock, ClusterLockTable, ClusterOptions, ClusterStats, OwnedClusterLock};
+pub use table::{
+    ClusterLock, ClusterLockTable, ClusterOptions, ClusterStats, OwnedClusterLock,
+    MAX_REQUEST_TIMEOUT, MAX_SESSION_TTL,
+};

@@ -476,7 +476,9 @@ fn ahead_keys(resp: &etcd_client::TxnResponse) -> Option<HashSet<Vec<u8>>> {
 /// the session is lost.
 fn lease_gone(session: &Session, err: ClusterLockError) -> ClusterLockError {
     match &err {
-        ClusterLockError::Etcd { source, .. } if super::retry::lease_not_found(source) => {
+        ClusterLockError::Etcd { source, .. } | ClusterLockError::Unavailable { source, .. }
+            if super::retry::lease_not_found(source) =>
+        {
             session
                 .state
                 .mark_lost("etcd says the session's lease no longer exists".into());
@@ -647,9 +649,9 @@ pub(crate) async fn release(inner: &Inner, grant: &Grant) -> Result<(), ClusterL
         .await
         .map(drop);
         match &result {
-            Err(ClusterLockError::Etcd { source, .. })
-                if super::retry::classify(source) != super::retry::Failure::Fatal
-                    && grant.lease.is_live() => {}
+            // Unanswered until the bound, but the bound moved (a keep-alive
+            // was answered meanwhile): try again.
+            Err(ClusterLockError::Unavailable { .. }) if grant.lease.is_live() => {}
             _ => break,
         }
     }

@@ -103,10 +103,11 @@ fn jitter(max: Duration) -> Duration {
     Duration::from_nanos(x % nanos)
 }
 
-/// Runs `call` until it succeeds, fails fatally, or `until` says stop
-/// (`Some(reason)`: the caller's deadline passed, the session ended). A
-/// refused call is sent again at once the first time, then with jittered
-/// backoff from 5 ms up to 250 ms; an ambiguous one with the same backoff.
+/// Runs `call` until it succeeds, fails fatally
+/// ([`ClusterLockError::Etcd`]), or `deadline` passes
+/// ([`ClusterLockError::Unavailable`], with the last failure). A refused
+/// call is sent again at once the first time, then with jittered backoff
+/// from 5 ms up to 250 ms; an ambiguous one with the same backoff.
 pub(crate) async fn retry<T, F, Fut>(
     op: &'static str,
     counts: &RetryCounts,
@@ -117,6 +118,7 @@ where
     F: FnMut() -> Fut,
     Fut: Future<Output = Result<T, etcd_client::Error>>,
 {
+    let began = Instant::now();
     let mut backoff = Duration::from_millis(5);
     let mut attempt = 0u32;
     loop {
@@ -140,7 +142,11 @@ where
         };
         let now = Instant::now();
         if deadline.is_some_and(|d| now + pause >= d) {
-            return Err(ClusterLockError::etcd(op, err));
+            return Err(ClusterLockError::Unavailable {
+                op,
+                waited: now - began,
+                source: err,
+            });
         }
         if !pause.is_zero() {
             tokio::time::sleep(pause).await;

@@ -129,22 +129,24 @@ impl std::fmt::Debug for Session {
 }
 
 impl Session {
-    /// Grants a lease of `ttl` and starts keeping it alive; retries until
-    /// `deadline` (for ever without one).
+    /// Grants a lease of `ttl` (whole seconds, rounded up; the options
+    /// bound it) and starts keeping it alive; retries until `deadline`.
     pub(crate) async fn start(
         client: &etcd_client::Client,
         handle: &tokio::runtime::Handle,
         ttl: Duration,
         counts: &super::retry::RetryCounts,
-        deadline: Option<Instant>,
+        deadline: Instant,
     ) -> Result<Self, ClusterLockError> {
-        let secs = i64::try_from(ttl.as_secs().max(1)).unwrap_or(i64::MAX);
+        let whole = ttl.as_secs() + u64::from(ttl.subsec_nanos() > 0);
+        let secs = i64::try_from(whole.max(1)).unwrap_or(i64::MAX);
         let sent = Instant::now();
-        let granted = super::retry::retry("grant the session lease", counts, deadline, || {
-            let mut c = client.clone();
-            async move { c.lease_grant(secs, None).await }
-        })
-        .await?;
+        let granted =
+            super::retry::retry("grant the session lease", counts, Some(deadline), || {
+                let mut c = client.clone();
+                async move { c.lease_grant(secs, None).await }
+            })
+            .await?;
         let (lost_tx, _) = tokio::sync::watch::channel(false);
         let state = Arc::new(SessionState {
             lease_id: granted.id(),
@@ -201,8 +203,10 @@ impl Session {
                 self.state.mark_lost("etcd says the lease expired".into());
                 Err(self.state.lost_error())
             }
-            Err(ClusterLockError::Etcd { source, .. }) if matches!(&source, etcd_client::Error::LeaseKeepAliveError(m) if m.contains("not found")) =>
-            {
+            Err(
+                ClusterLockError::Etcd { source, .. }
+                | ClusterLockError::Unavailable { source, .. },
+            ) if super::retry::lease_not_found(&source) => {
                 self.state.mark_lost("etcd says the lease expired".into());
                 Err(self.state.lost_error())
             }
