@@ -77,6 +77,9 @@
 //!   `check()` fails and its waits end with
 //!   [`ClusterLockError::SessionLost`]; the table starts a new session for
 //!   the next lock.
+//! - A lost session stops renewing its lease and revokes it as soon as
+//!   etcd answers: after a whole-cluster outage every key comes back within
+//!   the session TTL + the request timeout of the cluster's return.
 //! - A waiter whose session's lease is revoked (or expires) while it waits
 //!   is never granted the key: its wait ends with `SessionLost` and the
 //!   waiters behind it go ahead.

@@ -57,6 +57,18 @@ pub fn member(cmd: &str, dir: &std::path::Path, n: u32) {
     assert!(status.success(), "cluster.sh {cmd} {n} failed");
 }
 
+/// Runs `cluster.sh CMD DIR` (a command on every member: `restart-all`),
+/// answering whether it succeeded (for drop handlers, which must not
+/// panic).
+pub fn try_cluster(cmd: &str, dir: &std::path::Path) -> bool {
+    Command::new("bash")
+        .arg(script())
+        .arg(cmd)
+        .arg(dir)
+        .status()
+        .is_ok_and(|s| s.success())
+}
+
 /// Runs `cluster.sh CMD DIR N`, answering whether it succeeded (for drop
 /// handlers, which must not panic).
 pub fn try_member(cmd: &str, dir: &std::path::Path, n: u32) -> bool {
