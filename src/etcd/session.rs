@@ -289,6 +289,9 @@ async fn revoke(client: &etcd_client::Client, state: &SessionState) {
 /// is lost otherwise.
 async fn renew(client: &etcd_client::Client, state: &SessionState) -> bool {
     let period = (state.ttl / 3).max(Duration::from_millis(100));
+    // The grant itself set the bound: the first keep-alive is due one
+    // period after it, as every later one.
+    tokio::time::sleep(period).await;
     let mut backoff = Duration::from_millis(20);
     let past_bound = || {
         if state.is_live() {
