@@ -837,7 +837,18 @@ async fn options_out_of_range_are_refused() {
     .unwrap_err();
     let msg = err.to_string();
     assert!(
-        msg.contains("request_timeout") && msg.contains("between"),
+        msg.contains("request_timeout") && msg.contains("between 1ms and 3600s"),
+        "{msg}"
+    );
+    let err = ClusterLockTable::<String>::connect_with(
+        ["http://127.0.0.1:9"],
+        ClusterOptions::new().session_ttl(Duration::MAX),
+    )
+    .await
+    .unwrap_err();
+    let msg = err.to_string();
+    assert!(
+        msg.contains("session_ttl") && msg.contains("at most 3600s"),
         "{msg}"
     );
 }

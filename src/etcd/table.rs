@@ -108,28 +108,33 @@ impl ClusterOptions {
 
     /// Refuses an option out of its range, naming it and the range.
     fn validate(&self) -> Result<(), ClusterLockError> {
-        let check = |option: &'static str, v: Duration, min: Duration, max: Duration| {
-            if v < min || v > max {
-                Err(ClusterLockError::InvalidOptions {
-                    option,
-                    reason: format!("{v:?} is not between {min:?} and {max:?}"),
-                })
-            } else {
-                Ok(())
-            }
+        let out_of_range = |option: &'static str, v: Duration, range: String| {
+            Err(ClusterLockError::InvalidOptions {
+                option,
+                reason: format!("{v:?} is out of range: {range}"),
+            })
         };
-        check(
-            "session_ttl",
-            self.session_ttl,
-            Duration::from_nanos(1),
-            MAX_SESSION_TTL,
-        )?;
-        check(
-            "request_timeout",
-            self.request_timeout,
-            MIN_REQUEST_TIMEOUT,
-            MAX_REQUEST_TIMEOUT,
-        )
+        if self.session_ttl.is_zero() || self.session_ttl > MAX_SESSION_TTL {
+            return out_of_range(
+                "session_ttl",
+                self.session_ttl,
+                format!(
+                    "give a TTL above zero and at most {MAX_SESSION_TTL:?} (whole seconds; a \
+                     fraction counts as one)"
+                ),
+            );
+        }
+        if self.request_timeout < MIN_REQUEST_TIMEOUT || self.request_timeout > MAX_REQUEST_TIMEOUT
+        {
+            return out_of_range(
+                "request_timeout",
+                self.request_timeout,
+                format!(
+                    "give a timeout between {MIN_REQUEST_TIMEOUT:?} and {MAX_REQUEST_TIMEOUT:?}"
+                ),
+            );
+        }
+        Ok(())
     }
 
     /// Names this table's grants in their waiter keys (a service, a job),
