@@ -594,3 +594,378 @@ async fn one_api_across_scopes() {
     assert!(t3.windows(2).all(|w| w[0] < w[1]), "{t3:?}");
     assert_eq!(*counter.lock().unwrap(), 9);
 }
+
+/// A table whose keep-alives are far apart (a TTL of 30 s: one every 10 s),
+/// so that a test can revoke its lease and act before its keep-alive task
+/// could notice.
+async fn slow_table(endpoints: &[String], prefix: &str, label: &str) -> ClusterLockTable<String> {
+    let opts = ClusterOptions::new()
+        .prefix(prefix)
+        .label(label)
+        .session_ttl(Duration::from_secs(30));
+    ClusterLockTable::connect_with(endpoints, opts)
+        .await
+        .expect("connect to the test cluster")
+}
+
+/// Waits until exactly `n` waiter keys of `key` are in etcd.
+async fn until_exactly(t: &ClusterLockTable<String>, key: &str, n: usize) {
+    tokio::time::timeout(HANG, async {
+        while count_keys(t, key).await != n {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+    })
+    .await
+    .unwrap_or_else(|_| panic!("{key} never had exactly {n} waiter keys"));
+}
+
+/// The answer of a lock whose session's lease was revoked while it waited:
+/// `SessionLost` naming that lease, never a grant.
+fn assert_session_lost(
+    r: Result<keylock::etcd::OwnedClusterGuard<String>, ClusterLockError>,
+    lease: i64,
+) {
+    match r {
+        Err(ClusterLockError::SessionLost { lease_id, .. }) => assert_eq!(lease_id, lease),
+        Ok(g) => panic!(
+            "a waiter whose lease {lease:x} was revoked was granted the key (token {}, \
+             check() {:?})",
+            g.token(),
+            g.check()
+        ),
+        Err(e) => panic!("not SessionLost: {e}"),
+    }
+}
+
+/// etcd's `TestMutexLockSessionExpired`, ported: a waiter whose session's
+/// lease is revoked while it waits is not granted the key when the holder
+/// lets go; it answers `SessionLost`, and its table's next lock runs on a
+/// new session and takes the key.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_revoked_waiter_is_not_granted() {
+    let Some(eps) = etcd_cluster::endpoints("a_revoked_waiter_is_not_granted") else {
+        return;
+    };
+    let prefix = etcd_cluster::prefix("revoked");
+    let a = table(&eps, &prefix, "a").await;
+    let b = Arc::new(slow_table(&eps, &prefix, "b").await);
+    let ga = a.lock("k".to_owned()).await.unwrap();
+    let wb = tokio::spawn(Arc::clone(&b).lock_owned("k".to_owned()));
+    until_keys(&a, "k", 2).await;
+    let lease = b.lease_id();
+    b.client().clone().lease_revoke(lease).await.unwrap();
+    ga.unlock().await.unwrap();
+    let rb = tokio::time::timeout(HANG, wb)
+        .await
+        .expect("the revoked waiter's lock returns")
+        .unwrap();
+    assert_session_lost(rb, lease);
+    // The key is free, and b's next lock takes it on a new session.
+    let g = tokio::time::timeout(HANG, b.lock("k".to_owned()))
+        .await
+        .expect("the table locks again after losing its session")
+        .unwrap();
+    assert_ne!(g.lease_id(), lease);
+    g.check().unwrap();
+    assert_eq!(count_keys(&a, "k").await, 1);
+}
+
+/// etcd's `TestMutexWaitsOnCurrentHolder`, ported: the waiter just ahead
+/// of a new one loses its session (its lease is revoked) while the first
+/// holder still holds the key; the new waiter waits on that holder, not on
+/// the deleted predecessor, takes the key when the holder lets go, and the
+/// victim's lock returns without the key.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_waiter_waits_on_the_current_holder() {
+    let Some(eps) = etcd_cluster::endpoints("a_waiter_waits_on_the_current_holder") else {
+        return;
+    };
+    let prefix = etcd_cluster::prefix("current");
+    let first = table(&eps, &prefix, "first").await;
+    let victim = Arc::new(slow_table(&eps, &prefix, "victim").await);
+    let next = Arc::new(table(&eps, &prefix, "next").await);
+    let g1 = first.lock("k".to_owned()).await.unwrap();
+    let victim_wait = tokio::spawn(Arc::clone(&victim).lock_owned("k".to_owned()));
+    until_keys(&first, "k", 2).await;
+    let next_wait = tokio::spawn(Arc::clone(&next).lock_owned("k".to_owned()));
+    until_keys(&first, "k", 3).await;
+    let lease = victim.lease_id();
+    victim.client().clone().lease_revoke(lease).await.unwrap();
+    // etcd has deleted the victim's waiter key.
+    until_exactly(&first, "k", 2).await;
+    assert!(
+        !next_wait.is_finished(),
+        "the new waiter took the key while the first holder held it"
+    );
+    let t1 = g1.unlock().await.unwrap();
+    let g = tokio::time::timeout(HANG, next_wait)
+        .await
+        .expect("the new waiter takes the key once the holder lets go")
+        .unwrap()
+        .unwrap();
+    assert!(g.token() > t1);
+    g.check().unwrap();
+    let rv = tokio::time::timeout(HANG, victim_wait)
+        .await
+        .expect("the victim's lock returns once the holder lets go")
+        .unwrap();
+    assert_session_lost(rv, lease);
+    assert_eq!(
+        first.holder("k").await.unwrap().map(|h| h.token),
+        Some(g.token())
+    );
+}
+
+/// Issue 27, item 8: a holder, a waiter `b` whose lease is revoked, and a
+/// waiter `c` behind it. When the holder lets go, `b` answers
+/// `SessionLost` and `c` takes the key; never two guards that pass
+/// `check()`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_revoked_waiter_and_the_one_behind_it_are_never_both_granted() {
+    let test = "a_revoked_waiter_and_the_one_behind_it_are_never_both_granted";
+    let Some(eps) = etcd_cluster::endpoints(test) else {
+        return;
+    };
+    let prefix = etcd_cluster::prefix("revoked2");
+    let a = table(&eps, &prefix, "a").await;
+    let b = Arc::new(slow_table(&eps, &prefix, "b").await);
+    let c = Arc::new(table(&eps, &prefix, "c").await);
+    let ga = a.lock("k".to_owned()).await.unwrap();
+    let gb = tokio::spawn(Arc::clone(&b).lock_owned("k".to_owned()));
+    until_keys(&a, "k", 2).await;
+    let gc = tokio::spawn(Arc::clone(&c).lock_owned("k".to_owned()));
+    until_keys(&a, "k", 3).await;
+    let lease = b.lease_id();
+    b.client().clone().lease_revoke(lease).await.unwrap();
+    ga.unlock().await.unwrap();
+    let gc = tokio::time::timeout(HANG, gc)
+        .await
+        .expect("c takes the key")
+        .unwrap()
+        .unwrap();
+    let gb = tokio::time::timeout(HANG, gb)
+        .await
+        .expect("b's lock returns")
+        .unwrap();
+    assert_session_lost(gb, lease);
+    gc.check().unwrap();
+    // c's fence holds at the store.
+    let txn = etcd_client::Txn::new()
+        .when([gc.fence().compare()])
+        .and_then([etcd_client::TxnOp::put(format!("{prefix}-data"), "c", None)]);
+    assert!(c.client().clone().txn(txn).await.unwrap().succeeded());
+}
+
+/// A lock (here a `try_lock`, granted at once) on a session whose lease
+/// was revoked answers `SessionLost`, not an etcd error, and the next
+/// lock runs on a new session.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_revoked_session_is_replaced_on_the_next_lock() {
+    let Some(eps) = etcd_cluster::endpoints("a_revoked_session_is_replaced_on_the_next_lock")
+    else {
+        return;
+    };
+    let prefix = etcd_cluster::prefix("replaced");
+    let b = Arc::new(slow_table(&eps, &prefix, "b").await);
+    let lease = b.lease_id();
+    b.client().clone().lease_revoke(lease).await.unwrap();
+    match Arc::clone(&b).try_lock_owned("k".to_owned()).await {
+        // The session's keep-alive (due 10 s after the grant) found the
+        // lease gone first: a new session took the key, as it may.
+        Ok(g) if g.lease_id() != lease => {
+            eprintln!(
+                "the keep-alive noticed the revoke first; the enqueue's answer was not tested"
+            )
+        }
+        r => assert_session_lost(r, lease),
+    }
+    let g = tokio::time::timeout(HANG, b.try_lock("k".to_owned()))
+        .await
+        .expect("the next lock returns")
+        .expect("the next lock runs on a new session");
+    assert_ne!(g.lease_id(), lease);
+    g.check().unwrap();
+}
+
+/// Options out of range are refused by `connect`, before any etcd call,
+/// with an error naming the option and its range (they used to panic on
+/// an instant's overflow, or to make every call fail after seconds).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn options_out_of_range_are_refused() {
+    let cases = [
+        (
+            "session_ttl",
+            ClusterOptions::new().session_ttl(Duration::MAX),
+        ),
+        (
+            "session_ttl",
+            ClusterOptions::new().session_ttl(Duration::ZERO),
+        ),
+        (
+            "session_ttl",
+            ClusterOptions::new().session_ttl(Duration::from_secs(3601)),
+        ),
+        (
+            "request_timeout",
+            ClusterOptions::new().request_timeout(Duration::MAX),
+        ),
+        (
+            "request_timeout",
+            ClusterOptions::new().request_timeout(Duration::ZERO),
+        ),
+    ];
+    for (name, opts) in cases {
+        // No etcd at this address: the options are refused before it
+        // would matter.
+        let r = tokio::time::timeout(
+            HANG,
+            ClusterLockTable::<String>::connect_with(["http://127.0.0.1:9"], opts),
+        )
+        .await
+        .unwrap_or_else(|_| panic!("{name}: connect does not answer"));
+        match r {
+            Err(ClusterLockError::InvalidOptions { option, .. }) => assert_eq!(option, name),
+            Err(e) => panic!("{name}: not InvalidOptions: {e}"),
+            Ok(_) => panic!("{name}: accepted"),
+        }
+    }
+    let err = ClusterLockTable::<String>::connect_with(
+        ["http://127.0.0.1:9"],
+        ClusterOptions::new().request_timeout(Duration::ZERO),
+    )
+    .await
+    .unwrap_err();
+    let msg = err.to_string();
+    assert!(
+        msg.contains("request_timeout") && msg.contains("between 1ms and 3600s"),
+        "{msg}"
+    );
+    let err = ClusterLockTable::<String>::connect_with(
+        ["http://127.0.0.1:9"],
+        ClusterOptions::new().session_ttl(Duration::MAX),
+    )
+    .await
+    .unwrap_err();
+    let msg = err.to_string();
+    assert!(
+        msg.contains("session_ttl") && msg.contains("at most 3600s"),
+        "{msg}"
+    );
+}
+
+/// A plain `lock()` (no timeout) on a table cut off from the cluster
+/// returns an error once its session cannot be kept or started (within
+/// the session TTL and the request timeout), instead of waiting for ever;
+/// so does the next one, which must start a new session.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_plain_lock_on_an_unreachable_cluster_returns() {
+    let Some(eps) = etcd_cluster::endpoints("a_plain_lock_on_an_unreachable_cluster_returns")
+    else {
+        return;
+    };
+    let proxy = etcd_cluster::Proxy::start(&eps[0]);
+    let opts = ClusterOptions::new()
+        .prefix(etcd_cluster::prefix("unreachable"))
+        .session_ttl(Duration::from_secs(2))
+        .request_timeout(Duration::from_secs(1));
+    let t = ClusterLockTable::connect_with([proxy.url()], opts)
+        .await
+        .expect("connect through the proxy");
+    t.lock("a".to_owned())
+        .await
+        .unwrap()
+        .unlock()
+        .await
+        .unwrap();
+    let held = t.lock("held".to_owned()).await.unwrap();
+    proxy.cut();
+    let lock = |key: &'static str| {
+        let t = &t;
+        async move {
+            let r = tokio::time::timeout(HANG, t.lock(key.to_owned()))
+                .await
+                .unwrap_or_else(|_| {
+                    panic!("a plain lock of {key:?} on an unreachable cluster never returned")
+                });
+            match r {
+                Err(
+                    ClusterLockError::Unavailable { .. } | ClusterLockError::SessionLost { .. },
+                ) => {}
+                Err(e) => panic!("lock of {key:?}: not Unavailable or SessionLost: {e}"),
+                Ok(_) => panic!("lock of {key:?} granted on an unreachable cluster"),
+            }
+        }
+    };
+    // While the session may still be live: the enqueue cannot be sent.
+    lock("a").await;
+    // Once the session is certainly lost (its guards fenced), the next lock
+    // must start a new session, and cannot.
+    tokio::time::timeout(HANG, async {
+        while !held.is_expired() {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    })
+    .await
+    .expect("a guard of a table cut off from the cluster is fenced");
+    lock("b").await;
+    drop(held);
+}
+
+/// The store's revision now (a read's header).
+async fn revision_now(t: &ClusterLockTable<String>) -> i64 {
+    t.client()
+        .clone()
+        .get("keylock-test/revision-probe", None)
+        .await
+        .unwrap()
+        .header()
+        .unwrap()
+        .revision()
+}
+
+/// The predecessor read counts a waiter key exactly one revision older
+/// than the caller's (`max_create_revision = mine - 1`): a writer's and a
+/// reader's `try_lock` enqueued at the revision right after the holder's
+/// are refused. (Nothing else writes to the test cluster meanwhile, so the
+/// enqueue lands at holder + 1; its undo at holder + 2 confirms it.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_waiter_one_revision_behind_the_holder_waits_for_it() {
+    let Some(eps) = etcd_cluster::endpoints("a_waiter_one_revision_behind_the_holder_waits_for_it")
+    else {
+        return;
+    };
+    let prefix = etcd_cluster::prefix("adjacent");
+    let a = table(&eps, &prefix, "a").await;
+    let b = table(&eps, &prefix, "b").await;
+    for shared_try in [false, true] {
+        let mut adjacent = false;
+        for _ in 0..20 {
+            let g = a.lock("k".to_owned()).await.unwrap();
+            let holder = i64::try_from(g.token().get()).unwrap();
+            let opts = if shared_try {
+                shared()
+            } else {
+                LockOptions::new()
+            };
+            match b.try_lock_with("k".to_owned(), opts).await {
+                Err(ClusterLockError::WouldBlock { .. }) => {}
+                Ok(w) => panic!(
+                    "try_lock (shared: {shared_try}) granted token {} while the holder, token \
+                     {holder}, holds the key",
+                    w.token()
+                ),
+                Err(e) => panic!("{e}"),
+            }
+            // The enqueue at holder + 1 and its undo at holder + 2.
+            adjacent = revision_now(&a).await == holder + 2;
+            g.unlock().await.unwrap();
+            if adjacent {
+                break;
+            }
+        }
+        assert!(
+            adjacent,
+            "never arranged an enqueue one revision after the holder's (something else writes)"
+        );
+    }
+}

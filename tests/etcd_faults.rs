@@ -1,7 +1,8 @@
 //! The cluster scope under faults, against a real etcd cluster: a holder
 //! process killed with SIGKILL, a member and the leader killed and
-//! restarted, a holder cut from the cluster, and a history check of fenced
-//! critical sections across worker processes with kills.
+//! restarted, a holder cut from the cluster, every member killed and
+//! restarted, and a history check of fenced critical sections across
+//! worker processes with kills.
 //!
 //! Needs the `etcd` feature, `KEYLOCK_ETCD_ENDPOINTS` and `KEYLOCK_ETCD_DIR`
 //! (see `tests/etcd_cluster/`); run serially (`--test-threads 1`): the
@@ -19,6 +20,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use keylock::etcd::{ClusterLockTable, ClusterOptions};
+use keylock::LockOptions;
 
 /// The session TTL of the test tables: long enough that a keep-alive
 /// delayed by a busy machine (or a member being killed) does not lose the
@@ -291,7 +293,7 @@ async fn holder_cut_from_the_cluster_is_fenced_before_the_takeover() {
     assert!(c.txn(txn(new.fence())).await.unwrap().succeeded());
     // While cut off, a lock with a timeout fails (its session is lost and
     // a new one cannot be started) instead of hanging.
-    let wait = keylock::LockOptions::new().timeout(Duration::from_secs(1));
+    let wait = LockOptions::new().timeout(Duration::from_secs(1));
     let cut = tokio::time::timeout(HANG, holder.lock_with("other".to_owned(), wait))
         .await
         .expect("a lock with a timeout returns while etcd cannot be reached");
@@ -669,4 +671,112 @@ async fn history_check() {
         by_key.len(),
         member_faults.join(", ")
     );
+}
+
+/// Restarts every member if a test that killed them all fails before it
+/// restarts them, so that the tests after it find the whole cluster.
+struct RestartAllOnDrop {
+    dir: std::path::PathBuf,
+    armed: bool,
+}
+
+impl Drop for RestartAllOnDrop {
+    fn drop(&mut self) {
+        if self.armed && !etcd_cluster::try_cluster("restart-all", &self.dir) {
+            eprintln!("!!! the cluster could not be restarted");
+        }
+    }
+}
+
+/// Issue 27, item 9: every member is killed while a table holds two keys;
+/// the application drops one guard during the outage (its release cannot
+/// reach etcd) and keeps the other, whose session the table then declares
+/// lost; every member is restarted. Every key comes back within the
+/// session TTL + the request timeout of the cluster's return: the table
+/// that lost its session takes the dropped key again (while the other
+/// guard of its old session still lives), and a new table takes the kept
+/// one. The old session must not have renewed its lease once it was
+/// declared lost.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_key_comes_back_after_a_whole_cluster_outage() {
+    let test = "every_key_comes_back_after_a_whole_cluster_outage";
+    let Some(eps) = etcd_cluster::endpoints(test) else {
+        return;
+    };
+    let Some(dir) = etcd_cluster::cluster_dir(test) else {
+        return;
+    };
+    const REQUEST_TIMEOUT: Duration = Duration::from_secs(2);
+    let prefix = etcd_cluster::prefix("outage");
+    let opts = |label: &str| {
+        ClusterOptions::new()
+            .prefix(&prefix)
+            .label(label)
+            .session_ttl(Duration::from_secs(SESSION_TTL))
+            .request_timeout(REQUEST_TIMEOUT)
+    };
+    let a = ClusterLockTable::connect_with(&eps, opts("a"))
+        .await
+        .unwrap();
+    let dropped = a.lock("dropped".to_owned()).await.unwrap();
+    let kept = a.lock("kept".to_owned()).await.unwrap();
+    let old_lease = a.lease_id();
+    let mut restart = RestartAllOnDrop {
+        dir: dir.clone(),
+        armed: true,
+    };
+    let dir2 = dir.clone();
+    tokio::task::spawn_blocking(move || {
+        for n in 1..=3 {
+            etcd_cluster::member("kill", &dir2, n);
+        }
+    })
+    .await
+    .unwrap();
+    // The application lets one key go while etcd is down ...
+    drop(dropped);
+    // ... and the table fences the other once its lease may have expired.
+    tokio::time::timeout(HANG, async {
+        while !kept.is_expired() {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    })
+    .await
+    .expect("a guard of a table cut from every member is fenced");
+    let dir2 = dir.clone();
+    tokio::task::spawn_blocking(move || {
+        assert!(
+            etcd_cluster::try_cluster("restart-all", &dir2),
+            "restart every member"
+        );
+    })
+    .await
+    .unwrap();
+    restart.armed = false;
+    let back = tokio::time::Instant::now();
+    // Every key is back within TTL + request timeout of the cluster's
+    // return (the locks' own timeouts say so, naming the holder if not).
+    let within = LockOptions::new().timeout(Duration::from_secs(SESSION_TTL) + REQUEST_TIMEOUT);
+    let again = tokio::time::timeout(HANG, a.lock_with("dropped".to_owned(), within))
+        .await
+        .expect("the lock returns")
+        .unwrap_or_else(|e| {
+            panic!("the key dropped during the outage is still blocked in its table: {e}")
+        });
+    assert_ne!(again.lease_id(), old_lease);
+    assert!(kept.check().is_err(), "the old session's guard is fenced");
+    let b = ClusterLockTable::connect_with(&eps, opts("b"))
+        .await
+        .unwrap();
+    let taken = tokio::time::timeout(HANG, b.lock_with("kept".to_owned(), within))
+        .await
+        .expect("the lock returns")
+        .unwrap_or_else(|e| panic!("the key of the lost session is still blocked: {e}"));
+    assert!(taken.token() > kept.token());
+    taken.check().unwrap();
+    eprintln!(
+        "both keys taken again {:?} after every member was back",
+        back.elapsed()
+    );
+    drop(kept);
 }

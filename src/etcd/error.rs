@@ -69,12 +69,23 @@ pub enum ClusterLockError {
     /// needs one).
     NoRuntime,
     /// An etcd call failed in a way that retrying does not cure (bad
-    /// endpoints, permissions, ...), or kept failing until the caller's
-    /// deadline. Nothing is held.
+    /// endpoints, permissions, ...). Nothing is held.
     Etcd {
         /// What was being done ("connect", "enqueue the waiter key", ...).
         op: &'static str,
         /// The client's answer.
+        source: etcd_client::Error,
+    },
+    /// etcd did not answer a call (every member it tried refused the
+    /// connection or timed out, or the cluster had no leader) for as long
+    /// as the call could wait: the caller's deadline, or without one the
+    /// session's TTL (or the request timeout, if longer). Nothing is held.
+    Unavailable {
+        /// What was being done ("grant the session lease", ...).
+        op: &'static str,
+        /// How long it was tried.
+        waited: Duration,
+        /// The last failure.
         source: etcd_client::Error,
     },
     /// An option was out of range or unsupported; nothing was taken.
@@ -110,6 +121,13 @@ pub enum ClusterLockError {
         /// What happened.
         reason: String,
     },
+    /// The caller's waiter key was deleted while it waited, by another etcd
+    /// client (its lease still lives): the key was not taken, and the
+    /// waiters behind it go ahead. Nothing is held.
+    WaiterKeyDeleted {
+        /// The waiter key that was deleted.
+        key: String,
+    },
     /// The grant lost its authority: its lease ended (the session's
     /// keep-alive failed, or the grant's own lease lapsed). Do not commit.
     Expired {
@@ -131,6 +149,11 @@ impl fmt::Display for ClusterLockError {
                 "no tokio runtime: create a ClusterLockTable inside one (its etcd client needs it)",
             ),
             Self::Etcd { op, source } => write!(f, "etcd: cannot {op}: {source}"),
+            Self::Unavailable { op, waited, source } => write!(
+                f,
+                "etcd unavailable: could not {op} in {waited:?} of trying (no member answered, \
+                 or no leader): {source}"
+            ),
             Self::InvalidOptions { option, reason } => write!(f, "invalid {option}: {reason}"),
             Self::WouldBlock { holder } => {
                 f.write_str("the key is held")?;
@@ -157,6 +180,11 @@ impl fmt::Display for ClusterLockError {
                 f,
                 "the session's lease {lease_id:x} was lost ({reason}); its grants are fenced"
             ),
+            Self::WaiterKeyDeleted { key } => write!(
+                f,
+                "the waiter key {key} was deleted by another etcd client while it waited \
+                 (its lease lives); the key was not taken"
+            ),
             Self::Expired { token } => write!(
                 f,
                 "grant {token} has lost the key (its lease ended); do not commit its work"
@@ -168,7 +196,7 @@ impl fmt::Display for ClusterLockError {
 impl std::error::Error for ClusterLockError {
     fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
         match self {
-            Self::Etcd { source, .. } => Some(source),
+            Self::Etcd { source, .. } | Self::Unavailable { source, .. } => Some(source),
             _ => None,
         }
     }

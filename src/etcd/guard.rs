@@ -249,8 +249,9 @@ macro_rules! cluster_guard_methods {
         ///
         /// [`ClusterLockError::Expired`] if the grant had lost the key or
         /// etcd says its lease is gone; [`ClusterLockError::SessionLost`];
-        /// [`ClusterLockError::Etcd`] if etcd cannot be reached (the grant
-        /// keeps its current bound).
+        /// [`ClusterLockError::Unavailable`] if etcd cannot be reached
+        /// before the grant's bound (the grant keeps its current bound);
+        /// [`ClusterLockError::Etcd`] if etcd refuses the keep-alive.
         ///
         /// # Cancel safety
         ///
@@ -267,8 +268,9 @@ macro_rules! cluster_guard_methods {
         /// # Errors
         ///
         /// [`ClusterLockError::Expired`] if the grant's lease had ended;
-        /// [`ClusterLockError::Etcd`] if the delete could not be made before
-        /// the lease's bound (etcd then deletes the key with the lease).
+        /// [`ClusterLockError::Unavailable`] if the delete could not be made
+        /// before the lease's bound (etcd then deletes the key with the
+        /// lease); [`ClusterLockError::Etcd`] if etcd refused it.
         ///
         /// # Cancel safety
         ///

@@ -77,6 +77,12 @@
 //!   `check()` fails and its waits end with
 //!   [`ClusterLockError::SessionLost`]; the table starts a new session for
 //!   the next lock.
+//! - A lost session stops renewing its lease and revokes it as soon as
+//!   etcd answers: after a whole-cluster outage every key comes back within
+//!   the session TTL + the request timeout of the cluster's return.
+//! - A waiter whose session's lease is revoked (or expires) while it waits
+//!   is never granted the key: its wait ends with `SessionLost` and the
+//!   waiters behind it go ahead.
 //! - A member that dies, or a leader change: every call is retried; a
 //!   refused connection is safe to send again, a timeout or a leader
 //!   change is ambiguous, and every call is written so that sending it
@@ -101,4 +107,7 @@ mod table;
 
 pub use error::{ClusterHolder, ClusterLockError};
 pub use guard::{ClusterGuard, Fence, OwnedClusterGuard};
-pub use table::{ClusterLock, ClusterLockTable, ClusterOptions, ClusterStats, OwnedClusterLock};
+pub use table::{
+    ClusterLock, ClusterLockTable, ClusterOptions, ClusterStats, OwnedClusterLock,
+    MAX_REQUEST_TIMEOUT, MAX_SESSION_TTL,
+};

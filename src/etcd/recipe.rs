@@ -17,7 +17,8 @@
 //! 2. **Watch, then read.** Open a watch of the deletions under the
 //!    prefix from now, and once etcd says it is created, read the keys
 //!    ahead of ours (`get(prefix, max_create_revision = mine - 1, keys
-//!    only)`). None: the key is ours.
+//!    only)`) in a transaction that compares our own key's create revision.
+//!    None ahead: the key is ours. Our own key gone: not ours (below).
 //! 3. **Wait for their deletion.** A deletion after the read is seen by the
 //!    watch, one before it is absent from the read, and no key older than
 //!    ours can appear later (new keys get newer revisions): when every key
@@ -30,6 +31,16 @@
 //!    slow to hand over.) If the watch breaks, start again at 2. Every
 //!    waiter of the key sees every deletion under its prefix, but with the
 //!    in-process tier there is at most one waiter per process and key.
+//!    Only deletions after the read's revision count (a watch "from now"
+//!    on a member that applies later may start behind the read).
+//!
+//!    **Our own key gone.** The watch also reports the deletion of our own
+//!    key (its lease revoked or expired, or another client), in revision
+//!    order with the others: reported before the last key ahead goes, the
+//!    wait ends without the key (`SessionLost` if the lease has ended,
+//!    `WaiterKeyDeleted` if it lives), as etcd's `concurrency.Mutex`
+//!    answers `ErrSessionExpired`; not reported, our key existed when the
+//!    last key ahead was deleted, and the key is ours.
 //! 4. **Granted.** A waiter granted after waiting restamps its key (the
 //!    host's wall clock, for diagnosis) with a put that compares the create
 //!    revision and keeps the lease, not waited for; for a grant with a lease
@@ -173,6 +184,10 @@ enum Wake {
     Deadline,
     /// The session ended.
     SessionEnded,
+    /// Our own waiter key is gone (its lease was revoked or expired, or
+    /// another client deleted it): the key is not ours, whatever was
+    /// deleted ahead of it.
+    Gone,
 }
 
 fn revision_of(header: Option<&etcd_client::ResponseHeader>) -> i64 {
@@ -250,7 +265,8 @@ pub(crate) async fn acquire(
             .or_else([TxnOp::get(me.clone(), None)]);
         async move { c.txn(txn).await }
     })
-    .await?;
+    .await
+    .map_err(|e| lease_gone(session, e))?;
     let mut at_once = false;
     let revision = if enqueued.succeeded() {
         at_once = enqueued.op_responses().into_iter().any(|r| match r {
@@ -287,22 +303,21 @@ pub(crate) async fn acquire(
         if !wait {
             let ahead = retry("read the waiters ahead", &inner.counts, call_bound, || {
                 let mut c = inner.client.clone();
-                let prefix = prefix.clone();
-                async move {
-                    c.get(prefix.clone(), Some(ahead_of(&prefix, revision, shared)))
-                        .await
-                }
+                let txn = read_ahead(&me, &prefix, revision, shared);
+                async move { c.txn(txn).await }
             })
             .await?;
-            if ahead.kvs().is_empty() {
-                break;
+            match ahead_keys(&ahead) {
+                None => return Err(waiter_key_gone(inner, session, &me).await),
+                Some(keys) if keys.is_empty() => break,
+                Some(_) => {}
             }
             let (holder, _) = head(inner, &prefix, revision).await;
             return Err(ClusterLockError::WouldBlock {
                 holder: holder.map(Box::new),
             });
         }
-        match wait_turn(inner, session, &prefix, revision, shared, deadline).await {
+        match wait_turn(inner, session, &me, &prefix, revision, shared, deadline).await {
             Wake::Granted => break,
             Wake::Again => {}
             Wake::Deadline => {
@@ -314,6 +329,7 @@ pub(crate) async fn acquire(
                 });
             }
             Wake::SessionEnded => return Err(session.state.lost_error()),
+            Wake::Gone => return Err(waiter_key_gone(inner, session, &me).await),
         }
     }
 
@@ -378,7 +394,7 @@ pub(crate) async fn acquire(
             )
             .await?;
             if !moved.succeeded() {
-                return Err(session.state.lost_error());
+                return Err(waiter_key_gone(inner, session, &me).await);
             }
             let ttl = Duration::from_secs(u64::try_from(granted.ttl()).unwrap_or(1));
             GrantLease::Own {
@@ -416,6 +432,83 @@ fn ahead_of(prefix: &str, revision: i64, shared: bool) -> GetOptions {
     opts.with_max_create_revision(revision - 1).with_keys_only()
 }
 
+/// The read of the waiters ahead, in one transaction with the check that
+/// our own waiter key is still there (with our revision): `txn(if
+/// create_revision(me) == revision then get(ahead))`.
+fn read_ahead(me: &str, prefix: &str, revision: i64, shared: bool) -> Txn {
+    Txn::new()
+        .when([Compare::create_revision(
+            me.to_owned(),
+            CompareOp::Equal,
+            revision,
+        )])
+        .and_then([TxnOp::get(
+            prefix.to_owned(),
+            Some(ahead_of(prefix, revision, shared)),
+        )])
+}
+
+/// The keys a [`read_ahead`] found ahead of ours, or `None` if our own
+/// waiter key was gone.
+fn ahead_keys(resp: &etcd_client::TxnResponse) -> Option<HashSet<Vec<u8>>> {
+    if !resp.succeeded() {
+        return None;
+    }
+    Some(
+        resp.op_responses()
+            .into_iter()
+            .filter_map(|r| match r {
+                TxnOpResponse::Get(g) => Some(g),
+                _ => None,
+            })
+            .flat_map(|g| {
+                g.kvs()
+                    .iter()
+                    .map(|kv| kv.key().to_vec())
+                    .collect::<Vec<_>>()
+            })
+            .collect(),
+    )
+}
+
+/// An enqueue that etcd refused because the session's lease no longer
+/// exists (revoked, or expired while the keep-alives had not noticed yet):
+/// the session is lost.
+fn lease_gone(session: &Session, err: ClusterLockError) -> ClusterLockError {
+    match &err {
+        ClusterLockError::Etcd { source, .. } | ClusterLockError::Unavailable { source, .. }
+            if super::retry::lease_not_found(source) =>
+        {
+            session
+                .state
+                .mark_lost("etcd says the session's lease no longer exists".into());
+            session.state.lost_error()
+        }
+        _ => err,
+    }
+}
+
+/// What to answer when our own waiter key is gone before the key was ours
+/// (as etcd's `concurrency.Mutex` re-reads its key after waiting and
+/// answers `ErrSessionExpired`): if the lease that carried it has ended
+/// (revoked or expired) the session is lost, and the waiters behind us
+/// take the key; if the lease lives, another client deleted the key.
+async fn waiter_key_gone(inner: &Inner, session: &Session, me: &str) -> ClusterLockError {
+    let id = session.state.lease_id;
+    let mut c = inner.client.clone();
+    let ttl = tokio::time::timeout(inner.request_timeout, c.lease_time_to_live(id, None)).await;
+    match ttl {
+        Ok(Ok(resp)) if resp.ttl() > 0 => ClusterLockError::WaiterKeyDeleted { key: me.to_owned() },
+        // Gone, or etcd cannot say: the session cannot vouch for its keys.
+        _ => {
+            session.state.mark_lost(
+                "etcd deleted a waiter key of the session: its lease was revoked or expired".into(),
+            );
+            session.state.lost_error()
+        }
+    }
+}
+
 /// Waits until every waiter key older than ours is deleted: opens a watch
 /// of the deletions under the prefix *first* (from now: etcd serves it as
 /// a current watch, woken as each deletion commits), then reads the keys
@@ -423,9 +516,18 @@ fn ahead_of(prefix: &str, revision: i64, shared: bool) -> GetOptions {
 /// absent from the read; and no key older than ours can appear later (new
 /// keys get newer revisions). So when every key read is deleted, the key is
 /// ours, with no further read.
+///
+/// Unless our own key went first: the read checks that it is there (in the
+/// same transaction), and the watch, which sees every deletion under the
+/// prefix in revision order, reports its deletion before (or with) any
+/// deletion that comes after it. So when the last key ahead is deleted and
+/// no deletion of ours was reported, our key existed at that revision: the
+/// grant is decided on etcd's order, with no round trip more.
+#[allow(clippy::too_many_arguments)]
 async fn wait_turn(
     inner: &Inner,
     session: &Session,
+    me: &str,
     prefix: &str,
     revision: i64,
     shared: bool,
@@ -442,10 +544,17 @@ async fn wait_turn(
             Some(resp) if resp.created() && !resp.canceled() => {}
             _ => return Ok(Wake::Again),
         }
-        let read = c
-            .get(prefix, Some(ahead_of(prefix, revision, shared)))
-            .await?;
-        let mut ahead: HashSet<Vec<u8>> = read.kvs().iter().map(|kv| kv.key().to_vec()).collect();
+        let read = c.txn(read_ahead(me, prefix, revision, shared)).await?;
+        let Some(mut ahead) = ahead_keys(&read) else {
+            return Ok(Wake::Gone);
+        };
+        // The watch may have started behind the read (its member applies
+        // later than the one that answered the read): a deletion it reports
+        // at or before the read's revision is already in the read, and may
+        // be of an older key of the same name (a table reuses its waiter
+        // key's name for its next grant). Only deletions after the read
+        // count.
+        let read_rev = revision_of(read.header());
         while !ahead.is_empty() {
             let Some(resp) = stream.message().await? else {
                 return Ok(Wake::Again);
@@ -455,7 +564,10 @@ async fn wait_turn(
             }
             for e in resp.events() {
                 if e.event_type() == EventType::Delete {
-                    if let Some(kv) = e.kv() {
+                    if let Some(kv) = e.kv().filter(|kv| kv.mod_revision() > read_rev) {
+                        if kv.key() == me.as_bytes() {
+                            return Ok(Wake::Gone);
+                        }
                         ahead.remove(kv.key());
                     }
                 }
@@ -537,9 +649,9 @@ pub(crate) async fn release(inner: &Inner, grant: &Grant) -> Result<(), ClusterL
         .await
         .map(drop);
         match &result {
-            Err(ClusterLockError::Etcd { source, .. })
-                if super::retry::classify(source) != super::retry::Failure::Fatal
-                    && grant.lease.is_live() => {}
+            // Unanswered until the bound, but the bound moved (a keep-alive
+            // was answered meanwhile): try again.
+            Err(ClusterLockError::Unavailable { .. }) if grant.lease.is_live() => {}
             _ => break,
         }
     }

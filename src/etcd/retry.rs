@@ -58,6 +58,17 @@ pub(crate) fn classify(err: &etcd_client::Error) -> Failure {
     }
 }
 
+/// Whether etcd refused a call because the lease it names does not exist
+/// (revoked, or expired): a put with the lease, a keep-alive of it.
+pub(crate) fn lease_not_found(err: &etcd_client::Error) -> bool {
+    use etcd_client::Error as E;
+    match err {
+        E::GRpcStatus(status) => status.message().contains("lease not found"),
+        E::LeaseKeepAliveError(m) => m.contains("not found"),
+        _ => false,
+    }
+}
+
 /// gRPC status codes (as numbers, so that the crate needs no direct tonic
 /// dependency).
 mod tonic_code {
@@ -92,10 +103,11 @@ fn jitter(max: Duration) -> Duration {
     Duration::from_nanos(x % nanos)
 }
 
-/// Runs `call` until it succeeds, fails fatally, or `until` says stop
-/// (`Some(reason)`: the caller's deadline passed, the session ended). A
-/// refused call is sent again at once the first time, then with jittered
-/// backoff from 5 ms up to 250 ms; an ambiguous one with the same backoff.
+/// Runs `call` until it succeeds, fails fatally
+/// ([`ClusterLockError::Etcd`]), or `deadline` passes
+/// ([`ClusterLockError::Unavailable`], with the last failure). A refused
+/// call is sent again at once the first time, then with jittered backoff
+/// from 5 ms up to 250 ms; an ambiguous one with the same backoff.
 pub(crate) async fn retry<T, F, Fut>(
     op: &'static str,
     counts: &RetryCounts,
@@ -106,6 +118,7 @@ where
     F: FnMut() -> Fut,
     Fut: Future<Output = Result<T, etcd_client::Error>>,
 {
+    let began = Instant::now();
     let mut backoff = Duration::from_millis(5);
     let mut attempt = 0u32;
     loop {
@@ -129,7 +142,11 @@ where
         };
         let now = Instant::now();
         if deadline.is_some_and(|d| now + pause >= d) {
-            return Err(ClusterLockError::etcd(op, err));
+            return Err(ClusterLockError::Unavailable {
+                op,
+                waited: now - began,
+                source: err,
+            });
         }
         if !pause.is_zero() {
             tokio::time::sleep(pause).await;
@@ -152,5 +169,8 @@ mod tests {
         assert_eq!(classify(&args), Failure::Fatal);
         let watch = etcd_client::Error::WatchError("cut".into());
         assert_eq!(classify(&watch), Failure::Ambiguous);
+        assert!(!lease_not_found(&watch));
+        let gone = etcd_client::Error::LeaseKeepAliveError("lease not found".into());
+        assert!(lease_not_found(&gone));
     }
 }

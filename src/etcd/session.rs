@@ -16,6 +16,15 @@
 //! fenced at the bound at the latest, before etcd can hand the key to
 //! anyone else; when etcd answers that the lease is gone (TTL 0), or the
 //! table revokes it, the session is marked lost at once.
+//!
+//! # Lost is final
+//!
+//! Once the bound has passed, no keep-alive is sent again: one would renew
+//! in etcd a lease whose guards were told they lost their keys. A lost (or
+//! closed) session stops its keep-alives and revokes its lease, retrying
+//! while etcd cannot be reached, so that its waiter keys (those whose
+//! deletes gave up during an outage included) vanish as soon as etcd
+//! answers again.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
@@ -91,6 +100,16 @@ impl SessionState {
         }
     }
 
+    /// Resolves when the session is marked lost (not at its bound).
+    async fn lost_flag(&self) {
+        let mut rx = self.lost_tx.subscribe();
+        while !*rx.borrow_and_update() {
+            if rx.changed().await.is_err() {
+                return;
+            }
+        }
+    }
+
     /// Resolves when the session is lost, or at its validity bound.
     pub(crate) async fn ended(&self) {
         let mut rx = self.lost_tx.subscribe();
@@ -110,14 +129,12 @@ impl SessionState {
     }
 }
 
-/// A session: the lease, its keep-alive task, and the runtime it runs on.
-/// Dropped with the last table or guard using it: the task stops and the
-/// lease is revoked (its remaining keys vanish at once).
+/// A session: the lease and its keep-alive task. Dropped with the last
+/// table or guard using it: the task stops renewing and revokes the lease
+/// (its remaining keys vanish at once).
 pub(crate) struct Session {
     pub(crate) state: Arc<SessionState>,
-    task: tokio::task::JoinHandle<()>,
     client: etcd_client::Client,
-    handle: tokio::runtime::Handle,
 }
 
 impl std::fmt::Debug for Session {
@@ -129,22 +146,24 @@ impl std::fmt::Debug for Session {
 }
 
 impl Session {
-    /// Grants a lease of `ttl` and starts keeping it alive; retries until
-    /// `deadline` (for ever without one).
+    /// Grants a lease of `ttl` (whole seconds, rounded up; the options
+    /// bound it) and starts keeping it alive; retries until `deadline`.
     pub(crate) async fn start(
         client: &etcd_client::Client,
         handle: &tokio::runtime::Handle,
         ttl: Duration,
         counts: &super::retry::RetryCounts,
-        deadline: Option<Instant>,
+        deadline: Instant,
     ) -> Result<Self, ClusterLockError> {
-        let secs = i64::try_from(ttl.as_secs().max(1)).unwrap_or(i64::MAX);
+        let whole = ttl.as_secs() + u64::from(ttl.subsec_nanos() > 0);
+        let secs = i64::try_from(whole.max(1)).unwrap_or(i64::MAX);
         let sent = Instant::now();
-        let granted = super::retry::retry("grant the session lease", counts, deadline, || {
-            let mut c = client.clone();
-            async move { c.lease_grant(secs, None).await }
-        })
-        .await?;
+        let granted =
+            super::retry::retry("grant the session lease", counts, Some(deadline), || {
+                let mut c = client.clone();
+                async move { c.lease_grant(secs, None).await }
+            })
+            .await?;
         let (lost_tx, _) = tokio::sync::watch::channel(false);
         let state = Arc::new(SessionState {
             lease_id: granted.id(),
@@ -158,12 +177,10 @@ impl Session {
             .valid_until
             .lock()
             .unwrap_or_else(PoisonError::into_inner) = sent + state.ttl;
-        let task = handle.spawn(keep_alive(client.clone(), Arc::clone(&state)));
+        drop(handle.spawn(keep_alive(client.clone(), Arc::clone(&state))));
         Ok(Self {
             state,
-            task,
             client: client.clone(),
-            handle: handle.clone(),
         })
     }
 
@@ -201,8 +218,10 @@ impl Session {
                 self.state.mark_lost("etcd says the lease expired".into());
                 Err(self.state.lost_error())
             }
-            Err(ClusterLockError::Etcd { source, .. }) if matches!(&source, etcd_client::Error::LeaseKeepAliveError(m) if m.contains("not found")) =>
-            {
+            Err(
+                ClusterLockError::Etcd { source, .. }
+                | ClusterLockError::Unavailable { source, .. },
+            ) if super::retry::lease_not_found(&source) => {
                 self.state.mark_lost("etcd says the lease expired".into());
                 Err(self.state.lost_error())
             }
@@ -213,35 +232,90 @@ impl Session {
 
 impl Drop for Session {
     fn drop(&mut self) {
-        self.task.abort();
+        // The keep-alive task sees the session lost, stops renewing and
+        // revokes the lease (its remaining keys vanish at once), retrying
+        // while etcd cannot be reached. If the runtime is gone, the keys go
+        // with the lease's TTL.
         self.state.mark_lost("the session was closed".into());
-        let mut client = self.client.clone();
-        let id = self.state.lease_id;
-        // Fire and forget: if it fails, the lease's TTL frees the keys.
-        drop(self.handle.spawn(async move {
-            let _ = client.lease_revoke(id).await;
-        }));
+    }
+}
+
+/// How long a lost or closed session keeps trying to revoke its lease
+/// while etcd cannot be reached. Past it etcd ends the lease on its own,
+/// one TTL after it is back (the keep-alives have stopped).
+const REVOKE_FOR: Duration = Duration::from_secs(600);
+
+/// The session's task: keeps the lease alive while the session lives,
+/// then (lost, or closed) stops renewing it and revokes it, so that its
+/// waiter keys, those whose deletes failed included, vanish as soon as
+/// etcd can be reached, not when a lease that something kept alive ends.
+async fn keep_alive(client: etcd_client::Client, state: Arc<SessionState>) {
+    let gone = tokio::select! {
+        gone = renew(&client, &state) => gone,
+        () = state.lost_flag() => false,
+    };
+    if !gone {
+        revoke(&client, &state).await;
+    }
+}
+
+/// Revokes a lost session's lease, retrying (backoff up to 1 s) for
+/// [`REVOKE_FOR`] until etcd answers, whatever the answer.
+async fn revoke(client: &etcd_client::Client, state: &SessionState) {
+    let give_up = Instant::now() + REVOKE_FOR;
+    let mut backoff = Duration::from_millis(20);
+    loop {
+        let mut c = client.clone();
+        match c.lease_revoke(state.lease_id).await {
+            Ok(_) => return,
+            // Not found (already ended), or refused for good.
+            Err(err) if classify(&err) == Failure::Fatal => return,
+            Err(_) => {}
+        }
+        if Instant::now() + backoff >= give_up {
+            return;
+        }
+        tokio::time::sleep(backoff).await;
+        backoff = (backoff * 2).min(Duration::from_secs(1));
     }
 }
 
 /// The keep-alive loop: a keep-alive every third of the TTL on one stream,
-/// re-established when it breaks; the session is lost when etcd says the
-/// lease is gone. While etcd cannot be reached the bound stays where it
-/// was, so guards fence themselves at it.
-async fn keep_alive(client: etcd_client::Client, state: Arc<SessionState>) {
+/// re-established when it breaks. While etcd cannot be reached the bound
+/// stays where it was, so guards fence themselves at it; once it has
+/// passed, no keep-alive is sent again (one would renew, in etcd, a lease
+/// whose guards were told they lost their keys): the session is lost.
+/// Returns `true` if etcd said the lease is gone, `false` once the session
+/// is lost otherwise.
+async fn renew(client: &etcd_client::Client, state: &SessionState) -> bool {
     let period = (state.ttl / 3).max(Duration::from_millis(100));
+    // The grant itself set the bound: the first keep-alive is due one
+    // period after it, as every later one.
+    tokio::time::sleep(period).await;
     let mut backoff = Duration::from_millis(20);
+    let past_bound = || {
+        if state.is_live() {
+            return false;
+        }
+        state.mark_lost("keep-alives failed past the lease's TTL".into());
+        true
+    };
     'stream: loop {
+        if past_bound() {
+            return false;
+        }
         let mut c = client.clone();
         let opened = tokio::time::timeout(period, c.lease_keep_alive(state.lease_id)).await;
         let (mut keeper, mut stream) = match opened {
             Ok(Ok(pair)) => pair,
             Ok(Err(err)) => {
-                if classify(&err) == Failure::Fatal
-                    || matches!(&err, etcd_client::Error::LeaseKeepAliveError(m) if m.contains("not found"))
-                {
+                if super::retry::lease_not_found(&err) {
                     state.mark_lost(format!("etcd refused the keep-alive: {err}"));
-                    return;
+                    return true;
+                }
+                if classify(&err) == Failure::Fatal {
+                    state.mark_lost(format!("etcd refused the keep-alive: {err}"));
+                    return false;
                 }
                 tokio::time::sleep(backoff).await;
                 backoff = (backoff * 2).min(period);
@@ -251,6 +325,9 @@ async fn keep_alive(client: etcd_client::Client, state: Arc<SessionState>) {
         };
         loop {
             let sent = Instant::now();
+            if past_bound() {
+                return false;
+            }
             if keeper.keep_alive().await.is_err() {
                 continue 'stream;
             }
@@ -258,9 +335,12 @@ async fn keep_alive(client: etcd_client::Client, state: Arc<SessionState>) {
                 Ok(Ok(Some(resp))) => {
                     if resp.ttl() <= 0 {
                         state.mark_lost("etcd says the lease expired".into());
-                        return;
+                        return true;
                     }
                     state.extend(sent, resp.ttl());
+                    if state.lost.load(Ordering::Acquire) {
+                        return false;
+                    }
                     backoff = Duration::from_millis(20);
                 }
                 // Cut, ended or slow: open a new stream (to another member,

@@ -17,6 +17,18 @@ use super::retry::RetryCounts;
 use super::session::Session;
 use crate::{LockError, LockOptions, LockTable, Mode, OwnedGuard, DEFAULT_MAX_LEASE};
 
+/// The longest session TTL [`ClusterOptions::session_ttl`] accepts: one
+/// hour (a dead process's keys stay blocked this long).
+pub const MAX_SESSION_TTL: Duration = Duration::from_secs(3600);
+
+/// The shortest request timeout [`ClusterOptions::request_timeout`]
+/// accepts.
+const MIN_REQUEST_TIMEOUT: Duration = Duration::from_millis(1);
+
+/// The longest request timeout [`ClusterOptions::request_timeout`]
+/// accepts: one hour.
+pub const MAX_REQUEST_TIMEOUT: Duration = Duration::from_secs(3600);
+
 /// How a [`ClusterLockTable`] connects and names its keys.
 ///
 /// ```
@@ -65,7 +77,14 @@ impl ClusterOptions {
     /// raises it to its own minimum, 1.5 times its election timeout). A
     /// process that dies frees its keys this long after its last
     /// keep-alive; a process cut from the cluster fences its guards at most
-    /// this long after its last answered keep-alive.
+    /// this long after its last answered keep-alive, and a lock that cannot
+    /// start a session gives up after it (see
+    /// [`request_timeout`](Self::request_timeout)).
+    ///
+    /// Above zero (a fraction of a second counts as one second) and at
+    /// most one hour ([`MAX_SESSION_TTL`]):
+    /// [`connect_with`](ClusterLockTable::connect_with) refuses others
+    /// with [`ClusterLockError::InvalidOptions`].
     #[must_use]
     pub fn session_ttl(mut self, ttl: Duration) -> Self {
         self.session_ttl = ttl;
@@ -73,11 +92,49 @@ impl ClusterOptions {
     }
 
     /// How long one etcd call may take before it is treated as ambiguous
-    /// and sent again (see the [module documentation](super#faults)).
+    /// and sent again (see the [module documentation](super#faults)). A
+    /// lock without a timeout that must start a session gives up after the
+    /// session TTL or this, whichever is longer, with
+    /// [`ClusterLockError::Unavailable`].
+    ///
+    /// From 1 ms to one hour ([`MAX_REQUEST_TIMEOUT`]):
+    /// [`connect_with`](ClusterLockTable::connect_with) refuses others
+    /// with [`ClusterLockError::InvalidOptions`].
     #[must_use]
     pub fn request_timeout(mut self, timeout: Duration) -> Self {
         self.request_timeout = timeout;
         self
+    }
+
+    /// Refuses an option out of its range, naming it and the range.
+    fn validate(&self) -> Result<(), ClusterLockError> {
+        let out_of_range = |option: &'static str, v: Duration, range: String| {
+            Err(ClusterLockError::InvalidOptions {
+                option,
+                reason: format!("{v:?} is out of range: {range}"),
+            })
+        };
+        if self.session_ttl.is_zero() || self.session_ttl > MAX_SESSION_TTL {
+            return out_of_range(
+                "session_ttl",
+                self.session_ttl,
+                format!(
+                    "give a TTL above zero and at most {MAX_SESSION_TTL:?} (whole seconds; a \
+                     fraction counts as one)"
+                ),
+            );
+        }
+        if self.request_timeout < MIN_REQUEST_TIMEOUT || self.request_timeout > MAX_REQUEST_TIMEOUT
+        {
+            return out_of_range(
+                "request_timeout",
+                self.request_timeout,
+                format!(
+                    "give a timeout between {MIN_REQUEST_TIMEOUT:?} and {MAX_REQUEST_TIMEOUT:?}"
+                ),
+            );
+        }
+        Ok(())
     }
 
     /// Names this table's grants in their waiter keys (a service, a job),
@@ -96,6 +153,8 @@ pub(crate) struct Inner {
     pub(crate) prefix: String,
     pub(crate) label: Option<String>,
     session_ttl: Duration,
+    /// How long one etcd call may take ([`ClusterOptions::request_timeout`]).
+    pub(crate) request_timeout: Duration,
     /// The current session; replaced by a new one when it is lost.
     session: tokio::sync::Mutex<Arc<Session>>,
     /// The in-process tier: one queue per key, so that at most one caller
@@ -119,8 +178,8 @@ impl std::fmt::Debug for Inner {
 
 impl Inner {
     /// The live session, starting a new one if the current one was lost
-    /// (retrying until `deadline`, or for ever without one).
-    async fn session(&self, deadline: Option<Instant>) -> Result<Arc<Session>, ClusterLockError> {
+    /// (retrying until `deadline`).
+    async fn session(&self, deadline: Instant) -> Result<Arc<Session>, ClusterLockError> {
         let mut current = self.session.lock().await;
         if !current.state.is_live() {
             *current = Arc::new(
@@ -199,8 +258,11 @@ impl<K> ClusterLockTable<K> {
     /// # Errors
     ///
     /// [`ClusterLockError::NoRuntime`] outside a tokio runtime;
-    /// [`ClusterLockError::Etcd`] if the endpoints are invalid or the lease
-    /// cannot be granted.
+    /// [`ClusterLockError::InvalidOptions`] for an option out of range;
+    /// [`ClusterLockError::Etcd`] if the endpoints are invalid or etcd
+    /// refuses the lease; [`ClusterLockError::Unavailable`] if no member
+    /// grants it within the session TTL (or the request timeout, if
+    /// longer).
     ///
     /// # Cancel safety
     ///
@@ -244,6 +306,7 @@ impl<K> ClusterLockTable<K> {
         endpoints: impl IntoIterator<Item = E>,
         opts: ClusterOptions,
     ) -> Result<Self, ClusterLockError> {
+        opts.validate()?;
         let handle =
             tokio::runtime::Handle::try_current().map_err(|_| ClusterLockError::NoRuntime)?;
         let endpoints: Vec<String> = endpoints
@@ -261,8 +324,7 @@ impl<K> ClusterLockTable<K> {
         // A cluster that cannot be reached fails the connect, after
         // retrying for one session TTL (or one request timeout, if longer).
         let bound = Instant::now() + opts.session_ttl.max(opts.request_timeout);
-        let session =
-            Session::start(&client, &handle, opts.session_ttl, &counts, Some(bound)).await?;
+        let session = Session::start(&client, &handle, opts.session_ttl, &counts, bound).await?;
         Ok(Self {
             inner: Arc::new(Inner {
                 client,
@@ -270,6 +332,7 @@ impl<K> ClusterLockTable<K> {
                 prefix: opts.prefix,
                 label: opts.label,
                 session_ttl: opts.session_ttl,
+                request_timeout: opts.request_timeout,
                 session: tokio::sync::Mutex::new(Arc::new(session)),
                 local: Arc::new(LockTable::new()),
                 etcd_waiters: AtomicUsize::new(0),
@@ -470,12 +533,13 @@ async fn remote(
     mut tx: tokio::sync::oneshot::Sender<Outcome>,
 ) {
     // A session (a new one if the last was lost), within the caller's
-    // deadline and abandoned if the caller gives up.
-    // A try_lock never waits long: one TTL at most for etcd to answer.
-    let session_bound = deadline.or_else(|| (!wait).then(|| started + inner.session_ttl));
+    // deadline and abandoned if the caller gives up. Without a deadline
+    // (a plain lock, a try_lock), within the session TTL (or the request
+    // timeout, if longer): a cluster that cannot grant a lease by then is
+    // unavailable, and the caller is told so rather than kept waiting.
     let session = async {
-        match session_bound {
-            Some(d) => tokio::time::timeout_at(d.into(), inner.session(Some(d)))
+        match deadline {
+            Some(d) => tokio::time::timeout_at(d.into(), inner.session(d))
                 .await
                 .unwrap_or_else(|_| {
                     Err(ClusterLockError::Timeout {
@@ -484,7 +548,10 @@ async fn remote(
                         ahead: 0,
                     })
                 }),
-            None => inner.session(None).await,
+            None => {
+                let bound = started + inner.session_ttl.max(inner.request_timeout);
+                inner.session(bound).await
+            }
         }
     };
     let session = tokio::select! {
@@ -595,8 +662,10 @@ impl<K: AsRef<[u8]> + Send> ClusterLockTable<K> {
     /// # Errors
     ///
     /// [`ClusterLockError::SessionLost`] if the session's lease ended
-    /// while waiting; [`ClusterLockError::Etcd`] if etcd refused a call for
-    /// good. Nothing is held after an error.
+    /// while waiting; [`ClusterLockError::Unavailable`] if etcd did not
+    /// answer within the session TTL (or the request timeout, if longer);
+    /// [`ClusterLockError::Etcd`] if etcd refused a call for good. Nothing
+    /// is held after an error.
     ///
     /// # Cancel safety
     ///

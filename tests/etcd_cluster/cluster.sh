@@ -7,6 +7,10 @@
 #   cluster.sh stop DIR      stop every member (by the pids in DIR)
 #   cluster.sh kill DIR N    SIGKILL member N
 #   cluster.sh restart DIR N start member N again (same data, same ports)
+#   cluster.sh restart-all DIR
+#                            start every member again (after they were all
+#                            killed: one alone has no quorum, so they start
+#                            together and are then waited for)
 #   cluster.sh endpoints DIR the client URLs, comma-separated
 #
 # Ports: clients BASE+1..3, peers BASE+11..13, BASE from
@@ -16,7 +20,7 @@
 set -euo pipefail
 
 BASE=${KEYLOCK_ETCD_BASE_PORT:-23790}
-cmd=${1:?usage: cluster.sh start|stop|kill|restart|endpoints DIR [N]}
+cmd=${1:?usage: cluster.sh start|stop|kill|restart|restart-all|endpoints DIR [N]}
 dir=${2:?usage: cluster.sh $cmd DIR [N]}
 
 client_url() { echo "http://127.0.0.1:$((BASE + $1))"; }
@@ -100,6 +104,13 @@ case $cmd in
         stop_member "$n"
         start_member "$n" existing
         wait_healthy "$n"
+        ;;
+    restart-all)
+        for n in 1 2 3; do
+            stop_member "$n"
+            start_member "$n" existing
+        done
+        for n in 1 2 3; do wait_healthy "$n"; done
         ;;
     endpoints)
         endpoints
