@@ -15,11 +15,34 @@
 //! only by the first process of a boot to map the file (to reset the state
 //! left from before the reboot).
 //!
-//! An uncontended lock is one lock call (slot 0), a load of the
-//! directory's open epoch (the file is re-checked with `fstat` only if a
-//! key file was opened since: [`super::dir`]), and a compare-and-swap of
-//! the state word in memory; its release is a store into the slot's
+//! An uncontended lock is one lock call (slot 0), a `stat` of the key's
+//! path (below), and a compare-and-swap of the state word in memory; its
+//! release is an `fstat` of the file (its length), a store into the slot's
 //! release cell and one unlock call.
+//!
+//! # The files named by the path, whole
+//!
+//! Before every judgement (so before every grant) the acquirer makes sure
+//! that the key's path still names the file it holds open (device and
+//! inode): a table keeps key files open between uses, and the directory,
+//! or a key's file, may have been removed or moved aside and made again
+//! meanwhile (a temporary-file cleaner, an operator). Locks of the old file
+//! would not exclude a holder of the new one, so a file the path no longer
+//! names is closed (its locks go with it) and the path opened afresh. The
+//! same look tells the file's length: a file shortened by someone else is
+//! refused ([`ProcessLockError::Damaged`]) before its mapping is touched,
+//! since a mapped page beyond the end of a file raises `SIGBUS`.
+//!
+//! Both looks are made at one instant: a file replaced (or shortened) right
+//! after it, before the grant's compare-and-swap, is as one replaced during
+//! the hold. The grant's `check()` makes the same look every time and
+//! fails ([`ProcessLockError::Expired`], or `Damaged`), so no two grants
+//! of one key pass their checks at once, and its release looks at the
+//! file's length (`fstat`) before it stores into the mapping. The windows
+//! left (a look, then the loads and stores right after it, with no call
+//! between them) are a few hundred nanoseconds long; a truncation that
+//! lands in one still raises `SIGBUS`, which no look can prevent short of
+//! giving up the shared mapping.
 //!
 //! # The judgement (no lock but the slots)
 //!
@@ -82,13 +105,14 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::task::Poll;
 use std::time::{Duration, Instant};
 
-use super::error::ProcessLockError;
+use super::error::{HeldBy, ProcessLockError};
 use super::helper::{self, KernelWait};
 use super::stamp::{
-    init_file, unix_now_ns, KeyState, NewStamp, ProcessHolder, Stamp, Word, MAX_SLOTS, TAKEN,
+    init_file, unix_now_ns, KeyState, NewStamp, ProcessHolder, Stamp, Word, FILE_LEN, MAX_SLOTS,
+    TAKEN,
 };
 use super::table::Inner;
-use super::unix;
+use super::unix::{self, FileId};
 use crate::clock::Clock;
 use crate::timer::Sleep;
 
@@ -112,11 +136,19 @@ pub(crate) struct KeyFiles {
     /// (its locks belong to another open file than `state`'s), and so the
     /// holder of the slot of a key taken after such a wait.
     pub(crate) spare: Option<File>,
-    /// The directory's open epoch when `state` was last known to be linked
-    /// (see [`super::dir`]).
-    pub(crate) epoch: u64,
-    /// Found deleted by its holder's `check()`: not to be cached again.
+    /// Which file `state` is: the path must still name it.
+    pub(crate) id: FileId,
+    /// Found replaced or damaged by its holder: not to be cached again.
     pub(crate) stale: bool,
+}
+
+/// What a key's path names, against the files a table holds open.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Named {
+    /// The open file, whole.
+    This,
+    /// Another file, or none: the open one was removed or replaced.
+    Other,
 }
 
 /// Which open file of a key holds a slot's lock.
@@ -186,10 +218,46 @@ impl KeyFiles {
             .map_err(|e| ProcessLockError::io("lock", &self.path, e))
     }
 
-    /// Whether the state file was deleted since it was opened: its path
-    /// then names another file (or none), whose locks are not ours.
-    pub(crate) fn unlinked(&self) -> Result<bool, ProcessLockError> {
-        unix::is_unlinked(&self.state).map_err(|e| ProcessLockError::io("stat", &self.path, e))
+    /// Whether the key's path still names the open state file (whose
+    /// locks are then the ones every other opener of the path sees), and,
+    /// if so, whether it is still whole (`stat` of the path).
+    ///
+    /// # Errors
+    ///
+    /// [`ProcessLockError::Damaged`] if the path names the open file and
+    /// it was shortened: its mapping must not be touched.
+    pub(crate) fn named(&self) -> Result<Named, ProcessLockError> {
+        match unix::path_id(&self.path).map_err(|e| ProcessLockError::io("stat", &self.path, e))? {
+            Some((id, len)) if id == self.id => {
+                if len < FILE_LEN as u64 {
+                    return Err(self.damaged(len));
+                }
+                Ok(Named::This)
+            }
+            _ => Ok(Named::Other),
+        }
+    }
+
+    /// Whether the open state file is still whole, whatever the path names
+    /// now (`fstat`): before a store into its mapping.
+    ///
+    /// # Errors
+    ///
+    /// [`ProcessLockError::Damaged`] if it was shortened.
+    pub(crate) fn whole(&self) -> Result<(), ProcessLockError> {
+        let (_, len) =
+            unix::file_id(&self.state).map_err(|e| ProcessLockError::io("stat", &self.path, e))?;
+        if len < FILE_LEN as u64 {
+            return Err(self.damaged(len));
+        }
+        Ok(())
+    }
+
+    fn damaged(&self, len: u64) -> ProcessLockError {
+        ProcessLockError::Damaged {
+            path: self.path.clone(),
+            len,
+        }
     }
 }
 
@@ -239,10 +307,8 @@ impl Inner {
     /// Opens (creating if need be) and maps a key's state file.
     pub(crate) fn open_key(&self, stem: &str) -> Result<KeyFiles, ProcessLockError> {
         let path = self.state_path(stem);
-        // Before the open: another process's cached descriptor of a file
-        // this path no longer names is noticed at its next lock.
+        // Before the open: for tables of earlier builds (see `super::dir`).
         self.dir_state.bump();
-        let epoch = self.dir_state.epoch();
         let state = match open_rw(&path) {
             Ok(file) => file,
             Err(err) if err.kind() == io::ErrorKind::NotFound => {
@@ -251,6 +317,7 @@ impl Inner {
             }
             Err(err) => return Err(ProcessLockError::io("open the state file", &path, err)),
         };
+        let (id, _) = unix::file_id(&state).map_err(|e| ProcessLockError::io("stat", &path, e))?;
         let map = KeyState::map(&state, &path, true)?;
         Ok(KeyFiles {
             stem: std::sync::Arc::from(stem),
@@ -258,13 +325,13 @@ impl Inner {
             state,
             map,
             spare: None,
-            epoch,
+            id,
             stale: false,
         })
     }
 
     /// Puts a key's files, which hold no lock now, back into the cache
-    /// (closes them if they were found deleted).
+    /// (closes them if they were found replaced or damaged).
     pub(crate) fn put_back(&self, files: KeyFiles) {
         if !files.stale {
             self.cache.checkin(files);
@@ -402,11 +469,15 @@ impl Inner {
         Ok(None)
     }
 
-    /// One judgement, first making sure that the file is still linked if
-    /// a key file was opened in the directory since the last look (the
-    /// caller may hold `have`; see [`super::dir`]). `None`: the file had
-    /// been deleted; `files` is opened afresh (and `have` let go with the
-    /// old one).
+    /// One judgement, first making sure that the key's path still names
+    /// the open file, whole (the caller may hold `have`; see the module
+    /// doc). `None`: the path names another file (or none); `files` is
+    /// opened afresh (and `have` let go with the old one).
+    ///
+    /// # Errors
+    ///
+    /// [`ProcessLockError::Damaged`] for a file shortened by someone else;
+    /// the caller drops (closes) the files, which lets `have` go.
     #[inline]
     fn judge_checked(
         &self,
@@ -414,14 +485,10 @@ impl Inner {
         have: Option<Have>,
         lease: Option<Duration>,
     ) -> Result<Option<Step>, ProcessLockError> {
-        let epoch = self.dir_state.epoch();
-        if epoch != files.epoch {
-            if files.unlinked()? {
-                // Closing the deleted file's descriptors lets its locks go.
-                *files = self.open_key(&std::sync::Arc::clone(&files.stem))?;
-                return Ok(None);
-            }
-            files.epoch = epoch;
+        if files.named()? == Named::Other {
+            // Closing the old file's descriptors lets its locks go.
+            *files = self.open_key(&std::sync::Arc::clone(&files.stem))?;
+            return Ok(None);
         }
         self.judge(files, have, lease).map(Some)
     }
@@ -533,7 +600,7 @@ impl Inner {
                         Some(Err(e)) => return Err(ProcessLockError::io("lock", &files.path, e)),
                         None => {
                             if deadline.is_some_and(|d| Instant::now() >= d) {
-                                return Err(self.timeout(stem, started));
+                                return Err(self.timeout(stem, started, false));
                             }
                             // The holder's lease deadline: judge again.
                         }
@@ -544,41 +611,94 @@ impl Inner {
                     let at = deadline.map_or(at, |d| d.min(at));
                     Sleeper::new(at).await;
                     if deadline.is_some_and(|d| Instant::now() >= d) {
-                        return Err(self.timeout(stem, started));
+                        return Err(self.timeout(stem, started, false));
                     }
                 }
             }
         }
     }
 
-    pub(crate) fn timeout(&self, stem: &str, started: Instant) -> ProcessLockError {
+    /// The timeout of a wait for `stem`, naming who kept the key. With
+    /// `in_process`, the wait ran out in the process's own queue.
+    pub(crate) fn timeout(
+        &self,
+        stem: &str,
+        started: Instant,
+        in_process: bool,
+    ) -> ProcessLockError {
+        // Diagnosis must never replace the timeout it explains.
+        let (holder, by) = self.blocker(stem, in_process);
         ProcessLockError::Timeout {
             waited: started.elapsed(),
-            // Diagnosis must never replace the timeout it explains.
-            holder: self.holder_of(stem).ok().flatten().map(Box::new),
+            holder,
+            by,
             path: self.state_path(stem),
+        }
+    }
+
+    /// Who kept `stem` from a caller, for an error: as [`Self::who_holds`]
+    /// says, except that with `in_process` (the process's own queue for the
+    /// key was taken) a key with no grant and no kernel lock is this
+    /// process's (a caller of it is ahead, not at the file yet). Never
+    /// fails: a file that cannot be read is said so.
+    pub(crate) fn blocker(
+        &self,
+        stem: &str,
+        in_process: bool,
+    ) -> (Option<Box<ProcessHolder>>, HeldBy) {
+        match self.who_holds(stem) {
+            Ok((holder, by)) => {
+                let by = if in_process && by == HeldBy::Ended {
+                    HeldBy::ThisProcess
+                } else {
+                    by
+                };
+                (holder.map(Box::new), by)
+            }
+            Err(_) if in_process => (None, HeldBy::ThisProcess),
+            Err(_) => (None, HeldBy::Unknown),
         }
     }
 
     /// Reads a key's state word and owner stamp and asks the kernel whether
     /// its holder is alive.
     pub(crate) fn holder_of(&self, stem: &str) -> Result<Option<ProcessHolder>, ProcessLockError> {
+        self.who_holds(stem).map(|(holder, _)| holder)
+    }
+
+    /// Who holds a key now, from its file alone: its grant's stamp (and
+    /// whether its holder is alive, from the kernel) and whose it is; or,
+    /// with no grant, whether another open file holds the kernel lock the
+    /// next grant needs ([`HeldBy::KernelLock`]) or not ([`HeldBy::Ended`]).
+    pub(crate) fn who_holds(
+        &self,
+        stem: &str,
+    ) -> Result<(Option<ProcessHolder>, HeldBy), ProcessLockError> {
         let path = self.state_path(stem);
         let file = match File::open(&path) {
             Ok(file) => file,
-            Err(err) if err.kind() == io::ErrorKind::NotFound => return Ok(None),
+            Err(err) if err.kind() == io::ErrorKind::NotFound => return Ok((None, HeldBy::Ended)),
             Err(err) => return Err(ProcessLockError::io("open the state file", &path, err)),
         };
         let map = KeyState::map(&file, &path, false)?;
         if !map.this_boot() {
             // Written before a reboot: nobody holds it now.
-            return Ok(None);
+            return Ok((None, HeldBy::Ended));
         }
+        let locked = |slot: u32| {
+            unix::slot_locked(&file, slot).map_err(|e| ProcessLockError::io("lock", &path, e))
+        };
         let mut word = map.load();
         let mut stamp = None;
         for _ in 0..16 {
             if map.released(word) {
-                return Ok(None);
+                // No grant: is the next grant's kernel lock taken?
+                let by = if locked(word.slot)? {
+                    HeldBy::KernelLock
+                } else {
+                    HeldBy::Ended
+                };
+                return Ok((None, by));
             }
             stamp = map.read_stamp(word);
             if stamp.is_some() {
@@ -591,11 +711,15 @@ impl Inner {
         let now = unix::monotonic_ns();
         let stamp = stamp.unwrap_or_else(|| unstamped(word, now));
         // Alive while its slot is locked: a look at the lock, taking none.
-        let alive = unix::slot_locked(&file, word.slot)
-            .map_err(|e| ProcessLockError::io("lock", &path, e))?;
+        let alive = locked(word.slot)?;
         drop(map);
         drop(file);
-        Ok(ProcessHolder::from_stamp(&stamp, alive, now))
+        let by = if stamp.pid == unix::pid() {
+            HeldBy::ThisProcess
+        } else {
+            HeldBy::AnotherProcess
+        };
+        Ok((ProcessHolder::from_stamp(&stamp, alive, now), by))
     }
 }
 
