@@ -655,6 +655,60 @@ mod tests {
         std::fs::remove_dir_all(&dir).unwrap();
     }
 
+    /// The stamp's sequence lock, raced: a writer re-stamps the slot for
+    /// grant after grant (tokens increasing, as a slot's are; every field
+    /// derived from the token) while a reader, through a mapping of its own
+    /// as another process would have, reads the stamp of the grant whose
+    /// token it just saw. An accepted stamp is always all one grant's: a
+    /// writer that stopped zeroing the token before its stores would let
+    /// the reader accept a stamp mixing two grants' fields.
+    #[test]
+    #[cfg_attr(miri, ignore = "maps files: not under miri")]
+    fn a_reader_racing_a_re_stamping_writer_never_accepts_a_mixed_stamp() {
+        use std::sync::atomic::AtomicBool;
+        const GRANTS: u64 = 100_000;
+        let (dir, path, file) = temp("race");
+        let writer = KeyState::map(&file, &path, true).unwrap();
+        let reader = KeyState::map(&file, &path, false).unwrap();
+        let of = |token: u64| Stamp {
+            pid: u32::try_from(token).unwrap(),
+            token,
+            lease_deadline: Some(token * 3),
+            granted_mono: token * 5,
+            granted_unix_ns: token * 7,
+            host: format!("host-{token}"),
+            label: Some(format!("label-{token}")),
+        };
+        let stamps: Vec<Stamp> = (1..=GRANTS).map(of).collect();
+        let done = AtomicBool::new(false);
+        let accepted = std::thread::scope(|s| {
+            // Bounded, so that a failed assertion below ends the test.
+            s.spawn(|| {
+                for stamp in &stamps {
+                    writer.write_stamp(0, &stamp.borrow());
+                }
+                done.store(true, Ordering::SeqCst);
+            });
+            let mut accepted = 0u64;
+            while !done.load(Ordering::SeqCst) {
+                let token = reader
+                    .map
+                    .word(stamp_at(0) + S_TOKEN)
+                    .load(Ordering::SeqCst);
+                if token == 0 {
+                    continue;
+                }
+                if let Some(read) = reader.read_stamp(Word { token, slot: 0 }) {
+                    assert_eq!(read, of(token), "a stamp mixing two grants' fields");
+                    accepted += 1;
+                }
+            }
+            accepted
+        });
+        eprintln!("{accepted} stamps accepted, each whole");
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
     #[test]
     #[cfg_attr(miri, ignore = "maps files: not under miri")]
     fn after_a_reboot_tokens_restart_above_the_durable_ceiling() {
