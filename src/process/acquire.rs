@@ -36,13 +36,15 @@
 //! Both looks are made at one instant: a file replaced (or shortened) right
 //! after it, before the grant's compare-and-swap, is as one replaced during
 //! the hold. The grant's `check()` makes the same look every time and
-//! fails ([`ProcessLockError::Expired`], or `Damaged`), so no two grants
-//! of one key pass their checks at once, and its release looks at the
-//! file's length (`fstat`) before it stores into the mapping. The windows
-//! left (a look, then the loads and stores right after it, with no call
-//! between them) are a few hundred nanoseconds long; a truncation that
-//! lands in one still raises `SIGBUS`, which no look can prevent short of
-//! giving up the shared mapping.
+//! fails ([`ProcessLockError::Expired`], or `Damaged`) once the path names
+//! another file, and its release looks at the file's length (`fstat`)
+//! before it stores into the mapping. The windows left run from a look to
+//! the last access of the memory after it: for `check()` and a release,
+//! loads or a store with no call between; for a judgement, at most a few
+//! lock calls that never wait (the length is looked at again after the
+//! disk sync of a new token ceiling, the one call that may take long).
+//! A truncation that lands in one still raises `SIGBUS`, which no look can
+//! prevent short of giving up the shared mapping.
 //!
 //! # The judgement (no lock but the slots)
 //!
@@ -436,7 +438,11 @@ impl Inner {
                 continue;
             };
             test_hook::after_swap();
-            map.reserve(token, &files.path)?;
+            if map.reserve(token, &files.path)? {
+                // A disk sync may take long: look at the file's length
+                // again before the stamp's stores (see the module doc).
+                files.whole()?;
+            }
             let now = unix::monotonic_ns();
             let lease_deadline =
                 lease.map(|l| now.saturating_add(u64::try_from(l.as_nanos()).unwrap_or(u64::MAX)));

@@ -86,9 +86,9 @@
 //! and the holder of the old one sees its `check()` fail
 //! ([`ProcessLockError::Expired`]); a file shortened (truncated) is
 //! refused ([`ProcessLockError::Damaged`]) before its memory is touched,
-//! which would raise `SIGBUS` (a truncation in the instant between that
-//! look and the access still would: see docs/ARCHITECTURE.md, "Process
-//! scope"). See [`MAX_ENCODED_KEY`] for the key encoding.
+//! which would raise `SIGBUS` (a truncation landing between that look and
+//! the accesses right after it still would: see docs/ARCHITECTURE.md,
+//! "Process scope"). See [`MAX_ENCODED_KEY`] for the key encoding.
 //!
 //! A table keeps the files of the keys it used last open and mapped, at
 //! most [`ProcessStats::MAX_CACHED_KEYS`] of them (a descriptor or two

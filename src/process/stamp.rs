@@ -359,12 +359,13 @@ impl KeyState {
     }
 
     /// Makes a ceiling at or above `token` durable before it is handed out
-    /// (the caller won the grant of `token`).
+    /// (the caller won the grant of `token`): `Ok(true)` if that took a
+    /// new ceiling and a disk sync, `Ok(false)` if one was durable already.
     #[inline]
-    pub(crate) fn reserve(&self, token: u64, path: &Path) -> Result<(), ProcessLockError> {
+    pub(crate) fn reserve(&self, token: u64, path: &Path) -> Result<bool, ProcessLockError> {
         let (reserved, next) = self.reserved();
         if token <= reserved {
-            return Ok(());
+            return Ok(false);
         }
         let ceiling = token + RESERVE_BLOCK;
         let at = RESERVE_AT[next];
@@ -374,7 +375,8 @@ impl KeyState {
         self.map.word(at + 16).store(sum, Ordering::Release);
         self.map
             .sync(RESERVE_PAGE)
-            .map_err(|err| ProcessLockError::io("reserve fencing tokens in", path, err))
+            .map_err(|err| ProcessLockError::io("reserve fencing tokens in", path, err))?;
+        Ok(true)
     }
 
     /// Writes slot `slot`'s stamp (its holder does, right after its grant).
