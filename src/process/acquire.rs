@@ -183,10 +183,13 @@ enum Step {
         token: u64,
     },
     /// Wait for this slot's kernel lock; judge again at `recheck` (on the
-    /// host's monotonic clock) if it comes first.
+    /// host's monotonic clock) if it comes first. `free`: the word's grant
+    /// was released, so the slot is locked with no grant (a waiter about to
+    /// take the key, or a lock taken outside keylock).
     WaitSlot {
         slot: u32,
         recheck: Option<u64>,
+        free: bool,
     },
     /// Every slot is locked (by stuck holders): sleep and judge again.
     Backoff,
@@ -379,6 +382,7 @@ impl Inner {
                         return Ok(Step::WaitSlot {
                             slot: current,
                             recheck: None,
+                            free: true,
                         })
                     }
                 },
@@ -399,6 +403,7 @@ impl Inner {
                         return Ok(Step::WaitSlot {
                             slot: current,
                             recheck: Some(now.saturating_add(soon)),
+                            free: false,
                         });
                     };
                     if now < deadline {
@@ -407,6 +412,7 @@ impl Inner {
                         return Ok(Step::WaitSlot {
                             slot: current,
                             recheck: (deadline != super::stamp::NO_LEASE).then_some(deadline),
+                            free: false,
                         });
                     }
                     // Alive, past its lease: mark it taken, so that a renew
@@ -499,14 +505,18 @@ impl Inner {
         self.judge(files, have, lease).map(Some)
     }
 
-    /// Takes the key now if no live holder has it (no wait): `None` if one
-    /// has.
+    /// Takes the key now if no live holder has it (no wait): `Err(by)` if
+    /// one has, where `by` says who kept it should its file show no grant
+    /// by the time it is read ([`Self::who_holds`]): [`HeldBy::KernelLock`]
+    /// if the judgement found the slot locked with no grant, else
+    /// [`HeldBy::Ended`].
     pub(crate) fn try_grant(
         &self,
         stem: &str,
         lease: Option<Duration>,
-    ) -> Result<Option<Grant>, ProcessLockError> {
+    ) -> Result<Result<Grant, HeldBy>, ProcessLockError> {
         let mut files = self.key_files(stem)?;
+        let mut by = HeldBy::Ended;
         for _ in 0..4 {
             let have = files.try_slot(0)?.then_some(Have {
                 slot: 0,
@@ -515,18 +525,24 @@ impl Inner {
             match self.judge_checked(&mut files, have, lease)? {
                 None => {}
                 Some(Step::Granted { slot, on, token }) => {
-                    return Ok(Some(Grant {
+                    return Ok(Ok(Grant {
                         files,
                         slot,
                         on,
                         token,
                     }))
                 }
-                Some(Step::WaitSlot { .. } | Step::Backoff) => break,
+                Some(Step::WaitSlot { free, .. }) => {
+                    if free {
+                        by = HeldBy::KernelLock;
+                    }
+                    break;
+                }
+                Some(Step::Backoff) => break,
             }
         }
         self.put_back(files);
-        Ok(None)
+        Ok(Err(by))
     }
 
     /// Waits for the key until `deadline`.
@@ -565,7 +581,11 @@ impl Inner {
                         token,
                     })
                 }
-                Step::WaitSlot { slot, recheck } => {
+                Step::WaitSlot {
+                    slot,
+                    recheck,
+                    free,
+                } => {
                     if on_this_thread && deadline.is_none() && recheck.is_none() {
                         // Only the kernel can end this wait: make it here,
                         // on the caller's own (blocking) thread.
@@ -606,7 +626,12 @@ impl Inner {
                         Some(Err(e)) => return Err(ProcessLockError::io("lock", &files.path, e)),
                         None => {
                             if deadline.is_some_and(|d| Instant::now() >= d) {
-                                return Err(self.timeout(stem, started, false));
+                                let no_grant = if free {
+                                    HeldBy::KernelLock
+                                } else {
+                                    HeldBy::Ended
+                                };
+                                return Err(self.timeout(stem, started, no_grant));
                             }
                             // The holder's lease deadline: judge again.
                         }
@@ -617,23 +642,25 @@ impl Inner {
                     let at = deadline.map_or(at, |d| d.min(at));
                     Sleeper::new(at).await;
                     if deadline.is_some_and(|d| Instant::now() >= d) {
-                        return Err(self.timeout(stem, started, false));
+                        return Err(self.timeout(stem, started, HeldBy::Ended));
                     }
                 }
             }
         }
     }
 
-    /// The timeout of a wait for `stem`, naming who kept the key. With
-    /// `in_process`, the wait ran out in the process's own queue.
+    /// The timeout of a wait for `stem`, naming who kept the key;
+    /// `no_grant` says who, should the key's file show no grant (see
+    /// [`Self::who_holds`]): [`HeldBy::ThisProcess`] for a wait that ran
+    /// out in the process's own queue.
     pub(crate) fn timeout(
         &self,
         stem: &str,
         started: Instant,
-        in_process: bool,
+        no_grant: HeldBy,
     ) -> ProcessLockError {
         // Diagnosis must never replace the timeout it explains.
-        let (holder, by) = self.blocker(stem, in_process);
+        let (holder, by) = self.blocker(stem, no_grant);
         ProcessLockError::Timeout {
             waited: started.elapsed(),
             holder,
@@ -643,25 +670,16 @@ impl Inner {
     }
 
     /// Who kept `stem` from a caller, for an error: as [`Self::who_holds`]
-    /// says, except that with `in_process` (the process's own queue for the
-    /// key was taken) a key with no grant and no kernel lock is this
-    /// process's (a caller of it is ahead, not at the file yet). Never
-    /// fails: a file that cannot be read is said so.
+    /// says. Never fails: a file that cannot be read is said so (unless
+    /// `no_grant` is [`HeldBy::ThisProcess`], which stays true).
     pub(crate) fn blocker(
         &self,
         stem: &str,
-        in_process: bool,
+        no_grant: HeldBy,
     ) -> (Option<Box<ProcessHolder>>, HeldBy) {
-        match self.who_holds(stem) {
-            Ok((holder, by)) => {
-                let by = if in_process && by == HeldBy::Ended {
-                    HeldBy::ThisProcess
-                } else {
-                    by
-                };
-                (holder.map(Box::new), by)
-            }
-            Err(_) if in_process => (None, HeldBy::ThisProcess),
+        match self.who_holds(stem, no_grant) {
+            Ok((holder, by)) => (holder.map(Box::new), by),
+            Err(_) if no_grant == HeldBy::ThisProcess => (None, HeldBy::ThisProcess),
             Err(_) => (None, HeldBy::Unknown),
         }
     }
@@ -669,42 +687,38 @@ impl Inner {
     /// Reads a key's state word and owner stamp and asks the kernel whether
     /// its holder is alive.
     pub(crate) fn holder_of(&self, stem: &str) -> Result<Option<ProcessHolder>, ProcessLockError> {
-        self.who_holds(stem).map(|(holder, _)| holder)
+        self.who_holds(stem, HeldBy::Ended)
+            .map(|(holder, _)| holder)
     }
 
     /// Who holds a key now, from its file alone: its grant's stamp (and
-    /// whether its holder is alive, from the kernel) and whose it is; or,
-    /// with no grant, whether another open file holds the kernel lock the
-    /// next grant needs ([`HeldBy::KernelLock`]) or not ([`HeldBy::Ended`]).
+    /// whether its holder is alive, from the kernel) and whose it is
+    /// (this process if the stamp's pid is ours); with no grant, the
+    /// caller's `no_grant` (what it knows of the moment before: a slot it
+    /// found locked with no grant, a caller of this process ahead of it,
+    /// or nothing). A key without a grant is never probed with a lock of
+    /// its own, which could make another process's `try_lock` fail.
     pub(crate) fn who_holds(
         &self,
         stem: &str,
+        no_grant: HeldBy,
     ) -> Result<(Option<ProcessHolder>, HeldBy), ProcessLockError> {
         let path = self.state_path(stem);
         let file = match File::open(&path) {
             Ok(file) => file,
-            Err(err) if err.kind() == io::ErrorKind::NotFound => return Ok((None, HeldBy::Ended)),
+            Err(err) if err.kind() == io::ErrorKind::NotFound => return Ok((None, no_grant)),
             Err(err) => return Err(ProcessLockError::io("open the state file", &path, err)),
         };
         let map = KeyState::map(&file, &path, false)?;
         if !map.this_boot() {
             // Written before a reboot: nobody holds it now.
-            return Ok((None, HeldBy::Ended));
+            return Ok((None, no_grant));
         }
-        let locked = |slot: u32| {
-            unix::slot_locked(&file, slot).map_err(|e| ProcessLockError::io("lock", &path, e))
-        };
         let mut word = map.load();
         let mut stamp = None;
         for _ in 0..16 {
             if map.released(word) {
-                // No grant: is the next grant's kernel lock taken?
-                let by = if locked(word.slot)? {
-                    HeldBy::KernelLock
-                } else {
-                    HeldBy::Ended
-                };
-                return Ok((None, by));
+                return Ok((None, no_grant));
             }
             stamp = map.read_stamp(word);
             if stamp.is_some() {
@@ -717,7 +731,8 @@ impl Inner {
         let now = unix::monotonic_ns();
         let stamp = stamp.unwrap_or_else(|| unstamped(word, now));
         // Alive while its slot is locked: a look at the lock, taking none.
-        let alive = locked(word.slot)?;
+        let alive = unix::slot_locked(&file, word.slot)
+            .map_err(|e| ProcessLockError::io("lock", &path, e))?;
         drop(map);
         drop(file);
         let by = if stamp.pid == unix::pid() {

@@ -118,7 +118,8 @@ pub enum ProcessLockError {
 pub enum HeldBy {
     /// This process: a grant of this process holds the key (a guard of this
     /// table or of another), or a caller of this process is ahead of this
-    /// one in the process's queue for the key, not at the key's file yet.
+    /// one in the process's queue for the key (a grant it waits for, if
+    /// any, is in `holder`, whoever made it).
     ThisProcess,
     /// Another process: the key's grant names it (its pid is in `holder`);
     /// also a grant whose stamp was not written yet (a few microseconds

@@ -13,7 +13,7 @@ use std::time::{Duration, Instant};
 use super::acquire::Grant;
 use super::cache::{FileCache, CACHED_KEYS};
 use super::dir::DirState;
-use super::error::ProcessLockError;
+use super::error::{HeldBy, ProcessLockError};
 use super::guard::{Held, OwnedProcessGuard, ProcessGuard};
 use super::key;
 use super::stamp::{ProcessHolder, MAX_LABEL};
@@ -271,7 +271,7 @@ async fn local_lock(
         .await
     {
         Ok(guard) => Ok(guard),
-        Err(LockError::Timeout { .. }) => Err(inner.timeout(stem, started, true)),
+        Err(LockError::Timeout { .. }) => Err(inner.timeout(stem, started, HeldBy::ThisProcess)),
         Err(other) => Err(ProcessLockError::InvalidOptions {
             option: "options",
             reason: other.to_string(),
@@ -314,15 +314,15 @@ fn try_acquire<K: AsRef<[u8]>>(
         Err(_) => {
             // Another caller of this process has the key or is ahead; the
             // file says who holds it.
-            let (holder, by) = inner.blocker(&stem, true);
+            let (holder, by) = inner.blocker(&stem, HeldBy::ThisProcess);
             return Err(ProcessLockError::WouldBlock { holder, by });
         }
     };
     match inner.try_grant(&stem, lease)? {
-        Some(grant) => Ok(held(inner, key, grant, local, lease)),
-        None => {
+        Ok(grant) => Ok(held(inner, key, grant, local, lease)),
+        Err(no_grant) => {
             drop(local);
-            let (holder, by) = inner.who_holds(&stem)?;
+            let (holder, by) = inner.who_holds(&stem, no_grant)?;
             Err(ProcessLockError::WouldBlock {
                 holder: holder.map(Box::new),
                 by,
@@ -362,8 +362,8 @@ fn try_first<K: AsRef<[u8]>>(
         return Ok(Err(key));
     };
     Ok(match inner.try_grant(&stem, lease)? {
-        Some(grant) => Ok(held(inner, key, grant, local, lease)),
-        None => Err(key),
+        Ok(grant) => Ok(held(inner, key, grant, local, lease)),
+        Err(_) => Err(key),
     })
 }
 
