@@ -12,6 +12,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use futures::executor::block_on;
+use keylock::process::HeldBy;
 use keylock::{LockOptions, ProcessLockError, ProcessLockTable};
 
 const ROLE: &str = "KEYLOCK_PROCESS_CHILD";
@@ -37,6 +38,10 @@ fn child_entry() {
     let Ok(role) = std::env::var(ROLE) else {
         return;
     };
+    if let Some(how) = role.strip_prefix("foreign-") {
+        foreign_locker(how);
+        return;
+    }
     let dir = PathBuf::from(std::env::var("KL_DIR").unwrap());
     let key = std::env::var("KL_KEY").unwrap_or_else(|_| "k".into());
     let label = std::env::var("KL_LABEL").unwrap_or_else(|_| "child".into());
@@ -108,8 +113,70 @@ fn child_entry() {
             }
             say(&format!("free {} busy {busy}", held.len()));
         }
+        "relock" => {
+            // Take and release the key once (its files go to the cache),
+            // then try it again on each `try` line.
+            drop(table.try_lock(key.clone()).unwrap());
+            assert_eq!(table.stats().cached_keys, 1);
+            say("warm");
+            let mut lines = std::io::stdin().lock().lines();
+            while let Some(Ok(line)) = lines.next() {
+                if line == "try" {
+                    match table.try_lock(key.clone()) {
+                        Ok(g) => {
+                            let check = g.check().map(|t| t.get());
+                            say(&format!("try ok {} check {check:?}", g.token().get()));
+                        }
+                        Err(e) => say(&format!("try err {e:?} / {e}")),
+                    }
+                }
+            }
+        }
+        "churn" => {
+            // Take and release the key `KL_N` times, as fast as it goes.
+            let n: usize = std::env::var("KL_N").unwrap().parse().unwrap();
+            let mut got = 0;
+            for _ in 0..n {
+                if table.try_lock(key.clone()).is_ok() {
+                    got += 1;
+                }
+            }
+            say(&format!("churned {got}"));
+        }
         other => panic!("unknown role {other}"),
     }
+}
+
+/// A program that is not keylock, locking `KL_FILE` its own way (`posix`:
+/// a classic `fcntl(F_SETLKW)` write lock of the whole file; `flock`: an
+/// exclusive `flock`) until its stdin closes.
+fn foreign_locker(how: &str) {
+    use std::os::fd::AsRawFd;
+    let path = PathBuf::from(std::env::var("KL_FILE").unwrap());
+    let file = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(&path)
+        .unwrap();
+    let rc = match how {
+        "posix" => {
+            // SAFETY: all zeros is a valid `flock` struct (plain integers).
+            let mut req: libc::flock = unsafe { std::mem::zeroed() };
+            req.l_type = libc::F_WRLCK as libc::c_short;
+            req.l_whence = libc::SEEK_SET as libc::c_short;
+            // SAFETY: `req` is a valid `flock` for the call, the descriptor
+            // is open; F_SETLKW reads and writes only `req`.
+            unsafe { libc::fcntl(file.as_raw_fd(), libc::F_SETLKW, &mut req) }
+        }
+        // SAFETY: the descriptor is open; flock touches no memory.
+        "flock" => unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX) },
+        other => panic!("unknown foreign lock {other}"),
+    };
+    assert_eq!(rc, 0, "{how} lock of {}", path.display());
+    say("locked");
+    let mut rest = String::new();
+    let _ = std::io::Read::read_to_string(&mut std::io::stdin(), &mut rest);
+    drop(file);
 }
 
 fn say(line: &str) {
@@ -154,7 +221,13 @@ impl Kid {
         loop {
             let mut line = String::new();
             let n = self.stdout.read_line(&mut line).unwrap();
-            assert!(n > 0, "child {} exited before saying anything", self.pid());
+            if n == 0 {
+                let status = self.child.wait().unwrap();
+                panic!(
+                    "child {} exited before saying anything: {status}",
+                    self.pid()
+                );
+            }
             // libtest may print "test child_entry ... " before it.
             if let Some(at) = line.find("@@ ") {
                 return line[at + 3..].trim_end().to_owned();
@@ -261,6 +334,7 @@ fn a_sigkilled_holder_frees_the_key_at_once_and_the_timeout_names_it() {
     assert!(text.contains(&format!("token #{token}")), "{text}");
     let ProcessLockError::Timeout {
         holder: Some(holder),
+        by: HeldBy::AnotherProcess,
         ..
     } = err
     else {
@@ -358,6 +432,7 @@ fn try_lock_across_processes() {
     match table.try_lock("k") {
         Err(ProcessLockError::WouldBlock {
             holder: Some(holder),
+            by: HeldBy::AnotherProcess,
         }) => {
             assert_eq!((holder.pid, holder.token.get()), (kid.pid(), token));
             assert_eq!(holder.label.as_deref(), Some("child"));
@@ -1034,5 +1109,353 @@ fn a_taker_that_dies_between_its_swap_and_its_stamp_is_taken_over() {
     assert!(next.token().get() > before.get() + 1);
     assert!(next.check().is_ok());
     drop(next);
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+// ---------------------------------------------------------------- files changed from outside
+
+/// Removes `dir` and makes it again, empty: what a temporary-file cleaner
+/// or an operator may do while tables have the key files cached.
+fn recreate(dir: &Path) {
+    std::fs::remove_dir_all(dir).unwrap();
+    std::fs::create_dir(dir).unwrap();
+}
+
+/// A table whose cache holds `key`'s files answers `WouldBlock` while a
+/// table of the files now named by the path holds it, and then takes the
+/// key on those files.
+fn assert_excluded_by_the_files_the_path_names(
+    cached: &ProcessLockTable<&'static str>,
+    dir: &Path,
+    case: &str,
+) {
+    let fresh = ProcessLockTable::<&str>::open(dir).unwrap();
+    let held = fresh.try_lock("x").unwrap();
+    match cached.try_lock("x") {
+        Err(ProcessLockError::WouldBlock { .. }) => {}
+        Ok(g) => panic!(
+            "{case}: two holders of `x`: token {} and token {}",
+            held.token(),
+            g.token()
+        ),
+        Err(e) => panic!("{case}: {e}"),
+    }
+    assert!(held.check().is_ok(), "{case}");
+    let token = held.token();
+    drop(held);
+    // Now free: the cached table takes it on the path's files, and its
+    // grant is the one another table sees.
+    let again = cached.try_lock("x").unwrap();
+    assert!(again.token() > token, "{case}: {} > {token}", again.token());
+    assert!(again.check().is_ok(), "{case}");
+    let holder = fresh.holder(&"x").unwrap().expect("held");
+    assert_eq!(holder.token, again.token(), "{case}");
+    assert!(matches!(
+        fresh.try_lock("x"),
+        Err(ProcessLockError::WouldBlock { .. })
+    ));
+    drop(again);
+}
+
+#[test]
+fn a_recreated_directory_under_a_cached_table_never_makes_two_holders() {
+    let dir = temp_dir("recreate");
+    let cached = ProcessLockTable::<&str>::open(&dir).unwrap();
+
+    // The whole directory, removed and made again.
+    drop(cached.try_lock("x").unwrap()); // x's files now cached
+    recreate(&dir);
+    assert_excluded_by_the_files_the_path_names(&cached, &dir, "directory recreated");
+
+    // Only `keylock.dir` and the key's file, removed.
+    drop(cached.try_lock("x").unwrap());
+    std::fs::remove_file(dir.join("keylock.dir")).unwrap();
+    std::fs::remove_file(dir.join("key-x.state")).unwrap();
+    assert_excluded_by_the_files_the_path_names(&cached, &dir, "files removed");
+
+    // The directory moved aside (its files still linked there) and a new
+    // one made in its place.
+    drop(cached.try_lock("x").unwrap());
+    let aside = dir.with_extension("aside");
+    let _ = std::fs::remove_dir_all(&aside);
+    std::fs::rename(&dir, &aside).unwrap();
+    std::fs::create_dir(&dir).unwrap();
+    assert_excluded_by_the_files_the_path_names(&cached, &dir, "directory moved aside");
+    std::fs::remove_dir_all(&aside).unwrap();
+
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn a_replaced_key_file_under_a_cached_table_is_never_locked() {
+    let dir = temp_dir("replaced");
+    let cached = ProcessLockTable::<&str>::open(&dir).unwrap();
+    for round in 0..3 {
+        // The key's file replaced (renamed over) by a copy of itself.
+        drop(cached.try_lock("x").unwrap());
+        let copy = dir.join("copy");
+        std::fs::copy(dir.join("key-x.state"), &copy).unwrap();
+        std::fs::rename(&copy, dir.join("key-x.state")).unwrap();
+        assert_excluded_by_the_files_the_path_names(&cached, &dir, &format!("round {round}"));
+    }
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn a_guard_whose_directory_was_moved_aside_fails_its_check() {
+    let dir = temp_dir("moved-guard");
+    let table = ProcessLockTable::<&str>::open(&dir).unwrap();
+    let guard = table.try_lock("x").unwrap();
+    // Its file is still linked (in the moved directory), but the path now
+    // names another file: another table locks that one.
+    let aside = dir.with_extension("aside");
+    let _ = std::fs::remove_dir_all(&aside);
+    std::fs::rename(&dir, &aside).unwrap();
+    std::fs::create_dir(&dir).unwrap();
+    let other = ProcessLockTable::<&str>::open(&dir).unwrap();
+    let theirs = other.try_lock("x").unwrap();
+    assert!(theirs.check().is_ok());
+    assert!(
+        matches!(guard.check(), Err(ProcessLockError::Expired { .. })),
+        "{:?}",
+        guard.check()
+    );
+    assert!(guard.release_checked().is_err());
+    drop(theirs);
+    std::fs::remove_dir_all(&aside).unwrap();
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn a_recreated_directory_never_makes_two_holders_across_processes() {
+    let dir = temp_dir("recreate-procs");
+    // This process has the key's files cached; the directory is made again
+    // and a child takes the key on the new files.
+    let table = Arc::new(ProcessLockTable::<&str>::open(&dir).unwrap());
+    drop(table.try_lock("x").unwrap());
+    recreate(&dir);
+    let mut kid = Kid::spawn("hold", &dir, &[("KL_KEY", "x".into())]);
+    let token = kid.locked_token();
+    assert!(matches!(
+        table.try_lock("x"),
+        Err(ProcessLockError::WouldBlock { .. })
+    ));
+    // `lock` waits for the child, on the files the path names.
+    let (tx, rx) = std::sync::mpsc::channel();
+    let waiter = std::thread::spawn({
+        let table = Arc::clone(&table);
+        move || {
+            let guard = block_on(table.lock_with("x", patient())).unwrap();
+            let check = guard.check().map(|t| t.get()).ok();
+            let holder = table.holder(&"x").unwrap().map(|h| h.token.get());
+            tx.send((guard.token().get(), check, holder)).unwrap();
+        }
+    });
+    while table.stats().file_waiters == 0 && !waiter.is_finished() {
+        std::thread::yield_now();
+    }
+    if let Ok((got, ..)) = rx.try_recv() {
+        // Still held by the child: this is a second holder.
+        kid.tell("check");
+        panic!(
+            "granted token {got} while the child holds {token}: {}",
+            kid.line()
+        );
+    }
+    kid.tell("release");
+    assert_eq!(kid.line(), format!("released ok {token}"));
+    kid.finish();
+    let (got, check, holder) = rx.recv_timeout(PATIENCE).unwrap();
+    waiter.join().unwrap();
+    assert!(got > token, "{got} > {token}");
+    assert_eq!(check, Some(got), "the grant is live");
+    assert_eq!(holder, Some(got), "on the files the path names");
+
+    // The other way round: the child has the files cached, this process
+    // makes the directory again and takes the key.
+    let mut kid = Kid::spawn("relock", &dir, &[("KL_KEY", "x".into())]);
+    assert_eq!(kid.line(), "warm");
+    recreate(&dir);
+    let fresh = ProcessLockTable::<&str>::open(&dir).unwrap();
+    let held = fresh.try_lock("x").unwrap();
+    kid.tell("try");
+    let answer = kid.line();
+    assert!(answer.starts_with("try err WouldBlock"), "{answer}");
+    drop(held);
+    kid.tell("try");
+    let answer = kid.line();
+    assert!(answer.starts_with("try ok"), "{answer}");
+    assert!(answer.contains("check Ok("), "{answer}");
+    kid.finish();
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn open_answers_while_another_program_holds_a_posix_lock_on_the_directory_file() {
+    let dir = temp_dir("posix-dir");
+    drop(ProcessLockTable::<&str>::open(&dir).unwrap()); // makes keylock.dir
+    let file = dir.join("keylock.dir");
+    let mut kid = Kid::spawn(
+        "foreign-posix",
+        &dir,
+        &[("KL_FILE", file.display().to_string())],
+    );
+    assert_eq!(kid.line(), "locked");
+    let (tx, rx) = std::sync::mpsc::channel();
+    let opener = std::thread::spawn({
+        let dir = dir.clone();
+        move || {
+            let opened = ProcessLockTable::<&str>::open(&dir).map(|t| {
+                let token = t.try_lock("k").map(|g| g.token().get());
+                (t, token)
+            });
+            tx.send(opened.map(|(_, token)| token)).unwrap();
+        }
+    });
+    // The patience only keeps a broken build from hanging.
+    let opened = rx
+        .recv_timeout(PATIENCE)
+        .expect("open blocked on another program's lock of keylock.dir");
+    opener.join().unwrap();
+    let token = opened.unwrap().unwrap();
+    assert!(token > 0);
+    kid.finish();
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+fn truncate(path: &Path) {
+    std::fs::OpenOptions::new()
+        .write(true)
+        .open(path)
+        .unwrap()
+        .set_len(0)
+        .unwrap();
+}
+
+#[test]
+fn a_key_file_truncated_from_outside_is_an_error_not_a_crash() {
+    let dir = temp_dir("truncate");
+    let path = dir.join("key-k.state");
+
+    // A holder (in a child, so that a crash is seen, not suffered).
+    let mut kid = Kid::spawn("hold", &dir, &[("KL_LEASE_MS", "60000".into())]);
+    kid.locked_token();
+    truncate(&path);
+    kid.tell("check");
+    let check = kid.line();
+    assert!(check.starts_with("check err"), "{check}");
+    assert!(check.contains("key-k.state"), "names the file: {check}");
+    assert!(check.contains("truncated"), "says what happened: {check}");
+    kid.tell("release");
+    let released = kid.line();
+    assert!(released.starts_with("released err"), "{released}");
+    kid.finish(); // exits normally: no SIGBUS
+
+    // A table with the key's files cached (not held), in a child.
+    std::fs::remove_file(&path).unwrap();
+    let mut kid = Kid::spawn("relock", &dir, &[]);
+    assert_eq!(kid.line(), "warm");
+    truncate(&path);
+    kid.tell("try");
+    let answer = kid.line();
+    assert!(answer.starts_with("try err"), "{answer}");
+    assert!(answer.contains("key-k.state"), "names the file: {answer}");
+    kid.finish();
+
+    // A table opening it afresh refuses it, naming it; nothing is held.
+    let table = ProcessLockTable::<&str>::open(&dir).unwrap();
+    let err = table.try_lock("k").unwrap_err();
+    assert!(err.to_string().contains("key-k.state"), "{err}");
+    assert!(table.try_lock("other").is_ok());
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+// ---------------------------------------------------------------- who holds it
+
+#[test]
+fn another_programs_flock_on_a_key_file_is_not_blamed_on_this_process() {
+    let dir = temp_dir("foreign-flock");
+    let table = ProcessLockTable::<&str>::open(&dir).unwrap();
+    drop(table.try_lock("k").unwrap()); // makes the key's file
+    let file = dir.join("key-k.state");
+    let mut kid = Kid::spawn(
+        "foreign-flock",
+        &dir,
+        &[("KL_FILE", file.display().to_string())],
+    );
+    assert_eq!(kid.line(), "locked");
+    let err = table.try_lock("k").unwrap_err();
+    let text = err.to_string();
+    assert!(
+        matches!(
+            err,
+            ProcessLockError::WouldBlock {
+                holder: None,
+                by: HeldBy::KernelLock
+            }
+        ),
+        "{text}"
+    );
+    assert!(!text.contains("this process"), "{text}");
+    assert!(text.contains("another open file"), "{text}");
+    let err = block_on(table.lock_with("k", LockOptions::new().timeout(Duration::from_millis(20))))
+        .unwrap_err();
+    let text = err.to_string();
+    assert!(
+        matches!(
+            err,
+            ProcessLockError::Timeout {
+                holder: None,
+                by: HeldBy::KernelLock,
+                ..
+            }
+        ),
+        "{text}"
+    );
+    assert!(!text.contains("this process"), "{text}");
+    assert!(text.contains("another open file"), "{text}");
+    kid.finish();
+    assert!(table.try_lock("k").is_ok());
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn a_key_churned_by_another_process_is_never_said_to_be_held_by_this_one() {
+    let dir = temp_dir("churn");
+    let table = ProcessLockTable::<&str>::open(&dir).unwrap();
+    drop(table.try_lock("k").unwrap());
+    let mut kid = Kid::spawn("churn", &dir, &[("KL_N", "200000".into())]);
+    let mut busy = 0;
+    let mut tries = 0u64;
+    while busy < 2000 {
+        tries += 1;
+        if tries % 64 == 0 && kid.child.try_wait().unwrap().is_some() {
+            break;
+        }
+        match table.try_lock("k") {
+            Ok(_) => {}
+            Err(err @ ProcessLockError::WouldBlock { .. }) => {
+                busy += 1;
+                let text = err.to_string();
+                assert!(!text.contains("this process"), "answer {busy}: {text}");
+                let ProcessLockError::WouldBlock { holder, by } = err else {
+                    unreachable!()
+                };
+                assert_ne!(by, HeldBy::ThisProcess, "answer {busy}: {text}");
+                if let Some(holder) = holder {
+                    // Its pid, or 0 for a grant whose stamp was not
+                    // written yet.
+                    assert!(
+                        [kid.pid(), 0].contains(&holder.pid),
+                        "answer {busy}: {text}"
+                    );
+                }
+            }
+            Err(err) => panic!("{err}"),
+        }
+    }
+    eprintln!("{busy} answers `held` in {tries} tries");
+    assert!(kid.line().starts_with("churned"));
+    kid.finish();
     std::fs::remove_dir_all(&dir).unwrap();
 }

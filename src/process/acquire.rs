@@ -15,11 +15,36 @@
 //! only by the first process of a boot to map the file (to reset the state
 //! left from before the reboot).
 //!
-//! An uncontended lock is one lock call (slot 0), a load of the
-//! directory's open epoch (the file is re-checked with `fstat` only if a
-//! key file was opened since: [`super::dir`]), and a compare-and-swap of
-//! the state word in memory; its release is a store into the slot's
+//! An uncontended lock is one lock call (slot 0), a `stat` of the key's
+//! path (below), and a compare-and-swap of the state word in memory; its
+//! release is an `fstat` of the file (its length), a store into the slot's
 //! release cell and one unlock call.
+//!
+//! # The files named by the path, whole
+//!
+//! Before every judgement (so before every grant) the acquirer makes sure
+//! that the key's path still names the file it holds open (device and
+//! inode): a table keeps key files open between uses, and the directory,
+//! or a key's file, may have been removed or moved aside and made again
+//! meanwhile (a temporary-file cleaner, an operator). Locks of the old file
+//! would not exclude a holder of the new one, so a file the path no longer
+//! names is closed (its locks go with it) and the path opened afresh. The
+//! same look tells the file's length: a file shortened by someone else is
+//! refused ([`ProcessLockError::Damaged`]) before its mapping is touched,
+//! since a mapped page beyond the end of a file raises `SIGBUS`.
+//!
+//! Both looks are made at one instant: a file replaced (or shortened) right
+//! after it, before the grant's compare-and-swap, is as one replaced during
+//! the hold. The grant's `check()` makes the same look every time and
+//! fails ([`ProcessLockError::Expired`], or `Damaged`) once the path names
+//! another file, and its release looks at the file's length (`fstat`)
+//! before it stores into the mapping. The windows left run from a look to
+//! the last access of the memory after it: for `check()` and a release,
+//! loads or a store with no call between; for a judgement, at most a few
+//! lock calls that never wait (the length is looked at again after the
+//! disk sync of a new token ceiling, the one call that may take long).
+//! A truncation that lands in one still raises `SIGBUS`, which no look can
+//! prevent short of giving up the shared mapping.
 //!
 //! # The judgement (no lock but the slots)
 //!
@@ -82,13 +107,14 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::task::Poll;
 use std::time::{Duration, Instant};
 
-use super::error::ProcessLockError;
+use super::error::{HeldBy, ProcessLockError};
 use super::helper::{self, KernelWait};
 use super::stamp::{
-    init_file, unix_now_ns, KeyState, NewStamp, ProcessHolder, Stamp, Word, MAX_SLOTS, TAKEN,
+    init_file, unix_now_ns, KeyState, NewStamp, ProcessHolder, Stamp, Word, FILE_LEN, MAX_SLOTS,
+    TAKEN,
 };
 use super::table::Inner;
-use super::unix;
+use super::unix::{self, FileId};
 use crate::clock::Clock;
 use crate::timer::Sleep;
 
@@ -112,11 +138,19 @@ pub(crate) struct KeyFiles {
     /// (its locks belong to another open file than `state`'s), and so the
     /// holder of the slot of a key taken after such a wait.
     pub(crate) spare: Option<File>,
-    /// The directory's open epoch when `state` was last known to be linked
-    /// (see [`super::dir`]).
-    pub(crate) epoch: u64,
-    /// Found deleted by its holder's `check()`: not to be cached again.
+    /// Which file `state` is: the path must still name it.
+    pub(crate) id: FileId,
+    /// Found replaced or damaged by its holder: not to be cached again.
     pub(crate) stale: bool,
+}
+
+/// What a key's path names, against the files a table holds open.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Named {
+    /// The open file, whole.
+    This,
+    /// Another file, or none: the open one was removed or replaced.
+    Other,
 }
 
 /// Which open file of a key holds a slot's lock.
@@ -149,10 +183,13 @@ enum Step {
         token: u64,
     },
     /// Wait for this slot's kernel lock; judge again at `recheck` (on the
-    /// host's monotonic clock) if it comes first.
+    /// host's monotonic clock) if it comes first. `free`: the word's grant
+    /// was released, so the slot is locked with no grant (a waiter about to
+    /// take the key, or a lock taken outside keylock).
     WaitSlot {
         slot: u32,
         recheck: Option<u64>,
+        free: bool,
     },
     /// Every slot is locked (by stuck holders): sleep and judge again.
     Backoff,
@@ -186,10 +223,46 @@ impl KeyFiles {
             .map_err(|e| ProcessLockError::io("lock", &self.path, e))
     }
 
-    /// Whether the state file was deleted since it was opened: its path
-    /// then names another file (or none), whose locks are not ours.
-    pub(crate) fn unlinked(&self) -> Result<bool, ProcessLockError> {
-        unix::is_unlinked(&self.state).map_err(|e| ProcessLockError::io("stat", &self.path, e))
+    /// Whether the key's path still names the open state file (whose
+    /// locks are then the ones every other opener of the path sees), and,
+    /// if so, whether it is still whole (`stat` of the path).
+    ///
+    /// # Errors
+    ///
+    /// [`ProcessLockError::Damaged`] if the path names the open file and
+    /// it was shortened: its mapping must not be touched.
+    pub(crate) fn named(&self) -> Result<Named, ProcessLockError> {
+        match unix::path_id(&self.path).map_err(|e| ProcessLockError::io("stat", &self.path, e))? {
+            Some((id, len)) if id == self.id => {
+                if len < FILE_LEN as u64 {
+                    return Err(self.damaged(len));
+                }
+                Ok(Named::This)
+            }
+            _ => Ok(Named::Other),
+        }
+    }
+
+    /// Whether the open state file is still whole, whatever the path names
+    /// now (`fstat`): before a store into its mapping.
+    ///
+    /// # Errors
+    ///
+    /// [`ProcessLockError::Damaged`] if it was shortened.
+    pub(crate) fn whole(&self) -> Result<(), ProcessLockError> {
+        let (_, len) =
+            unix::file_id(&self.state).map_err(|e| ProcessLockError::io("stat", &self.path, e))?;
+        if len < FILE_LEN as u64 {
+            return Err(self.damaged(len));
+        }
+        Ok(())
+    }
+
+    fn damaged(&self, len: u64) -> ProcessLockError {
+        ProcessLockError::Damaged {
+            path: self.path.clone(),
+            len,
+        }
     }
 }
 
@@ -239,10 +312,8 @@ impl Inner {
     /// Opens (creating if need be) and maps a key's state file.
     pub(crate) fn open_key(&self, stem: &str) -> Result<KeyFiles, ProcessLockError> {
         let path = self.state_path(stem);
-        // Before the open: another process's cached descriptor of a file
-        // this path no longer names is noticed at its next lock.
+        // Before the open: for tables of earlier builds (see `super::dir`).
         self.dir_state.bump();
-        let epoch = self.dir_state.epoch();
         let state = match open_rw(&path) {
             Ok(file) => file,
             Err(err) if err.kind() == io::ErrorKind::NotFound => {
@@ -251,6 +322,7 @@ impl Inner {
             }
             Err(err) => return Err(ProcessLockError::io("open the state file", &path, err)),
         };
+        let (id, _) = unix::file_id(&state).map_err(|e| ProcessLockError::io("stat", &path, e))?;
         let map = KeyState::map(&state, &path, true)?;
         Ok(KeyFiles {
             stem: std::sync::Arc::from(stem),
@@ -258,13 +330,13 @@ impl Inner {
             state,
             map,
             spare: None,
-            epoch,
+            id,
             stale: false,
         })
     }
 
     /// Puts a key's files, which hold no lock now, back into the cache
-    /// (closes them if they were found deleted).
+    /// (closes them if they were found replaced or damaged).
     pub(crate) fn put_back(&self, files: KeyFiles) {
         if !files.stale {
             self.cache.checkin(files);
@@ -310,6 +382,7 @@ impl Inner {
                         return Ok(Step::WaitSlot {
                             slot: current,
                             recheck: None,
+                            free: true,
                         })
                     }
                 },
@@ -330,6 +403,7 @@ impl Inner {
                         return Ok(Step::WaitSlot {
                             slot: current,
                             recheck: Some(now.saturating_add(soon)),
+                            free: false,
                         });
                     };
                     if now < deadline {
@@ -338,6 +412,7 @@ impl Inner {
                         return Ok(Step::WaitSlot {
                             slot: current,
                             recheck: (deadline != super::stamp::NO_LEASE).then_some(deadline),
+                            free: false,
                         });
                     }
                     // Alive, past its lease: mark it taken, so that a renew
@@ -369,7 +444,11 @@ impl Inner {
                 continue;
             };
             test_hook::after_swap();
-            map.reserve(token, &files.path)?;
+            if map.reserve(token, &files.path)? {
+                // A disk sync may take long: look at the file's length
+                // again before the stamp's stores (see the module doc).
+                files.whole()?;
+            }
             let now = unix::monotonic_ns();
             let lease_deadline =
                 lease.map(|l| now.saturating_add(u64::try_from(l.as_nanos()).unwrap_or(u64::MAX)));
@@ -402,11 +481,15 @@ impl Inner {
         Ok(None)
     }
 
-    /// One judgement, first making sure that the file is still linked if
-    /// a key file was opened in the directory since the last look (the
-    /// caller may hold `have`; see [`super::dir`]). `None`: the file had
-    /// been deleted; `files` is opened afresh (and `have` let go with the
-    /// old one).
+    /// One judgement, first making sure that the key's path still names
+    /// the open file, whole (the caller may hold `have`; see the module
+    /// doc). `None`: the path names another file (or none); `files` is
+    /// opened afresh (and `have` let go with the old one).
+    ///
+    /// # Errors
+    ///
+    /// [`ProcessLockError::Damaged`] for a file shortened by someone else;
+    /// the caller drops (closes) the files, which lets `have` go.
     #[inline]
     fn judge_checked(
         &self,
@@ -414,26 +497,26 @@ impl Inner {
         have: Option<Have>,
         lease: Option<Duration>,
     ) -> Result<Option<Step>, ProcessLockError> {
-        let epoch = self.dir_state.epoch();
-        if epoch != files.epoch {
-            if files.unlinked()? {
-                // Closing the deleted file's descriptors lets its locks go.
-                *files = self.open_key(&std::sync::Arc::clone(&files.stem))?;
-                return Ok(None);
-            }
-            files.epoch = epoch;
+        if files.named()? == Named::Other {
+            // Closing the old file's descriptors lets its locks go.
+            *files = self.open_key(&std::sync::Arc::clone(&files.stem))?;
+            return Ok(None);
         }
         self.judge(files, have, lease).map(Some)
     }
 
-    /// Takes the key now if no live holder has it (no wait): `None` if one
-    /// has.
+    /// Takes the key now if no live holder has it (no wait): `Err(by)` if
+    /// one has, where `by` says who kept it should its file show no grant
+    /// by the time it is read ([`Self::who_holds`]): [`HeldBy::KernelLock`]
+    /// if the judgement found the slot locked with no grant, else
+    /// [`HeldBy::Ended`].
     pub(crate) fn try_grant(
         &self,
         stem: &str,
         lease: Option<Duration>,
-    ) -> Result<Option<Grant>, ProcessLockError> {
+    ) -> Result<Result<Grant, HeldBy>, ProcessLockError> {
         let mut files = self.key_files(stem)?;
+        let mut by = HeldBy::Ended;
         for _ in 0..4 {
             let have = files.try_slot(0)?.then_some(Have {
                 slot: 0,
@@ -442,18 +525,24 @@ impl Inner {
             match self.judge_checked(&mut files, have, lease)? {
                 None => {}
                 Some(Step::Granted { slot, on, token }) => {
-                    return Ok(Some(Grant {
+                    return Ok(Ok(Grant {
                         files,
                         slot,
                         on,
                         token,
                     }))
                 }
-                Some(Step::WaitSlot { .. } | Step::Backoff) => break,
+                Some(Step::WaitSlot { free, .. }) => {
+                    if free {
+                        by = HeldBy::KernelLock;
+                    }
+                    break;
+                }
+                Some(Step::Backoff) => break,
             }
         }
         self.put_back(files);
-        Ok(None)
+        Ok(Err(by))
     }
 
     /// Waits for the key until `deadline`.
@@ -492,7 +581,11 @@ impl Inner {
                         token,
                     })
                 }
-                Step::WaitSlot { slot, recheck } => {
+                Step::WaitSlot {
+                    slot,
+                    recheck,
+                    free,
+                } => {
                     if on_this_thread && deadline.is_none() && recheck.is_none() {
                         // Only the kernel can end this wait: make it here,
                         // on the caller's own (blocking) thread.
@@ -533,7 +626,12 @@ impl Inner {
                         Some(Err(e)) => return Err(ProcessLockError::io("lock", &files.path, e)),
                         None => {
                             if deadline.is_some_and(|d| Instant::now() >= d) {
-                                return Err(self.timeout(stem, started));
+                                let no_grant = if free {
+                                    HeldBy::KernelLock
+                                } else {
+                                    HeldBy::Ended
+                                };
+                                return Err(self.timeout(stem, started, no_grant));
                             }
                             // The holder's lease deadline: judge again.
                         }
@@ -544,41 +642,83 @@ impl Inner {
                     let at = deadline.map_or(at, |d| d.min(at));
                     Sleeper::new(at).await;
                     if deadline.is_some_and(|d| Instant::now() >= d) {
-                        return Err(self.timeout(stem, started));
+                        return Err(self.timeout(stem, started, HeldBy::Ended));
                     }
                 }
             }
         }
     }
 
-    pub(crate) fn timeout(&self, stem: &str, started: Instant) -> ProcessLockError {
+    /// The timeout of a wait for `stem`, naming who kept the key;
+    /// `no_grant` says who, should the key's file show no grant (see
+    /// [`Self::who_holds`]): [`HeldBy::ThisProcess`] for a wait that ran
+    /// out in the process's own queue.
+    pub(crate) fn timeout(
+        &self,
+        stem: &str,
+        started: Instant,
+        no_grant: HeldBy,
+    ) -> ProcessLockError {
+        // Diagnosis must never replace the timeout it explains.
+        let (holder, by) = self.blocker(stem, no_grant);
         ProcessLockError::Timeout {
             waited: started.elapsed(),
-            // Diagnosis must never replace the timeout it explains.
-            holder: self.holder_of(stem).ok().flatten().map(Box::new),
+            holder,
+            by,
             path: self.state_path(stem),
+        }
+    }
+
+    /// Who kept `stem` from a caller, for an error: as [`Self::who_holds`]
+    /// says. Never fails: a file that cannot be read is said so (unless
+    /// `no_grant` is [`HeldBy::ThisProcess`], which stays true).
+    pub(crate) fn blocker(
+        &self,
+        stem: &str,
+        no_grant: HeldBy,
+    ) -> (Option<Box<ProcessHolder>>, HeldBy) {
+        match self.who_holds(stem, no_grant) {
+            Ok((holder, by)) => (holder.map(Box::new), by),
+            Err(_) if no_grant == HeldBy::ThisProcess => (None, HeldBy::ThisProcess),
+            Err(_) => (None, HeldBy::Unknown),
         }
     }
 
     /// Reads a key's state word and owner stamp and asks the kernel whether
     /// its holder is alive.
     pub(crate) fn holder_of(&self, stem: &str) -> Result<Option<ProcessHolder>, ProcessLockError> {
+        self.who_holds(stem, HeldBy::Ended)
+            .map(|(holder, _)| holder)
+    }
+
+    /// Who holds a key now, from its file alone: its grant's stamp (and
+    /// whether its holder is alive, from the kernel) and whose it is
+    /// (this process if the stamp's pid is ours); with no grant, the
+    /// caller's `no_grant` (what it knows of the moment before: a slot it
+    /// found locked with no grant, a caller of this process ahead of it,
+    /// or nothing). A key without a grant is never probed with a lock of
+    /// its own, which could make another process's `try_lock` fail.
+    pub(crate) fn who_holds(
+        &self,
+        stem: &str,
+        no_grant: HeldBy,
+    ) -> Result<(Option<ProcessHolder>, HeldBy), ProcessLockError> {
         let path = self.state_path(stem);
         let file = match File::open(&path) {
             Ok(file) => file,
-            Err(err) if err.kind() == io::ErrorKind::NotFound => return Ok(None),
+            Err(err) if err.kind() == io::ErrorKind::NotFound => return Ok((None, no_grant)),
             Err(err) => return Err(ProcessLockError::io("open the state file", &path, err)),
         };
         let map = KeyState::map(&file, &path, false)?;
         if !map.this_boot() {
             // Written before a reboot: nobody holds it now.
-            return Ok(None);
+            return Ok((None, no_grant));
         }
         let mut word = map.load();
         let mut stamp = None;
         for _ in 0..16 {
             if map.released(word) {
-                return Ok(None);
+                return Ok((None, no_grant));
             }
             stamp = map.read_stamp(word);
             if stamp.is_some() {
@@ -595,7 +735,12 @@ impl Inner {
             .map_err(|e| ProcessLockError::io("lock", &path, e))?;
         drop(map);
         drop(file);
-        Ok(ProcessHolder::from_stamp(&stamp, alive, now))
+        let by = if stamp.pid == unix::pid() {
+            HeldBy::ThisProcess
+        } else {
+            HeldBy::AnotherProcess
+        };
+        Ok((ProcessHolder::from_stamp(&stamp, alive, now), by))
     }
 }
 

@@ -17,11 +17,12 @@
 //!   the child shares the parent's open files, so its locks on them would
 //!   not exclude the parent's.
 //!
-//! The files of a key are never deleted by the table, and an acquirer
-//! re-checks that the path still names the file it locked (`nlink != 0`)
-//! whenever a key file was opened in the directory since it last looked
-//! (see [`super::dir`]), opening it again if not; so a cached descriptor of
-//! a deleted file is noticed before the file that replaced it is locked.
+//! The files of a key are never deleted by the table, and before every
+//! judgement an acquirer makes sure that the key's path still names the
+//! file it holds open (device and inode; see [`super::acquire`]), opening
+//! the path again if not; so a cached descriptor of a file that was
+//! removed or replaced, alone or with its whole directory, is never used
+//! for a grant.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, PoisonError};

@@ -56,8 +56,12 @@ pub enum ProcessLockError {
     },
     /// The key is held by a live holder and the caller would not wait.
     WouldBlock {
-        /// Who holds it, as its stamp says.
+        /// Who holds it, as its stamp says (`None` if no grant could be
+        /// read: see `by`).
         holder: Option<Box<ProcessHolder>>,
+        /// Who kept the key: this process, another process, or a kernel
+        /// lock on the key's file without a grant.
+        by: HeldBy,
     },
     /// The wait ran out.
     Timeout {
@@ -65,18 +69,88 @@ pub enum ProcessLockError {
         waited: Duration,
         /// Who held the key when the caller gave up: pid, whether it holds
         /// its kernel lock (is alive), its token, how long it had held the
-        /// key, its label. `None` if the key had no holder (another waiter
-        /// of this process was ahead).
+        /// key, its label. `None` if no grant could be read (see `by`).
         holder: Option<Box<ProcessHolder>>,
+        /// Who kept the key when the caller gave up.
+        by: HeldBy,
         /// The key's state file.
         path: PathBuf,
     },
+    /// A key's state file was shortened (truncated) by something other than
+    /// keylock while in use. The key's state is lost: a grant of it has
+    /// lost its authority (do not commit), and the key is refused until the
+    /// file is removed (the key then starts afresh, its fencing tokens
+    /// included). The process is not harmed: the file's memory is not
+    /// touched once its size is found wrong.
+    Damaged {
+        /// The state file.
+        path: PathBuf,
+        /// Its length when it was found damaged, in bytes.
+        len: u64,
+    },
     /// The grant lost its authority: its lease lapsed and another process
-    /// took the key over, or its state file was deleted. Do not commit.
+    /// took the key over, or its state file was removed or replaced (alone
+    /// or with its directory: the key's path names another file now, which
+    /// others may lock). Do not commit.
     Expired {
         /// The token of the grant that lost the key.
         token: FencingToken,
     },
+}
+
+/// Who kept a key from a caller: in [`ProcessLockError::WouldBlock`] and
+/// [`ProcessLockError::Timeout`].
+///
+/// ```
+/// # let dir = std::env::temp_dir().join(format!("keylock-doc-heldby-{}", std::process::id()));
+/// # std::fs::create_dir_all(&dir).unwrap();
+/// use keylock::{process::HeldBy, ProcessLockError, ProcessLockTable};
+/// let table = ProcessLockTable::open(&dir)?;
+/// let guard = table.try_lock("k")?;
+/// let err = table.try_lock("k").unwrap_err();
+/// assert!(matches!(err, ProcessLockError::WouldBlock { by: HeldBy::ThisProcess, .. }));
+/// # drop(guard);
+/// # std::fs::remove_dir_all(&dir).unwrap();
+/// # Ok::<(), ProcessLockError>(())
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum HeldBy {
+    /// This process: a grant of this process holds the key (a guard of this
+    /// table or of another), or a caller of this process is ahead of this
+    /// one in the process's queue for the key (a grant it waits for, if
+    /// any, is in `holder`, whoever made it).
+    ThisProcess,
+    /// Another process: the key's grant names it (its pid is in `holder`);
+    /// also a grant whose stamp was not written yet (a few microseconds
+    /// after it is made; `holder` says pid 0), whoever made it.
+    AnotherProcess,
+    /// No grant holds the key, but the kernel lock the next grant needs is
+    /// taken by another open file of the key's state file: a waiter (of
+    /// this process or another) that the kernel just handed it, about to
+    /// take the key, or a program that locks the file outside keylock.
+    KernelLock,
+    /// The grant that kept the key ended while the answer was made: the key
+    /// may be free now.
+    Ended,
+    /// The key's state file could not be read to say who (the error that
+    /// says why was set aside for the one being answered).
+    Unknown,
+}
+
+impl fmt::Display for HeldBy {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Self::ThisProcess => "this process",
+            Self::AnotherProcess => "another process",
+            Self::KernelLock => {
+                "a kernel lock of another open file of the key's state file, with no grant \
+                 (a waiter about to take the key, or a program locking the file outside keylock)"
+            }
+            Self::Ended => "a grant that ended as this answer was made (the key may be free now)",
+            Self::Unknown => "a holder that could not be read from the key's state file",
+        })
+    }
 }
 
 impl ProcessLockError {
@@ -110,32 +184,40 @@ impl fmt::Display for ProcessLockError {
                 path.display()
             ),
             Self::InvalidOptions { option, reason } => write!(f, "invalid {option}: {reason}"),
-            Self::WouldBlock { holder } => {
-                f.write_str("the key is held")?;
+            Self::WouldBlock { holder, by } => {
+                write!(f, "the key is held by {by}")?;
                 match holder {
-                    Some(h) => write!(f, " by {h}"),
-                    None => f.write_str(" (by another waiter of this process)"),
+                    Some(h) => write!(f, ": {h}"),
+                    None => Ok(()),
                 }
             }
             Self::Timeout {
                 waited,
                 holder,
+                by,
                 path,
             } => {
                 write!(
                     f,
-                    "timed out after {waited:?} waiting for `{}`",
+                    "timed out after {waited:?} waiting for `{}`; held by {by}",
                     path.display()
                 )?;
                 match holder {
-                    Some(h) => write!(f, "; held by {h}"),
-                    None => f.write_str("; it had no holder (a waiter of this process was ahead)"),
+                    Some(h) => write!(f, ": {h}"),
+                    None => Ok(()),
                 }
             }
+            Self::Damaged { path, len } => write!(
+                f,
+                "`{}` was truncated to {len} bytes while in use (keylock never shortens it): \
+                 the key's state is lost and no grant of it is valid; remove the file to start \
+                 the key afresh (its fencing tokens restart)",
+                path.display()
+            ),
             Self::Expired { token } => write!(
                 f,
                 "grant {token} has lost the key (its lease lapsed and another process took it \
-                 over, or its files were deleted); do not commit its work"
+                 over, or its file was removed or replaced); do not commit its work"
             ),
         }
     }

@@ -5,7 +5,7 @@ use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::{Duration, Instant};
 
-use super::acquire::{instant_of_monotonic, Grant, KeyFiles, On};
+use super::acquire::{instant_of_monotonic, Grant, KeyFiles, Named, On};
 use super::error::ProcessLockError;
 use super::stamp::{Word, NO_LEASE, TAKEN};
 use super::table::{Inner, ProcessLockTable};
@@ -38,19 +38,29 @@ enum Standing {
     Live(u64),
     /// The word names this grant, past its lease; nobody took the key yet.
     Lapsed(u64),
-    /// The word names another grant, a taker marked the lease taken, or
-    /// the file was deleted: the key was (or is being) taken over.
+    /// The word names another grant, or a taker marked the lease taken:
+    /// the key was (or is being) taken over.
     Lost,
+    /// The key's path no longer names the grant's file (it was removed or
+    /// replaced, or its directory was): another table may lock the file
+    /// it names now.
+    Replaced,
 }
 
-/// How the grant of `token` on `slot` stands now.
+/// How the grant of `token` on `slot` stands now: first whether the key's
+/// path still names its file, whole (a `stat`), and only then the file's
+/// memory.
+///
+/// # Errors
+///
+/// [`ProcessLockError::Damaged`] if the file was shortened from outside.
 fn standing(
     files: &KeyFiles,
     token: FencingToken,
     slot: u32,
 ) -> Result<Standing, ProcessLockError> {
-    if files.unlinked()? {
-        return Ok(Standing::Lost);
+    if files.named()? == Named::Other {
+        return Ok(Standing::Replaced);
     }
     let map = &files.map;
     if map.load()
@@ -108,14 +118,19 @@ impl<K> Held<K> {
         let Some(files) = files.as_mut() else {
             return Err(ProcessLockError::Expired { token });
         };
-        match standing(files, token, self.slot)? {
-            Standing::Live(_) => Ok(token),
-            _ => {
-                // Deleted: not to be used again by this process.
-                if files.unlinked()? {
+        match standing(files, token, self.slot) {
+            Ok(Standing::Live(_)) => Ok(token),
+            Ok(Standing::Replaced) => {
+                // Not to be used again by this process.
+                files.stale = true;
+                Err(ProcessLockError::Expired { token })
+            }
+            Ok(Standing::Lapsed(_) | Standing::Lost) => Err(ProcessLockError::Expired { token }),
+            Err(err) => {
+                if matches!(err, ProcessLockError::Damaged { .. }) {
                     files.stale = true;
                 }
-                Err(ProcessLockError::Expired { token })
+                Err(err)
             }
         }
     }
@@ -126,7 +141,7 @@ impl<K> Held<K> {
             Standing::Live(lease) | Standing::Lapsed(lease) => {
                 Ok((lease != NO_LEASE).then(|| instant_of_monotonic(lease)))
             }
-            Standing::Lost => Err(ProcessLockError::Expired { token }),
+            Standing::Lost | Standing::Replaced => Err(ProcessLockError::Expired { token }),
         })
     }
 
@@ -171,27 +186,49 @@ impl<K> Held<K> {
     /// in-process grant go. With `checked`, first reads whether the grant
     /// was live to the end: `Ok(token)` if so. Idempotent: a second call
     /// finds nothing to release.
+    ///
+    /// The cell is written only if the file is still whole (an `fstat`
+    /// first: a store into a page beyond a shortened file's end would
+    /// raise `SIGBUS`); the slot is let go in any case, and a file found
+    /// damaged or replaced is closed, not cached.
     fn release(&mut self, checked: bool) -> Result<FencingToken, ProcessLockError> {
         let token = self.token;
-        let Some(files) = self.files().take() else {
+        let Some(mut files) = self.files().take() else {
             return Err(ProcessLockError::Expired { token });
         };
         let verdict = if checked {
             match standing(&files, token, self.slot) {
                 Ok(Standing::Live(_)) => Ok(token),
+                Ok(Standing::Replaced) => {
+                    files.stale = true;
+                    Err(ProcessLockError::Expired { token })
+                }
                 // Lapsed (the cell below frees the key) or taken over (the
                 // word names the successor, on another slot: the cell of
                 // this grant's slot frees nothing of it).
-                Ok(_) => Err(ProcessLockError::Expired { token }),
+                Ok(Standing::Lapsed(_) | Standing::Lost) => {
+                    Err(ProcessLockError::Expired { token })
+                }
                 Err(err) => Err(err),
             }
         } else {
             Ok(token)
         };
-        // While the slot is still held: nobody else writes its cell.
-        files.map.release(self.slot, token.get());
+        let whole = files.whole();
+        if whole.is_ok() {
+            // While the slot is still held: nobody else writes its cell.
+            files.map.release(self.slot, token.get());
+        }
+        let verdict = match (verdict, whole) {
+            (Ok(_), Err(err)) => Err(err),
+            (verdict, _) => verdict,
+        };
+        if matches!(verdict, Err(ProcessLockError::Damaged { .. })) {
+            files.stale = true;
+        }
         match files.unlock_slot(self.slot, self.on) {
-            // No lock left on the files: they may serve the next lock.
+            // No lock left on the files: they may serve the next lock
+            // (unless replaced or damaged: `put_back` closes those).
             Ok(()) => self.inner.put_back(files),
             // Closing them frees the lock.
             Err(_) => drop(files),
@@ -220,14 +257,18 @@ macro_rules! process_guard_methods {
             self.held.token
         }
 
-        /// The commit-time fence: `Ok(token)` only while the key's state
-        /// file still names this grant and its lease (if any) has not
-        /// lapsed, judged now on the host's monotonic clock.
+        /// The commit-time fence: `Ok(token)` only while the key's path
+        /// still names the grant's state file, that file still names this
+        /// grant, and its lease (if any) has not lapsed, judged now on the
+        /// host's monotonic clock.
         ///
         /// # Errors
         ///
-        /// [`ProcessLockError::Expired`] once the grant lost the key;
-        /// [`ProcessLockError::Io`] if the state file cannot be read.
+        /// [`ProcessLockError::Expired`] once the grant lost the key
+        /// (taken over, or its file removed or replaced);
+        /// [`ProcessLockError::Damaged`] if its file was truncated from
+        /// outside; [`ProcessLockError::Io`] if the state file cannot be
+        /// read.
         pub fn check(&self) -> Result<FencingToken, ProcessLockError> {
             self.held.check()
         }
@@ -242,7 +283,9 @@ macro_rules! process_guard_methods {
         ///
         /// # Errors
         ///
-        /// [`ProcessLockError::Expired`] if another grant took the key.
+        /// [`ProcessLockError::Expired`] if another grant took the key (or
+        /// its file was removed or replaced); [`ProcessLockError::Damaged`]
+        /// if its file was truncated from outside.
         pub fn expires_at(&self) -> Result<Option<Instant>, ProcessLockError> {
             self.held.expires_at()
         }
@@ -254,8 +297,9 @@ macro_rules! process_guard_methods {
         /// # Errors
         ///
         /// [`ProcessLockError::Expired`] if the grant lost the key or its
-        /// lease lapsed; [`ProcessLockError::InvalidOptions`] for a lease of
-        /// zero or over an hour.
+        /// lease lapsed; [`ProcessLockError::Damaged`] if its file was
+        /// truncated from outside; [`ProcessLockError::InvalidOptions`] for
+        /// a lease of zero or over an hour.
         pub fn renew(&self, lease: Duration) -> Result<(), ProcessLockError> {
             self.held.renew(lease)
         }
@@ -266,9 +310,10 @@ macro_rules! process_guard_methods {
         ///
         /// # Errors
         ///
-        /// [`ProcessLockError::Expired`], or [`ProcessLockError::Io`] if the
-        /// state file could not be written (the key is freed all the same:
-        /// its slot lock is let go).
+        /// [`ProcessLockError::Expired`], [`ProcessLockError::Damaged`] if
+        /// its file was truncated from outside, or [`ProcessLockError::Io`]
+        /// if the state file could not be written (the key is freed all the
+        /// same: its slot lock is let go).
         pub fn release_checked(mut self) -> Result<FencingToken, ProcessLockError> {
             self.held.release(true)
         }

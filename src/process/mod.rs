@@ -77,18 +77,25 @@
 //! The directory holds `keylock.dir` (one page: a counter of key file
 //! opens, mapped by every table), and per key one file,
 //! `key-<encoded>.state` (28 KiB, allocated when created). Key files are
-//! never deleted, truncated or replaced by the table: doing so while
-//! processes use them is unsupported (a holder of a deleted file sees its
-//! `check()` fail, and every table notices before it locks the file that
-//! replaced it, but the key starts afresh, tokens included; a file
-//! truncated while mapped makes its users crash with `SIGBUS`). See
-//! [`MAX_ENCODED_KEY`] for the key encoding.
+//! never deleted, truncated or replaced by the table. Doing so from outside
+//! while processes use them loses the key's state, but never makes two
+//! holders or crashes a process: before every grant a table makes sure
+//! that the key's path still names the file it holds open, and whole (a
+//! `stat`), so a file removed or replaced, alone or with the whole
+//! directory, is opened afresh (the key starts afresh, tokens included),
+//! and the holder of the old one sees its `check()` fail
+//! ([`ProcessLockError::Expired`]); a file shortened (truncated) is
+//! refused ([`ProcessLockError::Damaged`]) before its memory is touched,
+//! which would raise `SIGBUS` (a truncation landing between that look and
+//! the accesses right after it still would: see docs/ARCHITECTURE.md,
+//! "Process scope"). See [`MAX_ENCODED_KEY`] for the key encoding.
 //!
 //! A table keeps the files of the keys it used last open and mapped, at
 //! most [`ProcessStats::MAX_CACHED_KEYS`] of them (a descriptor or two
 //! each), so that taking a key again opens nothing: an uncontended lock and
-//! release is two system calls, the lock and the unlock of slot 0 (see
-//! BENCHMARKS.md).
+//! release is four system calls, the lock and the unlock of slot 0, a
+//! `stat` of the key's path before the grant and an `fstat` of the file
+//! before the release (see docs/ARCHITECTURE.md, "System calls").
 //!
 //! # File systems
 //!
@@ -116,7 +123,7 @@ mod stamp;
 mod table;
 mod unix;
 
-pub use error::ProcessLockError;
+pub use error::{HeldBy, ProcessLockError};
 pub use guard::{OwnedProcessGuard, ProcessGuard};
 pub use key::MAX_ENCODED_KEY;
 pub use stamp::{ProcessHolder, MAX_LABEL};

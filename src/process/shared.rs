@@ -12,10 +12,12 @@
 //!
 //! - A [`Mapping`] covers a whole file whose length was checked against the
 //!   expected length before mapping it, and the file is never shortened by
-//!   the table (a file truncated by someone else while mapped would make an
-//!   access raise `SIGBUS`: like deleting it, that is unsupported). Files
-//!   are sized with `posix_fallocate` when created, so the blocks exist and
-//!   a full disk fails the creation, never a later store.
+//!   the table. A file truncated by someone else while mapped makes an
+//!   access beyond its new end raise `SIGBUS`: the users of a mapping look
+//!   at the file's length (`stat`/`fstat`) before they touch it, and stop
+//!   using it once it is short (see [`super::acquire`]). Files are sized
+//!   with `posix_fallocate` when created, so the blocks exist and a full
+//!   disk fails the creation, never a later store.
 //! - Word offsets are multiples of 8 and inside the mapping (checked).
 
 use std::fs::File;

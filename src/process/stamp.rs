@@ -359,12 +359,13 @@ impl KeyState {
     }
 
     /// Makes a ceiling at or above `token` durable before it is handed out
-    /// (the caller won the grant of `token`).
+    /// (the caller won the grant of `token`): `Ok(true)` if that took a
+    /// new ceiling and a disk sync, `Ok(false)` if one was durable already.
     #[inline]
-    pub(crate) fn reserve(&self, token: u64, path: &Path) -> Result<(), ProcessLockError> {
+    pub(crate) fn reserve(&self, token: u64, path: &Path) -> Result<bool, ProcessLockError> {
         let (reserved, next) = self.reserved();
         if token <= reserved {
-            return Ok(());
+            return Ok(false);
         }
         let ceiling = token + RESERVE_BLOCK;
         let at = RESERVE_AT[next];
@@ -374,7 +375,8 @@ impl KeyState {
         self.map.word(at + 16).store(sum, Ordering::Release);
         self.map
             .sync(RESERVE_PAGE)
-            .map_err(|err| ProcessLockError::io("reserve fencing tokens in", path, err))
+            .map_err(|err| ProcessLockError::io("reserve fencing tokens in", path, err))?;
+        Ok(true)
     }
 
     /// Writes slot `slot`'s stamp (its holder does, right after its grant).
@@ -652,6 +654,60 @@ mod tests {
         token.store(6, Ordering::SeqCst);
         assert_eq!(state.read_stamp(word), None);
         assert_eq!(state.lease_of(word), None);
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    /// The stamp's sequence lock, raced: a writer re-stamps the slot for
+    /// grant after grant (tokens increasing, as a slot's are; every field
+    /// derived from the token) while a reader, through a mapping of its own
+    /// as another process would have, reads the stamp of the grant whose
+    /// token it just saw. An accepted stamp is always all one grant's: a
+    /// writer that stopped zeroing the token before its stores would let
+    /// the reader accept a stamp mixing two grants' fields.
+    #[test]
+    #[cfg_attr(miri, ignore = "maps files: not under miri")]
+    fn a_reader_racing_a_re_stamping_writer_never_accepts_a_mixed_stamp() {
+        use std::sync::atomic::AtomicBool;
+        const GRANTS: u64 = 100_000;
+        let (dir, path, file) = temp("race");
+        let writer = KeyState::map(&file, &path, true).unwrap();
+        let reader = KeyState::map(&file, &path, false).unwrap();
+        let of = |token: u64| Stamp {
+            pid: u32::try_from(token).unwrap(),
+            token,
+            lease_deadline: Some(token * 3),
+            granted_mono: token * 5,
+            granted_unix_ns: token * 7,
+            host: format!("host-{token}"),
+            label: Some(format!("label-{token}")),
+        };
+        let stamps: Vec<Stamp> = (1..=GRANTS).map(of).collect();
+        let done = AtomicBool::new(false);
+        let accepted = std::thread::scope(|s| {
+            // Bounded, so that a failed assertion below ends the test.
+            s.spawn(|| {
+                for stamp in &stamps {
+                    writer.write_stamp(0, &stamp.borrow());
+                }
+                done.store(true, Ordering::SeqCst);
+            });
+            let mut accepted = 0u64;
+            while !done.load(Ordering::SeqCst) {
+                let token = reader
+                    .map
+                    .word(stamp_at(0) + S_TOKEN)
+                    .load(Ordering::SeqCst);
+                if token == 0 {
+                    continue;
+                }
+                if let Some(read) = reader.read_stamp(Word { token, slot: 0 }) {
+                    assert_eq!(read, of(token), "a stamp mixing two grants' fields");
+                    accepted += 1;
+                }
+            }
+            accepted
+        });
+        eprintln!("{accepted} stamps accepted, each whole");
         std::fs::remove_dir_all(&dir).unwrap();
     }
 

@@ -13,10 +13,10 @@ use std::time::{Duration, Instant};
 use super::acquire::Grant;
 use super::cache::{FileCache, CACHED_KEYS};
 use super::dir::DirState;
-use super::error::ProcessLockError;
+use super::error::{HeldBy, ProcessLockError};
 use super::guard::{Held, OwnedProcessGuard, ProcessGuard};
+use super::key;
 use super::stamp::{ProcessHolder, MAX_LABEL};
-use super::{key, unix};
 use crate::{LockError, LockOptions, LockTable, Mode, OwnedGuard, DEFAULT_MAX_LEASE};
 
 /// What every guard and future of a table shares.
@@ -32,7 +32,7 @@ pub(crate) struct Inner {
     /// The open files of recently used keys (shared with the tables made
     /// from this one by `with_label`).
     pub(crate) cache: Arc<FileCache>,
-    /// The directory's open epoch (shared with the tables made from this
+    /// The directory's `keylock.dir` (shared with the tables made from this
     /// one by `with_label`).
     pub(crate) dir_state: Arc<DirState>,
 }
@@ -107,7 +107,9 @@ impl<K: AsRef<[u8]>> ProcessLockTable<K> {
     /// file system with open file description locks (local ext4, xfs,
     /// btrfs, tmpfs: yes; see the
     /// [module documentation](crate::process#file-systems)). Checks both
-    /// now, by taking a kernel lock on `dir/keylock.dir`.
+    /// now, by trying a kernel lock on `dir/keylock.dir`; it never waits
+    /// for one (a lock another program holds on that file proves the file
+    /// system's locks as well).
     ///
     /// # Errors
     ///
@@ -133,21 +135,7 @@ impl<K: AsRef<[u8]>> ProcessLockTable<K> {
                 std::io::Error::new(std::io::ErrorKind::NotADirectory, "not a directory"),
             ));
         }
-        let probe = dir.join("keylock.dir");
-        let file = std::fs::OpenOptions::new()
-            .read(true)
-            .write(true)
-            .create(true)
-            .truncate(false)
-            .open(&probe)
-            .map_err(|e| ProcessLockError::io("create a file in the lock directory", &probe, e))?;
-        // Shared, so that tables opening at once do not exclude each other.
-        unix::lock_range(&file, unix::Kind::Shared, 0, 1)
-            .and_then(|()| unix::unlock_range(&file, 0, 1))
-            .map_err(|e| {
-                ProcessLockError::io("take a kernel lock (fcntl F_OFD_SETLKW) on", &probe, e)
-            })?;
-        let dir_state = Arc::new(DirState::map(&file, &probe)?);
+        let dir_state = Arc::new(DirState::open(&dir)?);
         Ok(Self {
             inner: Arc::new(Inner {
                 dir,
@@ -283,7 +271,7 @@ async fn local_lock(
         .await
     {
         Ok(guard) => Ok(guard),
-        Err(LockError::Timeout { .. }) => Err(inner.timeout(stem, started)),
+        Err(LockError::Timeout { .. }) => Err(inner.timeout(stem, started, HeldBy::ThisProcess)),
         Err(other) => Err(ProcessLockError::InvalidOptions {
             option: "options",
             reason: other.to_string(),
@@ -324,16 +312,22 @@ fn try_acquire<K: AsRef<[u8]>>(
     let local = match Arc::clone(&inner.local).try_lock_owned(stem.clone()) {
         Ok(local) => local,
         Err(_) => {
-            return Err(ProcessLockError::WouldBlock {
-                holder: inner.holder_of(&stem).ok().flatten().map(Box::new),
-            })
+            // Another caller of this process has the key or is ahead; the
+            // file says who holds it.
+            let (holder, by) = inner.blocker(&stem, HeldBy::ThisProcess);
+            return Err(ProcessLockError::WouldBlock { holder, by });
         }
     };
     match inner.try_grant(&stem, lease)? {
-        Some(grant) => Ok(held(inner, key, grant, local, lease)),
-        None => Err(ProcessLockError::WouldBlock {
-            holder: inner.holder_of(&stem)?.map(Box::new),
-        }),
+        Ok(grant) => Ok(held(inner, key, grant, local, lease)),
+        Err(no_grant) => {
+            drop(local);
+            let (holder, by) = inner.who_holds(&stem, no_grant)?;
+            Err(ProcessLockError::WouldBlock {
+                holder: holder.map(Box::new),
+                by,
+            })
+        }
     }
 }
 
@@ -368,8 +362,8 @@ fn try_first<K: AsRef<[u8]>>(
         return Ok(Err(key));
     };
     Ok(match inner.try_grant(&stem, lease)? {
-        Some(grant) => Ok(held(inner, key, grant, local, lease)),
-        None => Err(key),
+        Ok(grant) => Ok(held(inner, key, grant, local, lease)),
+        Err(_) => Err(key),
     })
 }
 
@@ -441,7 +435,9 @@ impl<K: AsRef<[u8]> + Send> ProcessLockTable<K> {
     /// [`ProcessLockError::Key`] for a key that cannot be encoded,
     /// [`ProcessLockError::Io`] naming the file when the file system fails
     /// (full disk, permissions), [`ProcessLockError::Corrupt`] for a state
-    /// file that is not one of ours. Nothing is held after an error.
+    /// file that is not one of ours, [`ProcessLockError::Damaged`] for one
+    /// truncated from outside while this table kept it open. Nothing is
+    /// held after an error.
     ///
     /// # Cancel safety
     ///
@@ -473,7 +469,8 @@ impl<K: AsRef<[u8]> + Send> ProcessLockTable<K> {
     /// # Errors
     ///
     /// As [`lock`](Self::lock); [`ProcessLockError::Timeout`] naming the
-    /// holder when the wait runs out; [`ProcessLockError::InvalidOptions`]
+    /// holder (and whether it is this process, another, or a kernel lock
+    /// without a grant: [`HeldBy`](super::HeldBy)) when the wait runs out; [`ProcessLockError::InvalidOptions`]
     /// for a lease of zero or over an hour, or shared mode.
     ///
     /// # Cancel safety
@@ -641,7 +638,7 @@ impl<K: AsRef<[u8]> + Send> ProcessLockTable<K> {
     /// Takes `key` now if no live holder has it: a holder that died is taken
     /// over at once, as is one whose lease lapsed; a live holder (or a
     /// waiter of this process ahead) answers [`ProcessLockError::WouldBlock`]
-    /// naming it.
+    /// naming it, and saying whose it is ([`HeldBy`](super::HeldBy)).
     ///
     /// # Errors
     ///

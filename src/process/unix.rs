@@ -262,17 +262,40 @@ pub(crate) fn pid() -> u32 {
     pid
 }
 
-/// Whether `file` was unlinked from its directory since it was opened: a
-/// lock on it then protects nothing that a later opener of the path sees.
-pub(crate) fn is_unlinked(file: &File) -> io::Result<bool> {
-    // SAFETY: all zeros is a valid `stat` (plain integers).
-    let mut st: libc::stat = unsafe { std::mem::zeroed() };
-    // SAFETY: `st` is a valid, exclusively borrowed `stat` for the call,
-    // and `file` keeps its descriptor open; fstat writes only `st`.
-    if unsafe { libc::fstat(file.as_raw_fd(), &mut st) } != 0 {
-        return Err(io::Error::last_os_error());
+/// Which file an open descriptor or a path names: its device and inode
+/// numbers. While a descriptor of a file is open, its inode cannot be
+/// freed, so no other file of that device gets its number: a path whose
+/// identity is an open file's names that very file.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct FileId {
+    dev: u64,
+    ino: u64,
+}
+
+impl FileId {
+    fn of(meta: &std::fs::Metadata) -> Self {
+        use std::os::unix::fs::MetadataExt;
+        Self {
+            dev: meta.dev(),
+            ino: meta.ino(),
+        }
     }
-    Ok(st.st_nlink == 0)
+}
+
+/// The identity and length of an open file (`fstat`).
+pub(crate) fn file_id(file: &File) -> io::Result<(FileId, u64)> {
+    let meta = file.metadata()?;
+    Ok((FileId::of(&meta), meta.len()))
+}
+
+/// The identity and length of the file `path` names now (`stat`, following
+/// symbolic links as `open` does), or `None` if it names none.
+pub(crate) fn path_id(path: &Path) -> io::Result<Option<(FileId, u64)>> {
+    match std::fs::metadata(path) {
+        Ok(meta) => Ok(Some((FileId::of(&meta), meta.len()))),
+        Err(err) if err.kind() == io::ErrorKind::NotFound => Ok(None),
+        Err(err) => Err(err),
+    }
 }
 
 /// Allocates the first `len` bytes of `file` on the disk
