@@ -273,7 +273,7 @@ pub(super) fn grant_times(terms: Terms, now: &mut Now<'_>) -> (Stamp, Stamp) {
 /// The deadline and start of a grant with `lease`: one clock read and one
 /// conversion to a stamp; the deadline is the start plus the lease, in
 /// nanoseconds.
-#[inline]
+#[inline(always)]
 pub(super) fn lease_from(lease: PackedDuration, now: &mut Now<'_>) -> (Stamp, Stamp) {
     match lease.nanos() {
         Some(nanos) => {
