@@ -126,6 +126,31 @@ impl<K> Deadlock<K> {
     pub fn cycle(&self) -> &[CycleWait<K>] {
         &self.cycle
     }
+
+    /// The same cycle with each key passed through `f` (to own a borrowed
+    /// key, or to name it another way).
+    ///
+    /// ```
+    /// use keylock::Deadlock;
+    /// fn owned(deadlock: Deadlock<&str>) -> Deadlock<String> {
+    ///     deadlock.map_key(str::to_owned)
+    /// }
+    /// # let _ = owned;
+    /// ```
+    #[must_use]
+    pub fn map_key<K2>(self, mut f: impl FnMut(K) -> K2) -> Deadlock<K2> {
+        Deadlock {
+            cycle: self
+                .cycle
+                .into_iter()
+                .map(|w| CycleWait {
+                    transaction: w.transaction,
+                    key: f(w.key),
+                    mode: w.mode,
+                })
+                .collect(),
+        }
+    }
 }
 
 impl<K: fmt::Debug> fmt::Display for Deadlock<K> {

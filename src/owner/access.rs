@@ -61,6 +61,43 @@ pub(crate) struct Owner<R> {
     /// Keeps the transaction's label registered with its table while the
     /// transaction lives (labeled transactions only).
     pub(crate) _label: Option<crate::labels::Alive>,
+    /// Set when a call of the transaction failed in a way that a retry
+    /// of the whole transaction may not (it was a deadlock's victim, or its
+    /// upgrade conflicted with another's): what the retry helper
+    /// (`retry.rs`) asks, whatever error the caller's closure returned.
+    /// Written only on those failures.
+    pub(crate) retryable: AtomicBool,
+}
+
+impl<R> Owner<R> {
+    pub(crate) fn new(reach: R, opts: Resolved, label: Option<crate::labels::Alive>) -> Self {
+        Self {
+            reach,
+            opts,
+            _label: label,
+            retryable: AtomicBool::new(false),
+        }
+    }
+
+    /// Notes `out`'s failure, if retryable (see [`Owner::retryable`]).
+    #[inline]
+    pub(crate) fn note<T, K>(&self, out: &Result<T, TransactionError<K>>) {
+        if let Err(error) = out {
+            if error.is_retryable() {
+                self.note_retryable();
+            }
+        }
+    }
+
+    #[cold]
+    fn note_retryable(&self) {
+        self.retryable.store(true, Ordering::Relaxed);
+    }
+
+    /// Whether a call failed retryably (see [`Owner::retryable`]).
+    pub(crate) fn failed_retryably(&self) -> bool {
+        self.retryable.load(Ordering::Relaxed)
+    }
 }
 
 /// The transaction ended while a call was pending.

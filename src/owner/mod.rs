@@ -11,7 +11,7 @@
 //! held keys with their re-entry counts (`held.rs`), one key's lock and
 //! the operations over all keys (`single.rs`), many keys at once
 //! (`multi.rs`), wait policies and options (`policy.rs`), errors
-//! (`error.rs`).
+//! (`error.rs`), retrying a whole transaction (`retry.rs`).
 //!
 //! # The life of a transaction
 //!
@@ -35,6 +35,7 @@ mod held;
 mod multi;
 mod policy;
 mod reach;
+mod retry;
 mod single;
 
 use std::borrow::Borrow;
@@ -54,7 +55,8 @@ use access::{Direct, Owner, SetOf, Shared};
 use held::{HeldSet, NotReleased};
 use reach::{GuardOps, Pinned, Reach};
 
-pub use error::TransactionError;
+pub use error::{TransactionError, TransactionFailure};
+pub use retry::RetryPolicy;
 
 /// A per-call list: inline up to four items (a transfer's two accounts, a
 /// small `lock_all`), on the heap past that.
@@ -154,11 +156,7 @@ impl<K: Eq + Hash, S: BuildHasher> LockTable<K, S> {
             .label
             .map(|label| self.labels().register(opts.id.get(), label));
         Transaction {
-            owner: Owner {
-                reach: self,
-                opts,
-                _label: label,
-            },
+            owner: Owner::new(self, opts, label),
             set: HeldSet::default(),
         }
     }
@@ -202,11 +200,7 @@ impl<K: Eq + Hash, S: BuildHasher> LockTable<K, S> {
             .label
             .map(|label| self.labels().register(opts.id.get(), label));
         OwnedTransaction {
-            shared: Arc::new(Shared::new(Owner {
-                reach: Pinned::new(self),
-                opts,
-                _label: label,
-            })),
+            shared: Arc::new(Shared::new(Owner::new(Pinned::new(self), opts, label))),
         }
     }
 }

@@ -117,11 +117,12 @@ where
 {
     // Everything but the wait happens in a plain function, so that this
     // future keeps only its arguments and a box across its one await.
-    let wait = match lock_now(&mut access, key, mode, policy) {
-        Ok(done) => return done,
-        Err(wait) => wait,
+    let out = match lock_now(&mut access, key, mode, policy) {
+        Ok(done) => done,
+        Err(wait) => { wait }.await,
     };
-    wait.await
+    access.owner().note(&out);
+    out
 }
 
 /// The lock as far as it goes without waiting: done, or the boxed wait.
