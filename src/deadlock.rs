@@ -42,7 +42,9 @@
 //!
 //! Bounded: one search visits at most the table's search limit of
 //! transactions ([`Builder::deadlock_search_limit`](crate::Builder::deadlock_search_limit));
-//! a cycle past it is not found, and its waiters keep their timeouts.
+//! a wait whose search reaches it without closing a cycle is answered as a
+//! *presumed* deadlock (as RocksDB does past its depth limit), naming the
+//! depth reached and the chain followed, so no cycle is left unanswered.
 //! Nothing here runs while no transaction waits, and plain guards never
 //! reach it. No user code but `K: Eq` runs under the registry's mutex: keys are held in
 //! `Arc`s (cloned into the answer after it is released); `K: Eq` runs in
@@ -109,9 +111,23 @@ pub struct CycleWait<K> {
 /// # Ok::<(), TransactionError<&str>>(())
 /// # }).unwrap();
 /// ```
+///
+/// A search visits at most the table's search limit of transactions
+/// ([`Builder::deadlock_search_limit`](crate::Builder::deadlock_search_limit),
+/// 50 by default). A wait whose search reached the limit without closing a
+/// cycle is answered too, as a *presumed* deadlock (as RocksDB does past
+/// its depth limit): [`presumed_depth`](Self::presumed_depth) is then the
+/// depth reached, and [`cycle`](Self::cycle) the chain of waits the search
+/// followed up to it (not closed: its last wait is blocked by a
+/// transaction the search did not go past). A wait-for chain that long is
+/// answered whether or not it closes further on: raise the limit if
+/// transactions legitimately wait in chains that long.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Deadlock<K> {
     cycle: Vec<CycleWait<K>>,
+    /// Presumed: the depth the search reached, and the transaction it did
+    /// not go past (blocking the chain's last wait).
+    presumed: Option<(usize, TransactionId)>,
 }
 
 impl<K> Deadlock<K> {
@@ -121,10 +137,27 @@ impl<K> Deadlock<K> {
         self.cycle[0].transaction
     }
 
-    /// The waits of the cycle, the victim's first.
+    /// The waits of the cycle, the victim's first (for a presumed
+    /// deadlock, the chain the search followed up to its limit).
     #[must_use]
     pub fn cycle(&self) -> &[CycleWait<K>] {
         &self.cycle
+    }
+
+    /// `Some(depth)` if the deadlock is presumed, not confirmed: the search
+    /// from the victim's wait reached its limit of `depth` transactions
+    /// without closing a cycle (see the type's doc). `None` for a cycle
+    /// found and confirmed.
+    #[must_use]
+    pub fn presumed_depth(&self) -> Option<usize> {
+        self.presumed.map(|(depth, _)| depth)
+    }
+
+    /// Whether the deadlock is presumed (the search reached its limit), not
+    /// confirmed.
+    #[must_use]
+    pub fn is_presumed(&self) -> bool {
+        self.presumed.is_some()
     }
 
     /// The same cycle with each key passed through `f` (to own a borrowed
@@ -149,23 +182,39 @@ impl<K> Deadlock<K> {
                     mode: w.mode,
                 })
                 .collect(),
+            presumed: self.presumed,
         }
     }
 }
 
 impl<K: fmt::Debug> fmt::Display for Deadlock<K> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "deadlock: ")?;
+        match self.presumed {
+            None => write!(f, "deadlock: ")?,
+            Some((depth, _)) => write!(
+                f,
+                "presumed deadlock: the search for a cycle through {}'s wait reached its \
+                 limit of {depth} transactions without closing one: ",
+                self.victim()
+            )?,
+        }
         for (i, wait) in self.cycle.iter().enumerate() {
-            let next = &self.cycle[(i + 1) % self.cycle.len()];
+            let next = match (self.cycle.get(i + 1), self.presumed) {
+                (Some(next), _) => next.transaction,
+                (None, Some((_, beyond))) => beyond,
+                (None, None) => self.cycle[0].transaction,
+            };
             if i > 0 {
                 write!(f, "; ")?;
             }
             write!(
                 f,
-                "{} waits for {:?} ({}), blocked by {}",
-                wait.transaction, wait.key, wait.mode, next.transaction
+                "{} waits for {:?} ({}), blocked by {next}",
+                wait.transaction, wait.key, wait.mode
             )?;
+        }
+        if self.presumed.is_some() {
+            f.write_str(", not searched further")?;
         }
         write!(f, " ({} is the victim)", self.victim())
     }
@@ -255,8 +304,10 @@ impl<K> Copy for Node<'_, K> {}
 /// How deep a search goes before its path and visited set allocate.
 const INLINE_DEPTH: usize = 16;
 
-/// A cycle as recorded: keys shared with the registry, cloned on reading.
-type Record<K> = Vec<(u64, Arc<K>, Mode)>;
+/// A cycle as recorded: keys shared with the registry, cloned on reading;
+/// for a presumed deadlock, the chain the search followed, with the depth
+/// it reached and the transaction it did not go past.
+type Record<K> = (Vec<(u64, Arc<K>, Mode)>, Option<(usize, u64)>);
 
 /// The registry and its bounds; one per table.
 pub(crate) struct Detector<K> {
@@ -312,8 +363,11 @@ pub struct DeadlockStats {
     pub visited: u64,
     /// The most transactions one search visited.
     pub deepest: u64,
-    /// Cycles answered (each with one victim).
+    /// Cycles answered (each with one victim), presumed ones included.
     pub cycles: u64,
+    /// Of those, the presumed ones: waits whose search reached the limit
+    /// without closing a cycle (see [`Deadlock::presumed_depth`]).
+    pub presumed: u64,
 }
 
 /// A registered wait.
@@ -359,6 +413,9 @@ struct Walk<'r, K> {
     /// ahead that is not registered on one (its mode taken from the edge):
     /// either may be gone, so its answer may not be the table's.
     may_differ: bool,
+    /// Where the limit first cut the walk: the path to the wait whose edge
+    /// it did not follow, and that edge's transaction.
+    cut: Option<(Vec<Node<'r, K>>, u64)>,
 }
 
 /// Whether the walk passes over `to`, reached from `from` as a waiter ahead
@@ -476,6 +533,7 @@ impl<K: Eq + Hash, S: BuildHasher> LockTable<K, S> {
             let mut dropped = None;
             if let Some(record) = &found {
                 registry.counts.cycles += 1;
+                registry.counts.presumed += u64::from(record.1.is_some());
                 registry
                     .waiting
                     .get_mut(&owner)
@@ -557,18 +615,28 @@ impl<K: Eq + Hash, S: BuildHasher> LockTable<K, S> {
         let walk = self.find_cycle(registry, owner, limit, Read::Cached);
         let (cycle, visited) = match walk.cycle {
             Some(cycle) if !walk.may_differ && !walk.may_miss && self.confirm(&cycle) => {
-                (Some(cycle), walk.visited)
+                (Some((cycle, None)), walk.visited)
             }
             None if !walk.may_miss && !walk.may_differ => (None, walk.visited),
             _ => {
                 let exact = self.find_cycle(registry, owner, limit, Read::Table);
-                (exact.cycle.filter(|c| self.confirm(c)), exact.visited)
+                // No cycle confirmed, and the walk from the table reached
+                // the limit: a presumed deadlock (the chain it followed).
+                let found = match exact.cycle.filter(|c| self.confirm(c)) {
+                    Some(cycle) => Some((cycle, None)),
+                    None => exact
+                        .cut
+                        .map(|(path, beyond)| (path, Some((limit, beyond)))),
+                };
+                (found, exact.visited)
             }
         };
-        let record = cycle.map(|c| {
-            c.iter()
+        let record = cycle.map(|(c, presumed)| {
+            let waits = c
+                .iter()
                 .map(|n| (n.owner, Arc::clone(n.key), n.mode))
-                .collect()
+                .collect();
+            (waits, presumed)
         });
         (record, visited)
     }
@@ -594,6 +662,7 @@ impl<K: Eq + Hash, S: BuildHasher> LockTable<K, S> {
             visited: None,
             may_miss: false,
             may_differ: false,
+            cut: None,
         };
         let Some(start) = registry
             .waiting
@@ -661,6 +730,9 @@ impl<K: Eq + Hash, S: BuildHasher> LockTable<K, S> {
             }
             if visited.len() >= limit {
                 walk.may_miss = true;
+                if walk.cut.is_none() {
+                    walk.cut = Some((path.to_vec(), edge.to));
+                }
                 continue;
             }
             visited.push(edge.to);
@@ -765,8 +837,10 @@ impl<K: Eq + Hash, S: BuildHasher> LockTable<K, S> {
 
 /// The answer for a recorded cycle (keys cloned: no lock is held).
 fn answer<K: Clone>(record: &Record<K>) -> Deadlock<K> {
+    let (waits, presumed) = record;
     Deadlock {
-        cycle: record
+        presumed: presumed.map(|(depth, beyond)| (depth, TransactionId::from_raw(beyond))),
+        cycle: waits
             .iter()
             .map(|(o, key, mode)| CycleWait {
                 transaction: TransactionId::from_raw(*o),
