@@ -116,3 +116,80 @@ fn a_ring_of_the_limit_is_confirmed_and_one_longer_is_presumed() {
     assert_eq!(d.cycle()[0].transaction, d.victim());
     unwind(&table, members, calls);
 }
+
+/// Issue 26's example: `a` holds x, `b` holds y, `c` holds z; `a.lock(y)`
+/// and then `a.lock(z)` are both pending. `c.lock(x)` closes the cycle
+/// c -> a -> c through `a`'s second call, and must be answered.
+#[test]
+fn a_cycle_through_an_owned_transactions_second_pending_call_is_answered() {
+    let table = Arc::new(LockTable::<u32>::new());
+    let (x, y, z) = (1, 2, 3);
+    let a = table.clone().transaction_owned();
+    let b = table.clone().transaction_owned();
+    let c = table.clone().transaction_owned();
+    for (t, k) in [(&a, x), (&b, y), (&c, z)] {
+        assert!(poll(call(t.lock(k, Mode::Exclusive)).as_mut()).is_ready());
+    }
+    let mut a_y = call(a.lock(y, Mode::Exclusive));
+    assert!(poll(a_y.as_mut()).is_pending());
+    let mut a_z = call(a.lock(z, Mode::Exclusive));
+    assert!(poll(a_z.as_mut()).is_pending());
+    let mut c_x = call(c.lock(x, Mode::Exclusive));
+    let answered = poll(c_x.as_mut());
+    let Poll::Ready(Err(TransactionError::Deadlock(d))) = answered else {
+        panic!("c's wait closes the cycle through a's second call: {answered:?}");
+    };
+    assert_eq!(d.victim(), c.id());
+    let waits: Vec<_> = d.cycle().iter().map(|w| (w.transaction, w.key)).collect();
+    assert_eq!(
+        waits,
+        [(c.id(), x), (a.id(), z)],
+        "named on a's right call: {d}"
+    );
+    assert!(!d.is_presumed());
+    // c aborts: a gets z; b commits: a gets y.
+    drop(c_x);
+    c.abort();
+    assert!(matches!(poll(a_z.as_mut()), Poll::Ready(Ok(_))));
+    b.commit().unwrap();
+    assert!(matches!(poll(a_y.as_mut()), Poll::Ready(Ok(_))));
+    drop((a_y, a_z));
+    a.commit().unwrap();
+    assert!(table.is_empty());
+}
+
+/// The same cycle closed by the second call itself: `c` holds z and waits
+/// for x (held by `a`); `a` waits for y, then asks z: that second wait
+/// closes a -> c -> a, and is answered.
+#[test]
+fn an_owned_transactions_second_pending_call_that_closes_a_cycle_is_answered() {
+    let table = Arc::new(LockTable::<u32>::new());
+    let (x, y, z) = (1, 2, 3);
+    let a = table.clone().transaction_owned();
+    let b = table.clone().transaction_owned();
+    let c = table.clone().transaction_owned();
+    for (t, k) in [(&a, x), (&b, y), (&c, z)] {
+        assert!(poll(call(t.lock(k, Mode::Exclusive)).as_mut()).is_ready());
+    }
+    let mut c_x = call(c.lock(x, Mode::Exclusive));
+    assert!(poll(c_x.as_mut()).is_pending());
+    let mut a_y = call(a.lock(y, Mode::Exclusive));
+    assert!(poll(a_y.as_mut()).is_pending());
+    let mut a_z = call(a.lock(z, Mode::Exclusive));
+    let answered = poll(a_z.as_mut());
+    let Poll::Ready(Err(TransactionError::Deadlock(d))) = answered else {
+        panic!("a's second wait closes the cycle: {answered:?}");
+    };
+    let waits: Vec<_> = d.cycle().iter().map(|w| (w.transaction, w.key)).collect();
+    assert_eq!(waits, [(a.id(), z), (c.id(), x)], "{d}");
+    // Only that call failed: a's wait for y goes on. a aborts; c gets x.
+    drop(a_z);
+    assert!(poll(a_y.as_mut()).is_pending());
+    drop(a_y);
+    a.abort();
+    assert!(matches!(poll(c_x.as_mut()), Poll::Ready(Ok(_))));
+    drop(c_x);
+    c.commit().unwrap();
+    b.commit().unwrap();
+    assert!(table.is_empty());
+}

@@ -40,7 +40,7 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::task::{Poll, Waker};
 
-use crate::deadlock::Deadlock;
+use crate::deadlock::{wait_id, Deadlock};
 use crate::loom::AtomicBool;
 use crate::mode::Mode;
 use crate::owner::error::TransactionError;
@@ -504,8 +504,8 @@ where
     struct Watch<'a, A: Access> {
         access: &'a mut A,
         slot: Option<usize>,
-        /// Registered with the detector.
-        detecting: bool,
+        /// Registered with the detector, under this id.
+        detecting: Option<usize>,
     }
     impl<A: Access> Drop for Watch<'_, A> {
         fn drop(&mut self) {
@@ -513,9 +513,13 @@ where
             if let Some(slot) = self.slot.take() {
                 self.access.unwatch(slot);
             }
-            if self.detecting {
+            if let Some(id) = self.detecting {
                 let owner = self.access.owner();
-                owner.reach.table().detector().leave(owner.opts.id.get());
+                owner
+                    .reach
+                    .table()
+                    .detector()
+                    .leave(owner.opts.id.get(), id);
             }
         }
     }
@@ -524,7 +528,7 @@ where
     let mut watch = Watch {
         access,
         slot: None,
-        detecting: false,
+        detecting: None,
     };
     let mut searched = false;
     poll_fn(|cx| {
@@ -552,15 +556,13 @@ where
                 let access = &*watch.access;
                 let awaited = || wait.holding != Holding::TheSet || access.set_is_awaited();
                 // Set first: if the search panics (a key's `Eq`), the wait
-                // it registered is unregistered as the guard drops.
-                watch.detecting = true;
-                match table.enter_wait(id, wait.hash, key, wait.mode, awaited) {
-                    Ok(registered) => watch.detecting = registered,
-                    Err(deadlock) => {
-                        // Registered: the guard unregisters it as it drops.
-                        watch.detecting = true;
-                        return Poll::Ready(Err(Stop::Deadlock(deadlock)));
-                    }
+                // it registered is unregistered as the guard drops. (A
+                // transaction's other pending calls have waits of their
+                // own, each under its call's key cell.)
+                watch.detecting = Some(wait_id(&key));
+                if let Err(deadlock) = table.enter_wait(id, wait.hash, key, wait.mode, awaited) {
+                    // Registered: the guard unregisters it as it drops.
+                    return Poll::Ready(Err(Stop::Deadlock(deadlock)));
                 }
             }
         }
