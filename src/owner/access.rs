@@ -13,9 +13,13 @@
 //! A woken future (or one that completes on its own) finds the mark at its
 //! next step, releases what it had got (its guard, or its waiter slot) and
 //! fails with [`TransactionError::Ended`](crate::TransactionError::Ended).
-//! A future that is never polled again keeps only what any dropped-later
-//! lock future keeps (a queued waiter, or a key granted to it and not yet
-//! seen), until it is dropped.
+//! A future that is never polled again (or is forgotten) keeps nothing
+//! of the table once the end is done with it: a new key's wait keeps its
+//! table lock future in a cell the transaction cancels as it ends
+//! (`pending.rs`), so its waiter leaves the queue and a grant handed to it
+//! and not yet seen passes on. (An upgrade's or a `lock_all`'s wait still
+//! keeps, until the future is dropped, what any dropped-later lock future
+//! keeps.)
 //!
 //! No guard is released, no key dropped and no waker of a pending future
 //! woken while the lock is held: they are user code (a waker may call back
@@ -45,6 +49,7 @@ use crate::loom::AtomicBool;
 use crate::mode::Mode;
 use crate::owner::error::TransactionError;
 use crate::owner::held::{Acquired, Found, HeldSet};
+use crate::owner::pending::{self, PendingList, PendingLock};
 use crate::owner::policy::Resolved;
 use crate::owner::reach::Reach;
 use crate::owner::single::{GuardOf, KeyOf};
@@ -154,7 +159,15 @@ pub(crate) trait Access {
     fn watch(&mut self, slot: &mut Option<usize>, waker: &Waker) -> bool;
 
     fn unwatch(&mut self, slot: usize);
+
+    /// Puts a waiting call's lock future on the transaction's list of
+    /// pending calls (`pending.rs`), which the transaction's end cancels;
+    /// `Err` if it has ended.
+    fn pend(&mut self, pending: &Arc<PendingLock<LockOf<Self>>>) -> Result<(), Ended>;
 }
+
+/// The table lock future of an owner's calls.
+pub(crate) type LockOf<A> = <<A as Access>::R as Reach>::Lock;
 
 /// What [`Access::fast`] did.
 #[derive(Debug)]
@@ -174,6 +187,8 @@ pub(crate) enum Fast<K> {
 pub(crate) struct Direct<'a, R: Reach> {
     pub(crate) owner: &'a Owner<R>,
     pub(crate) set: &'a mut SetOf<R>,
+    /// The transaction's pending calls (see `pending.rs`).
+    pub(crate) pending: &'a mut PendingList<R::Lock>,
 }
 
 impl<R: Reach> Access for Direct<'_, R> {
@@ -228,6 +243,11 @@ impl<R: Reach> Access for Direct<'_, R> {
 
     #[inline]
     fn unwatch(&mut self, _: usize) {}
+
+    fn pend(&mut self, pending: &Arc<PendingLock<R::Lock>>) -> Result<(), Ended> {
+        pending::push(self.pending, pending);
+        Ok(())
+    }
 }
 
 /// The owned form's state, shared by the handle and its pending futures.
@@ -266,6 +286,9 @@ fn fast_in<R: Reach>(
 
 struct State<R: Reach> {
     set: SetOf<R>,
+    /// Pending calls' lock futures, cancelled when the transaction ends
+    /// (see `pending.rs`).
+    pending: PendingList<R::Lock>,
     /// The wakers of pending futures, woken when the transaction ends.
     watchers: Vec<Option<Waker>>,
     free: Vec<usize>,
@@ -276,6 +299,7 @@ impl<R: Reach> Shared<R> {
         Self {
             state: ShardMutex::new(State {
                 set: HeldSet::default(),
+                pending: Vec::new(),
                 watchers: Vec::new(),
                 free: Vec::new(),
             }),
@@ -318,19 +342,26 @@ impl<R: Reach> Shared<R> {
     /// unlocking), then wakes its pending futures, even if `release`
     /// panics. `None` if it had already ended.
     pub(crate) fn end_with<T>(&self, release: impl FnOnce(SetOf<R>) -> T) -> Option<T> {
-        let (slots, watchers) = {
+        let (slots, pending, watchers) = {
             let mut state = self.lock();
             if self.ended.swap(true, Ordering::Relaxed) {
                 return None;
             }
             let slots = state.set.take();
             state.free = Vec::new();
-            (slots, std::mem::take(&mut state.watchers))
+            let pending = std::mem::take(&mut state.pending);
+            (slots, pending, std::mem::take(&mut state.watchers))
         };
         // Release first, so the keys are free by the time anyone is woken;
         // a panic in a key's drop still releases the rest (see `HeldSet`'s
-        // drop) and still wakes everyone.
-        let released = catch_unwind(AssertUnwindSafe(|| release(slots)));
+        // drop) and still wakes everyone. Then the pending calls' lock
+        // futures go (a forgotten call's waiter leaves its queue, its
+        // unobserved grant passes on: `pending.rs`).
+        let released = catch_unwind(AssertUnwindSafe(|| {
+            let out = release(slots);
+            pending::cancel_all(pending);
+            out
+        }));
         let mut panic = None;
         for waker in watchers.into_iter().flatten() {
             if let Err(payload) = catch_unwind(AssertUnwindSafe(|| waker.wake())) {
@@ -425,6 +456,15 @@ impl<R: Reach> Access for Arc<Shared<R>> {
         drop(locked);
         drop(old);
         false
+    }
+
+    fn pend(&mut self, pending: &Arc<PendingLock<R::Lock>>) -> Result<(), Ended> {
+        let mut state = self.lock();
+        if self.ended.load(Ordering::Relaxed) {
+            return Err(Ended);
+        }
+        pending::push(&mut state.pending, pending);
+        Ok(())
     }
 
     fn unwatch(&mut self, slot: usize) {
