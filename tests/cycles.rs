@@ -193,3 +193,40 @@ fn an_owned_transactions_second_pending_call_that_closes_a_cycle_is_answered() {
     b.commit().unwrap();
     assert!(table.is_empty());
 }
+
+/// Edges that changed after a search cached them produce no answer: `c`'s
+/// wait for x cached "blocked by a"; `a` then lets x go (granted to `c`,
+/// whose call has not seen it yet, so its wait is still registered) and
+/// waits for z, held by `c`. The walk on cached edges finds a -> c -> a;
+/// the confirmation with the shards locked refuses it (`c` is no longer
+/// queued for x), the walk from the table finds nothing, and `a` waits on.
+#[test]
+fn a_cycle_found_on_edges_gone_since_they_were_cached_is_not_answered() {
+    let table = Arc::new(LockTable::<u32>::new());
+    let (x, z, p) = (1, 3, 9);
+    let _plain = table.try_lock(p).unwrap();
+    let (a, c, d) = (
+        table.clone().transaction_owned(),
+        table.clone().transaction_owned(),
+        table.clone().transaction_owned(),
+    );
+    assert!(poll(call(a.lock(x, Mode::Exclusive)).as_mut()).is_ready());
+    assert!(poll(call(c.lock(z, Mode::Exclusive)).as_mut()).is_ready());
+    // d waits (on a plain guard) so that c's wait is searched, and cached.
+    let mut d_p = call(d.lock(p, Mode::Exclusive));
+    assert!(poll(d_p.as_mut()).is_pending());
+    let mut c_x = call(c.lock(x, Mode::Exclusive));
+    assert!(poll(c_x.as_mut()).is_pending());
+    a.release(&x).unwrap(); // handed to c's waiter, not yet seen
+    let mut a_z = call(a.lock(z, Mode::Exclusive));
+    let answered = poll(a_z.as_mut());
+    assert!(answered.is_pending(), "no cycle on the table: {answered:?}");
+    assert_eq!(table.deadlock_stats().cycles, 0);
+    assert!(matches!(poll(c_x.as_mut()), Poll::Ready(Ok(_))));
+    drop(c_x);
+    c.commit().unwrap();
+    assert!(matches!(poll(a_z.as_mut()), Poll::Ready(Ok(_))));
+    drop((a_z, d_p));
+    drop((a, d));
+    assert!(table.is_locked(&p) && table.len() == 1);
+}
