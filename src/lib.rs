@@ -246,7 +246,12 @@
 //!   grant still holds its key and releases them all;
 //!   [`abort`](Transaction::abort) and drop release them all, from any
 //!   thread, even while a lock future of an owned transaction is pending
-//!   elsewhere (it then fails with [`TransactionError::Ended`]).
+//!   elsewhere (it then fails with [`TransactionError::Ended`]). A call
+//!   that waits for a new key keeps nothing once its transaction ended,
+//!   even if its future was forgotten (`mem::forget`) rather than dropped:
+//!   the end takes its waiter out of the queue, or passes on a grant it
+//!   was handed and never saw. (A forgotten `lock_all` or upgrade still
+//!   keeps what it holds.)
 //!
 //! Errors name the key ([`TransactionError`]), so the lock methods ask
 //! `K: Clone` (a key is cloned when it goes to the table, never for a
