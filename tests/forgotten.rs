@@ -121,3 +121,44 @@ fn a_pending_owned_call_fails_ended_and_holds_nothing() {
     drop(f);
     assert!(table.is_empty());
 }
+
+/// The call's lock future is polled with no lock of the transaction's
+/// held: a waker whose `clone` (run by the table as the waiter queues)
+/// ends the transaction does not spin; the call fails `Ended` and nothing
+/// stays queued or held.
+#[test]
+fn a_waker_that_ends_the_transaction_while_the_call_polls_does_not_spin() {
+    use std::cell::RefCell;
+    use std::task::{RawWaker, RawWakerVTable};
+
+    thread_local! {
+        static END: RefCell<Option<keylock::OwnedTransaction<&'static str>>> =
+            const { RefCell::new(None) };
+    }
+    fn clone(_: *const ()) -> RawWaker {
+        // The first clone ends the transaction (dropped here, in the poll).
+        END.with(|end| drop(end.borrow_mut().take()));
+        RawWaker::new(std::ptr::null(), &VTABLE)
+    }
+    fn noop(_: *const ()) {}
+    static VTABLE: RawWakerVTable = RawWakerVTable::new(clone, noop, noop, noop);
+
+    let table = Arc::new(LockTable::<&'static str>::new());
+    let blocker = table.try_lock("b").unwrap();
+    let t = table.clone().transaction_owned();
+    let mut f = Box::pin(t.lock("b", Mode::Exclusive));
+    END.with(|end| *end.borrow_mut() = Some(t));
+    // SAFETY: the vtable's functions ignore the data pointer (null) and
+    // uphold `RawWaker`'s contract (clone returns a waker of the same
+    // vtable; wake and drop do nothing).
+    let waker = unsafe { Waker::from_raw(RawWaker::new(std::ptr::null(), &VTABLE)) };
+    let polled = f.as_mut().poll(&mut Context::from_waker(&waker));
+    assert!(
+        matches!(polled, Poll::Ready(Err(keylock::TransactionError::Ended))),
+        "{polled:?}"
+    );
+    assert!(END.with(|end| end.borrow().is_none()), "the clone ended it");
+    assert_eq!(table.waiters("b"), 0, "nothing queued");
+    drop(blocker);
+    assert!(table.is_empty());
+}

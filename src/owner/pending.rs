@@ -19,10 +19,12 @@
 //!
 //! The future is boxed inside the cell, so cancelling moves a pointer out
 //! and drops the future after the cell's lock is released (its drop enters
-//! the table, which wakes what it must after its own unlock). A poll holds
-//! the cell's lock while it polls: the table's shard lock is taken inside
-//! it, never the other way, and the transaction's own lock (owned form) is
-//! never held across either.
+//! the table, which wakes what it must after its own unlock). A poll takes
+//! the box out of the cell, polls it with no lock held (the poll runs user
+//! code: a waker's `clone`, which may call back into the transaction, end
+//! it even), and puts it back; an end that cancels meanwhile marks the
+//! cell, and the poll drops the future as it returns. The cell's lock is
+//! held only for a few stores, and nothing else is locked inside it.
 
 use std::future::Future;
 use std::panic::{catch_unwind, resume_unwind, AssertUnwindSafe};
@@ -34,43 +36,91 @@ use crate::shard_lock::ShardMutex;
 
 /// A waiting call's lock future, cancellable by its transaction.
 pub(crate) struct PendingLock<F> {
-    /// `None` once the call completed with it or the transaction cancelled
-    /// it.
-    future: ShardMutex<Option<Pin<Box<F>>>>,
+    state: ShardMutex<Cell<F>>,
+}
+
+/// Where the call's lock future is. Only the call polls it (one poll at a
+/// time: the call's future is polled through `&mut`); the transaction's end
+/// may cancel it at any time, from any thread.
+enum Cell<F> {
+    /// In the cell, between polls.
+    Idle(Pin<Box<F>>),
+    /// Out of the cell, being polled (no lock is held while it is: the poll
+    /// runs user code, a waker's `clone`).
+    Polling,
+    /// Cancelled by the end: dropped, or to be dropped by the poll that has
+    /// it out.
+    Cancelled,
+    /// Completed: its output went to the call.
+    Done,
 }
 
 impl<F> PendingLock<F> {
     pub(crate) fn new(future: F) -> Arc<Self> {
         Arc::new(Self {
-            future: ShardMutex::new(Some(Box::pin(future))),
+            state: ShardMutex::new(Cell::Idle(Box::pin(future))),
         })
     }
 
-    /// Drops the future (after the cell's lock is released), unless the
-    /// call already has its output.
+    /// Cancels the future: dropped here (after the cell's lock is
+    /// released) if it is in the cell, by its poll as it ends if it is
+    /// being polled; nothing if it completed.
     pub(crate) fn cancel(&self) {
-        let future = self.future.lock().take();
-        drop(future);
+        let taken = {
+            let mut state = self.state.lock();
+            match std::mem::replace(&mut *state, Cell::Cancelled) {
+                Cell::Idle(future) => Some(future),
+                Cell::Done => {
+                    *state = Cell::Done;
+                    None
+                }
+                Cell::Polling | Cell::Cancelled => None,
+            }
+        };
+        drop(taken);
     }
 }
 
 impl<F: Future> PendingLock<F> {
-    /// Polls the future: `Ready(None)` if it was cancelled. Once it is
-    /// ready, the box is dropped (after the cell's lock is released).
+    /// Polls the future, out of the cell (no lock held while it runs):
+    /// `Ready(None)` if it was cancelled (the transaction ended). An output
+    /// it gives is returned even if the end cancelled it meanwhile (the
+    /// call then settles into an ended transaction, which releases it).
+    /// The future is dropped once done or cancelled, after the cell's lock
+    /// is released.
     pub(crate) fn poll(&self, cx: &mut Context<'_>) -> Poll<Option<F::Output>> {
-        let mut cell = self.future.lock();
-        let Some(future) = cell.as_mut() else {
-            return Poll::Ready(None);
+        let mut future = {
+            let mut state = self.state.lock();
+            match std::mem::replace(&mut *state, Cell::Polling) {
+                Cell::Idle(future) => future,
+                other => {
+                    *state = other;
+                    return Poll::Ready(None);
+                }
+            }
         };
-        let out = future.as_mut().poll(cx);
-        let done = match out {
-            Poll::Pending => return Poll::Pending,
-            Poll::Ready(out) => out,
-        };
-        let spent = cell.take();
-        drop(cell);
-        drop(spent);
-        Poll::Ready(Some(done))
+        // A panic here (a waker's `clone`) drops the future as it unwinds:
+        // its waiter leaves the queue; the cell stays `Polling`, which a
+        // later cancel turns into `Cancelled`.
+        let polled = future.as_mut().poll(cx);
+        let mut state = self.state.lock();
+        match polled {
+            Poll::Ready(out) => {
+                *state = Cell::Done;
+                drop(state);
+                drop(future);
+                Poll::Ready(Some(out))
+            }
+            Poll::Pending if matches!(*state, Cell::Cancelled) => {
+                drop(state);
+                drop(future);
+                Poll::Ready(None)
+            }
+            Poll::Pending => {
+                *state = Cell::Idle(future);
+                Poll::Pending
+            }
+        }
     }
 }
 
