@@ -42,7 +42,9 @@
 //!
 //! Bounded: one search visits at most the table's search limit of
 //! transactions ([`Builder::deadlock_search_limit`](crate::Builder::deadlock_search_limit));
-//! a cycle past it is not found, and its waiters keep their timeouts.
+//! a wait whose search reaches it without closing a cycle is answered as a
+//! *presumed* deadlock (as RocksDB does past its depth limit), naming the
+//! depth reached and the chain followed, so no cycle is left unanswered.
 //! Nothing here runs while no transaction waits, and plain guards never
 //! reach it. No user code but `K: Eq` runs under the registry's mutex: keys are held in
 //! `Arc`s (cloned into the answer after it is released); `K: Eq` runs in
@@ -109,9 +111,23 @@ pub struct CycleWait<K> {
 /// # Ok::<(), TransactionError<&str>>(())
 /// # }).unwrap();
 /// ```
+///
+/// A search visits at most the table's search limit of transactions
+/// ([`Builder::deadlock_search_limit`](crate::Builder::deadlock_search_limit),
+/// 50 by default). A wait whose search reached the limit without closing a
+/// cycle is answered too, as a *presumed* deadlock (as RocksDB does past
+/// its depth limit): [`presumed_depth`](Self::presumed_depth) is then the
+/// depth reached, and [`cycle`](Self::cycle) the chain of waits the search
+/// followed up to it (not closed: its last wait is blocked by a
+/// transaction the search did not go past). A wait-for chain that long is
+/// answered whether or not it closes further on: raise the limit if
+/// transactions legitimately wait in chains that long.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Deadlock<K> {
     cycle: Vec<CycleWait<K>>,
+    /// Presumed: the depth the search reached, and the transaction it did
+    /// not go past (blocking the chain's last wait).
+    presumed: Option<(usize, TransactionId)>,
 }
 
 impl<K> Deadlock<K> {
@@ -121,26 +137,84 @@ impl<K> Deadlock<K> {
         self.cycle[0].transaction
     }
 
-    /// The waits of the cycle, the victim's first.
+    /// The waits of the cycle, the victim's first (for a presumed
+    /// deadlock, the chain the search followed up to its limit).
     #[must_use]
     pub fn cycle(&self) -> &[CycleWait<K>] {
         &self.cycle
+    }
+
+    /// `Some(depth)` if the deadlock is presumed, not confirmed: the search
+    /// from the victim's wait reached its limit of `depth` transactions
+    /// without closing a cycle (see the type's doc). `None` for a cycle
+    /// found and confirmed.
+    #[must_use]
+    pub fn presumed_depth(&self) -> Option<usize> {
+        self.presumed.map(|(depth, _)| depth)
+    }
+
+    /// Whether the deadlock is presumed (the search reached its limit), not
+    /// confirmed.
+    #[must_use]
+    pub fn is_presumed(&self) -> bool {
+        self.presumed.is_some()
+    }
+
+    /// The same cycle with each key passed through `f` (to own a borrowed
+    /// key, or to name it another way).
+    ///
+    /// ```
+    /// use keylock::Deadlock;
+    /// fn owned(deadlock: Deadlock<&str>) -> Deadlock<String> {
+    ///     deadlock.map_key(str::to_owned)
+    /// }
+    /// # let _ = owned;
+    /// ```
+    #[must_use]
+    pub fn map_key<K2>(self, mut f: impl FnMut(K) -> K2) -> Deadlock<K2> {
+        Deadlock {
+            cycle: self
+                .cycle
+                .into_iter()
+                .map(|w| CycleWait {
+                    transaction: w.transaction,
+                    key: f(w.key),
+                    mode: w.mode,
+                })
+                .collect(),
+            presumed: self.presumed,
+        }
     }
 }
 
 impl<K: fmt::Debug> fmt::Display for Deadlock<K> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "deadlock: ")?;
+        match self.presumed {
+            None => write!(f, "deadlock: ")?,
+            Some((depth, _)) => write!(
+                f,
+                "presumed deadlock: the search for a cycle through {}'s wait reached its \
+                 limit of {depth} transactions without closing one: ",
+                self.victim()
+            )?,
+        }
         for (i, wait) in self.cycle.iter().enumerate() {
-            let next = &self.cycle[(i + 1) % self.cycle.len()];
+            let next = match (self.cycle.get(i + 1), self.presumed) {
+                (Some(next), _) => next.transaction,
+                (None, Some((_, beyond))) => beyond,
+                (None, None) => self.cycle[0].transaction,
+            };
             if i > 0 {
                 write!(f, "; ")?;
             }
             write!(
                 f,
-                "{} waits for {:?} ({}), blocked by {}",
-                wait.transaction, wait.key, wait.mode, next.transaction
+                "{} waits for {:?} ({}), blocked by {next}",
+                wait.transaction, wait.key, wait.mode
             )?;
+        }
+        if self.presumed.is_some() {
+            f.write_str(", not searched further")?;
         }
         write!(f, " ({} is the victim)", self.victim())
     }
@@ -230,8 +304,32 @@ impl<K> Copy for Node<'_, K> {}
 /// How deep a search goes before its path and visited set allocate.
 const INLINE_DEPTH: usize = 16;
 
-/// A cycle as recorded: keys shared with the registry, cloned on reading.
-type Record<K> = Vec<(u64, Arc<K>, Mode)>;
+/// A transaction's live (not a victim's) registered waits: none, one, or
+/// several.
+enum Live<'r, K> {
+    None,
+    One(Node<'r, K>),
+    Several,
+}
+
+fn one_live<K>(owner: u64, waits: &Waits<K>) -> Live<'_, K> {
+    let mut live = waits.iter().filter_map(|w| Node::registered(owner, w));
+    match (live.next(), live.next()) {
+        (None, _) => Live::None,
+        (Some(node), None) => Live::One(node),
+        (Some(_), Some(_)) => Live::Several,
+    }
+}
+
+/// The id of the wait whose key cell is `key` (see [`Wait::id`]).
+pub(crate) fn wait_id<K>(key: &Arc<K>) -> usize {
+    Arc::as_ptr(key).cast::<()>() as usize
+}
+
+/// A cycle as recorded: keys shared with the registry, cloned on reading;
+/// for a presumed deadlock, the chain the search followed, with the depth
+/// it reached and the transaction it did not go past.
+type Record<K> = (Vec<(u64, Arc<K>, Mode)>, Option<(usize, u64)>);
 
 /// The registry and its bounds; one per table.
 pub(crate) struct Detector<K> {
@@ -242,9 +340,13 @@ pub(crate) struct Detector<K> {
     keep: usize,
 }
 
+/// A transaction's registered waits: one per pending call that waits (an
+/// owned transaction may have several), in the order they registered.
+type Waits<K> = SmallVec<[Wait<K>; 1]>;
+
 struct Registry<K> {
     /// By transaction id (a counter: foldhash, not SipHash).
-    waiting: HashMap<u64, Wait<K>, foldhash::fast::RandomState>,
+    waiting: HashMap<u64, Waits<K>, foldhash::fast::RandomState>,
     recent: VecDeque<Record<K>>,
     counts: DeadlockStats,
 }
@@ -287,12 +389,19 @@ pub struct DeadlockStats {
     pub visited: u64,
     /// The most transactions one search visited.
     pub deepest: u64,
-    /// Cycles answered (each with one victim).
+    /// Cycles answered (each with one victim), presumed ones included.
     pub cycles: u64,
+    /// Of those, the presumed ones: waits whose search reached the limit
+    /// without closing a cycle (see [`Deadlock::presumed_depth`]).
+    pub presumed: u64,
 }
 
 /// A registered wait.
 struct Wait<K> {
+    /// Which of its transaction's waits it is: the address of the call's
+    /// key cell (`Arc`), which the wait keeps alive, so no other wait of
+    /// the transaction has it meanwhile.
+    id: usize,
     hash: u64,
     key: Arc<K>,
     mode: Mode,
@@ -334,6 +443,9 @@ struct Walk<'r, K> {
     /// ahead that is not registered on one (its mode taken from the edge):
     /// either may be gone, so its answer may not be the table's.
     may_differ: bool,
+    /// Where the limit first cut the walk: the path to the wait whose edge
+    /// it did not follow, and that edge's transaction.
+    cut: Option<(Vec<Node<'r, K>>, u64)>,
 }
 
 /// Whether the walk passes over `to`, reached from `from` as a waiter ahead
@@ -380,23 +492,41 @@ impl<K> Detector<K> {
         self.limit > 0
     }
 
-    /// Unregisters `owner`'s wait (its call stopped waiting, however).
-    pub(crate) fn leave(&self, owner: u64) {
-        let gone = self.registry.lock().waiting.remove(&owner);
+    /// Unregisters `owner`'s wait `id` (its call stopped waiting,
+    /// however).
+    pub(crate) fn leave(&self, owner: u64, id: usize) {
+        let gone = {
+            let mut registry = self.registry.lock();
+            match registry.waiting.get_mut(&owner) {
+                None => (None, None),
+                Some(waits) => {
+                    let gone = waits
+                        .iter()
+                        .position(|w| w.id == id)
+                        .map(|at| waits.remove(at));
+                    let emptied = if waits.is_empty() {
+                        registry.waiting.remove(&owner)
+                    } else {
+                        None
+                    };
+                    (gone, emptied)
+                }
+            }
+        };
         // The key's `Arc` (perhaps its last) drops after the unlock.
         drop(gone);
     }
 }
 
 impl<K: Eq + Hash, S: BuildHasher> LockTable<K, S> {
-    /// Registers the wait of `owner` for `key` (hash `hash`) in `mode`,
-    /// whose waiter is queued, and searches for a cycle it closes, unless
-    /// `awaited` (asked once it is registered, under the registry's lock)
-    /// says nothing waits on a key `owner` holds: `Err`
-    /// with the cycle if there is one (then `owner` is its victim);
-    /// `Ok(false)` if another call of `owner` (an owned transaction's) has
-    /// a wait registered already, which this one leaves in place.
-    ///
+    /// Registers a wait of `owner` for `key` (hash `hash`) in `mode`, whose
+    /// waiter is queued, beside `owner`'s other waits if it has any (an
+    /// owned transaction's other pending calls), under the id of `key`'s
+    /// cell ([`wait_id`], which [`Detector::leave`] takes), and searches
+    /// for a cycle it closes, unless `awaited` (asked once it is
+    /// registered, under the registry's lock) says nothing waits on a key
+    /// `owner` holds: `Err` with the cycle if there is one (then this call
+    /// of `owner` is its victim).
     pub(crate) fn enter_wait(
         &self,
         owner: u64,
@@ -404,28 +534,25 @@ impl<K: Eq + Hash, S: BuildHasher> LockTable<K, S> {
         key: Arc<K>,
         mode: Mode,
         awaited: impl FnOnce() -> bool,
-    ) -> Result<bool, Deadlock<K>>
+    ) -> Result<(), Deadlock<K>>
     where
         K: Clone,
     {
         let detector = self.detector();
+        let id = wait_id(&key);
         let (found, dropped) = {
             let mut registry = detector.registry.lock();
-            if registry.waiting.contains_key(&owner) {
-                drop(registry);
-                drop(key);
-                return Ok(false);
-            }
-            let old = registry.waiting.insert(
-                owner,
-                Wait {
-                    hash,
-                    key,
-                    mode,
-                    victim: false,
-                    edges: RefCell::new(None),
-                },
-            );
+            // Beside the transaction's other waits, if it has any (an
+            // owned transaction's other pending calls): every wait is in
+            // the graph.
+            registry.waiting.entry(owner).or_default().push(Wait {
+                id,
+                hash,
+                key,
+                mode,
+                victim: false,
+                edges: RefCell::new(None),
+            });
             registry.counts.waits += 1;
             // A cycle needs another registered wait: a transaction that
             // holds something (see `wait_unless_ended` for those that hold
@@ -440,7 +567,7 @@ impl<K: Eq + Hash, S: BuildHasher> LockTable<K, S> {
             let (found, visited) = if alone || !awaited() {
                 (None, None)
             } else {
-                self.search(&registry, owner, detector.limit)
+                self.search(&registry, owner, id, detector.limit)
             };
             if let Some(visited) = visited {
                 let counts = &mut registry.counts;
@@ -451,11 +578,10 @@ impl<K: Eq + Hash, S: BuildHasher> LockTable<K, S> {
             let mut dropped = None;
             if let Some(record) = &found {
                 registry.counts.cycles += 1;
-                registry
-                    .waiting
-                    .get_mut(&owner)
-                    .expect("registered above")
-                    .victim = true;
+                registry.counts.presumed += u64::from(record.1.is_some());
+                let waits = registry.waiting.get_mut(&owner);
+                let wait = waits.and_then(|w| w.iter_mut().find(|w| w.id == id));
+                wait.expect("registered above").victim = true;
                 if detector.keep > 0 {
                     if registry.recent.len() == detector.keep {
                         dropped = registry.recent.pop_front();
@@ -463,11 +589,11 @@ impl<K: Eq + Hash, S: BuildHasher> LockTable<K, S> {
                     registry.recent.push_back(record.clone());
                 }
             }
-            (found, (old, dropped))
+            (found, dropped)
         };
         drop(dropped);
         match found {
-            None => Ok(true),
+            None => Ok(()),
             Some(record) => Err(answer(&record)),
         }
     }
@@ -527,40 +653,54 @@ impl<K: Eq + Hash, S: BuildHasher> LockTable<K, S> {
         &self,
         registry: &Registry<K>,
         owner: u64,
+        id: usize,
         limit: usize,
     ) -> (Option<Record<K>>, Option<u64>) {
-        let walk = self.find_cycle(registry, owner, limit, Read::Cached);
+        let walk = self.find_cycle(registry, owner, id, limit, Read::Cached);
         let (cycle, visited) = match walk.cycle {
             Some(cycle) if !walk.may_differ && !walk.may_miss && self.confirm(&cycle) => {
-                (Some(cycle), walk.visited)
+                (Some((cycle, None)), walk.visited)
             }
             None if !walk.may_miss && !walk.may_differ => (None, walk.visited),
             _ => {
-                let exact = self.find_cycle(registry, owner, limit, Read::Table);
-                (exact.cycle.filter(|c| self.confirm(c)), exact.visited)
+                let exact = self.find_cycle(registry, owner, id, limit, Read::Table);
+                // No cycle confirmed, and the walk from the table reached
+                // the limit: a presumed deadlock (the chain it followed).
+                let found = match exact.cycle.filter(|c| self.confirm(c)) {
+                    Some(cycle) => Some((cycle, None)),
+                    None => exact
+                        .cut
+                        .map(|(path, beyond)| (path, Some((limit, beyond)))),
+                };
+                (found, exact.visited)
             }
         };
-        let record = cycle.map(|c| {
-            c.iter()
+        let record = cycle.map(|(c, presumed)| {
+            let waits = c
+                .iter()
                 .map(|n| (n.owner, Arc::clone(n.key), n.mode))
-                .collect()
+                .collect();
+            (waits, presumed)
         });
         (record, visited)
     }
 
-    /// A cycle of waits through `owner`'s, as its waits in order (each
-    /// blocked by the next, the last by `owner`), if the search finds one
-    /// within `limit` transactions visited; and how many were visited, if a
-    /// search was made. The walk follows registered waits, and waiters
-    /// ahead on the key of the wait it comes from (whose wait is there,
-    /// registered or not: a transaction that holds nothing does not
-    /// register, and only those queued behind it can wait for it). Edges
-    /// are tried in canonical order (by transaction; a waiter ahead before
-    /// a holder).
+    /// A cycle of waits through `owner`'s wait `id`, as its waits in order
+    /// (each blocked by the next, the last by `owner`), if the search finds
+    /// one within `limit` transactions visited; and how many were visited,
+    /// if a search was made. The walk follows registered waits (all of a
+    /// transaction's, when it has several: an owned transaction's pending
+    /// calls), and waiters ahead on the key of the wait it comes from
+    /// (whose wait is there, registered or not: a transaction that holds
+    /// nothing does not register, and only those queued behind it can wait
+    /// for it). Edges are tried in canonical order (by transaction; a
+    /// waiter ahead before a holder), a transaction's waits in the order
+    /// they registered.
     fn find_cycle<'r>(
         &self,
         registry: &'r Registry<K>,
         owner: u64,
+        id: usize,
         limit: usize,
         read: Read,
     ) -> Walk<'r, K> {
@@ -569,16 +709,21 @@ impl<K: Eq + Hash, S: BuildHasher> LockTable<K, S> {
             visited: None,
             may_miss: false,
             may_differ: false,
+            cut: None,
         };
         let Some(start) = registry
             .waiting
             .get(&owner)
+            .and_then(|waits| waits.iter().find(|w| w.id == id))
             .and_then(|w| Node::registered(owner, w))
         else {
             return walk;
         };
-        // The edges of the waits on the path, one run per wait, end to end
-        // (a stack: a wait's run goes when it leaves the path).
+        // The edges of the transactions on the path, one run per
+        // transaction (the edges of all its waits, one after the other),
+        // end to end (a stack: a run goes when its transaction leaves the
+        // path); beside each edge, the wait it is an edge of (an index into
+        // `nodes`, a stack alike).
         let mut edges: SmallVec<[Edge; 2 * INLINE_DEPTH]> = SmallVec::new();
         let Some(fresh) = self.edges_into(&start, read, &mut edges) else {
             return walk;
@@ -587,37 +732,48 @@ impl<K: Eq + Hash, S: BuildHasher> LockTable<K, S> {
         // (waiters ahead of an exclusive wait are passed over: see
         // `passes_over`), so there is nothing to walk.
         let leads_on = |&edge: &Edge| match registry.waiting.get(&edge.to) {
-            Some(wait) => {
-                Node::registered(edge.to, wait).is_some_and(|to| !passes_over(&start, edge, &to))
-            }
+            Some(waits) => match one_live(edge.to, waits) {
+                Live::None => false,
+                Live::One(to) => !passes_over(&start, edge, &to),
+                Live::Several => true,
+            },
             // Followed only as a waiter ahead, on the start's key.
             None => edge.ahead.is_some() && start.mode == Mode::Shared,
         };
         if !edges.iter().any(leads_on) {
             return walk;
         }
+        let mut origins: SmallVec<[u32; 2 * INLINE_DEPTH]> = smallvec::smallvec![0; edges.len()];
+        let mut nodes: SmallVec<[Node<'r, K>; INLINE_DEPTH]> = smallvec::smallvec![start];
         // Room in place for a search of `INLINE_DEPTH` transactions (the
-        // issue's depth 8, twice over): no allocation until past it.
+        // issue's depth 8, twice over): no allocation until past it. The
+        // path holds, for each transaction on it, the wait of the edge
+        // being followed from it.
         let mut path: SmallVec<[Node<'r, K>; INLINE_DEPTH]> = smallvec::smallvec![start];
         let mut visited: SmallVec<[u64; INLINE_DEPTH]> = smallvec::smallvec![owner];
-        // One frame per wait on the path: where its run of edges starts, the
-        // next of them to try, and whether the path up to it is fresh: its
-        // edges and those of every wait before it on the path read from
-        // the table in this walk. A stale branch may reach a transaction
-        // first and mark it visited; that is harmless for a registered
-        // wait (expanded alike whatever the way in), not for a waiter
-        // ahead that is not registered (expanded on the key it was reached
-        // by: an owned transaction's unregistered calls may wait on several)
-        // nor for one passed over (not expanded at all).
-        let mut frames: SmallVec<[(usize, usize, bool); INLINE_DEPTH]> =
-            smallvec::smallvec![(0, 0, fresh)];
-        while let Some(&mut (run, ref mut next, fresh)) = frames.last_mut() {
+        // One frame per transaction on the path: where its runs of edges
+        // and of waits start, the next edge to try, and whether the path up
+        // to it is fresh: its edges and those of every wait before it on
+        // the path read from the table in this walk. A stale branch may
+        // reach a transaction first and mark it visited; that is harmless
+        // for a registered transaction (expanded alike whatever the way
+        // in: all its waits), not for a waiter ahead that is not
+        // registered (expanded on the key it was reached by) nor for one
+        // passed over (not expanded at all).
+        let mut frames: SmallVec<[(usize, usize, bool, usize); INLINE_DEPTH]> =
+            smallvec::smallvec![(0, 0, fresh, 0)];
+        while let Some(&mut (run, ref mut next, fresh, nodes_run)) = frames.last_mut() {
             let Some(&edge) = edges.get(*next) else {
                 frames.pop();
                 path.pop();
                 edges.truncate(run);
+                origins.truncate(run);
+                nodes.truncate(nodes_run);
                 continue;
             };
+            // The path goes through the wait this edge is of.
+            let from = nodes[origins[*next] as usize];
+            *path.last_mut().expect("a frame per node") = from;
             *next += 1;
             if edge.to == owner {
                 walk.cycle = Some(path.to_vec());
@@ -626,8 +782,8 @@ impl<K: Eq + Hash, S: BuildHasher> LockTable<K, S> {
             if visited.contains(&edge.to) {
                 continue;
             }
-            let wait = registry.waiting.get(&edge.to);
-            if wait.is_none() && edge.ahead.is_none() {
+            let waits = registry.waiting.get(&edge.to);
+            if waits.is_none() && edge.ahead.is_none() {
                 // A holder that is not waiting (as far as the registry
                 // knows): a dead end, not marked visited, so that the walk
                 // may still follow it where it waits ahead of another wait
@@ -636,39 +792,74 @@ impl<K: Eq + Hash, S: BuildHasher> LockTable<K, S> {
             }
             if visited.len() >= limit {
                 walk.may_miss = true;
+                if walk.cut.is_none() {
+                    walk.cut = Some((path.to_vec(), edge.to));
+                }
                 continue;
             }
             visited.push(edge.to);
-            let from = *path.last().expect("a frame per node");
-            let node = match wait {
-                Some(wait) => Node::registered(edge.to, wait),
-                None => edge.ahead.map(|mode| Node {
-                    owner: edge.to,
-                    mode,
-                    wait: None,
-                    ..from
-                }),
-            };
-            let Some(node) = node else { continue };
-            // A waiter ahead that is not registered is named by the edge,
-            // mode and all, and expanded on the key it was reached by: off
-            // a fresh path, the edge (its mode: it may have left and queued
-            // again, asking for another) or the way in may be gone, and so
-            // may any pass-over made on its word.
-            walk.may_differ |= node.wait.is_none() && !fresh;
-            if passes_over(&from, edge, &node) {
-                walk.may_differ |= !fresh;
-                continue;
-            }
             let run = edges.len();
-            if let Some(read_fresh) = self.edges_into(&node, read, &mut edges) {
-                path.push(node);
-                frames.push((run, run, fresh && read_fresh));
-            } else {
-                // A waiter ahead no longer queued where the edge said: the
-                // edge may be gone, and the transaction, now marked
-                // visited, may wait elsewhere.
-                walk.may_miss |= node.wait.is_none();
+            let nodes_run = nodes.len();
+            let mut read_fresh = true;
+            match waits {
+                Some(waits) => {
+                    // A transaction with one live wait, on this key, queued
+                    // ahead of an exclusive wait: passed over. With several
+                    // (an owned transaction's calls), the others may lead
+                    // elsewhere: every one is followed.
+                    if let Live::One(to) = one_live(edge.to, waits) {
+                        if passes_over(&from, edge, &to) {
+                            walk.may_differ |= !fresh;
+                            continue;
+                        }
+                    }
+                    for wait in waits {
+                        let Some(node) = Node::registered(edge.to, wait) else {
+                            continue; // a victim's: its wait is ending
+                        };
+                        // A wait no longer queued (granted, not yet
+                        // unregistered) has no edge.
+                        if let Some(f) = self.edges_into(&node, read, &mut edges) {
+                            read_fresh &= f;
+                            origins.resize(edges.len(), nodes.len() as u32);
+                            nodes.push(node);
+                        }
+                    }
+                }
+                None => {
+                    let mode = edge.ahead.expect("a dead end otherwise");
+                    let node = Node {
+                        owner: edge.to,
+                        mode,
+                        wait: None,
+                        ..from
+                    };
+                    // A waiter ahead that is not registered is named by the
+                    // edge, mode and all, and expanded on the key it was
+                    // reached by: off a fresh path, the edge (its mode: it
+                    // may have left and queued again, asking for another)
+                    // or the way in may be gone, and so may any pass-over
+                    // made on its word.
+                    walk.may_differ |= !fresh;
+                    if passes_over(&from, edge, &node) {
+                        continue;
+                    }
+                    match self.edges_into(&node, read, &mut edges) {
+                        Some(f) => {
+                            read_fresh = f;
+                            origins.resize(edges.len(), nodes.len() as u32);
+                            nodes.push(node);
+                        }
+                        // No longer queued where the edge said: the edge
+                        // may be gone, and the transaction, now marked
+                        // visited, may wait elsewhere.
+                        None => walk.may_miss = true,
+                    }
+                }
+            }
+            if nodes.len() > nodes_run {
+                path.push(nodes[nodes_run]);
+                frames.push((run, run, fresh && read_fresh, nodes_run));
             }
         }
         walk.visited = Some(visited.len() as u64 - 1);
@@ -740,8 +931,10 @@ impl<K: Eq + Hash, S: BuildHasher> LockTable<K, S> {
 
 /// The answer for a recorded cycle (keys cloned: no lock is held).
 fn answer<K: Clone>(record: &Record<K>) -> Deadlock<K> {
+    let (waits, presumed) = record;
     Deadlock {
-        cycle: record
+        presumed: presumed.map(|(depth, beyond)| (depth, TransactionId::from_raw(beyond))),
+        cycle: waits
             .iter()
             .map(|(o, key, mode)| CycleWait {
                 transaction: TransactionId::from_raw(*o),

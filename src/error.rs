@@ -71,6 +71,15 @@ pub enum LockError {
         /// The token of the grant that lapsed.
         token: FencingToken,
     },
+    /// [`release_hold`](crate::LockTable::release_hold) was given a token
+    /// that names no hold of the key: it was never detached as one (a
+    /// plain guard's token, another key's hold, a made-up token), it was
+    /// released already, or it lost its key (lapsed or revoked) and its
+    /// record was cleared. Nothing was released.
+    NoSuchHold {
+        /// The token given.
+        token: FencingToken,
+    },
     /// Another shared holder of the key is already waiting to upgrade to
     /// exclusive: both would wait for the other's shared grant for ever, so
     /// this upgrade fails at once. Release this grant (abort the
@@ -119,6 +128,11 @@ impl fmt::Display for LockError {
             Self::Expired { token } => write!(
                 f,
                 "grant {token} has lost the key (lease lapsed or revoked); do not commit its work"
+            ),
+            Self::NoSuchHold { token } => write!(
+                f,
+                "no hold of this key has grant {token} (never detached as a hold, released \
+                 already, or lost and cleared); nothing was released"
             ),
             Self::UpgradeConflict { token, upgrading } => write!(
                 f,

@@ -76,8 +76,9 @@ impl<K: Eq + Hash, S: BuildHasher> LockTable<K, S> {
     /// and now lets it go (the next waiter takes it). Otherwise nothing of
     /// anyone else's is freed, and the error says why:
     /// [`LockError::Expired`] if the hold lost the key meanwhile (its lease
-    /// lapsed, or it was revoked) or `token` names no hold of `key` (never
-    /// one, or released already).
+    /// lapsed, or it was revoked) and its record was still kept;
+    /// [`LockError::NoSuchHold`] if `token` names no hold of `key` (never
+    /// one, another key's, released already, or lost and swept away).
     ///
     /// ```
     /// # futures::executor::block_on(async {
@@ -91,10 +92,10 @@ impl<K: Eq + Hash, S: BuildHasher> LockTable<K, S> {
     /// table.release_hold("order-9", hold.token)?;
     /// assert!(!table.is_locked("order-9"));
     /// // A second release frees nothing, and says so.
-    /// assert!(matches!(
+    /// assert_eq!(
     ///     table.release_hold("order-9", hold.token),
-    ///     Err(LockError::Expired { .. })
-    /// ));
+    ///     Err(LockError::NoSuchHold { token: hold.token })
+    /// );
     /// # Ok::<(), Box<dyn std::error::Error>>(())
     /// # }).unwrap();
     /// ```
@@ -104,7 +105,7 @@ impl<K: Eq + Hash, S: BuildHasher> LockTable<K, S> {
         Q: Hash + Eq + ?Sized,
     {
         let Some(held) = self.holds().records.lock().remove(&token) else {
-            return Err(LockError::Expired { token });
+            return Err(LockError::NoSuchHold { token });
         };
         // SAFETY: the record keeps the grant's entry (its holder, or its
         // fenced count once lost) until it is released below.
@@ -112,7 +113,7 @@ impl<K: Eq + Hash, S: BuildHasher> LockTable<K, S> {
         if !same {
             // A token of another key: put it back, free nothing.
             self.holds().records.lock().insert(token, held);
-            return Err(LockError::Expired { token });
+            return Err(LockError::NoSuchHold { token });
         }
         if self.release_if_live(held.hash(), held.key_ptr(), token) {
             Ok(())

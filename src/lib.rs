@@ -246,7 +246,12 @@
 //!   grant still holds its key and releases them all;
 //!   [`abort`](Transaction::abort) and drop release them all, from any
 //!   thread, even while a lock future of an owned transaction is pending
-//!   elsewhere (it then fails with [`TransactionError::Ended`]).
+//!   elsewhere (it then fails with [`TransactionError::Ended`]). A call
+//!   that waits for a new key keeps nothing once its transaction ended,
+//!   even if its future was forgotten (`mem::forget`) rather than dropped:
+//!   the end takes its waiter out of the queue, or passes on a grant it
+//!   was handed and never saw. (A forgotten `lock_all` or upgrade still
+//!   keeps what it holds.)
 //!
 //! Errors name the key ([`TransactionError`]), so the lock methods ask
 //! `K: Clone` (a key is cloned when it goes to the table, never for a
@@ -269,6 +274,45 @@
 //! transfer.commit()?; // every grant still held: the work may be made durable
 //! assert!(table.is_empty());
 //! # Ok::<(), keylock::TransactionError<&str>>(())
+//! # }).unwrap();
+//! ```
+//!
+//! # Retrying
+//!
+//! A transaction answered as a deadlock's victim
+//! ([`TransactionError::Deadlock`]), or refused an upgrade because another
+//! shared holder of the key was already upgrading (the two-way deadlock
+//! the table refuses before it forms), should abort and run again:
+//! [`TransactionError::is_retryable`] says so for both (PostgreSQL's
+//! SQLSTATE class 40). [`LockTable::run_transaction`] does it in one call:
+//! it runs an async closure in a fresh transaction, commits it, and runs
+//! it again after a bounded, jittered backoff ([`RetryPolicy`]) while an
+//! attempt failed retryably, returning the closure's value.
+//! [`LockTable::run_transaction_owned`] is the same for an
+//! [`OwnedTransaction`]. The closure's error type is its own (anything
+//! `From<TransactionError<K>>`); for borrowed keys, [`TransactionFailure`]
+//! is a key-free form that `?` converts into, and that converts on into
+//! `anyhow::Error` or `Box<dyn Error + Send + Sync>`.
+//!
+//! ```
+//! # futures::executor::block_on(async {
+//! use keylock::{LockTable, Mode, TransactionFailure};
+//!
+//! let accounts = [String::from("acct-1"), String::from("acct-2")];
+//! let table = LockTable::new(); // after the keys it borrows
+//! let total = table
+//!     .run_transaction(async |txn| {
+//!         let mut total = 0;
+//!         for acct in &accounts {
+//!             txn.lock(acct.as_str(), Mode::Shared).await?;
+//!             total += acct.len();
+//!         }
+//!         Ok::<_, TransactionFailure>(total)
+//!     })
+//!     .await?; // a victim was retried; anything else is returned
+//! assert_eq!(total, 12);
+//! assert!(table.is_empty()); // committed
+//! # Ok::<(), Box<dyn std::error::Error + Send + Sync>>(())
 //! # }).unwrap();
 //! ```
 //!
@@ -338,8 +382,8 @@ pub use hold::Hold;
 pub use lease::{LockOptions, DEFAULT_MAX_LEASE};
 pub use mode::Mode;
 pub use owner::{
-    AcquireKind, Acquired, LockedSet, OwnedTransaction, Transaction, TransactionError,
-    TransactionOptions, WaitPolicy,
+    AcquireKind, Acquired, LockedSet, OwnedTransaction, RetryPolicy, Transaction, TransactionError,
+    TransactionFailure, TransactionOptions, WaitPolicy,
 };
 #[cfg(target_os = "linux")]
 pub use process::{

@@ -1324,9 +1324,10 @@ impl<K, S> Builder<K, S> {
     /// looks for a cycle of transactions waiting on each other that its
     /// wait closes, and answers it with
     /// [`TransactionError::Deadlock`](crate::TransactionError::Deadlock);
-    /// a cycle the search does not reach within this bound is not found,
-    /// and its transactions keep their deadlines. Plain guards are never
-    /// searched.
+    /// a wait whose search reaches this bound without closing a cycle is
+    /// answered as a presumed deadlock (RocksDB's rule past its depth
+    /// limit; see [`Deadlock::presumed_depth`](crate::Deadlock::presumed_depth)).
+    /// Plain guards are never searched.
     ///
     /// ```
     /// let table: keylock::LockTable<u8> =

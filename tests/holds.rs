@@ -43,10 +43,10 @@ mod tests {
 
             let mut writer = Box::pin(table.lock("a"));
             assert!(poll!(writer.as_mut()).is_pending(), "the hold holds");
-            assert!(matches!(
+            assert_eq!(
                 table.release_hold("b", hold.token),
-                Err(LockError::Expired { .. })
-            ));
+                Err(LockError::NoSuchHold { token: hold.token })
+            );
             assert!(
                 poll!(writer.as_mut()).is_pending(),
                 "another key frees nothing"
@@ -54,11 +54,57 @@ mod tests {
             table.release_hold("a", hold.token).unwrap();
             let guard = writer.await;
             assert!(guard.token() > hold.token);
-            assert!(matches!(
+            assert_eq!(
                 table.release_hold("a", hold.token),
-                Err(LockError::Expired { token }) if token == hold.token
-            ));
+                Err(LockError::NoSuchHold { token: hold.token })
+            );
             assert!(guard.check().is_ok(), "a stale release freed nothing");
+            drop(guard);
+            assert!(table.is_empty());
+        });
+    }
+
+    /// Issue 26, item 7: a token that names no hold (never one, released
+    /// already, a plain guard's, or a hold of another key) is answered as
+    /// such, not as a grant that lost its key; nothing is freed.
+    #[test]
+    fn release_hold_of_a_token_that_names_no_hold_says_no_such_hold() {
+        block(async {
+            let table = LockTable::<&str>::new();
+            let guard = table.try_lock("g").unwrap();
+            let err = table.release_hold("g", guard.token()).unwrap_err();
+            assert_eq!(
+                err,
+                LockError::NoSuchHold {
+                    token: guard.token()
+                }
+            );
+            let text = err.to_string();
+            assert!(text.contains("no hold"), "{text}");
+            assert!(!text.contains("lost the key"), "{text}");
+            assert!(guard.check().is_ok(), "a plain guard's token frees nothing");
+            let never = keylock::FencingToken::new(u64::MAX - 7).unwrap();
+            assert_eq!(
+                table.release_hold("g", never),
+                Err(LockError::NoSuchHold { token: never })
+            );
+
+            let mut txn = table.transaction();
+            txn.lock("a", Mode::Exclusive).await.unwrap();
+            let hold = txn.detach(&"a").unwrap();
+            txn.commit().unwrap();
+            assert_eq!(
+                table.release_hold("b", hold.token),
+                Err(LockError::NoSuchHold { token: hold.token }),
+                "a hold of another key"
+            );
+            assert!(table.is_locked("a"), "put back untouched");
+            table.release_hold("a", hold.token).unwrap();
+            assert_eq!(
+                table.release_hold("a", hold.token),
+                Err(LockError::NoSuchHold { token: hold.token }),
+                "released already"
+            );
             drop(guard);
             assert!(table.is_empty());
         });

@@ -7,7 +7,11 @@
 //! only wake it gets); a pending call dropped while its upgrade of a shared
 //! key races the other reader's release (the undo by downgrade); two calls
 //! of one owned transaction racing for the same new key (one takes it, the
-//! other is counted on it, neither waits on its own grant);
+//! other is counted on it, neither waits on its own grant); an owned
+//! transaction's end racing the release that grants a pending lock never
+//! polled again (nothing held, nobody waiting, before the call is dropped),
+//! and the end racing the poll that sees such a lock's grant (the call's
+//! cell cancelled before, during or after the poll);
 //! deadlock detection racing a release that breaks the cycle (no false
 //! answer), the cancel of a waiter of the cycle as it closes (answered
 //! once, or not at all, never a hang), and a transaction that holds
@@ -536,6 +540,89 @@ mod models {
                 assert!(!table.is_locked(&a), "a held after the end");
                 assert_eq!(table.waiters(&b), 0, "the call left a waiter on b");
                 drop(held);
+                table.assert_consistent();
+                assert!(table.is_empty(), "entry leaked");
+            },
+        );
+    }
+
+    /// (b3) An owned transaction's single lock waits for `a` (held by a
+    /// plain guard) and is never polled again (as a forgotten call): the
+    /// end (on one thread) races the release of `a` (on another), which may
+    /// hand `a` to the call's waiter first. Either way, once both are done,
+    /// nothing is held and nobody waits, before the call is dropped: the
+    /// end cancelled the call's lock future (`src/owner/pending.rs`), taking
+    /// its waiter out of the queue, or passing on the grant it had been
+    /// handed and never seen.
+    #[test]
+    fn owned_end_vs_release_while_a_lock_is_never_polled_again() {
+        model(
+            "b3: owned end vs release, a pending lock never polled again",
+            &["released first", "ended first"],
+            |seen| {
+                let table = table();
+                let [a, _, _] = keys();
+                let txn = table.clone().transaction_owned();
+                let held = table.clone().try_lock_owned(a).unwrap();
+                let mut call = Polled::new(txn.lock(a, X));
+                assert!(call.poll().is_none(), "a is held: the call waits");
+                let order = Arc::new(AtomicUsize::new(0));
+                let released = order.clone();
+                let release = thread::spawn(move || {
+                    drop(held);
+                    let _ = released.compare_exchange(0, 1, SeqCst, SeqCst);
+                });
+                drop(txn);
+                let _ = order.compare_exchange(0, 2, SeqCst, SeqCst);
+                release.join().unwrap();
+                seen.note(if order.load(SeqCst) == 1 {
+                    "released first"
+                } else {
+                    "ended first"
+                });
+                assert!(!table.is_locked(&a), "a held after the end and the release");
+                assert_eq!(table.waiters(&a), 0, "the call left a waiter on a");
+                table.assert_consistent();
+                assert!(table.is_empty(), "entry leaked");
+                drop(call);
+                assert!(table.is_empty());
+            },
+        );
+    }
+
+    /// (b4) An owned transaction's single lock waits for `a`; `a` is
+    /// released (handed to the call's waiter) and the call polled on one
+    /// thread while the transaction ends on another: the end cancels the
+    /// call's lock future in its cell before, during (the poll has it out
+    /// of the cell: the poll drops it) or after the poll that sees the
+    /// grant. The call gets `a` and the end releases it, or it fails
+    /// `Ended`; either way nothing is held at the end.
+    #[test]
+    fn owned_end_vs_the_poll_that_sees_a_locks_grant() {
+        model(
+            "b4: owned end vs the poll that sees a lock's grant",
+            &["granted, then released by the end", "ended"],
+            |seen| {
+                let table = table();
+                let [a, _, _] = keys();
+                let txn = table.clone().transaction_owned();
+                let held = table.clone().try_lock_owned(a).unwrap();
+                let mut call = Polled::new(txn.lock(a, X));
+                assert!(call.poll().is_none(), "a is held: the call waits");
+                let end = thread::spawn(move || drop(txn));
+                drop(held);
+                let out = match call.poll() {
+                    Some(out) => out,
+                    None => panic!("granted or ended: the call completes"),
+                };
+                end.join().unwrap();
+                match out {
+                    Ok(_) => seen.note("granted, then released by the end"),
+                    Err(TransactionError::Ended) => seen.note("ended"),
+                    Err(e) => panic!("unexpected error: {e}"),
+                }
+                drop(call);
+                assert!(!table.is_locked(&a), "a held after the end");
                 table.assert_consistent();
                 assert!(table.is_empty(), "entry leaked");
             },

@@ -13,9 +13,13 @@
 //! A woken future (or one that completes on its own) finds the mark at its
 //! next step, releases what it had got (its guard, or its waiter slot) and
 //! fails with [`TransactionError::Ended`](crate::TransactionError::Ended).
-//! A future that is never polled again keeps only what any dropped-later
-//! lock future keeps (a queued waiter, or a key granted to it and not yet
-//! seen), until it is dropped.
+//! A future that is never polled again (or is forgotten) keeps nothing
+//! of the table once the end is done with it: a new key's wait keeps its
+//! table lock future in a cell the transaction cancels as it ends
+//! (`pending.rs`), so its waiter leaves the queue and a grant handed to it
+//! and not yet seen passes on. (An upgrade's or a `lock_all`'s wait still
+//! keeps, until the future is dropped, what any dropped-later lock future
+//! keeps.)
 //!
 //! No guard is released, no key dropped and no waker of a pending future
 //! woken while the lock is held: they are user code (a waker may call back
@@ -40,11 +44,12 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::task::{Poll, Waker};
 
-use crate::deadlock::Deadlock;
+use crate::deadlock::{wait_id, Deadlock};
 use crate::loom::AtomicBool;
 use crate::mode::Mode;
 use crate::owner::error::TransactionError;
 use crate::owner::held::{Acquired, Found, HeldSet};
+use crate::owner::pending::{self, PendingList, PendingLock};
 use crate::owner::policy::Resolved;
 use crate::owner::reach::Reach;
 use crate::owner::single::{GuardOf, KeyOf};
@@ -61,6 +66,43 @@ pub(crate) struct Owner<R> {
     /// Keeps the transaction's label registered with its table while the
     /// transaction lives (labeled transactions only).
     pub(crate) _label: Option<crate::labels::Alive>,
+    /// Set when a call of the transaction failed in a way that a retry
+    /// of the whole transaction may not (it was a deadlock's victim, or its
+    /// upgrade conflicted with another's): what the retry helper
+    /// (`retry.rs`) asks, whatever error the caller's closure returned.
+    /// Written only on those failures.
+    pub(crate) retryable: AtomicBool,
+}
+
+impl<R> Owner<R> {
+    pub(crate) fn new(reach: R, opts: Resolved, label: Option<crate::labels::Alive>) -> Self {
+        Self {
+            reach,
+            opts,
+            _label: label,
+            retryable: AtomicBool::new(false),
+        }
+    }
+
+    /// Notes `out`'s failure, if retryable (see [`Owner::retryable`]).
+    #[inline]
+    pub(crate) fn note<T, K>(&self, out: &Result<T, TransactionError<K>>) {
+        if let Err(error) = out {
+            if error.is_retryable() {
+                self.note_retryable();
+            }
+        }
+    }
+
+    #[cold]
+    fn note_retryable(&self) {
+        self.retryable.store(true, Ordering::Relaxed);
+    }
+
+    /// Whether a call failed retryably (see [`Owner::retryable`]).
+    pub(crate) fn failed_retryably(&self) -> bool {
+        self.retryable.load(Ordering::Relaxed)
+    }
 }
 
 /// The transaction ended while a call was pending.
@@ -117,7 +159,15 @@ pub(crate) trait Access {
     fn watch(&mut self, slot: &mut Option<usize>, waker: &Waker) -> bool;
 
     fn unwatch(&mut self, slot: usize);
+
+    /// Puts a waiting call's lock future on the transaction's list of
+    /// pending calls (`pending.rs`), which the transaction's end cancels;
+    /// `Err` if it has ended.
+    fn pend(&mut self, pending: &Arc<PendingLock<LockOf<Self>>>) -> Result<(), Ended>;
 }
+
+/// The table lock future of an owner's calls.
+pub(crate) type LockOf<A> = <<A as Access>::R as Reach>::Lock;
 
 /// What [`Access::fast`] did.
 #[derive(Debug)]
@@ -137,6 +187,8 @@ pub(crate) enum Fast<K> {
 pub(crate) struct Direct<'a, R: Reach> {
     pub(crate) owner: &'a Owner<R>,
     pub(crate) set: &'a mut SetOf<R>,
+    /// The transaction's pending calls (see `pending.rs`).
+    pub(crate) pending: &'a mut PendingList<R::Lock>,
 }
 
 impl<R: Reach> Access for Direct<'_, R> {
@@ -191,6 +243,11 @@ impl<R: Reach> Access for Direct<'_, R> {
 
     #[inline]
     fn unwatch(&mut self, _: usize) {}
+
+    fn pend(&mut self, pending: &Arc<PendingLock<R::Lock>>) -> Result<(), Ended> {
+        pending::push(self.pending, pending);
+        Ok(())
+    }
 }
 
 /// The owned form's state, shared by the handle and its pending futures.
@@ -229,6 +286,9 @@ fn fast_in<R: Reach>(
 
 struct State<R: Reach> {
     set: SetOf<R>,
+    /// Pending calls' lock futures, cancelled when the transaction ends
+    /// (see `pending.rs`).
+    pending: PendingList<R::Lock>,
     /// The wakers of pending futures, woken when the transaction ends.
     watchers: Vec<Option<Waker>>,
     free: Vec<usize>,
@@ -239,6 +299,7 @@ impl<R: Reach> Shared<R> {
         Self {
             state: ShardMutex::new(State {
                 set: HeldSet::default(),
+                pending: Vec::new(),
                 watchers: Vec::new(),
                 free: Vec::new(),
             }),
@@ -281,19 +342,26 @@ impl<R: Reach> Shared<R> {
     /// unlocking), then wakes its pending futures, even if `release`
     /// panics. `None` if it had already ended.
     pub(crate) fn end_with<T>(&self, release: impl FnOnce(SetOf<R>) -> T) -> Option<T> {
-        let (slots, watchers) = {
+        let (slots, pending, watchers) = {
             let mut state = self.lock();
             if self.ended.swap(true, Ordering::Relaxed) {
                 return None;
             }
             let slots = state.set.take();
             state.free = Vec::new();
-            (slots, std::mem::take(&mut state.watchers))
+            let pending = std::mem::take(&mut state.pending);
+            (slots, pending, std::mem::take(&mut state.watchers))
         };
         // Release first, so the keys are free by the time anyone is woken;
         // a panic in a key's drop still releases the rest (see `HeldSet`'s
-        // drop) and still wakes everyone.
-        let released = catch_unwind(AssertUnwindSafe(|| release(slots)));
+        // drop) and still wakes everyone. Then the pending calls' lock
+        // futures go (a forgotten call's waiter leaves its queue, its
+        // unobserved grant passes on: `pending.rs`).
+        let released = catch_unwind(AssertUnwindSafe(|| {
+            let out = release(slots);
+            pending::cancel_all(pending);
+            out
+        }));
         let mut panic = None;
         for waker in watchers.into_iter().flatten() {
             if let Err(payload) = catch_unwind(AssertUnwindSafe(|| waker.wake())) {
@@ -390,6 +458,15 @@ impl<R: Reach> Access for Arc<Shared<R>> {
         false
     }
 
+    fn pend(&mut self, pending: &Arc<PendingLock<R::Lock>>) -> Result<(), Ended> {
+        let mut state = self.lock();
+        if self.ended.load(Ordering::Relaxed) {
+            return Err(Ended);
+        }
+        pending::push(&mut state.pending, pending);
+        Ok(())
+    }
+
     fn unwatch(&mut self, slot: usize) {
         let mut state = self.lock();
         if self.ended.load(Ordering::Relaxed) {
@@ -467,8 +544,8 @@ where
     struct Watch<'a, A: Access> {
         access: &'a mut A,
         slot: Option<usize>,
-        /// Registered with the detector.
-        detecting: bool,
+        /// Registered with the detector, under this id.
+        detecting: Option<usize>,
     }
     impl<A: Access> Drop for Watch<'_, A> {
         fn drop(&mut self) {
@@ -476,9 +553,13 @@ where
             if let Some(slot) = self.slot.take() {
                 self.access.unwatch(slot);
             }
-            if self.detecting {
+            if let Some(id) = self.detecting {
                 let owner = self.access.owner();
-                owner.reach.table().detector().leave(owner.opts.id.get());
+                owner
+                    .reach
+                    .table()
+                    .detector()
+                    .leave(owner.opts.id.get(), id);
             }
         }
     }
@@ -487,7 +568,7 @@ where
     let mut watch = Watch {
         access,
         slot: None,
-        detecting: false,
+        detecting: None,
     };
     let mut searched = false;
     poll_fn(|cx| {
@@ -515,15 +596,13 @@ where
                 let access = &*watch.access;
                 let awaited = || wait.holding != Holding::TheSet || access.set_is_awaited();
                 // Set first: if the search panics (a key's `Eq`), the wait
-                // it registered is unregistered as the guard drops.
-                watch.detecting = true;
-                match table.enter_wait(id, wait.hash, key, wait.mode, awaited) {
-                    Ok(registered) => watch.detecting = registered,
-                    Err(deadlock) => {
-                        // Registered: the guard unregisters it as it drops.
-                        watch.detecting = true;
-                        return Poll::Ready(Err(Stop::Deadlock(deadlock)));
-                    }
+                // it registered is unregistered as the guard drops. (A
+                // transaction's other pending calls have waits of their
+                // own, each under its call's key cell.)
+                watch.detecting = Some(wait_id(&key));
+                if let Err(deadlock) = table.enter_wait(id, wait.hash, key, wait.mode, awaited) {
+                    // Registered: the guard unregisters it as it drops.
+                    return Poll::Ready(Err(Stop::Deadlock(deadlock)));
                 }
             }
         }

@@ -1,5 +1,7 @@
 //! The error of a transaction's operations: which key, and what went wrong
-//! with it.
+//! with it; whether retrying the transaction may succeed; and its key-free
+//! form ([`TransactionFailure`]), for `?` into `anyhow::Error` or
+//! `Box<dyn Error>` when keys are borrowed.
 
 use std::fmt;
 
@@ -101,6 +103,75 @@ impl<K> TransactionError<K> {
         }
     }
 
+    /// Whether running the transaction again may succeed where this attempt
+    /// failed, as PostgreSQL's SQLSTATE class 40 (transaction rollback)
+    /// says: `true` for a deadlock's victim ([`Deadlock`](Self::Deadlock))
+    /// and for an upgrade refused because another shared holder of the key
+    /// was already upgrading ([`LockError::UpgradeConflict`]: the two-way
+    /// deadlock the table refuses before it forms). Abort the transaction
+    /// and run it again (or let
+    /// [`LockTable::run_transaction`](crate::LockTable::run_transaction)
+    /// do it). Everything else is `false`: a timeout, a busy key under a
+    /// policy that does not wait, a lost grant, a misuse.
+    ///
+    /// ```
+    /// use keylock::{Mode, LockTable};
+    /// # futures::executor::block_on(async {
+    /// let table = LockTable::<&str>::new();
+    /// let mut a = table.transaction();
+    /// let mut b = table.transaction();
+    /// a.lock("k", Mode::Shared).await?;
+    /// b.lock("k", Mode::Shared).await?;
+    /// let mut a_up = Box::pin(a.lock("k", Mode::Exclusive));
+    /// assert!(futures::poll!(a_up.as_mut()).is_pending());
+    /// let err = b.lock("k", Mode::Exclusive).await.unwrap_err();
+    /// assert!(err.is_retryable(), "two upgraders: {err}");
+    /// # Ok::<(), keylock::TransactionError<&str>>(())
+    /// # }).unwrap();
+    /// ```
+    #[must_use]
+    pub fn is_retryable(&self) -> bool {
+        matches!(
+            self,
+            Self::Deadlock(_)
+                | Self::Lock {
+                    error: LockError::UpgradeConflict { .. },
+                    ..
+                }
+        )
+    }
+
+    /// The same error with its key (every key, for a deadlock) passed
+    /// through `f`: to own a borrowed key, say. See also
+    /// [`TransactionFailure`], which needs no key type at all.
+    ///
+    /// ```
+    /// # use keylock::TransactionError;
+    /// let err: TransactionError<&str> = TransactionError::NotHeld { key: "k" };
+    /// let owned: TransactionError<String> = err.map_key(str::to_owned);
+    /// assert_eq!(owned.key().map(String::as_str), Some("k"));
+    /// ```
+    #[must_use]
+    pub fn map_key<K2>(self, mut f: impl FnMut(K) -> K2) -> TransactionError<K2> {
+        match self {
+            Self::Lock { key, mode, error } => TransactionError::Lock {
+                key: f(key),
+                mode,
+                error,
+            },
+            Self::Busy { key, mode, holder } => TransactionError::Busy {
+                key: f(key),
+                mode,
+                holder,
+            },
+            Self::Expired { key, token } => TransactionError::Expired { key: f(key), token },
+            Self::InFlight { key } => TransactionError::InFlight { key: f(key) },
+            Self::NotHeld { key } => TransactionError::NotHeld { key: f(key) },
+            Self::Ended => TransactionError::Ended,
+            Self::Deadlock(deadlock) => TransactionError::Deadlock(deadlock.map_key(f)),
+        }
+    }
+
     /// The error of a lock of `key` in `mode` the table refused, in the
     /// terms of the policy it was taken under.
     pub(crate) fn from_lock(key: K, mode: Mode, waited: bool, error: LockError) -> Self {
@@ -148,5 +219,94 @@ impl<K: fmt::Debug> std::error::Error for TransactionError<K> {
             Self::Lock { error, .. } => Some(error),
             _ => None,
         }
+    }
+}
+
+/// A [`TransactionError`] with its key written out (with `K: Debug`)
+/// instead of kept: `'static`, `Send + Sync` and free of the key's type,
+/// so that a transaction over borrowed keys (`&str`) can `?` its errors
+/// into `anyhow::Error` or `Box<dyn Error + Send + Sync>`, which need
+/// `'static`. Made by `From` (so `?` converts into it), it keeps what a
+/// retry loop and a log need: the message, the key's text, whether a retry
+/// may succeed, and the table's [`LockError`] if there was one.
+///
+/// ```
+/// use keylock::{LockTable, Mode, TransactionFailure};
+/// # futures::executor::block_on(async {
+/// let name = String::from("acct-1");
+/// let table = LockTable::new(); // after the key it borrows
+/// let _other = table.try_lock(name.as_str()).unwrap();
+/// let mut txn = table.transaction();
+/// let err = txn
+///     .lock_with(name.as_str(), Mode::Exclusive, keylock::WaitPolicy::NoWait)
+///     .await
+///     .map_err(TransactionFailure::from)
+///     .unwrap_err();
+/// assert_eq!(err.key(), Some("\"acct-1\""));
+/// assert!(!err.is_retryable());
+/// let boxed: Box<dyn std::error::Error + Send + Sync> = Box::new(err); // 'static
+/// assert!(boxed.to_string().contains("without waiting"));
+/// # });
+/// ```
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TransactionFailure {
+    message: String,
+    key: Option<String>,
+    retryable: bool,
+    deadlock: bool,
+    lock: Option<LockError>,
+}
+
+impl TransactionFailure {
+    /// As [`TransactionError::is_retryable`].
+    #[must_use]
+    pub fn is_retryable(&self) -> bool {
+        self.retryable
+    }
+
+    /// Whether it was a deadlock's victim ([`TransactionError::Deadlock`]).
+    #[must_use]
+    pub fn is_deadlock(&self) -> bool {
+        self.deadlock
+    }
+
+    /// The key the error was about, as `K: Debug` writes it.
+    #[must_use]
+    pub fn key(&self) -> Option<&str> {
+        self.key.as_deref()
+    }
+
+    /// What the table said, if the error carried it
+    /// ([`TransactionError::Lock`]).
+    #[must_use]
+    pub fn lock_error(&self) -> Option<&LockError> {
+        self.lock.as_ref()
+    }
+}
+
+impl<K: fmt::Debug> From<TransactionError<K>> for TransactionFailure {
+    fn from(error: TransactionError<K>) -> Self {
+        Self {
+            message: error.to_string(),
+            key: error.key().map(|key| format!("{key:?}")),
+            retryable: error.is_retryable(),
+            deadlock: matches!(error, TransactionError::Deadlock(_)),
+            lock: match error {
+                TransactionError::Lock { error, .. } => Some(error),
+                _ => None,
+            },
+        }
+    }
+}
+
+impl fmt::Display for TransactionFailure {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.message)
+    }
+}
+
+impl std::error::Error for TransactionFailure {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        self.lock.as_ref().map(|e| e as _)
     }
 }

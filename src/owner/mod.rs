@@ -11,7 +11,9 @@
 //! held keys with their re-entry counts (`held.rs`), one key's lock and
 //! the operations over all keys (`single.rs`), many keys at once
 //! (`multi.rs`), wait policies and options (`policy.rs`), errors
-//! (`error.rs`).
+//! (`error.rs`), retrying a whole transaction (`retry.rs`), and the cells
+//! through which a transaction cancels its calls' waits when it ends, so
+//! that a forgotten call keeps nothing (`pending.rs`).
 //!
 //! # The life of a transaction
 //!
@@ -33,14 +35,17 @@ mod access;
 mod error;
 mod held;
 mod multi;
+mod pending;
 mod policy;
 mod reach;
+mod retry;
 mod single;
 
 use std::borrow::Borrow;
 use std::fmt;
 use std::future::Future;
 use std::hash::{BuildHasher, Hash};
+use std::panic::{catch_unwind, resume_unwind, AssertUnwindSafe};
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -54,7 +59,8 @@ use access::{Direct, Owner, SetOf, Shared};
 use held::{HeldSet, NotReleased};
 use reach::{GuardOps, Pinned, Reach};
 
-pub use error::TransactionError;
+pub use error::{TransactionError, TransactionFailure};
+pub use retry::RetryPolicy;
 
 /// A per-call list: inline up to four items (a transfer's two accounts, a
 /// small `lock_all`), on the heap past that.
@@ -85,6 +91,24 @@ pub use policy::{TransactionOptions, WaitPolicy};
 pub struct Transaction<'t, K, S = DefaultHashBuilder> {
     owner: Owner<&'t LockTable<K, S>>,
     set: HeldSet<Guard<'t, K, S>, K>,
+    /// The lock futures of its waiting calls, cancelled when it ends, so a
+    /// forgotten call keeps nothing (`pending.rs`).
+    pending: pending::PendingList<crate::acquire::LockWith<'t, K, S>>,
+}
+
+impl<K, S> Drop for Transaction<'_, K, S> {
+    fn drop(&mut self) {
+        // As the owned form's end: the set's keys first (a panic in a key's
+        // drop still releases the rest, see `HeldSet`), then a forgotten
+        // call's lock future (its waiter leaves its queue, or its
+        // unobserved grant passes on), whatever the first did.
+        let set = std::mem::take(&mut self.set);
+        let released = catch_unwind(AssertUnwindSafe(|| drop(set)));
+        pending::cancel_all(std::mem::take(&mut self.pending));
+        if let Err(payload) = released {
+            resume_unwind(payload);
+        }
+    }
 }
 
 /// The owned form of a transaction: like [`Transaction`], but it keeps its
@@ -154,12 +178,9 @@ impl<K: Eq + Hash, S: BuildHasher> LockTable<K, S> {
             .label
             .map(|label| self.labels().register(opts.id.get(), label));
         Transaction {
-            owner: Owner {
-                reach: self,
-                opts,
-                _label: label,
-            },
+            owner: Owner::new(self, opts, label),
             set: HeldSet::default(),
+            pending: Vec::new(),
         }
     }
 
@@ -202,11 +223,7 @@ impl<K: Eq + Hash, S: BuildHasher> LockTable<K, S> {
             .label
             .map(|label| self.labels().register(opts.id.get(), label));
         OwnedTransaction {
-            shared: Arc::new(Shared::new(Owner {
-                reach: Pinned::new(self),
-                opts,
-                _label: label,
-            })),
+            shared: Arc::new(Shared::new(Owner::new(Pinned::new(self), opts, label))),
         }
     }
 }
@@ -293,6 +310,7 @@ impl<'t, K: Eq + Hash, S: BuildHasher> Transaction<'t, K, S> {
         Direct {
             owner: &self.owner,
             set: &mut self.set,
+            pending: &mut self.pending,
         }
     }
 

@@ -342,11 +342,12 @@ pub(crate) async fn lock_all<A: Access>(
 where
     KeyOf<A>: Ord + Clone,
 {
-    let wait = match lock_all_now(&mut access, requests, policy) {
-        Ok(done) => return done,
-        Err(wait) => wait,
+    let out = match lock_all_now(&mut access, requests, policy) {
+        Ok(done) => done,
+        Err(wait) => { wait }.await,
     };
-    wait.await
+    access.owner().note(&out);
+    out
 }
 
 /// The call as far as it goes without waiting: done, or the boxed rest.

@@ -24,7 +24,7 @@
 //! so moving it (into `pin!`, into a caller's future) copies little, and an
 //! uncontended lock allocates nothing.
 
-use std::future::Future;
+use std::future::{poll_fn, Future};
 use std::panic::{catch_unwind, resume_unwind, AssertUnwindSafe};
 use std::pin::{pin, Pin};
 use std::sync::Arc;
@@ -35,6 +35,7 @@ use crate::mode::Mode;
 use crate::owner::access::{wait_unless_ended, Access, Ended, Fast, Holding, SetOf, WaitFor};
 use crate::owner::error::TransactionError;
 use crate::owner::held::{AcquireKind, Acquired, Begin, HeldSet};
+use crate::owner::pending::{CancelOnDrop, PendingLock};
 use crate::owner::policy::WaitPolicy;
 use crate::owner::reach::{GuardOps, Reach};
 
@@ -117,11 +118,12 @@ where
 {
     // Everything but the wait happens in a plain function, so that this
     // future keeps only its arguments and a box across its one await.
-    let wait = match lock_now(&mut access, key, mode, policy) {
-        Ok(done) => return done,
-        Err(wait) => wait,
+    let out = match lock_now(&mut access, key, mode, policy) {
+        Ok(done) => done,
+        Err(wait) => { wait }.await,
     };
-    wait.await
+    access.owner().note(&out);
+    out
 }
 
 /// The lock as far as it goes without waiting: done, or the boxed wait.
@@ -243,7 +245,16 @@ where
         Ok(None) | Err(Ended) => return Err(TransactionError::Ended),
     };
     let opts = claim.access.owner().opts.lock_options(mode, policy);
-    let lock = claim.access.owner().reach.lock_with(key, opts);
+    // The lock future lives in a cell the transaction can reach too, so
+    // that if this call's future is forgotten, the transaction's end still
+    // takes its waiter out of the queue, or passes on its grant
+    // (`pending.rs`); dropped, the call cancels it itself.
+    let lock = CancelOnDrop(PendingLock::new(
+        claim.access.owner().reach.lock_with(key, opts),
+    ));
+    if claim.access.pend(&lock.0).is_err() {
+        return Err(TransactionError::Ended);
+    }
     // The borrowed form's only call: nothing else can take a key for the
     // transaction while it waits, so it holds its set's keys (and those of
     // a call it forgot while it waited: the set counts those).
@@ -264,13 +275,16 @@ where
         mode,
         holding,
     };
-    match wait_unless_ended(&mut *claim.access, wait, pin!(lock)).await {
+    let polled = poll_fn(|cx| lock.0.poll(cx));
+    match wait_unless_ended(&mut *claim.access, wait, pin!(polled)).await {
         Err(stop) => Err(stop.into()),
-        Ok(Ok(guard)) => {
+        // Cancelled: the transaction ended.
+        Ok(None) => Err(TransactionError::Ended),
+        Ok(Some(Ok(guard))) => {
             claim.guard = Some(guard);
             claim.settle(AcquireKind::New)
         }
-        Ok(Err(error)) => match claim.abandon() {
+        Ok(Some(Err(error))) => match claim.abandon() {
             Some(key) => Err(TransactionError::from_lock(
                 key,
                 mode,

@@ -216,6 +216,11 @@ enum Phase {
     Unpolled,
     One { key: usize, mode: MMode, inner: Fid, kind: EKind },
     All { ents: Vec<Ent>, at: usize, inner: Option<Fid> },
+    /// A new key's wait whose lock future the transaction's end cancelled
+    /// (`src/owner/pending.rs`: a forgotten call keeps nothing); its
+    /// detector registration (`inner`'s) stays until the call is polled
+    /// (it fails `Ended`) or dropped.
+    Cancelled { inner: Fid },
     Done,
 }
 
@@ -586,7 +591,7 @@ impl<'a> Harness<'a> {
 
     /// An inner future of transaction `id`'s call pended: the first time
     /// (its waiter is queued now), its wait is registered with the
-    /// detector, unless the transaction has a wait registered already, and
+    /// detector (beside its other waits, if it has any), and
     /// searched (`wait_unless_ended`): `Err` with the cycle it closes.
     fn owner_wait_pends(
         &mut self,
@@ -742,6 +747,10 @@ impl<'a> Harness<'a> {
                         continue;
                     }
                 },
+                Phase::Cancelled { inner } => {
+                    self.model.dl_leave(id, inner);
+                    break Some(Err(MTErr::Ended));
+                }
                 Phase::One { key, mode, inner, kind } => {
                     if ended {
                         self.owner_touch(inner);
@@ -1166,6 +1175,7 @@ impl<'a> Harness<'a> {
         let mut undo_panics = false;
         match phase {
             Phase::Unpolled | Phase::Done => {}
+            Phase::Cancelled { inner } => self.model.dl_leave(id, inner),
             Phase::One { key, inner, kind, .. } => {
                 self.owner_touch(inner);
                 self.model.dl_leave(id, inner);
@@ -1348,11 +1358,24 @@ impl<'a> Harness<'a> {
         let o = self.owners.list.get_mut(&inst).unwrap();
         o.m.slots.clear();
         o.m.ended = true;
+        let mut cancelled = Vec::new();
         for f in &mut o.futs {
             f.ended_wake = f.watching;
             f.watching = false;
+            // pending.rs: the end cancels a new key's wait (its waiter
+            // leaves the queue, a grant it had not seen passes on), after
+            // the set's keys are released.
+            if let Phase::One { inner, kind: EKind::New, .. } = f.phase {
+                f.phase = Phase::Cancelled { inner };
+                cancelled.push(inner);
+            }
         }
         let txn = o.txn.take().unwrap();
+        for inner in cancelled {
+            self.owner_touch(inner);
+            self.model.drop_fut(inner);
+            self.owner_call_done();
+        }
         let expect = self.owner_expect();
         let got = catch(|| match (txn, how) {
             (RTxn::B(t), 0) => t.commit(),
@@ -1506,11 +1529,12 @@ pub(super) struct MWait {
     victim: bool,
 }
 
-/// The detector's registry, by transaction id, and the cycles broken, oldest
-/// first.
+/// The detector's registry, by transaction id (every wait of the
+/// transaction, in the order they registered: an owned transaction's
+/// pending calls each have one), and the cycles broken, oldest first.
 #[derive(Debug, Clone, Default)]
 pub(super) struct MDetector {
-    waiting: BTreeMap<u64, MWait>,
+    waiting: BTreeMap<u64, Vec<MWait>>,
     recent: VecDeque<MCycle>,
 }
 
@@ -1574,35 +1598,44 @@ impl Model {
         Some(out)
     }
 
-    /// deadlock.rs `registered`: `owner`'s registered wait as a node,
-    /// unless it has none or is a victim's.
-    fn dl_registered(&self, owner: u64) -> Option<MNode> {
-        let w = self.dl.waiting.get(&owner).filter(|w| !w.victim)?;
-        Some((owner, w.key, w.mode))
+    /// deadlock.rs `registered`: `owner`'s live (not a victim's) registered
+    /// waits as nodes, in the order they registered.
+    fn dl_live(&self, owner: u64) -> Vec<MNode> {
+        self.dl
+            .waiting
+            .get(&owner)
+            .map(|ws| ws.iter().filter(|w| !w.victim).map(|w| (owner, w.key, w.mode)).collect())
+            .unwrap_or_default()
     }
 
     /// deadlock.rs `find_cycle`: the same depth-first walk, in the same
-    /// order (edges as `dl_wait_edges` lists them; a transaction is visited
-    /// once; at most `DL_LIMIT` visited; a waiter ahead of an exclusive wait
-    /// on the same key marked, not followed), through registered waits and
-    /// waiters ahead on the key of the wait it comes from (registered or
-    /// not): the path of waits from `owner`'s whose last waits for `owner`.
-    fn dl_find_cycle(&self, owner: u64) -> Option<Vec<MNode>> {
-        let start = self.dl_registered(owner)?;
-        let first = self.dl_wait_edges(owner, start.1)?;
-        if !first.iter().any(|&(o, ahead)| ahead.is_some() || self.dl.waiting.contains_key(&o)) {
+    /// order (a transaction's edges: those of each of its live waits, in
+    /// the order they registered, each as `dl_wait_edges` lists them; a
+    /// transaction is visited once; at most `DL_LIMIT` visited; a waiter
+    /// ahead of an exclusive wait on the same key, with no other live wait,
+    /// marked, not followed), through registered waits and waiters ahead on
+    /// the key of the wait it comes from (registered or not): the path of
+    /// waits from `owner`'s wait `fid` whose last waits for `owner`.
+    fn dl_find_cycle(&self, owner: u64, fid: Fid) -> Option<Vec<MNode>> {
+        let w = self.dl.waiting.get(&owner)?.iter().find(|w| w.fid == fid && !w.victim)?;
+        let start = (owner, w.key, w.mode);
+        let first: Vec<(MEdge, MNode)> =
+            self.dl_wait_edges(owner, start.1)?.into_iter().map(|e| (e, start)).collect();
+        if !first.iter().any(|&((o, ahead), _)| ahead.is_some() || self.dl.waiting.contains_key(&o)) {
             return None;
         }
         let mut path = vec![start];
         let mut visited = vec![owner];
-        let mut frames: Vec<(Vec<MEdge>, usize)> = vec![(first, 0)];
+        let mut frames: Vec<(Vec<(MEdge, MNode)>, usize)> = vec![(first, 0)];
         while let Some((edges, next)) = frames.last_mut() {
-            let Some(&(to, ahead)) = edges.get(*next) else {
+            let Some(&((to, ahead), from)) = edges.get(*next) else {
                 frames.pop();
                 path.pop();
                 continue;
             };
             *next += 1;
+            // The path goes through the wait this edge is of.
+            *path.last_mut().unwrap() = from;
             if to == owner {
                 return Some(path);
             }
@@ -1617,39 +1650,43 @@ impl Model {
                 continue;
             }
             visited.push(to);
-            let from = *path.last().unwrap();
-            let node = match self.dl.waiting.get(&to) {
-                Some(_) => self.dl_registered(to),
-                None => ahead.map(|m| (to, from.1, m)),
+            let nodes = if self.dl.waiting.contains_key(&to) {
+                self.dl_live(to)
+            } else {
+                ahead.map(|m| vec![(to, from.1, m)]).unwrap_or_default()
             };
-            if let Some(node) = node {
-                // deadlock.rs `passes_over`: a waiter ahead of an exclusive
-                // wait, waiting on the same key, is marked, not followed.
+            // deadlock.rs `passes_over`: a waiter ahead of an exclusive
+            // wait, waiting on the same key (its only live wait), is marked,
+            // not followed.
+            if let [node] = nodes[..] {
                 if ahead.is_some() && from.2 == MMode::Exclusive && node.1 == from.1 {
                     continue;
                 }
+            }
+            let mut run = Vec::new();
+            for node in nodes {
                 if let Some(edges) = self.dl_wait_edges(to, node.1) {
-                    path.push(node);
-                    frames.push((edges, 0));
+                    run.extend(edges.into_iter().map(|e| (e, node)));
                 }
+            }
+            if let Some(&(_, node)) = run.first() {
+                path.push(node);
+                frames.push((run, 0));
             }
         }
         None
     }
 
     /// deadlock.rs `enter_wait`: transaction `owner`'s wait for `key` in
-    /// `mode` (inner future `fid`, queued) is registered unless the
-    /// transaction has one (`Ok(false)`), and searched: `Err` with the
-    /// cycle it closes (the victim's wait first), recorded in the history.
+    /// `mode` (inner future `fid`, queued) is registered beside its other
+    /// waits, and searched: `Err` with the cycle it closes (the victim's
+    /// wait first), recorded in the history.
     pub(super) fn dl_enter(&mut self, owner: u64, fid: Fid, key: usize, mode: MMode) -> Result<bool, MCycle> {
-        if self.dl.waiting.contains_key(&owner) {
-            return Ok(false);
-        }
-        self.dl.waiting.insert(owner, MWait { key, mode, fid, victim: false });
+        self.dl.waiting.entry(owner).or_default().push(MWait { key, mode, fid, victim: false });
         if self.dl.waiting.len() == 1 {
             return Ok(true);
         }
-        let Some(cycle) = self.dl_find_cycle(owner) else {
+        let Some(cycle) = self.dl_find_cycle(owner, fid) else {
             return Ok(true);
         };
         // The crate confirms the cycle with its shards locked at once; here
@@ -1661,7 +1698,8 @@ impl Model {
                 "model: cycle {cycle:?}: {o} is not blocked by {next}"
             );
         }
-        self.dl.waiting.get_mut(&owner).unwrap().victim = true;
+        let waits = self.dl.waiting.get_mut(&owner).unwrap();
+        waits.iter_mut().find(|w| w.fid == fid).unwrap().victim = true;
         let record: MCycle = cycle;
         if self.dl.recent.len() == DL_HISTORY {
             self.dl.recent.pop_front();
@@ -1671,10 +1709,13 @@ impl Model {
     }
 
     /// The wait of inner future `fid` ends (resolved, or dropped): its
-    /// registration, if it is the one `owner` has, goes.
+    /// registration, if `owner` has one for it, goes.
     pub(super) fn dl_leave(&mut self, owner: u64, fid: Fid) {
-        if self.dl.waiting.get(&owner).is_some_and(|w| w.fid == fid) {
-            self.dl.waiting.remove(&owner);
+        if let Some(waits) = self.dl.waiting.get_mut(&owner) {
+            waits.retain(|w| w.fid != fid);
+            if waits.is_empty() {
+                self.dl.waiting.remove(&owner);
+            }
         }
     }
 
@@ -1685,7 +1726,7 @@ impl Model {
         !cycle.is_empty()
             && cycle.iter().enumerate().all(|(i, &(o, k, m))| {
                 let next = cycle[(i + 1) % cycle.len()].0;
-                self.dl.waiting.get(&o).is_none_or(|w| w.key == k && w.mode == m)
+                self.dl.waiting.get(&o).is_none_or(|ws| ws.iter().any(|w| w.key == k && w.mode == m))
                     && self.dl_wait_edges(o, k).is_some_and(|e| e.iter().any(|&(to, _)| to == next))
             })
     }
@@ -1696,6 +1737,7 @@ impl Model {
             .dl
             .waiting
             .iter()
+            .flat_map(|(o, ws)| ws.iter().map(move |w| (o, w)))
             .map(|(o, w)| {
                 format!(
                     "{o} waits for key {} {:?} (fut {}{}) blocked by {:?}",
