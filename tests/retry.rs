@@ -237,6 +237,7 @@ fn borrowed_keys_reach_a_static_error_through_the_key_free_form() {
 /// The backoff sleeps on the table's clock: between half and all of the
 /// first pause, the retry waits; past it, it runs.
 #[test]
+#[cfg(feature = "test-util")]
 fn the_backoff_waits_on_the_tables_clock() {
     let clock = keylock::ManualClock::new();
     let table = LockTable::<&str>::builder().clock(clock.clone()).build();
