@@ -5,20 +5,21 @@ use std::fmt;
 use std::future::Future;
 use std::hash::{BuildHasher, Hash};
 use std::mem::ManuallyDrop;
-use std::ops::Deref;
+use std::ops::{Deref, DerefMut};
 use std::pin::Pin;
 use std::sync::Arc;
 use std::task::{Context, Poll, Waker};
 use std::time::{Duration, Instant};
 
-use crate::clock::Stamp;
+use crate::clock::{Now, Stamp};
 use crate::deferred::Leftovers;
 use crate::error::LockError;
 use crate::guard::{Guard, Held, OwnedGuard};
+use crate::key_map::Index;
 use crate::key_slot::KeyPtr;
 use crate::lease::{LockOptions, PackedDuration, Terms};
 use crate::mode::Mode;
-use crate::queue::{Attempt, Diagnosis, Grant, Patience, Polled};
+use crate::queue::{Attempt, Diagnosis, Grant, Patience, Polled, ShardState};
 use crate::table::{DefaultHashBuilder, LockTable};
 use crate::timer::Sleep;
 use crate::token::FencingToken;
@@ -262,33 +263,33 @@ where
         // probe, the guard unlocks first and the key is dropped after.
         let mut key = Some(key);
         let mut state = shard.state.lock();
-        // Made after locking: stores made before a locked compare-and-swap
-        // must drain before it completes.
-        let mut ctx = shard.ctx(table.clock(), left);
-        let attempt = {
-            // SAFETY: the waiter is idle and pinned (we are, through `Pin`),
-            // and `Drop` unlinks it before it is freed.
-            unsafe {
-                state.acquire_or_enqueue(
-                    self.hash,
-                    &mut key,
-                    mode,
-                    terms,
-                    Patience {
-                        timeout,
-                        deadline: self.deadline,
-                    },
-                    table.fairness(),
-                    &mut self.waiter,
-                    &mut ctx,
-                )
+        // A key with no entry is taken here, inline, with nothing deferred.
+        let mut now = Now::new(table.clock());
+        match state.claim(self.hash, &mut key, mode, terms, &mut now, &shard.counters) {
+            Ok(grant) => {
+                drop(state);
+                Ok(Step::Ready(self.finish(grant)))
             }
-        };
-        drop(state);
-        if let Some(key) = key {
-            ctx.drop_key_later(key);
+            Err(index) => {
+                let patience = Patience {
+                    timeout,
+                    deadline: self.deadline,
+                };
+                // SAFETY: the waiter is idle and pinned (we are, through
+                // `Pin`), and `Drop` unlinks it before it is freed.
+                let attempt = unsafe {
+                    start_busy(
+                        table,
+                        state,
+                        (self.hash, index, key),
+                        (mode, terms, patience),
+                        &mut self.waiter,
+                        left,
+                    )
+                };
+                self.started(attempt, cx, left)
+            }
         }
-        self.started(attempt, cx, left)
     }
 
     /// The first poll of an upgrade: at once, or linked at the head of the
@@ -610,6 +611,45 @@ enum Step<O> {
     Wait(Option<Instant>),
     /// Poll again at once (nudged while registering).
     Again,
+}
+
+/// The first poll on a key that has an entry (at `index`, in `state`, the
+/// key's shard, locked): take it if it is open to the caller, else link
+/// `waiter`. Out of line: the inline first step covers a free key.
+///
+/// # Safety
+///
+/// As [`ShardState::acquire_or_enqueue_busy`].
+#[inline(never)]
+unsafe fn start_busy<K, S>(
+    table: &LockTable<K, S>,
+    state: impl DerefMut<Target = ShardState<K>>,
+    (hash, index, key): (u64, Index, Option<K>),
+    (mode, terms, patience): (Mode, Terms, Patience),
+    waiter: &mut LazyWaiter,
+    left: &mut Leftovers<K>,
+) -> Attempt<K> {
+    // In this order, so that unwinding unlocks before it drops the key.
+    let key = key;
+    let mut state = state;
+    let mut ctx = table.shard(hash).ctx(table.clock(), left);
+    // SAFETY: the caller's contract.
+    let attempt = unsafe {
+        state.acquire_or_enqueue_busy(
+            index,
+            mode,
+            terms,
+            patience,
+            table.fairness(),
+            waiter,
+            &mut ctx,
+        )
+    };
+    drop(state);
+    if let Some(key) = key {
+        ctx.drop_key_later(key);
+    }
+    attempt
 }
 
 fn timeout_error(waited: Duration, diagnosis: Diagnosis) -> LockError {

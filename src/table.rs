@@ -10,6 +10,7 @@ use std::borrow::Borrow;
 use std::fmt;
 use std::hash::{BuildHasher, Hash};
 use std::marker::PhantomData;
+use std::ops::DerefMut;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -21,12 +22,13 @@ use crate::deferred::{Ctx, Leftovers};
 use crate::error::{LockError, TryLockError};
 use crate::fairness::Fairness;
 use crate::guard::{Guard, Held, OwnedGuard};
+use crate::key_map::Index;
 use crate::key_slot::KeyPtr;
 use crate::labels::Labels;
 use crate::layer_state::LayerState;
 use crate::lease::{LeasePolicy, LockOptions, PackedDuration, Terms, DEFAULT_MAX_LEASE, MIN_LEASE};
 use crate::mode::Mode;
-use crate::queue::{Grant, ShardState};
+use crate::queue::{Grant, ShardState, ENTRY_PRESENT};
 use crate::shard_lock::ShardMutex;
 use crate::stats::{Counters, Stats};
 use crate::timer_driver::{ShardHook, ShardTimer};
@@ -421,12 +423,47 @@ impl<K, S> LockTable<K, S> {
 
     /// Releases the grant `token` of the key at `key`; the holder gives proof
     /// of ownership with its token, so a stale release frees nothing.
+    ///
+    /// The common release (the only holder lets go, nobody waits) runs
+    /// inline, with nothing deferred; the rest out of line.
     #[inline(always)]
     pub(crate) fn release(&self, hash: u64, key: KeyPtr<K>, token: FencingToken) {
-        let fairness = self.fairness;
-        self.with_shard(hash, |state, ctx| {
-            state.release(hash, key, token, fairness, ctx);
-        });
+        let shard = self.shard(hash);
+        let mut state = shard.state.lock();
+        match state.release_alone(hash, key, token) {
+            Ok(key) => {
+                drop(state);
+                // After unlocking: `K::drop` is user code.
+                drop(key);
+            }
+            Err(index) => self.release_busy(shard, state, index, token),
+        }
+    }
+
+    /// [`release`](Self::release) of a key with waiters, other holders or
+    /// fenced guards, or of a fenced grant; `state` is the shard's, locked.
+    #[cold]
+    #[inline(never)]
+    fn release_busy(
+        &self,
+        shard: &Shard<K>,
+        state: impl DerefMut<Target = ShardState<K>>,
+        index: Option<Index>,
+        token: FencingToken,
+    ) {
+        // Declared before the shard guard, so dropped after it: the wakes
+        // and drops it holds run unlocked, also when unwinding.
+        let mut left = Leftovers::default();
+        let mut state = state;
+        match index {
+            Some(index) => {
+                let mut ctx = shard.ctx(&self.clock, &mut left);
+                state.release_at(index, token, self.fairness, &mut ctx);
+            }
+            None => debug_assert!(false, "{ENTRY_PRESENT}"),
+        }
+        drop(state);
+        left.flush();
     }
 
     /// Releases grant `token` if it still holds the key, live (`true`);
@@ -809,7 +846,7 @@ where
     /// drop(guard);
     /// assert!(table.try_lock("a").is_ok());
     /// ```
-    #[inline]
+    #[inline(always)]
     pub fn try_lock(&self, key: K) -> Result<Guard<'_, K, S>, TryLockError> {
         let hash = self.hash(&key);
         let (grant, spare) = self.try_acquire(
@@ -955,7 +992,10 @@ where
 
     /// One attempt; returns the grant, and the caller's key if the table
     /// did not keep it, for the caller to drop once its guard exists.
-    #[inline]
+    ///
+    /// A key with no entry is taken inline, with nothing deferred; a busy
+    /// key goes on out of line.
+    #[inline(always)]
     fn try_acquire(
         &self,
         hash: u64,
@@ -966,11 +1006,40 @@ where
         // Outside the shard lock: if `K: Eq` panics during the probe, the
         // lock is released before the key is dropped.
         let mut key = Some(key);
-        let fairness = self.fairness;
-        let grant = self.with_shard(hash, |state, ctx| {
-            state.try_acquire(hash, &mut key, mode, terms, fairness, ctx)
-        });
-        (grant, key)
+        let shard = self.shard(hash);
+        let mut state = shard.state.lock();
+        let mut now = Now::new(&self.clock);
+        match state.claim(hash, &mut key, mode, terms, &mut now, &shard.counters) {
+            Ok(grant) => {
+                drop(state);
+                (Some(grant), key)
+            }
+            Err(index) => (self.try_acquire_busy(shard, state, index, mode, terms), key),
+        }
+    }
+
+    /// [`try_acquire`](Self::try_acquire) of a key that has an entry (at
+    /// `index`); `state` is the shard's, locked.
+    #[cold]
+    #[inline(never)]
+    fn try_acquire_busy(
+        &self,
+        shard: &Shard<K>,
+        state: impl DerefMut<Target = ShardState<K>>,
+        index: Index,
+        mode: Mode,
+        terms: Terms,
+    ) -> Option<Grant<K>> {
+        // As in `release_busy`: dropped after the shard guard.
+        let mut left = Leftovers::default();
+        let mut state = state;
+        let grant = {
+            let mut ctx = shard.ctx(&self.clock, &mut left);
+            state.try_acquire_busy(index, mode, terms, self.fairness, &mut ctx)
+        };
+        drop(state);
+        left.flush();
+        grant
     }
 
     /// Blocks the current thread until `key` is free and takes it.

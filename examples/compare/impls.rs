@@ -9,7 +9,6 @@ use std::future::Future;
 use std::sync::Arc;
 
 use dashmap::DashMap;
-use futures::FutureExt as _;
 use parking_lot::lock_api::RawMutex as _;
 
 /// One keyed-lock implementation.
@@ -108,10 +107,17 @@ impl KeyedLock for KeylockLease {
 
     #[inline]
     fn lock(&self, key: u64) -> impl Future<Output = Self::Guard<'_>> + Send + '_ {
+        // As a user writes it: `lock_with(..).await` and the `Result`
+        // unwrapped in the same async code (a `map` combinator over the
+        // future instead moves the whole `Result` out through one more
+        // layer, a cost no user's code pays).
         let opts = keylock::LockOptions::new().lease(LONG_LEASE);
-        self.0
-            .lock_with(key, opts)
-            .map(|r| r.expect("no timeout, valid lease"))
+        async move {
+            self.0
+                .lock_with(key, opts)
+                .await
+                .expect("no timeout, valid lease")
+        }
     }
 
     fn entries(&self) -> Option<usize> {
@@ -132,10 +138,14 @@ impl KeyedLock for KeylockTimeout {
 
     #[inline]
     fn lock(&self, key: u64) -> impl Future<Output = Self::Guard<'_>> + Send + '_ {
+        // As a user writes it (see `KeylockLease::lock`).
         let opts = keylock::LockOptions::new().timeout(LONG_LEASE);
-        self.0
-            .lock_with(key, opts)
-            .map(|r| r.expect("never times out in a run"))
+        async move {
+            self.0
+                .lock_with(key, opts)
+                .await
+                .expect("never times out in a run")
+        }
     }
 
     fn entries(&self) -> Option<usize> {

@@ -24,15 +24,16 @@
 use std::borrow::Borrow;
 use std::time::{Duration, Instant};
 
-use crate::key_map::KeyMap;
+use crate::key_map::{Index, KeyMap};
 
-use crate::clock::Stamp;
+use crate::clock::{Now, Stamp};
 use crate::deferred::Ctx;
 #[cfg(feature = "test-util")]
 use crate::fairness::Fairness;
 use crate::key_slot::{KeyPool, KeyPtr};
 use crate::lease::Terms;
 use crate::mode::Mode;
+use crate::stats::Counters;
 use crate::token::{FencingToken, TokenCounter};
 use crate::waiter::Granted;
 use watch::GrantWatchers;
@@ -256,55 +257,47 @@ impl<K> ShardState<K> {
         }
     }
 
-    /// Takes the key if it has no entry (one probe); otherwise returns the
-    /// key's entry. The caller's key is moved out of `key` only if it is
-    /// stored; if `K: Eq` panics, nothing has changed and the key is still
-    /// the caller's, to drop after the lock unwinds.
+    /// The first step of every lock, inline and without a [`Ctx`]: takes the
+    /// key if it has no entry (one probe, one insert, a token), reading the
+    /// clock only for a lease. Otherwise returns the index of the key's
+    /// entry, for the rest of the attempt under the same lock (`*_busy`).
+    /// The caller's key is moved out of `key` only if it is stored; if
+    /// `K: Eq` panics, nothing has changed and the key is still the
+    /// caller's, to drop after the lock unwinds.
     #[inline(always)]
-    fn claim(
+    pub(crate) fn claim(
         &mut self,
         hash: u64,
         key: &mut Option<K>,
         mode: Mode,
         terms: Terms,
-        ctx: &mut Ctx<'_, '_, K>,
-    ) -> Result<Grant<K>, (&mut Entry<K>, Keys<'_>)>
+        now: &mut Now<'_>,
+        counters: &Counters,
+    ) -> Result<Grant<K>, Index>
     where
         K: Eq,
     {
-        let ShardState {
-            entries,
-            keys,
-            tokens,
-            fair_at,
-            watchers,
-            spares,
-        } = self;
         let probe = key.as_ref().expect("keylock: the caller's key is present");
-        // SAFETY: `e` is in the table, so its key cell is live.
-        match entries.find_or_vacant(hash, |e| unsafe { e.key.get() } == probe) {
-            Ok(index) => Err((
-                entries.get_mut(index),
-                Keys {
-                    tokens,
-                    fair_at,
-                    watchers,
-                    spares,
-                },
-            )),
+        let found = self.entries.find_or_vacant(hash, |e| {
+            // SAFETY: `e` is in the table, so its key cell is live.
+            let k: &K = unsafe { e.key.get() };
+            k == probe
+        });
+        match found {
+            Ok(index) => Err(index),
             Err(vacant) => {
                 // Everything that can panic comes before any change.
-                let token = tokens.mint();
-                let (deadline, since) = grant_times(terms, ctx.clock());
-                let cell = keys.store(key.take().expect("present"));
-                ctx.counters().acquired(false);
+                let token = self.tokens.mint();
+                let (deadline, since) = grant_times(terms, now);
+                let cell = self.keys.store(key.take().expect("present"));
+                counters.acquired(false);
                 let holders = Holders::one(Holder {
                     token,
                     deadline,
                     since,
                     owner: terms.owner,
                 });
-                vacant.insert(entries, Entry::held(cell, holders, mode));
+                vacant.insert(&mut self.entries, Entry::held(cell, holders, mode));
                 Ok(Grant {
                     key: cell,
                     token,
@@ -313,6 +306,58 @@ impl<K> ShardState<K> {
                 })
             }
         }
+    }
+
+    /// The entry at `index` (from [`claim`](Self::claim) or a probe, with no
+    /// insert or remove since) and the machinery to change it.
+    #[inline]
+    fn at(&mut self, index: Index) -> (&mut Entry<K>, Keys<'_>) {
+        let ShardState {
+            entries,
+            tokens,
+            fair_at,
+            watchers,
+            spares,
+            ..
+        } = self;
+        (
+            entries.get_mut(index),
+            Keys {
+                tokens,
+                fair_at,
+                watchers,
+                spares,
+            },
+        )
+    }
+
+    /// The common release, inline and without a [`Ctx`]: grant `token` is
+    /// the only holder of the key at `key`, nobody waits for it and no fenced
+    /// guard points at it, so its entry goes and the key is returned, to be
+    /// dropped after unlocking. Otherwise changes nothing and returns the
+    /// entry's index for [`release_at`](Self::release_at) (none: no entry,
+    /// which a release never meets).
+    #[inline(always)]
+    pub(crate) fn release_alone(
+        &mut self,
+        hash: u64,
+        key: KeyPtr<K>,
+        token: FencingToken,
+    ) -> Result<K, Option<Index>> {
+        let Some(index) = self.entries.find(hash, |e| e.key == key) else {
+            return Err(None);
+        };
+        let entry = self.entries.get_mut(index);
+        if !(entry.holders.is_only(token) && entry.queue.is_empty() && entry.fenced == 0) {
+            return Err(Some(index));
+        }
+        entry.holders.clear_only();
+        let removed = self.entries.remove(index);
+        // SAFETY: the entry was just removed from the table and nothing uses
+        // it: no holder, no waiter, no fenced guard.
+        let key = unsafe { self.keys.take(removed.key) };
+        removed.forget_unused();
+        Ok(key)
     }
 }
 

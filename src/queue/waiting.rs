@@ -49,10 +49,24 @@ impl<K> ShardState<K> {
     where
         K: Eq,
     {
-        let (entry, mut keys) = match self.claim(hash, key, mode, terms, ctx) {
-            Ok(grant) => return Some(grant),
-            Err(busy) => busy,
-        };
+        let counters = ctx.counters();
+        match self.claim(hash, key, mode, terms, ctx.clock(), counters) {
+            Ok(grant) => Some(grant),
+            Err(busy) => self.try_acquire_busy(busy, mode, terms, fairness, ctx),
+        }
+    }
+
+    /// [`try_acquire`](Self::try_acquire) once [`claim`](Self::claim) found
+    /// the key's entry at `index`.
+    pub(crate) fn try_acquire_busy(
+        &mut self,
+        index: Index,
+        mode: Mode,
+        terms: Terms,
+        fairness: Fairness,
+        ctx: &mut Ctx<'_, '_, K>,
+    ) -> Option<Grant<K>> {
+        let (entry, mut keys) = self.at(index);
         keys.settle(entry, ctx);
         if !entry.open_to(mode, fairness) {
             return None;
@@ -60,33 +74,26 @@ impl<K> ShardState<K> {
         Some(take_now(&mut keys, entry, mode, terms, ctx))
     }
 
-    /// Takes the key if it is free; otherwise links `waiter` at the tail of
-    /// its queue. The caller's key stays in `key` unless it was stored.
+    /// A lock once [`claim`](Self::claim) found the key's entry at `index`:
+    /// takes the key if it is open to `mode`; otherwise links `waiter` at the
+    /// tail of its queue.
     ///
     /// # Safety
     ///
     /// `waiter` is idle, pinned, and its owner unlinks it (through
     /// [`leave`](Self::leave) or a poll that completes) before freeing it.
-    #[inline]
     #[allow(clippy::too_many_arguments)] // the one entry point of a wait
-    pub(crate) unsafe fn acquire_or_enqueue(
+    pub(crate) unsafe fn acquire_or_enqueue_busy(
         &mut self,
-        hash: u64,
-        key: &mut Option<K>,
+        index: Index,
         mode: Mode,
         terms: Terms,
         patience: Patience,
         fairness: Fairness,
         waiter: &mut LazyWaiter,
         ctx: &mut Ctx<'_, '_, K>,
-    ) -> Attempt<K>
-    where
-        K: Eq,
-    {
-        let (entry, mut keys) = match self.claim(hash, key, mode, terms, ctx) {
-            Ok(grant) => return Attempt::Acquired(grant),
-            Err(busy) => busy,
-        };
+    ) -> Attempt<K> {
+        let (entry, mut keys) = self.at(index);
         keys.settle(entry, ctx);
         if entry.open_to(mode, fairness) {
             return Attempt::Acquired(take_now(&mut keys, entry, mode, terms, ctx));
@@ -114,7 +121,7 @@ impl<K> ShardState<K> {
     ///
     /// # Safety
     ///
-    /// As [`acquire_or_enqueue`](Self::acquire_or_enqueue).
+    /// As [`acquire_or_enqueue_busy`](Self::acquire_or_enqueue_busy).
     pub(crate) unsafe fn upgrade(
         &mut self,
         hash: u64,
@@ -393,7 +400,7 @@ impl<K> ShardState<K> {
 
     /// [`release`](Self::release) of the entry at `index`, already found.
     #[inline(always)]
-    fn release_at(
+    pub(crate) fn release_at(
         &mut self,
         index: Index,
         token: FencingToken,
@@ -523,7 +530,7 @@ fn jumped_queue<K>(ctx: &Ctx<'_, '_, K>) {
 ///
 /// # Safety
 ///
-/// As [`ShardState::acquire_or_enqueue`].
+/// As [`ShardState::acquire_or_enqueue_busy`].
 #[inline]
 unsafe fn enqueue<K>(
     entry: &mut Entry<K>,
