@@ -162,3 +162,228 @@ fn a_waker_that_ends_the_transaction_while_the_call_polls_does_not_spin() {
     drop(blocker);
     assert!(table.is_empty());
 }
+
+/// The two keys of a `lock_all` in the order it takes them (its canonical
+/// order is the table's hash, not the caller's): `(first, second)`, found
+/// by a probe on a scratch table of the same hasher that holds the second
+/// and sees whether the first was taken before the wait.
+fn lock_all_order(table: &LockTable<&'static str>) -> (&'static str, &'static str) {
+    let (x, y) = ("x", "y");
+    let blocker = table.try_lock(y).unwrap();
+    let mut t = table.transaction();
+    let mut f = Box::pin(t.lock_all([(x, Mode::Exclusive), (y, Mode::Exclusive)]));
+    assert!(poll(f.as_mut()).is_pending());
+    let x_first = table.is_locked(x);
+    drop(f);
+    drop(t);
+    drop(blocker);
+    assert!(table.is_empty());
+    if x_first {
+        (x, y)
+    } else {
+        (y, x)
+    }
+}
+
+/// Asserts that nothing is held or queued and that another locker gets
+/// every key.
+fn assert_all_free(table: &LockTable<&'static str>, keys: &[&'static str], what: &str) {
+    assert!(table.is_empty(), "{what}: {:?}", table.status());
+    assert_eq!(table.len(), 0, "{what}");
+    for &key in keys {
+        assert_eq!(table.waiters(key), 0, "{what}: {key} queued");
+    }
+    let mut other = table.transaction();
+    let got = poll(std::pin::pin!(
+        other.lock_all(keys.iter().map(|&k| (k, Mode::Exclusive)))
+    ));
+    assert!(
+        matches!(&got, Poll::Ready(Ok(s)) if s.acquired() == keys.len()),
+        "{what}: {got:?}"
+    );
+}
+
+/// A borrowed transaction's `lock_all` forgotten while it waits for its
+/// second key, having taken the first: when the transaction ends, the key
+/// it took is released and the one it waits for is never granted to it
+/// (or, granted before the end, released by it).
+#[test]
+fn a_forgotten_borrowed_lock_all_leaves_nothing_held_after_its_transaction_ended() {
+    for granted_first in [false, true] {
+        for end in ENDS {
+            let table = LockTable::<&'static str>::new();
+            let (first, second) = lock_all_order(&table);
+            let blocker = table.try_lock(second).unwrap();
+            let mut t = table.transaction();
+            let mut f = Box::pin(t.lock_all([(first, Mode::Exclusive), (second, Mode::Exclusive)]));
+            assert!(poll(f.as_mut()).is_pending());
+            assert!(
+                table.is_locked(first),
+                "the first key taken before the wait"
+            );
+            std::mem::forget(f);
+            let mut blocker = Some(blocker);
+            if granted_first {
+                drop(blocker.take()); // handed to the forgotten call
+            }
+            match end {
+                End::Commit => t.commit().expect("nothing lost"),
+                End::Abort => t.abort(),
+                End::Drop => drop(t),
+            }
+            drop(blocker);
+            let what = format!("granted first {granted_first}, {end:?}");
+            assert_all_free(&table, &[first, second], &what);
+        }
+    }
+}
+
+/// The owned form: its `lock_all` forgotten in the same state.
+#[test]
+fn a_forgotten_owned_lock_all_leaves_nothing_held_after_its_transaction_ended() {
+    for granted_first in [false, true] {
+        for end in ENDS {
+            let table = Arc::new(LockTable::<&'static str>::new());
+            let (first, second) = lock_all_order(&table);
+            let blocker = table.try_lock(second).unwrap();
+            let t = table.clone().transaction_owned();
+            let mut f =
+                Box::pin(t.lock_all(vec![(first, Mode::Exclusive), (second, Mode::Exclusive)]));
+            assert!(poll(f.as_mut()).is_pending());
+            assert!(
+                table.is_locked(first),
+                "the first key taken before the wait"
+            );
+            std::mem::forget(f);
+            let mut blocker = Some(blocker);
+            if granted_first {
+                drop(blocker.take());
+            }
+            match end {
+                End::Commit => t.commit().expect("nothing lost"),
+                End::Abort => t.abort(),
+                End::Drop => drop(t),
+            }
+            drop(blocker);
+            let what = format!("granted first {granted_first}, {end:?}");
+            assert_all_free(&table, &[first, second], &what);
+        }
+    }
+}
+
+/// A borrowed transaction's `lock_all` that waits on a key it must claim
+/// (one it holds shared, asked exclusive, beside a new one that is taken
+/// first): forgotten, the transaction's end releases both.
+#[test]
+fn a_forgotten_borrowed_lock_all_with_an_upgrade_leaves_nothing_held() {
+    for granted_first in [false, true] {
+        for end in ENDS {
+            let table = LockTable::<&'static str>::new();
+            let (first, second) = lock_all_order(&table);
+            let reader = table.try_lock_shared(second).unwrap();
+            let mut t = table.transaction();
+            assert!(poll(std::pin::pin!(t.lock(second, Mode::Shared))).is_ready());
+            let mut f = Box::pin(t.lock_all([(first, Mode::Exclusive), (second, Mode::Exclusive)]));
+            assert!(poll(f.as_mut()).is_pending());
+            assert!(
+                table.is_locked(first),
+                "the first key taken before the wait"
+            );
+            std::mem::forget(f);
+            let mut reader = Some(reader);
+            if granted_first {
+                drop(reader.take()); // the upgrade is granted, unobserved
+            }
+            match end {
+                End::Commit => t.commit().expect("nothing lost"),
+                End::Abort => t.abort(),
+                End::Drop => drop(t),
+            }
+            drop(reader);
+            let what = format!("granted first {granted_first}, {end:?}");
+            assert_all_free(&table, &[first, second], &what);
+        }
+    }
+}
+
+/// The owned form's `lock_all` with an upgrade, forgotten.
+#[test]
+fn a_forgotten_owned_lock_all_with_an_upgrade_leaves_nothing_held() {
+    for granted_first in [false, true] {
+        for end in ENDS {
+            let table = Arc::new(LockTable::<&'static str>::new());
+            let (first, second) = lock_all_order(&table);
+            let reader = table.try_lock_shared(second).unwrap();
+            let t = table.clone().transaction_owned();
+            assert!(poll(std::pin::pin!(t.lock(second, Mode::Shared))).is_ready());
+            let mut f =
+                Box::pin(t.lock_all(vec![(first, Mode::Exclusive), (second, Mode::Exclusive)]));
+            assert!(poll(f.as_mut()).is_pending());
+            assert!(
+                table.is_locked(first),
+                "the first key taken before the wait"
+            );
+            std::mem::forget(f);
+            let mut reader = Some(reader);
+            if granted_first {
+                drop(reader.take());
+            }
+            match end {
+                End::Commit => t.commit().expect("nothing lost"),
+                End::Abort => t.abort(),
+                End::Drop => drop(t),
+            }
+            drop(reader);
+            let what = format!("granted first {granted_first}, {end:?}");
+            assert_all_free(&table, &[first, second], &what);
+        }
+    }
+}
+
+/// A single upgrade (a key the transaction holds shared, asked exclusive
+/// while another reader holds it) forgotten: the end releases the key,
+/// whether the upgrade was granted before it or not.
+#[test]
+fn a_forgotten_upgrade_leaves_nothing_held_after_its_transaction_ended() {
+    for owned in [false, true] {
+        for granted_first in [false, true] {
+            for end in ENDS {
+                let table = Arc::new(LockTable::<&'static str>::new());
+                let reader = table.try_lock_shared("k").unwrap();
+                let what = format!("owned {owned}, granted first {granted_first}, {end:?}");
+                let mut reader = Some(reader);
+                if owned {
+                    let t = table.clone().transaction_owned();
+                    assert!(poll(std::pin::pin!(t.lock("k", Mode::Shared))).is_ready());
+                    let mut f = Box::pin(t.lock("k", Mode::Exclusive));
+                    assert!(poll(f.as_mut()).is_pending());
+                    std::mem::forget(f);
+                    if granted_first {
+                        drop(reader.take());
+                    }
+                    match end {
+                        End::Commit => t.commit().expect("nothing lost"),
+                        End::Abort => t.abort(),
+                        End::Drop => drop(t),
+                    }
+                } else {
+                    let mut t = table.transaction();
+                    assert!(poll(std::pin::pin!(t.lock("k", Mode::Shared))).is_ready());
+                    let mut f = Box::pin(t.lock("k", Mode::Exclusive));
+                    assert!(poll(f.as_mut()).is_pending());
+                    std::mem::forget(f);
+                    if granted_first {
+                        drop(reader.take());
+                    }
+                    match end {
+                        End::Commit => t.commit().expect("nothing lost"),
+                        End::Abort => t.abort(),
+                        End::Drop => drop(t),
+                    }
+                }
+                drop(reader);
+                assert_all_free(&table, &["k"], &what);
+            }
+        }
+    }
+}

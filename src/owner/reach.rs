@@ -17,7 +17,7 @@ use crate::lease::LockOptions;
 use crate::mode::Mode;
 use crate::table::LockTable;
 use crate::token::FencingToken;
-use crate::upgrade::Upgrade;
+use crate::upgrade::UpgradeOwned;
 
 /// How an owner reaches its table, and the guards and lock futures it gets.
 pub(crate) trait Reach {
@@ -200,7 +200,18 @@ pub(crate) trait GuardOps {
     /// [`LockTable::is_awaited`]).
     fn is_awaited(&self) -> bool;
     fn downgrade(&mut self) -> Result<(), LockError>;
-    fn upgrade(&mut self, opts: LockOptions) -> Upgrade<'_, Self::Key, Self::Hasher>;
+    /// An upgrade that owns the guard (see [`UpgradeOwned`]), for a wait
+    /// its transaction may cancel (`pending.rs`).
+    type Upgrading: Future<Output = (Self, Result<FencingToken, LockError>)>
+    where
+        Self: Sized;
+    fn upgrade_owned(self, opts: LockOptions) -> Self::Upgrading
+    where
+        Self: Sized;
+    /// The guard of an owning upgrade back, shared (`None` once resolved).
+    fn upgrade_undone(upgrading: std::pin::Pin<&mut Self::Upgrading>) -> Option<Self>
+    where
+        Self: Sized;
     /// Releases the key if the grant still holds it, live; else gives the
     /// guard back (see [`Guard::release_if_live`]).
     fn release_if_live(self) -> Result<FencingToken, Self>
@@ -260,8 +271,16 @@ macro_rules! guard_ops {
                 $guard::downgrade(self)
             }
 
-            fn upgrade(&mut self, opts: LockOptions) -> Upgrade<'_, K, S> {
-                $guard::upgrade_with(self, opts)
+            type Upgrading = UpgradeOwned<$($lt,)? K, S>;
+
+            fn upgrade_owned(self, opts: LockOptions) -> Self::Upgrading {
+                UpgradeOwned::new(self, opts)
+            }
+
+            fn upgrade_undone(
+                upgrading: std::pin::Pin<&mut Self::Upgrading>,
+            ) -> Option<Self> {
+                upgrading.into_guard()
             }
 
             #[inline]

@@ -216,10 +216,11 @@ enum Phase {
     Unpolled,
     One { key: usize, mode: MMode, inner: Fid, kind: EKind },
     All { ents: Vec<Ent>, at: usize, inner: Option<Fid> },
-    /// A new key's wait whose lock future the transaction's end cancelled
-    /// (`src/owner/pending.rs`: a forgotten call keeps nothing); its
-    /// detector registration (`inner`'s) stays until the call is polled
-    /// (it fails `Ended`) or dropped.
+    /// A waiting call whose cell the transaction's end cancelled
+    /// (`src/owner/pending.rs`: a forgotten call keeps nothing): its wait
+    /// and the guards it held outside the set are gone; its detector
+    /// registration (`inner`'s) stays until the call is polled (it fails
+    /// `Ended`) or dropped.
     Cancelled { inner: Fid },
     Done,
 }
@@ -1362,19 +1363,47 @@ impl<'a> Harness<'a> {
         for f in &mut o.futs {
             f.ended_wake = f.watching;
             f.watching = false;
-            // pending.rs: the end cancels a new key's wait (its waiter
-            // leaves the queue, a grant it had not seen passes on), after
-            // the set's keys are released.
-            if let Phase::One { inner, kind: EKind::New, .. } = f.phase {
-                f.phase = Phase::Cancelled { inner };
-                cancelled.push(inner);
+            // pending.rs: after the set's keys are released, the end
+            // cancels each waiting call's cell: its wait goes first (a new
+            // key's waiter leaves the queue, a grant it had not seen passes
+            // on; an upgrade is undone and releases the guard it owns),
+            // then the guards the call holds outside the set, in its
+            // entries' order (a `lock_all`'s new keys and the held keys it
+            // claimed to upgrade).
+            match &f.phase {
+                Phase::One { inner, kind: EKind::New, .. } => cancelled.push((*inner, Vec::new())),
+                Phase::One { inner, kind: EKind::Upgrade(gid), .. } => cancelled.push((*inner, vec![*gid])),
+                Phase::All { ents, at, inner: Some(inner) } => {
+                    let mut guards: Vec<Gid> = Vec::new();
+                    if let EKind::Upgrade(gid) = ents[*at].kind {
+                        guards.push(gid);
+                    }
+                    for (i, e) in ents.iter().enumerate() {
+                        match e.kind {
+                            _ if i == *at => {}
+                            EKind::Upgrade(gid) => guards.push(gid),
+                            EKind::New => guards.extend(e.got),
+                            EKind::Covered => {}
+                        }
+                    }
+                    cancelled.push((*inner, guards));
+                }
+                _ => continue,
             }
+            let (Phase::One { inner, .. } | Phase::All { inner: Some(inner), .. }) = f.phase else {
+                unreachable!("matched above")
+            };
+            f.phase = Phase::Cancelled { inner };
         }
         let txn = o.txn.take().unwrap();
-        for inner in cancelled {
+        for (inner, guards) in cancelled {
             self.owner_touch(inner);
             self.model.drop_fut(inner);
             self.owner_call_done();
+            for g in guards {
+                self.model.release(g);
+                self.owner_call_done();
+            }
         }
         let expect = self.owner_expect();
         let got = catch(|| match (txn, how) {
