@@ -347,4 +347,48 @@ mod tests {
         });
         assert_eq!(done.join().unwrap(), Err(TransactionError::Ended));
     }
+
+    /// An owned transaction's waiting upgrades (single and in a
+    /// `lock_all`), whose cells own the guard they upgrade
+    /// (`pending.rs`, `UpgradeOwned`): one dropped while it waits (its
+    /// guard back, shared), one pending when the transaction ends (the end
+    /// releases it), each outliving every other `Arc` of the table.
+    #[test]
+    fn waiting_upgrades_own_their_guards_and_never_outlive_the_table() {
+        let table = Arc::new(LockTable::<String>::new());
+        let reader = table.clone().transaction_owned();
+        let txn = table.clone().transaction_owned();
+        for k in ["a", "b"] {
+            futures::executor::block_on(reader.lock(k.to_string(), Mode::Shared)).unwrap();
+            futures::executor::block_on(txn.lock(k.to_string(), Mode::Shared)).unwrap();
+        }
+        drop(table);
+        {
+            let mut up = pin!(txn.lock("a".to_string(), Mode::Exclusive));
+            assert!(poll_once(&mut up).is_pending(), "another reader holds a");
+        } // dropped: a is back, shared
+        assert_eq!(txn.mode("a"), Some(Mode::Shared));
+        let all = txn.lock_all(vec![
+            ("a".to_string(), Mode::Exclusive),
+            ("b".to_string(), Mode::Exclusive),
+        ]);
+        let single = txn.lock("a".to_string(), Mode::Shared); // re-entered
+        {
+            let mut all = pin!(all);
+            assert!(poll_once(&mut all).is_pending());
+            assert_eq!(
+                futures::executor::block_on(single).map(|g| g.count),
+                Err(TransactionError::InFlight {
+                    key: "a".to_string()
+                }),
+                "a is the lock_all's"
+            );
+            drop(txn); // the end releases a and b, the upgrade's guard too
+            assert_eq!(
+                poll_once(&mut all),
+                Poll::Ready(Err(TransactionError::Ended))
+            );
+        }
+        drop(reader);
+    }
 }
