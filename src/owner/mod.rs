@@ -103,9 +103,10 @@ pub struct Transaction<'t, K, S = DefaultHashBuilder> {
 impl<K, S> Drop for Transaction<'_, K, S> {
     fn drop(&mut self) {
         // As the owned form's end: the set's keys first (a panic in a key's
-        // drop still releases the rest, see `HeldSet`), then a forgotten
-        // call's lock future (its waiter leaves its queue, or its
-        // unobserved grant passes on), whatever the first did.
+        // drop still releases the rest, see `HeldSet`), then what a
+        // forgotten call has outside the set (its waiter leaves its queue,
+        // or its unobserved grant passes on; its guards are released),
+        // whatever the first did.
         let set = std::mem::take(&mut self.set);
         let released = catch_unwind(AssertUnwindSafe(|| drop(set)));
         pending::cancel_all(std::mem::take(&mut self.pending));
@@ -122,8 +123,9 @@ impl<K, S> Drop for Transaction<'_, K, S> {
 ///
 /// Ending the transaction (commit, abort, drop) while one of its lock
 /// futures is pending, on this task or another, releases everything the
-/// transaction holds at once and wakes the future, which releases what it
-/// had got and fails with [`TransactionError::Ended`]. Two of its futures
+/// transaction holds at once, what its pending calls had got for it
+/// included (even a call whose future is never polled again), and wakes
+/// the future, which fails with [`TransactionError::Ended`]. Two of its futures
 /// pending at once for the same key do not wait on each other: the second
 /// fails at once with [`TransactionError::InFlight`].
 ///
@@ -853,8 +855,8 @@ impl<K: Eq + Hash + 'static, S: BuildHasher + 'static> OwnedTransaction<K, S> {
 
     /// As [`Transaction::lock`]; the future is `'static` (it holds an `Arc`
     /// of the transaction's state) and may run on any task. Ending the
-    /// transaction while it is pending makes it release what it got and
-    /// fail with [`TransactionError::Ended`].
+    /// transaction while it is pending releases what the call got (the end
+    /// does, at once) and makes it fail with [`TransactionError::Ended`].
     ///
     /// # Errors
     ///
@@ -1291,8 +1293,8 @@ impl<K: Eq + Hash + 'static, S: BuildHasher + 'static> OwnedTransaction<K, S> {
     }
 
     /// As [`Transaction::commit`]: ends the transaction, releasing every
-    /// key checked. A key a pending call has away (an upgrade in flight) is
-    /// released by that call, unjudged.
+    /// key checked. A key a pending call has away (an upgrade in flight, a
+    /// `lock_all`'s keys) is released by the end too, unjudged.
     ///
     /// # Errors
     ///
