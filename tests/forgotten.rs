@@ -387,3 +387,176 @@ fn a_forgotten_upgrade_leaves_nothing_held_after_its_transaction_ended() {
         }
     }
 }
+
+/// Nothing of an ended transaction is held or queued, in a randomized run
+/// of both forms' calls (single locks, upgrades, `lock_all`s, `lock_up_to`)
+/// polled by hand, some forgotten, some dropped, some left pending, ended
+/// by commit, abort or drop at random points, beside plain guards that
+/// come and go. After every end the table shows no holder and no waiter of
+/// the ended transaction; at the close, once every plain guard is gone,
+/// the table is empty and another transaction gets every key. Seeded:
+/// the same run every time.
+#[test]
+fn randomized_runs_with_forgotten_calls_leave_nothing_of_ended_transactions() {
+    use keylock::{OwnedGuard, OwnedTransaction, TransactionError, TransactionId};
+    use rand::rngs::StdRng;
+    use rand::{Rng, SeedableRng};
+
+    type Call = Pin<Box<dyn Future<Output = Result<(), TransactionError<u32>>>>>;
+    const KEYS: u32 = 6;
+
+    fn mode(rng: &mut StdRng) -> Mode {
+        if rng.gen_bool(0.5) {
+            Mode::Shared
+        } else {
+            Mode::Exclusive
+        }
+    }
+
+    fn keys(rng: &mut StdRng) -> Vec<(u32, Mode)> {
+        (0..rng.gen_range(1..=3))
+            .map(|_| (rng.gen_range(0..KEYS), mode(rng)))
+            .collect()
+    }
+
+    fn owned_call(rng: &mut StdRng, t: &OwnedTransaction<u32>) -> Call {
+        match rng.gen_range(0..4) {
+            0 | 1 => boxed(t.lock(rng.gen_range(0..KEYS), mode(rng))),
+            2 => boxed(t.lock_all(keys(rng))),
+            _ => boxed(t.lock_up_to(rng.gen_range(1..3), keys(rng))),
+        }
+    }
+
+    fn boxed<T, F>(f: F) -> Call
+    where
+        F: Future<Output = Result<T, TransactionError<u32>>> + 'static,
+    {
+        Box::pin(async move { f.await.map(drop) })
+    }
+
+    fn assert_nothing_of(table: &LockTable<u32>, id: TransactionId, what: &str) {
+        for (key, status) in table.status() {
+            assert!(
+                status.holders.iter().all(|h| h.transaction != Some(id)),
+                "{what}: {key} held by ended {id}: {status:?}"
+            );
+            assert!(
+                status.waiters.iter().all(|w| w.transaction != Some(id)),
+                "{what}: {key} awaited by ended {id}: {status:?}"
+            );
+        }
+    }
+
+    for seed in 0..300u64 {
+        let mut rng = StdRng::seed_from_u64(seed);
+        let table = Arc::new(LockTable::<u32>::new());
+        let mut plain: Vec<OwnedGuard<u32>> = Vec::new();
+        let mut txns: Vec<OwnedTransaction<u32>> = Vec::new();
+        let mut calls: Vec<Call> = Vec::new();
+        for step in 0..60 {
+            let what = format!("seed {seed}, step {step}");
+            match rng.gen_range(0..10) {
+                0 if txns.len() < 4 => txns.push(table.clone().transaction_owned()),
+                1 | 2 if !txns.is_empty() => {
+                    let t = &txns[rng.gen_range(0..txns.len())];
+                    let mut call = owned_call(&mut rng, t);
+                    if poll(call.as_mut()).is_pending() {
+                        calls.push(call);
+                    }
+                }
+                3 if !calls.is_empty() => {
+                    let i = rng.gen_range(0..calls.len());
+                    if poll(calls[i].as_mut()).is_ready() {
+                        drop(calls.swap_remove(i));
+                    }
+                }
+                4 if !calls.is_empty() => {
+                    let call = calls.swap_remove(rng.gen_range(0..calls.len()));
+                    if rng.gen_bool(0.5) {
+                        std::mem::forget(call);
+                    } else {
+                        drop(call);
+                    }
+                }
+                5 if !txns.is_empty() => {
+                    let t = txns.swap_remove(rng.gen_range(0..txns.len()));
+                    let id = t.id();
+                    match rng.gen_range(0..3) {
+                        0 => drop(t.commit()),
+                        1 => t.abort(),
+                        _ => drop(t),
+                    }
+                    assert_nothing_of(&table, id, &what);
+                }
+                6 => {
+                    let key = rng.gen_range(0..KEYS);
+                    let got = if rng.gen_bool(0.5) {
+                        table.clone().try_lock_owned(key)
+                    } else {
+                        table.clone().try_lock_shared_owned(key)
+                    };
+                    plain.extend(got.ok());
+                }
+                7 if !plain.is_empty() => drop(plain.swap_remove(rng.gen_range(0..plain.len()))),
+                8 => {
+                    // A borrowed transaction: a few keys, then a call that
+                    // may wait (a lock, an upgrade, a lock_all), polled,
+                    // then forgotten or dropped, and the end.
+                    let mut t = table.transaction();
+                    let id = t.id();
+                    for (key, m) in keys(&mut rng) {
+                        let _ = poll(std::pin::pin!(t.lock_with(
+                            key,
+                            m,
+                            keylock::WaitPolicy::NoWait
+                        )));
+                    }
+                    let forget = rng.gen_bool(0.5);
+                    match rng.gen_range(0..3) {
+                        0 => {
+                            let mut f = Box::pin(t.lock(rng.gen_range(0..KEYS), mode(&mut rng)));
+                            let _ = poll(f.as_mut());
+                            if forget {
+                                std::mem::forget(f);
+                            }
+                        }
+                        1 => {
+                            let mut f = Box::pin(t.lock_all(keys(&mut rng)));
+                            let _ = poll(f.as_mut());
+                            if forget {
+                                std::mem::forget(f);
+                            }
+                        }
+                        _ => {
+                            let mut f = Box::pin(t.lock_up_to(2, keys(&mut rng)));
+                            let _ = poll(f.as_mut());
+                            if forget {
+                                std::mem::forget(f);
+                            }
+                        }
+                    }
+                    match rng.gen_range(0..3) {
+                        0 => drop(t.commit()),
+                        1 => t.abort(),
+                        _ => drop(t),
+                    }
+                    assert_nothing_of(&table, id, &what);
+                }
+                _ => {}
+            }
+        }
+        let what = format!("seed {seed}, close");
+        for t in txns.drain(..) {
+            let id = t.id();
+            drop(t);
+            assert_nothing_of(&table, id, &what);
+        }
+        drop(calls);
+        drop(plain);
+        assert!(table.is_empty(), "{what}: {:?}", table.status());
+        let mut other = table.transaction();
+        let all = (0..KEYS).map(|k| (k, Mode::Exclusive));
+        let got = poll(std::pin::pin!(other.lock_all(all)));
+        assert!(matches!(got, Poll::Ready(Ok(_))), "{what}: {got:?}");
+    }
+}
