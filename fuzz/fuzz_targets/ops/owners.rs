@@ -247,7 +247,8 @@ enum MTErr {
 #[derive(Debug, Clone, PartialEq, Eq)]
 enum MGot {
     One { token: u64, mode: MMode, count: usize, kind: AcquireKind },
-    All { acquired: usize, reentered: usize, upgraded: usize, skipped: Vec<usize> },
+    /// `keys`: what it took and how, listed under `SkipLocked` only.
+    All { acquired: usize, reentered: usize, upgraded: usize, skipped: Vec<usize>, keys: Vec<(usize, AcquireKind)> },
 }
 
 fn from_lock(key: usize, mode: MMode, waited: bool, err: MErr) -> MTErr {
@@ -828,6 +829,7 @@ impl<'a> Harness<'a> {
                         // `finish`: everything into the set at once.
                         let m = &mut self.owners.list.get_mut(&inst).unwrap().m;
                         let (mut acquired, mut reentered, mut upgraded, mut skipped) = (0, 0, 0, Vec::new());
+                        let mut keys = Vec::new();
                         for e in &ents {
                             let i = m.find(e.key).unwrap();
                             if e.skipped {
@@ -840,18 +842,30 @@ impl<'a> Harness<'a> {
                                 continue;
                             }
                             let s = &mut m.slots[i];
-                            match e.kind {
-                                EKind::Covered => reentered += 1,
-                                EKind::Upgrade(_) => upgraded += 1,
+                            let kind = match e.kind {
+                                EKind::Covered => {
+                                    reentered += 1;
+                                    AcquireKind::Reentered
+                                }
+                                EKind::Upgrade(_) => {
+                                    upgraded += 1;
+                                    AcquireKind::Upgraded
+                                }
                                 EKind::New => {
                                     acquired += 1;
                                     s.gid = e.got;
+                                    AcquireKind::New
                                 }
+                            };
+                            // Listed, in the canonical order, by a call that
+                            // may take fewer keys than asked.
+                            if policy == WaitPolicy::SkipLocked {
+                                keys.push((e.key, kind));
                             }
                             s.count += 1;
                             (s.busy, s.away) = (false, false);
                         }
-                        break Some(Ok(MGot::All { acquired, reentered, upgraded, skipped }));
+                        break Some(Ok(MGot::All { acquired, reentered, upgraded, skipped, keys }));
                     }
                     let e = ents[at].clone();
                     let inner = match (inner, e.kind) {
@@ -1075,12 +1089,13 @@ impl<'a> Harness<'a> {
                 );
                 self.seen_token(a.token);
             }
-            (Ok(OOut::All(s)), Ok(MGot::All { acquired, reentered, upgraded, skipped })) => {
+            (Ok(OOut::All(s)), Ok(MGot::All { acquired, reentered, upgraded, skipped, keys })) => {
                 let got_skipped: Vec<usize> = s.skipped().iter().map(|k| usize::from(k.id)).collect();
+                let got_keys: Vec<(usize, AcquireKind)> = s.keys().iter().map(|(k, how)| (usize::from(k.id), *how)).collect();
                 assert_eq!(
-                    (s.acquired(), s.reentered(), s.upgraded(), got_skipped),
-                    (acquired, reentered, upgraded, skipped),
-                    "{what}: locked set (acquired, reentered, upgraded, skipped)"
+                    (s.acquired(), s.reentered(), s.upgraded(), got_skipped, got_keys),
+                    (acquired, reentered, upgraded, skipped, keys),
+                    "{what}: locked set (acquired, reentered, upgraded, skipped, keys)"
                 );
             }
             (Err(e), Err(w)) => self.owner_expect_err(what, e, &w),
