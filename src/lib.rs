@@ -240,18 +240,21 @@
 //! - **Wait policies.** [`WaitPolicy::Block`] (the default),
 //!   [`WaitPolicy::NoWait`] (fail at once, naming the key and its holder),
 //!   [`WaitPolicy::SkipLocked`] (a `lock_all` takes the free keys and
-//!   reports the others): PostgreSQL's `FOR UPDATE`, `NOWAIT` and
-//!   `SKIP LOCKED`.
+//!   lists what it took and skipped): PostgreSQL's `FOR UPDATE`, `NOWAIT`
+//!   and `SKIP LOCKED`; [`Transaction::lock_up_to`] takes the first `n`
+//!   free candidates in the caller's order, as a queue consumer's
+//!   `LIMIT n FOR UPDATE SKIP LOCKED` does; [`Transaction::keys`] lists
+//!   what a transaction holds.
 //! - **Released at the end.** [`Transaction::commit`] checks that every
 //!   grant still holds its key and releases them all;
 //!   [`abort`](Transaction::abort) and drop release them all, from any
 //!   thread, even while a lock future of an owned transaction is pending
 //!   elsewhere (it then fails with [`TransactionError::Ended`]). A call
-//!   that waits for a new key keeps nothing once its transaction ended,
-//!   even if its future was forgotten (`mem::forget`) rather than dropped:
-//!   the end takes its waiter out of the queue, or passes on a grant it
-//!   was handed and never saw. (A forgotten `lock_all` or upgrade still
-//!   keeps what it holds.)
+//!   keeps nothing once its transaction ended, even if its future was
+//!   forgotten (`mem::forget`) rather than dropped: the end takes its
+//!   waiter out of the queue, or passes on a grant it was handed and never
+//!   saw, undoes its upgrade, and releases the keys a `lock_all` had taken
+//!   for it.
 //!
 //! Errors name the key ([`TransactionError`]), so the lock methods ask
 //! `K: Clone` (a key is cloned when it goes to the table, never for a

@@ -17,7 +17,7 @@ use std::task::{Context, Poll};
 use crate::acquire::Acquire;
 use crate::deferred::Leftovers;
 use crate::error::LockError;
-use crate::guard::Held;
+use crate::guard::{Guard, Held};
 use crate::lease::LockOptions;
 use crate::mode::Mode;
 use crate::table::{DefaultHashBuilder, LockTable};
@@ -98,5 +98,103 @@ impl<K, S> fmt::Debug for Upgrade<'_, K, S> {
         f.debug_struct("Upgrade")
             .field("token", &self.held.token())
             .finish_non_exhaustive()
+    }
+}
+
+/// An upgrade that owns its guard: a transaction's pending call keeps it
+/// in a cell its transaction may cancel when it ends (`owner/pending.rs`),
+/// so the guard must go where the wait goes. It resolves to the guard and
+/// the upgrade's result: upgraded in place (a new token) on success,
+/// shared as before on failure. Dropped before it resolves, it leaves the
+/// queue (or makes an unobserved grant shared again), then releases the
+/// guard; [`into_guard`](Self::into_guard) gives the guard back instead,
+/// shared.
+pub(crate) struct UpgradeOwned<'t, K, S> {
+    inner: Acquire<&'t LockTable<K, S>, K>,
+    /// `None` once resolved (the guard went out with the output).
+    guard: Option<Guard<'t, K, S>>,
+}
+
+impl<'t, K: Eq + Hash, S: BuildHasher> UpgradeOwned<'t, K, S> {
+    pub(crate) fn new(guard: Guard<'t, K, S>, opts: LockOptions) -> Self {
+        let held = &guard.held;
+        let inner = Acquire::upgrade(guard.table, held.hash(), held.key_ptr(), held.token(), opts);
+        Self {
+            inner,
+            guard: Some(guard),
+        }
+    }
+}
+
+impl<'t, K, S> UpgradeOwned<'t, K, S> {
+    /// Gives the guard back, shared: the upgrade's waiter leaves the queue,
+    /// or a grant it was handed and did not observe is made shared again.
+    /// `None` once the future resolved (its output had the guard).
+    pub(crate) fn into_guard(self: Pin<&mut Self>) -> Option<Guard<'t, K, S>> {
+        // SAFETY: `inner` is structurally pinned and only used in place;
+        // `guard` is not pinned (moved out here).
+        let this = unsafe { self.get_unchecked_mut() };
+        let mut left = Leftovers::default();
+        let granted = this.inner.cancel_upgrade(&mut left);
+        let mut guard = this.guard.take();
+        if let (Some(granted), Some(guard)) = (granted, guard.as_mut()) {
+            guard
+                .held
+                .regrant(granted.token, granted.deadline, Mode::Shared);
+        }
+        left.flush();
+        guard
+    }
+}
+
+impl<'t, K: Eq + Hash, S: BuildHasher> Future for UpgradeOwned<'t, K, S> {
+    type Output = (Guard<'t, K, S>, Result<FencingToken, LockError>);
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        // SAFETY: `inner` is structurally pinned (never moved out); `guard`
+        // is not pinned.
+        let this = unsafe { self.get_unchecked_mut() };
+        // SAFETY: as above.
+        let inner = unsafe { Pin::new_unchecked(&mut this.inner) };
+        let mut left = Leftovers::default();
+        let polled = inner.poll_acquire(cx, &mut left);
+        let out = match polled {
+            Poll::Pending => Poll::Pending,
+            Poll::Ready(Ok((_, upgraded))) => {
+                let mut guard = this.guard.take().expect("polled after it resolved");
+                guard
+                    .held
+                    .regrant(upgraded.token(), upgraded.deadline(), Mode::Exclusive);
+                Poll::Ready((guard, Ok(upgraded.token())))
+            }
+            Poll::Ready(Err(err)) => {
+                let guard = this.guard.take().expect("polled after it resolved");
+                Poll::Ready((guard, Err(*err)))
+            }
+        };
+        let timing = if out.is_ready() {
+            this.inner.take_timing()
+        } else {
+            None
+        };
+        drop(timing);
+        left.flush();
+        out
+    }
+}
+
+impl<K, S> Drop for UpgradeOwned<'_, K, S> {
+    fn drop(&mut self) {
+        // The upgrade is undone first (shared again), then the guard, if
+        // still here, drops as the fields do: released.
+        let mut left = Leftovers::default();
+        if let Some(granted) = self.inner.cancel_upgrade(&mut left) {
+            if let Some(guard) = self.guard.as_mut() {
+                guard
+                    .held
+                    .regrant(granted.token, granted.deadline, Mode::Shared);
+            }
+        }
+        left.flush();
     }
 }

@@ -137,9 +137,12 @@ fn a_transactions_contended_lock_all_boxes_its_wait_in_a_small_block() {
             holder.commit().unwrap();
             assert!(all.as_mut().poll(cx).is_ready());
         });
-        // The boxed rest of the call, and the name of its wait.
+        // The boxed rest of the call, the name of its wait, and the cell
+        // its transaction can cancel (its wait and the guards it took, so
+        // that a forgotten call keeps nothing once the transaction ended)
+        // with the boxed table lock future in it.
         if rounds > 0 {
-            assert!(allocs <= 2, "{allocs} allocations");
+            assert!(allocs <= 4, "{allocs} allocations");
         }
         assert!(
             largest <= SMALL_BLOCK,

@@ -230,3 +230,109 @@ fn a_cycle_found_on_edges_gone_since_they_were_cached_is_not_answered() {
     drop((a, d));
     assert!(table.is_locked(&p) && table.len() == 1);
 }
+
+/// A key whose `Clone` of key [`HOOKED`] runs the hook armed on this
+/// thread, once: a way to act at the instant the table clones that key.
+#[derive(Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+struct Hooked(u32);
+
+const HOOKED: u32 = 2;
+
+thread_local! {
+    static HOOK: std::cell::RefCell<Option<Box<dyn FnOnce()>>> =
+        const { std::cell::RefCell::new(None) };
+}
+
+impl Clone for Hooked {
+    fn clone(&self) -> Self {
+        if self.0 == HOOKED {
+            // Taken first: the hook may clone keys itself.
+            if let Some(hook) = HOOK.with(|h| h.borrow_mut().take()) {
+                hook();
+            }
+        }
+        Hooked(self.0)
+    }
+}
+
+/// A waker that counts its wakes.
+struct Recording(std::sync::atomic::AtomicUsize);
+
+impl std::task::Wake for Recording {
+    fn wake(self: Arc<Self>) {
+        self.0.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+    }
+}
+
+/// A cycle that closes only through a victim's wait, while that wait is
+/// still registered, is not a cycle: the victim's wait is about to end.
+///
+/// `t1` and `t3` hold x shared; `t2` holds y and q; `t1` waits for y. `t2`
+/// asks x exclusive: its wait (blocked by `t1` and `t3`) closes
+/// t2 -> t1 -> t2, and `t2` is the victim. Its answer names the cycle's
+/// keys, cloned after the cycle is recorded and before the victim's wait
+/// is unregistered; at the clone of y, `t3` asks q (held by `t2`). Its
+/// wait closes t3 -> t2 -> t3 only through `t2`'s victim wait, so it must
+/// stay pending (walked as live, the victim's wait would make `t3` a
+/// second victim of one cycle). Once `t2` aborts, `t1` and `t3` are woken
+/// and granted.
+#[test]
+fn a_cycle_closing_only_through_a_victims_registered_wait_stays_pending() {
+    use std::cell::RefCell;
+    use std::rc::Rc;
+
+    let table = Arc::new(LockTable::<Hooked>::new());
+    let (x, y, q) = (1, HOOKED, 3);
+    let [t1, t2, t3] = [(); 3].map(|()| table.clone().transaction_owned());
+    assert!(poll(Box::pin(t1.lock(Hooked(x), Mode::Shared)).as_mut()).is_ready());
+    assert!(poll(Box::pin(t3.lock(Hooked(x), Mode::Shared)).as_mut()).is_ready());
+    assert!(poll(Box::pin(t2.lock(Hooked(y), Mode::Exclusive)).as_mut()).is_ready());
+    assert!(poll(Box::pin(t2.lock(Hooked(q), Mode::Exclusive)).as_mut()).is_ready());
+    let mut t1_y = Box::pin(t1.lock(Hooked(y), Mode::Exclusive));
+    assert!(poll(t1_y.as_mut()).is_pending(), "t1 waits for y: no cycle");
+
+    // The hook: t3's wait for q, polled once at the clone of y.
+    let waker = Arc::new(Recording(std::sync::atomic::AtomicUsize::new(0)));
+    let t3_q = Rc::new(RefCell::new(Box::pin(t3.lock(Hooked(q), Mode::Exclusive))));
+    let seen = Rc::new(RefCell::new(None));
+    {
+        let (t3_q, seen, table, waker) = (t3_q.clone(), seen.clone(), table.clone(), waker.clone());
+        HOOK.with(|h| {
+            *h.borrow_mut() = Some(Box::new(move || {
+                let cycles = table.deadlock_stats().cycles;
+                let waker = std::task::Waker::from(waker);
+                let polled = t3_q
+                    .borrow_mut()
+                    .as_mut()
+                    .poll(&mut Context::from_waker(&waker));
+                *seen.borrow_mut() = Some((cycles, polled.map(|r| r.map(drop))));
+            }))
+        });
+    }
+    let t2_x = poll(Box::pin(t2.lock(Hooked(x), Mode::Exclusive)).as_mut());
+    let Poll::Ready(Err(TransactionError::Deadlock(d))) = t2_x else {
+        panic!("t2 closes t2 -> t1 -> t2: {t2_x:?}");
+    };
+    assert_eq!(d.victim(), t2.id());
+    let (cycles, t3_polled) = seen.borrow_mut().take().expect("the hook ran");
+    assert_eq!(cycles, 1, "the hook ran after t2's cycle was recorded");
+    assert!(
+        t3_polled.is_pending(),
+        "t3's cycle runs only through t2's victim wait: {t3_polled:?}"
+    );
+    assert_eq!(table.deadlock_stats().cycles, 1, "one cycle, one victim");
+
+    t2.abort();
+    assert!(matches!(poll(t1_y.as_mut()), Poll::Ready(Ok(_))));
+    assert_eq!(
+        waker.0.load(std::sync::atomic::Ordering::SeqCst),
+        1,
+        "t3 woken once"
+    );
+    let mut t3_q = t3_q.borrow_mut();
+    assert!(matches!(poll(t3_q.as_mut()), Poll::Ready(Ok(_))));
+    drop(t1_y);
+    t1.commit().unwrap();
+    t3.commit().unwrap();
+    assert!(table.is_empty());
+}

@@ -391,6 +391,61 @@ fn lock_all_takes_part_in_cycles_and_releases_what_it_took() {
     });
 }
 
+/// Two keys of `table` in the order a `lock_all` takes them (its canonical
+/// order is the table's hash): `(first, second)`, found by a `lock_all`
+/// that waits for one of them while the other is free.
+fn lock_all_order(table: &LockTable<u32>, x: u32, y: u32) -> (u32, u32) {
+    let blocker = table.try_lock(y).unwrap();
+    let mut t = table.transaction();
+    let mut f = Box::pin(t.lock_all([(x, Mode::Exclusive), (y, Mode::Exclusive)]));
+    let pending = block(async { poll!(f.as_mut()).is_pending() });
+    assert!(pending);
+    let x_first = table.is_locked(&x);
+    drop(f);
+    drop(t);
+    drop(blocker);
+    assert!(table.is_empty());
+    if x_first {
+        (x, y)
+    } else {
+        (y, x)
+    }
+}
+
+/// A `lock_all` that took its first key and waits for its second is in the
+/// wait-for graph (it holds a key outside its set while it waits): the
+/// wait for that first key that closes the cycle is answered at once.
+/// Both forms; the keys are picked so that the `lock_all` takes one first.
+#[test]
+fn a_lock_all_waiting_with_a_key_taken_closes_a_cycle_that_is_answered() {
+    for owned in [false, true] {
+        let table = Arc::new(LockTable::<u32>::new());
+        let (first, second) = lock_all_order(&table, 1, 2);
+        let mut b = table.transaction();
+        block(b.lock(second, Mode::Exclusive)).unwrap();
+        let reqs = [(first, Mode::Exclusive), (second, Mode::Exclusive)];
+        let owned_a = table.clone().transaction_owned();
+        let mut borrowed_a = table.transaction();
+        let mut a_waits: std::pin::Pin<Box<dyn std::future::Future<Output = _>>> = if owned {
+            Box::pin(owned_a.lock_all(reqs))
+        } else {
+            Box::pin(borrowed_a.lock_all(reqs))
+        };
+        assert!(block(async { poll!(a_waits.as_mut()).is_pending() }));
+        assert!(table.is_locked(&first), "the lock_all took its first key");
+        let closing = block(async { poll!(Box::pin(b.lock(first, Mode::Exclusive))) });
+        let Poll::Ready(Err(TransactionError::Deadlock(d))) = closing else {
+            panic!("owned {owned}: b's wait closes the cycle: {closing:?}");
+        };
+        assert_eq!(d.victim(), b.id());
+        drop(b);
+        assert_eq!(block(a_waits).unwrap().acquired(), 2);
+        drop(owned_a);
+        drop(borrowed_a);
+        assert!(table.is_empty());
+    }
+}
+
 #[test]
 fn a_deadlocked_lock_all_releases_what_it_had_taken() {
     block(async {

@@ -162,3 +162,401 @@ fn a_waker_that_ends_the_transaction_while_the_call_polls_does_not_spin() {
     drop(blocker);
     assert!(table.is_empty());
 }
+
+/// The two keys of a `lock_all` in the order it takes them (its canonical
+/// order is the table's hash, not the caller's): `(first, second)`, found
+/// by a probe on a scratch table of the same hasher that holds the second
+/// and sees whether the first was taken before the wait.
+fn lock_all_order(table: &LockTable<&'static str>) -> (&'static str, &'static str) {
+    let (x, y) = ("x", "y");
+    let blocker = table.try_lock(y).unwrap();
+    let mut t = table.transaction();
+    let mut f = Box::pin(t.lock_all([(x, Mode::Exclusive), (y, Mode::Exclusive)]));
+    assert!(poll(f.as_mut()).is_pending());
+    let x_first = table.is_locked(x);
+    drop(f);
+    drop(t);
+    drop(blocker);
+    assert!(table.is_empty());
+    if x_first {
+        (x, y)
+    } else {
+        (y, x)
+    }
+}
+
+/// Asserts that nothing is held or queued and that another locker gets
+/// every key.
+fn assert_all_free(table: &LockTable<&'static str>, keys: &[&'static str], what: &str) {
+    assert!(table.is_empty(), "{what}: {:?}", table.status());
+    assert_eq!(table.len(), 0, "{what}");
+    for &key in keys {
+        assert_eq!(table.waiters(key), 0, "{what}: {key} queued");
+    }
+    let mut other = table.transaction();
+    let got = poll(std::pin::pin!(
+        other.lock_all(keys.iter().map(|&k| (k, Mode::Exclusive)))
+    ));
+    assert!(
+        matches!(&got, Poll::Ready(Ok(s)) if s.acquired() == keys.len()),
+        "{what}: {got:?}"
+    );
+}
+
+/// A borrowed transaction's `lock_all` forgotten while it waits for its
+/// second key, having taken the first: when the transaction ends, the key
+/// it took is released and the one it waits for is never granted to it
+/// (or, granted before the end, released by it).
+#[test]
+fn a_forgotten_borrowed_lock_all_leaves_nothing_held_after_its_transaction_ended() {
+    for granted_first in [false, true] {
+        for end in ENDS {
+            let table = LockTable::<&'static str>::new();
+            let (first, second) = lock_all_order(&table);
+            let blocker = table.try_lock(second).unwrap();
+            let mut t = table.transaction();
+            let mut f = Box::pin(t.lock_all([(first, Mode::Exclusive), (second, Mode::Exclusive)]));
+            assert!(poll(f.as_mut()).is_pending());
+            assert!(
+                table.is_locked(first),
+                "the first key taken before the wait"
+            );
+            std::mem::forget(f);
+            let mut blocker = Some(blocker);
+            if granted_first {
+                drop(blocker.take()); // handed to the forgotten call
+            }
+            match end {
+                End::Commit => t.commit().expect("nothing lost"),
+                End::Abort => t.abort(),
+                End::Drop => drop(t),
+            }
+            drop(blocker);
+            let what = format!("granted first {granted_first}, {end:?}");
+            assert_all_free(&table, &[first, second], &what);
+        }
+    }
+}
+
+/// The owned form: its `lock_all` forgotten in the same state.
+#[test]
+fn a_forgotten_owned_lock_all_leaves_nothing_held_after_its_transaction_ended() {
+    for granted_first in [false, true] {
+        for end in ENDS {
+            let table = Arc::new(LockTable::<&'static str>::new());
+            let (first, second) = lock_all_order(&table);
+            let blocker = table.try_lock(second).unwrap();
+            let t = table.clone().transaction_owned();
+            let mut f =
+                Box::pin(t.lock_all(vec![(first, Mode::Exclusive), (second, Mode::Exclusive)]));
+            assert!(poll(f.as_mut()).is_pending());
+            assert!(
+                table.is_locked(first),
+                "the first key taken before the wait"
+            );
+            std::mem::forget(f);
+            let mut blocker = Some(blocker);
+            if granted_first {
+                drop(blocker.take());
+            }
+            match end {
+                End::Commit => t.commit().expect("nothing lost"),
+                End::Abort => t.abort(),
+                End::Drop => drop(t),
+            }
+            drop(blocker);
+            let what = format!("granted first {granted_first}, {end:?}");
+            assert_all_free(&table, &[first, second], &what);
+        }
+    }
+}
+
+/// A borrowed transaction's `lock_all` that waits on a key it must claim
+/// (one it holds shared, asked exclusive, beside a new one that is taken
+/// first): forgotten, the transaction's end releases both.
+#[test]
+fn a_forgotten_borrowed_lock_all_with_an_upgrade_leaves_nothing_held() {
+    for granted_first in [false, true] {
+        for end in ENDS {
+            let table = LockTable::<&'static str>::new();
+            let (first, second) = lock_all_order(&table);
+            let reader = table.try_lock_shared(second).unwrap();
+            let mut t = table.transaction();
+            assert!(poll(std::pin::pin!(t.lock(second, Mode::Shared))).is_ready());
+            let mut f = Box::pin(t.lock_all([(first, Mode::Exclusive), (second, Mode::Exclusive)]));
+            assert!(poll(f.as_mut()).is_pending());
+            assert!(
+                table.is_locked(first),
+                "the first key taken before the wait"
+            );
+            std::mem::forget(f);
+            let mut reader = Some(reader);
+            if granted_first {
+                drop(reader.take()); // the upgrade is granted, unobserved
+            }
+            match end {
+                End::Commit => t.commit().expect("nothing lost"),
+                End::Abort => t.abort(),
+                End::Drop => drop(t),
+            }
+            drop(reader);
+            let what = format!("granted first {granted_first}, {end:?}");
+            assert_all_free(&table, &[first, second], &what);
+        }
+    }
+}
+
+/// The owned form's `lock_all` with an upgrade, forgotten.
+#[test]
+fn a_forgotten_owned_lock_all_with_an_upgrade_leaves_nothing_held() {
+    for granted_first in [false, true] {
+        for end in ENDS {
+            let table = Arc::new(LockTable::<&'static str>::new());
+            let (first, second) = lock_all_order(&table);
+            let reader = table.try_lock_shared(second).unwrap();
+            let t = table.clone().transaction_owned();
+            assert!(poll(std::pin::pin!(t.lock(second, Mode::Shared))).is_ready());
+            let mut f =
+                Box::pin(t.lock_all(vec![(first, Mode::Exclusive), (second, Mode::Exclusive)]));
+            assert!(poll(f.as_mut()).is_pending());
+            assert!(
+                table.is_locked(first),
+                "the first key taken before the wait"
+            );
+            std::mem::forget(f);
+            let mut reader = Some(reader);
+            if granted_first {
+                drop(reader.take());
+            }
+            match end {
+                End::Commit => t.commit().expect("nothing lost"),
+                End::Abort => t.abort(),
+                End::Drop => drop(t),
+            }
+            drop(reader);
+            let what = format!("granted first {granted_first}, {end:?}");
+            assert_all_free(&table, &[first, second], &what);
+        }
+    }
+}
+
+/// A single upgrade (a key the transaction holds shared, asked exclusive
+/// while another reader holds it) forgotten: the end releases the key,
+/// whether the upgrade was granted before it or not.
+#[test]
+fn a_forgotten_upgrade_leaves_nothing_held_after_its_transaction_ended() {
+    for owned in [false, true] {
+        for granted_first in [false, true] {
+            for end in ENDS {
+                let table = Arc::new(LockTable::<&'static str>::new());
+                let reader = table.try_lock_shared("k").unwrap();
+                let what = format!("owned {owned}, granted first {granted_first}, {end:?}");
+                let mut reader = Some(reader);
+                if owned {
+                    let t = table.clone().transaction_owned();
+                    assert!(poll(std::pin::pin!(t.lock("k", Mode::Shared))).is_ready());
+                    let mut f = Box::pin(t.lock("k", Mode::Exclusive));
+                    assert!(poll(f.as_mut()).is_pending());
+                    std::mem::forget(f);
+                    if granted_first {
+                        drop(reader.take());
+                    }
+                    match end {
+                        End::Commit => t.commit().expect("nothing lost"),
+                        End::Abort => t.abort(),
+                        End::Drop => drop(t),
+                    }
+                } else {
+                    let mut t = table.transaction();
+                    assert!(poll(std::pin::pin!(t.lock("k", Mode::Shared))).is_ready());
+                    let mut f = Box::pin(t.lock("k", Mode::Exclusive));
+                    assert!(poll(f.as_mut()).is_pending());
+                    std::mem::forget(f);
+                    if granted_first {
+                        drop(reader.take());
+                    }
+                    match end {
+                        End::Commit => t.commit().expect("nothing lost"),
+                        End::Abort => t.abort(),
+                        End::Drop => drop(t),
+                    }
+                }
+                drop(reader);
+                assert_all_free(&table, &["k"], &what);
+            }
+        }
+    }
+}
+
+/// Nothing of an ended transaction is held or queued, in a randomized run
+/// of both forms' calls (single locks, upgrades, `lock_all`s, `lock_up_to`)
+/// polled by hand, some forgotten, some dropped, some left pending, ended
+/// by commit, abort or drop at random points, beside plain guards that
+/// come and go. After every end the table shows no holder and no waiter of
+/// the ended transaction; at the close, once every plain guard is gone,
+/// the table is empty and another transaction gets every key. Seeded:
+/// the same run every time.
+#[test]
+fn randomized_runs_with_forgotten_calls_leave_nothing_of_ended_transactions() {
+    use keylock::{OwnedGuard, OwnedTransaction, TransactionError, TransactionId};
+    use rand::rngs::StdRng;
+    use rand::{Rng, SeedableRng};
+
+    type Call = Pin<Box<dyn Future<Output = Result<(), TransactionError<u32>>>>>;
+    const KEYS: u32 = 6;
+
+    fn mode(rng: &mut StdRng) -> Mode {
+        if rng.gen_bool(0.5) {
+            Mode::Shared
+        } else {
+            Mode::Exclusive
+        }
+    }
+
+    fn keys(rng: &mut StdRng) -> Vec<(u32, Mode)> {
+        (0..rng.gen_range(1..=3))
+            .map(|_| (rng.gen_range(0..KEYS), mode(rng)))
+            .collect()
+    }
+
+    fn owned_call(rng: &mut StdRng, t: &OwnedTransaction<u32>) -> Call {
+        match rng.gen_range(0..4) {
+            0 | 1 => boxed(t.lock(rng.gen_range(0..KEYS), mode(rng))),
+            2 => boxed(t.lock_all(keys(rng))),
+            _ => boxed(t.lock_up_to(rng.gen_range(1..3), keys(rng))),
+        }
+    }
+
+    fn boxed<T, F>(f: F) -> Call
+    where
+        F: Future<Output = Result<T, TransactionError<u32>>> + 'static,
+    {
+        Box::pin(async move { f.await.map(drop) })
+    }
+
+    fn assert_nothing_of(table: &LockTable<u32>, id: TransactionId, what: &str) {
+        for (key, status) in table.status() {
+            assert!(
+                status.holders.iter().all(|h| h.transaction != Some(id)),
+                "{what}: {key} held by ended {id}: {status:?}"
+            );
+            assert!(
+                status.waiters.iter().all(|w| w.transaction != Some(id)),
+                "{what}: {key} awaited by ended {id}: {status:?}"
+            );
+        }
+    }
+
+    for seed in 0..300u64 {
+        let mut rng = StdRng::seed_from_u64(seed);
+        let table = Arc::new(LockTable::<u32>::new());
+        let mut plain: Vec<OwnedGuard<u32>> = Vec::new();
+        let mut txns: Vec<OwnedTransaction<u32>> = Vec::new();
+        let mut calls: Vec<Call> = Vec::new();
+        for step in 0..60 {
+            let what = format!("seed {seed}, step {step}");
+            match rng.gen_range(0..10) {
+                0 if txns.len() < 4 => txns.push(table.clone().transaction_owned()),
+                1 | 2 if !txns.is_empty() => {
+                    let t = &txns[rng.gen_range(0..txns.len())];
+                    let mut call = owned_call(&mut rng, t);
+                    if poll(call.as_mut()).is_pending() {
+                        calls.push(call);
+                    }
+                }
+                3 if !calls.is_empty() => {
+                    let i = rng.gen_range(0..calls.len());
+                    if poll(calls[i].as_mut()).is_ready() {
+                        drop(calls.swap_remove(i));
+                    }
+                }
+                4 if !calls.is_empty() => {
+                    let call = calls.swap_remove(rng.gen_range(0..calls.len()));
+                    if rng.gen_bool(0.5) {
+                        std::mem::forget(call);
+                    } else {
+                        drop(call);
+                    }
+                }
+                5 if !txns.is_empty() => {
+                    let t = txns.swap_remove(rng.gen_range(0..txns.len()));
+                    let id = t.id();
+                    match rng.gen_range(0..3) {
+                        0 => drop(t.commit()),
+                        1 => t.abort(),
+                        _ => drop(t),
+                    }
+                    assert_nothing_of(&table, id, &what);
+                }
+                6 => {
+                    let key = rng.gen_range(0..KEYS);
+                    let got = if rng.gen_bool(0.5) {
+                        table.clone().try_lock_owned(key)
+                    } else {
+                        table.clone().try_lock_shared_owned(key)
+                    };
+                    plain.extend(got.ok());
+                }
+                7 if !plain.is_empty() => drop(plain.swap_remove(rng.gen_range(0..plain.len()))),
+                8 => {
+                    // A borrowed transaction: a few keys, then a call that
+                    // may wait (a lock, an upgrade, a lock_all), polled,
+                    // then forgotten or dropped, and the end.
+                    let mut t = table.transaction();
+                    let id = t.id();
+                    for (key, m) in keys(&mut rng) {
+                        let _ = poll(std::pin::pin!(t.lock_with(
+                            key,
+                            m,
+                            keylock::WaitPolicy::NoWait
+                        )));
+                    }
+                    let forget = rng.gen_bool(0.5);
+                    match rng.gen_range(0..3) {
+                        0 => {
+                            let mut f = Box::pin(t.lock(rng.gen_range(0..KEYS), mode(&mut rng)));
+                            let _ = poll(f.as_mut());
+                            if forget {
+                                std::mem::forget(f);
+                            }
+                        }
+                        1 => {
+                            let mut f = Box::pin(t.lock_all(keys(&mut rng)));
+                            let _ = poll(f.as_mut());
+                            if forget {
+                                std::mem::forget(f);
+                            }
+                        }
+                        _ => {
+                            let mut f = Box::pin(t.lock_up_to(2, keys(&mut rng)));
+                            let _ = poll(f.as_mut());
+                            if forget {
+                                std::mem::forget(f);
+                            }
+                        }
+                    }
+                    match rng.gen_range(0..3) {
+                        0 => drop(t.commit()),
+                        1 => t.abort(),
+                        _ => drop(t),
+                    }
+                    assert_nothing_of(&table, id, &what);
+                }
+                _ => {}
+            }
+        }
+        let what = format!("seed {seed}, close");
+        for t in txns.drain(..) {
+            let id = t.id();
+            drop(t);
+            assert_nothing_of(&table, id, &what);
+        }
+        drop(calls);
+        drop(plain);
+        assert!(table.is_empty(), "{what}: {:?}", table.status());
+        let mut other = table.transaction();
+        let all = (0..KEYS).map(|k| (k, Mode::Exclusive));
+        let got = poll(std::pin::pin!(other.lock_all(all)));
+        assert!(matches!(got, Poll::Ready(Ok(_))), "{what}: {got:?}");
+    }
+}

@@ -629,6 +629,52 @@ mod models {
         );
     }
 
+    /// (b5) As (b3), for a `lock_all`: an owned transaction's
+    /// `lock_all([(a, X), (b, X)])` has taken `a` and waits for `b` (held
+    /// by a plain guard), and is never polled again (as a forgotten call).
+    /// The end races the release of `b`, which may hand `b` to the call's
+    /// waiter first. Either way, once both are done, nothing is held and
+    /// nobody waits, before the call is dropped: the end cancelled the
+    /// call's cell (`src/owner/pending.rs`), which had its wait for `b` and
+    /// its guard of `a`.
+    #[test]
+    fn owned_end_vs_release_while_a_lock_all_is_never_polled_again() {
+        model(
+            "b5: owned end vs release, a pending lock_all never polled again",
+            &["released first", "ended first"],
+            |seen| {
+                let table = table();
+                let [a, b, _] = keys();
+                let txn = table.clone().transaction_owned();
+                let held = table.clone().try_lock_owned(b).unwrap();
+                let mut call = Polled::new(txn.lock_all([(a, X), (b, X)]));
+                assert!(call.poll().is_none(), "b is held: the call waits");
+                assert!(table.is_locked(&a), "a taken before the wait");
+                let order = Arc::new(AtomicUsize::new(0));
+                let released = order.clone();
+                let release = thread::spawn(move || {
+                    drop(held);
+                    let _ = released.compare_exchange(0, 1, SeqCst, SeqCst);
+                });
+                drop(txn);
+                let _ = order.compare_exchange(0, 2, SeqCst, SeqCst);
+                release.join().unwrap();
+                seen.note(if order.load(SeqCst) == 1 {
+                    "released first"
+                } else {
+                    "ended first"
+                });
+                assert!(!table.is_locked(&a), "a held after the end");
+                assert!(!table.is_locked(&b), "b held after the end and the release");
+                assert_eq!(table.waiters(&b), 0, "the call left a waiter on b");
+                table.assert_consistent();
+                assert!(table.is_empty(), "entry leaked");
+                drop(call);
+                assert!(table.is_empty());
+            },
+        );
+    }
+
     // ---------------------------------------------------------------------------
     // (c) a pending lock_all's upgrade dropped vs the other reader's release
     // ---------------------------------------------------------------------------

@@ -34,6 +34,10 @@ fn block<F: Future>(f: F) -> F::Output {
     futures::executor::block_on(f)
 }
 
+fn poll_once<F: Future + ?Sized>(f: Pin<&mut F>) -> Poll<F::Output> {
+    f.poll(&mut std::task::Context::from_waker(std::task::Waker::noop()))
+}
+
 // ---------------------------------------------------------------- re-entry
 
 #[test]
@@ -1135,6 +1139,173 @@ fn skip_locked_takes_the_free_keys_and_reports_the_others() {
     // A single lock under SkipLocked has nothing to skip to: it is busy.
     let err = block(txn.lock_with("w", Mode::Exclusive, WaitPolicy::SkipLocked)).unwrap_err();
     assert!(matches!(err, TransactionError::Busy { key: "w", .. }));
+}
+
+/// Under `SkipLocked`, a `lock_all` lists each key it took and how, beside
+/// the keys it skipped: a new key, a covered one (re-entered) and an
+/// upgrade, on the path that claims keys (a held key in a weaker mode) and
+/// on the one that does not, in both forms.
+#[test]
+fn skip_locked_lists_the_keys_it_took_and_how() {
+    fn check(got: &keylock::LockedSet<&'static str>, want: &[(&'static str, AcquireKind)]) {
+        let keys: HashSet<_> = got.keys().iter().copied().collect();
+        assert_eq!(keys, want.iter().copied().collect::<HashSet<_>>());
+        assert_eq!(got.keys().len(), want.len(), "each key once");
+        assert_eq!(
+            got.keys().len(),
+            got.acquired() + got.reentered() + got.upgraded(),
+            "the list agrees with the counts"
+        );
+        assert_eq!(got.skipped(), &["w"]);
+    }
+    let table = Arc::new(LockTable::new());
+    let _w = table.try_lock("w").unwrap();
+    // The borrowed form without claims: every key new or covered.
+    let mut txn = table.transaction();
+    block(txn.lock("held", Mode::Exclusive)).unwrap();
+    let reqs = [
+        ("free", Mode::Exclusive),
+        ("w", Mode::Exclusive),
+        ("held", Mode::Shared),
+    ];
+    let got = block(txn.lock_all_with(reqs, WaitPolicy::SkipLocked)).unwrap();
+    check(
+        &got,
+        &[("free", AcquireKind::New), ("held", AcquireKind::Reentered)],
+    );
+    txn.abort();
+    // With an upgrade (the claiming path), borrowed and owned.
+    let reqs = [
+        ("free", Mode::Exclusive),
+        ("w", Mode::Exclusive),
+        ("held", Mode::Shared),
+        ("up", Mode::Exclusive),
+    ];
+    let want = [
+        ("free", AcquireKind::New),
+        ("held", AcquireKind::Reentered),
+        ("up", AcquireKind::Upgraded),
+    ];
+    let mut txn = table.transaction();
+    block(txn.lock("held", Mode::Exclusive)).unwrap();
+    block(txn.lock("up", Mode::Shared)).unwrap();
+    let got = block(txn.lock_all_with(reqs, WaitPolicy::SkipLocked)).unwrap();
+    check(&got, &want);
+    assert_eq!(txn.mode("up"), Some(Mode::Exclusive));
+    txn.abort();
+    let txn = table.clone().transaction_owned();
+    block(txn.lock("held", Mode::Exclusive)).unwrap();
+    block(txn.lock("up", Mode::Shared)).unwrap();
+    let got = block(txn.lock_all_with(reqs, WaitPolicy::SkipLocked)).unwrap();
+    check(&got, &want);
+    let (keys, skipped) = got.into_parts();
+    assert_eq!((keys.len(), skipped), (3, vec!["w"]));
+    drop(txn);
+    assert_eq!(table.len(), 1, "only the blocker's key");
+}
+
+/// `lock_up_to` takes the first `n` candidates that can be had at once,
+/// in the caller's order, skipping the others, and leaves the rest
+/// untouched: two consumers of one queue share it out without waiting.
+#[test]
+fn lock_up_to_takes_the_first_n_free_candidates_in_order() {
+    let table = Arc::new(LockTable::new());
+    let _busy = [table.try_lock(2).unwrap(), table.try_lock(4).unwrap()];
+    let jobs = || {
+        (1..=7)
+            .map(|job| (job, Mode::Exclusive))
+            .collect::<Vec<_>>()
+    };
+    let mut first = table.transaction();
+    let got = block(first.lock_up_to(3, jobs())).unwrap();
+    let new = |keys: &[u32]| {
+        keys.iter()
+            .map(|&k| (k, AcquireKind::New))
+            .collect::<Vec<_>>()
+    };
+    assert_eq!(got.keys(), new(&[1, 3, 5]), "in the candidates' order");
+    assert_eq!(got.skipped(), &[2, 4]);
+    assert_eq!(got.acquired(), 3);
+    for untouched in [6, 7] {
+        assert!(!table.is_locked(&untouched), "{untouched} untouched");
+    }
+    // A second consumer, owned: what is left.
+    let second = table.clone().transaction_owned();
+    let got = block(second.lock_up_to(3, jobs())).unwrap();
+    assert_eq!(got.keys(), new(&[6, 7]));
+    assert_eq!(got.skipped(), &[1, 2, 3, 4, 5]);
+    assert_eq!(second.len(), 2);
+    // A key the transaction holds counts as taken (re-entered); one held
+    // shared beside another reader cannot be upgraded at once: skipped,
+    // and stays shared.
+    let table = LockTable::new();
+    let _reader = table.try_lock_shared(10).unwrap();
+    let mut txn = table.transaction();
+    block(txn.lock(10, Mode::Shared)).unwrap();
+    block(txn.lock(11, Mode::Exclusive)).unwrap();
+    let cands = [
+        (10, Mode::Exclusive),
+        (11, Mode::Shared),
+        (12, Mode::Exclusive),
+        (13, Mode::Exclusive),
+    ];
+    let got = block(txn.lock_up_to(2, cands)).unwrap();
+    assert_eq!(
+        got.keys(),
+        [(11, AcquireKind::Reentered), (12, AcquireKind::New)]
+    );
+    assert_eq!((got.reentered(), got.acquired()), (1, 1));
+    assert_eq!(got.skipped(), &[10]);
+    assert_eq!(
+        txn.mode(&10),
+        Some(Mode::Shared),
+        "a skipped upgrade stays shared"
+    );
+    assert_eq!(txn.count(&13), 0, "past the limit: untouched");
+    assert!(!table.is_locked(&13));
+    // A limit of zero takes nothing.
+    let got = block(txn.lock_up_to(0, [(13, Mode::Exclusive)])).unwrap();
+    assert!(got.keys().is_empty() && got.skipped().is_empty());
+    // An error other than a key being taken ends the call, naming it (a
+    // second pending call of an owned transaction on the same key).
+    let table = Arc::new(LockTable::new());
+    let blocker = table.try_lock(20).unwrap();
+    let txn = table.clone().transaction_owned();
+    let mut waiting = Box::pin(txn.lock(20, Mode::Exclusive));
+    assert!(poll_once(waiting.as_mut()).is_pending());
+    let err = block(txn.lock_up_to(2, [(21, Mode::Exclusive), (20, Mode::Exclusive)])).unwrap_err();
+    assert!(
+        matches!(err, TransactionError::InFlight { key: 20 }),
+        "{err}"
+    );
+    drop(blocker);
+    assert!(block(waiting).is_ok());
+}
+
+/// A transaction lists the keys it holds, each with its mode.
+#[test]
+fn a_transactions_keys_are_listed_with_their_modes() {
+    let table = Arc::new(LockTable::new());
+    let mut txn = table.transaction();
+    block(txn.lock_all([("a", Mode::Exclusive), ("b", Mode::Shared)])).unwrap();
+    block(txn.lock("a", Mode::Shared)).unwrap(); // re-entered: listed once
+    let keys: HashSet<_> = txn.keys().collect();
+    assert_eq!(
+        keys,
+        HashSet::from([(&"a", Mode::Exclusive), (&"b", Mode::Shared)])
+    );
+    txn.release(&"b").unwrap();
+    assert_eq!(txn.keys().collect::<Vec<_>>(), [(&"a", Mode::Exclusive)]);
+    drop(txn);
+    let txn = table.clone().transaction_owned();
+    block(txn.lock_all(vec![("a", Mode::Exclusive), ("b", Mode::Shared)])).unwrap();
+    let keys: HashSet<_> = txn.keys().into_iter().collect();
+    assert_eq!(
+        keys,
+        HashSet::from([("a", Mode::Exclusive), ("b", Mode::Shared)])
+    );
+    txn.abort();
+    assert!(table.is_empty());
 }
 
 // ------------------------------------------------------- hostile keys

@@ -14,12 +14,11 @@
 //! next step, releases what it had got (its guard, or its waiter slot) and
 //! fails with [`TransactionError::Ended`](crate::TransactionError::Ended).
 //! A future that is never polled again (or is forgotten) keeps nothing
-//! of the table once the end is done with it: a new key's wait keeps its
-//! table lock future in a cell the transaction cancels as it ends
-//! (`pending.rs`), so its waiter leaves the queue and a grant handed to it
-//! and not yet seen passes on. (An upgrade's or a `lock_all`'s wait still
-//! keeps, until the future is dropped, what any dropped-later lock future
-//! keeps.)
+//! of the table once the end is done with it: a waiting call keeps its
+//! wait (a new key's table lock future, an upgrade) and the guards it has
+//! outside the set (a `lock_all`'s) in a cell the transaction cancels as
+//! it ends (`pending.rs`), so its waiter leaves the queue, a grant handed
+//! to it and not yet seen passes on, and its guards are released.
 //!
 //! No guard is released, no key dropped and no waker of a pending future
 //! woken while the lock is held: they are user code (a waker may call back
@@ -49,14 +48,27 @@ use crate::loom::AtomicBool;
 use crate::mode::Mode;
 use crate::owner::error::TransactionError;
 use crate::owner::held::{Acquired, Found, HeldSet};
-use crate::owner::pending::{self, PendingList, PendingLock};
+use crate::owner::pending::{self, Pending, PendingList};
 use crate::owner::policy::Resolved;
-use crate::owner::reach::Reach;
+use crate::owner::reach::{GuardOps, Reach};
 use crate::owner::single::{GuardOf, KeyOf};
 use crate::shard_lock::ShardMutex;
 
 /// The set of keys of an owner reaching its table through `R`.
 pub(crate) type SetOf<R> = HeldSet<<R as Reach>::Guard, <R as Reach>::Key>;
+
+/// A pending call's cell (`pending.rs`) for an owner reaching its table
+/// through `R`.
+pub(crate) type PendingOf<R> =
+    Pending<<R as Reach>::Lock, <<R as Reach>::Guard as GuardOps>::Upgrading, <R as Reach>::Guard>;
+
+/// The list of pending calls' cells of an owner reaching its table
+/// through `R`.
+pub(crate) type PendingListOf<R> = PendingList<
+    <R as Reach>::Lock,
+    <<R as Reach>::Guard as GuardOps>::Upgrading,
+    <R as Reach>::Guard,
+>;
 
 /// What does not change during a transaction: its table and options.
 #[derive(Debug)]
@@ -163,11 +175,14 @@ pub(crate) trait Access {
     /// Puts a waiting call's lock future on the transaction's list of
     /// pending calls (`pending.rs`), which the transaction's end cancels;
     /// `Err` if it has ended.
-    fn pend(&mut self, pending: &Arc<PendingLock<LockOf<Self>>>) -> Result<(), Ended>;
+    fn pend(&mut self, pending: &Arc<PendingOf<Self::R>>) -> Result<(), Ended>;
 }
 
 /// The table lock future of an owner's calls.
 pub(crate) type LockOf<A> = <<A as Access>::R as Reach>::Lock;
+
+/// An owner's calls' owning upgrade (see [`GuardOps::upgrade_owned`]).
+pub(crate) type UpgradingOf<A> = <<<A as Access>::R as Reach>::Guard as GuardOps>::Upgrading;
 
 /// What [`Access::fast`] did.
 #[derive(Debug)]
@@ -188,7 +203,7 @@ pub(crate) struct Direct<'a, R: Reach> {
     pub(crate) owner: &'a Owner<R>,
     pub(crate) set: &'a mut SetOf<R>,
     /// The transaction's pending calls (see `pending.rs`).
-    pub(crate) pending: &'a mut PendingList<R::Lock>,
+    pub(crate) pending: &'a mut PendingListOf<R>,
 }
 
 impl<R: Reach> Access for Direct<'_, R> {
@@ -244,7 +259,7 @@ impl<R: Reach> Access for Direct<'_, R> {
     #[inline]
     fn unwatch(&mut self, _: usize) {}
 
-    fn pend(&mut self, pending: &Arc<PendingLock<R::Lock>>) -> Result<(), Ended> {
+    fn pend(&mut self, pending: &Arc<PendingOf<R>>) -> Result<(), Ended> {
         pending::push(self.pending, pending);
         Ok(())
     }
@@ -288,7 +303,7 @@ struct State<R: Reach> {
     set: SetOf<R>,
     /// Pending calls' lock futures, cancelled when the transaction ends
     /// (see `pending.rs`).
-    pending: PendingList<R::Lock>,
+    pending: PendingListOf<R>,
     /// The wakers of pending futures, woken when the transaction ends.
     watchers: Vec<Option<Waker>>,
     free: Vec<usize>,
@@ -299,7 +314,7 @@ impl<R: Reach> Shared<R> {
         Self {
             state: ShardMutex::new(State {
                 set: HeldSet::default(),
-                pending: Vec::new(),
+                pending: PendingList::new(),
                 watchers: Vec::new(),
                 free: Vec::new(),
             }),
@@ -458,7 +473,7 @@ impl<R: Reach> Access for Arc<Shared<R>> {
         false
     }
 
-    fn pend(&mut self, pending: &Arc<PendingLock<R::Lock>>) -> Result<(), Ended> {
+    fn pend(&mut self, pending: &Arc<PendingOf<R>>) -> Result<(), Ended> {
         let mut state = self.lock();
         if self.ended.load(Ordering::Relaxed) {
             return Err(Ended);

@@ -93,15 +93,20 @@ pub struct Transaction<'t, K, S = DefaultHashBuilder> {
     set: HeldSet<Guard<'t, K, S>, K>,
     /// The lock futures of its waiting calls, cancelled when it ends, so a
     /// forgotten call keeps nothing (`pending.rs`).
-    pending: pending::PendingList<crate::acquire::LockWith<'t, K, S>>,
+    pending: pending::PendingList<
+        crate::acquire::LockWith<'t, K, S>,
+        crate::upgrade::UpgradeOwned<'t, K, S>,
+        Guard<'t, K, S>,
+    >,
 }
 
 impl<K, S> Drop for Transaction<'_, K, S> {
     fn drop(&mut self) {
         // As the owned form's end: the set's keys first (a panic in a key's
-        // drop still releases the rest, see `HeldSet`), then a forgotten
-        // call's lock future (its waiter leaves its queue, or its
-        // unobserved grant passes on), whatever the first did.
+        // drop still releases the rest, see `HeldSet`), then what a
+        // forgotten call has outside the set (its waiter leaves its queue,
+        // or its unobserved grant passes on; its guards are released),
+        // whatever the first did.
         let set = std::mem::take(&mut self.set);
         let released = catch_unwind(AssertUnwindSafe(|| drop(set)));
         pending::cancel_all(std::mem::take(&mut self.pending));
@@ -118,8 +123,9 @@ impl<K, S> Drop for Transaction<'_, K, S> {
 ///
 /// Ending the transaction (commit, abort, drop) while one of its lock
 /// futures is pending, on this task or another, releases everything the
-/// transaction holds at once and wakes the future, which releases what it
-/// had got and fails with [`TransactionError::Ended`]. Two of its futures
+/// transaction holds at once, what its pending calls had got for it
+/// included (even a call whose future is never polled again), and wakes
+/// the future, which fails with [`TransactionError::Ended`]. Two of its futures
 /// pending at once for the same key do not wait on each other: the second
 /// fails at once with [`TransactionError::InFlight`].
 ///
@@ -180,7 +186,7 @@ impl<K: Eq + Hash, S: BuildHasher> LockTable<K, S> {
         Transaction {
             owner: Owner::new(self, opts, label),
             set: HeldSet::default(),
-            pending: Vec::new(),
+            pending: pending::PendingList::new(),
         }
     }
 
@@ -487,6 +493,65 @@ impl<'t, K: Eq + Hash, S: BuildHasher> Transaction<'t, K, S> {
         multi::lock_all(self.direct(), requests, policy)
     }
 
+    /// Takes up to `limit` of `candidates`, in the candidates' order, each
+    /// only if it can be had at once, skipping the others: PostgreSQL's
+    /// `SELECT … ORDER BY … LIMIT n FOR UPDATE SKIP LOCKED`, as a queue
+    /// consumer uses it. A key the transaction holds in the mode asked or a
+    /// stronger one counts (re-entered); one held shared and asked
+    /// exclusive is upgraded if that can be done at once, else skipped
+    /// (it stays shared); a key that cannot be had at once is skipped. Once
+    /// `limit` keys are taken the call stops: the rest of the candidates
+    /// are untouched (not tried, not listed). The [`LockedSet`] lists the
+    /// keys taken and how, and the keys skipped, both in the candidates'
+    /// order.
+    ///
+    /// No candidate is waited for, so taking them in the caller's order
+    /// (rather than `lock_all`'s canonical one) cannot deadlock. Unlike
+    /// `lock_all`, it is not all or nothing: each candidate is a lock of its
+    /// own, as a sequence of `NOWAIT` locks would be.
+    ///
+    /// # Errors
+    ///
+    /// An error other than a candidate being taken by someone else ends
+    /// the call ([`TransactionError::Lock`] for options out of range,
+    /// [`TransactionError::Expired`] for an upgrade of a grant that lost
+    /// its key), naming the key; the keys taken before it stay the
+    /// transaction's.
+    ///
+    /// # Cancel safety
+    ///
+    /// Dropped before it completes, the keys it took stay the
+    /// transaction's (each was a lock of its own), and the candidate being
+    /// tried is not taken (an upgrade stays shared).
+    ///
+    /// ```
+    /// use keylock::{AcquireKind, Mode};
+    /// # futures::executor::block_on(async {
+    /// let table = keylock::LockTable::new();
+    /// let jobs = [(1, Mode::Exclusive), (2, Mode::Exclusive), (3, Mode::Exclusive), (4, Mode::Exclusive)];
+    /// let mut worker_a = table.transaction();
+    /// let got = worker_a.lock_up_to(2, jobs).await?;
+    /// assert_eq!(got.keys(), [(1, AcquireKind::New), (2, AcquireKind::New)]);
+    /// let mut worker_b = table.transaction();
+    /// let got = worker_b.lock_up_to(2, jobs).await?;
+    /// assert_eq!(got.skipped(), &[1, 2]);
+    /// assert_eq!(got.keys(), [(3, AcquireKind::New), (4, AcquireKind::New)]);
+    /// # Ok::<(), keylock::TransactionError<i32>>(())
+    /// # }).unwrap();
+    /// ```
+    pub fn lock_up_to<'a, I>(
+        &'a mut self,
+        limit: usize,
+        candidates: I,
+    ) -> impl Future<Output = Result<LockedSet<K>, TransactionError<K>>> + use<'a, 't, K, S, I>
+    where
+        I: IntoIterator<Item = (K, Mode)>,
+        K: Clone,
+    {
+        let candidates: Vec<(K, Mode)> = candidates.into_iter().collect();
+        multi::lock_up_to(self.direct(), limit, candidates)
+    }
+
     /// [`lock`](Self::lock), parking the thread until it completes (for
     /// plain threads; see [`LockTable::blocking_lock`] about runtimes).
     ///
@@ -637,6 +702,27 @@ impl<'t, K: Eq + Hash, S: BuildHasher> Transaction<'t, K, S> {
         self.set.len()
     }
 
+    /// The keys the transaction holds, each with the mode it holds it in
+    /// (each once, whatever its count), in no particular order.
+    ///
+    /// ```
+    /// use keylock::Mode;
+    /// # futures::executor::block_on(async {
+    /// let table = keylock::LockTable::new();
+    /// let mut txn = table.transaction();
+    /// txn.lock_all([("a", Mode::Exclusive), ("b", Mode::Shared)]).await?;
+    /// let mut keys: Vec<_> = txn.keys().collect();
+    /// keys.sort();
+    /// assert_eq!(keys, [(&"a", Mode::Exclusive), (&"b", Mode::Shared)]);
+    /// # Ok::<(), keylock::TransactionError<&str>>(())
+    /// # }).unwrap();
+    /// ```
+    pub fn keys(&self) -> impl Iterator<Item = (&K, Mode)> + use<'_, 't, K, S> {
+        self.set
+            .guards()
+            .map(|guard| (GuardOps::key(guard), GuardOps::mode(guard)))
+    }
+
     /// Whether the transaction holds no key.
     #[must_use]
     pub fn is_empty(&self) -> bool {
@@ -769,8 +855,8 @@ impl<K: Eq + Hash + 'static, S: BuildHasher + 'static> OwnedTransaction<K, S> {
 
     /// As [`Transaction::lock`]; the future is `'static` (it holds an `Arc`
     /// of the transaction's state) and may run on any task. Ending the
-    /// transaction while it is pending makes it release what it got and
-    /// fail with [`TransactionError::Ended`].
+    /// transaction while it is pending releases what the call got (the end
+    /// does, at once) and makes it fail with [`TransactionError::Ended`].
     ///
     /// # Errors
     ///
@@ -907,6 +993,47 @@ impl<K: Eq + Hash + 'static, S: BuildHasher + 'static> OwnedTransaction<K, S> {
     {
         let requests: Few<(K, Mode)> = requests.into_iter().collect();
         multi::lock_all(Arc::clone(&self.shared), requests, policy)
+    }
+
+    /// As [`Transaction::lock_up_to`]; the future is `'static` (the
+    /// candidates are collected at the call).
+    ///
+    /// # Errors
+    ///
+    /// As [`Transaction::lock_up_to`], and [`TransactionError::InFlight`]
+    /// if another pending call of the transaction is locking a candidate,
+    /// [`TransactionError::Ended`] if the transaction ended.
+    ///
+    /// # Cancel safety
+    ///
+    /// As [`Transaction::lock_up_to`].
+    ///
+    /// ```
+    /// use std::sync::Arc;
+    /// use keylock::Mode;
+    /// # futures::executor::block_on(async {
+    /// let table = Arc::new(keylock::LockTable::new());
+    /// let _taken = table.try_lock("job-1").unwrap();
+    /// let txn = table.clone().transaction_owned();
+    /// let jobs = vec![("job-1", Mode::Exclusive), ("job-2", Mode::Exclusive), ("job-3", Mode::Exclusive)];
+    /// let got = txn.lock_up_to(1, jobs).await?;
+    /// assert_eq!(got.skipped(), &["job-1"]);
+    /// assert_eq!(txn.len(), 1);
+    /// assert!(!table.is_locked("job-3"));
+    /// # Ok::<(), keylock::TransactionError<&str>>(())
+    /// # }).unwrap();
+    /// ```
+    pub fn lock_up_to<I>(
+        &self,
+        limit: usize,
+        candidates: I,
+    ) -> impl Future<Output = Result<LockedSet<K>, TransactionError<K>>> + use<K, S, I>
+    where
+        I: IntoIterator<Item = (K, Mode)>,
+        K: Clone,
+    {
+        let candidates: Vec<(K, Mode)> = candidates.into_iter().collect();
+        multi::lock_up_to(Arc::clone(&self.shared), limit, candidates)
     }
 
     /// [`lock`](Self::lock), parking the thread until it completes.
@@ -1052,6 +1179,33 @@ impl<K: Eq + Hash + 'static, S: BuildHasher + 'static> OwnedTransaction<K, S> {
         self.shared.with(|set| set.len()).unwrap_or(0)
     }
 
+    /// The keys the transaction holds, each with its mode, as
+    /// [`Transaction::keys`] lists them, cloned (the set is shared with
+    /// pending calls); a key a pending call has away (being upgraded) is
+    /// not listed, and none once the transaction ended.
+    ///
+    /// ```
+    /// use std::sync::Arc;
+    /// use keylock::Mode;
+    /// let table = Arc::new(keylock::LockTable::new());
+    /// let txn = table.clone().transaction_owned();
+    /// txn.blocking_lock(7, Mode::Shared).unwrap();
+    /// assert_eq!(txn.keys(), [(7, Mode::Shared)]);
+    /// ```
+    #[must_use]
+    pub fn keys(&self) -> Vec<(K, Mode)>
+    where
+        K: Clone,
+    {
+        self.shared
+            .with(|set| {
+                set.guards()
+                    .map(|guard| (GuardOps::key(guard).clone(), GuardOps::mode(guard)))
+                    .collect()
+            })
+            .unwrap_or_default()
+    }
+
     /// Whether the transaction holds no key.
     #[must_use]
     pub fn is_empty(&self) -> bool {
@@ -1139,8 +1293,8 @@ impl<K: Eq + Hash + 'static, S: BuildHasher + 'static> OwnedTransaction<K, S> {
     }
 
     /// As [`Transaction::commit`]: ends the transaction, releasing every
-    /// key checked. A key a pending call has away (an upgrade in flight) is
-    /// released by that call, unjudged.
+    /// key checked. A key a pending call has away (an upgrade in flight, a
+    /// `lock_all`'s keys) is released by the end too, unjudged.
     ///
     /// # Errors
     ///

@@ -46,7 +46,7 @@
 //! shared again, as before the call, under the token the upgrade gave it),
 //! and keys it only counted are left as they were.
 
-use std::future::Future;
+use std::future::{poll_fn, Future};
 use std::mem;
 use std::panic::{catch_unwind, resume_unwind, AssertUnwindSafe};
 use std::pin::{pin, Pin};
@@ -54,21 +54,26 @@ use std::sync::Arc;
 use std::task::{Context, Poll};
 
 use crate::mode::Mode;
-use crate::owner::access::{wait_unless_ended, Access, Ended, Holding, WaitFor};
+use crate::owner::access::{
+    wait_unless_ended, Access, Ended, Holding, LockOf, PendingOf, Stop, UpgradingOf, WaitFor,
+};
 use crate::owner::error::TransactionError;
 use crate::owner::held::{AcquireKind, Begin, Found};
+use crate::owner::pending::{CancelOnDrop, Wait, Waited};
 use crate::owner::policy::WaitPolicy;
 use crate::owner::reach::{GuardOps, Reach};
-use crate::owner::single::{GuardOf, KeyOf};
+use crate::owner::single::{self, GuardOf, KeyOf};
 use crate::owner::Few;
 use crate::LockError;
 
-/// What a [`lock_all`](crate::Transaction::lock_all) did: how many keys it
-/// took, re-entered and upgraded, and, under
-/// [`WaitPolicy::SkipLocked`], which keys it skipped.
+/// What a [`lock_all`](crate::Transaction::lock_all) or a
+/// [`lock_up_to`](crate::Transaction::lock_up_to) did: how many keys it
+/// took, re-entered and upgraded; the keys it took and how, and the keys
+/// it skipped, when it may take fewer keys than asked
+/// ([`WaitPolicy::SkipLocked`], `lock_up_to`).
 ///
 /// ```
-/// use keylock::{Mode, TransactionOptions, WaitPolicy};
+/// use keylock::{AcquireKind, Mode, TransactionOptions, WaitPolicy};
 /// # futures::executor::block_on(async {
 /// let table = keylock::LockTable::new();
 /// let _other = table.try_lock(2).unwrap();
@@ -76,6 +81,9 @@ use crate::LockError;
 /// let got = txn.lock_all([(1, Mode::Exclusive), (2, Mode::Exclusive), (3, Mode::Shared)]).await?;
 /// assert_eq!(got.acquired(), 2);
 /// assert_eq!(got.skipped(), &[2]);
+/// let mut keys: Vec<_> = got.keys().to_vec();
+/// keys.sort_by_key(|&(key, _)| key);
+/// assert_eq!(keys, [(1, AcquireKind::New), (3, AcquireKind::New)]);
 /// assert_eq!(txn.len(), 2);
 /// # Ok::<(), keylock::TransactionError<i32>>(())
 /// # }).unwrap();
@@ -86,10 +94,42 @@ pub struct LockedSet<K> {
     reentered: usize,
     upgraded: usize,
     skipped: Vec<K>,
+    keys: Vec<(K, AcquireKind)>,
 }
 
 impl<K> LockedSet<K> {
+    fn new(skipped: Vec<K>) -> Self {
+        Self {
+            acquired: 0,
+            reentered: 0,
+            upgraded: 0,
+            skipped,
+            keys: Vec::new(),
+        }
+    }
+
+    /// Counts one key got `kind`-wise.
+    fn count(&mut self, kind: AcquireKind) {
+        match kind {
+            AcquireKind::New => self.acquired += 1,
+            AcquireKind::Reentered => self.reentered += 1,
+            AcquireKind::Upgraded => self.upgraded += 1,
+        }
+    }
+
     /// How many keys the call took that the transaction did not hold.
+    ///
+    /// ```
+    /// use keylock::Mode;
+    /// # futures::executor::block_on(async {
+    /// let table = keylock::LockTable::new();
+    /// let mut txn = table.transaction();
+    /// txn.lock("a", Mode::Exclusive).await?;
+    /// let got = txn.lock_all([("a", Mode::Exclusive), ("b", Mode::Exclusive)]).await?;
+    /// assert_eq!((got.acquired(), got.reentered()), (1, 1));
+    /// # Ok::<(), keylock::TransactionError<&str>>(())
+    /// # }).unwrap();
+    /// ```
     #[must_use]
     pub fn acquired(&self) -> usize {
         self.acquired
@@ -97,30 +137,133 @@ impl<K> LockedSet<K> {
 
     /// How many keys the transaction already held in a covering mode (each
     /// counted once more, as a re-entrant lock would).
+    ///
+    /// ```
+    /// use keylock::Mode;
+    /// # futures::executor::block_on(async {
+    /// let table = keylock::LockTable::new();
+    /// let mut txn = table.transaction();
+    /// txn.lock("a", Mode::Exclusive).await?;
+    /// let got = txn.lock_all([("a", Mode::Shared)]).await?;
+    /// assert_eq!(got.reentered(), 1);
+    /// assert_eq!(txn.count("a"), 2);
+    /// # Ok::<(), keylock::TransactionError<&str>>(())
+    /// # }).unwrap();
+    /// ```
     #[must_use]
     pub fn reentered(&self) -> usize {
         self.reentered
     }
 
     /// How many held shared keys the call upgraded to exclusive.
+    ///
+    /// ```
+    /// use keylock::Mode;
+    /// # futures::executor::block_on(async {
+    /// let table = keylock::LockTable::new();
+    /// let mut txn = table.transaction();
+    /// txn.lock("a", Mode::Shared).await?;
+    /// let got = txn.lock_all([("a", Mode::Exclusive)]).await?;
+    /// assert_eq!(got.upgraded(), 1);
+    /// # Ok::<(), keylock::TransactionError<&str>>(())
+    /// # }).unwrap();
+    /// ```
     #[must_use]
     pub fn upgraded(&self) -> usize {
         self.upgraded
     }
 
     /// The keys skipped because they could not be had at once
-    /// ([`WaitPolicy::SkipLocked`]; a skipped upgrade leaves its key held
-    /// shared), in the canonical order (see the module doc), not the
-    /// caller's.
+    /// ([`WaitPolicy::SkipLocked`], and
+    /// [`lock_up_to`](crate::Transaction::lock_up_to); a skipped upgrade
+    /// leaves its key held shared): for a `lock_all`, in the canonical
+    /// order (see the module doc), not the caller's; for `lock_up_to`, in
+    /// the candidates' order.
+    ///
+    /// ```
+    /// use keylock::{Mode, WaitPolicy};
+    /// # futures::executor::block_on(async {
+    /// let table = keylock::LockTable::new();
+    /// let _other = table.try_lock("b").unwrap();
+    /// let mut txn = table.transaction();
+    /// let got = txn.lock_all_with([("a", Mode::Exclusive), ("b", Mode::Exclusive)], WaitPolicy::SkipLocked).await?;
+    /// assert_eq!(got.skipped(), &["b"]);
+    /// # Ok::<(), keylock::TransactionError<&str>>(())
+    /// # }).unwrap();
+    /// ```
     #[must_use]
     pub fn skipped(&self) -> &[K] {
         &self.skipped
     }
 
     /// The skipped keys, by value.
+    ///
+    /// ```
+    /// use keylock::Mode;
+    /// # futures::executor::block_on(async {
+    /// let table = keylock::LockTable::new();
+    /// let _other = table.try_lock(2).unwrap();
+    /// let mut txn = table.transaction();
+    /// let got = txn.lock_up_to(5, [(1, Mode::Exclusive), (2, Mode::Exclusive)]).await?;
+    /// assert_eq!(got.into_skipped(), vec![2]);
+    /// # Ok::<(), keylock::TransactionError<i32>>(())
+    /// # }).unwrap();
+    /// ```
     #[must_use]
     pub fn into_skipped(self) -> Vec<K> {
         self.skipped
+    }
+
+    /// The keys the call took, each with how it got it (taken new,
+    /// re-entered, upgraded), in the order it took them: the canonical
+    /// order for a `lock_all` (see the module doc), the candidates' order
+    /// for [`lock_up_to`](crate::Transaction::lock_up_to).
+    ///
+    /// Listed by the calls that may take fewer keys than asked: a
+    /// `lock_all` under [`WaitPolicy::SkipLocked`], and `lock_up_to`.
+    /// Under the other policies a `lock_all` takes every requested key or
+    /// fails, so its requests are the list, and it leaves this empty (it
+    /// clones no key to make it).
+    ///
+    /// ```
+    /// use keylock::{AcquireKind, Mode, WaitPolicy};
+    /// # futures::executor::block_on(async {
+    /// let table = keylock::LockTable::new();
+    /// let mut txn = table.transaction();
+    /// txn.lock("held", Mode::Shared).await?;
+    /// let got = txn
+    ///     .lock_all_with([("held", Mode::Exclusive), ("new", Mode::Shared)], WaitPolicy::SkipLocked)
+    ///     .await?;
+    /// let mut keys = got.keys().to_vec();
+    /// keys.sort_by_key(|&(key, _)| key);
+    /// assert_eq!(keys, [("held", AcquireKind::Upgraded), ("new", AcquireKind::New)]);
+    /// # Ok::<(), keylock::TransactionError<&str>>(())
+    /// # }).unwrap();
+    /// ```
+    #[must_use]
+    pub fn keys(&self) -> &[(K, AcquireKind)] {
+        &self.keys
+    }
+
+    /// The keys taken (as [`keys`](Self::keys) lists them) and the keys
+    /// skipped, by value.
+    ///
+    /// ```
+    /// use keylock::{AcquireKind, Mode};
+    /// # futures::executor::block_on(async {
+    /// let table = keylock::LockTable::new();
+    /// let _other = table.try_lock("job-1").unwrap();
+    /// let mut txn = table.transaction();
+    /// let got = txn.lock_up_to(1, [("job-1", Mode::Exclusive), ("job-2", Mode::Exclusive)]).await?;
+    /// let (taken, skipped) = got.into_parts();
+    /// assert_eq!(taken, [("job-2", AcquireKind::New)]);
+    /// assert_eq!(skipped, ["job-1"]);
+    /// # Ok::<(), keylock::TransactionError<&str>>(())
+    /// # }).unwrap();
+    /// ```
+    #[must_use]
+    pub fn into_parts(self) -> (Vec<(K, AcquireKind)>, Vec<K>) {
+        (self.keys, self.skipped)
     }
 }
 
@@ -155,10 +298,55 @@ struct Staged<G> {
 struct Stage<'a, A: Access> {
     access: &'a mut A,
     entries: Few<Staged<GuardOf<A>>>,
+    /// The cell (`pending.rs`) that has the call's wait and every guard of
+    /// `entries` while the call waits, so that the transaction's end
+    /// releases them even if the call's future is forgotten; made at the
+    /// first wait.
+    away: Option<Arc<PendingOf<A::R>>>,
+    /// The entry whose guard the waiting upgrade in `away` owns.
+    upgrading: Option<usize>,
     done: bool,
 }
 
 impl<A: Access> Stage<'_, A> {
+    /// Before a wait: puts `wait` and every guard of the entries into the
+    /// cell (made, and put on the transaction's list, the first time);
+    /// `Err` if the transaction ended (they were released).
+    fn stow(
+        &mut self,
+        wait: Wait<LockOf<A>, UpgradingOf<A>>,
+    ) -> Result<Arc<PendingOf<A::R>>, Ended> {
+        let cell = match &self.away {
+            Some(cell) => Arc::clone(cell),
+            None => {
+                let cell = PendingOf::<A::R>::new();
+                self.access.pend(&cell)?;
+                self.away = Some(Arc::clone(&cell));
+                cell
+            }
+        };
+        cell.start(wait).map_err(|_| Ended)?;
+        let guards = self
+            .entries
+            .iter_mut()
+            .enumerate()
+            .filter_map(|(i, entry)| entry.guard.take().map(|guard| (i, guard)));
+        cell.stow(guards).map_err(|_| Ended)?;
+        Ok(cell)
+    }
+
+    /// After a wait: the guards back from the cell; `Err` if the
+    /// transaction ended meanwhile (they were released).
+    fn unstow(&mut self) -> Result<(), Ended> {
+        let Some(cell) = &self.away else {
+            return Ok(());
+        };
+        for (i, guard) in cell.unstow().map_err(|_| Ended)? {
+            self.entries[i].guard = Some(guard);
+        }
+        Ok(())
+    }
+
     /// The error for request `i`, undoing its claim to get the key's name.
     fn fail(
         &mut self,
@@ -182,20 +370,22 @@ impl<A: Access> Stage<'_, A> {
         }
     }
 
-    /// Puts everything into the set at once.
-    fn finish(mut self) -> Result<LockedSet<KeyOf<A>>, TransactionError<KeyOf<A>>> {
+    /// Puts everything into the set at once; with `record`, lists the
+    /// keys taken (a covered key's name is its request's, the others' the
+    /// claim's copy).
+    fn finish(
+        mut self,
+        requests: &mut [Request<KeyOf<A>>],
+        record: bool,
+    ) -> Result<LockedSet<KeyOf<A>>, TransactionError<KeyOf<A>>> {
         self.done = true;
         let mut entries = mem::take(&mut self.entries);
-        let mut out = LockedSet {
-            acquired: 0,
-            reentered: 0,
-            upgraded: 0,
-            skipped: Vec::new(),
-        };
+        let mut out = LockedSet::new(Vec::new());
+        debug_assert!(self.upgrading.is_none(), "no wait in flight");
         let mut names: Few<_> = Few::new();
         let mut rest: Few<_> = Few::new();
         let finished = self.access.with(|set| {
-            for entry in &mut entries {
+            for (j, entry) in entries.iter_mut().enumerate() {
                 let guard = entry.guard.take();
                 if entry.skipped {
                     let (name, guard) = set.abandon(entry.hash, entry.id, guard);
@@ -210,12 +400,16 @@ impl<A: Access> Stage<'_, A> {
                 };
                 match set.settle(entry.hash, entry.id, guard, kind) {
                     Ok((_, name)) => {
-                        names.push(name);
-                        match kind {
-                            AcquireKind::Reentered => out.reentered += 1,
-                            AcquireKind::Upgraded => out.upgraded += 1,
-                            AcquireKind::New => out.acquired += 1,
+                        out.count(kind);
+                        if !record {
+                            names.push(name);
+                            continue;
                         }
+                        let key = match kind {
+                            AcquireKind::Reentered => requests[j].key.take(),
+                            AcquireKind::New | AcquireKind::Upgraded => name,
+                        };
+                        out.keys.extend(key.map(|key| (key, kind)));
                     }
                     Err(guard) => rest.push(guard),
                 }
@@ -237,6 +431,19 @@ impl<A: Access> Drop for Stage<'_, A> {
     fn drop(&mut self) {
         if self.done {
             return;
+        }
+        // Everything the cell has comes back first (its wait goes, a
+        // waiting upgrade's guard comes back shared), unless the
+        // transaction's end cancelled it (then it was all released).
+        if let Some(cell) = self.away.take() {
+            if let Some((guards, upgraded)) = cell.recover(GuardOf::<A>::upgrade_undone) {
+                for (i, guard) in guards {
+                    self.entries[i].guard = Some(guard);
+                }
+                if let (Some(i), Some(guard)) = (self.upgrading, upgraded) {
+                    self.entries[i].guard = Some(guard);
+                }
+            }
         }
         let mut entries = mem::take(&mut self.entries);
         // Outside the set's lock (a downgrade wakes waiters): the upgrades
@@ -462,7 +669,15 @@ where
             }
         }
     }
-    put_all(access, requests, found, version, taken, Vec::new())
+    put_all(
+        access,
+        requests,
+        found,
+        version,
+        taken,
+        Vec::new(),
+        policy == WaitPolicy::SkipLocked,
+    )
 }
 
 /// Puts what a call without claims got into the set in one step, if the
@@ -475,13 +690,27 @@ fn put_all<A: Access>(
     version: u64,
     taken: &mut Few<(usize, GuardOf<A>)>,
     skipped: Vec<KeyOf<A>>,
-) -> Result<Outcome<A>, Fallback> {
-    let mut out = LockedSet {
-        acquired: 0,
-        reentered: 0,
-        upgraded: 0,
-        skipped,
-    };
+    record: bool,
+) -> Result<Outcome<A>, Fallback>
+where
+    KeyOf<A>: Clone,
+{
+    let mut out = LockedSet::new(skipped);
+    if record {
+        // The keys taken, in order: a covered key's name is its request's
+        // (still there: only new keys went to the table), a new one's the
+        // table's copy, through its guard.
+        let mut guards = taken.iter().peekable();
+        for (i, f) in found.iter().enumerate() {
+            if let Found::Covered { .. } = f {
+                if let Some(key) = &requests[i].key {
+                    out.keys.push((key.clone(), AcquireKind::Reentered));
+                }
+            } else if let Some((_, guard)) = guards.next_if(|(at, _)| *at == i) {
+                out.keys.push((guard.key().clone(), AcquireKind::New));
+            }
+        }
+    }
     let put = access.with(|set| {
         if set.version() != version {
             return false;
@@ -539,6 +768,11 @@ where
 {
     async move {
         let mut skipped = Vec::new();
+        // The cell (`pending.rs`) that has the wait and the guards taken so
+        // far while the call waits, so that the transaction's end releases
+        // them even if this future is forgotten; made at the first wait,
+        // cancelled (releasing what it has) if this future is dropped.
+        let mut away: Option<CancelOnDrop<LockOf<A>, UpgradingOf<A>, GuardOf<A>>> = None;
         for i in from..requests.len() {
             if found[i] != Found::Absent {
                 continue;
@@ -555,12 +789,23 @@ where
             // The name for the detector, an error or a skip (the key goes to
             // the table).
             let name = Arc::new(key.clone());
-            // Built in place, with nothing else held across the wait: this
-            // future is boxed (see above).
-            let lock = pin!(access
+            let lock = access
                 .owner()
                 .reach
-                .lock_with(key, access.owner().opts.lock_options(mode, policy)));
+                .lock_with(key, access.owner().opts.lock_options(mode, policy));
+            let cell = match &away {
+                Some(cell) => Arc::clone(&cell.0),
+                None => {
+                    let cell = PendingOf::<A::R>::new();
+                    if access.pend(&cell).is_err() {
+                        return Err(TransactionError::Ended);
+                    }
+                    away = Some(CancelOnDrop(Arc::clone(&cell)));
+                    cell
+                }
+            };
+            // Whether the transaction holds anything, asked before the
+            // guards taken so far go into the cell.
             let holding = if A::SOLE
                 && taken.is_empty()
                 && access.with(|set| set.holds_nothing()).unwrap_or(false)
@@ -569,19 +814,32 @@ where
             } else {
                 Holding::Unknown
             };
+            let stowed = cell.start(Wait::Lock(Box::pin(lock)));
+            if stowed.is_err() || cell.stow(taken.drain(..)).is_err() {
+                return Err(TransactionError::Ended);
+            }
             let wait = WaitFor {
                 hash,
                 key: &name,
                 mode,
                 holding,
             };
-            match wait_unless_ended(&mut *access, wait, lock).await {
+            let polled = poll_fn(|cx| cell.poll(cx));
+            let waited = wait_unless_ended(&mut *access, wait, pin!(polled)).await;
+            match cell.unstow() {
+                Ok(guards) => taken = guards,
+                Err(_) => return Err(TransactionError::Ended),
+            }
+            match waited {
                 Err(stop) => return Err(stop.into()),
-                Ok(Ok(guard)) => taken.push((i, guard)),
-                Ok(Err(error)) if policy == WaitPolicy::SkipLocked && is_taken(&error) => {
+                Ok(None) => return Err(TransactionError::Ended),
+                Ok(Some(Waited::Granted(guard))) => taken.push((i, guard)),
+                Ok(Some(Waited::Failed(_, error)))
+                    if policy == WaitPolicy::SkipLocked && is_taken(&error) =>
+                {
                     skipped.push(KeyOf::<A>::clone(&name));
                 }
-                Ok(Err(error)) => {
+                Ok(Some(Waited::Failed(_, error))) => {
                     return Err(TransactionError::from_lock(
                         KeyOf::<A>::clone(&name),
                         mode,
@@ -591,7 +849,10 @@ where
                 }
             }
         }
-        match put_all(access, &requests, &found, version, &mut taken, skipped) {
+        let record = policy == WaitPolicy::SkipLocked;
+        match put_all(
+            access, &requests, &found, version, &mut taken, skipped, record,
+        ) {
             Ok(done) => done,
             // The call has the transaction to itself: its set cannot move.
             Err(_) => unreachable!("a borrowed transaction's set changed during its call"),
@@ -628,6 +889,8 @@ where
     let mut stage = Stage {
         access,
         entries: Few::with_capacity(requests.len()),
+        away: None,
+        upgrading: None,
         done: false,
     };
     let mut taken = taken.into_iter().peekable();
@@ -715,7 +978,7 @@ where
             }
         }
     }
-    Ok(stage.finish())
+    Ok(stage.finish(&mut requests, policy == WaitPolicy::SkipLocked))
 }
 
 /// The slow path: the requests from `from` on, waiting where needed.
@@ -756,27 +1019,32 @@ where
                     };
                     let name = Arc::new(key.clone());
                     let lock = stage.access.owner().reach.lock_with(key, opts);
+                    let Ok(cell) = stage.stow(Wait::Lock(Box::pin(lock))) else {
+                        return Err(TransactionError::Ended);
+                    };
                     let wait = WaitFor {
                         hash: request.hash,
                         key: &name,
                         mode: request.mode,
                         holding: Holding::Unknown,
                     };
-                    match wait_unless_ended(&mut *stage.access, wait, pin!(lock)).await {
-                        Ok(Ok(guard)) => {
+                    let polled = poll_fn(|cx| cell.poll(cx));
+                    let waited = wait_unless_ended(&mut *stage.access, wait, pin!(polled)).await;
+                    if stage.unstow().is_err() {
+                        return Err(TransactionError::Ended);
+                    }
+                    match waited {
+                        Ok(Some(Waited::Granted(guard))) => {
                             stage.entries[i].guard = Some(guard);
                             Ok(Ok(()))
                         }
-                        Ok(Err(error)) => Ok(Err(error)),
+                        Ok(Some(Waited::Failed(_, error))) => Ok(Err(error)),
+                        Ok(None) => Err(Stop::Ended),
                         Err(stop) => Err(stop),
                     }
                 }
                 Kind::Upgrade => {
-                    let Stage {
-                        access, entries, ..
-                    } = &mut stage;
-                    let entry = &mut entries[i];
-                    let guard = entry.guard.as_mut().expect("held");
+                    let guard = stage.entries[i].guard.take().expect("held");
                     // The caller's key names the wait (never a clone of the
                     // table's: its drop, last, comes after the flag below).
                     let name = Arc::new(match request.key.take() {
@@ -789,12 +1057,36 @@ where
                         mode: Mode::Exclusive,
                         holding: Holding::Unknown,
                     };
-                    let upgraded =
-                        wait_unless_ended(&mut **access, wait, pin!(guard.upgrade(opts))).await;
-                    if let Ok(Ok(_)) = upgraded {
-                        entry.upgraded = true;
+                    // The upgrade owns the guard while it waits, in the
+                    // cell: the stage's undo takes it back from there.
+                    stage.upgrading = Some(i);
+                    let upgrade = Box::pin(guard.upgrade_owned(opts));
+                    let Ok(cell) = stage.stow(Wait::Upgrade(upgrade)) else {
+                        return Err(TransactionError::Ended);
+                    };
+                    let polled = poll_fn(|cx| cell.poll(cx));
+                    let waited = wait_unless_ended(&mut *stage.access, wait, pin!(polled)).await;
+                    if stage.unstow().is_err() {
+                        return Err(TransactionError::Ended);
                     }
-                    upgraded.map(|r| r.map(drop))
+                    match waited {
+                        Ok(Some(Waited::Granted(guard))) => {
+                            stage.upgrading = None;
+                            let entry = &mut stage.entries[i];
+                            entry.guard = Some(guard);
+                            entry.upgraded = true;
+                            Ok(Ok(()))
+                        }
+                        Ok(Some(Waited::Failed(guard, error))) => {
+                            stage.upgrading = None;
+                            stage.entries[i].guard = guard;
+                            Ok(Err(error))
+                        }
+                        Ok(None) => Err(Stop::Ended),
+                        // The upgrade is still in the cell: the stage's
+                        // undo takes its guard back.
+                        Err(stop) => Err(stop),
+                    }
                 }
             };
             match result {
@@ -804,6 +1096,58 @@ where
                 Ok(Err(error)) => return Err(stage.fail(i, request.mode, policy.waits(), error)),
             }
         }
-        stage.finish()
+        stage.finish(&mut requests, skip)
     }
+}
+
+/// Takes up to `limit` of `candidates`, in their order, each only if it
+/// can be had at once (PostgreSQL's `LIMIT n FOR UPDATE SKIP LOCKED`): a
+/// key the transaction holds in a covering mode counts (re-entered), one
+/// it holds shared and asks exclusive is upgraded if that can be done at
+/// once, and a key that cannot be had at once is skipped (an upgrade's key
+/// stays shared). It stops once `limit` keys are taken, leaving the rest
+/// untouched. Each candidate is a lock of its own that never waits, so the
+/// order cannot deadlock; an error other than a key being taken ends the
+/// call, the keys taken before it staying the transaction's (as a sequence
+/// of `NOWAIT` locks would leave them).
+pub(crate) async fn lock_up_to<A: Access>(
+    mut access: A,
+    limit: usize,
+    candidates: Vec<(KeyOf<A>, Mode)>,
+) -> Outcome<A>
+where
+    KeyOf<A>: Clone,
+{
+    let mut out = LockedSet::new(Vec::new());
+    let mut failed = None;
+    for (key, mode) in candidates {
+        if out.keys.len() == limit {
+            break;
+        }
+        let name = key.clone();
+        let got = match single::lock_now(&mut access, key, mode, WaitPolicy::NoWait) {
+            Ok(done) => done,
+            Err(wait) => { wait }.await,
+        };
+        match got {
+            Ok(acquired) => {
+                out.count(acquired.kind);
+                out.keys.push((name, acquired.kind));
+            }
+            Err(TransactionError::Busy { .. }) => out.skipped.push(name),
+            Err(TransactionError::Lock { error, .. }) if is_taken(&error) => {
+                out.skipped.push(name);
+            }
+            Err(error) => {
+                failed = Some(error);
+                break;
+            }
+        }
+    }
+    let out = match failed {
+        None => Ok(out),
+        Some(error) => Err(error),
+    };
+    access.owner().note(&out);
+    out
 }

@@ -17,7 +17,7 @@ use crate::lease::LockOptions;
 use crate::mode::Mode;
 use crate::table::LockTable;
 use crate::token::FencingToken;
-use crate::upgrade::Upgrade;
+use crate::upgrade::UpgradeOwned;
 
 /// How an owner reaches its table, and the guards and lock futures it gets.
 pub(crate) trait Reach {
@@ -200,7 +200,18 @@ pub(crate) trait GuardOps {
     /// [`LockTable::is_awaited`]).
     fn is_awaited(&self) -> bool;
     fn downgrade(&mut self) -> Result<(), LockError>;
-    fn upgrade(&mut self, opts: LockOptions) -> Upgrade<'_, Self::Key, Self::Hasher>;
+    /// An upgrade that owns the guard (see [`UpgradeOwned`]), for a wait
+    /// its transaction may cancel (`pending.rs`).
+    type Upgrading: Future<Output = (Self, Result<FencingToken, LockError>)>
+    where
+        Self: Sized;
+    fn upgrade_owned(self, opts: LockOptions) -> Self::Upgrading
+    where
+        Self: Sized;
+    /// The guard of an owning upgrade back, shared (`None` once resolved).
+    fn upgrade_undone(upgrading: std::pin::Pin<&mut Self::Upgrading>) -> Option<Self>
+    where
+        Self: Sized;
     /// Releases the key if the grant still holds it, live; else gives the
     /// guard back (see [`Guard::release_if_live`]).
     fn release_if_live(self) -> Result<FencingToken, Self>
@@ -260,8 +271,16 @@ macro_rules! guard_ops {
                 $guard::downgrade(self)
             }
 
-            fn upgrade(&mut self, opts: LockOptions) -> Upgrade<'_, K, S> {
-                $guard::upgrade_with(self, opts)
+            type Upgrading = UpgradeOwned<$($lt,)? K, S>;
+
+            fn upgrade_owned(self, opts: LockOptions) -> Self::Upgrading {
+                UpgradeOwned::new(self, opts)
+            }
+
+            fn upgrade_undone(
+                upgrading: std::pin::Pin<&mut Self::Upgrading>,
+            ) -> Option<Self> {
+                upgrading.into_guard()
             }
 
             #[inline]
@@ -327,5 +346,49 @@ mod tests {
             futures::executor::block_on(later)
         });
         assert_eq!(done.join().unwrap(), Err(TransactionError::Ended));
+    }
+
+    /// An owned transaction's waiting upgrades (single and in a
+    /// `lock_all`), whose cells own the guard they upgrade
+    /// (`pending.rs`, `UpgradeOwned`): one dropped while it waits (its
+    /// guard back, shared), one pending when the transaction ends (the end
+    /// releases it), each outliving every other `Arc` of the table.
+    #[test]
+    fn waiting_upgrades_own_their_guards_and_never_outlive_the_table() {
+        let table = Arc::new(LockTable::<String>::new());
+        let reader = table.clone().transaction_owned();
+        let txn = table.clone().transaction_owned();
+        for k in ["a", "b"] {
+            futures::executor::block_on(reader.lock(k.to_string(), Mode::Shared)).unwrap();
+            futures::executor::block_on(txn.lock(k.to_string(), Mode::Shared)).unwrap();
+        }
+        drop(table);
+        {
+            let mut up = pin!(txn.lock("a".to_string(), Mode::Exclusive));
+            assert!(poll_once(&mut up).is_pending(), "another reader holds a");
+        } // dropped: a is back, shared
+        assert_eq!(txn.mode("a"), Some(Mode::Shared));
+        let all = txn.lock_all(vec![
+            ("a".to_string(), Mode::Exclusive),
+            ("b".to_string(), Mode::Exclusive),
+        ]);
+        let single = txn.lock("a".to_string(), Mode::Shared); // re-entered
+        {
+            let mut all = pin!(all);
+            assert!(poll_once(&mut all).is_pending());
+            assert_eq!(
+                futures::executor::block_on(single).map(|g| g.count),
+                Err(TransactionError::InFlight {
+                    key: "a".to_string()
+                }),
+                "a is the lock_all's"
+            );
+            drop(txn); // the end releases a and b, the upgrade's guard too
+            assert_eq!(
+                poll_once(&mut all),
+                Poll::Ready(Err(TransactionError::Ended))
+            );
+        }
+        drop(reader);
     }
 }

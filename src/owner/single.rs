@@ -32,10 +32,12 @@ use std::time::Duration;
 
 use crate::deferred::Leftovers;
 use crate::mode::Mode;
-use crate::owner::access::{wait_unless_ended, Access, Ended, Fast, Holding, SetOf, WaitFor};
+use crate::owner::access::{
+    wait_unless_ended, Access, Ended, Fast, Holding, PendingOf, SetOf, WaitFor,
+};
 use crate::owner::error::TransactionError;
 use crate::owner::held::{AcquireKind, Acquired, Begin, HeldSet};
-use crate::owner::pending::{CancelOnDrop, PendingLock};
+use crate::owner::pending::{Wait, Waited};
 use crate::owner::policy::WaitPolicy;
 use crate::owner::reach::{GuardOps, Reach};
 
@@ -50,6 +52,10 @@ struct Claim<'a, A: Access> {
     id: u64,
     /// The guard being upgraded, or the new key's once granted.
     guard: Option<GuardOf<A>>,
+    /// The cell of the call's wait (`pending.rs`), which has the guard
+    /// while an upgrade waits: taken back (the upgrade undone, shared) if
+    /// the call is dropped, cancelled if the transaction ends first.
+    away: Option<Arc<PendingOf<A::R>>>,
     settled: bool,
 }
 
@@ -87,6 +93,15 @@ impl<A: Access> Claim<'_, A> {
 
 impl<A: Access> Drop for Claim<'_, A> {
     fn drop(&mut self) {
+        if let Some(away) = self.away.take() {
+            // The call's own undo: its wait goes (a new key's waiter leaves
+            // the queue), an upgrade's guard comes back, shared.
+            if let Some((_, upgraded)) = away.recover(GuardOf::<A>::upgrade_undone) {
+                if upgraded.is_some() {
+                    self.guard = upgraded;
+                }
+            }
+        }
         if self.settled {
             return;
         }
@@ -128,7 +143,7 @@ where
 
 /// The lock as far as it goes without waiting: done, or the boxed wait.
 #[allow(clippy::type_complexity)]
-fn lock_now<A: Access>(
+pub(crate) fn lock_now<A: Access>(
     access: &mut A,
     key: KeyOf<A>,
     mode: Mode,
@@ -186,6 +201,7 @@ where
         hash,
         id,
         guard,
+        away: None,
         settled: false,
     };
     if !upgrading && !tried {
@@ -248,13 +264,13 @@ where
     // The lock future lives in a cell the transaction can reach too, so
     // that if this call's future is forgotten, the transaction's end still
     // takes its waiter out of the queue, or passes on its grant
-    // (`pending.rs`); dropped, the call cancels it itself.
-    let lock = CancelOnDrop(PendingLock::new(
-        claim.access.owner().reach.lock_with(key, opts),
-    ));
-    if claim.access.pend(&lock.0).is_err() {
+    // (`pending.rs`); dropped, the call takes it back itself (the claim).
+    let cell = PendingOf::<A::R>::new();
+    let lock = claim.access.owner().reach.lock_with(key, opts);
+    if cell.start(Wait::Lock(Box::pin(lock))).is_err() || claim.access.pend(&cell).is_err() {
         return Err(TransactionError::Ended);
     }
+    claim.away = Some(Arc::clone(&cell));
     // The borrowed form's only call: nothing else can take a key for the
     // transaction while it waits, so it holds its set's keys (and those of
     // a call it forgot while it waited: the set counts those).
@@ -275,16 +291,16 @@ where
         mode,
         holding,
     };
-    let polled = poll_fn(|cx| lock.0.poll(cx));
+    let polled = poll_fn(|cx| cell.poll(cx));
     match wait_unless_ended(&mut *claim.access, wait, pin!(polled)).await {
         Err(stop) => Err(stop.into()),
         // Cancelled: the transaction ended.
         Ok(None) => Err(TransactionError::Ended),
-        Ok(Some(Ok(guard))) => {
+        Ok(Some(Waited::Granted(guard))) => {
             claim.guard = Some(guard);
             claim.settle(AcquireKind::New)
         }
-        Ok(Some(Err(error))) => match claim.abandon() {
+        Ok(Some(Waited::Failed(_, error))) => match claim.abandon() {
             Some(key) => Err(TransactionError::from_lock(
                 key,
                 mode,
@@ -307,34 +323,45 @@ where
     KeyOf<A>: Clone,
 {
     let opts = claim.access.owner().opts.lock_options(mode, policy);
-    let upgraded = {
-        let Claim {
-            access,
-            guard,
-            hash,
-            ..
-        } = &mut claim;
-        let guard = guard.as_mut().expect("set by the caller");
-        let wait = WaitFor {
-            hash: *hash,
-            key: name,
-            mode: Mode::Exclusive,
-            holding: Holding::Unknown,
-        };
-        wait_unless_ended(&mut **access, wait, pin!(guard.upgrade(opts))).await
+    // The upgrade owns the guard while it waits, in a cell the transaction
+    // can reach too (`pending.rs`): forgotten, the call's guard is still
+    // released when the transaction ends; dropped, the claim takes it back
+    // (shared).
+    let guard = claim.guard.take().expect("set by the caller");
+    let cell = PendingOf::<A::R>::new();
+    let started = cell.start(Wait::Upgrade(Box::pin(guard.upgrade_owned(opts))));
+    debug_assert!(started.is_ok(), "a new cell");
+    claim.away = Some(Arc::clone(&cell));
+    if claim.access.pend(&cell).is_err() {
+        return Err(TransactionError::Ended);
+    }
+    let wait = WaitFor {
+        hash: claim.hash,
+        key: name,
+        mode: Mode::Exclusive,
+        holding: Holding::Unknown,
     };
+    let polled = poll_fn(|cx| cell.poll(cx));
+    let upgraded = wait_unless_ended(&mut *claim.access, wait, pin!(polled)).await;
     match upgraded {
         Err(stop) => Err(stop.into()),
-        Ok(Ok(_token)) => claim.settle(AcquireKind::Upgraded),
-        Ok(Err(error)) => match claim.abandon() {
-            Some(key) => Err(TransactionError::from_lock(
-                key,
-                mode,
-                policy.waits(),
-                error,
-            )),
-            None => Err(TransactionError::Ended),
-        },
+        Ok(None) => Err(TransactionError::Ended),
+        Ok(Some(Waited::Granted(guard))) => {
+            claim.guard = Some(guard);
+            claim.settle(AcquireKind::Upgraded)
+        }
+        Ok(Some(Waited::Failed(guard, error))) => {
+            claim.guard = guard;
+            match claim.abandon() {
+                Some(key) => Err(TransactionError::from_lock(
+                    key,
+                    mode,
+                    policy.waits(),
+                    error,
+                )),
+                None => Err(TransactionError::Ended),
+            }
+        }
     }
 }
 

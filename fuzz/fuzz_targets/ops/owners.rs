@@ -216,10 +216,11 @@ enum Phase {
     Unpolled,
     One { key: usize, mode: MMode, inner: Fid, kind: EKind },
     All { ents: Vec<Ent>, at: usize, inner: Option<Fid> },
-    /// A new key's wait whose lock future the transaction's end cancelled
-    /// (`src/owner/pending.rs`: a forgotten call keeps nothing); its
-    /// detector registration (`inner`'s) stays until the call is polled
-    /// (it fails `Ended`) or dropped.
+    /// A waiting call whose cell the transaction's end cancelled
+    /// (`src/owner/pending.rs`: a forgotten call keeps nothing): its wait
+    /// and the guards it held outside the set are gone; its detector
+    /// registration (`inner`'s) stays until the call is polled (it fails
+    /// `Ended`) or dropped.
     Cancelled { inner: Fid },
     Done,
 }
@@ -246,7 +247,8 @@ enum MTErr {
 #[derive(Debug, Clone, PartialEq, Eq)]
 enum MGot {
     One { token: u64, mode: MMode, count: usize, kind: AcquireKind },
-    All { acquired: usize, reentered: usize, upgraded: usize, skipped: Vec<usize> },
+    /// `keys`: what it took and how, listed under `SkipLocked` only.
+    All { acquired: usize, reentered: usize, upgraded: usize, skipped: Vec<usize>, keys: Vec<(usize, AcquireKind)> },
 }
 
 fn from_lock(key: usize, mode: MMode, waited: bool, err: MErr) -> MTErr {
@@ -827,6 +829,7 @@ impl<'a> Harness<'a> {
                         // `finish`: everything into the set at once.
                         let m = &mut self.owners.list.get_mut(&inst).unwrap().m;
                         let (mut acquired, mut reentered, mut upgraded, mut skipped) = (0, 0, 0, Vec::new());
+                        let mut keys = Vec::new();
                         for e in &ents {
                             let i = m.find(e.key).unwrap();
                             if e.skipped {
@@ -839,18 +842,30 @@ impl<'a> Harness<'a> {
                                 continue;
                             }
                             let s = &mut m.slots[i];
-                            match e.kind {
-                                EKind::Covered => reentered += 1,
-                                EKind::Upgrade(_) => upgraded += 1,
+                            let kind = match e.kind {
+                                EKind::Covered => {
+                                    reentered += 1;
+                                    AcquireKind::Reentered
+                                }
+                                EKind::Upgrade(_) => {
+                                    upgraded += 1;
+                                    AcquireKind::Upgraded
+                                }
                                 EKind::New => {
                                     acquired += 1;
                                     s.gid = e.got;
+                                    AcquireKind::New
                                 }
+                            };
+                            // Listed, in the canonical order, by a call that
+                            // may take fewer keys than asked.
+                            if policy == WaitPolicy::SkipLocked {
+                                keys.push((e.key, kind));
                             }
                             s.count += 1;
                             (s.busy, s.away) = (false, false);
                         }
-                        break Some(Ok(MGot::All { acquired, reentered, upgraded, skipped }));
+                        break Some(Ok(MGot::All { acquired, reentered, upgraded, skipped, keys }));
                     }
                     let e = ents[at].clone();
                     let inner = match (inner, e.kind) {
@@ -1074,12 +1089,13 @@ impl<'a> Harness<'a> {
                 );
                 self.seen_token(a.token);
             }
-            (Ok(OOut::All(s)), Ok(MGot::All { acquired, reentered, upgraded, skipped })) => {
+            (Ok(OOut::All(s)), Ok(MGot::All { acquired, reentered, upgraded, skipped, keys })) => {
                 let got_skipped: Vec<usize> = s.skipped().iter().map(|k| usize::from(k.id)).collect();
+                let got_keys: Vec<(usize, AcquireKind)> = s.keys().iter().map(|(k, how)| (usize::from(k.id), *how)).collect();
                 assert_eq!(
-                    (s.acquired(), s.reentered(), s.upgraded(), got_skipped),
-                    (acquired, reentered, upgraded, skipped),
-                    "{what}: locked set (acquired, reentered, upgraded, skipped)"
+                    (s.acquired(), s.reentered(), s.upgraded(), got_skipped, got_keys),
+                    (acquired, reentered, upgraded, skipped, keys),
+                    "{what}: locked set (acquired, reentered, upgraded, skipped, keys)"
                 );
             }
             (Err(e), Err(w)) => self.owner_expect_err(what, e, &w),
@@ -1362,19 +1378,47 @@ impl<'a> Harness<'a> {
         for f in &mut o.futs {
             f.ended_wake = f.watching;
             f.watching = false;
-            // pending.rs: the end cancels a new key's wait (its waiter
-            // leaves the queue, a grant it had not seen passes on), after
-            // the set's keys are released.
-            if let Phase::One { inner, kind: EKind::New, .. } = f.phase {
-                f.phase = Phase::Cancelled { inner };
-                cancelled.push(inner);
+            // pending.rs: after the set's keys are released, the end
+            // cancels each waiting call's cell: its wait goes first (a new
+            // key's waiter leaves the queue, a grant it had not seen passes
+            // on; an upgrade is undone and releases the guard it owns),
+            // then the guards the call holds outside the set, in its
+            // entries' order (a `lock_all`'s new keys and the held keys it
+            // claimed to upgrade).
+            match &f.phase {
+                Phase::One { inner, kind: EKind::New, .. } => cancelled.push((*inner, Vec::new())),
+                Phase::One { inner, kind: EKind::Upgrade(gid), .. } => cancelled.push((*inner, vec![*gid])),
+                Phase::All { ents, at, inner: Some(inner) } => {
+                    let mut guards: Vec<Gid> = Vec::new();
+                    if let EKind::Upgrade(gid) = ents[*at].kind {
+                        guards.push(gid);
+                    }
+                    for (i, e) in ents.iter().enumerate() {
+                        match e.kind {
+                            _ if i == *at => {}
+                            EKind::Upgrade(gid) => guards.push(gid),
+                            EKind::New => guards.extend(e.got),
+                            EKind::Covered => {}
+                        }
+                    }
+                    cancelled.push((*inner, guards));
+                }
+                _ => continue,
             }
+            let (Phase::One { inner, .. } | Phase::All { inner: Some(inner), .. }) = f.phase else {
+                unreachable!("matched above")
+            };
+            f.phase = Phase::Cancelled { inner };
         }
         let txn = o.txn.take().unwrap();
-        for inner in cancelled {
+        for (inner, guards) in cancelled {
             self.owner_touch(inner);
             self.model.drop_fut(inner);
             self.owner_call_done();
+            for g in guards {
+                self.model.release(g);
+                self.owner_call_done();
+            }
         }
         let expect = self.owner_expect();
         let got = catch(|| match (txn, how) {
