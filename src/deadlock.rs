@@ -61,6 +61,7 @@ use std::sync::Arc;
 
 use smallvec::SmallVec;
 
+use crate::deferred::Leftovers;
 use crate::hold::Holds;
 use crate::mode::Mode;
 use crate::shard_lock::ShardMutex;
@@ -331,6 +332,9 @@ pub(crate) fn wait_id<K>(key: &Arc<K>) -> usize {
 /// it reached and the transaction it did not go past.
 type Record<K> = (Vec<(u64, Arc<K>, Mode)>, Option<(usize, u64)>);
 
+/// A cycle a search found, with the hash of each of its waits' keys.
+type Found<K> = (Record<K>, Vec<u64>);
+
 /// The registry and its bounds; one per table.
 pub(crate) struct Detector<K> {
     registry: ShardMutex<Registry<K>>,
@@ -394,6 +398,12 @@ pub struct DeadlockStats {
     /// Of those, the presumed ones: waits whose search reached the limit
     /// without closing a cycle (see [`Deadlock::presumed_depth`]).
     pub presumed: u64,
+    /// Soft deadlocks resolved without a victim: cycles broken by granting
+    /// a waiter of the cycle ahead of the queued waiters that blocked it,
+    /// on a key whose holders admit it (see [`LockTable::deadlock_stats`]).
+    /// Each counts one waiter moved; such a cycle is not in
+    /// [`cycles`](Self::cycles).
+    pub reorders: u64,
 }
 
 /// A registered wait.
@@ -540,6 +550,7 @@ impl<K: Eq + Hash, S: BuildHasher> LockTable<K, S> {
     {
         let detector = self.detector();
         let id = wait_id(&key);
+        let mut left = Leftovers::default();
         let (found, dropped) = {
             let mut registry = detector.registry.lock();
             // Beside the transaction's other waits, if it has any (an
@@ -564,7 +575,7 @@ impl<K: Eq + Hash, S: BuildHasher> LockTable<K, S> {
             // registered: a waiter that queues on its keys later searches
             // later, under this mutex, and finds this wait registered.
             let alone = registry.waiting.len() == 1;
-            let (found, visited) = if alone || !awaited() {
+            let (mut found, visited) = if alone || !awaited() {
                 (None, None)
             } else {
                 self.search(&registry, owner, id, detector.limit)
@@ -575,6 +586,25 @@ impl<K: Eq + Hash, S: BuildHasher> LockTable<K, S> {
                 counts.visited += visited;
                 counts.deepest = counts.deepest.max(visited);
             }
+            // A soft deadlock: a confirmed cycle that granting one of its
+            // waiters ahead of the queue breaks. Each grant takes a waiter
+            // out of the graph for good (its transaction waits for nothing
+            // else), so this ends; the wait searches again after each, and
+            // is answered only for a cycle no grant breaks.
+            while let Some((record, hashes)) = &found {
+                if record.1.is_some() || !self.break_softly(&registry, record, hashes, &mut left) {
+                    break;
+                }
+                registry.counts.reorders += 1;
+                let (again, visited) = self.search(&registry, owner, id, detector.limit);
+                if let Some(visited) = visited {
+                    let counts = &mut registry.counts;
+                    counts.visited += visited;
+                    counts.deepest = counts.deepest.max(visited);
+                }
+                found = again;
+            }
+            let found = found.map(|(record, _)| record);
             let mut dropped = None;
             if let Some(record) = &found {
                 registry.counts.cycles += 1;
@@ -591,6 +621,9 @@ impl<K: Eq + Hash, S: BuildHasher> LockTable<K, S> {
             }
             (found, dropped)
         };
+        // The wake of a waiter granted ahead of the queue, if any: no lock
+        // is held now.
+        left.flush();
         drop(dropped);
         match found {
             None => Ok(()),
@@ -655,7 +688,7 @@ impl<K: Eq + Hash, S: BuildHasher> LockTable<K, S> {
         owner: u64,
         id: usize,
         limit: usize,
-    ) -> (Option<Record<K>>, Option<u64>) {
+    ) -> (Option<Found<K>>, Option<u64>) {
         let walk = self.find_cycle(registry, owner, id, limit, Read::Cached);
         let (cycle, visited) = match walk.cycle {
             Some(cycle) if !walk.may_differ && !walk.may_miss && self.confirm(&cycle) => {
@@ -680,9 +713,60 @@ impl<K: Eq + Hash, S: BuildHasher> LockTable<K, S> {
                 .iter()
                 .map(|n| (n.owner, Arc::clone(n.key), n.mode))
                 .collect();
-            (waits, presumed)
+            ((waits, presumed), c.iter().map(|n| n.hash).collect())
         });
         (record, visited)
+    }
+
+    /// Breaks the confirmed cycle `record` (its waits' key hashes in
+    /// `hashes`) by granting one of its waiters ahead of the queue, if one
+    /// can be: `true` if one was (its wake left in `left`, for after the
+    /// registry's lock).
+    ///
+    /// A candidate waits for the key shared and is the only live wait of
+    /// its transaction (registered: a waiter ahead reached unregistered is
+    /// not known to wait nowhere else); the key machine grants it only if
+    /// the key's holders admit it and a queued waiter ahead excludes it
+    /// ([`ShardState::grant_past_queue`]): its edge in the cycle was a soft
+    /// one. Granted, it waits for nothing, so every cycle through it is
+    /// broken and none can form through it; the waiters it passed now wait
+    /// for it (a new edge into a transaction that waits for nothing). A
+    /// waiter the holders would not admit is never moved: it would still
+    /// wait, and a cycle through the waiters it passed could then close
+    /// with no wait beginning to find it.
+    ///
+    /// The waits are tried from the cycle's last to its first (the wait
+    /// that closed it last), as PostgreSQL's detector tries the soft edges
+    /// it found deepest first.
+    ///
+    /// [`ShardState::grant_past_queue`]: crate::queue::ShardState::grant_past_queue
+    fn break_softly(
+        &self,
+        registry: &Registry<K>,
+        record: &Record<K>,
+        hashes: &[u64],
+        left: &mut Leftovers<K>,
+    ) -> bool {
+        record
+            .0
+            .iter()
+            .zip(hashes)
+            .rev()
+            .any(|((to, key, mode), &hash)| {
+                let only =
+                    registry
+                        .waiting
+                        .get(to)
+                        .is_some_and(|waits| match one_live(*to, waits) {
+                            Live::One(node) => Arc::ptr_eq(node.key, key),
+                            Live::None | Live::Several => false,
+                        });
+                *mode == Mode::Shared
+                    && only
+                    && self.with_shard_leaving(hash, left, |state, ctx| {
+                        state.grant_past_queue(hash, key, *to, ctx)
+                    })
+            })
     }
 
     /// A cycle of waits through `owner`'s wait `id`, as its waits in order

@@ -42,6 +42,7 @@ mod entry;
 mod handoff;
 mod holders;
 mod lapse;
+mod reorder;
 mod status;
 mod waiting;
 mod watch;
