@@ -16,7 +16,11 @@
 //! waits close a cycle, only the last to register finds it: it is the
 //! *victim*, answered with [`Deadlock`] at once; the others keep waiting and
 //! proceed once the victim's call gives up its wait (and, as it should, the
-//! victim aborts).
+//! victim aborts). Unless the cycle is *soft*: a shared wait of it, the
+//! only wait of its transaction, queued behind a waiter that excludes it on
+//! a key whose holders admit it, is granted ahead of the queue instead
+//! (`break_softly`, the key machine's `grant_past_queue`), and the wait
+//! searches again; only a cycle no such grant breaks is answered.
 //!
 //! A registered wait keeps the edges a search last read for it, with its
 //! shard's count of queue jumps then; while that count stands, later
@@ -112,6 +116,58 @@ pub struct CycleWait<K> {
 /// # Ok::<(), TransactionError<&str>>(())
 /// # }).unwrap();
 /// ```
+///
+/// # Soft deadlocks
+///
+/// A wait is blocked *hard* by a holder whose mode excludes it, *softly* by
+/// a waiter queued ahead of it whose mode excludes it (FIFO: a reader
+/// queued behind a writer waits for the writer, even while the key's
+/// holders are readers). A cycle that runs through a soft edge may be
+/// broken without a victim, by changing the order of a queue, as
+/// PostgreSQL's deadlock detector does: if a wait of the cycle asks for its
+/// key shared, is the only wait of its transaction, and the key's holders
+/// admit it, that waiter is granted at once, ahead of the waiters queued
+/// before it, in the poll that closed the cycle (the waits are tried from
+/// the cycle's last to its first, the closing wait last). Nobody gets this
+/// error then; [`DeadlockStats::reorders`] counts the waiters so granted.
+/// The error answers only a cycle no such grant breaks: a *hard* one (every
+/// wait blocked by a holder), or one whose soft waiters the holders would
+/// not admit. Outside a cycle, queues stay strictly FIFO.
+///
+/// ```
+/// use keylock::{LockTable, Mode};
+/// # futures::executor::block_on(async {
+/// // PostgreSQL's deadlock-soft: d1 and d2 read a1 and a2; e1 and e2 wait
+/// // to write them; d1 asks a2 (queued behind e2), d2 asks a1 (behind e1).
+/// let table = LockTable::<&str>::new();
+/// let (mut d1, mut d2) = (table.transaction(), table.transaction());
+/// let (mut e1, mut e2) = (table.transaction(), table.transaction());
+/// d1.lock("a1", Mode::Shared).await?;
+/// d2.lock("a2", Mode::Shared).await?;
+/// let mut e1_waits = Box::pin(e1.lock("a1", Mode::Exclusive));
+/// let mut e2_waits = Box::pin(e2.lock("a2", Mode::Exclusive));
+/// assert!(futures::poll!(e1_waits.as_mut()).is_pending());
+/// assert!(futures::poll!(e2_waits.as_mut()).is_pending());
+/// let mut d1_waits = Box::pin(d1.lock("a2", Mode::Shared));
+/// assert!(futures::poll!(d1_waits.as_mut()).is_pending());
+/// // d2's wait closes d2 -> e1 -> d1 -> e2 -> d2: d1 is granted a2 ahead
+/// // of e2 (d2, its holder, reads it too), and nobody is aborted.
+/// let mut d2_waits = Box::pin(d2.lock("a1", Mode::Shared));
+/// assert!(futures::poll!(d2_waits.as_mut()).is_pending());
+/// assert!(futures::poll!(d1_waits.as_mut()).is_ready());
+/// assert_eq!(table.deadlock_stats().reorders, 1);
+/// drop(d1_waits);
+/// drop(d1); // e1 writes a1, then d2 reads it; then e2 writes a2
+/// e1_waits.await?;
+/// drop(e1);
+/// d2_waits.await?;
+/// drop(d2);
+/// e2_waits.await?;
+/// # Ok::<(), keylock::TransactionError<&str>>(())
+/// # }).unwrap();
+/// ```
+///
+/// # Bounds
 ///
 /// A search visits at most the table's search limit of transactions
 /// ([`Builder::deadlock_search_limit`](crate::Builder::deadlock_search_limit),
@@ -400,7 +456,7 @@ pub struct DeadlockStats {
     pub presumed: u64,
     /// Soft deadlocks resolved without a victim: cycles broken by granting
     /// a waiter of the cycle ahead of the queued waiters that blocked it,
-    /// on a key whose holders admit it (see [`LockTable::deadlock_stats`]).
+    /// on a key whose holders admit it (see [`Deadlock`], soft deadlocks).
     /// Each counts one waiter moved; such a cycle is not in
     /// [`cycles`](Self::cycles).
     pub reorders: u64,
