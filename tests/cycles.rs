@@ -557,3 +557,124 @@ fn a_soft_wait_outside_any_cycle_keeps_its_place() {
     assert_eq!(spec.log, ["rc", "wa", "wc", "qa", "qc"]);
     assert!(table.is_empty());
 }
+
+/// A waker that calls back into the table when woken: it reads the
+/// detector's stats (the detector's lock) and a key's state (its shard's
+/// lock), and keeps what it saw. Woken under either lock, it would hang.
+struct Reentrant {
+    table: Arc<LockTable<u32>>,
+    key: u32,
+    saw: std::sync::Mutex<Vec<(u64, bool)>>,
+}
+
+impl std::task::Wake for Reentrant {
+    fn wake(self: Arc<Self>) {
+        self.wake_by_ref();
+    }
+    fn wake_by_ref(self: &Arc<Self>) {
+        let reorders = self.table.deadlock_stats().reorders;
+        let locked = self.table.is_locked(&self.key);
+        self.saw.lock().unwrap().push((reorders, locked));
+    }
+}
+
+/// The soft deadlock of deadlock-soft, as a table with d1 and d2 reading
+/// a1 and a2, e1 and e2 waiting to write them, and d1's ask of a2 pending
+/// (polled with `d1_waker`). Returns the sessions (d1, d2, e1, e2), the
+/// pending calls (e1's, e2's, d1's) and d2's closing call, not yet polled.
+#[allow(clippy::type_complexity)]
+fn soft_setup(
+    table: &Arc<LockTable<u32>>,
+    d1_waker: &Waker,
+) -> (
+    [OwnedTransaction<u32>; 4],
+    [Call<keylock::Acquired>; 3],
+    Call<keylock::Acquired>,
+) {
+    let [d1, d2, e1, e2] = [(); 4].map(|()| table.clone().transaction_owned());
+    assert!(poll(call(d1.lock(1, Mode::Shared)).as_mut()).is_ready());
+    assert!(poll(call(d2.lock(2, Mode::Shared)).as_mut()).is_ready());
+    let mut e1l = call(e1.lock(1, Mode::Exclusive));
+    assert!(poll(e1l.as_mut()).is_pending());
+    let mut e2l = call(e2.lock(2, Mode::Exclusive));
+    assert!(poll(e2l.as_mut()).is_pending());
+    let mut d1a2 = call(d1.lock(2, Mode::Shared));
+    let first = d1a2.as_mut().poll(&mut Context::from_waker(d1_waker));
+    assert!(first.is_pending());
+    let d2a1 = call(d2.lock(1, Mode::Shared));
+    ([d1, d2, e1, e2], [e1l, e2l, d1a2], d2a1)
+}
+
+/// The wake of the waiter granted ahead of the queue runs with no lock
+/// held, after the reorder was counted: its waker reads the detector's
+/// stats and the key's state from inside `wake`.
+#[test]
+fn a_soft_deadlocks_grant_wakes_its_waiter_with_no_lock_held() {
+    let table = Arc::new(LockTable::<u32>::new());
+    let reentrant = Arc::new(Reentrant {
+        table: table.clone(),
+        key: 2,
+        saw: Default::default(),
+    });
+    let d1_waker = Waker::from(reentrant.clone());
+    let ([d1, d2, e1, e2], [mut e1l, mut e2l, mut d1a2], mut d2a1) = soft_setup(&table, &d1_waker);
+    assert!(poll(d2a1.as_mut()).is_pending());
+    assert_eq!(
+        *reentrant.saw.lock().unwrap(),
+        [(1, true)],
+        "woken once, after the reorder was counted, a2 held"
+    );
+    assert!(matches!(poll(d1a2.as_mut()), Poll::Ready(Ok(_))));
+    drop(d1a2);
+    d1.commit().unwrap();
+    assert!(matches!(poll(e1l.as_mut()), Poll::Ready(Ok(_))));
+    drop(e1l);
+    e1.commit().unwrap();
+    assert!(matches!(poll(d2a1.as_mut()), Poll::Ready(Ok(_))));
+    drop(d2a1);
+    d2.commit().unwrap();
+    assert!(matches!(poll(e2l.as_mut()), Poll::Ready(Ok(_))));
+    drop(e2l);
+    e2.commit().unwrap();
+    assert!(table.is_empty());
+}
+
+/// A waker that panics when woken.
+struct Bomb;
+
+impl std::task::Wake for Bomb {
+    fn wake(self: Arc<Self>) {
+        panic!("Bomb::wake");
+    }
+}
+
+/// The waiter granted ahead of the queue has a waker that panics: the poll
+/// that closed the cycle panics as it wakes it (after every lock is let
+/// go), and the grant stands, complete: the waiter sees it when polled
+/// again, nothing is stranded, and the closing call, dropped, leaves the
+/// queue.
+#[test]
+fn a_soft_deadlocks_grant_whose_wake_panics_still_stands() {
+    let table = Arc::new(LockTable::<u32>::new());
+    let bomb = Waker::from(Arc::new(Bomb));
+    let ([d1, d2, e1, e2], [mut e1l, mut e2l, mut d1a2], mut d2a1) = soft_setup(&table, &bomb);
+    let closing = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| poll(d2a1.as_mut())));
+    assert!(
+        closing.is_err(),
+        "the wake's panic reaches the closing poll"
+    );
+    assert_eq!(table.deadlock_stats().reorders, 1);
+    drop(d2a1);
+    table.assert_consistent();
+    assert!(matches!(poll(d1a2.as_mut()), Poll::Ready(Ok(_))), "granted");
+    drop(d1a2);
+    d1.commit().unwrap();
+    assert!(matches!(poll(e1l.as_mut()), Poll::Ready(Ok(_))));
+    drop(e1l);
+    e1.commit().unwrap();
+    d2.commit().unwrap();
+    assert!(matches!(poll(e2l.as_mut()), Poll::Ready(Ok(_))));
+    drop(e2l);
+    e2.commit().unwrap();
+    assert!(table.is_empty(), "nothing stranded");
+}
