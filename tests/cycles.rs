@@ -678,3 +678,43 @@ fn a_soft_deadlocks_grant_whose_wake_panics_still_stands() {
     e2.commit().unwrap();
     assert!(table.is_empty(), "nothing stranded");
 }
+
+/// A waiter is moved ahead only if its wait is its transaction's only one:
+/// granted, it must wait for nothing (the waiters it passed now wait for
+/// it). deadlock-soft-2 with s1 (owned) also waiting for a key a plain
+/// guard holds: s1's soft wait is not moved, and its cycle is answered.
+#[test]
+fn a_soft_waiter_whose_transaction_waits_elsewhere_too_is_not_moved() {
+    let table = Arc::new(LockTable::<u32>::new());
+    let (a1, a2, p) = (1, 2, 9);
+    let plain = table.try_lock(p).unwrap();
+    let [s1, s2, s3] = [(); 3].map(|()| table.clone().transaction_owned());
+    assert!(poll(call(s1.lock(a1, Mode::Exclusive)).as_mut()).is_ready());
+    assert!(poll(call(s2.lock(a2, Mode::Shared)).as_mut()).is_ready());
+    let mut s2b = call(s2.lock(a1, Mode::Exclusive));
+    assert!(poll(s2b.as_mut()).is_pending());
+    let mut s3a = call(s3.lock(a2, Mode::Exclusive));
+    assert!(poll(s3a.as_mut()).is_pending());
+    let mut s1p = call(s1.lock(p, Mode::Exclusive));
+    assert!(poll(s1p.as_mut()).is_pending());
+    let mut s1b = call(s1.lock(a2, Mode::Shared));
+    let answered = poll(s1b.as_mut());
+    let Poll::Ready(Err(TransactionError::Deadlock(d))) = answered else {
+        panic!("s1 waits elsewhere too: not moved, answered: {answered:?}");
+    };
+    let order: Vec<_> = d.cycle().iter().map(|c| c.transaction).collect();
+    assert_eq!(order, [s1.id(), s3.id(), s2.id()], "{d}");
+    let stats = table.deadlock_stats();
+    assert_eq!((stats.cycles, stats.reorders), (1, 0), "{stats:?}");
+    assert_eq!(table.waiters(&a2), 1, "s3 alone queued on a2");
+    drop((s1b, s1p));
+    s1.abort();
+    assert!(matches!(poll(s2b.as_mut()), Poll::Ready(Ok(_))));
+    drop(s2b);
+    s2.commit().unwrap();
+    assert!(matches!(poll(s3a.as_mut()), Poll::Ready(Ok(_))));
+    drop(s3a);
+    s3.commit().unwrap();
+    drop(plain);
+    assert!(table.is_empty());
+}
