@@ -101,7 +101,8 @@ seeds = {
    + owner(0, ABORT) + poll_woken() + drop_guard(0) + poll_woken() + owner(2, ABORT) + poll_woken() + owner(1, COMMIT) + owner(5, COMMIT) + owner(3, ABORT) + owner(4, COMMIT),
  # 3 keeps an edge to 2 holding key 1; 2 lets it go and, holding nothing,
  # queues for key 2 behind 1's grant; 4 queues behind 2; 0's wait closes
- # 0 -> 4 -> 2 -> 1 -> 0, which the stale holder edge must not hide.
+ # 0 -> 4 -> 2 -> 1 -> 0, which the stale holder edge must not hide (a soft
+ # cycle: found, 4 is granted key 2 ahead of 2).
  'owners-deadlock-stale-holder-edge': config() + lock(0, 3) + lock(1, 2, True) + lock(1, 3) + lock(2, 1, True) + try_lock(1, True) + lock(3, 0, True) + lock(3, 1)
    + owner(2, RELEASE, key=1) + lock(4, 0, True) + lock(2, 2) + lock(4, 2, True) + lock(0, 0)
    + owner(0, ABORT) + poll_woken() + owner(1, COMMIT) + poll_woken() + owner(2, COMMIT) + poll_woken() + owner(4, COMMIT) + drop_guard(0) + poll_woken() + owner(3, COMMIT),
