@@ -16,7 +16,11 @@
 //! waits close a cycle, only the last to register finds it: it is the
 //! *victim*, answered with [`Deadlock`] at once; the others keep waiting and
 //! proceed once the victim's call gives up its wait (and, as it should, the
-//! victim aborts).
+//! victim aborts). Unless the cycle is *soft*: a shared wait of it, the
+//! only wait of its transaction, queued behind a waiter that excludes it on
+//! a key whose holders admit it, is granted ahead of the queue instead
+//! (`break_softly`, the key machine's `grant_past_queue`), and the wait
+//! searches again; only a cycle no such grant breaks is answered.
 //!
 //! A registered wait keeps the edges a search last read for it, with its
 //! shard's count of queue jumps then; while that count stands, later
@@ -61,6 +65,7 @@ use std::sync::Arc;
 
 use smallvec::SmallVec;
 
+use crate::deferred::Leftovers;
 use crate::hold::Holds;
 use crate::mode::Mode;
 use crate::shard_lock::ShardMutex;
@@ -111,6 +116,58 @@ pub struct CycleWait<K> {
 /// # Ok::<(), TransactionError<&str>>(())
 /// # }).unwrap();
 /// ```
+///
+/// # Soft deadlocks
+///
+/// A wait is blocked *hard* by a holder whose mode excludes it, *softly* by
+/// a waiter queued ahead of it whose mode excludes it (FIFO: a reader
+/// queued behind a writer waits for the writer, even while the key's
+/// holders are readers). A cycle that runs through a soft edge may be
+/// broken without a victim, by changing the order of a queue, as
+/// PostgreSQL's deadlock detector does: if a wait of the cycle asks for its
+/// key shared, is the only wait of its transaction, and the key's holders
+/// admit it, that waiter is granted at once, ahead of the waiters queued
+/// before it, in the poll that closed the cycle (the waits are tried from
+/// the cycle's last to its first, the closing wait last). Nobody gets this
+/// error then; [`DeadlockStats::reorders`] counts the waiters so granted.
+/// The error answers only a cycle no such grant breaks: a *hard* one (every
+/// wait blocked by a holder), or one whose soft waiters the holders would
+/// not admit. Outside a cycle, queues stay strictly FIFO.
+///
+/// ```
+/// use keylock::{LockTable, Mode};
+/// # futures::executor::block_on(async {
+/// // PostgreSQL's deadlock-soft: d1 and d2 read a1 and a2; e1 and e2 wait
+/// // to write them; d1 asks a2 (queued behind e2), d2 asks a1 (behind e1).
+/// let table = LockTable::<&str>::new();
+/// let (mut d1, mut d2) = (table.transaction(), table.transaction());
+/// let (mut e1, mut e2) = (table.transaction(), table.transaction());
+/// d1.lock("a1", Mode::Shared).await?;
+/// d2.lock("a2", Mode::Shared).await?;
+/// let mut e1_waits = Box::pin(e1.lock("a1", Mode::Exclusive));
+/// let mut e2_waits = Box::pin(e2.lock("a2", Mode::Exclusive));
+/// assert!(futures::poll!(e1_waits.as_mut()).is_pending());
+/// assert!(futures::poll!(e2_waits.as_mut()).is_pending());
+/// let mut d1_waits = Box::pin(d1.lock("a2", Mode::Shared));
+/// assert!(futures::poll!(d1_waits.as_mut()).is_pending());
+/// // d2's wait closes d2 -> e1 -> d1 -> e2 -> d2: d1 is granted a2 ahead
+/// // of e2 (d2, its holder, reads it too), and nobody is aborted.
+/// let mut d2_waits = Box::pin(d2.lock("a1", Mode::Shared));
+/// assert!(futures::poll!(d2_waits.as_mut()).is_pending());
+/// assert!(futures::poll!(d1_waits.as_mut()).is_ready());
+/// assert_eq!(table.deadlock_stats().reorders, 1);
+/// drop(d1_waits);
+/// drop(d1); // e1 writes a1, then d2 reads it; then e2 writes a2
+/// e1_waits.await?;
+/// drop(e1);
+/// d2_waits.await?;
+/// drop(d2);
+/// e2_waits.await?;
+/// # Ok::<(), keylock::TransactionError<&str>>(())
+/// # }).unwrap();
+/// ```
+///
+/// # Bounds
 ///
 /// A search visits at most the table's search limit of transactions
 /// ([`Builder::deadlock_search_limit`](crate::Builder::deadlock_search_limit),
@@ -331,6 +388,9 @@ pub(crate) fn wait_id<K>(key: &Arc<K>) -> usize {
 /// it reached and the transaction it did not go past.
 type Record<K> = (Vec<(u64, Arc<K>, Mode)>, Option<(usize, u64)>);
 
+/// A cycle a search found, with the hash of each of its waits' keys.
+type Found<K> = (Record<K>, Vec<u64>);
+
 /// The registry and its bounds; one per table.
 pub(crate) struct Detector<K> {
     registry: ShardMutex<Registry<K>>,
@@ -394,6 +454,12 @@ pub struct DeadlockStats {
     /// Of those, the presumed ones: waits whose search reached the limit
     /// without closing a cycle (see [`Deadlock::presumed_depth`]).
     pub presumed: u64,
+    /// Soft deadlocks resolved without a victim: cycles broken by granting
+    /// a waiter of the cycle ahead of the queued waiters that blocked it,
+    /// on a key whose holders admit it (see [`Deadlock`], soft deadlocks).
+    /// Each counts one waiter moved; such a cycle is not in
+    /// [`cycles`](Self::cycles).
+    pub reorders: u64,
 }
 
 /// A registered wait.
@@ -540,6 +606,7 @@ impl<K: Eq + Hash, S: BuildHasher> LockTable<K, S> {
     {
         let detector = self.detector();
         let id = wait_id(&key);
+        let mut left = Leftovers::default();
         let (found, dropped) = {
             let mut registry = detector.registry.lock();
             // Beside the transaction's other waits, if it has any (an
@@ -564,7 +631,7 @@ impl<K: Eq + Hash, S: BuildHasher> LockTable<K, S> {
             // registered: a waiter that queues on its keys later searches
             // later, under this mutex, and finds this wait registered.
             let alone = registry.waiting.len() == 1;
-            let (found, visited) = if alone || !awaited() {
+            let (mut found, visited) = if alone || !awaited() {
                 (None, None)
             } else {
                 self.search(&registry, owner, id, detector.limit)
@@ -575,6 +642,25 @@ impl<K: Eq + Hash, S: BuildHasher> LockTable<K, S> {
                 counts.visited += visited;
                 counts.deepest = counts.deepest.max(visited);
             }
+            // A soft deadlock: a confirmed cycle that granting one of its
+            // waiters ahead of the queue breaks. Each grant takes a waiter
+            // out of the graph for good (its transaction waits for nothing
+            // else), so this ends; the wait searches again after each, and
+            // is answered only for a cycle no grant breaks.
+            while let Some((record, hashes)) = &found {
+                if record.1.is_some() || !self.break_softly(&registry, record, hashes, &mut left) {
+                    break;
+                }
+                registry.counts.reorders += 1;
+                let (again, visited) = self.search(&registry, owner, id, detector.limit);
+                if let Some(visited) = visited {
+                    let counts = &mut registry.counts;
+                    counts.visited += visited;
+                    counts.deepest = counts.deepest.max(visited);
+                }
+                found = again;
+            }
+            let found = found.map(|(record, _)| record);
             let mut dropped = None;
             if let Some(record) = &found {
                 registry.counts.cycles += 1;
@@ -591,6 +677,9 @@ impl<K: Eq + Hash, S: BuildHasher> LockTable<K, S> {
             }
             (found, dropped)
         };
+        // The wake of a waiter granted ahead of the queue, if any: no lock
+        // is held now.
+        left.flush();
         drop(dropped);
         match found {
             None => Ok(()),
@@ -655,7 +744,7 @@ impl<K: Eq + Hash, S: BuildHasher> LockTable<K, S> {
         owner: u64,
         id: usize,
         limit: usize,
-    ) -> (Option<Record<K>>, Option<u64>) {
+    ) -> (Option<Found<K>>, Option<u64>) {
         let walk = self.find_cycle(registry, owner, id, limit, Read::Cached);
         let (cycle, visited) = match walk.cycle {
             Some(cycle) if !walk.may_differ && !walk.may_miss && self.confirm(&cycle) => {
@@ -680,9 +769,60 @@ impl<K: Eq + Hash, S: BuildHasher> LockTable<K, S> {
                 .iter()
                 .map(|n| (n.owner, Arc::clone(n.key), n.mode))
                 .collect();
-            (waits, presumed)
+            ((waits, presumed), c.iter().map(|n| n.hash).collect())
         });
         (record, visited)
+    }
+
+    /// Breaks the confirmed cycle `record` (its waits' key hashes in
+    /// `hashes`) by granting one of its waiters ahead of the queue, if one
+    /// can be: `true` if one was (its wake left in `left`, for after the
+    /// registry's lock).
+    ///
+    /// A candidate waits for the key shared and is the only live wait of
+    /// its transaction (registered: a waiter ahead reached unregistered is
+    /// not known to wait nowhere else); the key machine grants it only if
+    /// the key's holders admit it and a queued waiter ahead excludes it
+    /// ([`ShardState::grant_past_queue`]): its edge in the cycle was a soft
+    /// one. Granted, it waits for nothing, so every cycle through it is
+    /// broken and none can form through it; the waiters it passed now wait
+    /// for it (a new edge into a transaction that waits for nothing). A
+    /// waiter the holders would not admit is never moved: it would still
+    /// wait, and a cycle through the waiters it passed could then close
+    /// with no wait beginning to find it.
+    ///
+    /// The waits are tried from the cycle's last to its first (the wait
+    /// that closed it last), as PostgreSQL's detector tries the soft edges
+    /// it found deepest first.
+    ///
+    /// [`ShardState::grant_past_queue`]: crate::queue::ShardState::grant_past_queue
+    fn break_softly(
+        &self,
+        registry: &Registry<K>,
+        record: &Record<K>,
+        hashes: &[u64],
+        left: &mut Leftovers<K>,
+    ) -> bool {
+        record
+            .0
+            .iter()
+            .zip(hashes)
+            .rev()
+            .any(|((to, key, mode), &hash)| {
+                let only =
+                    registry
+                        .waiting
+                        .get(to)
+                        .is_some_and(|waits| match one_live(*to, waits) {
+                            Live::One(node) => Arc::ptr_eq(node.key, key),
+                            Live::None | Live::Several => false,
+                        });
+                *mode == Mode::Shared
+                    && only
+                    && self.with_shard_leaving(hash, left, |state, ctx| {
+                        state.grant_past_queue(hash, key, *to, ctx)
+                    })
+            })
     }
 
     /// A cycle of waits through `owner`'s wait `id`, as its waits in order

@@ -282,6 +282,14 @@
 //!
 //! # Retrying
 //!
+//! A transaction's wait that closes a cycle of transactions waiting on each
+//! other is answered at once, as it begins, with
+//! [`TransactionError::Deadlock`] naming the cycle; a *soft* cycle, one
+//! that a reader queued behind a writer on a key its holders would let it
+//! read closes, is broken instead by granting that reader ahead of the
+//! queue, as PostgreSQL's detector does ([`Deadlock`] has the rule), and
+//! nobody is aborted.
+//!
 //! A transaction answered as a deadlock's victim
 //! ([`TransactionError::Deadlock`]), or refused an upgrade because another
 //! shared holder of the key was already upgrading (the two-way deadlock

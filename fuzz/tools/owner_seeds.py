@@ -101,10 +101,30 @@ seeds = {
    + owner(0, ABORT) + poll_woken() + drop_guard(0) + poll_woken() + owner(2, ABORT) + poll_woken() + owner(1, COMMIT) + owner(5, COMMIT) + owner(3, ABORT) + owner(4, COMMIT),
  # 3 keeps an edge to 2 holding key 1; 2 lets it go and, holding nothing,
  # queues for key 2 behind 1's grant; 4 queues behind 2; 0's wait closes
- # 0 -> 4 -> 2 -> 1 -> 0, which the stale holder edge must not hide.
+ # 0 -> 4 -> 2 -> 1 -> 0, which the stale holder edge must not hide (a soft
+ # cycle: found, 4 is granted key 2 ahead of 2).
  'owners-deadlock-stale-holder-edge': config() + lock(0, 3) + lock(1, 2, True) + lock(1, 3) + lock(2, 1, True) + try_lock(1, True) + lock(3, 0, True) + lock(3, 1)
    + owner(2, RELEASE, key=1) + lock(4, 0, True) + lock(2, 2) + lock(4, 2, True) + lock(0, 0)
    + owner(0, ABORT) + poll_woken() + owner(1, COMMIT) + poll_woken() + owner(2, COMMIT) + poll_woken() + owner(4, COMMIT) + drop_guard(0) + poll_woken() + owner(3, COMMIT),
+ # Soft deadlocks (deadlock.rs, "Soft deadlocks"): broken by granting a
+ # shared waiter of the cycle ahead of the queue, on a key its holders
+ # admit, instead of answering anyone. PostgreSQL's deadlock-soft: 0 and 1
+ # hold keys 1 and 2 shared, 2 and 3 (holding nothing: not registered) wait
+ # for them exclusive, 0 asks key 2 shared (behind 3), 1 asks key 1 shared
+ # (behind 2): 0 is granted key 2 ahead of 3; everyone completes.
+ 'owners-deadlock-soft': config() + lock(0, 1, True) + lock(1, 2, True) + lock(2, 1) + lock(3, 2) + lock(0, 2, True) + lock(1, 1, True)
+   + poll_woken() + owner(0, COMMIT) + poll_woken() + owner(2, COMMIT) + poll_woken() + owner(1, COMMIT) + poll_woken() + owner(3, COMMIT),
+ # deadlock-soft-2: 0 (owned, 2 ms leases) holds key 1, 1 holds key 2
+ # shared and waits for key 1; 2 and 3 wait for key 2 exclusive; 0's ask
+ # of key 2 shared closes two cycles, and 0's own waiter goes ahead of
+ # both writers (its lease, the earliest, nudges the head to re-arm).
+ 'owners-deadlock-soft-2': config() + lock(0, 1, lease=2, owned=True) + lock(1, 2, True) + lock(1, 1) + lock(2, 2) + lock(3, 2) + lock(0, 2, True)
+   + poll_woken() + owner(0, POLL) + owner(0, COMMIT) + poll_woken() + owner(1, COMMIT) + poll_woken() + owner(2, COMMIT) + poll_woken() + owner(3, COMMIT),
+ # A soft edge no grant breaks: 0 holds key 1, 1 (made first) waits for it,
+ # 2 holds key 2; 0 asks key 2 shared; 2's ask of key 1 shared, behind 1
+ # and blocked by 0's exclusive grant, closes 2 -> 1 -> 0 -> 2: answered.
+ 'owners-deadlock-soft-hard': config() + lock(1, 3) + lock(0, 1) + lock(2, 2) + lock(1, 1) + lock(0, 2, True) + lock(2, 1, True)
+   + owner(2, ABORT) + poll_woken() + owner(0, COMMIT) + poll_woken() + owner(1, COMMIT),
  'owners-opposite-lock-all': config(0, 1) + lock_all(0, [(0, False), (1, False)], now=False) + lock_all(1, [(1, False), (0, False)], now=False) + owner(0, POLL) + owner(1, POLL) + try_lock(0, True) + owner(0, COMMIT) + poll_woken() + owner(1, POLL) + owner(1, DROP) + lock_all(2, [(0, True), (1, True), (2, True)], owned=True) + revoke(1) + owner(2, RENEW, w=4) + owner(2, COMMIT),
 }
 # Inputs of bugs found (now fuzz/regressions/ops/), failing on the code that had them.

@@ -84,7 +84,10 @@ pub enum TransactionError<K> {
     /// and this transaction was chosen to break it: the call took nothing
     /// (a `lock_all` released what it had taken). Abort the transaction
     /// (and retry it): the others of the cycle proceed once it lets go of
-    /// its keys.
+    /// its keys. A *soft* cycle (one a waiter of it, waiting only for the
+    /// queue on a key whose holders admit it, can be granted ahead of the
+    /// queue to break) is broken that way instead, with no victim: see
+    /// [`Deadlock`](crate::Deadlock).
     Deadlock(Deadlock<K>),
 }
 

@@ -43,6 +43,7 @@ mod entry;
 mod handoff;
 mod holders;
 mod lapse;
+mod reorder;
 mod status;
 mod waiting;
 mod watch;

@@ -613,6 +613,9 @@ impl<'a> Harness<'a> {
             return Ok(());
         }
         let entered = self.model.dl_enter(id, inner, key, mode);
+        // The wake of a waiter granted ahead of the queue, after the
+        // detector's lock (inside the same poll).
+        self.owner_call_done();
         if self.trace {
             eprintln!("  transaction {id} waits for key {key} {mode:?}: {entered:?}");
         }
@@ -1479,6 +1482,12 @@ impl<'a> Harness<'a> {
             self.model.dl.recent.iter().cloned().collect::<Vec<_>>(),
             "recent_deadlocks()"
         );
+        assert_eq!(
+            self.table.deadlock_stats().reorders,
+            self.model.dl.reorders,
+            "deadlock_stats().reorders (soft deadlocks broken); detector {}",
+            self.model.dl_describe()
+        );
         for (inst, o) in &self.owners.list {
             for f in &o.futs {
                 let inner = f.inner().filter(|i| self.model.futs.contains_key(i));
@@ -1580,6 +1589,9 @@ pub(super) struct MWait {
 pub(super) struct MDetector {
     waiting: BTreeMap<u64, Vec<MWait>>,
     recent: VecDeque<MCycle>,
+    /// Soft deadlocks broken by a grant ahead of the queue
+    /// (`DeadlockStats::reorders`).
+    reorders: u64,
 }
 
 impl MDetector {
@@ -1730,9 +1742,18 @@ impl Model {
         if self.dl.waiting.len() == 1 {
             return Ok(true);
         }
-        let Some(cycle) = self.dl_find_cycle(owner, fid) else {
+        let Some(mut cycle) = self.dl_find_cycle(owner, fid) else {
             return Ok(true);
         };
+        // deadlock.rs `break_softly`: a soft deadlock is broken by a grant
+        // ahead of the queue, and the wait searches again.
+        while self.dl_break_softly(&cycle) {
+            self.dl.reorders += 1;
+            match self.dl_find_cycle(owner, fid) {
+                None => return Ok(true),
+                Some(again) => cycle = again,
+            }
+        }
         // The crate confirms the cycle with its shards locked at once; here
         // nothing changed since the walk, so it must hold.
         for (i, &(o, k, _)) in cycle.iter().enumerate() {
@@ -1750,6 +1771,66 @@ impl Model {
         }
         self.dl.recent.push_back(record.clone());
         Err(record)
+    }
+
+    /// deadlock.rs `break_softly` and queue/reorder.rs `grant_past_queue`:
+    /// the waits of `cycle`, from the last to the first, each tried as a
+    /// candidate (asks shared; the only live registered wait of its
+    /// transaction), granted if its key is held shared by live holders and
+    /// a waiter queued ahead of it (the first of its transaction's there)
+    /// asks for what excludes it: unlinked, a fresh token, its lease from
+    /// now, woken if armed, counted as a handoff, and the head made to arm
+    /// for the holders' deadline. `true` if one was granted.
+    fn dl_break_softly(&mut self, cycle: &[MNode]) -> bool {
+        for &(o, k, m) in cycle.iter().rev() {
+            if m != MMode::Shared {
+                continue;
+            }
+            let live = self.dl_live(o);
+            if !(live.len() == 1 && live[0].1 == k) {
+                continue;
+            }
+            let key = &self.keys[k];
+            if key.holders.is_empty() || key.mode != MMode::Shared || self.any_lapsed(k) {
+                continue;
+            }
+            let mut blocked = false;
+            let mut mine = None;
+            for &f in &key.queue {
+                let fut = &self.futs[&f];
+                if fut.owner == o {
+                    mine = Some(f);
+                    break;
+                }
+                blocked |= fut.want != MWant::Grant(MMode::Shared);
+            }
+            let Some(f) = mine else { continue };
+            if self.futs[&f].want != MWant::Grant(MMode::Shared) || !blocked {
+                continue;
+            }
+            self.keys[k].queue.retain(|&x| x != f);
+            let token = self.mint(k);
+            let (deadline, since) = self.lease_from(self.futs[&f].lease);
+            let fut = self.fut(f);
+            assert_eq!(fut.state, MState::Waiting, "model: queued future waits");
+            fut.state = MState::Granted { token, deadline };
+            if std::mem::replace(&mut fut.slot, false) {
+                self.wake(f);
+            }
+            self.keys[k].holders.push(MHolder {
+                token,
+                deadline,
+                since,
+                by: By::Slot(f),
+                owner: o,
+            });
+            self.stats.handoffs += 1;
+            self.stats.acquisitions += 1;
+            self.stats.contended += 1;
+            self.nudge_head_for_timer(k);
+            return true;
+        }
+        false
     }
 
     /// The wait of inner future `fid` ends (resolved, or dropped): its
@@ -1793,6 +1874,6 @@ impl Model {
                 )
             })
             .collect();
-        format!("[{}]; recent {:?}", waits.join("; "), self.dl.recent)
+        format!("[{}]; recent {:?}; reorders {}", waits.join("; "), self.dl.recent, self.dl.reorders)
     }
 }
