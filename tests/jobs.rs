@@ -44,7 +44,13 @@ async fn run<T: ScopedLockTable<String>>(tables: &[&T]) -> Vec<Done> {
     runner::assert_exactly_once(&store, JOBS, &done);
     let (stuck, next) = tokio::time::timeout(
         HANG,
-        runner::stale_commit_is_refused(tables[0], &store, JOBS, Duration::from_millis(30)),
+        runner::stale_commit_is_refused(
+            tables[0],
+            tables[tables.len() - 1],
+            &store,
+            JOBS,
+            Duration::from_millis(30),
+        ),
     )
     .await
     .expect("the takeover hung")

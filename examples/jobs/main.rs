@@ -48,7 +48,14 @@ async fn run<T: ScopedLockTable<String>>(
         done.len(),
         done.iter().map(|d| d.committed).collect::<Vec<_>>()
     );
-    let (stuck, next) = runner::stale_commit_is_refused(tables[0], &store, JOBS, cfg.lease).await?;
+    let (stuck, next) = runner::stale_commit_is_refused(
+        tables[0],
+        tables[tables.len() - 1],
+        &store,
+        JOBS,
+        cfg.lease,
+    )
+    .await?;
     println!(
         "{scope:>8}: a stuck worker's commit with token {stuck} refused after {next} took over"
     );

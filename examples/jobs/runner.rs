@@ -243,16 +243,23 @@ pub async fn worker<T: ScopedLockTable<String>>(
     Ok(done)
 }
 
-/// A worker stuck past its lease is taken over, and its late commit is
-/// refused by the store: the fence, at any scope. Returns the stuck
-/// grant's token and its successor's.
+/// A worker stuck past its lease (locking through `stuck_on`) is taken
+/// over by another (locking through `next_on`: another process's table,
+/// or the same one), and its late commit is refused by the store: the
+/// fence, at any scope. Returns the stuck grant's token and its
+/// successor's.
+///
+/// (At the cluster scope the successor must lock through another table:
+/// a table's own callers queue behind its guards, lapsed or not, until
+/// they are dropped.)
 pub async fn stale_commit_is_refused<T: ScopedLockTable<String>>(
-    table: &T,
+    stuck_on: &T,
+    next_on: &T,
     store: &Store,
     job: u64,
     short: Duration,
 ) -> Result<(FencingToken, FencingToken), T::Error> {
-    let stuck = table
+    let stuck = stuck_on
         .lock_with(key(job), LockOptions::new().lease(short))
         .await?;
     assert_eq!(store.claim(job, stuck.token()), Ok(false));
@@ -261,7 +268,7 @@ pub async fn stale_commit_is_refused<T: ScopedLockTable<String>>(
     assert_eq!(why.kind(), ScopedErrorKind::Expired, "{why}");
     assert!(stuck.check().is_err(), "a lost grant passes check()");
     // Another worker takes the job over and commits it.
-    let next = table
+    let next = next_on
         .lock_with(key(job), LockOptions::new().lease(short * 30))
         .await?;
     assert!(next.token() > stuck.token());
