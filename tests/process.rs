@@ -1566,3 +1566,56 @@ fn the_claim_of_a_waiter_that_died_holds_nobody_back() {
     drop(g);
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+/// A claimant that is stopped (or whose future is no longer polled) holds
+/// the others back only for the claim's patience: then the claim is
+/// cleared and the key taken; the claimant, resumed, waits its turn.
+#[test]
+fn a_stopped_claimant_loses_its_claim_after_the_patience() {
+    let dir = temp_dir("stoppedclaim");
+    let table = ProcessLockTable::open(&dir).unwrap();
+    let guard = table.try_lock("k").unwrap();
+    let mut waiter = Kid::spawn("hold", &dir, &[]);
+    until_claimed(&dir);
+    waiter.signal(libc::SIGSTOP);
+    // Every thread stopped (a signal is delivered asynchronously: a
+    // helper thread still in the kernel would be handed the slot).
+    until_stopped(waiter.pid());
+    drop(guard);
+    let other = ProcessLockTable::open(&dir).unwrap();
+    let g = block_on(other.lock_with("k", patient())).expect("taken once the claim ran out");
+    assert_eq!(
+        claim_word(&dir),
+        0,
+        "the stopped claimant's claim was cleared"
+    );
+    waiter.signal(libc::SIGCONT);
+    drop(g);
+    let token = waiter.locked_token();
+    assert!(token > 1);
+    waiter.tell("release");
+    assert!(waiter.line().starts_with("released ok"));
+    waiter.finish();
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// Waits until every thread of `pid` is stopped.
+fn until_stopped(pid: u32) {
+    let start = Instant::now();
+    loop {
+        let stopped = std::fs::read_dir(format!("/proc/{pid}/task"))
+            .unwrap()
+            .all(|t| {
+                let stat =
+                    std::fs::read_to_string(t.unwrap().path().join("stat")).unwrap_or_default();
+                // The state follows the parenthesized command name.
+                stat.rsplit_once(") ")
+                    .is_some_and(|(_, rest)| rest.starts_with('T') || rest.starts_with('t'))
+            });
+        if stopped {
+            return;
+        }
+        assert!(start.elapsed() < PATIENCE, "the child never stopped");
+        std::thread::sleep(Duration::from_millis(1));
+    }
+}

@@ -88,8 +88,12 @@
 //! another waiter whose claim lock is held makes it let go of its slot and
 //! judge again after a jittered backoff ([`Step::Defer`]); a word whose
 //! lock is free was left by a waiter that died or gave up, and is cleared.
-//! The claimant clears the word and lets its lock go once granted; closing
-//! its files (an error, a timeout, a cancelled wait) lets the lock go.
+//! So is a claim deferred to for longer than [`CLAIM_PATIENCE`] (counted
+//! from the first deferral, kept in the file beside the claim word): a
+//! claimant stopped, or whose future is no longer polled, holds nobody
+//! back for longer. The claimant clears the word and lets its lock go once
+//! granted; closing its files (an error, a timeout, a cancelled wait) lets
+//! the lock go.
 //!
 //! # Release, check
 //!
@@ -131,6 +135,11 @@ use super::table::Inner;
 use super::unix::{self, FileId};
 use crate::clock::Clock;
 use crate::timer::Sleep;
+
+/// How long judgements defer to a claim while the key is free for its
+/// claimant to take: a claimant that has not taken it by then (stopped,
+/// its future no longer polled) loses the claim.
+const CLAIM_PATIENCE: Duration = Duration::from_millis(100);
 
 /// How soon a waiter judges again when the holder's stamp was not written
 /// yet (it is written microseconds after the grant; its lease is unknown
@@ -516,17 +525,38 @@ impl Inner {
 
     #[cold]
     fn claim_alive(&self, files: &KeyFiles, word: u64) -> Result<bool, ProcessLockError> {
+        let map = &files.map;
         // A look at the lock, taking none (locks of the caller's own open
         // file are not seen, and it holds no claim).
         let held = unix::range_locked(&files.state, unix::CLAIM_BYTE, 1)
             .map_err(|e| ProcessLockError::io("lock", &files.path, e))?;
-        if !held {
-            let _ = files
-                .map
-                .claim()
-                .compare_exchange(word, 0, Ordering::SeqCst, Ordering::SeqCst);
+        if held {
+            // Deferred to for how long? A claimant that does not take a
+            // free key within its patience (stopped, its future no longer
+            // polled) loses the claim.
+            let now = unix::monotonic_ns().max(1);
+            let since =
+                match map
+                    .claim_since()
+                    .compare_exchange(0, now, Ordering::SeqCst, Ordering::SeqCst)
+                {
+                    Ok(_) => now,
+                    Err(since) => since,
+                };
+            let patience = u64::try_from(CLAIM_PATIENCE.as_nanos()).unwrap_or(u64::MAX);
+            if now.saturating_sub(since) < patience {
+                return Ok(true);
+            }
         }
-        Ok(held)
+        // Dead, or out of patience: cleared.
+        if map
+            .claim()
+            .compare_exchange(word, 0, Ordering::SeqCst, Ordering::SeqCst)
+            .is_ok()
+        {
+            map.claim_since().store(0, Ordering::SeqCst);
+        }
+        Ok(false)
     }
 
     /// Takes the key's claim for a waiter that must wait, if no other
@@ -539,6 +569,7 @@ impl Inner {
             return Ok(0);
         }
         let claim = next_claim();
+        files.map.claim_since().store(0, Ordering::SeqCst);
         files.map.claim().store(claim, Ordering::SeqCst);
         Ok(claim)
     }
@@ -546,10 +577,14 @@ impl Inner {
     /// Gives the claim back (after the grant): the word first, then its
     /// lock, so that a claim word with its lock free is always a dead one.
     fn drop_claim(&self, files: &KeyFiles, claim: u64) -> Result<(), ProcessLockError> {
-        let _ = files
+        if files
             .map
             .claim()
-            .compare_exchange(claim, 0, Ordering::SeqCst, Ordering::SeqCst);
+            .compare_exchange(claim, 0, Ordering::SeqCst, Ordering::SeqCst)
+            .is_ok()
+        {
+            files.map.claim_since().store(0, Ordering::SeqCst);
+        }
         unix::unlock_range(&files.state, unix::CLAIM_BYTE, 1)
             .map_err(|e| ProcessLockError::io("unlock", &files.path, e))
     }
