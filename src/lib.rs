@@ -400,7 +400,9 @@ pub use owner::{
 pub use process::{
     OwnedProcessGuard, ProcessGuard, ProcessHolder, ProcessLockError, ProcessLockTable,
 };
-pub use scope::{ScopedGuard, ScopedLockTable};
+pub use scope::{
+    Blocker, ScopedError, ScopedErrorKind, ScopedGuard, ScopedHolder, ScopedLockTable,
+};
 pub use stats::Stats;
 pub use status::{HolderStatus, LockStatus, WaiterStatus};
 pub use table::{Builder, DefaultHashBuilder, LockTable};

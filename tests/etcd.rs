@@ -10,6 +10,8 @@
 #![cfg(feature = "etcd")]
 
 mod etcd_cluster;
+#[path = "../examples/jobs/runner.rs"]
+mod runner;
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
@@ -968,4 +970,110 @@ async fn a_waiter_one_revision_behind_the_holder_waits_for_it() {
             "never arranged an enqueue one revision after the holder's (something else writes)"
         );
     }
+}
+
+/// The job runner of `examples/jobs`, written once against the scope
+/// traits (and run at the task and process scopes by `tests/jobs.rs`), at
+/// the cluster scope: two tables, two workers each, every job delivered
+/// twice; each committed exactly once, no live grant refused by the store,
+/// and a stuck worker's late commit refused once its own lease ran out and
+/// a newer grant took the job over.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn job_runner_at_the_cluster_scope_commits_each_job_once_and_fences_a_stuck_worker() {
+    let Some(eps) = etcd_cluster::endpoints("job_runner_at_the_cluster_scope") else {
+        return;
+    };
+    let prefix = etcd_cluster::prefix("jobs");
+    let (a, b) = (
+        table(&eps, &prefix, "jobs-a").await,
+        table(&eps, &prefix, "jobs-b").await,
+    );
+    const JOBS: u64 = 12;
+    let cfg = runner::Config {
+        // etcd leases are whole seconds.
+        lease: Duration::from_secs(3),
+        interval: Duration::from_millis(500),
+        steps: 8,
+    };
+    let feed = runner::Feed::new(JOBS, 2);
+    let store = runner::Store::default();
+    let workers = [&a, &a, &b, &b]
+        .into_iter()
+        .enumerate()
+        .map(|(id, t)| runner::worker(t, id, &feed, &store, cfg));
+    let done = tokio::time::timeout(HANG, futures::future::try_join_all(workers))
+        .await
+        .expect("the pool hung")
+        .unwrap();
+    runner::assert_exactly_once(&store, JOBS, &done);
+    let (stuck, next) = tokio::time::timeout(
+        HANG,
+        runner::stale_commit_is_refused(&a, &b, &store, JOBS, Duration::from_secs(1)),
+    )
+    .await
+    .expect("the takeover hung")
+    .unwrap();
+    assert!(next > stuck);
+}
+
+/// `ClusterGuard::lost` resolves when the session's lease is revoked
+/// behind the table's back (its keep-alive is answered "gone"), and the
+/// guard's `check()` fails with it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cluster_lost_resolves_when_the_session_lease_is_revoked() {
+    let Some(eps) =
+        etcd_cluster::endpoints("cluster_lost_resolves_when_the_session_lease_is_revoked")
+    else {
+        return;
+    };
+    let t = table(&eps, &etcd_cluster::prefix("lost"), "lost").await;
+    let g = t.lock("k".to_owned()).await.unwrap();
+    g.check().unwrap();
+    t.client().clone().lease_revoke(g.lease_id()).await.unwrap();
+    let why = tokio::time::timeout(HANG, g.lost())
+        .await
+        .expect("lost() never resolved");
+    assert!(
+        matches!(why, ClusterLockError::Expired { token } if token == g.token()),
+        "{why}"
+    );
+    assert!(g.check().is_err());
+}
+
+/// A grant with a lease of its own: `keep_alive` renews it on its first
+/// poll (the bound moves), refuses an interval not shorter than the TTL,
+/// and without renewals `lost()` resolves at the bound.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cluster_keep_alive_renews_an_own_lease_and_lost_resolves_at_its_bound() {
+    let Some(eps) = etcd_cluster::endpoints("cluster_keep_alive_renews_an_own_lease") else {
+        return;
+    };
+    let t = table(&eps, &etcd_cluster::prefix("keep"), "keep").await;
+    let opts = LockOptions::new().lease(Duration::from_secs(2));
+    let g = t.lock_with("k".to_owned(), opts).await.unwrap();
+    let why = g.keep_alive(Duration::from_secs(2)).await;
+    assert!(
+        matches!(why, ClusterLockError::InvalidOptions { .. }),
+        "{why}"
+    );
+    let before = g.expires_at();
+    {
+        let keep = g.keep_alive(Duration::from_millis(500));
+        let moved = async {
+            while g.expires_at() <= before {
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
+        };
+        tokio::select! {
+            why = keep => panic!("keep-alive failed: {why}"),
+            () = moved => {}
+            () = tokio::time::sleep(HANG) => panic!("the bound never moved"),
+        }
+    }
+    // No more renewals: lost at the bound.
+    let why = tokio::time::timeout(HANG, g.lost())
+        .await
+        .expect("lost() never resolved");
+    assert!(matches!(why, ClusterLockError::Expired { .. }), "{why}");
+    assert!(g.check().is_err());
 }

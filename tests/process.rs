@@ -143,6 +143,26 @@ fn child_entry() {
             }
             say(&format!("churned {got}"));
         }
+        "retake" => {
+            // Hold the key; on `release-retake`, release it and at once
+            // try to take it again, and say how that went.
+            let guard = table.try_lock(key.clone()).unwrap();
+            say(&format!("locked {}", guard.token().get()));
+            let mut lines = std::io::stdin().lock().lines();
+            while let Some(Ok(line)) = lines.next() {
+                if line == "release-retake" {
+                    drop(guard);
+                    match table.try_lock(key.clone()) {
+                        Ok(g) => say(&format!("retook {}", g.token().get())),
+                        Err(ProcessLockError::WouldBlock { by, .. }) => {
+                            say(&format!("refused {by:?}"))
+                        }
+                        Err(e) => panic!("{e}"),
+                    }
+                    return;
+                }
+            }
+        }
         other => panic!("unknown role {other}"),
     }
 }
@@ -1458,4 +1478,144 @@ fn a_key_churned_by_another_process_is_never_said_to_be_held_by_this_one() {
     assert!(kid.line().starts_with("churned"));
     kid.finish();
     std::fs::remove_dir_all(&dir).unwrap();
+}
+
+// ---------------------------------------------------------------- order
+
+/// The claim word of the only key file in `dir` (offset 32 of the state
+/// file: see `stamp.rs`): nonzero while a waiting process holds the claim.
+fn claim_word(dir: &Path) -> u64 {
+    let file = std::fs::read_dir(dir)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .find(|p| p.file_name().unwrap().to_string_lossy().starts_with("key-"))
+        .expect("a key file");
+    let bytes = std::fs::read(file).unwrap();
+    u64::from_le_bytes(bytes[32..40].try_into().unwrap())
+}
+
+fn until_claimed(dir: &Path) {
+    let start = Instant::now();
+    while claim_word(dir) == 0 {
+        assert!(
+            start.elapsed() < PATIENCE,
+            "the waiter never took the claim"
+        );
+        std::thread::sleep(Duration::from_millis(1));
+    }
+}
+
+/// The bound on being passed over: a waiter of one process that must wait
+/// takes the key's claim, and a holder of another process that releases
+/// and at once tries again (before the waiter's woken thread runs, which
+/// without the claim it nearly always wins) is refused: the waiter's grant
+/// is the very next one.
+#[test]
+fn a_waiting_process_has_the_next_turn_before_a_releaser_that_tries_again() {
+    let dir = temp_dir("claim");
+    let mut holder = Kid::spawn("retake", &dir, &[]);
+    let held = holder.locked_token();
+    let table = ProcessLockTable::open(&dir).unwrap();
+    std::thread::scope(|s| {
+        // The waiter keeps its grant until the releaser has answered.
+        let waiter = s.spawn(|| block_on(table.lock_with("k", patient())).unwrap());
+        until_claimed(&dir);
+        holder.tell("release-retake");
+        // Refused: deferring to the claim, or finding the waiter already
+        // on its way (its woken thread ran first).
+        let answer = holder.line();
+        assert!(
+            answer.starts_with("refused"),
+            "the releaser went ahead of the claim: {answer}"
+        );
+        let guard = waiter.join().unwrap();
+        assert_eq!(
+            guard.token().get(),
+            held + 1,
+            "the waiter's grant is the next one"
+        );
+    });
+    assert_eq!(
+        claim_word(&dir),
+        0,
+        "the claim is given back with the grant"
+    );
+    holder.finish();
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// A claim whose waiter died (its lock freed by the kernel) holds nobody
+/// back: the next locker clears it and takes the key.
+#[test]
+fn the_claim_of_a_waiter_that_died_holds_nobody_back() {
+    let dir = temp_dir("deadclaim");
+    let table = ProcessLockTable::open(&dir).unwrap();
+    let guard = table.try_lock("k").unwrap();
+    let waiter = Kid::spawn("hold", &dir, &[]);
+    until_claimed(&dir);
+    waiter.signal(libc::SIGKILL);
+    drop(waiter); // reaped
+    drop(guard);
+    let other = ProcessLockTable::open(&dir).unwrap();
+    let g = other.try_lock("k").expect("a dead claim blocks nobody");
+    assert_eq!(
+        claim_word(&dir),
+        0,
+        "cleared by the locker that found it dead"
+    );
+    drop(g);
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// A claimant that is stopped (or whose future is no longer polled) holds
+/// the others back only for the claim's patience: then the claim is
+/// cleared and the key taken; the claimant, resumed, waits its turn.
+#[test]
+fn a_stopped_claimant_loses_its_claim_after_the_patience() {
+    let dir = temp_dir("stoppedclaim");
+    let table = ProcessLockTable::open(&dir).unwrap();
+    let guard = table.try_lock("k").unwrap();
+    let mut waiter = Kid::spawn("hold", &dir, &[]);
+    until_claimed(&dir);
+    waiter.signal(libc::SIGSTOP);
+    // Every thread stopped (a signal is delivered asynchronously: a
+    // helper thread still in the kernel would be handed the slot).
+    until_stopped(waiter.pid());
+    drop(guard);
+    let other = ProcessLockTable::open(&dir).unwrap();
+    let g = block_on(other.lock_with("k", patient())).expect("taken once the claim ran out");
+    assert_eq!(
+        claim_word(&dir),
+        0,
+        "the stopped claimant's claim was cleared"
+    );
+    waiter.signal(libc::SIGCONT);
+    drop(g);
+    let token = waiter.locked_token();
+    assert!(token > 1);
+    waiter.tell("release");
+    assert!(waiter.line().starts_with("released ok"));
+    waiter.finish();
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// Waits until every thread of `pid` is stopped.
+fn until_stopped(pid: u32) {
+    let start = Instant::now();
+    loop {
+        let stopped = std::fs::read_dir(format!("/proc/{pid}/task"))
+            .unwrap()
+            .all(|t| {
+                let stat =
+                    std::fs::read_to_string(t.unwrap().path().join("stat")).unwrap_or_default();
+                // The state follows the parenthesized command name.
+                stat.rsplit_once(") ")
+                    .is_some_and(|(_, rest)| rest.starts_with('T') || rest.starts_with('t'))
+            });
+        if stopped {
+            return;
+        }
+        assert!(start.elapsed() < PATIENCE, "the child never stopped");
+        std::thread::sleep(Duration::from_millis(1));
+    }
 }

@@ -129,3 +129,25 @@ fn error_token_and_stats_traits() {
     assert_eq!(s.clone().acquisitions, 1);
     assert!(format!("{s:?}").contains("acquisitions"));
 }
+
+#[cfg(target_os = "linux")]
+#[test]
+fn process_loss_futures_are_send_sync_unpin_debug() {
+    use keylock::process::{ProcessKeepAlive, ProcessLost};
+    send::<ProcessLost<'_, String>>();
+    sync::<ProcessLost<'_, String>>();
+    unpin::<ProcessLost<'_, String>>();
+    debug::<ProcessLost<'_, String>>();
+    send::<ProcessKeepAlive<'_, String>>();
+    sync::<ProcessKeepAlive<'_, String>>();
+    unpin::<ProcessKeepAlive<'_, String>>();
+    debug::<ProcessKeepAlive<'_, String>>();
+}
+
+#[test]
+fn scope_types_have_their_traits() {
+    use keylock::{Blocker, ScopedErrorKind};
+    fn copy_eq<T: Copy + Eq + Debug + Send + Sync>() {}
+    copy_eq::<ScopedErrorKind>();
+    copy_eq::<Blocker>();
+}

@@ -5,6 +5,7 @@ use std::sync::{Arc, PoisonError};
 use std::time::Instant;
 
 use super::error::ClusterLockError;
+use super::lost::{ClusterKeepAlive, ClusterLost};
 use super::recipe::{self, Grant, GrantLease};
 use super::table::{ClusterLockTable, Inner};
 use crate::{FencingToken, Mode, OwnedGuard};
@@ -80,7 +81,12 @@ impl<K> Held<K> {
         self.grant.as_ref().expect("a live guard has its grant")
     }
 
-    fn check(&self) -> Result<FencingToken, ClusterLockError> {
+    /// The lease that carries the grant.
+    pub(crate) fn lease(&self) -> &GrantLease {
+        &self.grant().lease
+    }
+
+    pub(crate) fn check(&self) -> Result<FencingToken, ClusterLockError> {
         let grant = self.grant();
         if grant.lease.is_live() {
             Ok(grant.token)
@@ -89,7 +95,7 @@ impl<K> Held<K> {
         }
     }
 
-    async fn renew(&self) -> Result<FencingToken, ClusterLockError> {
+    pub(crate) async fn renew(&self) -> Result<FencingToken, ClusterLockError> {
         let token = self.check()?;
         let grant = self.grant();
         match &grant.lease {
@@ -259,6 +265,60 @@ macro_rules! cluster_guard_methods {
         /// extend the lease in etcd, never the local bound.
         pub async fn renew(&self) -> Result<FencingToken, ClusterLockError> {
             self.held.renew().await
+        }
+
+        /// A future that resolves when this grant may have lost its
+        /// authority (when `check()` would fail), with the reason: the
+        /// moment its session is marked lost, or at the lease's bound if
+        /// no answered keep-alive moved it; at once if it already has. See
+        /// [`ClusterLost`].
+        ///
+        /// # Cancel safety
+        ///
+        /// Cancel-safe: dropping it changes nothing.
+        ///
+        /// ```no_run
+        /// # #[tokio::main] async fn main() -> Result<(), keylock::etcd::ClusterLockError> {
+        /// let table = keylock::etcd::ClusterLockTable::connect(["http://127.0.0.1:2379"]).await?;
+        /// let guard = table.lock("job").await?;
+        /// table.client().clone().lease_revoke(guard.lease_id()).await.ok();
+        /// let why = guard.lost().await; // once the session learns of it
+        /// assert!(why.to_string().contains("lost"));
+        /// # Ok(()) }
+        /// ```
+        pub fn lost(&self) -> ClusterLost<'_>
+        where
+            K: Sync,
+        {
+            ClusterLost::new(&self.held)
+        }
+
+        /// A future that keeps the lease that carries this grant alive
+        /// until it is dropped, renewing a lease of the grant's own every
+        /// `interval` (the session's lease is kept alive by the session),
+        /// and resolves at the first failure with the reason. See
+        /// [`ClusterKeepAlive`].
+        ///
+        /// # Cancel safety
+        ///
+        /// Cancel-safe: dropping it stops the renewals.
+        ///
+        /// ```no_run
+        /// # #[tokio::main] async fn main() -> Result<(), keylock::etcd::ClusterLockError> {
+        /// use std::time::Duration;
+        /// let table = keylock::etcd::ClusterLockTable::connect(["http://127.0.0.1:2379"]).await?;
+        /// let opts = keylock::LockOptions::new().lease(Duration::from_secs(3));
+        /// let guard = table.lock_with("job", opts).await?;
+        /// // An interval not shorter than the lease's TTL is refused at once.
+        /// let err = guard.keep_alive(Duration::from_secs(3)).await;
+        /// assert!(matches!(err, keylock::etcd::ClusterLockError::InvalidOptions { .. }));
+        /// # Ok(()) }
+        /// ```
+        pub fn keep_alive(&self, interval: std::time::Duration) -> ClusterKeepAlive<'_>
+        where
+            K: Sync,
+        {
+            ClusterKeepAlive::new(&self.held, interval)
         }
 
         /// Releases the key and waits until etcd has deleted the waiter key

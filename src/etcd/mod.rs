@@ -100,6 +100,7 @@
 mod error;
 mod guard;
 mod key;
+mod lost;
 mod recipe;
 mod retry;
 mod session;
@@ -107,6 +108,7 @@ mod table;
 
 pub use error::{ClusterHolder, ClusterLockError};
 pub use guard::{ClusterGuard, Fence, OwnedClusterGuard};
+pub use lost::{ClusterKeepAlive, ClusterLost};
 pub use table::{
     ClusterLock, ClusterLockTable, ClusterOptions, ClusterStats, OwnedClusterLock,
     MAX_REQUEST_TIMEOUT, MAX_SESSION_TTL,

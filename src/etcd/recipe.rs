@@ -112,6 +112,14 @@ impl GrantLease {
         }
     }
 
+    /// The TTL etcd granted the lease with.
+    pub(crate) fn ttl(&self) -> Duration {
+        match self {
+            Self::Session(s) => s.state.ttl,
+            Self::Own { ttl, .. } => *ttl,
+        }
+    }
+
     pub(crate) fn is_live(&self) -> bool {
         match self {
             Self::Session(s) => s.state.is_live(),

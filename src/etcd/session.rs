@@ -100,6 +100,12 @@ impl SessionState {
         }
     }
 
+    /// A receiver that sees the session marked lost (its value turns
+    /// `true`), for a guard's loss watcher.
+    pub(crate) fn lost_receiver(&self) -> tokio::sync::watch::Receiver<bool> {
+        self.lost_tx.subscribe()
+    }
+
     /// Resolves when the session is marked lost (not at its bound).
     async fn lost_flag(&self) {
         let mut rx = self.lost_tx.subscribe();

@@ -77,6 +77,24 @@
 //! the caller judges again, keeping the slot it locked. The winner then
 //! makes the token's ceiling durable if it passed it, and writes its stamp.
 //!
+//! # The claim (order across processes)
+//!
+//! Kernel locks are not FIFO: a process that releases and locks again at
+//! once beats the waiter the kernel woke, whose thread has yet to run. So a
+//! waiter that must wait (step 4, or a slot locked with no grant) takes the
+//! key's claim if it is free: the OFD lock of the claim byte (a try-lock),
+//! then the claim word set to a value of its own. Before taking the key
+//! (steps 1 to 3), every judgement loads the claim word: one naming
+//! another waiter whose claim lock is held makes it let go of its slot and
+//! judge again after a jittered backoff ([`Step::Defer`]); a word whose
+//! lock is free was left by a waiter that died or gave up, and is cleared.
+//! So is a claim deferred to for longer than [`CLAIM_PATIENCE`] (counted
+//! from the first deferral, kept in the file beside the claim word): a
+//! claimant stopped, or whose future is no longer polled, holds nobody
+//! back for longer. The claimant clears the word and lets its lock go once
+//! granted; closing its files (an error, a timeout, a cancelled wait) lets
+//! the lock go.
+//!
 //! # Release, check
 //!
 //! A holder releases with a store of its token into its slot's release
@@ -117,6 +135,11 @@ use super::table::Inner;
 use super::unix::{self, FileId};
 use crate::clock::Clock;
 use crate::timer::Sleep;
+
+/// How long judgements defer to a claim while the key is free for its
+/// claimant to take: a claimant that has not taken it by then (stopped,
+/// its future no longer polled) loses the claim.
+const CLAIM_PATIENCE: Duration = Duration::from_millis(100);
 
 /// How soon a waiter judges again when the holder's stamp was not written
 /// yet (it is written microseconds after the grant; its lease is unknown
@@ -193,6 +216,9 @@ enum Step {
     },
     /// Every slot is locked (by stuck holders): sleep and judge again.
     Backoff,
+    /// The key is free (or free to take over), but another process's
+    /// waiter holds the claim: it goes first. Sleep and judge again.
+    Defer,
 }
 
 fn open_rw(path: &Path) -> io::Result<File> {
@@ -360,6 +386,7 @@ impl Inner {
         files: &KeyFiles,
         mut have: Option<Have>,
         lease: Option<Duration>,
+        claim: u64,
     ) -> Result<Step, ProcessLockError> {
         let map = &files.map;
         let let_go = |have: Option<Have>| match have {
@@ -415,8 +442,14 @@ impl Inner {
                             free: false,
                         });
                     }
-                    // Alive, past its lease: mark it taken, so that a renew
-                    // racing us fails (or makes us fail and judge again).
+                    // Alive, past its lease. A waiter with the claim takes
+                    // it over first.
+                    if self.claimed_by_another(files, claim)? {
+                        let_go(have)?;
+                        return Ok(Step::Defer);
+                    }
+                    // Mark it taken, so that a renew racing us fails (or
+                    // makes us fail and judge again).
                     if deadline != TAKEN
                         && map
                             .lease(current)
@@ -438,6 +471,11 @@ impl Inner {
                     }
                 }
             };
+            if self.claimed_by_another(files, claim)? {
+                // Another process's waiter has the next turn.
+                let_go(Some(mine))?;
+                return Ok(Step::Defer);
+            }
             let Some(token) = map.swap(word, mine.slot, &files.path)? else {
                 // The word moved: judge again, keeping the slot we hold.
                 have = Some(mine);
@@ -472,6 +510,85 @@ impl Inner {
         }
     }
 
+    /// Whether a waiter other than the caller (whose claim is `claim`, or
+    /// 0) holds the key's claim: the claim word names it and its lock is
+    /// held. A claim word whose lock is free was left by a waiter that
+    /// died or gave up: it is cleared here. One load when no claim is out.
+    #[inline]
+    fn claimed_by_another(&self, files: &KeyFiles, claim: u64) -> Result<bool, ProcessLockError> {
+        let word = files.map.claim().load(Ordering::SeqCst);
+        if word == 0 || word == claim {
+            return Ok(false);
+        }
+        self.claim_alive(files, word)
+    }
+
+    #[cold]
+    fn claim_alive(&self, files: &KeyFiles, word: u64) -> Result<bool, ProcessLockError> {
+        let map = &files.map;
+        // A look at the lock, taking none (locks of the caller's own open
+        // file are not seen, and it holds no claim).
+        let held = unix::range_locked(&files.state, unix::CLAIM_BYTE, 1)
+            .map_err(|e| ProcessLockError::io("lock", &files.path, e))?;
+        if held {
+            // Deferred to for how long? A claimant that does not take a
+            // free key within its patience (stopped, its future no longer
+            // polled) loses the claim.
+            let now = unix::monotonic_ns().max(1);
+            let since =
+                match map
+                    .claim_since()
+                    .compare_exchange(0, now, Ordering::SeqCst, Ordering::SeqCst)
+                {
+                    Ok(_) => now,
+                    Err(since) => since,
+                };
+            let patience = u64::try_from(CLAIM_PATIENCE.as_nanos()).unwrap_or(u64::MAX);
+            if now.saturating_sub(since) < patience {
+                return Ok(true);
+            }
+        }
+        // Dead, or out of patience: cleared.
+        if map
+            .claim()
+            .compare_exchange(word, 0, Ordering::SeqCst, Ordering::SeqCst)
+            .is_ok()
+        {
+            map.claim_since().store(0, Ordering::SeqCst);
+        }
+        Ok(false)
+    }
+
+    /// Takes the key's claim for a waiter that must wait, if no other
+    /// waiter holds it: its lock (on the state file's open file), then the
+    /// claim word. Returns the claim, or 0 if another waiter has it.
+    fn take_claim(&self, files: &KeyFiles) -> Result<u64, ProcessLockError> {
+        let got = unix::try_lock_range(&files.state, unix::Kind::Exclusive, unix::CLAIM_BYTE, 1)
+            .map_err(|e| ProcessLockError::io("lock", &files.path, e))?;
+        if !got {
+            return Ok(0);
+        }
+        let claim = next_claim();
+        files.map.claim_since().store(0, Ordering::SeqCst);
+        files.map.claim().store(claim, Ordering::SeqCst);
+        Ok(claim)
+    }
+
+    /// Gives the claim back (after the grant): the word first, then its
+    /// lock, so that a claim word with its lock free is always a dead one.
+    fn drop_claim(&self, files: &KeyFiles, claim: u64) -> Result<(), ProcessLockError> {
+        if files
+            .map
+            .claim()
+            .compare_exchange(claim, 0, Ordering::SeqCst, Ordering::SeqCst)
+            .is_ok()
+        {
+            files.map.claim_since().store(0, Ordering::SeqCst);
+        }
+        unix::unlock_range(&files.state, unix::CLAIM_BYTE, 1)
+            .map_err(|e| ProcessLockError::io("unlock", &files.path, e))
+    }
+
     fn free_slot(&self, files: &KeyFiles, except: u32) -> Result<Option<u32>, ProcessLockError> {
         for slot in (0..MAX_SLOTS).filter(|&s| s != except) {
             if files.try_slot(slot)? {
@@ -496,13 +613,15 @@ impl Inner {
         files: &mut KeyFiles,
         have: Option<Have>,
         lease: Option<Duration>,
+        claim: u64,
     ) -> Result<Option<Step>, ProcessLockError> {
         if files.named()? == Named::Other {
-            // Closing the old file's descriptors lets its locks go.
+            // Closing the old file's descriptors lets its locks go (the
+            // claim's included).
             *files = self.open_key(&std::sync::Arc::clone(&files.stem))?;
             return Ok(None);
         }
-        self.judge(files, have, lease).map(Some)
+        self.judge(files, have, lease, claim).map(Some)
     }
 
     /// Takes the key now if no live holder has it (no wait): `Err(by)` if
@@ -522,7 +641,7 @@ impl Inner {
                 slot: 0,
                 on: On::State,
             });
-            match self.judge_checked(&mut files, have, lease)? {
+            match self.judge_checked(&mut files, have, lease, 0)? {
                 None => {}
                 Some(Step::Granted { slot, on, token }) => {
                     return Ok(Ok(Grant {
@@ -536,6 +655,10 @@ impl Inner {
                     if free {
                         by = HeldBy::KernelLock;
                     }
+                    break;
+                }
+                Some(Step::Defer) => {
+                    by = HeldBy::Claimed;
                     break;
                 }
                 Some(Step::Backoff) => break,
@@ -561,6 +684,9 @@ impl Inner {
         let mut have: Option<Have> = None;
         let mut pending: Option<(u32, KernelWait)> = None;
         let mut backoff = Backoff::new();
+        // The key's claim, once this waiter holds it (0: not); given back
+        // with the grant, or with the files (closing them frees its lock).
+        let mut claim = 0;
         loop {
             if have.is_none() && files.try_slot(0)? {
                 have = Some(Have {
@@ -568,18 +694,27 @@ impl Inner {
                     on: On::State,
                 });
             }
-            let Some(step) = self.judge_checked(&mut files, have.take(), lease)? else {
+            let Some(step) = self.judge_checked(&mut files, have.take(), lease, claim)? else {
                 pending = None;
+                claim = 0;
                 continue;
             };
+            if claim == 0 && matches!(step, Step::WaitSlot { .. }) {
+                // This waiter must wait: it takes the next turn, unless
+                // another waiter has it.
+                claim = self.take_claim(&files)?;
+            }
             match step {
                 Step::Granted { slot, on, token } => {
+                    if claim != 0 {
+                        self.drop_claim(&files, claim)?;
+                    }
                     return Ok(Grant {
                         files,
                         slot,
                         on,
                         token,
-                    })
+                    });
                 }
                 Step::WaitSlot {
                     slot,
@@ -637,12 +772,17 @@ impl Inner {
                         }
                     }
                 }
-                Step::Backoff => {
+                Step::Backoff | Step::Defer => {
                     let at = Instant::now() + backoff.next();
                     let at = deadline.map_or(at, |d| d.min(at));
                     Sleeper::new(at).await;
                     if deadline.is_some_and(|d| Instant::now() >= d) {
-                        return Err(self.timeout(stem, started, HeldBy::Ended));
+                        let no_grant = if matches!(step, Step::Defer) {
+                            HeldBy::Claimed
+                        } else {
+                            HeldBy::Ended
+                        };
+                        return Err(self.timeout(stem, started, no_grant));
                     }
                 }
             }
@@ -774,6 +914,14 @@ mod test_hook {
     #[cfg(not(feature = "test-util"))]
     #[inline(always)]
     pub(super) fn after_swap() {}
+}
+
+/// A claim word no other waiter of any process uses at once: this
+/// process's pid and a counter of its claims (never 0).
+fn next_claim() -> u64 {
+    static COUNT: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+    let n = COUNT.fetch_add(1, Ordering::Relaxed);
+    u64::from(unix::pid()) << 32 | u64::from(n) | 1 << 31
 }
 
 struct DecOnDrop<'a>(&'a std::sync::atomic::AtomicUsize);

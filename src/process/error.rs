@@ -130,6 +130,10 @@ pub enum HeldBy {
     /// this process or another) that the kernel just handed it, about to
     /// take the key, or a program that locks the file outside keylock.
     KernelLock,
+    /// No grant holds the key, but a waiting process has the next turn (it
+    /// holds the key's claim: see docs/ARCHITECTURE.md, "Order across
+    /// processes"), and callers of other processes let it go first.
+    Claimed,
     /// The grant that kept the key ended while the answer was made: the key
     /// may be free now.
     Ended,
@@ -146,6 +150,9 @@ impl fmt::Display for HeldBy {
             Self::KernelLock => {
                 "a kernel lock of another open file of the key's state file, with no grant \
                  (a waiter about to take the key, or a program locking the file outside keylock)"
+            }
+            Self::Claimed => {
+                "a waiting process that has the next turn (its claim), with no grant yet"
             }
             Self::Ended => "a grant that ended as this answer was made (the key may be free now)",
             Self::Unknown => "a holder that could not be read from the key's state file",

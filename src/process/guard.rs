@@ -3,10 +3,12 @@
 
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::task::Waker;
 use std::time::{Duration, Instant};
 
 use super::acquire::{instant_of_monotonic, Grant, KeyFiles, Named, On};
 use super::error::ProcessLockError;
+use super::lost::{ProcessKeepAlive, ProcessLost};
 use super::stamp::{Word, NO_LEASE, TAKEN};
 use super::table::{Inner, ProcessLockTable};
 use super::unix;
@@ -29,6 +31,18 @@ pub(crate) struct Held<K> {
     /// finds the key's files free.
     local: Option<OwnedGuard<String>>,
     inner: Arc<Inner>,
+    /// The wakers of this grant's [`ProcessLost`](super::ProcessLost)
+    /// futures, woken by every renewal (a lease moved earlier must re-arm
+    /// their timers). A slot per registered future, `None` when free.
+    watchers: Mutex<Vec<Watcher>>,
+}
+
+/// A loss watcher's slot: taken while its future lives; its waker until
+/// woken.
+#[derive(Debug, Default)]
+struct Watcher {
+    used: bool,
+    waker: Option<Waker>,
 }
 
 /// How a grant stands, read from the shared state.
@@ -93,6 +107,97 @@ impl<K> Held<K> {
             on: grant.on,
             local: Some(local),
             inner,
+            watchers: Mutex::new(Vec::new()),
+        }
+    }
+
+    pub(crate) fn token(&self) -> FencingToken {
+        self.token
+    }
+
+    fn watchers(&self) -> MutexGuard<'_, Vec<Watcher>> {
+        self.watchers.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Registers (or refreshes) the waker of a loss watcher in `slot`.
+    /// The waker is cloned before the lock is taken and the one it
+    /// replaces dropped after: user code never runs under the lock.
+    pub(crate) fn watch(&self, slot: &mut Option<usize>, waker: &Waker) {
+        let fresh = Some(waker.clone());
+        let old = {
+            let mut w = self.watchers();
+            let i = match *slot {
+                Some(i) => i,
+                None => {
+                    let i = w.iter().position(|x| !x.used).unwrap_or_else(|| {
+                        w.push(Watcher::default());
+                        w.len() - 1
+                    });
+                    w[i].used = true;
+                    *slot = Some(i);
+                    i
+                }
+            };
+            std::mem::replace(&mut w[i].waker, fresh)
+        };
+        drop(old);
+    }
+
+    /// Frees a loss watcher's slot.
+    pub(crate) fn unwatch(&self, slot: usize) {
+        let old = self.watchers().get_mut(slot).and_then(|x| {
+            x.used = false;
+            x.waker.take()
+        });
+        drop(old);
+    }
+
+    /// Wakes every loss watcher (after a renewal): the wakers are taken
+    /// out under the lock and woken after it, every one of them even if
+    /// one panics (the first panic is then resumed).
+    fn wake_watchers(&self) {
+        let wakers: Vec<Waker> = self
+            .watchers()
+            .iter_mut()
+            .filter_map(|x| x.waker.take())
+            .collect();
+        if wakers.is_empty() {
+            return;
+        }
+        let mut panic = None;
+        for w in wakers {
+            if let Err(p) = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| w.wake())) {
+                panic.get_or_insert(p);
+            }
+        }
+        if let Some(p) = panic {
+            std::panic::resume_unwind(p);
+        }
+    }
+
+    /// How the grant stands now, as `check()` judges it: `Ok(lease)` with
+    /// the lease deadline on the host's monotonic clock (`NO_LEASE` for
+    /// none) while it holds the key.
+    pub(crate) fn judge(&self) -> Result<u64, ProcessLockError> {
+        let token = self.token;
+        let mut files = self.files();
+        let Some(files) = files.as_mut() else {
+            return Err(ProcessLockError::Expired { token });
+        };
+        match standing(files, token, self.slot) {
+            Ok(Standing::Live(lease)) => Ok(lease),
+            Ok(Standing::Replaced) => {
+                // Not to be used again by this process.
+                files.stale = true;
+                Err(ProcessLockError::Expired { token })
+            }
+            Ok(Standing::Lapsed(_) | Standing::Lost) => Err(ProcessLockError::Expired { token }),
+            Err(err) => {
+                if matches!(err, ProcessLockError::Damaged { .. }) {
+                    files.stale = true;
+                }
+                Err(err)
+            }
         }
     }
 
@@ -113,26 +218,7 @@ impl<K> Held<K> {
     }
 
     fn check(&self) -> Result<FencingToken, ProcessLockError> {
-        let token = self.token;
-        let mut files = self.files();
-        let Some(files) = files.as_mut() else {
-            return Err(ProcessLockError::Expired { token });
-        };
-        match standing(files, token, self.slot) {
-            Ok(Standing::Live(_)) => Ok(token),
-            Ok(Standing::Replaced) => {
-                // Not to be used again by this process.
-                files.stale = true;
-                Err(ProcessLockError::Expired { token })
-            }
-            Ok(Standing::Lapsed(_) | Standing::Lost) => Err(ProcessLockError::Expired { token }),
-            Err(err) => {
-                if matches!(err, ProcessLockError::Damaged { .. }) {
-                    files.stale = true;
-                }
-                Err(err)
-            }
-        }
+        self.judge().map(|_| self.token)
     }
 
     fn expires_at(&self) -> Result<Option<Instant>, ProcessLockError> {
@@ -145,7 +231,16 @@ impl<K> Held<K> {
         })
     }
 
-    fn renew(&self, lease: Duration) -> Result<(), ProcessLockError> {
+    pub(crate) fn renew(&self, lease: Duration) -> Result<(), ProcessLockError> {
+        let renewed = self.renew_lease(lease);
+        // A lease moved (earlier or later): watchers re-arm their timers.
+        // A failed renewal changed nothing, but may have found the grant
+        // lost: they look again too.
+        self.wake_watchers();
+        renewed
+    }
+
+    fn renew_lease(&self, lease: Duration) -> Result<(), ProcessLockError> {
         if lease.is_zero() || lease > DEFAULT_MAX_LEASE {
             return Err(ProcessLockError::InvalidOptions {
                 option: "lease",
@@ -302,6 +397,62 @@ macro_rules! process_guard_methods {
         /// a lease of zero or over an hour.
         pub fn renew(&self, lease: Duration) -> Result<(), ProcessLockError> {
             self.held.renew(lease)
+        }
+
+        /// A future that resolves when this grant loses its authority (when
+        /// `check()` would fail), with the reason: woken by a timer at the
+        /// lease deadline, re-armed when the lease is renewed meanwhile;
+        /// at once if it has already lost the key. Pending for ever for a
+        /// grant without a lease (see [`ProcessLost`]).
+        ///
+        /// # Cancel safety
+        ///
+        /// Cancel-safe: dropping it changes nothing.
+        ///
+        /// ```
+        /// # let dir = std::env::temp_dir().join(format!("keylock-doc-glost-{}", std::process::id()));
+        /// # std::fs::create_dir_all(&dir).unwrap();
+        /// # futures::executor::block_on(async {
+        /// use std::time::Duration;
+        /// use keylock::{LockOptions, ProcessLockTable};
+        /// let table = ProcessLockTable::open(&dir)?;
+        /// let guard = table.lock_with("job", LockOptions::new().lease(Duration::from_millis(10))).await?;
+        /// let why = guard.lost().await; // its lease lapses
+        /// assert!(why.to_string().contains("lost the key"));
+        /// # Ok::<(), keylock::ProcessLockError>(())
+        /// # }).unwrap();
+        /// # std::fs::remove_dir_all(&dir).unwrap();
+        /// ```
+        pub fn lost(&self) -> ProcessLost<'_, K> {
+            ProcessLost::new(&self.held)
+        }
+
+        /// A future that keeps this grant's lease alive: renews it with
+        /// `lease` on its first poll and then every `interval`, until it
+        /// is dropped; it resolves at the first failure with the reason
+        /// (see [`ProcessKeepAlive`]).
+        ///
+        /// # Cancel safety
+        ///
+        /// Cancel-safe: dropping it stops the renewals.
+        ///
+        /// ```
+        /// # let dir = std::env::temp_dir().join(format!("keylock-doc-gkeep-{}", std::process::id()));
+        /// # std::fs::create_dir_all(&dir).unwrap();
+        /// # futures::executor::block_on(async {
+        /// use std::time::Duration;
+        /// use keylock::{ProcessLockError, ProcessLockTable};
+        /// let table = ProcessLockTable::open(&dir)?;
+        /// let guard = table.lock("job").await?;
+        /// // An interval not shorter than the lease is refused at once.
+        /// let err = guard.keep_alive(Duration::from_secs(5), Duration::from_secs(5)).await;
+        /// assert!(matches!(err, ProcessLockError::InvalidOptions { .. }));
+        /// # Ok::<(), ProcessLockError>(())
+        /// # }).unwrap();
+        /// # std::fs::remove_dir_all(&dir).unwrap();
+        /// ```
+        pub fn keep_alive(&self, interval: Duration, lease: Duration) -> ProcessKeepAlive<'_, K> {
+            ProcessKeepAlive::new(&self.held, interval, lease)
         }
 
         /// Releases the key and says whether the grant held it, live, to the

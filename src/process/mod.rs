@@ -68,7 +68,11 @@
 //! woken by the kernel: a helper thread blocks in the lock call and wakes the
 //! future, with no polling; a timer wakes it at the holder's lease deadline
 //! and at its own deadline. Across processes the kernel decides who is next
-//! (kernel locks are not FIFO). A timeout names the holder: pid, host, label,
+//! (kernel locks are not FIFO), within a bound: a waiter that must wait
+//! takes the key's *claim* (if no other waiter has it), and no other
+//! process then takes the key before it, but for a grant already being
+//! made as it claimed (see docs/ARCHITECTURE.md, "Order across
+//! processes"). A timeout names the holder: pid, host, label,
 //! whether it is alive (holds its kernel lock), its token and how long it
 //! has held the key ([`ProcessHolder`]).
 //!
@@ -118,6 +122,7 @@ mod error;
 mod guard;
 mod helper;
 mod key;
+mod lost;
 mod shared;
 mod stamp;
 mod table;
@@ -126,5 +131,6 @@ mod unix;
 pub use error::{HeldBy, ProcessLockError};
 pub use guard::{OwnedProcessGuard, ProcessGuard};
 pub use key::MAX_ENCODED_KEY;
+pub use lost::{ProcessKeepAlive, ProcessLost};
 pub use stamp::{ProcessHolder, MAX_LABEL};
 pub use table::{OwnedProcessLock, ProcessLock, ProcessLockTable, ProcessStats};

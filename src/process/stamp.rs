@@ -9,14 +9,18 @@
 //! | 0      | 8    | magic and format (`KLPS`, 3) |
 //! | 8      | 16   | the boot id the state was last trusted under |
 //! | 24     | 8    | the **state word**: `token << 6 \| slot` |
+//! | 32     | 8    | the **claim word**: the claim of a waiting process (0: none) |
+//! | 40     | 8    | when a judgement first deferred to that claim (monotonic ns; 0: not yet) |
 //! | 64     | 24   | reservation record A |
 //! | 96     | 24   | reservation record B |
 //! | 512    | 512  | the release cells: one token per slot |
 //! | 4096   | 64 x 384 | the owner stamps: one per slot |
 //!
 //! The file also carries its kernel locks (its `flock` lock and the
-//! byte-range locks of bytes 0 to 64; see [`super::acquire`]); locks are
-//! not data, so the layout is unaffected.
+//! byte-range locks of bytes 0 to 64, and of byte 66, the claim's; see
+//! [`super::acquire`]); locks are not data, so the layout is unaffected.
+//! The claim words were added within format 3: files made before it hold
+//! zero there (no claim), and a build from before it ignores claims.
 //!
 //! The **state word** names the current grant: its token (the last one
 //! handed out) and the slot its holder locks. A grant is a
@@ -77,6 +81,8 @@ const MAGIC: u64 = u64::from_le_bytes([b'K', b'L', b'P', b'S', VERSION as u8, 0,
 const RESERVE_MAGIC: u64 = u64::from_le_bytes([b'K', b'L', b'P', b'R', VERSION as u8, 0, 0, 0]);
 const BOOT_AT: usize = 8;
 const WORD_AT: usize = 24;
+const CLAIM_AT: usize = 32;
+const CLAIM_SINCE_AT: usize = 40;
 const RESERVE_AT: [usize; 2] = [64, 96];
 /// Where the ceilings live: the first page, which `msync` writes back.
 const RESERVE_PAGE: usize = 4096;
@@ -271,6 +277,8 @@ impl KeyState {
                 Ordering::SeqCst,
             );
             self.map.word(cell_at(0)).store(reserved, Ordering::SeqCst);
+            self.claim().store(0, Ordering::SeqCst);
+            self.claim_since().store(0, Ordering::SeqCst);
             let [a, b] = boot_words();
             self.map.word(BOOT_AT).store(a, Ordering::SeqCst);
             self.map.word(BOOT_AT + 8).store(b, Ordering::SeqCst);
@@ -281,6 +289,19 @@ impl KeyState {
 
     fn word(&self) -> &std::sync::atomic::AtomicU64 {
         self.map.word(WORD_AT)
+    }
+
+    /// The claim word: the claim of the waiting process that has the next
+    /// turn, if any (0: none); see `acquire.rs`.
+    #[inline]
+    pub(crate) fn claim(&self) -> &std::sync::atomic::AtomicU64 {
+        self.map.word(CLAIM_AT)
+    }
+
+    /// When a judgement first deferred to the current claim, on the host's
+    /// monotonic clock (0: none did yet).
+    pub(crate) fn claim_since(&self) -> &std::sync::atomic::AtomicU64 {
+        self.map.word(CLAIM_SINCE_AT)
     }
 
     /// The current grant.

@@ -68,6 +68,11 @@ pub(crate) fn hostname() -> &'static str {
 /// before the reboot.
 pub(crate) const BOOT_BYTE: u64 = 0;
 
+/// The byte of a key's state file whose lock a waiting process holds while
+/// it has the next turn (the claim; see `acquire.rs`, "Order across
+/// processes"): past every slot's byte.
+pub(crate) const CLAIM_BYTE: u64 = 2 + super::stamp::MAX_SLOTS as u64;
+
 /// The byte of a key's state file whose lock is slot `slot` (1 and up;
 /// slot 0 is the file's `flock` lock).
 const fn slot_byte(slot: u32) -> u64 {
