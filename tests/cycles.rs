@@ -264,7 +264,6 @@ impl std::task::Wake for Recording {
     }
 }
 
-
 // ---------------------------------------------------------------------------
 // PostgreSQL's isolation specs deadlock-simple, deadlock-hard, deadlock-soft
 // and deadlock-soft-2, step by step. Each session is an owned transaction;
