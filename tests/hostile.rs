@@ -581,6 +581,35 @@ mod tests {
         });
     }
 
+    /// A key stored in the table whose `Drop` panics, released by a guard
+    /// nobody waits behind: the inline release removes the entry, unlocks,
+    /// and only then drops the key, so the panic reaches the releaser with
+    /// the table already consistent (no entry, shard unlocked, key free).
+    #[test]
+    fn a_stored_key_whose_drop_panics_on_a_lone_release_strands_nothing() {
+        watchdog("drop-panics-on-lone-release", || {
+            let table: LockTable<Key> = LockTable::new();
+            let drops = Arc::new(AtomicUsize::new(0));
+            let waker = Hostile::new().waker();
+            for (round, id) in [(0, 5), (1, 6)] {
+                let guard = if round == 0 {
+                    table.try_lock(Key::drop_bomb(id, &drops)).expect("free")
+                } else {
+                    let mut fut = Box::pin(table.lock(Key::drop_bomb(id, &drops)));
+                    ready(&mut fut, &waker, "an uncontended lock")
+                };
+                assert!(table.is_locked(&Key::plain(id)));
+                let released = catch_unwind(AssertUnwindSafe(|| drop(guard)));
+                let payload = released.expect_err("the key's drop panics in the release");
+                assert_eq!(expect_planted(payload, "lone release"), "Key::drop");
+                assert_eq!(drops.load(SeqCst), round + 1, "the key was dropped once");
+                assert_eq!(table.len(), 0, "the entry left before the key was dropped");
+                assert_key_free(&table, || Key::plain(id), "after the panicking release");
+            }
+            assert_table_empty(&table, Key::plain(7), "after both releases");
+        });
+    }
+
     // ---------------------------------------------------------------------------
     // 2. A waker whose `wake` panics, woken by an innocent caller.
     // ---------------------------------------------------------------------------
