@@ -7,6 +7,7 @@
 //! cargo build --profile bench --example handoff
 //! perf record -g target/release/examples/handoff keylock 2000000
 //! target/release/examples/handoff tokio 2000000
+//! target/release/examples/handoff keylock 2000000 1   # one worker: no parking
 //! ```
 //!
 //! `examples/compare.rs` is the comparison (its W6 is this workload); this
@@ -24,8 +25,11 @@ fn main() {
     let total: u64 = args
         .next()
         .map_or(1_000_000, |s| s.parse().expect("a count of acquisitions"));
+    let workers: usize = args
+        .next()
+        .map_or(2, |s| s.parse().expect("a count of worker threads"));
     let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
+        .worker_threads(workers)
         .build()
         .expect("a runtime");
     let per_task = total.div_ceil(TASKS as u64);

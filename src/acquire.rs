@@ -632,6 +632,16 @@ unsafe fn start_busy<K, S>(
     // In this order, so that unwinding unlocks before it drops the key.
     let key = key;
     let mut state = state;
+    // SAFETY: the caller's contract.
+    if let Some(queued) =
+        unsafe { state.enqueue_plain(index, (mode, terms, patience), table.fairness(), waiter) }
+    {
+        drop(state);
+        if let Some(key) = key {
+            left.drop_key_later(key);
+        }
+        return queued;
+    }
     let mut ctx = table.shard(hash).ctx(table.clock(), left);
     // SAFETY: the caller's contract.
     let attempt = unsafe {

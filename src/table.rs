@@ -451,6 +451,30 @@ impl<K, S> LockTable<K, S> {
         index: Option<Index>,
         token: FencingToken,
     ) {
+        let mut state = state;
+        if let Some(index) = index {
+            if let Some(waker) = state.hand_off_plain(index, token, self.fairness, &shard.counters)
+            {
+                drop(state);
+                // After unlocking: `Waker::wake` is user code.
+                if let Some(waker) = waker {
+                    waker.wake();
+                }
+                return;
+            }
+        }
+        self.release_general(shard, state, index, token);
+    }
+
+    /// [`release_busy`](Self::release_busy) past the plain handoff.
+    #[inline(never)]
+    fn release_general(
+        &self,
+        shard: &Shard<K>,
+        state: impl DerefMut<Target = ShardState<K>>,
+        index: Option<Index>,
+        token: FencingToken,
+    ) {
         // Declared before the shard guard, so dropped after it: the wakes
         // and drops it holds run unlocked, also when unwinding.
         let mut left = Leftovers::default();

@@ -28,14 +28,13 @@ use crate::key_map::{Index, KeyMap};
 
 use crate::clock::{Now, Stamp};
 use crate::deferred::Ctx;
-#[cfg(feature = "test-util")]
 use crate::fairness::Fairness;
 use crate::key_slot::{KeyPool, KeyPtr};
 use crate::lease::Terms;
 use crate::mode::Mode;
 use crate::stats::Counters;
 use crate::token::{FencingToken, TokenCounter};
-use crate::waiter::Granted;
+use crate::waiter::{Granted, Waiter};
 use watch::GrantWatchers;
 
 mod edges;
@@ -330,6 +329,55 @@ impl<K> ShardState<K> {
                 spares,
             },
         )
+    }
+
+    /// The common handoff, without a [`Ctx`]: grant `token`, the only
+    /// holder of the key at `index`, lets go under strict fairness, and the
+    /// head waiter asks for the key exclusively without a lease. The head
+    /// is granted a new token and returned its waker, to wake after
+    /// unlocking (`None` inside: it was not armed, and sees the grant when it
+    /// polls). Anything else (eventual fairness, other holders, a shared or
+    /// leased or upgrading head, no waiter, no token left) changes nothing
+    /// and returns `None`, for [`release_at`](Self::release_at).
+    ///
+    /// What the general path would do beside this is nothing here: a holder
+    /// without a lease has no deadline, so the next head needs no timer
+    /// nudge, and a granted exclusive head ends the admission.
+    #[inline(always)]
+    pub(crate) fn hand_off_plain(
+        &mut self,
+        index: Index,
+        token: FencingToken,
+        fairness: Fairness,
+        counters: &Counters,
+    ) -> Option<Option<std::task::Waker>> {
+        if fairness != Fairness::Strict || !self.tokens.has_available() {
+            return None;
+        }
+        let entry = self.entries.get_mut(index);
+        let head = entry.queue.head()?;
+        // SAFETY: the head is linked, under the shard lock (the caller's).
+        if !entry.holders.is_only(token) || !unsafe { Waiter::asks_plain_exclusive(head) } {
+            return None;
+        }
+        let fresh = self.tokens.mint();
+        // SAFETY: under the shard lock; the queue has a head.
+        let (head, terms) = unsafe { entry.queue.pop_front() }?;
+        // SAFETY: just unlinked, under the lock; not touched again.
+        let waker = unsafe { Waiter::grant(head, fresh, Stamp::NONE, Mode::Exclusive) };
+        entry.holders.clear_only();
+        entry.holders.push(
+            Holder {
+                token: fresh,
+                deadline: Stamp::NONE,
+                since: Stamp::NONE,
+                owner: terms.owner,
+            },
+            &mut self.spares,
+        );
+        entry.mode = Mode::Exclusive;
+        counters.handed_off();
+        Some(waker)
     }
 
     /// The common release, inline and without a [`Ctx`]: grant `token` is

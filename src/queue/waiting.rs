@@ -3,6 +3,7 @@
 
 use std::borrow::Borrow;
 
+use crate::clock::Stamp;
 use crate::deferred::Ctx;
 use crate::error::LockError;
 use crate::fairness::Fairness;
@@ -111,6 +112,50 @@ impl<K> ShardState<K> {
                 ctx,
             )
         }
+    }
+
+    /// The plain lock's wait, without a [`Ctx`]: an exclusive request
+    /// without a lease, a timeout or a deadline, on a key that one holder
+    /// without a lease holds (so no lapse to settle and no holder deadline
+    /// to time), under strict fairness. `waiter` is linked at the back and
+    /// the wait needs no timer. Anything else changes nothing and returns
+    /// `None`, for [`acquire_or_enqueue_busy`](Self::acquire_or_enqueue_busy).
+    ///
+    /// # Safety
+    ///
+    /// As [`acquire_or_enqueue_busy`](Self::acquire_or_enqueue_busy).
+    #[inline(always)]
+    pub(crate) unsafe fn enqueue_plain(
+        &mut self,
+        index: Index,
+        (mode, terms, patience): (Mode, Terms, Patience),
+        fairness: Fairness,
+        waiter: &mut LazyWaiter,
+    ) -> Option<Attempt<K>> {
+        if mode != Mode::Exclusive
+            || fairness != Fairness::Strict
+            || terms.lease.nanos().is_some()
+            || patience.timeout.is_some()
+            || patience.deadline.is_some()
+        {
+            return None;
+        }
+        let entry = self.entries.get_mut(index);
+        if entry.holders.only()?.deadline.is_some() {
+            return None;
+        }
+        let waiter = waiter.get_or_init();
+        // SAFETY: the caller's contract; under the shard lock.
+        unsafe {
+            waiter.prepare(terms, Stamp::NONE, Want::Grant(mode), Stamp::NONE);
+            entry.queue.push_back(waiter);
+        }
+        Some(Attempt::Queued {
+            key: entry.key,
+            wake_at: None,
+            start: Stamp::NONE,
+            until: Stamp::NONE,
+        })
     }
 
     /// A shared holder asks to hold its key exclusively. At once if it is
