@@ -632,10 +632,11 @@ unsafe fn start_busy<K, S>(
     // In this order, so that unwinding unlocks before it drops the key.
     let key = key;
     let mut state = state;
-    // SAFETY: the caller's contract.
-    if let Some(queued) =
+    let plain = {
+        // SAFETY: the caller's contract.
         unsafe { state.enqueue_plain(index, (mode, terms, patience), table.fairness(), waiter) }
-    {
+    };
+    if let Some(queued) = plain {
         drop(state);
         if let Some(key) = key {
             left.drop_key_later(key);
