@@ -8,6 +8,8 @@
 //! perf record -g target/release/examples/handoff keylock 2000000
 //! target/release/examples/handoff tokio 2000000
 //! target/release/examples/handoff keylock 2000000 1   # one worker: no parking
+//! target/release/examples/handoff keylock-lease 2000000 # a 30 s lease on every lock
+//! target/release/examples/handoff keylock-timeout 2000000
 //! ```
 //!
 //! `examples/compare.rs` is the comparison (its W6 is this workload); this
@@ -18,6 +20,8 @@ use std::sync::Arc;
 use std::time::Instant;
 
 const TASKS: usize = 64;
+/// The lease or timeout of the `keylock-lease` and `keylock-timeout` runs.
+const LONG: std::time::Duration = std::time::Duration::from_secs(30);
 
 fn main() {
     let mut args = std::env::args().skip(1);
@@ -46,12 +50,17 @@ fn main() {
     #[cfg(not(feature = "tokio"))]
     let keylock = Arc::new(keylock::LockTable::<u64>::new());
     let tokio = Arc::new(tokio::sync::Mutex::new(()));
+    let barrier = Arc::new(tokio::sync::Barrier::new(TASKS));
     let start = Instant::now();
     let tasks: Vec<_> = (0..TASKS)
         .map(|id| {
             let (counter, last, handoffs) = (counter.clone(), last.clone(), handoffs.clone());
             let (keylock, tokio, which) = (keylock.clone(), tokio.clone(), which.clone());
+            let barrier = Arc::clone(&barrier);
             rt.spawn(async move {
+                // All at once, as in `compare`'s W6: otherwise the first
+                // tasks may finish before the others start.
+                barrier.wait().await;
                 let mut mine = 0;
                 for _ in 0..per_task {
                     let mut note = || {
@@ -63,6 +72,18 @@ fn main() {
                     match which.as_str() {
                         "tokio" => {
                             let guard = tokio.lock().await;
+                            note();
+                            drop(guard);
+                        }
+                        "keylock-lease" => {
+                            let opts = keylock::LockOptions::new().lease(LONG);
+                            let guard = keylock.lock_with(7, opts).await.expect("a valid lease");
+                            note();
+                            drop(guard);
+                        }
+                        "keylock-timeout" => {
+                            let opts = keylock::LockOptions::new().timeout(LONG);
+                            let guard = keylock.lock_with(7, opts).await.expect("in time");
                             note();
                             drop(guard);
                         }

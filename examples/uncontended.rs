@@ -79,6 +79,25 @@ fn main() {
                 drop(black_box(guard));
             }
         }
+        // The same with a 30 s timeout or a 30 s lease on the waiter.
+        "handoff_timeout" | "handoff_lease" => {
+            let opts = if mode == "handoff_lease" {
+                keylock::LockOptions::new().lease(std::time::Duration::from_secs(30))
+            } else {
+                keylock::LockOptions::new().timeout(std::time::Duration::from_secs(30))
+            };
+            let mut cx = Context::from_waker(futures::task::noop_waker_ref());
+            for _ in 0..n {
+                let holder = table.try_lock(black_box(7)).expect("free");
+                let mut fut = pin!(table.lock_with(black_box(7), opts));
+                assert!(fut.as_mut().poll(&mut cx).is_pending());
+                drop(holder);
+                let Poll::Ready(guard) = fut.poll(&mut cx) else {
+                    unreachable!("handed off")
+                };
+                drop(black_box(guard.expect("in time")));
+            }
+        }
         "lock" => {
             let mut cx = Context::from_waker(futures::task::noop_waker_ref());
             for _ in 0..n {

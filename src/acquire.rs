@@ -632,11 +632,17 @@ unsafe fn start_busy<K, S>(
     // In this order, so that unwinding unlocks before it drops the key.
     let key = key;
     let mut state = state;
-    let plain = {
+    let asked = (mode, terms, patience);
+    let mut fast = {
         // SAFETY: the caller's contract.
-        unsafe { state.enqueue_plain(index, (mode, terms, patience), table.fairness(), waiter) }
+        unsafe { state.enqueue_plain(index, asked, table.fairness(), waiter) }
     };
-    if let Some(queued) = plain {
+    if fast.is_none() {
+        let timing = (&table.shard(hash).timer, table.clock());
+        // SAFETY: as above.
+        fast = unsafe { state.enqueue_timed(index, asked, table.fairness(), waiter, timing) };
+    }
+    if let Some(queued) = fast {
         drop(state);
         if let Some(key) = key {
             left.drop_key_later(key);

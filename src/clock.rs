@@ -711,16 +711,18 @@ mod tests {
                 }
             }
         }
-        // Up to a tick behind. Not asserted of every start: a loaded host may
-        // process a tick late, leaving the coarse clock behind by more for a
-        // while. But most starts must be: the coarse clock is the precise
-        // one as of the last tick, not an older or offset time.
+        // Up to a tick behind, give or take a late tick. Not asserted of every
+        // start: a loaded host may process a tick late, leaving the coarse
+        // clock behind by more for a while (a virtual machine's timekeeping
+        // tick can run a fraction of a tick late throughout). But most starts
+        // must be within two: the coarse clock is the precise one as of the
+        // last tick, not an older or offset time.
         behind.sort_unstable();
         let quartile = behind[behind.len() / 4];
         assert!(
-            quartile <= tick,
+            quartile <= 2 * tick,
             "three quarters of the long leases started {quartile:?} or more before their \
-             grant: more than a tick ({tick:?})"
+             grant: more than two ticks ({tick:?} each)"
         );
     }
 }

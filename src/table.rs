@@ -453,8 +453,8 @@ impl<K, S> LockTable<K, S> {
     ) {
         let mut state = state;
         if let Some(index) = index {
-            if let Some(waker) = state.hand_off_plain(index, token, self.fairness, &shard.counters)
-            {
+            let shard_parts = (&shard.counters, &shard.timer, &self.clock);
+            if let Some(waker) = state.hand_off_plain(index, token, self.fairness, shard_parts) {
                 drop(state);
                 // After unlocking: `Waker::wake` is user code.
                 if let Some(waker) = waker {

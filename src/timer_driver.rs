@@ -143,6 +143,13 @@ impl ShardTimer {
         }
     }
 
+    /// Under the shard lock: whether the timer already fires by `at` (a
+    /// stamp's raw value), so that covering `at` needs nothing.
+    #[inline(always)]
+    pub(crate) fn covers(&self, at: u64) -> bool {
+        at >= self.armed.load(Relaxed)
+    }
+
     /// Under the shard lock, from a fire: the deadline it is armed for now.
     pub(crate) fn set_armed(&self, at: u64) {
         self.armed.store(at, Relaxed);

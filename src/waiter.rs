@@ -588,20 +588,20 @@ impl Waiter {
         }
     }
 
-    /// Whether a linked waiter asks for an exclusive grant without a lease
-    /// (the plain lock's wait): its grant needs no clock and no timer.
+    /// The lease a linked waiter asks for with an exclusive grant (`None`:
+    /// it asks for a shared grant or an upgrade).
     ///
     /// # Safety
     ///
     /// Under the shard lock, while linked.
     #[inline(always)]
-    pub(crate) unsafe fn asks_plain_exclusive(this: WaiterPtr) -> bool {
+    pub(crate) unsafe fn exclusive_lease(this: WaiterPtr) -> Option<PackedDuration> {
         // SAFETY: linked, under the lock (caller's contract).
         let me = unsafe { this.as_ref() };
         let node = me.node.get_mut();
         // SAFETY: as above: the node cell is the table's.
         let ask = unsafe { node.deref() }.ask;
-        me.kind.load(Relaxed) == ASK_EXCLUSIVE && ask == PackedDuration::NONE.bits()
+        (me.kind.load(Relaxed) == ASK_EXCLUSIVE).then(|| PackedDuration::from_bits(ask))
     }
 
     /// The holder deadline a linked waiter's timer covers.

@@ -614,6 +614,78 @@ mod tests {
     // 2. A waker whose `wake` panics, woken by an innocent caller.
     // ---------------------------------------------------------------------------
 
+    /// The context-free handoff (a lone exclusive holder lets go, the head
+    /// waits exclusively, with or without a lease): the head's wake runs
+    /// after the unlock. A wake that panics reaches the releaser with the key
+    /// already the head's; a wake that re-enters the table finds it unlocked
+    /// (no deadlock) and the key held by the head.
+    #[test]
+    fn a_plain_handoffs_panicking_or_reentering_wake_runs_unlocked_and_loses_nothing() {
+        watchdog("plain-handoff-wake", || {
+            for leased_head in [false, true] {
+                let table: Arc<LockTable<u32>> = Arc::new(LockTable::new());
+                let opts = if leased_head {
+                    leased()
+                } else {
+                    LockOptions::new()
+                };
+                if leased_head {
+                    // A wait with a timeout arms the shard's timer (before
+                    // the leases below end), so that a leased handoff finds
+                    // its deadline covered and takes the context-free path.
+                    let holder = table.try_lock(1).expect("free");
+                    let timed = LockOptions::new().timeout(LEASE / 2);
+                    let mut armer = Box::pin(table.lock_with(1, timed));
+                    pending(&mut armer, &Hostile::new().waker(), "a timed waiter");
+                    drop(armer);
+                    drop(holder);
+                }
+                // A wake that panics.
+                let hostile = Hostile::new();
+                let holder = table.try_lock(1).expect("free");
+                let mut head = Box::pin(table.lock_with(1, opts));
+                pending(&mut head, &hostile.waker(), "behind the holder");
+                hostile.arm_wake_panic();
+                let released = catch_unwind(AssertUnwindSafe(|| drop(holder)));
+                let payload = released.expect_err("the head's wake panics in the release");
+                assert_eq!(expect_planted(payload, "handoff wake"), "Waker::wake");
+                assert_eq!(hostile.wake_panics(), 1);
+                assert!(table.is_locked(&1), "the key went to the head");
+                assert!(table.try_lock(1).is_err(), "and nobody else may take it");
+                let guard =
+                    ready(&mut head, &Hostile::new().waker(), "the granted head").expect("granted");
+                drop(guard);
+                drop(head);
+                assert_key_free(&table, || 1, "after the panicking wake");
+
+                // A wake that re-enters the table: it must find the shard
+                // unlocked, and the key the head's.
+                let seen = Arc::new(Mutex::new(None));
+                let reenter = {
+                    let (table, seen) = (Arc::clone(&table), Arc::clone(&seen));
+                    Hostile::on_wake(move || {
+                        *seen.lock().unwrap() = Some(table.try_lock(1).is_err());
+                    })
+                };
+                let holder = table.try_lock(1).expect("free");
+                let mut head = Box::pin(table.lock_with(1, opts));
+                pending(&mut head, &reenter.waker(), "behind the holder");
+                drop(holder);
+                assert_eq!(reenter.wakes(), 1, "the head was woken once");
+                assert_eq!(
+                    *seen.lock().unwrap(),
+                    Some(true),
+                    "inside the wake the key was already the head's"
+                );
+                let guard =
+                    ready(&mut head, &reenter.waker(), "the granted head").expect("granted");
+                drop(guard);
+                drop(head);
+                assert_table_empty(&table, 2, "after the re-entering wake");
+            }
+        });
+    }
+
     /// W waits behind a leased holder whose lease lapses. An innocent caller
     /// touches the key, settles the lapse and grants W, whose wake panics inside
     /// the innocent call. W must keep its grant and the innocent caller must be

@@ -26,13 +26,14 @@ use std::time::{Duration, Instant};
 
 use crate::key_map::{Index, KeyMap};
 
-use crate::clock::{Now, Stamp};
+use crate::clock::{Clock, Now, Stamp};
 use crate::deferred::Ctx;
 use crate::fairness::Fairness;
 use crate::key_slot::{KeyPool, KeyPtr};
 use crate::lease::Terms;
 use crate::mode::Mode;
 use crate::stats::Counters;
+use crate::timer_driver::ShardTimer;
 use crate::token::{FencingToken, TokenCounter};
 use crate::waiter::{Granted, Waiter};
 use watch::GrantWatchers;
@@ -49,7 +50,7 @@ mod watch;
 
 pub(crate) use edges::{Edge, Edges};
 use entry::Entry;
-use handoff::{grant_times, Keys};
+use handoff::{grant_times, lease_from, Keys};
 use holders::{Holder, HolderSpares, Holders};
 pub(crate) use status::{RawStatus, RawWaiter};
 pub(crate) use watch::Watch;
@@ -91,21 +92,27 @@ impl Patience {
     /// When a wait starting now starts and gives up (none: never), as
     /// stamps; both none for a wait without either.
     #[inline(always)]
-    fn start_and_until<K>(self, ctx: &mut Ctx<'_, '_, K>) -> (Stamp, Stamp) {
-        if self.timeout.is_none() && !self.deadline.is_some() {
+    fn start_and_until(self, now: &mut Now<'_>) -> (Stamp, Stamp) {
+        if !self.is_timed() {
             return (Stamp::NONE, Stamp::NONE);
         }
-        self.start_and_until_timed(ctx)
+        self.start_and_until_timed(now)
+    }
+
+    /// Whether the wait has a timeout or a deadline.
+    #[inline(always)]
+    fn is_timed(self) -> bool {
+        self.timeout.is_some() || self.deadline.is_some()
     }
 
     #[inline(never)]
-    fn start_and_until_timed<K>(self, ctx: &mut Ctx<'_, '_, K>) -> (Stamp, Stamp) {
+    fn start_and_until_timed(self, now: &mut Now<'_>) -> (Stamp, Stamp) {
         let after_timeout = match self.timeout {
             Some(timeout) => {
-                let start = ctx.clock().start_for(timeout);
+                let start = now.start_for(timeout);
                 (start, start.plus(timeout))
             }
-            None if self.deadline.is_some() => (Stamp::new(Some(ctx.now())), Stamp::NONE),
+            None if self.deadline.is_some() => (Stamp::new(Some(now.get())), Stamp::NONE),
             None => return (Stamp::NONE, Stamp::NONE),
         };
         let (start, until) = after_timeout;
@@ -333,23 +340,25 @@ impl<K> ShardState<K> {
 
     /// The common handoff, without a [`Ctx`]: grant `token`, the only
     /// holder of the key at `index`, lets go under strict fairness, and the
-    /// head waiter asks for the key exclusively without a lease. The head
-    /// is granted a new token and returned its waker, to wake after
-    /// unlocking (`None` inside: it was not armed, and sees the grant when it
-    /// polls). Anything else (eventual fairness, other holders, a shared or
-    /// leased or upgrading head, no waiter, no token left) changes nothing
-    /// and returns `None`, for [`release_at`](Self::release_at).
+    /// head waiter asks for the key exclusively. The head is granted a new
+    /// token (and its lease, from one clock read) and returned its waker, to
+    /// wake after unlocking (`None` inside: it was not armed, and sees the
+    /// grant when it polls). Anything else (eventual fairness, other
+    /// holders, a shared or upgrading head, no waiter, no token left, or a
+    /// lease the shard's timer does not cover yet) changes nothing and
+    /// returns `None`, for [`release_at`](Self::release_at).
     ///
-    /// What the general path would do beside this is nothing here: a holder
-    /// without a lease has no deadline, so the next head needs no timer
-    /// nudge, and a granted exclusive head ends the admission.
+    /// What the general path would do beside this is nothing here: a
+    /// granted exclusive head ends the admission, and the next head is woken
+    /// by the new holder's deadline through the shard's timer, which already
+    /// fires by then (checked), so nobody is nudged.
     #[inline(always)]
     pub(crate) fn hand_off_plain(
         &mut self,
         index: Index,
         token: FencingToken,
         fairness: Fairness,
-        counters: &Counters,
+        shard: (&Counters, &ShardTimer, &Clock),
     ) -> Option<Option<std::task::Waker>> {
         if fairness != Fairness::Strict || !self.tokens.has_available() {
             return None;
@@ -357,27 +366,46 @@ impl<K> ShardState<K> {
         let entry = self.entries.get_mut(index);
         let head = entry.queue.head()?;
         // SAFETY: the head is linked, under the shard lock (the caller's).
-        if !entry.holders.is_only(token) || !unsafe { Waiter::asks_plain_exclusive(head) } {
+        let lease = unsafe { Waiter::exclusive_lease(head) }?;
+        if !entry.holders.is_only(token) {
             return None;
         }
+        let times = if lease.nanos().is_none() {
+            (Stamp::NONE, Stamp::NONE)
+        } else {
+            lease_times(lease, shard)?
+        };
+        Some(self.hand_to_head(index, times, shard.0))
+    }
+
+    /// Grants the head of the entry at `index` the key exclusively, with
+    /// lease `times`, in place of its only holder; returns its waker.
+    #[inline(always)]
+    fn hand_to_head(
+        &mut self,
+        index: Index,
+        (deadline, since): (Stamp, Stamp),
+        counters: &Counters,
+    ) -> Option<std::task::Waker> {
+        let entry = self.entries.get_mut(index);
         let fresh = self.tokens.mint();
-        // SAFETY: under the shard lock; the queue has a head.
+        // SAFETY: under the shard lock; the caller saw a head.
         let (head, terms) = unsafe { entry.queue.pop_front() }?;
         // SAFETY: just unlinked, under the lock; not touched again.
-        let waker = unsafe { Waiter::grant(head, fresh, Stamp::NONE, Mode::Exclusive) };
+        let waker = unsafe { Waiter::grant(head, fresh, deadline, Mode::Exclusive) };
         entry.holders.clear_only();
         entry.holders.push(
             Holder {
                 token: fresh,
-                deadline: Stamp::NONE,
-                since: Stamp::NONE,
+                deadline,
+                since,
                 owner: terms.owner,
             },
             &mut self.spares,
         );
         entry.mode = Mode::Exclusive;
         counters.handed_off();
-        Some(waker)
+        waker
     }
 
     /// The common release, inline and without a [`Ctx`]: grant `token` is
@@ -408,6 +436,21 @@ impl<K> ShardState<K> {
         removed.forget_unused();
         Ok(key)
     }
+}
+
+/// The deadline and start of a handed-off grant with `lease`, on the real
+/// clock, if the shard's timer already fires by that deadline (so that the
+/// handoff arms nothing); `None` otherwise.
+#[inline(never)]
+fn lease_times(
+    lease: crate::lease::PackedDuration,
+    (_, timer, clock): (&Counters, &ShardTimer, &Clock),
+) -> Option<(Stamp, Stamp)> {
+    if !clock.uses_shard_timers() {
+        return None;
+    }
+    let times = lease_from(lease, &mut Now::new(clock));
+    timer.covers(times.0.to_raw()).then_some(times)
 }
 
 pub(crate) const NO_DIAGNOSIS: Diagnosis = Diagnosis {

@@ -3,7 +3,7 @@
 
 use std::borrow::Borrow;
 
-use crate::clock::Stamp;
+use crate::clock::{Clock, Now, Stamp};
 use crate::deferred::Ctx;
 use crate::error::LockError;
 use crate::fairness::Fairness;
@@ -11,6 +11,7 @@ use crate::key_map::Index;
 use crate::key_slot::KeyPtr;
 use crate::lease::{PackedDuration, Terms};
 use crate::mode::Mode;
+use crate::timer_driver::ShardTimer;
 use crate::token::FencingToken;
 use crate::waiter::{Granted, LazyWaiter, Waiter, Want};
 
@@ -115,11 +116,12 @@ impl<K> ShardState<K> {
     }
 
     /// The plain lock's wait, without a [`Ctx`]: an exclusive request
-    /// without a lease, a timeout or a deadline, on a key that one holder
-    /// without a lease holds (so no lapse to settle and no holder deadline
-    /// to time), under strict fairness. `waiter` is linked at the back and
-    /// the wait needs no timer. Anything else changes nothing and returns
-    /// `None`, for [`acquire_or_enqueue_busy`](Self::acquire_or_enqueue_busy).
+    /// without a timeout or a deadline, on a key that one holder without a
+    /// lease holds (so no lapse to settle and no holder deadline to time),
+    /// under strict fairness. `waiter` is linked at the back and the wait
+    /// needs no timer. Anything else changes nothing and returns `None`,
+    /// for [`enqueue_timed`](Self::enqueue_timed) or
+    /// [`acquire_or_enqueue_busy`](Self::acquire_or_enqueue_busy).
     ///
     /// # Safety
     ///
@@ -132,12 +134,7 @@ impl<K> ShardState<K> {
         fairness: Fairness,
         waiter: &mut LazyWaiter,
     ) -> Option<Attempt<K>> {
-        if mode != Mode::Exclusive
-            || fairness != Fairness::Strict
-            || terms.lease.nanos().is_some()
-            || patience.timeout.is_some()
-            || patience.deadline.is_some()
-        {
+        if mode != Mode::Exclusive || fairness != Fairness::Strict || patience.is_timed() {
             return None;
         }
         let entry = self.entries.get_mut(index);
@@ -155,6 +152,53 @@ impl<K> ShardState<K> {
             wake_at: None,
             start: Stamp::NONE,
             until: Stamp::NONE,
+        })
+    }
+
+    /// [`enqueue_plain`](Self::enqueue_plain) with a lease on the holder or
+    /// a timeout or deadline on the wait, on the real clock, when the
+    /// shard's timer already fires by those deadlines (checked), so that the
+    /// wait needs no timer of its own and nothing is armed; a holder whose
+    /// lease has lapsed is left to the general path, which settles it.
+    /// Anything else changes nothing and returns `None`.
+    ///
+    /// # Safety
+    ///
+    /// As [`acquire_or_enqueue_busy`](Self::acquire_or_enqueue_busy).
+    #[inline(never)]
+    pub(crate) unsafe fn enqueue_timed(
+        &mut self,
+        index: Index,
+        (mode, terms, patience): (Mode, Terms, Patience),
+        fairness: Fairness,
+        waiter: &mut LazyWaiter,
+        (timer, clock): (&ShardTimer, &Clock),
+    ) -> Option<Attempt<K>> {
+        if mode != Mode::Exclusive || fairness != Fairness::Strict || !clock.uses_shard_timers() {
+            return None;
+        }
+        let entry = self.entries.get_mut(index);
+        let held_until = entry.holders.only()?.deadline;
+        let mut now = Now::new(clock);
+        if held_until.is_some() && !(now.is_before(held_until) && timer.covers(held_until.to_raw()))
+        {
+            return None;
+        }
+        let (start, until) = patience.start_and_until(&mut now);
+        if until.is_some() && !timer.covers(until.to_raw()) {
+            return None;
+        }
+        let waiter = waiter.get_or_init();
+        // SAFETY: the caller's contract; under the shard lock.
+        unsafe {
+            waiter.prepare(terms, until, Want::Grant(mode), start);
+            entry.queue.push_back(waiter);
+        }
+        Some(Attempt::Queued {
+            key: entry.key,
+            wake_at: None,
+            start,
+            until,
         })
     }
 
@@ -588,7 +632,7 @@ unsafe fn enqueue<K>(
 ) -> Attempt<K> {
     // When the caller gives up (too far to represent: never), from the
     // time this operation judges by, which the caller reads back.
-    let (start, until) = patience.start_and_until(ctx);
+    let (start, until) = patience.start_and_until(ctx.clock());
     ctx.cover(until);
     // When the wait began, for the status view: the wait's start if it
     // has a timeout; otherwise the owner stamps it after the unlock (no
