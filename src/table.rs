@@ -493,11 +493,47 @@ impl<K, S> LockTable<K, S> {
     /// Releases grant `token` if it still holds the key, live (`true`);
     /// otherwise does nothing (`false`): the grant is lost, and its holder
     /// names the key before releasing it.
+    ///
+    /// A grant without a lease is live while it holds the key: released as
+    /// [`release`](Self::release) releases, with no clock read.
+    #[inline]
     pub(crate) fn release_if_live(&self, hash: u64, key: KeyPtr<K>, token: FencingToken) -> bool {
-        let fairness = self.fairness;
-        self.with_shard(hash, |state, ctx| {
-            state.release_if_live(hash, key, token, fairness, ctx)
-        })
+        let shard = self.shard(hash);
+        let mut state = shard.state.lock();
+        match state.release_unleased(hash, key, token) {
+            Ok(key) => {
+                drop(state);
+                // After unlocking: `K::drop` is user code.
+                drop(key);
+                true
+            }
+            Err(Some(index)) => {
+                self.release_busy(shard, state, Some(index), token);
+                true
+            }
+            Err(None) => self.release_if_live_general(shard, state, hash, key, token),
+        }
+    }
+
+    /// [`release_if_live`](Self::release_if_live) of a leased or lost grant.
+    #[cold]
+    #[inline(never)]
+    fn release_if_live_general(
+        &self,
+        shard: &Shard<K>,
+        state: impl DerefMut<Target = ShardState<K>>,
+        hash: u64,
+        key: KeyPtr<K>,
+        token: FencingToken,
+    ) -> bool {
+        // Declared before the shard guard, so dropped after it.
+        let mut left = Leftovers::default();
+        let mut state = state;
+        let mut ctx = shard.ctx(&self.clock, &mut left);
+        let live = state.release_if_live(hash, key, token, self.fairness, &mut ctx);
+        drop(state);
+        left.flush();
+        live
     }
 
     /// Unlinks a dropped future's waiter; a grant it had not observed yet is

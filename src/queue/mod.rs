@@ -338,6 +338,41 @@ impl<K> ShardState<K> {
         )
     }
 
+    /// [`release_alone`](Self::release_alone) for a holder that must prove
+    /// it is live (a transaction's release): a grant without a lease is live
+    /// while it holds the key, so no clock is read. `Ok`: released alone, its
+    /// key returned to drop after unlocking. `Err(Some(index))`: a live grant
+    /// without a lease on a busy key, for
+    /// [`release_at`](Self::release_at). `Err(None)`: anything else (a
+    /// leased or lost grant, no entry), for
+    /// [`release_if_live`](Self::release_if_live); nothing changed.
+    #[inline(always)]
+    pub(crate) fn release_unleased(
+        &mut self,
+        hash: u64,
+        key: KeyPtr<K>,
+        token: FencingToken,
+    ) -> Result<K, Option<Index>> {
+        let Some(index) = self.entries.find(hash, |e| e.key == key) else {
+            return Err(None);
+        };
+        let entry = self.entries.get_mut(index);
+        match entry.holders.get(token) {
+            Some(holder) if !holder.deadline.is_some() => {}
+            _ => return Err(None),
+        }
+        if !(entry.holders.is_only(token) && entry.queue.is_empty() && entry.fenced == 0) {
+            return Err(Some(index));
+        }
+        entry.holders.clear_only();
+        let removed = self.entries.remove(index);
+        // SAFETY: the entry was just removed from the table and nothing uses
+        // it: no holder, no waiter, no fenced guard.
+        let key = unsafe { self.keys.take(removed.key) };
+        removed.forget_unused();
+        Ok(key)
+    }
+
     /// The common handoff, without a [`Ctx`]: grant `token`, the only
     /// holder of the key at `index`, lets go under strict fairness, and the
     /// head waiter asks for the key exclusively. The head is granted a new
