@@ -398,6 +398,18 @@ impl<K> ClusterLockTable<K> {
             .map_or(0, |s| s.state.lease_id)
     }
 
+    /// The current session's lease and whether the table has declared it
+    /// lost (`None` while a new session is being started): for the
+    /// simulation's checks.
+    #[cfg(test)]
+    pub(crate) fn session_state(&self) -> Option<(i64, bool)> {
+        self.inner
+            .session
+            .try_lock()
+            .ok()
+            .map(|s| (s.state.lease_id, !s.state.is_live()))
+    }
+
     /// Counts of this table (this process only).
     pub fn stats(&self) -> ClusterStats {
         ClusterStats {

@@ -223,7 +223,8 @@ impl Log {
 struct Slot {
     client: usize,
     holding: Option<usize>,
-    task: Option<tokio::task::JoinHandle<Option<ClusterLockTable<String>>>>,
+    table: Option<Arc<ClusterLockTable<String>>>,
+    task: Option<tokio::task::JoinHandle<Option<Arc<ClusterLockTable<String>>>>>,
 }
 
 struct Ctx {
@@ -260,7 +261,11 @@ fn key_name(k: usize) -> String {
 
 /// One client process: a table on its own link, looping until stopped.
 /// Returns its table (kept until the final checks).
-async fn process(ctx: Arc<Ctx>, slot: usize, link: Client) -> Option<ClusterLockTable<String>> {
+async fn process(
+    ctx: Arc<Ctx>,
+    slot: usize,
+    link: Client,
+) -> Option<Arc<ClusterLockTable<String>>> {
     let mut rng = Rng::new(ctx.seed ^ (link.id as u64).wrapping_mul(0xA076_1D64_78BD_642F));
     let opts = ClusterOptions::new()
         .prefix("sim")
@@ -271,13 +276,14 @@ async fn process(ctx: Arc<Ctx>, slot: usize, link: Client) -> Option<ClusterLock
     // The connect retries for one TTL; a process keeps trying.
     let table = loop {
         match ClusterLockTable::on_model(Arc::clone(&etcd), opts.clone(), rng.next()).await {
-            Ok(t) => break t,
+            Ok(t) => break Arc::new(t),
             Err(_) if !ctx.stop.load(Ordering::Relaxed) => {
                 tokio::time::sleep(Duration::from_millis(500)).await;
             }
             Err(_) => return None,
         }
     };
+    ctx.slots()[slot].table = Some(Arc::clone(&table));
     let cfg = &ctx.cfg;
     while !ctx.stop.load(Ordering::Relaxed) {
         let think = cfg
@@ -415,12 +421,14 @@ fn spawn_process(ctx: &Arc<Ctx>, slot: usize) {
         slots.push(Slot {
             client: id,
             holding: None,
+            table: None,
             task: Some(task),
         });
     } else {
         slots[slot] = Slot {
             client: id,
             holding: None,
+            table: None,
             task: Some(task),
         };
     }
@@ -521,6 +529,7 @@ async fn faults(ctx: Arc<Ctx>) {
                     if let Some(t) = s.task.take() {
                         t.abort();
                     }
+                    s.table = None;
                     s.holding
                 };
                 cluster.crash(client);
@@ -631,6 +640,12 @@ pub(crate) fn run(seed: u64, cfg: &Config) -> Result<Report, Failure> {
         ctx.cluster.recover();
         ctx.log().fault("heal", "every fault healed".into());
         let healed = now();
+        // One TTL + request timeout after every fault healed, every waiter
+        // key is of a live session of a live client.
+        let settle = cfg.ttl + cfg.request_timeout + Duration::from_secs(2);
+        tokio::time::sleep(settle).await;
+        let mut bad_keys: Vec<usize> = Vec::new();
+        check_sessions(&ctx, settle, &mut bad_keys);
         // The clients run on without faults, then stop.
         tokio::time::sleep((cfg.ttl + cfg.request_timeout) * 3 + Duration::from_secs(10)).await;
         ctx.stop.store(true, Ordering::Relaxed);
@@ -658,23 +673,16 @@ pub(crate) fn run(seed: u64, cfg: &Config) -> Result<Report, Failure> {
         // One TTL + request timeout later, no key may be blocked.
         tokio::time::sleep(cfg.ttl + cfg.request_timeout + Duration::from_secs(1)).await;
         let left = ctx.cluster.waiter_keys();
-        let mut bad_keys: Vec<usize> = Vec::new();
         {
             let mut log = ctx.log();
-            for (key, rev, lease) in &left {
+            for (key, rev, lease, _) in &left {
                 log.violations.push(format!(
                     "blocked after recovery: waiter key {key} (created at {rev}, lease {lease:x}) \
                      still there {:?} after every fault healed and every client stopped",
                     now() - healed
                 ));
             }
-            bad_keys.extend(left.iter().filter_map(|(k, _, _)| {
-                k.strip_prefix("sim/k")?
-                    .split('/')
-                    .next()?
-                    .parse::<usize>()
-                    .ok()
-            }));
+            bad_keys.extend(left.iter().filter_map(|(k, _, _, _)| stem_of(k)));
         }
         check_history(&ctx, &mut bad_keys);
         ticker.abort();
@@ -717,6 +725,49 @@ pub(crate) fn run(seed: u64, cfg: &Config) -> Result<Report, Failure> {
         }
         Err(Failure { seed, message: msg })
     })
+}
+
+/// The number of a waiter key's key.
+fn stem_of(waiter_key: &str) -> Option<usize> {
+    waiter_key
+        .strip_prefix("sim/k")?
+        .split('/')
+        .next()?
+        .parse()
+        .ok()
+}
+
+/// Every waiter key is of the live session of a live client: not of a
+/// crashed client's lease (it expired), nor of a lease its table no longer
+/// uses or has declared lost (it was revoked).
+fn check_sessions(ctx: &Ctx, after: Duration, bad_keys: &mut Vec<usize>) {
+    let sessions: BTreeMap<usize, Option<(i64, bool)>> = ctx
+        .slots()
+        .iter()
+        .map(|s| (s.client, s.table.as_ref().and_then(|t| t.session_state())))
+        .collect();
+    let mut log = ctx.log();
+    for (key, rev, lease, owner) in ctx.cluster.waiter_keys() {
+        let why = match owner {
+            None => Some("a lease with no owner".to_owned()),
+            Some(c) if ctx.cluster.crashed(c) => Some(format!("the lease of c{c}, crashed")),
+            Some(c) => match sessions.get(&c) {
+                Some(Some((current, lost))) if *current == lease && *lost => {
+                    Some(format!("the lease of c{c}, whose table declared its session lost"))
+                }
+                Some(Some((current, _))) if *current != lease => Some(format!(
+                    "a lease of c{c} that its table no longer uses (it uses {current:x})"
+                )),
+                _ => None,
+            },
+        };
+        if let Some(why) = why {
+            log.violations.push(format!(
+                "key blocked after recovery: waiter key {key} (created at {rev}) is on lease                  {lease:x}, {why}, {after:?} after every fault healed"
+            ));
+            bad_keys.extend(stem_of(&key));
+        }
+    }
 }
 
 /// The safety checks, from the store's history and the clients' sections.

@@ -66,6 +66,8 @@ struct Kv {
 
 #[derive(Debug)]
 struct Lease {
+    /// The client that was granted it.
+    owner: usize,
     ttl: i64,
     expires: Instant,
     keys: BTreeSet<String>,
@@ -472,14 +474,23 @@ impl Cluster {
         st.members_up = [true; MEMBERS];
     }
 
-    /// The waiter keys left in the store: (key, create revision, lease).
-    pub(crate) fn waiter_keys(&self) -> Vec<(String, i64, i64)> {
-        self.lock()
-            .kv
+    /// The waiter keys in the store: (key, create revision, lease, the
+    /// client the lease was granted to).
+    pub(crate) fn waiter_keys(&self) -> Vec<(String, i64, i64, Option<usize>)> {
+        let st = self.lock();
+        st.kv
             .iter()
             .filter(|(k, _)| k.starts_with("sim/"))
-            .map(|(k, kv)| (k.clone(), kv.create_revision, kv.lease))
+            .map(|(k, kv)| {
+                let owner = st.leases.get(&kv.lease).map(|l| l.owner);
+                (k.clone(), kv.create_revision, kv.lease, owner)
+            })
             .collect()
+    }
+
+    /// Whether the client crashed.
+    pub(crate) fn crashed(&self, client: usize) -> bool {
+        self.lock().links[client].crashed
     }
 
     pub(crate) fn revision(&self) -> i64 {
@@ -866,12 +877,14 @@ impl Etcd for Client {
     }
 
     fn lease_grant(&self, ttl: i64) -> Call<'_, (i64, i64)> {
+        let owner = self.id;
         Box::pin(self.call(move |st| {
             st.next_lease += 1 + i64::try_from(st.rng.below(16)).unwrap_or(0);
             let id = st.next_lease;
             st.leases.insert(
                 id,
                 Lease {
+                    owner,
                     ttl,
                     expires: now() + Duration::from_secs(u64::try_from(ttl).unwrap_or(1)),
                     keys: BTreeSet::new(),
