@@ -204,7 +204,7 @@ struct Log {
 impl Log {
     fn note(&mut self, key: usize, what: String) {
         let q = self.trace.entry(key).or_default();
-        if q.len() == 48 {
+        if q.len() == 4096 {
             q.pop_front();
         }
         q.push_back(format!("{:>9} ms  client  {what}", sim_ms()));
@@ -234,6 +234,8 @@ struct Ctx {
     log: Mutex<Log>,
     slots: Mutex<Vec<Slot>>,
     stop: AtomicBool,
+    /// Flips to `true` with `stop`: wakes thinking clients.
+    stop_tx: tokio::sync::watch::Sender<bool>,
     /// The Zipf distribution's cumulative weights.
     zipf: Vec<f64>,
 }
@@ -286,13 +288,19 @@ async fn process(
     ctx.slots()[slot].table = Some(Arc::clone(&table));
     let cfg = &ctx.cfg;
     while !ctx.stop.load(Ordering::Relaxed) {
-        let think = cfg
-            .think
-            .mul_f64(-rng.unit().max(1e-9).ln())
-            .min(cfg.think * 8);
-        tokio::time::sleep(think).await;
-        if ctx.stop.load(Ordering::Relaxed) {
-            break;
+        // Now and then a long idle spell: a fleet has quiet processes.
+        let think = if rng.below(10) == 0 {
+            rng.between(Duration::from_secs(10), Duration::from_secs(60))
+        } else {
+            cfg.think
+                .mul_f64(-rng.unit().max(1e-9).ln())
+                .min(cfg.think * 8)
+        };
+        let mut stop = ctx.stop_tx.subscribe();
+        tokio::select! {
+            biased;
+            _ = stop.wait_for(|s| *s) => break,
+            () = tokio::time::sleep(think) => {}
         }
         let k = ctx.pick_key(&mut rng);
         let timeout = match rng.below(10) {
@@ -621,6 +629,7 @@ pub(crate) fn run(seed: u64, cfg: &Config) -> Result<Report, Failure> {
             log: Mutex::new(Log::default()),
             slots: Mutex::new(Vec::new()),
             stop: AtomicBool::new(false),
+            stop_tx: tokio::sync::watch::channel(false).0,
             zipf,
         });
         let ticker = {
@@ -636,6 +645,14 @@ pub(crate) fn run(seed: u64, cfg: &Config) -> Result<Report, Failure> {
             spawn_process(&ctx, slot);
         }
         faults(Arc::clone(&ctx)).await;
+        // The run ends with a whole-cluster outage and recovery.
+        let last = Rng::new(seed ^ 0x1A57).between(cfg.ttl + cfg.ttl / 2, cfg.ttl * 3);
+        ctx.cluster.outage();
+        ctx.log().fault(
+            "outage",
+            format!("whole cluster down for {last:?} (the last fault)"),
+        );
+        tokio::time::sleep(last).await;
         ctx.cluster.heal();
         ctx.cluster.recover();
         ctx.log().fault("heal", "every fault healed".into());
@@ -644,11 +661,12 @@ pub(crate) fn run(seed: u64, cfg: &Config) -> Result<Report, Failure> {
         // key is of a live session of a live client.
         let settle = cfg.ttl + cfg.request_timeout + Duration::from_secs(2);
         tokio::time::sleep(settle).await;
-        let mut bad_keys: Vec<usize> = Vec::new();
+        let mut bad_keys: Vec<(usize, Option<u128>)> = Vec::new();
         check_sessions(&ctx, settle, &mut bad_keys);
         // The clients run on without faults, then stop.
         tokio::time::sleep((cfg.ttl + cfg.request_timeout) * 3 + Duration::from_secs(10)).await;
         ctx.stop.store(true, Ordering::Relaxed);
+        ctx.stop_tx.send_replace(true);
         let stop_bound = cfg.bound(Some(Duration::from_secs(15))) + Duration::from_secs(2);
         let tasks: Vec<_> = ctx
             .slots()
@@ -682,7 +700,11 @@ pub(crate) fn run(seed: u64, cfg: &Config) -> Result<Report, Failure> {
                     now() - healed
                 ));
             }
-            bad_keys.extend(left.iter().filter_map(|(k, _, _, _)| stem_of(k)));
+            bad_keys.extend(
+                left.iter()
+                    .filter_map(|(k, _, _, _)| stem_of(k))
+                    .map(|k| (k, None)),
+            );
         }
         check_history(&ctx, &mut bad_keys);
         ticker.abort();
@@ -707,7 +729,7 @@ pub(crate) fn run(seed: u64, cfg: &Config) -> Result<Report, Failure> {
             msg.push_str(&format!("    {f}\n"));
         }
         let store = ctx.cluster.lock();
-        for k in bad_keys.iter().take(3) {
+        for (k, focus) in bad_keys.iter().take(3) {
             msg.push_str(&format!("  trace of key k{k}:\n"));
             let mut lines: Vec<String> = log.trace.get(k).into_iter().flatten().cloned().collect();
             lines.extend(
@@ -718,7 +740,15 @@ pub(crate) fn run(seed: u64, cfg: &Config) -> Result<Report, Failure> {
                     .flatten()
                     .cloned(),
             );
-            lines.sort();
+            let at = |l: &String| {
+                l.split_whitespace()
+                    .next()
+                    .and_then(|t| t.parse::<u128>().ok())
+            };
+            lines.sort_by_key(|l| at(l));
+            if let Some(t) = focus {
+                lines.retain(|l| at(l).is_some_and(|a| a + 3000 >= *t && a <= t + 500));
+            }
             for l in lines.iter().rev().take(40).rev() {
                 msg.push_str(&format!("    {l}\n"));
             }
@@ -740,7 +770,7 @@ fn stem_of(waiter_key: &str) -> Option<usize> {
 /// Every waiter key is of the live session of a live client: not of a
 /// crashed client's lease (it expired), nor of a lease its table no longer
 /// uses or has declared lost (it was revoked).
-fn check_sessions(ctx: &Ctx, after: Duration, bad_keys: &mut Vec<usize>) {
+fn check_sessions(ctx: &Ctx, after: Duration, bad_keys: &mut Vec<(usize, Option<u128>)>) {
     let sessions: BTreeMap<usize, Option<(i64, bool)>> = ctx
         .slots()
         .iter()
@@ -752,9 +782,9 @@ fn check_sessions(ctx: &Ctx, after: Duration, bad_keys: &mut Vec<usize>) {
             None => Some("a lease with no owner".to_owned()),
             Some(c) if ctx.cluster.crashed(c) => Some(format!("the lease of c{c}, crashed")),
             Some(c) => match sessions.get(&c) {
-                Some(Some((current, lost))) if *current == lease && *lost => {
-                    Some(format!("the lease of c{c}, whose table declared its session lost"))
-                }
+                Some(Some((current, lost))) if *current == lease && *lost => Some(format!(
+                    "the lease of c{c}, whose table declared its session lost"
+                )),
                 Some(Some((current, _))) if *current != lease => Some(format!(
                     "a lease of c{c} that its table no longer uses (it uses {current:x})"
                 )),
@@ -765,13 +795,13 @@ fn check_sessions(ctx: &Ctx, after: Duration, bad_keys: &mut Vec<usize>) {
             log.violations.push(format!(
                 "key blocked after recovery: waiter key {key} (created at {rev}) is on lease                  {lease:x}, {why}, {after:?} after every fault healed"
             ));
-            bad_keys.extend(stem_of(&key));
+            bad_keys.extend(stem_of(&key).map(|k| (k, None)));
         }
     }
 }
 
 /// The safety checks, from the store's history and the clients' sections.
-fn check_history(ctx: &Ctx, bad_keys: &mut Vec<usize>) {
+fn check_history(ctx: &Ctx, bad_keys: &mut Vec<(usize, Option<u128>)>) {
     let writes = ctx.cluster.lock().writes.clone();
     let mut log = ctx.log();
     // At the store: per key, in revision order.
@@ -789,7 +819,7 @@ fn check_history(ctx: &Ctx, bad_keys: &mut Vec<usize>) {
                     w.value, w.client, w.token, w.revision
                 ));
                 if let Some(k) = key.strip_prefix("data/").and_then(|k| k.parse().ok()) {
-                    bad_keys.push(k);
+                    bad_keys.push((k, None));
                 }
             }
             prev = Some(w);
@@ -814,13 +844,13 @@ fn check_history(ctx: &Ctx, bad_keys: &mut Vec<usize>) {
                         s.token,
                         ms_of(s.start)
                     ));
-                    bad_keys.push(k);
+                    bad_keys.push((k, Some(ms_of(s.start))));
                 } else if s.token <= p.token {
                     log.violations.push(format!(
                         "key k{k}: token {} (c{}) after token {} (c{})",
                         s.token, s.client, p.token, p.client
                     ));
-                    bad_keys.push(k);
+                    bad_keys.push((k, Some(ms_of(s.start))));
                 }
             }
             if last.as_ref().is_none_or(|p| s.end > p.end) {

@@ -140,7 +140,7 @@ impl State {
             .to_owned();
         let t = super::sim_ms();
         let q = self.trace.entry(stem).or_default();
-        if q.len() == 48 {
+        if q.len() == 4096 {
             q.pop_front();
         }
         q.push_back(format!("{t:>9} ms  store   {what}"));
@@ -420,7 +420,7 @@ impl Cluster {
     }
 
     /// Revokes, as an operator would, the lease of a waiter that is not
-    /// the head of its queue (or any live lease): the lease id.
+    /// the head of its queue, if there is one: the lease id.
     pub(crate) fn revoke_a_waiter(&self, pick: u64) -> Option<i64> {
         let mut st = self.lock();
         // Keys with two waiters or more: revoke a non-head waiter's lease.
@@ -440,9 +440,9 @@ impl Cluster {
             q.sort_unstable();
             choices.extend(q.iter().skip(1).map(|(_, l)| *l));
         }
-        if choices.is_empty() {
-            choices = st.leases.keys().copied().collect();
-        }
+        // Not a holder's: its check() is judged locally and cannot see a
+        // revoke before its next keep-alive (the store's fence refuses its
+        // writes at once).
         if choices.is_empty() {
             return None;
         }
