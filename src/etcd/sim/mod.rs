@@ -124,7 +124,7 @@ impl Config {
         Self {
             clients: 1000,
             keys: 128,
-            fault_time: Duration::from_secs(600),
+            fault_time: Duration::from_secs(3000),
             fault_gap: Duration::from_millis(500),
             think: Duration::from_secs(20),
             ttl: Duration::from_secs(3),
@@ -156,7 +156,7 @@ pub(crate) struct Report {
     pub(crate) faults: BTreeMap<&'static str, u64>,
     /// Release to the next grant of a waiter queued before it, ms.
     pub(crate) handoff_ms: Vec<u64>,
-    /// A holder's crash to the next grant of its key, ms.
+    /// A holder's crash to the grant of a waiter waiting then, ms.
     pub(crate) takeover_ms: Vec<u64>,
     pub(crate) sim_seconds: u64,
     pub(crate) revision: i64,
@@ -344,7 +344,8 @@ async fn process(
                             log.report.handoff_ms.push(ms);
                         }
                     }
-                    if let Some(c) = log.crashed_holder.remove(&k) {
+                    // A waiter that was waiting when the holder crashed.
+                    if let Some(c) = log.crashed_holder.remove(&k).filter(|c| began < *c) {
                         let ms = u64::try_from((now() - c).as_millis()).unwrap_or(u64::MAX);
                         log.report.takeover_ms.push(ms);
                     }
@@ -531,14 +532,25 @@ async fn faults(ctx: Arc<Ctx>) {
                     .fault("watch cancel", format!("c{client}: watches cancelled"));
             }
             9 => {
-                let holding = {
+                // Half the time a holder: its key is taken over.
+                let prefer_holder = rng.below(2) == 0;
+                let Some((slot, client, holding)) = ({
                     let mut slots = ctx.slots();
-                    let s = &mut slots[slot];
-                    if let Some(t) = s.task.take() {
+                    let len = slots.len();
+                    let found = (0..len)
+                        .map(|i| (slot + i) % len)
+                        .find(|i| slots[*i].holding.is_some() && slots[*i].task.is_some())
+                        .filter(|_| prefer_holder)
+                        .unwrap_or(slot);
+                    let s = &mut slots[found];
+                    // A slot already crashed waits for its restart.
+                    s.task.take().map(|t| {
                         t.abort();
-                    }
-                    s.table = None;
-                    s.holding
+                        s.table = None;
+                        (found, s.client, s.holding)
+                    })
+                }) else {
+                    continue;
                 };
                 cluster.crash(client);
                 let restart = rng.between(Duration::from_secs(1), Duration::from_secs(10));
@@ -866,20 +878,20 @@ fn ms_of(t: Instant) -> u128 {
         .map_or(0, |s| t.saturating_duration_since(s).as_millis())
 }
 
-/// The seeds to run: `SEED` (one), or `SIM_SEEDS` (how many, from
+/// The seeds to run: `SEED` (one), or `count_var` (how many, from
 /// `SIM_FIRST`, default 1), or `default` seeds from 1.
-fn seeds(default: u64) -> Vec<u64> {
+fn seeds(count_var: &str, default: u64) -> Vec<u64> {
     let var = |name: &str| std::env::var(name).ok().and_then(|v| v.parse::<u64>().ok());
     if let Some(seed) = var("SEED") {
         return vec![seed];
     }
     let first = var("SIM_FIRST").unwrap_or(1);
-    (first..first + var("SIM_SEEDS").unwrap_or(default)).collect()
+    (first..first + var(count_var).unwrap_or(default)).collect()
 }
 
-fn run_all(name: &str, cfg: &Config, default_seeds: u64) {
+fn run_all(name: &str, cfg: &Config, count_var: &str, default_seeds: u64) {
     let mut total = Report::default();
-    let seeds = seeds(default_seeds);
+    let seeds = seeds(count_var, default_seeds);
     let mut failures = Vec::new();
     for &seed in &seeds {
         match run(seed, cfg) {
@@ -937,7 +949,17 @@ mod tests {
     /// how many; `SEED` to replay one).
     #[test]
     fn smoke() {
-        run_all("smoke", &Config::smoke(), 40);
+        run_all("smoke", &Config::smoke(), "SIM_SEEDS", 100);
+    }
+
+    /// One seed of the fleet, with five minutes of faults.
+    #[test]
+    fn fleet_smoke() {
+        let cfg = Config {
+            fault_time: Duration::from_secs(300),
+            ..Config::fleet()
+        };
+        run_all("fleet smoke", &cfg, "FLEET_SMOKE_SEEDS", 1);
     }
 
     /// The same seed, the same run: its history and its measures.
@@ -972,10 +994,11 @@ mod tests {
         }
     }
 
-    /// The fleet: 1,000 clients on 128 keys, every fault kind.
+    /// The fleet: 1,000 clients on 128 keys, every fault kind, 3,000
+    /// simulated seconds of faults per seed (`FLEET_SEEDS` seeds, default 1).
     #[test]
     #[ignore = "the long run: cargo test --release --features etcd --lib etcd::sim -- --ignored"]
     fn fleet() {
-        run_all("fleet", &Config::fleet(), 1);
+        run_all("fleet", &Config::fleet(), "FLEET_SEEDS", 1);
     }
 }
