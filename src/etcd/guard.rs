@@ -115,13 +115,13 @@ impl<K> Held<K> {
                 ..
             } => {
                 let (id, ttl) = (*id, *ttl);
-                let mut client = self.inner.client.clone();
+                let etcd = Arc::clone(&self.inner.etcd);
                 let task = self.inner.handle.spawn(async move {
-                    let sent = Instant::now();
-                    let (mut keeper, mut stream) = client.lease_keep_alive(id).await?;
-                    keeper.keep_alive().await?;
-                    let resp = stream.message().await?;
-                    Ok::<_, etcd_client::Error>((sent, resp.map_or(0, |r| r.ttl())))
+                    let sent = super::now();
+                    let mut stream = etcd.lease_keep_alive(id).await?;
+                    stream.keep_alive().await?;
+                    let ttl = stream.message().await?;
+                    Ok::<_, etcd_client::Error>((sent, ttl.unwrap_or(0)))
                 });
                 let (sent, granted) = task
                     .await

@@ -92,17 +92,17 @@ pub(crate) fn stamp(label: Option<&str>, held: bool) -> String {
 }
 
 /// Reads a waiter key's entry as the holder it names.
-pub(crate) fn holder_of(kv: &etcd_client::KeyValue) -> Option<ClusterHolder> {
-    let token = FencingToken::new(u64::try_from(kv.create_revision()).ok()?)?;
+pub(crate) fn holder_of(create_revision: i64, lease: i64, value: &[u8]) -> Option<ClusterHolder> {
+    let token = FencingToken::new(u64::try_from(create_revision).ok()?)?;
     let mut holder = ClusterHolder {
-        lease_id: kv.lease(),
+        lease_id: lease,
         token,
         held_for: None,
         pid: None,
         host: None,
         label: None,
     };
-    let value = String::from_utf8_lossy(kv.value());
+    let value = String::from_utf8_lossy(value);
     for line in value.lines() {
         let Some((name, v)) = line.split_once('=') else {
             continue;

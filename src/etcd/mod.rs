@@ -97,6 +97,7 @@
 //! [`ClusterLockTable::blocking_lock`]) while the runtime runs. Dropping a
 //! guard spawns its release there and never blocks.
 
+mod client;
 mod error;
 mod guard;
 mod key;
@@ -104,7 +105,16 @@ mod lost;
 mod recipe;
 mod retry;
 mod session;
+#[cfg(test)]
+mod sim;
 mod table;
+
+/// The monotonic clock of the cluster scope: tokio's, which is the
+/// system's monotonic clock unless tokio's time is paused (the crate's
+/// simulation runs on paused time).
+pub(crate) fn now() -> std::time::Instant {
+    tokio::time::Instant::now().into_std()
+}
 
 pub use error::{ClusterHolder, ClusterLockError};
 pub use guard::{ClusterGuard, Fence, OwnedClusterGuard};

@@ -68,13 +68,10 @@ use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
-use etcd_client::{
-    Compare, CompareOp, EventType, GetOptions, PutOptions, SortOrder, SortTarget, Txn, TxnOp,
-    TxnOpResponse, WatchFilterType, WatchOptions,
-};
-
+use super::client::{Enqueued, Range};
 use super::error::{ClusterHolder, ClusterLockError};
 use super::key;
+use super::now;
 use super::retry::retry;
 use super::session::Session;
 use super::table::Inner;
@@ -123,7 +120,7 @@ impl GrantLease {
     pub(crate) fn is_live(&self) -> bool {
         match self {
             Self::Session(s) => s.state.is_live(),
-            Self::Own { .. } => Instant::now() < self.valid_until(),
+            Self::Own { .. } => now() < self.valid_until(),
         }
     }
 }
@@ -159,9 +156,7 @@ impl Undo {
         if let Some(key) = key {
             let bound = session.map(|s| s.state.valid_until());
             let _ = retry("delete the waiter key", &inner.counts, bound, || {
-                let mut c = inner.client.clone();
-                let key = key.clone();
-                async move { c.delete(key, None).await }
+                inner.etcd.delete(&key)
             })
             .await;
             inner.etcd_waiters.fetch_sub(1, Ordering::Relaxed);
@@ -172,10 +167,9 @@ impl Undo {
             .unwrap_or_else(PoisonError::into_inner)
             .take();
         if let Some(id) = own {
-            let bound = Some(Instant::now() + Duration::from_secs(5));
+            let bound = Some(now() + Duration::from_secs(5));
             let _ = retry("revoke the grant's lease", &inner.counts, bound, || {
-                let mut c = inner.client.clone();
-                async move { c.lease_revoke(id).await }
+                inner.etcd.lease_revoke(id)
             })
             .await;
         }
@@ -196,10 +190,6 @@ enum Wake {
     /// another client deleted it): the key is not ours, whatever was
     /// deleted ahead of it.
     Gone,
-}
-
-fn revision_of(header: Option<&etcd_client::ResponseHeader>) -> i64 {
-    header.map_or(0, etcd_client::ResponseHeader::revision)
 }
 
 /// The whole acquisition in etcd; on an error the caller runs `undo`.
@@ -232,7 +222,7 @@ pub(crate) async fn acquire(
     let stamp = key::stamp(inner.label.as_deref(), true);
     // The deadline of the etcd calls: the caller's, or for a try_lock one
     // TTL (the session is lost by then anyway if etcd cannot be reached).
-    let call_bound = deadline.or_else(|| Some(Instant::now() + session.state.ttl));
+    let call_bound = deadline.or_else(|| Some(now() + session.state.ttl));
 
     // 1. Enqueue.
     *undo
@@ -240,60 +230,29 @@ pub(crate) async fn acquire(
         .lock()
         .unwrap_or_else(PoisonError::into_inner) = Some(me.clone());
     inner.etcd_waiters.fetch_add(1, Ordering::Relaxed);
+    // A writer: the head of the queue, as of this put; if it is ours, the
+    // key is ours with this one round trip. A reader: any writer (all are
+    // older than this put); if there is none, the key is ours.
+    let head_range = if shared {
+        Range::Writers(prefix.clone())
+    } else {
+        Range::All(prefix.clone())
+    };
     let enqueued = retry("enqueue the waiter key", &inner.counts, call_bound, || {
-        let mut c = inner.client.clone();
-        let txn = Txn::new()
-            .when([Compare::create_revision(me.clone(), CompareOp::Equal, 0)])
-            .and_then([
-                TxnOp::put(
-                    me.clone(),
-                    stamp.clone(),
-                    Some(PutOptions::new().with_lease(lease_id)),
-                ),
-                // A writer: the head of the queue, as of this put; if it is
-                // ours, the key is ours with this one round trip. A reader:
-                // any writer (all are older than this put); if there is
-                // none, the key is ours.
-                TxnOp::get(
-                    prefix.clone(),
-                    Some(if shared {
-                        GetOptions::new()
-                            .with_range(key::writers_end(&prefix))
-                            .with_limit(1)
-                            .with_keys_only()
-                    } else {
-                        GetOptions::new()
-                            .with_prefix()
-                            .with_sort(SortTarget::Create, SortOrder::Ascend)
-                            .with_limit(1)
-                            .with_keys_only()
-                    }),
-                ),
-            ])
-            .or_else([TxnOp::get(me.clone(), None)]);
-        async move { c.txn(txn).await }
+        inner.etcd.enqueue(&me, &stamp, lease_id, &head_range)
     })
     .await
     .map_err(|e| lease_gone(session, e))?;
-    let mut at_once = false;
-    let revision = if enqueued.succeeded() {
-        at_once = enqueued.op_responses().into_iter().any(|r| match r {
-            TxnOpResponse::Get(g) if shared => g.kvs().is_empty(),
-            TxnOpResponse::Get(g) => g.kvs().first().is_some_and(|kv| kv.key() == me.as_bytes()),
-            _ => false,
-        });
-        revision_of(enqueued.header())
-    } else {
-        enqueued
-            .op_responses()
-            .into_iter()
-            .find_map(|r| match r {
-                TxnOpResponse::Get(g) => {
-                    g.kvs().first().map(etcd_client::KeyValue::create_revision)
-                }
-                _ => None,
-            })
-            .unwrap_or(0)
+    let (revision, at_once) = match enqueued {
+        Enqueued::Created { revision, oldest } => {
+            let at_once = if shared {
+                oldest.is_none()
+            } else {
+                oldest.as_deref() == Some(me.as_str())
+            };
+            (revision, at_once)
+        }
+        Enqueued::Existing { create_revision } => (create_revision, false),
     };
     let token = u64::try_from(revision)
         .ok()
@@ -309,15 +268,14 @@ pub(crate) async fn acquire(
             break;
         }
         if !wait {
+            let range = ahead_of(&prefix, shared);
             let ahead = retry("read the waiters ahead", &inner.counts, call_bound, || {
-                let mut c = inner.client.clone();
-                let txn = read_ahead(&me, &prefix, revision, shared);
-                async move { c.txn(txn).await }
+                inner.etcd.read_ahead(&me, revision, &range)
             })
             .await?;
-            match ahead_keys(&ahead) {
+            match ahead {
                 None => return Err(waiter_key_gone(inner, session, &me).await),
-                Some(keys) if keys.is_empty() => break,
+                Some((keys, _)) if keys.is_empty() => break,
                 Some(_) => {}
             }
             let (holder, _) = head(inner, &prefix, revision).await;
@@ -331,7 +289,7 @@ pub(crate) async fn acquire(
             Wake::Deadline => {
                 let (holder, ahead) = head(inner, &prefix, revision).await;
                 return Err(ClusterLockError::Timeout {
-                    waited: started.elapsed(),
+                    waited: now().saturating_duration_since(started),
                     holder: holder.map(Box::new),
                     ahead,
                 });
@@ -346,22 +304,11 @@ pub(crate) async fn acquire(
     let lease = match own_lease {
         None if at_once => GrantLease::Session(Arc::clone(session)),
         None => {
-            let mut c = inner.client.clone();
+            let etcd = Arc::clone(&inner.etcd);
             let key = me.clone();
             // Diagnosis only: not waited for.
             drop(inner.handle.spawn(async move {
-                let txn = Txn::new()
-                    .when([Compare::create_revision(
-                        key.clone(),
-                        CompareOp::Equal,
-                        revision,
-                    )])
-                    .and_then([TxnOp::put(
-                        key,
-                        held_stamp,
-                        Some(PutOptions::new().with_ignore_lease()),
-                    )]);
-                let _ = c.txn(txn).await;
+                let _ = etcd.put_if(&key, revision, &held_stamp, None).await;
             }));
             GrantLease::Session(Arc::clone(session))
         }
@@ -369,42 +316,27 @@ pub(crate) async fn acquire(
             let secs = i64::try_from(ttl.as_secs() + u64::from(ttl.subsec_nanos() > 0))
                 .unwrap_or(i64::MAX)
                 .max(1);
-            let sent = Instant::now();
-            let granted = retry("grant the grant's lease", &inner.counts, call_bound, || {
-                let mut c = inner.client.clone();
-                async move { c.lease_grant(secs, None).await }
-            })
-            .await?;
+            let sent = now();
+            let (own_id, granted_ttl) =
+                retry("grant the grant's lease", &inner.counts, call_bound, || {
+                    inner.etcd.lease_grant(secs)
+                })
+                .await?;
             *undo
                 .own_lease
                 .lock()
-                .unwrap_or_else(PoisonError::into_inner) = Some(granted.id());
-            let own_id = granted.id();
+                .unwrap_or_else(PoisonError::into_inner) = Some(own_id);
             let moved = retry(
                 "move the key onto its lease",
                 &inner.counts,
                 call_bound,
-                || {
-                    let mut c = inner.client.clone();
-                    let txn = Txn::new()
-                        .when([Compare::create_revision(
-                            me.clone(),
-                            CompareOp::Equal,
-                            revision,
-                        )])
-                        .and_then([TxnOp::put(
-                            me.clone(),
-                            held_stamp.clone(),
-                            Some(PutOptions::new().with_lease(own_id)),
-                        )]);
-                    async move { c.txn(txn).await }
-                },
+                || inner.etcd.put_if(&me, revision, &held_stamp, Some(own_id)),
             )
             .await?;
-            if !moved.succeeded() {
+            if !moved {
                 return Err(waiter_key_gone(inner, session, &me).await);
             }
-            let ttl = Duration::from_secs(u64::try_from(granted.ttl()).unwrap_or(1));
+            let ttl = Duration::from_secs(u64::try_from(granted_ttl).unwrap_or(1));
             GrantLease::Own {
                 id: own_id,
                 ttl,
@@ -429,54 +361,14 @@ pub(crate) async fn acquire(
     })
 }
 
-/// The read of the waiter keys older than ours that we wait for (keys
-/// only): all of them for a writer, the writers' for a reader.
-fn ahead_of(prefix: &str, revision: i64, shared: bool) -> GetOptions {
-    let opts = if shared {
-        GetOptions::new().with_range(key::writers_end(prefix))
+/// The range of the waiter keys that we wait for (those older than ours
+/// in it): all of them for a writer, the writers' for a reader.
+fn ahead_of(prefix: &str, shared: bool) -> Range {
+    if shared {
+        Range::Writers(prefix.to_owned())
     } else {
-        GetOptions::new().with_prefix()
-    };
-    opts.with_max_create_revision(revision - 1).with_keys_only()
-}
-
-/// The read of the waiters ahead, in one transaction with the check that
-/// our own waiter key is still there (with our revision): `txn(if
-/// create_revision(me) == revision then get(ahead))`.
-fn read_ahead(me: &str, prefix: &str, revision: i64, shared: bool) -> Txn {
-    Txn::new()
-        .when([Compare::create_revision(
-            me.to_owned(),
-            CompareOp::Equal,
-            revision,
-        )])
-        .and_then([TxnOp::get(
-            prefix.to_owned(),
-            Some(ahead_of(prefix, revision, shared)),
-        )])
-}
-
-/// The keys a [`read_ahead`] found ahead of ours, or `None` if our own
-/// waiter key was gone.
-fn ahead_keys(resp: &etcd_client::TxnResponse) -> Option<HashSet<Vec<u8>>> {
-    if !resp.succeeded() {
-        return None;
+        Range::All(prefix.to_owned())
     }
-    Some(
-        resp.op_responses()
-            .into_iter()
-            .filter_map(|r| match r {
-                TxnOpResponse::Get(g) => Some(g),
-                _ => None,
-            })
-            .flat_map(|g| {
-                g.kvs()
-                    .iter()
-                    .map(|kv| kv.key().to_vec())
-                    .collect::<Vec<_>>()
-            })
-            .collect(),
-    )
 }
 
 /// An enqueue that etcd refused because the session's lease no longer
@@ -503,10 +395,9 @@ fn lease_gone(session: &Session, err: ClusterLockError) -> ClusterLockError {
 /// take the key; if the lease lives, another client deleted the key.
 async fn waiter_key_gone(inner: &Inner, session: &Session, me: &str) -> ClusterLockError {
     let id = session.state.lease_id;
-    let mut c = inner.client.clone();
-    let ttl = tokio::time::timeout(inner.request_timeout, c.lease_time_to_live(id, None)).await;
+    let ttl = tokio::time::timeout(inner.request_timeout, inner.etcd.lease_time_to_live(id)).await;
     match ttl {
-        Ok(Ok(resp)) if resp.ttl() > 0 => ClusterLockError::WaiterKeyDeleted { key: me.to_owned() },
+        Ok(Ok(ttl)) if ttl > 0 => ClusterLockError::WaiterKeyDeleted { key: me.to_owned() },
         // Gone, or etcd cannot say: the session cannot vouch for its keys.
         _ => {
             session.state.mark_lost(
@@ -542,50 +433,46 @@ async fn wait_turn(
     deadline: Option<Instant>,
 ) -> Wake {
     let turn = async {
-        let mut c = inner.client.clone();
-        let opts = WatchOptions::new()
-            .with_prefix()
-            .with_filters([WatchFilterType::NoPut]);
-        let mut stream = c.watch(prefix, Some(opts)).await?;
+        let mut stream = inner.etcd.watch_deletes(prefix).await?;
         // The watch is in place once etcd says it is created.
         match stream.message().await? {
-            Some(resp) if resp.created() && !resp.canceled() => {}
+            Some(resp) if resp.created && !resp.canceled => {}
             _ => return Ok(Wake::Again),
         }
-        let read = c.txn(read_ahead(me, prefix, revision, shared)).await?;
-        let Some(mut ahead) = ahead_keys(&read) else {
+        let range = ahead_of(prefix, shared);
+        let Some((ahead, read_rev)) = inner.etcd.read_ahead(me, revision, &range).await? else {
             return Ok(Wake::Gone);
         };
+        let mut ahead: HashSet<Vec<u8>> = ahead.into_iter().collect();
         // The watch may have started behind the read (its member applies
         // later than the one that answered the read): a deletion it reports
         // at or before the read's revision is already in the read, and may
         // be of an older key of the same name (a table reuses its waiter
         // key's name for its next grant). Only deletions after the read
         // count.
-        let read_rev = revision_of(read.header());
         while !ahead.is_empty() {
             let Some(resp) = stream.message().await? else {
                 return Ok(Wake::Again);
             };
-            if resp.canceled() {
+            if resp.canceled {
                 return Ok(Wake::Again);
             }
-            for e in resp.events() {
-                if e.event_type() == EventType::Delete {
-                    if let Some(kv) = e.kv().filter(|kv| kv.mod_revision() > read_rev) {
-                        if kv.key() == me.as_bytes() {
-                            return Ok(Wake::Gone);
-                        }
-                        ahead.remove(kv.key());
+            for (key, deleted_at) in &resp.deleted {
+                if *deleted_at > read_rev {
+                    if key.as_slice() == me.as_bytes() {
+                        return Ok(Wake::Gone);
                     }
+                    ahead.remove(key);
                 }
             }
         }
         Ok::<Wake, etcd_client::Error>(Wake::Granted)
     };
-    let far = Instant::now() + Duration::from_secs(86_400 * 365);
+    let far = now() + Duration::from_secs(86_400 * 365);
     let until = tokio::time::Instant::from_std(deadline.unwrap_or(far));
     tokio::select! {
+        // In this order (not at random), so that a run is reproducible.
+        biased;
         r = turn => match r {
             Ok(wake) => wake,
             Err(err) => {
@@ -615,23 +502,13 @@ pub(crate) async fn head(
     prefix: &str,
     revision: i64,
 ) -> (Option<ClusterHolder>, usize) {
-    let mut c = inner.client.clone();
     let limit = Duration::from_secs(2);
-    let first = GetOptions::new()
-        .with_prefix()
-        .with_sort(SortTarget::Create, SortOrder::Ascend)
-        .with_limit(1);
-    let holder = match tokio::time::timeout(limit, c.get(prefix, Some(first))).await {
-        Ok(Ok(resp)) => resp.kvs().first().and_then(key::holder_of),
+    let holder = match tokio::time::timeout(limit, inner.etcd.oldest(prefix)).await {
+        Ok(Ok(first)) => first.as_ref().and_then(super::client::Entry::holder),
         _ => None,
     };
-    // etcd's `count` ignores the revision filters: count the keys instead.
-    let mut older = GetOptions::new().with_prefix().with_keys_only();
-    if revision > 0 {
-        older = older.with_max_create_revision(revision - 1);
-    }
-    let ahead = match tokio::time::timeout(limit, c.get(prefix, Some(older))).await {
-        Ok(Ok(resp)) => resp.kvs().len(),
+    let ahead = match tokio::time::timeout(limit, inner.etcd.count_older(prefix, revision)).await {
+        Ok(Ok(n)) => n,
         _ => 0,
     };
     (holder, ahead)
@@ -644,15 +521,7 @@ pub(crate) async fn release(inner: &Inner, grant: &Grant) -> Result<(), ClusterL
     loop {
         let bound = grant.lease.valid_until();
         result = retry("delete the waiter key", &inner.counts, Some(bound), || {
-            let mut c = inner.client.clone();
-            let txn = Txn::new()
-                .when([Compare::create_revision(
-                    grant.waiter_key.clone(),
-                    CompareOp::Equal,
-                    grant.revision,
-                )])
-                .and_then([TxnOp::delete(grant.waiter_key.clone(), None)]);
-            async move { c.txn(txn).await }
+            inner.etcd.delete_if(&grant.waiter_key, grant.revision)
         })
         .await
         .map(drop);
@@ -665,10 +534,9 @@ pub(crate) async fn release(inner: &Inner, grant: &Grant) -> Result<(), ClusterL
     }
     if let GrantLease::Own { id, .. } = &grant.lease {
         let id = *id;
-        let bound = Some(Instant::now() + Duration::from_secs(5));
+        let bound = Some(now() + Duration::from_secs(5));
         let _ = retry("revoke the grant's lease", &inner.counts, bound, || {
-            let mut c = inner.client.clone();
-            async move { c.lease_revoke(id).await }
+            inner.etcd.lease_revoke(id)
         })
         .await;
     }

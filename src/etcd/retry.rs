@@ -80,27 +80,46 @@ mod tonic_code {
     pub(super) const UNAVAILABLE: i32 = 14;
 }
 
-/// Counts of retried calls, for [`ClusterStats`](super::ClusterStats).
-#[derive(Debug, Default)]
+/// Counts of retried calls, for [`ClusterStats`](super::ClusterStats), and
+/// the state of the backoff jitter of the calls they count.
+#[derive(Debug)]
 pub(crate) struct RetryCounts {
     pub(crate) refused: AtomicU64,
     pub(crate) ambiguous: AtomicU64,
+    /// A xorshift state (never 0).
+    jitter: AtomicU64,
 }
 
-/// A small xorshift for backoff jitter, seeded from the clock.
-fn jitter(max: Duration) -> Duration {
-    static STATE: AtomicU64 = AtomicU64::new(0);
-    let mut x = STATE.load(Ordering::Relaxed);
-    if x == 0 {
-        x = u64::from(Instant::now().elapsed().subsec_nanos()) | 0x9E37_79B9_7F4A_7C15;
-        x ^= u64::from(std::process::id()) << 32;
+impl Default for RetryCounts {
+    /// Jitter seeded from the clock and the process id.
+    fn default() -> Self {
+        let seed = u64::from(Instant::now().elapsed().subsec_nanos())
+            ^ (u64::from(std::process::id()) << 32);
+        Self::seeded(seed)
     }
-    x ^= x << 13;
-    x ^= x >> 7;
-    x ^= x << 17;
-    STATE.store(x, Ordering::Relaxed);
-    let nanos = u64::try_from(max.as_nanos()).unwrap_or(u64::MAX).max(1);
-    Duration::from_nanos(x % nanos)
+}
+
+impl RetryCounts {
+    /// Jitter seeded with `seed`: the same seed, the same pauses (the
+    /// crate's simulation replays a run from its seed).
+    pub(crate) fn seeded(seed: u64) -> Self {
+        Self {
+            refused: AtomicU64::new(0),
+            ambiguous: AtomicU64::new(0),
+            jitter: AtomicU64::new(seed | 0x9E37_79B9_7F4A_7C15),
+        }
+    }
+
+    /// A pause in `[0, max)`: a small xorshift.
+    fn jitter(&self, max: Duration) -> Duration {
+        let mut x = self.jitter.load(Ordering::Relaxed);
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        self.jitter.store(x, Ordering::Relaxed);
+        let nanos = u64::try_from(max.as_nanos()).unwrap_or(u64::MAX).max(1);
+        Duration::from_nanos(x % nanos)
+    }
 }
 
 /// Runs `call` until it succeeds, fails fatally
@@ -118,7 +137,7 @@ where
     F: FnMut() -> Fut,
     Fut: Future<Output = Result<T, etcd_client::Error>>,
 {
-    let began = Instant::now();
+    let began = super::now();
     let mut backoff = Duration::from_millis(5);
     let mut attempt = 0u32;
     loop {
@@ -136,11 +155,11 @@ where
         let pause = if kind == Failure::Refused && attempt == 1 {
             Duration::ZERO
         } else {
-            let p = backoff / 2 + jitter(backoff / 2);
+            let p = backoff / 2 + counts.jitter(backoff / 2);
             backoff = (backoff * 2).min(Duration::from_millis(250));
             p
         };
-        let now = Instant::now();
+        let now = super::now();
         if deadline.is_some_and(|d| now + pause >= d) {
             return Err(ClusterLockError::Unavailable {
                 op,

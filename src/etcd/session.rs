@@ -30,7 +30,9 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
+use super::client::Etcd;
 use super::error::ClusterLockError;
+use super::now;
 use super::retry::{classify, Failure};
 
 /// The state a session shares with its keep-alive task.
@@ -56,7 +58,7 @@ impl SessionState {
 
     /// Whether the lease is certainly alive now: not lost, within the bound.
     pub(crate) fn is_live(&self) -> bool {
-        !self.lost.load(Ordering::Acquire) && Instant::now() < self.valid_until()
+        !self.lost.load(Ordering::Acquire) && now() < self.valid_until()
     }
 
     /// Moves the bound to `sent + ttl`, unless it had passed when the
@@ -124,10 +126,11 @@ impl SessionState {
                 return;
             }
             let until = self.valid_until();
-            if Instant::now() >= until {
+            if now() >= until {
                 return;
             }
             tokio::select! {
+                biased;
                 _ = rx.changed() => {}
                 () = tokio::time::sleep_until(until.into()) => {}
             }
@@ -140,7 +143,7 @@ impl SessionState {
 /// (its remaining keys vanish at once).
 pub(crate) struct Session {
     pub(crate) state: Arc<SessionState>,
-    client: etcd_client::Client,
+    etcd: Arc<dyn Etcd>,
 }
 
 impl std::fmt::Debug for Session {
@@ -155,7 +158,7 @@ impl Session {
     /// Grants a lease of `ttl` (whole seconds, rounded up; the options
     /// bound it) and starts keeping it alive; retries until `deadline`.
     pub(crate) async fn start(
-        client: &etcd_client::Client,
+        etcd: &Arc<dyn Etcd>,
         handle: &tokio::runtime::Handle,
         ttl: Duration,
         counts: &super::retry::RetryCounts,
@@ -163,17 +166,16 @@ impl Session {
     ) -> Result<Self, ClusterLockError> {
         let whole = ttl.as_secs() + u64::from(ttl.subsec_nanos() > 0);
         let secs = i64::try_from(whole.max(1)).unwrap_or(i64::MAX);
-        let sent = Instant::now();
-        let granted =
+        let sent = now();
+        let (lease_id, granted_ttl) =
             super::retry::retry("grant the session lease", counts, Some(deadline), || {
-                let mut c = client.clone();
-                async move { c.lease_grant(secs, None).await }
+                etcd.lease_grant(secs)
             })
             .await?;
         let (lost_tx, _) = tokio::sync::watch::channel(false);
         let state = Arc::new(SessionState {
-            lease_id: granted.id(),
-            ttl: Duration::from_secs(u64::try_from(granted.ttl()).unwrap_or(1)),
+            lease_id,
+            ttl: Duration::from_secs(u64::try_from(granted_ttl).unwrap_or(1)),
             valid_until: Mutex::new(sent),
             lost: AtomicBool::new(false),
             lost_reason: Mutex::new(None),
@@ -183,10 +185,10 @@ impl Session {
             .valid_until
             .lock()
             .unwrap_or_else(PoisonError::into_inner) = sent + state.ttl;
-        drop(handle.spawn(keep_alive(client.clone(), Arc::clone(&state))));
+        drop(handle.spawn(keep_alive(Arc::clone(etcd), Arc::clone(&state))));
         Ok(Self {
             state,
-            client: client.clone(),
+            etcd: Arc::clone(etcd),
         })
     }
 
@@ -199,15 +201,15 @@ impl Session {
         }
         let deadline = self.state.valid_until();
         let id = self.state.lease_id;
-        let counts = super::retry::RetryCounts::default();
-        let sent = Instant::now();
+        let counts = super::retry::RetryCounts::seeded(id.unsigned_abs());
+        let sent = now();
         let ttl = super::retry::retry("renew the session lease", &counts, Some(deadline), || {
-            let mut c = self.client.clone();
+            let etcd = &self.etcd;
             async move {
-                let (mut keeper, mut stream) = c.lease_keep_alive(id).await?;
-                keeper.keep_alive().await?;
+                let mut stream = etcd.lease_keep_alive(id).await?;
+                stream.keep_alive().await?;
                 match stream.message().await? {
-                    Some(resp) => Ok(resp.ttl()),
+                    Some(ttl) => Ok(ttl),
                     None => Err(etcd_client::Error::LeaseKeepAliveError(
                         "the keep-alive stream ended".into(),
                     )),
@@ -255,30 +257,30 @@ const REVOKE_FOR: Duration = Duration::from_secs(600);
 /// then (lost, or closed) stops renewing it and revokes it, so that its
 /// waiter keys, those whose deletes failed included, vanish as soon as
 /// etcd can be reached, not when a lease that something kept alive ends.
-async fn keep_alive(client: etcd_client::Client, state: Arc<SessionState>) {
+async fn keep_alive(etcd: Arc<dyn Etcd>, state: Arc<SessionState>) {
     let gone = tokio::select! {
-        gone = renew(&client, &state) => gone,
+        biased;
+        gone = renew(&*etcd, &state) => gone,
         () = state.lost_flag() => false,
     };
     if !gone {
-        revoke(&client, &state).await;
+        revoke(&*etcd, &state).await;
     }
 }
 
 /// Revokes a lost session's lease, retrying (backoff up to 1 s) for
 /// [`REVOKE_FOR`] until etcd answers, whatever the answer.
-async fn revoke(client: &etcd_client::Client, state: &SessionState) {
-    let give_up = Instant::now() + REVOKE_FOR;
+async fn revoke(etcd: &dyn Etcd, state: &SessionState) {
+    let give_up = now() + REVOKE_FOR;
     let mut backoff = Duration::from_millis(20);
     loop {
-        let mut c = client.clone();
-        match c.lease_revoke(state.lease_id).await {
+        match etcd.lease_revoke(state.lease_id).await {
             Ok(_) => return,
             // Not found (already ended), or refused for good.
             Err(err) if classify(&err) == Failure::Fatal => return,
             Err(_) => {}
         }
-        if Instant::now() + backoff >= give_up {
+        if now() + backoff >= give_up {
             return;
         }
         tokio::time::sleep(backoff).await;
@@ -293,7 +295,7 @@ async fn revoke(client: &etcd_client::Client, state: &SessionState) {
 /// whose guards were told they lost their keys): the session is lost.
 /// Returns `true` if etcd said the lease is gone, `false` once the session
 /// is lost otherwise.
-async fn renew(client: &etcd_client::Client, state: &SessionState) -> bool {
+async fn renew(etcd: &dyn Etcd, state: &SessionState) -> bool {
     let period = (state.ttl / 3).max(Duration::from_millis(100));
     // The grant itself set the bound: the first keep-alive is due one
     // period after it, as every later one.
@@ -310,10 +312,9 @@ async fn renew(client: &etcd_client::Client, state: &SessionState) -> bool {
         if past_bound() {
             return false;
         }
-        let mut c = client.clone();
-        let opened = tokio::time::timeout(period, c.lease_keep_alive(state.lease_id)).await;
-        let (mut keeper, mut stream) = match opened {
-            Ok(Ok(pair)) => pair,
+        let opened = tokio::time::timeout(period, etcd.lease_keep_alive(state.lease_id)).await;
+        let mut stream = match opened {
+            Ok(Ok(stream)) => stream,
             Ok(Err(err)) => {
                 if super::retry::lease_not_found(&err) {
                     state.mark_lost(format!("etcd refused the keep-alive: {err}"));
@@ -330,20 +331,20 @@ async fn renew(client: &etcd_client::Client, state: &SessionState) -> bool {
             Err(_) => continue 'stream,
         };
         loop {
-            let sent = Instant::now();
+            let sent = now();
             if past_bound() {
                 return false;
             }
-            if keeper.keep_alive().await.is_err() {
+            if stream.keep_alive().await.is_err() {
                 continue 'stream;
             }
             match tokio::time::timeout(period, stream.message()).await {
-                Ok(Ok(Some(resp))) => {
-                    if resp.ttl() <= 0 {
+                Ok(Ok(Some(ttl))) => {
+                    if ttl <= 0 {
                         state.mark_lost("etcd says the lease expired".into());
                         return true;
                     }
-                    state.extend(sent, resp.ttl());
+                    state.extend(sent, ttl);
                     if state.lost.load(Ordering::Acquire) {
                         return false;
                     }

@@ -9,9 +9,11 @@ use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 
+use super::client::{Etcd, EtcdClient};
 use super::error::{ClusterHolder, ClusterLockError};
 use super::guard::{ClusterGuard, Held, OwnedClusterGuard};
 use super::key;
+use super::now;
 use super::recipe::{self, Grant, Undo};
 use super::retry::RetryCounts;
 use super::session::Session;
@@ -148,7 +150,11 @@ impl ClusterOptions {
 
 /// What every guard and future of a table shares.
 pub(crate) struct Inner {
-    pub(crate) client: etcd_client::Client,
+    /// The etcd calls (the client seam).
+    pub(crate) etcd: Arc<dyn Etcd>,
+    /// The etcd client behind `etcd`, for [`ClusterLockTable::client`]:
+    /// `None` only for the tables of the crate's simulation.
+    client: Option<etcd_client::Client>,
     pub(crate) handle: tokio::runtime::Handle,
     pub(crate) prefix: String,
     pub(crate) label: Option<String>,
@@ -184,7 +190,7 @@ impl Inner {
         if !current.state.is_live() {
             *current = Arc::new(
                 Session::start(
-                    &self.client,
+                    &self.etcd,
                     &self.handle,
                     self.session_ttl,
                     &self.counts,
@@ -320,13 +326,39 @@ impl<K> ClusterLockTable<K> {
         let client = etcd_client::Client::connect(&endpoints, Some(connect))
             .await
             .map_err(|e| ClusterLockError::etcd("connect", e))?;
-        let counts = RetryCounts::default();
+        let etcd: Arc<dyn Etcd> = Arc::new(EtcdClient(client.clone()));
+        Self::start(etcd, Some(client), handle, opts, RetryCounts::default()).await
+    }
+
+    /// A table on the simulation's model of etcd (the crate's tests), its
+    /// retries' jitter seeded with `seed`.
+    #[cfg(test)]
+    pub(crate) async fn on_model(
+        etcd: Arc<dyn Etcd>,
+        opts: ClusterOptions,
+        seed: u64,
+    ) -> Result<Self, ClusterLockError> {
+        opts.validate()?;
+        let handle =
+            tokio::runtime::Handle::try_current().map_err(|_| ClusterLockError::NoRuntime)?;
+        Self::start(etcd, None, handle, opts, RetryCounts::seeded(seed)).await
+    }
+
+    /// Starts the session on `etcd` and makes the table.
+    async fn start(
+        etcd: Arc<dyn Etcd>,
+        client: Option<etcd_client::Client>,
+        handle: tokio::runtime::Handle,
+        opts: ClusterOptions,
+        counts: RetryCounts,
+    ) -> Result<Self, ClusterLockError> {
         // A cluster that cannot be reached fails the connect, after
         // retrying for one session TTL (or one request timeout, if longer).
-        let bound = Instant::now() + opts.session_ttl.max(opts.request_timeout);
-        let session = Session::start(&client, &handle, opts.session_ttl, &counts, bound).await?;
+        let bound = now() + opts.session_ttl.max(opts.request_timeout);
+        let session = Session::start(&etcd, &handle, opts.session_ttl, &counts, bound).await?;
         Ok(Self {
             inner: Arc::new(Inner {
+                etcd,
                 client,
                 handle,
                 prefix: opts.prefix,
@@ -346,7 +378,10 @@ impl<K> ClusterLockTable<K> {
     /// The etcd client the table uses, for the caller's own calls (for
     /// example a transaction fenced by [`ClusterGuard::fence`]).
     pub fn client(&self) -> &etcd_client::Client {
-        &self.inner.client
+        self.inner
+            .client
+            .as_ref()
+            .expect("a table made by connect has its etcd client")
     }
 
     /// The key prefix of the table's waiter keys.
@@ -361,6 +396,18 @@ impl<K> ClusterLockTable<K> {
             .session
             .try_lock()
             .map_or(0, |s| s.state.lease_id)
+    }
+
+    /// The current session's lease and whether the table has declared it
+    /// lost (`None` while a new session is being started): for the
+    /// simulation's checks.
+    #[cfg(test)]
+    pub(crate) fn session_state(&self) -> Option<(i64, bool)> {
+        self.inner
+            .session
+            .try_lock()
+            .ok()
+            .map(|s| (s.state.lease_id, !s.state.is_live()))
     }
 
     /// Counts of this table (this process only).
@@ -408,17 +455,10 @@ impl<K> ClusterLockTable<K> {
     ) -> Result<Option<ClusterHolder>, ClusterLockError> {
         let prefix = self.key_prefix(key);
         let inner = Arc::clone(&self.inner);
-        let task = self.inner.handle.spawn(async move {
-            let mut c = inner.client.clone();
-            let opts = etcd_client::GetOptions::new()
-                .with_prefix()
-                .with_sort(
-                    etcd_client::SortTarget::Create,
-                    etcd_client::SortOrder::Ascend,
-                )
-                .with_limit(1);
-            c.get(prefix, Some(opts)).await
-        });
+        let task = self
+            .inner
+            .handle
+            .spawn(async move { inner.etcd.oldest(&prefix).await });
         let resp = task
             .await
             .map_err(|e| {
@@ -428,7 +468,7 @@ impl<K> ClusterLockTable<K> {
                 )
             })?
             .map_err(|e| ClusterLockError::etcd("read the holder", e))?;
-        Ok(resp.kvs().first().and_then(key::holder_of))
+        Ok(resp.as_ref().and_then(super::client::Entry::holder))
     }
 }
 
@@ -462,7 +502,7 @@ async fn acquire<K: AsRef<[u8]>>(
     opts: LockOptions,
     wait: bool,
 ) -> Result<Held<K>, ClusterLockError> {
-    let started = Instant::now();
+    let started = now();
     let own_lease = check_options(&opts)?;
     let mode = opts.lock_mode();
     let stem = key::encode(key.as_ref());
@@ -483,7 +523,7 @@ async fn acquire<K: AsRef<[u8]>>(
             Ok(guard) => guard,
             Err(LockError::Timeout { .. }) => {
                 return Err(ClusterLockError::Timeout {
-                    waited: started.elapsed(),
+                    waited: now().saturating_duration_since(started),
                     holder: None,
                     ahead: 0,
                 })
@@ -543,7 +583,7 @@ async fn remote(
                 .await
                 .unwrap_or_else(|_| {
                     Err(ClusterLockError::Timeout {
-                        waited: started.elapsed(),
+                        waited: now().saturating_duration_since(started),
                         holder: None,
                         ahead: 0,
                     })
