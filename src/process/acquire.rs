@@ -141,6 +141,43 @@ use crate::timer::Sleep;
 /// its future no longer polled) loses the claim.
 const CLAIM_PATIENCE: Duration = Duration::from_millis(100);
 
+/// How long an opener of a key file keeps trying to register as its user
+/// while another open file holds the user byte exclusively (a reclaimer
+/// holds it for a few calls; see [`super::reclaim`]).
+const REGISTER_PATIENCE: Duration = Duration::from_secs(2);
+
+/// Registers `state`, just opened from `path`, as a user of its file (a
+/// shared lock of the user byte, not waited for): `Ok(false)` if a
+/// reclaimer holds the byte now.
+///
+/// # Errors
+///
+/// [`ProcessLockError::Io`] naming the file and the process if a program
+/// outside keylock holds a classic POSIX write lock over that byte (a
+/// lock of the whole file): keylock's files are keylock's to lock.
+fn register(state: &File, path: &Path) -> Result<bool, ProcessLockError> {
+    let failed = |e| ProcessLockError::io("lock", path, e);
+    if unix::try_lock_range(state, unix::Kind::Shared, unix::USER_BYTE, 1).map_err(failed)? {
+        return Ok(true);
+    }
+    match unix::range_owner(state, unix::USER_BYTE, 1).map_err(failed)? {
+        // Let go meanwhile, or a reclaimer's (an open file description
+        // lock): try again.
+        None | Some(None) => Ok(false),
+        Some(Some(pid)) => Err(ProcessLockError::io(
+            "register as a user of",
+            path,
+            io::Error::new(
+                io::ErrorKind::WouldBlock,
+                format!(
+                    "a program outside keylock (pid {pid}) holds a POSIX write lock on it; \
+                     keylock's files must not be locked outside keylock"
+                ),
+            ),
+        )),
+    }
+}
+
 /// How soon a waiter judges again when the holder's stamp was not written
 /// yet (it is written microseconds after the grant; its lease is unknown
 /// until then).
@@ -306,9 +343,12 @@ impl Inner {
         }
     }
 
-    /// Creates a key's state file, whole: made and synced under a temporary
-    /// name, then linked to its path (so that no process ever opens a
-    /// state file without its header), unless another process did first.
+    /// Creates a key's state file, whole: made under a temporary name,
+    /// then linked to its path (so that no process ever opens a state file
+    /// without its header), unless another process did first. Neither the
+    /// file nor the directory is synced: the key's tokens are covered by
+    /// the directory's durable ceiling (see `super::dir`), so a power loss
+    /// that loses the new file (or its contents) loses no token.
     fn create_key(&self, path: &Path) -> Result<(), ProcessLockError> {
         static SEQ: AtomicU64 = AtomicU64::new(0);
         let tmp = self.dir.join(format!(
@@ -327,38 +367,79 @@ impl Inner {
         drop(file);
         let _ = std::fs::remove_file(&tmp);
         match made {
-            // The key's token ceiling lives in it: make its entry durable.
-            Ok(()) => unix::sync_dir(&self.dir)
-                .map_err(|e| ProcessLockError::io("create the state file", path, e)),
+            Ok(()) => Ok(()),
             Err(err) if err.kind() == io::ErrorKind::AlreadyExists => Ok(()),
             Err(err) => Err(ProcessLockError::io("create the state file", path, err)),
         }
     }
 
-    /// Opens (creating if need be) and maps a key's state file.
+    /// Opens (creating if need be), registers as a user (see
+    /// [`super::reclaim`]) and maps a key's state file.
+    ///
+    /// The registration is a shared lock of the file's user byte, taken
+    /// without waiting; only a reclaimer (which holds it exclusively for a
+    /// few calls, and then removes the file or lets it be) refuses it, and
+    /// the open is then made again after a short pause. Once registered,
+    /// the path is looked at again: a file it no longer names was
+    /// reclaimed (or removed from outside) between the open and the lock,
+    /// and is given up for the path's.
     pub(crate) fn open_key(&self, stem: &str) -> Result<KeyFiles, ProcessLockError> {
         let path = self.state_path(stem);
-        // Before the open: for tables of earlier builds (see `super::dir`).
-        self.dir_state.bump();
-        let state = match open_rw(&path) {
-            Ok(file) => file,
-            Err(err) if err.kind() == io::ErrorKind::NotFound => {
-                self.create_key(&path)?;
-                open_rw(&path).map_err(|e| ProcessLockError::io("open the state file", &path, e))?
+        let mut backoff = Backoff::new();
+        let mut paused = Duration::ZERO;
+        loop {
+            // Before the open: for tables of earlier builds (see `super::dir`).
+            self.dir_state.bump();
+            let state = match open_rw(&path) {
+                Ok(file) => file,
+                Err(err) if err.kind() == io::ErrorKind::NotFound => {
+                    self.create_key(&path)?;
+                    match open_rw(&path) {
+                        Ok(file) => file,
+                        // Reclaimed as soon as made (by a prune): again.
+                        Err(err) if err.kind() == io::ErrorKind::NotFound => continue,
+                        Err(err) => {
+                            return Err(ProcessLockError::io("open the state file", &path, err))
+                        }
+                    }
+                }
+                Err(err) => return Err(ProcessLockError::io("open the state file", &path, err)),
+            };
+            if !register(&state, &path)? {
+                // A reclaimer has it for an instant.
+                drop(state);
+                let pause = backoff.next();
+                paused += pause;
+                if paused > REGISTER_PATIENCE {
+                    return Err(ProcessLockError::io(
+                        "register as a user of",
+                        &path,
+                        io::Error::new(
+                            io::ErrorKind::WouldBlock,
+                            "another open file keeps its user byte locked exclusively",
+                        ),
+                    ));
+                }
+                std::thread::sleep(pause);
+                continue;
             }
-            Err(err) => return Err(ProcessLockError::io("open the state file", &path, err)),
-        };
-        let (id, _) = unix::file_id(&state).map_err(|e| ProcessLockError::io("stat", &path, e))?;
-        let map = KeyState::map(&state, &path, true)?;
-        Ok(KeyFiles {
-            stem: std::sync::Arc::from(stem),
-            path,
-            state,
-            map,
-            spare: None,
-            id,
-            stale: false,
-        })
+            let (id, _) =
+                unix::file_id(&state).map_err(|e| ProcessLockError::io("stat", &path, e))?;
+            let named = unix::path_id(&path).map_err(|e| ProcessLockError::io("stat", &path, e))?;
+            if named.is_none_or(|(named, _)| named != id) {
+                continue; // reclaimed before we registered: the path's file
+            }
+            let map = KeyState::map(&state, &path, true, self.dir_state.ceiling()?)?;
+            return Ok(KeyFiles {
+                stem: std::sync::Arc::from(stem),
+                path,
+                state,
+                map,
+                spare: None,
+                id,
+                stale: false,
+            });
+        }
     }
 
     /// Puts a key's files, which hold no lock now, back into the cache
@@ -369,13 +450,27 @@ impl Inner {
         }
     }
 
-    /// A second open file of the key, for a helper thread to wait on.
-    fn spare(&self, files: &mut KeyFiles) -> Result<File, ProcessLockError> {
-        match files.spare.take() {
-            Some(file) => Ok(file),
-            None => open_rw(&files.path)
-                .map_err(|e| ProcessLockError::io("open the state file", &files.path, e)),
+    /// A second open file of the key, for a helper thread to wait on;
+    /// `None` if the path no longer names the open state file (the next
+    /// judgement opens the path's afresh).
+    fn spare(&self, files: &mut KeyFiles) -> Result<Option<File>, ProcessLockError> {
+        if let Some(file) = files.spare.take() {
+            return Ok(Some(file));
         }
+        let file = match open_rw(&files.path) {
+            Ok(file) => file,
+            Err(err) if err.kind() == io::ErrorKind::NotFound => return Ok(None),
+            Err(err) => {
+                return Err(ProcessLockError::io(
+                    "open the state file",
+                    &files.path,
+                    err,
+                ))
+            }
+        };
+        let (id, _) =
+            unix::file_id(&file).map_err(|e| ProcessLockError::io("stat", &files.path, e))?;
+        Ok((id == files.id).then_some(file))
     }
 
     /// The judgement (see the module doc). `have` is a slot the caller
@@ -476,13 +571,14 @@ impl Inner {
                 let_go(Some(mine))?;
                 return Ok(Step::Defer);
             }
-            let Some(token) = map.swap(word, mine.slot, &files.path)? else {
+            let floor = || self.dir_state.floor();
+            let Some(token) = map.swap(word, mine.slot, &files.path, floor)? else {
                 // The word moved: judge again, keeping the slot we hold.
                 have = Some(mine);
                 continue;
             };
             test_hook::after_swap();
-            if map.reserve(token, &files.path)? {
+            if self.dir_state.reserve(token)? {
                 // A disk sync may take long: look at the file's length
                 // again before the stamp's stores (see the module doc).
                 files.whole()?;
@@ -725,7 +821,9 @@ impl Inner {
                         // Only the kernel can end this wait: make it here,
                         // on the caller's own (blocking) thread.
                         drop(pending.take());
-                        let file = self.spare(&mut files)?;
+                        let Some(file) = self.spare(&mut files)? else {
+                            continue;
+                        };
                         helper::wait_here(|| unix::lock_slot(&file, slot))
                             .map_err(|e| ProcessLockError::io("lock", &files.path, e))?;
                         files.spare = Some(file);
@@ -737,7 +835,9 @@ impl Inner {
                     }
                     if pending.as_ref().is_none_or(|(s, _)| *s != slot) {
                         drop(pending.take());
-                        let file = self.spare(&mut files)?;
+                        let Some(file) = self.spare(&mut files)? else {
+                            continue;
+                        };
                         let wait = KernelWait::start(file, slot).map_err(|e| {
                             ProcessLockError::io("start a helper thread for", &files.path, e)
                         })?;
@@ -849,7 +949,7 @@ impl Inner {
             Err(err) if err.kind() == io::ErrorKind::NotFound => return Ok((None, no_grant)),
             Err(err) => return Err(ProcessLockError::io("open the state file", &path, err)),
         };
-        let map = KeyState::map(&file, &path, false)?;
+        let map = KeyState::map(&file, &path, false, 0)?;
         if !map.this_boot() {
             // Written before a reboot: nobody holds it now.
             return Ok((None, no_grant));

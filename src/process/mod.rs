@@ -123,6 +123,7 @@ mod guard;
 mod helper;
 mod key;
 mod lost;
+mod reclaim;
 mod shared;
 mod stamp;
 mod table;

@@ -142,7 +142,7 @@ impl<K: AsRef<[u8]>> ProcessLockTable<K> {
                 label: None,
                 local: Arc::new(LockTable::new()),
                 file_waiters: AtomicUsize::new(0),
-                cache: Arc::new(FileCache::default()),
+                cache: Arc::new(FileCache::new(Arc::clone(&dir_state))),
                 dir_state,
             }),
             _key: PhantomData,
@@ -219,6 +219,41 @@ impl<K> ProcessLockTable<K> {
     /// ```
     pub fn waiters<Q: AsRef<[u8]> + ?Sized>(&self, key: &Q) -> usize {
         key::encode(key.as_ref()).map_or(0, |stem| self.inner.local.waiters(&stem))
+    }
+
+    /// Reclaims the files of idle keys: this table's cached keys, then
+    /// every key file of the directory that no table of any process uses
+    /// (holds, waits for, or caches), such as those left by processes that
+    /// died. Returns how many key files were removed.
+    ///
+    /// A table already reclaims the files of the keys it stops caching
+    /// (beyond [`ProcessStats::MAX_CACHED_KEYS`]) and, when it goes away,
+    /// of the keys it caches; `prune` is for the rest, and for a directory
+    /// that must be small now. A key reclaimed keeps its fencing tokens
+    /// increasing: its next file starts above its last token (see the
+    /// [module documentation](crate::process#files)). Keys in use, and
+    /// files that are not whole key files, are left alone. It never waits
+    /// for a lock; it reads the directory, and opens and maps each key
+    /// file, so its cost grows with the directory.
+    ///
+    /// # Errors
+    ///
+    /// [`ProcessLockError::Io`] naming the directory if it cannot be read.
+    ///
+    /// ```
+    /// # let dir = std::env::temp_dir().join(format!("keylock-doc-prune-{}", std::process::id()));
+    /// # std::fs::create_dir_all(&dir).unwrap();
+    /// let table = keylock::ProcessLockTable::open(&dir)?;
+    /// let first = table.try_lock("job-17")?.token();
+    /// let held = table.try_lock("job-18")?;
+    /// assert_eq!(table.prune()?, 1); // job-17's file; job-18 is held
+    /// assert!(table.try_lock("job-17")?.token() > first);
+    /// # drop(held);
+    /// # std::fs::remove_dir_all(&dir).unwrap();
+    /// # Ok::<(), keylock::ProcessLockError>(())
+    /// ```
+    pub fn prune(&self) -> Result<usize, ProcessLockError> {
+        self.inner.prune()
     }
 }
 
