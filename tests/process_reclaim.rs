@@ -399,3 +399,67 @@ fn a_file_removed_from_outside_while_cached_is_still_never_locked_twice() {
     drop(gb);
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+// ---------------------------------------------------------------- power loss
+
+/// A key file whose name reached the disk but whose contents did not (its
+/// creation is not synced any more): empty, or a zero header, and last
+/// changed before this boot. It is made afresh on use, and pruned; a file
+/// blanked during this boot is damage from outside and still refused.
+#[test]
+fn a_key_file_left_blank_by_a_power_loss_is_made_afresh() {
+    let dir = temp_dir("blank");
+    let before_boot = std::time::UNIX_EPOCH + Duration::from_secs(1_000_000);
+    let blank = |name: &str, len: u64, changed: Option<std::time::SystemTime>| {
+        let file = std::fs::File::create(dir.join(name)).unwrap();
+        file.set_len(len).unwrap();
+        if let Some(at) = changed {
+            file.set_modified(at).unwrap();
+        }
+    };
+    blank("key-empty.state", 0, Some(before_boot));
+    blank("key-zeros.state", 28_672, Some(before_boot));
+    blank("key-pruned.state", 0, Some(before_boot));
+    blank("key-today.state", 0, None);
+    let table = ProcessLockTable::<&str>::open(&dir).unwrap();
+    for key in ["empty", "zeros"] {
+        let guard = table.try_lock(key).unwrap();
+        assert!(guard.check().is_ok());
+    }
+    let err = table.try_lock("today").unwrap_err();
+    assert!(err.to_string().contains("key-today.state"), "{err}");
+    // prune: the two cached keys, and the blank file from before the boot;
+    // not the one blanked today.
+    assert_eq!(table.prune().unwrap(), 3);
+    assert_eq!(key_files(&dir), ["key-today.state"]);
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// After a reboot the directory's floor restarts at its durable ceiling:
+/// a key whose file was reclaimed (or lost) before the reboot, and whose
+/// floor in the page cache was lost with it, starts above every token
+/// handed out before. The reboot is forged: `keylock.dir`'s boot id (bytes
+/// 8 to 24) zeroed, and its floor (24) and published ceiling (32) lost.
+#[test]
+fn after_a_forged_reboot_a_reclaimed_key_starts_above_the_durable_ceiling() {
+    use std::os::unix::fs::FileExt;
+    let dir = temp_dir("reboot");
+    let table = ProcessLockTable::<&str>::open(&dir).unwrap();
+    let mut last = 0;
+    for _ in 0..5 {
+        last = table.try_lock("k").unwrap().token().get();
+    }
+    drop(table); // reclaims "k"
+    assert_eq!(key_files(&dir), Vec::<String>::new());
+    let file = std::fs::OpenOptions::new()
+        .write(true)
+        .open(dir.join("keylock.dir"))
+        .unwrap();
+    file.write_all_at(&[0u8; 32], 8).unwrap();
+    drop(file);
+    let table = ProcessLockTable::<&str>::open(&dir).unwrap();
+    let token = table.try_lock("k").unwrap().token().get();
+    assert!(token > last, "{token} after {last}");
+    drop(table);
+    std::fs::remove_dir_all(&dir).unwrap();
+}

@@ -22,6 +22,12 @@
 //!
 //! # The files named by the path, whole
 //!
+//! A table opens a key's file only through [`Inner::open_key`], which
+//! registers it as a user of the file (a shared lock of its user byte)
+//! and then looks at the path once more: so a file a reclaimer removes
+//! ([`super::reclaim`]) is never one a table keeps open. The look below
+//! remains for files removed or replaced from outside.
+//!
 //! Before every judgement (so before every grant) the acquirer makes sure
 //! that the key's path still names the file it holds open (device and
 //! inode): a table keeps key files open between uses, and the directory,
@@ -72,10 +78,12 @@
 //!    unwritten stamp) to judge again.
 //!
 //! Taking the key is a compare-and-swap of the state word from the word
-//! judged to the next token and the caller's slot: if another process
-//! changed the word meanwhile (a grant, a takeover), the swap fails and
-//! the caller judges again, keeping the slot it locked. The winner then
-//! makes the token's ceiling durable if it passed it, and writes its stamp.
+//! judged to the next token and the caller's slot (in a file that never
+//! granted, the directory's token floor plus one: see [`super::dir`]): if
+//! another process changed the word meanwhile (a grant, a takeover), the
+//! swap fails and the caller judges again, keeping the slot it locked. The
+//! winner then makes the directory's token ceiling durable if its token
+//! passed it, and writes its stamp.
 //!
 //! # The claim (order across processes)
 //!
@@ -127,6 +135,7 @@ use std::time::{Duration, Instant};
 
 use super::error::{HeldBy, ProcessLockError};
 use super::helper::{self, KernelWait};
+use super::reclaim::remove_blank;
 use super::stamp::{
     init_file, unix_now_ns, KeyState, NewStamp, ProcessHolder, Stamp, Word, FILE_LEN, MAX_SLOTS,
     TAKEN,
@@ -429,7 +438,13 @@ impl Inner {
             if named.is_none_or(|(named, _)| named != id) {
                 continue; // reclaimed before we registered: the path's file
             }
-            let map = KeyState::map(&state, &path, true, self.dir_state.ceiling()?)?;
+            let map = match KeyState::map(&state, &path, true, self.dir_state.ceiling()?) {
+                Ok(map) => map,
+                // A file whose creation a power loss cut short: removed,
+                // and made afresh (see `super::reclaim::remove_blank`).
+                Err(ProcessLockError::Corrupt { .. }) if remove_blank(&state, &path) => continue,
+                Err(err) => return Err(err),
+            };
             return Ok(KeyFiles {
                 stem: std::sync::Arc::from(stem),
                 path,

@@ -73,12 +73,16 @@
 //! epoch lives in the old directory's file).
 //!
 //! `keylock.dir` is sized (allocated) to one page when a table opens the
-//! directory; its other bytes are unused. Its length is looked at
-//! (`fstat`) before each move of the epoch, which is skipped if something
-//! shortened the file: a mapped page beyond the end of a file raises
-//! `SIGBUS`, and a lock must not crash its process because someone else
-//! damaged a file (the window left, between the look and the add, is a
-//! few instructions with no call between them).
+//! directory (and then synced with its directory entry, once). Its length
+//! is looked at (`fstat`) before every access to its page (a move of the
+//! epoch, which is skipped if something shortened the file; a read of the
+//! floor or the ceiling, which fails [`ProcessLockError::Damaged`]
+//! instead): a mapped page beyond the end of a file raises `SIGBUS`, and a
+//! lock must not crash its process because someone else damaged a file
+//! (the window left, between the look and the access, is a few
+//! instructions with no call between them). The hot path reads no page of
+//! it: a grant compares its token with a ceiling this process already
+//! knows to be published.
 
 use std::fs::File;
 use std::path::{Path, PathBuf};

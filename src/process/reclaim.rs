@@ -65,14 +65,15 @@
 //! restarts at the directory's durable ceiling, above every token handed
 //! out before it.
 
-use std::fs::OpenOptions;
+use std::fs::{File, OpenOptions};
 use std::io;
+use std::path::Path;
 use std::sync::Arc;
 
 use super::acquire::{KeyFiles, Named};
 use super::dir::DirState;
 use super::error::ProcessLockError;
-use super::stamp::KeyState;
+use super::stamp::{KeyState, FILE_LEN};
 use super::table::Inner;
 use super::unix;
 
@@ -118,6 +119,41 @@ fn try_reclaim(files: &KeyFiles, dir: &DirState) -> Result<bool, ProcessLockErro
     }
 }
 
+/// Removes `state`, opened from `path` and registered as a user, if it
+/// is a key file whose creation a power loss cut short: blank (empty, or
+/// no header: its data never reached the disk while its name did) and
+/// last changed before this boot, and nobody else uses it. Its tokens
+/// are below the directory's ceiling, to which the floor restarted with
+/// the boot (see `super::dir`), so the key's next file starts above them.
+/// A file blanked during this boot was damaged from outside: it is left,
+/// and refused, as before. Returns whether the file was removed.
+pub(crate) fn remove_blank(state: &File, path: &Path) -> bool {
+    use std::os::unix::fs::FileExt;
+    let Ok(meta) = state.metadata() else {
+        return false;
+    };
+    let mut magic = [0u8; 8];
+    let blank = meta.len() == 0
+        || (meta.len() == FILE_LEN as u64
+            && state.read_exact_at(&mut magic, 0).is_ok()
+            && magic == [0; 8]);
+    let before_boot = matches!(
+        (meta.modified(), unix::boot_time()),
+        (Ok(changed), Some(boot)) if changed < boot
+    );
+    if !blank || !before_boot {
+        return false;
+    }
+    let alone = unix::try_lock_range(state, unix::Kind::Exclusive, unix::USER_BYTE, 1);
+    let Ok((id, _)) = unix::file_id(state) else {
+        return false;
+    };
+    let named = unix::path_id(path).ok().flatten();
+    alone.unwrap_or(false)
+        && named.is_some_and(|(named, _)| named == id)
+        && std::fs::remove_file(path).is_ok()
+}
+
 impl Inner {
     /// Reclaims this table's cached keys, then every key file of the
     /// directory that nobody uses; removes the temporary files of
@@ -138,8 +174,10 @@ impl Inner {
                 .strip_suffix(".state")
                 .filter(|s| s.starts_with("key-"))
             {
-                if let Some(files) = self.open_idle(stem) {
-                    removed += usize::from(reclaim(files, &self.dir_state));
+                match self.open_idle(stem) {
+                    Some(Ok(files)) => removed += usize::from(reclaim(files, &self.dir_state)),
+                    Some(Err(blank)) => removed += usize::from(blank),
+                    None => {}
                 }
             } else if let Some(rest) = name.strip_prefix(".keylock-new-") {
                 // A creator's temporary file: removed once its process is
@@ -155,16 +193,22 @@ impl Inner {
 
     /// A key's files opened for a reclaim, holding its user byte
     /// exclusively: `None` if another table uses the file, or it cannot be
-    /// opened or mapped (it is then left alone).
-    fn open_idle(&self, stem: &str) -> Option<KeyFiles> {
+    /// opened; `Some(Err(removed))` if it is not a whole key file (removed
+    /// if [`remove_blank`] says so, else left alone).
+    fn open_idle(&self, stem: &str) -> Option<Result<KeyFiles, bool>> {
         let path = self.state_path(stem);
         let state = OpenOptions::new().read(true).write(true).open(&path).ok()?;
         if !unix::try_lock_range(&state, unix::Kind::Exclusive, unix::USER_BYTE, 1).ok()? {
             return None;
         }
         let (id, _) = unix::file_id(&state).ok()?;
-        let map = KeyState::map(&state, &path, true, self.dir_state.ceiling().ok()?).ok()?;
-        Some(KeyFiles {
+        let map = match KeyState::map(&state, &path, true, self.dir_state.ceiling().ok()?) {
+            Ok(map) => map,
+            // Not a whole key file: removed only if a power loss cut its
+            // creation short (see `remove_blank`).
+            Err(_) => return Some(Err(remove_blank(&state, &path))),
+        };
+        Some(Ok(KeyFiles {
             stem: Arc::from(stem),
             path,
             state,
@@ -172,6 +216,6 @@ impl Inner {
             spare: None,
             id,
             stale: false,
-        })
+        }))
     }
 }

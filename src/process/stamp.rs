@@ -48,16 +48,17 @@
 //!
 //! The state is never `fsync`ed: after a process crash the page cache still
 //! holds it, which is all a restart of a process needs. A **reservation
-//! record** holds a token ceiling `R`: no token above `R` is ever handed
-//! out before a record holding `R` or more is on disk (`msync`). A grant
-//! that passes the ceiling first writes a new one, [`RESERVE_BLOCK`]
-//! higher, into whichever of A and B is older or invalid, and syncs it; so
-//! one grant in `RESERVE_BLOCK` pays a disk sync, and a torn write of one
-//! record (power lost during the write) leaves the other, older, ceiling
-//! intact. After a reboot (the boot id in the file is not this boot's) the
-//! state is not trusted: the first process to map the file resets it (the
-//! next token is the highest valid ceiling plus one, above every token
-//! handed out before the crash, and no holder), under the kernel lock of
+//! record** holds a token ceiling `R` of the file's own: builds before the
+//! directory's ceiling (see `super::dir`) handed out no token above `R`
+//! before a record holding `R` or more was on disk, writing a new one,
+//! [`RESERVE_BLOCK`] higher, into whichever of A and B was older or
+//! invalid. This build keeps its ceiling in `keylock.dir` instead, one for
+//! every key of the directory (so a new file needs no sync), and only
+//! reads these records. After a reboot (the boot id in the file is not
+//! this boot's) the state is not trusted: the first process to map the
+//! file resets it (the next token is the higher of the highest valid
+//! record and the directory's durable ceiling, plus one: above every token
+//! handed out before the crash; and no holder), under the kernel lock of
 //! byte 0, and then writes this boot's id.
 
 use std::fmt;

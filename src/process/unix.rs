@@ -323,6 +323,22 @@ pub(crate) fn path_id(path: &Path) -> io::Result<Option<(FileId, u64)>> {
     }
 }
 
+/// When the host booted, on the wall clock (`btime` of `/proc/stat`),
+/// read once; `None` if it cannot be read.
+pub(crate) fn boot_time() -> Option<std::time::SystemTime> {
+    static BOOT: std::sync::OnceLock<Option<std::time::SystemTime>> = std::sync::OnceLock::new();
+    *BOOT.get_or_init(|| {
+        let stat = std::fs::read_to_string("/proc/stat").ok()?;
+        let secs: u64 = stat
+            .lines()
+            .find_map(|l| l.strip_prefix("btime "))?
+            .trim()
+            .parse()
+            .ok()?;
+        Some(std::time::UNIX_EPOCH + std::time::Duration::from_secs(secs))
+    })
+}
+
 /// Allocates the first `len` bytes of `file` on the disk
 /// (`posix_fallocate`): a full disk fails here.
 pub(crate) fn allocate(file: &File, len: u64) -> io::Result<()> {
