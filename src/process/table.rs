@@ -381,7 +381,8 @@ fn held<K>(
     Held::new(Arc::clone(inner), key, grant, local)
 }
 
-/// The first step of a blocking lock: takes the key if it is free now (no
+/// The first step of a blocking lock, and the first poll of a lock future:
+/// takes the key if it is free now (no
 /// waiter of this process ahead, no live holder), without the future and
 /// the diagnosis of a failed `try_lock`. Gives the key back if not.
 fn try_first<K: AsRef<[u8]>>(
@@ -415,8 +416,15 @@ type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
 /// gets it) and holds nothing; it never leaves a key held.
 #[must_use = "futures do nothing unless polled"]
 pub struct ProcessLock<'a, K> {
-    inner: BoxFuture<'a, Result<ProcessGuard<'a, K>, ProcessLockError>>,
+    /// Until the first poll: what it tries at once, without a future.
+    first: Option<(Arc<Inner>, K, LockOptions)>,
+    /// The whole acquisition, made only if the first try did not take it.
+    rest: Option<BoxFuture<'a, Result<ProcessGuard<'a, K>, ProcessLockError>>>,
 }
+
+// Nothing is pinned structurally: `K` and the options are moved out by
+// value on the first poll, and the rest is boxed.
+impl<K> Unpin for ProcessLock<'_, K> {}
 
 impl<K> std::fmt::Debug for ProcessLock<'_, K> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -424,11 +432,31 @@ impl<K> std::fmt::Debug for ProcessLock<'_, K> {
     }
 }
 
-impl<'a, K> Future for ProcessLock<'a, K> {
+impl<'a, K: AsRef<[u8]> + Send + 'a> Future for ProcessLock<'a, K> {
     type Output = Result<ProcessGuard<'a, K>, ProcessLockError>;
 
-    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
-        self.inner.as_mut().poll(cx)
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        let this = self.get_mut();
+        if let Some((inner, key, opts)) = this.first.take() {
+            // As `blocking_lock`: a free key is taken here, with no boxed
+            // future, no in-process wait and no clock read.
+            match try_first(&inner, key, &opts) {
+                Err(err) => return Poll::Ready(Err(err)),
+                Ok(Ok(held)) => return Poll::Ready(Ok(ProcessGuard::new(held))),
+                Ok(Err(key)) => {
+                    this.rest = Some(Box::pin(async move {
+                        acquire(inner, key, opts, false)
+                            .await
+                            .map(ProcessGuard::new)
+                    }));
+                }
+            }
+        }
+        this.rest
+            .as_mut()
+            .expect("`ProcessLock` polled after completion")
+            .as_mut()
+            .poll(cx)
     }
 }
 
@@ -440,8 +468,14 @@ impl<'a, K> Future for ProcessLock<'a, K> {
 /// Cancel-safe, as [`ProcessLock`].
 #[must_use = "futures do nothing unless polled"]
 pub struct OwnedProcessLock<K> {
-    inner: BoxFuture<'static, Result<OwnedProcessGuard<K>, ProcessLockError>>,
+    /// Until the first poll: what it tries at once, without a future.
+    first: Option<(Arc<ProcessLockTable<K>>, K, LockOptions)>,
+    /// The whole acquisition, made only if the first try did not take it.
+    rest: Option<BoxFuture<'static, Result<OwnedProcessGuard<K>, ProcessLockError>>>,
 }
+
+// As `ProcessLock`: nothing is pinned structurally.
+impl<K> Unpin for OwnedProcessLock<K> {}
 
 impl<K> std::fmt::Debug for OwnedProcessLock<K> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -449,11 +483,30 @@ impl<K> std::fmt::Debug for OwnedProcessLock<K> {
     }
 }
 
-impl<K> Future for OwnedProcessLock<K> {
+impl<K: AsRef<[u8]> + Send + 'static> Future for OwnedProcessLock<K> {
     type Output = Result<OwnedProcessGuard<K>, ProcessLockError>;
 
-    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
-        self.inner.as_mut().poll(cx)
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        let this = self.get_mut();
+        if let Some((table, key, opts)) = this.first.take() {
+            match try_first(&table.inner, key, &opts) {
+                Err(err) => return Poll::Ready(Err(err)),
+                Ok(Ok(held)) => return Poll::Ready(Ok(OwnedProcessGuard::new(table, held))),
+                Ok(Err(key)) => {
+                    let inner = Arc::clone(&table.inner);
+                    this.rest = Some(Box::pin(async move {
+                        acquire(inner, key, opts, false)
+                            .await
+                            .map(|held| OwnedProcessGuard::new(table, held))
+                    }));
+                }
+            }
+        }
+        this.rest
+            .as_mut()
+            .expect("`OwnedProcessLock` polled after completion")
+            .as_mut()
+            .poll(cx)
     }
 }
 
@@ -533,13 +586,9 @@ impl<K: AsRef<[u8]> + Send> ProcessLockTable<K> {
     where
         K: 'a,
     {
-        let inner = Arc::clone(&self.inner);
         ProcessLock {
-            inner: Box::pin(async move {
-                acquire(inner, key, opts, false)
-                    .await
-                    .map(ProcessGuard::new)
-            }),
+            first: Some((Arc::clone(&self.inner), key, opts)),
+            rest: None,
         }
     }
 
@@ -600,13 +649,9 @@ impl<K: AsRef<[u8]> + Send> ProcessLockTable<K> {
     where
         K: 'static,
     {
-        let inner = Arc::clone(&self.inner);
         OwnedProcessLock {
-            inner: Box::pin(async move {
-                acquire(inner, key, opts, false)
-                    .await
-                    .map(|held| OwnedProcessGuard::new(self, held))
-            }),
+            first: Some((self, key, opts)),
+            rest: None,
         }
     }
 
