@@ -232,8 +232,10 @@ fn tokens_of_a_key_increase_across_processes_that_reclaim_it() {
 const STRESS_KEYS: [&str; 4] = ["a", "b", "c", "d"];
 
 /// One participant of the stress: random keys, random ways of locking
-/// (try, wait, wait and be cancelled), random prunes. A grant proves it is
-/// alone by creating its key's marker file exclusively, and logs its token.
+/// (try, wait, wait and be cancelled), random prunes, and its table
+/// dropped (reclaiming what it cached) and opened again now and then. A
+/// grant proves it is alone by creating its key's marker file exclusively,
+/// and logs its token.
 fn stress(dir: &Path, seed: u64, n: usize) {
     let mut rng = seed | 1;
     let mut next = move || {
@@ -242,7 +244,7 @@ fn stress(dir: &Path, seed: u64, n: usize) {
         rng ^= rng << 17;
         rng
     };
-    let table = ProcessLockTable::<&str>::open(dir).unwrap();
+    let mut table = ProcessLockTable::<&str>::open(dir).unwrap();
     let log_path = dir.join(format!("log-{seed}"));
     let mut log = std::fs::File::create(&log_path).unwrap();
     let critical = |key: &str, token: u64, log: &mut std::fs::File| {
@@ -258,6 +260,9 @@ fn stress(dir: &Path, seed: u64, n: usize) {
     };
     for _ in 0..n {
         let key = STRESS_KEYS[(next() % 4) as usize];
+        if next() % 40 == 0 {
+            table = ProcessLockTable::<&str>::open(dir).unwrap();
+        }
         match next() % 5 {
             0 => {
                 if let Ok(g) = table.try_lock(key) {
@@ -322,7 +327,7 @@ fn check_logs(dir: &Path) -> usize {
 #[test]
 fn reclaim_racing_locks_never_makes_two_holders_across_tables_and_processes() {
     let dir = temp_dir("stress");
-    const N: usize = 400;
+    const N: usize = 1500;
     let kids: Vec<_> = (0..2u64)
         .map(|i| {
             let dir = dir.clone();
