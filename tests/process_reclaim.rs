@@ -468,3 +468,40 @@ fn after_a_forged_reboot_a_reclaimed_key_starts_above_the_durable_ceiling() {
     drop(table);
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+/// A lock future forgotten (`mem::forget`) while it waits at the file
+/// level: its helper thread gets the slot's kernel lock when the holder
+/// lets it go, and nobody ever takes the key with it. Judgements respect
+/// a slot locked with no grant only for a short patience, then take the
+/// key on another slot: the key is not stranded. (Without the patience the
+/// locks below wait for ever: the test fails by their timeouts.)
+#[test]
+fn a_forgotten_file_level_waiter_does_not_strand_the_key() {
+    let dir = temp_dir("forgotten");
+    let holder = ProcessLockTable::<&str>::open(&dir).unwrap();
+    let forgetful = ProcessLockTable::<&str>::open(&dir).unwrap();
+    let other = ProcessLockTable::<&str>::open(&dir).unwrap();
+    let g = holder.try_lock("k").unwrap();
+    let mut f = Box::pin(forgetful.lock("k"));
+    assert!(poll(f.as_mut()).is_pending());
+    assert_eq!(forgetful.stats().file_waiters, 1);
+    std::mem::forget(f);
+    let mut last = g.token();
+    drop(g);
+    let patient = || LockOptions::new().timeout(PATIENCE);
+    for table in [&other, &holder, &other] {
+        let g = block_on(table.lock_with("k", patient())).unwrap();
+        assert!(g.token() > last);
+        assert!(g.check().is_ok());
+        last = g.token();
+        drop(g);
+        let g = table.blocking_lock_with("k", patient()).unwrap();
+        assert!(g.token() > last);
+        last = g.token();
+    }
+    // The forgotten future keeps its files open (leaked with it): the key's
+    // file is in use, so it is not reclaimed.
+    assert_eq!(other.prune().unwrap(), 0);
+    assert_eq!(key_files(&dir), ["key-k.state"]);
+    std::fs::remove_dir_all(&dir).unwrap();
+}

@@ -61,7 +61,13 @@
 //!    already holds (slot 0, tried first, or a slot the kernel just handed
 //!    it); else try-lock the word's slot; if it is locked, another
 //!    process's waiter was just handed it by the kernel and is about to
-//!    take the key: wait for that slot.
+//!    take the key: wait for that slot, for at most [`NO_GRANT_PATIENCE`]
+//!    (counted from the first judgement that saw it, in the file). An open
+//!    file that holds it longer with no grant will not take the key (the
+//!    helper of a lock future forgotten while it waited, a stopped
+//!    process, a program locking the file outside keylock): the key is
+//!    then taken on another free slot. Should the slot's holder swap
+//!    after all, its swap from the old word fails, and it judges again.
 //! 2. **A grant, and its slot is free** (or the caller holds it): the
 //!    holder is dead (a live holder keeps its slot locked until after it
 //!    wrote its release, and the kernel frees the locks of a process that
@@ -186,6 +192,14 @@ fn register(state: &File, path: &Path) -> Result<bool, ProcessLockError> {
         )),
     }
 }
+
+/// How long judgements wait for a slot locked with no grant (the word's
+/// grant released): a taker the kernel just handed the slot swaps the
+/// word within microseconds; an open file that holds it longer (the
+/// helper of a forgotten lock future, a stopped process, a program locking
+/// the file outside keylock) is passed by then, the key taken on another
+/// slot.
+const NO_GRANT_PATIENCE: Duration = Duration::from_millis(100);
 
 /// How soon a waiter judges again when the holder's stamp was not written
 /// yet (it is written microseconds after the grant; its lease is unknown
@@ -515,13 +529,24 @@ impl Inner {
                         slot: current,
                         on: On::State,
                     },
-                    None => {
-                        return Ok(Step::WaitSlot {
-                            slot: current,
-                            recheck: None,
-                            free: true,
-                        })
-                    }
+                    None => match no_grant_patience(files) {
+                        Some(until) => {
+                            return Ok(Step::WaitSlot {
+                                slot: current,
+                                recheck: Some(until),
+                                free: true,
+                            })
+                        }
+                        // Locked with no grant for too long: taken on
+                        // another slot (a late taker's swap then fails).
+                        None => match self.free_slot(files, current)? {
+                            Some(slot) => Have {
+                                slot,
+                                on: On::State,
+                            },
+                            None => return Ok(Step::Backoff),
+                        },
+                    },
                 },
                 _ if files.try_slot(current)? => {
                     // Free: the holder is dead.
@@ -593,6 +618,9 @@ impl Inner {
                 continue;
             };
             test_hook::after_swap();
+            if map.no_grant_since().load(Ordering::Relaxed) != 0 {
+                map.no_grant_since().store(0, Ordering::SeqCst);
+            }
             if self.dir_state.reserve(token)? {
                 // A disk sync may take long: look at the file's length
                 // again before the stamp's stores (see the module doc).
@@ -1029,6 +1057,23 @@ mod test_hook {
     #[cfg(not(feature = "test-util"))]
     #[inline(always)]
     pub(super) fn after_swap() {}
+}
+
+/// A judgement found the word's grant released and its slot locked by
+/// another open file: `Some(until)` while that has lasted less than
+/// [`NO_GRANT_PATIENCE`] (counted from the first judgement that saw it
+/// since the last grant, kept in the file), `None` once it has.
+#[cold]
+fn no_grant_patience(files: &KeyFiles) -> Option<u64> {
+    let since_word = files.map.no_grant_since();
+    let now = unix::monotonic_ns().max(1);
+    let since = match since_word.compare_exchange(0, now, Ordering::SeqCst, Ordering::SeqCst) {
+        Ok(_) => now,
+        Err(since) => since,
+    };
+    let patience = u64::try_from(NO_GRANT_PATIENCE.as_nanos()).unwrap_or(u64::MAX);
+    let until = since.saturating_add(patience);
+    (now < until).then_some(until)
 }
 
 /// A claim word no other waiter of any process uses at once: this

@@ -11,6 +11,7 @@
 //! | 24     | 8    | the **state word**: `token << 6 \| slot` |
 //! | 32     | 8    | the **claim word**: the claim of a waiting process (0: none) |
 //! | 40     | 8    | when a judgement first deferred to that claim (monotonic ns; 0: not yet) |
+//! | 48     | 8    | when a judgement first found the word's slot locked with no grant (monotonic ns; 0: not since the last grant) |
 //! | 64     | 24   | reservation record A |
 //! | 96     | 24   | reservation record B |
 //! | 512    | 512  | the release cells: one token per slot |
@@ -19,8 +20,9 @@
 //! The file also carries its kernel locks (its `flock` lock and the
 //! byte-range locks of bytes 0 to 64, and of byte 66, the claim's; see
 //! [`super::acquire`]); locks are not data, so the layout is unaffected.
-//! The claim words were added within format 3: files made before it hold
-//! zero there (no claim), and a build from before it ignores claims.
+//! The claim words, and the no-grant word at 48, were added within format
+//! 3: files made before them hold zero there (no claim, no wait for a
+//! slot locked with no grant), and a build from before them ignores them.
 //!
 //! The **state word** names the current grant: its token (the last one
 //! handed out) and the slot its holder locks. A grant is a
@@ -84,6 +86,7 @@ const BOOT_AT: usize = 8;
 const WORD_AT: usize = 24;
 const CLAIM_AT: usize = 32;
 const CLAIM_SINCE_AT: usize = 40;
+const NO_GRANT_SINCE_AT: usize = 48;
 const RESERVE_AT: [usize; 2] = [64, 96];
 /// Where the ceilings live: the first page, which `msync` writes back.
 #[cfg(test)]
@@ -293,6 +296,7 @@ impl KeyState {
             self.map.word(cell_at(0)).store(reserved, Ordering::SeqCst);
             self.claim().store(0, Ordering::SeqCst);
             self.claim_since().store(0, Ordering::SeqCst);
+            self.no_grant_since().store(0, Ordering::SeqCst);
             let [a, b] = boot_words();
             self.map.word(BOOT_AT).store(a, Ordering::SeqCst);
             self.map.word(BOOT_AT + 8).store(b, Ordering::SeqCst);
@@ -316,6 +320,15 @@ impl KeyState {
     /// monotonic clock (0: none did yet).
     pub(crate) fn claim_since(&self) -> &std::sync::atomic::AtomicU64 {
         self.map.word(CLAIM_SINCE_AT)
+    }
+
+    /// When a judgement first found the word's grant released and its
+    /// slot locked by another open file (no grant: a taker about to swap,
+    /// or an open file that never will), on the host's monotonic clock (0:
+    /// none did since the last grant); see `acquire.rs`.
+    #[inline]
+    pub(crate) fn no_grant_since(&self) -> &std::sync::atomic::AtomicU64 {
+        self.map.word(NO_GRANT_SINCE_AT)
     }
 
     /// The current grant.
