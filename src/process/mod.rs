@@ -101,9 +101,9 @@
 //! docs/ARCHITECTURE.md, "Reclaim").
 //!
 //! Key files are never truncated or replaced by the table, nor removed
-//! while in use. Doing so from outside
-//! while processes use them loses the key's state, but never makes two
-//! holders or crashes a process: before every grant a table makes sure
+//! while in use. Removing, truncating or replacing them from outside while
+//! processes use them loses the key's state, but never makes two holders
+//! or crashes a process: before every grant a table makes sure
 //! that the key's path still names the file it holds open, and whole (a
 //! `stat`), so a file removed or replaced, alone or with the whole
 //! directory, is opened afresh (the key starts afresh, its tokens from the
