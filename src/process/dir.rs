@@ -33,8 +33,9 @@
 //!   [`RESERVE_BLOCK`] (`fetch_max`, so concurrent raisers of several keys
 //!   never undo each other), syncs the page (`msync`), and only then
 //!   raises the published word. After a reboot (the boot id differs), the
-//!   first table to open the directory sets the published ceiling to the
-//!   higher valid copy and raises the floor to it; a key file is then reset
+//!   first table to open the directory reads the higher valid copy, syncs
+//!   the page (a late reset may read copies another table raised and has
+//!   not synced yet), then publishes that copy and raises the floor to it; a key file is then reset
 //!   to at least that ceiling (see [`super::stamp`]). So a token handed out
 //!   before a power loss is below every token after it, whether the key's
 //!   file survived, was reclaimed, or was lost with its creation.
@@ -116,6 +117,10 @@ pub(crate) struct DirState {
     /// published word, kept in the process: the hot path reads no page of
     /// a file someone else could have shortened).
     known: AtomicU64,
+    /// The highest ceiling this table's syncs made durable (for tests:
+    /// what a power loss would leave of its work).
+    #[cfg(test)]
+    synced: AtomicU64,
 }
 
 impl DirState {
@@ -173,6 +178,8 @@ impl DirState {
             dir: dir.to_path_buf(),
             entry_synced: AtomicBool::new(synced),
             known: AtomicU64::new(0),
+            #[cfg(test)]
+            synced: AtomicU64::new(0),
         })
     }
 
@@ -207,18 +214,46 @@ impl DirState {
     }
 
     /// The first tables of a boot: the published ceiling is the durable
-    /// one, and the floor at least that. Every step is idempotent (a store
-    /// of what is on the disk, a `fetch_max`), so tables of one boot
-    /// racing here need no lock: a late store of the published word can
-    /// only lower it, which costs a sync, never a token.
+    /// one, and the floor at least that.
+    ///
+    /// The copies read here are the page cache's, not the disk's: a table
+    /// that read the old boot id may run this late, while a table of this
+    /// boot has already raised the copies for a grant (`raise`) and not yet
+    /// synced them. Publishing that reading as it is would let a third
+    /// table hand out a token that only an unsynced word covers, and a
+    /// power loss would then hand it out again. So the page is synced
+    /// (`msync`) *after* the reading and before it is published: the
+    /// copies only grow (`fetch_max`), so once the sync returns the disk
+    /// holds a ceiling at least the one read, and the published word is
+    /// again a ceiling known to be on the disk. With that, every step is
+    /// idempotent (a store of what is on the disk, a `fetch_max`), so
+    /// tables of one boot racing here need no lock (and `open` never waits
+    /// for one): a late store of the published word can only lower it,
+    /// which costs a sync, never a token.
     fn reset_after_reboot(&self) -> Result<(), ProcessLockError> {
         self.whole()?;
         let ceiling = self.durable();
+        self.sync_page()
+            .map_err(|e| ProcessLockError::io("sync the token ceiling of", &self.path, e))?;
+        // The sync may take long: look at the length again.
+        self.whole()?;
         self.map.word(PUBLISHED_AT).store(ceiling, Ordering::SeqCst);
         self.map.word(FLOOR_AT).fetch_max(ceiling, Ordering::SeqCst);
         let [a, b] = boot_words();
         self.map.word(BOOT_AT).store(a, Ordering::SeqCst);
         self.map.word(BOOT_AT + 8).store(b, Ordering::SeqCst);
+        Ok(())
+    }
+
+    /// Syncs the page (`msync`): every ceiling the copies held before the
+    /// call is on the disk when it returns. The caller looked at the
+    /// file's length just before.
+    fn sync_page(&self) -> std::io::Result<()> {
+        #[cfg(test)]
+        let seen = self.durable();
+        self.map.sync(LEN)?;
+        #[cfg(test)]
+        self.synced.fetch_max(seen, Ordering::SeqCst);
         Ok(())
     }
 
@@ -291,7 +326,7 @@ impl DirState {
             unix::sync_dir(&self.dir).map_err(failed)?;
             self.entry_synced.store(true, Ordering::Relaxed);
         }
-        self.map.sync(LEN).map_err(failed)?;
+        self.sync_page().map_err(failed)?;
         // The sync may take long: look at the length again.
         self.whole()?;
         self.map
@@ -299,5 +334,54 @@ impl DirState {
             .fetch_max(ceiling, Ordering::SeqCst);
         self.known.fetch_max(ceiling, Ordering::Relaxed);
         Ok(true)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn temp(name: &str) -> PathBuf {
+        let dir = std::env::temp_dir().join(format!("keylock-dir-{name}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        dir
+    }
+
+    /// The interleaving of a reset left late: a table of this boot raised
+    /// the ceiling copies for a grant and is preempted before its sync;
+    /// a table that read the old boot id then resets the directory. What
+    /// it publishes must be on the disk, or a third table's token covered
+    /// by it alone is handed out again after a power loss.
+    #[test]
+    #[cfg_attr(miri, ignore = "maps files: not under miri")]
+    fn a_late_reset_publishes_only_a_ceiling_on_the_disk() {
+        let dir = temp("late-reset");
+        let first = DirState::open(&dir).unwrap();
+        let raised = RESERVE_BLOCK * 7;
+        // `raise`, stopped between its `fetch_max` of the copies and its sync.
+        for at in CEILING_AT {
+            first.map.word(at).fetch_max(raised, Ordering::SeqCst);
+        }
+        assert_eq!(first.synced.load(Ordering::SeqCst), 0);
+        // A table that read the old boot id: forged by the words it read.
+        first.map.word(BOOT_AT).store(0, Ordering::SeqCst);
+        first.map.word(BOOT_AT + 8).store(0, Ordering::SeqCst);
+        let late = DirState::open(&dir).unwrap();
+        let published = late.ceiling().unwrap();
+        assert_eq!(published, raised, "the reset publishes the copies read");
+        // Nobody but the reset synced: what it published, its sync made
+        // durable.
+        assert!(
+            published <= late.synced.load(Ordering::SeqCst),
+            "published {published}, on the disk {}",
+            late.synced.load(Ordering::SeqCst)
+        );
+        // A third table hands out tokens up to it without a sync of its own.
+        let third = DirState::open(&dir).unwrap();
+        assert!(!third.reserve(raised).unwrap());
+        assert!(third.reserve(raised + 1).unwrap());
+        drop((first, late, third));
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 }
