@@ -72,6 +72,18 @@
 //!    holder is dead (a live holder keeps its slot locked until after it
 //!    wrote its release, and the kernel frees the locks of a process that
 //!    dies, however it dies). Take the key over, on that slot.
+//!
+//!    **A grant whose slot the kernel handed to a waiter**: the slot is
+//!    locked, but the file's *handed word* equals the state word (a helper
+//!    thread, handed the slot, records the word if it named the slot
+//!    unreleased: `stamp::mark_handed`). Its holder let the slot go
+//!    without a release, so it died, and the open file that holds the slot
+//!    made no grant: as in step 1, wait for it at most
+//!    [`NO_GRANT_PATIENCE`], then take the key on another free slot. So a
+//!    lock future forgotten while it waited for a holder that was then
+//!    killed does not strand the key. Never two holders: the slot's open
+//!    file can take the key only by a swap from this same word, and of two
+//!    swaps from one word one fails.
 //! 3. **A live holder whose lease lapsed** (its slot is locked, its stamp
 //!    is written and its lease word is past on the host's monotonic
 //!    clock): mark the lease word taken (compare-and-swap: a `renew`
@@ -556,6 +568,30 @@ impl Inner {
                         on: On::State,
                     }
                 }
+                // Locked, but the kernel handed the slot to a waiter's
+                // helper after the holder died (`stamp::mark_handed`): a
+                // slot locked with no grant, as above (the helper's future
+                // may never swap: forgotten). Its swap, if it comes, is
+                // from this same word, so one of it and ours fails.
+                _ if map.handed(word) => match have {
+                    Some(h) => h,
+                    None => match no_grant_patience(files) {
+                        Some(until) => {
+                            return Ok(Step::WaitSlot {
+                                slot: current,
+                                recheck: Some(until),
+                                free: true,
+                            })
+                        }
+                        None => match self.free_slot(files, current)? {
+                            Some(slot) => Have {
+                                slot,
+                                on: On::State,
+                            },
+                            None => return Ok(Step::Backoff),
+                        },
+                    },
+                },
                 _ => {
                     let now = unix::monotonic_ns();
                     let Some(deadline) = map.lease_of(word) else {

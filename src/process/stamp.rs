@@ -12,6 +12,7 @@
 //! | 32     | 8    | the **claim word**: the claim of a waiting process (0: none) |
 //! | 40     | 8    | when a judgement first deferred to that claim (monotonic ns; 0: not yet) |
 //! | 48     | 8    | when a judgement first found the word's slot locked with no grant (monotonic ns; 0: not since the last grant) |
+//! | 56     | 8    | the **handed word**: the highest state word whose slot the kernel handed to a waiter's helper thread while the word's grant was not released |
 //! | 64     | 24   | reservation record A |
 //! | 96     | 24   | reservation record B |
 //! | 512    | 512  | the release cells: one token per slot |
@@ -20,9 +21,11 @@
 //! The file also carries its kernel locks (its `flock` lock and the
 //! byte-range locks of bytes 0 to 64, and of byte 66, the claim's; see
 //! [`super::acquire`]); locks are not data, so the layout is unaffected.
-//! The claim words, and the no-grant word at 48, were added within format
-//! 3: files made before them hold zero there (no claim, no wait for a
-//! slot locked with no grant), and a build from before them ignores them.
+//! The claim words, the no-grant word at 48 and the handed word at 56 were
+//! added within format 3: files made before them hold zero there (no
+//! claim, no wait for a slot locked with no grant, no slot handed), and a
+//! build from before them ignores them (and never writes the handed word:
+//! its helpers' slots are judged as before, a live holder's).
 //!
 //! The **state word** names the current grant: its token (the last one
 //! handed out) and the slot its holder locks. A grant is a
@@ -87,6 +90,7 @@ const WORD_AT: usize = 24;
 const CLAIM_AT: usize = 32;
 const CLAIM_SINCE_AT: usize = 40;
 const NO_GRANT_SINCE_AT: usize = 48;
+const HANDED_AT: usize = 56;
 const RESERVE_AT: [usize; 2] = [64, 96];
 /// Where the ceilings live: the first page, which `msync` writes back.
 #[cfg(test)]
@@ -228,6 +232,42 @@ pub(crate) fn boot_words() -> [u64; 2] {
     ]
 }
 
+/// Called by a helper thread the moment the kernel handed it slot `slot`
+/// of `file` (a key's state file), before its future can see it: if the
+/// state word names that slot and its grant is not released, records the
+/// word as *handed* (`fetch_max`: words only grow, so a late record of an
+/// older word never hides a newer one).
+///
+/// Why that record is true whenever the word still equals it: a grant's
+/// holder locks its slot before the swap and keeps it until after its
+/// release cell is written, and two open files never hold one slot. So if
+/// the kernel handed the slot to this helper while the word named it,
+/// unreleased, the word's holder had let the slot go without releasing:
+/// it died. The word cannot name this slot again before the helper lets
+/// it go but through the helper's own future's swap, which changes the
+/// word. A judge that finds the word equal to this record and its slot
+/// locked therefore knows the slot's holder made no grant (a future that
+/// will swap soon, or one forgotten that never will), and treats it as a
+/// slot locked with no grant (see `acquire.rs`). Errors (a file shortened
+/// from outside) skip the record: the slot is then judged as before.
+pub(crate) fn mark_handed(file: &File, slot: u32) {
+    let Ok((_, len)) = unix::file_id(file) else {
+        return;
+    };
+    if len < FILE_LEN as u64 {
+        return; // its page could be gone: no access (`SIGBUS`)
+    }
+    let Ok(map) = Mapping::map(file, STAMPS_AT, true) else {
+        return;
+    };
+    let word = Word::unpack(map.word(WORD_AT).load(Ordering::SeqCst));
+    let released =
+        word.token == 0 || map.word(cell_at(word.slot)).load(Ordering::SeqCst) == word.token;
+    if word.slot == slot && !released {
+        map.word(HANDED_AT).fetch_max(word.pack(), Ordering::SeqCst);
+    }
+}
+
 /// A key's state, in its mapped state file.
 #[derive(Debug)]
 pub(crate) struct KeyState {
@@ -329,6 +369,15 @@ impl KeyState {
     #[inline]
     pub(crate) fn no_grant_since(&self) -> &std::sync::atomic::AtomicU64 {
         self.map.word(NO_GRANT_SINCE_AT)
+    }
+
+    /// Whether the kernel handed `word`'s slot to a waiter's helper thread
+    /// while `word` was the state word and its grant not released (see
+    /// [`mark_handed`]): then `word`'s holder no longer holds its slot, and
+    /// the open file that does made no grant.
+    #[inline]
+    pub(crate) fn handed(&self, word: Word) -> bool {
+        word.token != 0 && self.map.word(HANDED_AT).load(Ordering::SeqCst) == word.pack()
     }
 
     /// The current grant.
