@@ -7,6 +7,13 @@
 //! - `process_uncontended`: one process takes and releases one key:
 //!   `ProcessLockTable::try_lock` + drop, against a plain `flock` +
 //!   unlock of one open file (the kernel floor).
+//! - `process_new_key`: the first lock of a new key (`try_lock` + drop of
+//!   a key never locked, on one table, so that one cached key is evicted
+//!   and its file reclaimed per lock, as in a job runner keyed by job id),
+//!   against a plain `flock` + unlock of a new file (`open(O_CREAT)`,
+//!   `flock`, unlock, `close`). `cargo run --release --example process --
+//!   --new-keys N` prints the same with the disk per idle key after
+//!   `prune`.
 //! - `process_calls`: the system calls one uncontended lock+unlock of the
 //!   process scope makes (three: lock slot 0, `fstat`, unlock; see
 //!   BENCHMARKS.md), made by hand on an open file with nothing else, as a
@@ -403,6 +410,34 @@ fn uncontended(c: &mut Criterion) {
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
+fn new_keys(c: &mut Criterion) {
+    let dir = std::env::temp_dir().join(format!("keylock-bench-n-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let raw = dir.join("plain");
+    std::fs::create_dir_all(&raw).unwrap();
+    let mut group = c.benchmark_group("process_new_key");
+    let table = ProcessLockTable::open(&dir).unwrap();
+    let mut n = 0u64;
+    group.bench_function("keylock_first_try_lock_drop", |b| {
+        b.iter(|| {
+            n += 1;
+            drop(table.try_lock(format!("job-{n}")).unwrap());
+        })
+    });
+    let mut n = 0u64;
+    group.bench_function("plain_flock_new_file", |b| {
+        b.iter(|| {
+            n += 1;
+            let file = File::create(raw.join(n.to_string())).unwrap();
+            flock(&file, libc::LOCK_EX);
+            flock(&file, libc::LOCK_UN);
+        })
+    });
+    group.finish();
+    drop(table);
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
 fn handoffs(c: &mut Criterion) {
     let mut group = c.benchmark_group("process_handoff_round_trip");
     group
@@ -568,6 +603,7 @@ fn main() {
     }
     let mut c = Criterion::default().configure_from_args();
     uncontended(&mut c);
+    new_keys(&mut c);
     calls(&mut c);
     handoffs(&mut c);
     c.final_summary();

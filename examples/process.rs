@@ -15,6 +15,13 @@
 //!
 //! The holders are this example re-invoked with `KEYLOCK_EXAMPLE_HOLDER`.
 //!
+//! `cargo run --release --example process -- --new-keys N` instead takes
+//! and releases N distinct keys, each once, and prints the median time of
+//! the first lock of a new key (`try_lock` + drop) next to raw `flock` on a
+//! new file (`open(O_CREAT)` + `flock` + unlock + `close`), and the disk the
+//! directory takes per idle key once the table reclaimed what it cached
+//! (`prune`): a job runner keyed by job id.
+//!
 //! `cargo run --release --example process -- --loop N` instead takes and
 //! releases one key N times (`try_lock` + drop) in one process and exits: run
 //! it under `strace -c -f` with N = 0 and N = 10000 to count the system
@@ -83,6 +90,65 @@ fn uncontended_loop(n: u64) {
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
+/// `--new-keys N`: the first lock of N new keys, against raw `flock` on N
+/// new files; then the disk per idle key after reclaim.
+fn new_keys(n: usize) {
+    use std::os::fd::AsRawFd;
+    use std::os::unix::fs::MetadataExt;
+    let root = std::env::temp_dir().join(format!("keylock-example-new-{}", std::process::id()));
+    let dir = root.join("keylock");
+    let raw = root.join("flock");
+    std::fs::create_dir_all(&dir).unwrap();
+    std::fs::create_dir_all(&raw).unwrap();
+    let disk = |dir: &std::path::Path| -> (usize, u64) {
+        let entries: Vec<_> = std::fs::read_dir(dir)
+            .unwrap()
+            .map(Result::unwrap)
+            .collect();
+        let bytes = entries
+            .iter()
+            .map(|e| e.metadata().unwrap().blocks() * 512)
+            .sum();
+        (entries.len(), bytes)
+    };
+    let table = ProcessLockTable::open(&dir).unwrap();
+    let mut keylock = Vec::with_capacity(n);
+    let mut flock = Vec::with_capacity(n);
+    for i in 0..n {
+        let key = format!("job-{i}");
+        let at = Instant::now();
+        drop(table.try_lock(key.clone()).unwrap());
+        keylock.push(at.elapsed());
+        let at = Instant::now();
+        let file = std::fs::File::create(raw.join(&key)).unwrap();
+        // SAFETY: flock(2) on a descriptor `file` keeps open; no memory.
+        unsafe {
+            assert_eq!(libc::flock(file.as_raw_fd(), libc::LOCK_EX), 0);
+            assert_eq!(libc::flock(file.as_raw_fd(), libc::LOCK_UN), 0);
+        }
+        drop(file);
+        flock.push(at.elapsed());
+    }
+    let (files_before, bytes_before) = disk(&dir);
+    let pruned = table.prune().unwrap();
+    let (files_after, bytes_after) = disk(&dir);
+    let (raw_files, raw_bytes) = disk(&raw);
+    let (k, f) = (median(keylock), median(flock));
+    println!(
+        "first lock of a new key ({n} keys): keylock try_lock + drop median {k:?}, \
+         raw flock on a new file median {f:?} ({:.1}x)",
+        k.as_secs_f64() / f.as_secs_f64()
+    );
+    println!(
+        "disk after {n} idle keys: {files_before} files, {bytes_before} bytes while cached; \
+         after prune ({pruned} reclaimed) {files_after} files, {bytes_after} bytes \
+         ({} bytes per idle key); raw flock files: {raw_files} files, {raw_bytes} bytes",
+        bytes_after / n as u64
+    );
+    drop(table);
+    std::fs::remove_dir_all(&root).unwrap();
+}
+
 fn main() {
     if let Ok(dir) = std::env::var(ROLE) {
         let lease = std::env::var("KEYLOCK_EXAMPLE_LEASE_MS")
@@ -95,6 +161,10 @@ fn main() {
     if let [_, flag, n] = args.as_slice() {
         if flag == "--loop" {
             uncontended_loop(n.parse().expect("--loop N"));
+            return;
+        }
+        if flag == "--new-keys" {
+            new_keys(n.parse().expect("--new-keys N"));
             return;
         }
     }

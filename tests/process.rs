@@ -1619,3 +1619,58 @@ fn until_stopped(pid: u32) {
         std::thread::sleep(Duration::from_millis(1));
     }
 }
+
+/// A waiter forgotten (`mem::forget`) while its helper thread waits in the
+/// kernel for a live holder's slot; the holder is then killed, so the
+/// kernel hands the slot to the forgotten helper, which keeps it for ever
+/// while the state word still names the dead holder's grant. Other tables
+/// must still get the key (after a short patience), never wait for a live
+/// holder that is not there. Before the fix the key was stranded: a
+/// waiter without a lease waited for ever, here until its timeout.
+#[test]
+fn a_forgotten_waiter_handed_a_killed_holders_slot_does_not_strand_the_key() {
+    use std::os::fd::AsRawFd;
+    let dir = temp_dir("handed");
+    let forgetful = ProcessLockTable::<&str>::open(&dir).unwrap();
+    let other = ProcessLockTable::<&str>::open(&dir).unwrap();
+    let mut kid = Kid::spawn("hold", &dir, &[]);
+    let token = kid.locked_token();
+    let mut f = Box::pin(forgetful.lock("k"));
+    let noop = std::task::Waker::noop();
+    assert!(f
+        .as_mut()
+        .poll(&mut std::task::Context::from_waker(noop))
+        .is_pending());
+    assert_eq!(forgetful.stats().file_waiters, 1);
+    std::mem::forget(f);
+    kid.signal(libc::SIGKILL);
+    let _ = kid.child.wait();
+    // Let the forgotten helper get the dead holder's slot (slot 0, the
+    // file's `flock`) before the other table judges, so that the test
+    // pins the case: a loop on the observed lock, not on time. If the
+    // helper is slow past the cap, the test still passes (the other table
+    // then takes the slot over as a dead holder's), it just pins less.
+    let file = std::fs::File::open(dir.join("key-k.state")).unwrap();
+    for _ in 0..1_000_000 {
+        // SAFETY: `file`'s descriptor is open for the whole call.
+        if unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_SH | libc::LOCK_NB) } != 0 {
+            break; // an exclusive holder: the helper
+        }
+        // SAFETY: as above.
+        unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_UN) };
+        std::thread::yield_now();
+    }
+    drop(file);
+    let mut last = token;
+    for _ in 0..2 {
+        let g = block_on(other.lock_with("k", patient())).unwrap();
+        assert!(g.token().get() > last);
+        assert!(g.check().is_ok());
+        last = g.token().get();
+        drop(g);
+    }
+    let g = other.blocking_lock_with("k", patient()).unwrap();
+    assert!(g.token().get() > last);
+    drop(g);
+    std::fs::remove_dir_all(&dir).unwrap();
+}

@@ -22,6 +22,12 @@
 //!
 //! # The files named by the path, whole
 //!
+//! A table opens a key's file only through [`Inner::open_key`], which
+//! registers it as a user of the file (a shared lock of its user byte)
+//! and then looks at the path once more: so a file a reclaimer removes
+//! ([`super::reclaim`]) is never one a table keeps open. The look below
+//! remains for files removed or replaced from outside.
+//!
 //! Before every judgement (so before every grant) the acquirer makes sure
 //! that the key's path still names the file it holds open (device and
 //! inode): a table keeps key files open between uses, and the directory,
@@ -55,11 +61,29 @@
 //!    already holds (slot 0, tried first, or a slot the kernel just handed
 //!    it); else try-lock the word's slot; if it is locked, another
 //!    process's waiter was just handed it by the kernel and is about to
-//!    take the key: wait for that slot.
+//!    take the key: wait for that slot, for at most [`NO_GRANT_PATIENCE`]
+//!    (counted from the first judgement that saw it, in the file). An open
+//!    file that holds it longer with no grant will not take the key (the
+//!    helper of a lock future forgotten while it waited, a stopped
+//!    process, a program locking the file outside keylock): the key is
+//!    then taken on another free slot. Should the slot's holder swap
+//!    after all, its swap from the old word fails, and it judges again.
 //! 2. **A grant, and its slot is free** (or the caller holds it): the
 //!    holder is dead (a live holder keeps its slot locked until after it
 //!    wrote its release, and the kernel frees the locks of a process that
 //!    dies, however it dies). Take the key over, on that slot.
+//!
+//!    **A grant whose slot the kernel handed to a waiter**: the slot is
+//!    locked, but the file's *handed word* equals the state word (a helper
+//!    thread, handed the slot, records the word if it named the slot
+//!    unreleased: `stamp::mark_handed`). Its holder let the slot go
+//!    without a release, so it died, and the open file that holds the slot
+//!    made no grant: as in step 1, wait for it at most
+//!    [`NO_GRANT_PATIENCE`], then take the key on another free slot. So a
+//!    lock future forgotten while it waited for a holder that was then
+//!    killed does not strand the key. Never two holders: the slot's open
+//!    file can take the key only by a swap from this same word, and of two
+//!    swaps from one word one fails.
 //! 3. **A live holder whose lease lapsed** (its slot is locked, its stamp
 //!    is written and its lease word is past on the host's monotonic
 //!    clock): mark the lease word taken (compare-and-swap: a `renew`
@@ -72,10 +96,12 @@
 //!    unwritten stamp) to judge again.
 //!
 //! Taking the key is a compare-and-swap of the state word from the word
-//! judged to the next token and the caller's slot: if another process
-//! changed the word meanwhile (a grant, a takeover), the swap fails and
-//! the caller judges again, keeping the slot it locked. The winner then
-//! makes the token's ceiling durable if it passed it, and writes its stamp.
+//! judged to the next token and the caller's slot (in a file that never
+//! granted, the directory's token floor plus one: see [`super::dir`]): if
+//! another process changed the word meanwhile (a grant, a takeover), the
+//! swap fails and the caller judges again, keeping the slot it locked. The
+//! winner then makes the directory's token ceiling durable if its token
+//! passed it, and writes its stamp.
 //!
 //! # The claim (order across processes)
 //!
@@ -127,6 +153,7 @@ use std::time::{Duration, Instant};
 
 use super::error::{HeldBy, ProcessLockError};
 use super::helper::{self, KernelWait};
+use super::reclaim::remove_blank;
 use super::stamp::{
     init_file, unix_now_ns, KeyState, NewStamp, ProcessHolder, Stamp, Word, FILE_LEN, MAX_SLOTS,
     TAKEN,
@@ -140,6 +167,51 @@ use crate::timer::Sleep;
 /// claimant to take: a claimant that has not taken it by then (stopped,
 /// its future no longer polled) loses the claim.
 const CLAIM_PATIENCE: Duration = Duration::from_millis(100);
+
+/// How long an opener of a key file keeps trying to register as its user
+/// while another open file holds the user byte exclusively (a reclaimer
+/// holds it for a few calls; see [`super::reclaim`]).
+const REGISTER_PATIENCE: Duration = Duration::from_secs(2);
+
+/// Registers `state`, just opened from `path`, as a user of its file (a
+/// shared lock of the user byte, not waited for): `Ok(false)` if a
+/// reclaimer holds the byte now.
+///
+/// # Errors
+///
+/// [`ProcessLockError::Io`] naming the file and the process if a program
+/// outside keylock holds a classic POSIX write lock over that byte (a
+/// lock of the whole file): keylock's files are keylock's to lock.
+fn register(state: &File, path: &Path) -> Result<bool, ProcessLockError> {
+    let failed = |e| ProcessLockError::io("lock", path, e);
+    if unix::try_lock_range(state, unix::Kind::Shared, unix::USER_BYTE, 1).map_err(failed)? {
+        return Ok(true);
+    }
+    match unix::range_owner(state, unix::USER_BYTE, 1).map_err(failed)? {
+        // Let go meanwhile, or a reclaimer's (an open file description
+        // lock): try again.
+        None | Some(None) => Ok(false),
+        Some(Some(pid)) => Err(ProcessLockError::io(
+            "register as a user of",
+            path,
+            io::Error::new(
+                io::ErrorKind::WouldBlock,
+                format!(
+                    "a program outside keylock (pid {pid}) holds a POSIX write lock on it; \
+                     keylock's files must not be locked outside keylock"
+                ),
+            ),
+        )),
+    }
+}
+
+/// How long judgements wait for a slot locked with no grant (the word's
+/// grant released): a taker the kernel just handed the slot swaps the
+/// word within microseconds; an open file that holds it longer (the
+/// helper of a forgotten lock future, a stopped process, a program locking
+/// the file outside keylock) is passed by then, the key taken on another
+/// slot.
+const NO_GRANT_PATIENCE: Duration = Duration::from_millis(100);
 
 /// How soon a waiter judges again when the holder's stamp was not written
 /// yet (it is written microseconds after the grant; its lease is unknown
@@ -306,9 +378,12 @@ impl Inner {
         }
     }
 
-    /// Creates a key's state file, whole: made and synced under a temporary
-    /// name, then linked to its path (so that no process ever opens a
-    /// state file without its header), unless another process did first.
+    /// Creates a key's state file, whole: made under a temporary name,
+    /// then linked to its path (so that no process ever opens a state file
+    /// without its header), unless another process did first. Neither the
+    /// file nor the directory is synced: the key's tokens are covered by
+    /// the directory's durable ceiling (see `super::dir`), so a power loss
+    /// that loses the new file (or its contents) loses no token.
     fn create_key(&self, path: &Path) -> Result<(), ProcessLockError> {
         static SEQ: AtomicU64 = AtomicU64::new(0);
         let tmp = self.dir.join(format!(
@@ -327,38 +402,85 @@ impl Inner {
         drop(file);
         let _ = std::fs::remove_file(&tmp);
         match made {
-            // The key's token ceiling lives in it: make its entry durable.
-            Ok(()) => unix::sync_dir(&self.dir)
-                .map_err(|e| ProcessLockError::io("create the state file", path, e)),
+            Ok(()) => Ok(()),
             Err(err) if err.kind() == io::ErrorKind::AlreadyExists => Ok(()),
             Err(err) => Err(ProcessLockError::io("create the state file", path, err)),
         }
     }
 
-    /// Opens (creating if need be) and maps a key's state file.
+    /// Opens (creating if need be), registers as a user (see
+    /// [`super::reclaim`]) and maps a key's state file.
+    ///
+    /// The registration is a shared lock of the file's user byte, taken
+    /// without waiting; only a reclaimer (which holds it exclusively for a
+    /// few calls, and then removes the file or lets it be) refuses it, and
+    /// the open is then made again after a short pause. Once registered,
+    /// the path is looked at again: a file it no longer names was
+    /// reclaimed (or removed from outside) between the open and the lock,
+    /// and is given up for the path's.
     pub(crate) fn open_key(&self, stem: &str) -> Result<KeyFiles, ProcessLockError> {
         let path = self.state_path(stem);
-        // Before the open: for tables of earlier builds (see `super::dir`).
-        self.dir_state.bump();
-        let state = match open_rw(&path) {
-            Ok(file) => file,
-            Err(err) if err.kind() == io::ErrorKind::NotFound => {
-                self.create_key(&path)?;
-                open_rw(&path).map_err(|e| ProcessLockError::io("open the state file", &path, e))?
+        let mut backoff = Backoff::new();
+        let mut paused = Duration::ZERO;
+        loop {
+            // Before the open: for tables of earlier builds (see `super::dir`).
+            self.dir_state.bump();
+            let state = match open_rw(&path) {
+                Ok(file) => file,
+                Err(err) if err.kind() == io::ErrorKind::NotFound => {
+                    self.create_key(&path)?;
+                    match open_rw(&path) {
+                        Ok(file) => file,
+                        // Reclaimed as soon as made (by a prune): again.
+                        Err(err) if err.kind() == io::ErrorKind::NotFound => continue,
+                        Err(err) => {
+                            return Err(ProcessLockError::io("open the state file", &path, err))
+                        }
+                    }
+                }
+                Err(err) => return Err(ProcessLockError::io("open the state file", &path, err)),
+            };
+            if !register(&state, &path)? {
+                // A reclaimer has it for an instant.
+                drop(state);
+                let pause = backoff.next();
+                paused += pause;
+                if paused > REGISTER_PATIENCE {
+                    return Err(ProcessLockError::io(
+                        "register as a user of",
+                        &path,
+                        io::Error::new(
+                            io::ErrorKind::WouldBlock,
+                            "another open file keeps its user byte locked exclusively",
+                        ),
+                    ));
+                }
+                std::thread::sleep(pause);
+                continue;
             }
-            Err(err) => return Err(ProcessLockError::io("open the state file", &path, err)),
-        };
-        let (id, _) = unix::file_id(&state).map_err(|e| ProcessLockError::io("stat", &path, e))?;
-        let map = KeyState::map(&state, &path, true)?;
-        Ok(KeyFiles {
-            stem: std::sync::Arc::from(stem),
-            path,
-            state,
-            map,
-            spare: None,
-            id,
-            stale: false,
-        })
+            let (id, _) =
+                unix::file_id(&state).map_err(|e| ProcessLockError::io("stat", &path, e))?;
+            let named = unix::path_id(&path).map_err(|e| ProcessLockError::io("stat", &path, e))?;
+            if named.is_none_or(|(named, _)| named != id) {
+                continue; // reclaimed before we registered: the path's file
+            }
+            let map = match KeyState::map(&state, &path, true, self.dir_state.ceiling()?) {
+                Ok(map) => map,
+                // A file whose creation a power loss cut short: removed,
+                // and made afresh (see `super::reclaim::remove_blank`).
+                Err(ProcessLockError::Corrupt { .. }) if remove_blank(&state, &path) => continue,
+                Err(err) => return Err(err),
+            };
+            return Ok(KeyFiles {
+                stem: std::sync::Arc::from(stem),
+                path,
+                state,
+                map,
+                spare: None,
+                id,
+                stale: false,
+            });
+        }
     }
 
     /// Puts a key's files, which hold no lock now, back into the cache
@@ -369,13 +491,27 @@ impl Inner {
         }
     }
 
-    /// A second open file of the key, for a helper thread to wait on.
-    fn spare(&self, files: &mut KeyFiles) -> Result<File, ProcessLockError> {
-        match files.spare.take() {
-            Some(file) => Ok(file),
-            None => open_rw(&files.path)
-                .map_err(|e| ProcessLockError::io("open the state file", &files.path, e)),
+    /// A second open file of the key, for a helper thread to wait on;
+    /// `None` if the path no longer names the open state file (the next
+    /// judgement opens the path's afresh).
+    fn spare(&self, files: &mut KeyFiles) -> Result<Option<File>, ProcessLockError> {
+        if let Some(file) = files.spare.take() {
+            return Ok(Some(file));
         }
+        let file = match open_rw(&files.path) {
+            Ok(file) => file,
+            Err(err) if err.kind() == io::ErrorKind::NotFound => return Ok(None),
+            Err(err) => {
+                return Err(ProcessLockError::io(
+                    "open the state file",
+                    &files.path,
+                    err,
+                ))
+            }
+        };
+        let (id, _) =
+            unix::file_id(&file).map_err(|e| ProcessLockError::io("stat", &files.path, e))?;
+        Ok((id == files.id).then_some(file))
     }
 
     /// The judgement (see the module doc). `have` is a slot the caller
@@ -405,13 +541,24 @@ impl Inner {
                         slot: current,
                         on: On::State,
                     },
-                    None => {
-                        return Ok(Step::WaitSlot {
-                            slot: current,
-                            recheck: None,
-                            free: true,
-                        })
-                    }
+                    None => match no_grant_patience(files) {
+                        Some(until) => {
+                            return Ok(Step::WaitSlot {
+                                slot: current,
+                                recheck: Some(until),
+                                free: true,
+                            })
+                        }
+                        // Locked with no grant for too long: taken on
+                        // another slot (a late taker's swap then fails).
+                        None => match self.free_slot(files, current)? {
+                            Some(slot) => Have {
+                                slot,
+                                on: On::State,
+                            },
+                            None => return Ok(Step::Backoff),
+                        },
+                    },
                 },
                 _ if files.try_slot(current)? => {
                     // Free: the holder is dead.
@@ -421,6 +568,30 @@ impl Inner {
                         on: On::State,
                     }
                 }
+                // Locked, but the kernel handed the slot to a waiter's
+                // helper after the holder died (`stamp::mark_handed`): a
+                // slot locked with no grant, as above (the helper's future
+                // may never swap: forgotten). Its swap, if it comes, is
+                // from this same word, so one of it and ours fails.
+                _ if map.handed(word) => match have {
+                    Some(h) => h,
+                    None => match no_grant_patience(files) {
+                        Some(until) => {
+                            return Ok(Step::WaitSlot {
+                                slot: current,
+                                recheck: Some(until),
+                                free: true,
+                            })
+                        }
+                        None => match self.free_slot(files, current)? {
+                            Some(slot) => Have {
+                                slot,
+                                on: On::State,
+                            },
+                            None => return Ok(Step::Backoff),
+                        },
+                    },
+                },
                 _ => {
                     let now = unix::monotonic_ns();
                     let Some(deadline) = map.lease_of(word) else {
@@ -476,13 +647,17 @@ impl Inner {
                 let_go(Some(mine))?;
                 return Ok(Step::Defer);
             }
-            let Some(token) = map.swap(word, mine.slot, &files.path)? else {
+            let floor = || self.dir_state.floor();
+            let Some(token) = map.swap(word, mine.slot, &files.path, floor)? else {
                 // The word moved: judge again, keeping the slot we hold.
                 have = Some(mine);
                 continue;
             };
             test_hook::after_swap();
-            if map.reserve(token, &files.path)? {
+            if map.no_grant_since().load(Ordering::Relaxed) != 0 {
+                map.no_grant_since().store(0, Ordering::SeqCst);
+            }
+            if self.dir_state.reserve(token)? {
                 // A disk sync may take long: look at the file's length
                 // again before the stamp's stores (see the module doc).
                 files.whole()?;
@@ -725,7 +900,9 @@ impl Inner {
                         // Only the kernel can end this wait: make it here,
                         // on the caller's own (blocking) thread.
                         drop(pending.take());
-                        let file = self.spare(&mut files)?;
+                        let Some(file) = self.spare(&mut files)? else {
+                            continue;
+                        };
                         helper::wait_here(|| unix::lock_slot(&file, slot))
                             .map_err(|e| ProcessLockError::io("lock", &files.path, e))?;
                         files.spare = Some(file);
@@ -737,7 +914,9 @@ impl Inner {
                     }
                     if pending.as_ref().is_none_or(|(s, _)| *s != slot) {
                         drop(pending.take());
-                        let file = self.spare(&mut files)?;
+                        let Some(file) = self.spare(&mut files)? else {
+                            continue;
+                        };
                         let wait = KernelWait::start(file, slot).map_err(|e| {
                             ProcessLockError::io("start a helper thread for", &files.path, e)
                         })?;
@@ -849,7 +1028,7 @@ impl Inner {
             Err(err) if err.kind() == io::ErrorKind::NotFound => return Ok((None, no_grant)),
             Err(err) => return Err(ProcessLockError::io("open the state file", &path, err)),
         };
-        let map = KeyState::map(&file, &path, false)?;
+        let map = KeyState::map(&file, &path, false, 0)?;
         if !map.this_boot() {
             // Written before a reboot: nobody holds it now.
             return Ok((None, no_grant));
@@ -914,6 +1093,23 @@ mod test_hook {
     #[cfg(not(feature = "test-util"))]
     #[inline(always)]
     pub(super) fn after_swap() {}
+}
+
+/// A judgement found the word's grant released and its slot locked by
+/// another open file: `Some(until)` while that has lasted less than
+/// [`NO_GRANT_PATIENCE`] (counted from the first judgement that saw it
+/// since the last grant, kept in the file), `None` once it has.
+#[cold]
+fn no_grant_patience(files: &KeyFiles) -> Option<u64> {
+    let since_word = files.map.no_grant_since();
+    let now = unix::monotonic_ns().max(1);
+    let since = match since_word.compare_exchange(0, now, Ordering::SeqCst, Ordering::SeqCst) {
+        Ok(_) => now,
+        Err(since) => since,
+    };
+    let patience = u64::try_from(NO_GRANT_PATIENCE.as_nanos()).unwrap_or(u64::MAX);
+    let until = since.saturating_add(patience);
+    (now < until).then_some(until)
 }
 
 /// A claim word no other waiter of any process uses at once: this

@@ -128,7 +128,10 @@ pub enum HeldBy {
     /// No grant holds the key, but the kernel lock the next grant needs is
     /// taken by another open file of the key's state file: a waiter (of
     /// this process or another) that the kernel just handed it, about to
-    /// take the key, or a program that locks the file outside keylock.
+    /// take the key, or a program that locks the file outside keylock
+    /// (respected for 100 ms, after which the key is taken on another
+    /// kernel lock: see docs/ARCHITECTURE.md, "Dead holders and stuck
+    /// holders").
     KernelLock,
     /// No grant holds the key, but a waiting process has the next turn (it
     /// holds the key's claim: see docs/ARCHITECTURE.md, "Order across

@@ -18,6 +18,13 @@
 //! key (taking a key needs its state written as well), and the thread is
 //! busy only until the lock it waits on is released or its holder dies.
 //!
+//! A future forgotten (`mem::forget`) while it waits never drops: its
+//! helper, handed the lock, keeps it for ever. So the helper records, as
+//! it gets the lock, that the kernel handed the slot to a waiter
+//! ([`super::stamp::mark_handed`]): judges then take it for a slot locked
+//! with no grant, not for a live holder, and take the key on another slot
+//! after a short patience (see `acquire.rs`).
+//!
 //! Helpers are pooled: an idle helper waits up to [`IDLE`] for the next
 //! request, then exits, so a steady stream of waits spawns no threads.
 
@@ -32,7 +39,7 @@ use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::task::{Context, Poll, Waker};
 use std::time::Duration;
 
-use super::unix;
+use super::{stamp, unix};
 
 /// How long an idle helper thread waits for work before it exits.
 pub(crate) const IDLE: Duration = Duration::from_secs(5);
@@ -147,6 +154,11 @@ impl KernelWait {
             BLOCKED.fetch_add(1, Ordering::Relaxed);
             let result = unix::lock_slot(&file, slot);
             BLOCKED.fetch_sub(1, Ordering::Relaxed);
+            if result.is_ok() {
+                // Before the future can see it (it may never look: see
+                // `stamp::mark_handed`).
+                stamp::mark_handed(&file, slot);
+            }
             let result = result.map(|()| file);
             let mut cell = lock(&theirs);
             match std::mem::replace(&mut *cell, Cell::Taken) {

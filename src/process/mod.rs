@@ -54,11 +54,14 @@
 //!
 //! # Fencing tokens
 //!
-//! Per key, tokens strictly increase across all processes and restarts:
-//! each grant swaps the state word from the last token to the next, and a
-//! durable ceiling (written and synced once every 1,024 grants) keeps them
-//! increasing across a power loss or reboot too. Tokens of different keys
-//! are unrelated.
+//! Per key, tokens strictly increase across all processes and restarts,
+//! and across the reclaim of the key's file: each grant swaps the state
+//! word from the last token to the next; a new file of a key starts above
+//! the directory's *token floor*, which every reclaim first raises to the
+//! last token of the file it removes; and a durable *token ceiling* of the
+//! directory (written and synced once every 1,024 tokens of its highest
+//! key) keeps them increasing across a power loss or reboot too. Tokens of
+//! different keys are unrelated (a new key may start high).
 //!
 //! # Waiting
 //!
@@ -78,15 +81,33 @@
 //!
 //! # Files
 //!
-//! The directory holds `keylock.dir` (one page: a counter of key file
-//! opens, mapped by every table), and per key one file,
-//! `key-<encoded>.state` (28 KiB, allocated when created). Key files are
-//! never deleted, truncated or replaced by the table. Doing so from outside
-//! while processes use them loses the key's state, but never makes two
-//! holders or crashes a process: before every grant a table makes sure
+//! The directory holds `keylock.dir` (one page, mapped by every table: a
+//! counter of key file opens, the token floor and ceiling), and per key in
+//! use one file, `key-<encoded>.state` (28 KiB, allocated when created;
+//! creating it syncs nothing, since the directory's ceiling covers its
+//! tokens).
+//!
+//! The files of idle keys are *reclaimed* (removed): a table reclaims the
+//! files of the keys it stops caching (below) and, when it goes away, of
+//! the keys it caches; [`ProcessLockTable::prune`] reclaims the rest (files
+//! left by processes that died, say). So a directory holds about one file
+//! per key in use or cached, whatever the number of keys ever locked. A
+//! file is reclaimed only when no table of any process has it open: every
+//! table holds a shared kernel lock of a *user byte* of each key file it
+//! keeps open, and a reclaimer must take that byte exclusively (never
+//! waiting) before it removes the file; a table that opens the file just
+//! then looks at the path again once it holds its shared lock, and opens
+//! the key's new file. So no grant is ever made on a removed file (see
+//! docs/ARCHITECTURE.md, "Reclaim").
+//!
+//! Key files are never truncated or replaced by the table, nor removed
+//! while in use. Removing, truncating or replacing them from outside while
+//! processes use them loses the key's state, but never makes two holders
+//! or crashes a process: before every grant a table makes sure
 //! that the key's path still names the file it holds open, and whole (a
 //! `stat`), so a file removed or replaced, alone or with the whole
-//! directory, is opened afresh (the key starts afresh, tokens included),
+//! directory, is opened afresh (the key starts afresh, its tokens from the
+//! directory's floor, which may be below the lost file's),
 //! and the holder of the old one sees its `check()` fail
 //! ([`ProcessLockError::Expired`]); a file shortened (truncated) is
 //! refused ([`ProcessLockError::Damaged`]) before its memory is touched,
@@ -96,7 +117,8 @@
 //!
 //! A table keeps the files of the keys it used last open and mapped, at
 //! most [`ProcessStats::MAX_CACHED_KEYS`] of them (a descriptor or two
-//! each), so that taking a key again opens nothing: an uncontended lock and
+//! each; one more evicts, and reclaims, the least recently used key's), so
+//! that taking a key again opens nothing: an uncontended lock and
 //! release is four system calls, the lock and the unlock of slot 0, a
 //! `stat` of the key's path before the grant and an `fstat` of the file
 //! before the release (see docs/ARCHITECTURE.md, "System calls").
@@ -123,6 +145,7 @@ mod guard;
 mod helper;
 mod key;
 mod lost;
+mod reclaim;
 mod shared;
 mod stamp;
 mod table;

@@ -11,6 +11,8 @@
 //! | 24     | 8    | the **state word**: `token << 6 \| slot` |
 //! | 32     | 8    | the **claim word**: the claim of a waiting process (0: none) |
 //! | 40     | 8    | when a judgement first deferred to that claim (monotonic ns; 0: not yet) |
+//! | 48     | 8    | when a judgement first found the word's slot locked with no grant (monotonic ns; 0: not since the last grant) |
+//! | 56     | 8    | the **handed word**: the highest state word whose slot the kernel handed to a waiter's helper thread while the word's grant was not released |
 //! | 64     | 24   | reservation record A |
 //! | 96     | 24   | reservation record B |
 //! | 512    | 512  | the release cells: one token per slot |
@@ -19,8 +21,11 @@
 //! The file also carries its kernel locks (its `flock` lock and the
 //! byte-range locks of bytes 0 to 64, and of byte 66, the claim's; see
 //! [`super::acquire`]); locks are not data, so the layout is unaffected.
-//! The claim words were added within format 3: files made before it hold
-//! zero there (no claim), and a build from before it ignores claims.
+//! The claim words, the no-grant word at 48 and the handed word at 56 were
+//! added within format 3: files made before them hold zero there (no
+//! claim, no wait for a slot locked with no grant, no slot handed), and a
+//! build from before them ignores them (and never writes the handed word:
+//! its helpers' slots are judged as before, a live holder's).
 //!
 //! The **state word** names the current grant: its token (the last one
 //! handed out) and the slot its holder locks. A grant is a
@@ -48,16 +53,17 @@
 //!
 //! The state is never `fsync`ed: after a process crash the page cache still
 //! holds it, which is all a restart of a process needs. A **reservation
-//! record** holds a token ceiling `R`: no token above `R` is ever handed
-//! out before a record holding `R` or more is on disk (`msync`). A grant
-//! that passes the ceiling first writes a new one, [`RESERVE_BLOCK`]
-//! higher, into whichever of A and B is older or invalid, and syncs it; so
-//! one grant in `RESERVE_BLOCK` pays a disk sync, and a torn write of one
-//! record (power lost during the write) leaves the other, older, ceiling
-//! intact. After a reboot (the boot id in the file is not this boot's) the
-//! state is not trusted: the first process to map the file resets it (the
-//! next token is the highest valid ceiling plus one, above every token
-//! handed out before the crash, and no holder), under the kernel lock of
+//! record** holds a token ceiling `R` of the file's own: builds before the
+//! directory's ceiling (see `super::dir`) handed out no token above `R`
+//! before a record holding `R` or more was on disk, writing a new one,
+//! [`RESERVE_BLOCK`] higher, into whichever of A and B was older or
+//! invalid. This build keeps its ceiling in `keylock.dir` instead, one for
+//! every key of the directory (so a new file needs no sync), and only
+//! reads these records. After a reboot (the boot id in the file is not
+//! this boot's) the state is not trusted: the first process to map the
+//! file resets it (the next token is the higher of the highest valid
+//! record and the directory's durable ceiling, plus one: above every token
+//! handed out before the crash; and no holder), under the kernel lock of
 //! byte 0, and then writes this boot's id.
 
 use std::fmt;
@@ -83,8 +89,11 @@ const BOOT_AT: usize = 8;
 const WORD_AT: usize = 24;
 const CLAIM_AT: usize = 32;
 const CLAIM_SINCE_AT: usize = 40;
+const NO_GRANT_SINCE_AT: usize = 48;
+const HANDED_AT: usize = 56;
 const RESERVE_AT: [usize; 2] = [64, 96];
 /// Where the ceilings live: the first page, which `msync` writes back.
+#[cfg(test)]
 const RESERVE_PAGE: usize = 4096;
 const CELLS_AT: usize = 512;
 const STAMPS_AT: usize = 4096;
@@ -108,7 +117,7 @@ const _: () = assert!(S_LABEL + 256 <= STAMP_LEN);
 /// How many tokens one durable reservation covers.
 pub(crate) const RESERVE_BLOCK: u64 = 1024;
 /// Tokens stay below this (the word keeps 58 bits of token).
-const TOKEN_LIMIT: u64 = (1 << (64 - SLOT_BITS)) - RESERVE_BLOCK;
+pub(crate) const TOKEN_LIMIT: u64 = (1 << (64 - SLOT_BITS)) - RESERVE_BLOCK;
 
 /// A lease word without a lease: never lapses.
 pub(crate) const NO_LEASE: u64 = u64::MAX;
@@ -214,12 +223,49 @@ pub(crate) fn new_file_header() -> Vec<u8> {
     page
 }
 
-fn boot_words() -> [u64; 2] {
+/// This boot's id as two words.
+pub(crate) fn boot_words() -> [u64; 2] {
     let id = unix::boot_id();
     [
         u64::from_le_bytes(id[..8].try_into().expect("8 bytes")),
         u64::from_le_bytes(id[8..].try_into().expect("8 bytes")),
     ]
+}
+
+/// Called by a helper thread the moment the kernel handed it slot `slot`
+/// of `file` (a key's state file), before its future can see it: if the
+/// state word names that slot and its grant is not released, records the
+/// word as *handed* (`fetch_max`: words only grow, so a late record of an
+/// older word never hides a newer one).
+///
+/// Why that record is true whenever the word still equals it: a grant's
+/// holder locks its slot before the swap and keeps it until after its
+/// release cell is written, and two open files never hold one slot. So if
+/// the kernel handed the slot to this helper while the word named it,
+/// unreleased, the word's holder had let the slot go without releasing:
+/// it died. The word cannot name this slot again before the helper lets
+/// it go but through the helper's own future's swap, which changes the
+/// word. A judge that finds the word equal to this record and its slot
+/// locked therefore knows the slot's holder made no grant (a future that
+/// will swap soon, or one forgotten that never will), and treats it as a
+/// slot locked with no grant (see `acquire.rs`). Errors (a file shortened
+/// from outside) skip the record: the slot is then judged as before.
+pub(crate) fn mark_handed(file: &File, slot: u32) {
+    let Ok((_, len)) = unix::file_id(file) else {
+        return;
+    };
+    if len < FILE_LEN as u64 {
+        return; // its page could be gone: no access (`SIGBUS`)
+    }
+    let Ok(map) = Mapping::map(file, STAMPS_AT, true) else {
+        return;
+    };
+    let word = Word::unpack(map.word(WORD_AT).load(Ordering::SeqCst));
+    let released =
+        word.token == 0 || map.word(cell_at(word.slot)).load(Ordering::SeqCst) == word.token;
+    if word.slot == slot && !released {
+        map.word(HANDED_AT).fetch_max(word.pack(), Ordering::SeqCst);
+    }
 }
 
 /// A key's state, in its mapped state file.
@@ -231,8 +277,14 @@ pub(crate) struct KeyState {
 impl KeyState {
     /// Maps a state file, refusing one that is not a format 3 state file
     /// ([`ProcessLockError::Corrupt`]). With `writable`, a state left from
-    /// another boot is reset first (see the module doc).
-    pub(crate) fn map(file: &File, path: &Path, writable: bool) -> Result<Self, ProcessLockError> {
+    /// another boot is reset first, to the higher of its own ceiling and
+    /// `ceiling`, the directory's (see the module doc).
+    pub(crate) fn map(
+        file: &File,
+        path: &Path,
+        writable: bool,
+        ceiling: u64,
+    ) -> Result<Self, ProcessLockError> {
         let len = file
             .metadata()
             .map_err(|e| ProcessLockError::io("stat", path, e))?
@@ -247,7 +299,7 @@ impl KeyState {
             return Err(ProcessLockError::Corrupt { path: path.into() });
         }
         if writable && !state.this_boot() {
-            state.reset_after_reboot(file, path)?;
+            state.reset_after_reboot(file, path, ceiling)?;
         }
         Ok(state)
     }
@@ -263,11 +315,16 @@ impl KeyState {
     /// and tokens may have been handed out above the word (never synced),
     /// never above the durable ceiling. Under the kernel lock of byte 0,
     /// so that exactly one process resets it.
-    fn reset_after_reboot(&self, file: &File, path: &Path) -> Result<(), ProcessLockError> {
+    fn reset_after_reboot(
+        &self,
+        file: &File,
+        path: &Path,
+        ceiling: u64,
+    ) -> Result<(), ProcessLockError> {
         unix::lock_range(file, unix::Kind::Exclusive, unix::BOOT_BYTE, 1)
             .map_err(|e| ProcessLockError::io("lock", path, e))?;
         if !self.this_boot() {
-            let (reserved, _) = self.reserved();
+            let reserved = self.reserved().0.max(ceiling);
             self.word().store(
                 Word {
                     token: reserved,
@@ -279,6 +336,7 @@ impl KeyState {
             self.map.word(cell_at(0)).store(reserved, Ordering::SeqCst);
             self.claim().store(0, Ordering::SeqCst);
             self.claim_since().store(0, Ordering::SeqCst);
+            self.no_grant_since().store(0, Ordering::SeqCst);
             let [a, b] = boot_words();
             self.map.word(BOOT_AT).store(a, Ordering::SeqCst);
             self.map.word(BOOT_AT + 8).store(b, Ordering::SeqCst);
@@ -304,6 +362,24 @@ impl KeyState {
         self.map.word(CLAIM_SINCE_AT)
     }
 
+    /// When a judgement first found the word's grant released and its
+    /// slot locked by another open file (no grant: a taker about to swap,
+    /// or an open file that never will), on the host's monotonic clock (0:
+    /// none did since the last grant); see `acquire.rs`.
+    #[inline]
+    pub(crate) fn no_grant_since(&self) -> &std::sync::atomic::AtomicU64 {
+        self.map.word(NO_GRANT_SINCE_AT)
+    }
+
+    /// Whether the kernel handed `word`'s slot to a waiter's helper thread
+    /// while `word` was the state word and its grant not released (see
+    /// [`mark_handed`]): then `word`'s holder no longer holds its slot, and
+    /// the open file that does made no grant.
+    #[inline]
+    pub(crate) fn handed(&self, word: Word) -> bool {
+        word.token != 0 && self.map.word(HANDED_AT).load(Ordering::SeqCst) == word.pack()
+    }
+
     /// The current grant.
     #[inline]
     pub(crate) fn load(&self) -> Word {
@@ -311,15 +387,25 @@ impl KeyState {
     }
 
     /// Swaps the state word from `seen` to the next token on `slot`: the
-    /// grant. `Ok(None)` if the word is no longer `seen`.
+    /// grant. `Ok(None)` if the word is no longer `seen`. The next token is
+    /// `seen`'s plus one, except in a file that never granted (its word's
+    /// token is 0): there it is the directory's token floor plus one
+    /// (`floor` is called only then), above every token of the key's
+    /// reclaimed files (see `super::dir`).
     #[inline]
     pub(crate) fn swap(
         &self,
         seen: Word,
         slot: u32,
         path: &Path,
+        floor: impl FnOnce() -> Result<u64, ProcessLockError>,
     ) -> Result<Option<u64>, ProcessLockError> {
-        let token = seen.token + 1;
+        let last = if seen.token == 0 {
+            floor()?
+        } else {
+            seen.token
+        };
+        let token = last.saturating_add(1);
         if token >= TOKEN_LIMIT {
             return Err(ProcessLockError::InvalidOptions {
                 option: "token",
@@ -379,10 +465,11 @@ impl KeyState {
         (reserved, next)
     }
 
-    /// Makes a ceiling at or above `token` durable before it is handed out
-    /// (the caller won the grant of `token`): `Ok(true)` if that took a
-    /// new ceiling and a disk sync, `Ok(false)` if one was durable already.
-    #[inline]
+    /// Writes and syncs a ceiling of the file's own at or above `token`,
+    /// as builds before the directory's ceiling did (this build keeps its
+    /// ceiling in `keylock.dir` and only reads these records, when it
+    /// resets a file after a reboot): the tests forge such files with it.
+    #[cfg(test)]
     pub(crate) fn reserve(&self, token: u64, path: &Path) -> Result<bool, ProcessLockError> {
         let (reserved, next) = self.reserved();
         if token <= reserved {
@@ -486,13 +573,14 @@ fn get_text(len: usize, load: impl Fn(usize) -> u64) -> String {
 }
 
 /// Makes `file` (new, empty) a state file: allocates all its blocks (a
-/// full disk fails here, never at a later store into the mapping), writes
-/// its header (magic, this boot's id, no grant) and syncs it.
+/// full disk fails here, never at a later store into the mapping) and
+/// writes its header (magic, this boot's id, no grant). No disk sync: its
+/// tokens are covered by the directory's durable ceiling, not by the file
+/// (see `super::dir`), so losing the file to a power loss loses no token.
 pub(crate) fn init_file(file: &File) -> std::io::Result<()> {
     use std::os::unix::fs::FileExt;
     unix::allocate(file, FILE_LEN as u64)?;
-    file.write_all_at(&new_file_header(), 0)?;
-    file.sync_all()
+    file.write_all_at(&new_file_header(), 0)
 }
 
 /// Who holds a key, as its owner stamp says, judged at the moment of the
@@ -629,13 +717,17 @@ mod tests {
     #[cfg_attr(miri, ignore = "maps files: not under miri")]
     fn a_stamp_round_trips_with_long_text_cut_on_char_boundaries() {
         let (dir, path, file) = temp("round");
-        let state = KeyState::map(&file, &path, true).unwrap();
+        let state = KeyState::map(&file, &path, true, 0).unwrap();
         let word = state.load();
         assert_eq!(word, Word { token: 0, slot: 0 });
         assert!(state.released(word));
-        let token = state.swap(word, 3, &path).unwrap().unwrap();
+        let token = state.swap(word, 3, &path, || Ok(0)).unwrap().unwrap();
         assert_eq!(token, 1);
-        assert_eq!(state.swap(word, 3, &path).unwrap(), None, "stale word");
+        assert_eq!(
+            state.swap(word, 3, &path, || Ok(0)).unwrap(),
+            None,
+            "stale word"
+        );
         let word = state.load();
         assert_eq!(word, Word { token: 1, slot: 3 });
         assert!(!state.released(word));
@@ -652,7 +744,7 @@ mod tests {
         assert_eq!(read.lease_deadline, Some(123));
         assert_eq!(state.lease_of(word), Some(123));
         // Another process sees the same memory.
-        let other = KeyState::map(&file, &path, false).unwrap();
+        let other = KeyState::map(&file, &path, false, 0).unwrap();
         assert_eq!(other.read_stamp(word), Some(read));
         state.release(3, 1);
         assert!(other.released(other.load()));
@@ -663,7 +755,7 @@ mod tests {
     #[cfg_attr(miri, ignore = "maps files: not under miri")]
     fn a_stamp_being_rewritten_or_of_another_grant_is_not_read() {
         let (dir, path, file) = temp("torn");
-        let state = KeyState::map(&file, &path, true).unwrap();
+        let state = KeyState::map(&file, &path, true, 0).unwrap();
         let word = Word { token: 7, slot: 2 };
         state.write_stamp(2, &stamp(7).borrow());
         assert!(state.read_stamp(word).is_some());
@@ -691,8 +783,8 @@ mod tests {
         use std::sync::atomic::AtomicBool;
         const GRANTS: u64 = 100_000;
         let (dir, path, file) = temp("race");
-        let writer = KeyState::map(&file, &path, true).unwrap();
-        let reader = KeyState::map(&file, &path, false).unwrap();
+        let writer = KeyState::map(&file, &path, true, 0).unwrap();
+        let reader = KeyState::map(&file, &path, false, 0).unwrap();
         let of = |token: u64| Stamp {
             pid: u32::try_from(token).unwrap(),
             token,
@@ -736,10 +828,10 @@ mod tests {
     #[cfg_attr(miri, ignore = "maps files: not under miri")]
     fn after_a_reboot_tokens_restart_above_the_durable_ceiling() {
         let (dir, path, file) = temp("reboot");
-        let state = KeyState::map(&file, &path, true).unwrap();
+        let state = KeyState::map(&file, &path, true, 0).unwrap();
         for _ in 0..5 {
             let word = state.load();
-            let token = state.swap(word, 0, &path).unwrap().unwrap();
+            let token = state.swap(word, 0, &path, || Ok(0)).unwrap().unwrap();
             state.reserve(token, &path).unwrap();
             state.write_stamp(0, &stamp(token).borrow());
         }
@@ -748,14 +840,14 @@ mod tests {
         // Forge another boot: the word is not trusted, the holder is gone.
         state.map.word(BOOT_AT).fetch_xor(0xFF, Ordering::SeqCst);
         drop(state);
-        let after = KeyState::map(&file, &path, true).unwrap();
+        let after = KeyState::map(&file, &path, true, 0).unwrap();
         assert!(after.this_boot());
         let word = after.load();
         assert_eq!(word.token, 1 + RESERVE_BLOCK);
         assert!(after.released(word));
         // A torn reservation falls back on the other one.
         let token = word.token + 1;
-        after.swap(word, 0, &path).unwrap().unwrap();
+        after.swap(word, 0, &path, || Ok(0)).unwrap().unwrap();
         after.reserve(token, &path).unwrap();
         let (higher, next) = after.reserved();
         assert_eq!(higher, token + RESERVE_BLOCK);
@@ -765,7 +857,44 @@ mod tests {
             .store(0xAAAA, Ordering::SeqCst);
         let (torn, _) = after.reserved();
         assert!(torn < higher && torn > 0);
+        // The directory's ceiling, when higher, wins: a file whose own
+        // records were never synced (this build's) restarts above it.
+        after.map.word(BOOT_AT).fetch_xor(0xFF, Ordering::SeqCst);
+        drop(after);
+        let again = KeyState::map(&file, &path, true, 1 << 20).unwrap();
+        let word = again.load();
+        assert_eq!(word.token, 1 << 20);
+        assert!(again.released(word));
         std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    #[cfg_attr(miri, ignore = "maps files: not under miri")]
+    fn a_file_that_never_granted_starts_above_the_directory_floor() {
+        let (dir, path, file) = temp("floor");
+        let state = KeyState::map(&file, &path, true, 0).unwrap();
+        let word = state.load();
+        assert_eq!(word.token, 0);
+        let token = state.swap(word, 0, &path, || Ok(41)).unwrap().unwrap();
+        assert_eq!(token, 42);
+        // Once it granted, the floor is not read again.
+        let token = state
+            .swap(state.load(), 0, &path, || panic!("floor read"))
+            .unwrap()
+            .unwrap();
+        assert_eq!(token, 43);
+        // A floor that cannot be read fails the grant, changing nothing.
+        let (dir2, path2, file2) = temp("floor-err");
+        let fresh = KeyState::map(&file2, &path2, true, 0).unwrap();
+        let err = fresh.swap(fresh.load(), 0, &path2, || {
+            Err(ProcessLockError::Corrupt {
+                path: path2.clone(),
+            })
+        });
+        assert!(err.is_err());
+        assert_eq!(fresh.load().token, 0);
+        std::fs::remove_dir_all(&dir).unwrap();
+        std::fs::remove_dir_all(&dir2).unwrap();
     }
 
     #[test]
@@ -774,7 +903,7 @@ mod tests {
         let (dir, path, file) = temp("garbage");
         file.write_all_at(b"not a keylock file", 0).unwrap();
         assert!(matches!(
-            KeyState::map(&file, &path, true),
+            KeyState::map(&file, &path, true, 0),
             Err(ProcessLockError::Corrupt { .. })
         ));
         // A format 2 file: 2,048 bytes, magic `KLPS`, version 2.
@@ -784,7 +913,7 @@ mod tests {
         old[4..8].copy_from_slice(&2u32.to_le_bytes());
         file.write_all_at(&old, 0).unwrap();
         assert!(matches!(
-            KeyState::map(&file, &path, true),
+            KeyState::map(&file, &path, true, 0),
             Err(ProcessLockError::Corrupt { .. })
         ));
         std::fs::remove_dir_all(&dir).unwrap();

@@ -142,7 +142,7 @@ impl<K: AsRef<[u8]>> ProcessLockTable<K> {
                 label: None,
                 local: Arc::new(LockTable::new()),
                 file_waiters: AtomicUsize::new(0),
-                cache: Arc::new(FileCache::default()),
+                cache: Arc::new(FileCache::new(Arc::clone(&dir_state))),
                 dir_state,
             }),
             _key: PhantomData,
@@ -219,6 +219,41 @@ impl<K> ProcessLockTable<K> {
     /// ```
     pub fn waiters<Q: AsRef<[u8]> + ?Sized>(&self, key: &Q) -> usize {
         key::encode(key.as_ref()).map_or(0, |stem| self.inner.local.waiters(&stem))
+    }
+
+    /// Reclaims the files of idle keys: this table's cached keys, then
+    /// every key file of the directory that no table of any process uses
+    /// (holds, waits for, or caches), such as those left by processes that
+    /// died. Returns how many key files were removed.
+    ///
+    /// A table already reclaims the files of the keys it stops caching
+    /// (beyond [`ProcessStats::MAX_CACHED_KEYS`]) and, when it goes away,
+    /// of the keys it caches; `prune` is for the rest, and for a directory
+    /// that must be small now. A key reclaimed keeps its fencing tokens
+    /// increasing: its next file starts above its last token (see the
+    /// [module documentation](crate::process#files)). Keys in use, and
+    /// files that are not whole key files, are left alone. It never waits
+    /// for a lock; it reads the directory, and opens and maps each key
+    /// file, so its cost grows with the directory.
+    ///
+    /// # Errors
+    ///
+    /// [`ProcessLockError::Io`] naming the directory if it cannot be read.
+    ///
+    /// ```
+    /// # let dir = std::env::temp_dir().join(format!("keylock-doc-prune-{}", std::process::id()));
+    /// # std::fs::create_dir_all(&dir).unwrap();
+    /// let table = keylock::ProcessLockTable::open(&dir)?;
+    /// let first = table.try_lock("job-17")?.token();
+    /// let held = table.try_lock("job-18")?;
+    /// assert_eq!(table.prune()?, 1); // job-17's file; job-18 is held
+    /// assert!(table.try_lock("job-17")?.token() > first);
+    /// # drop(held);
+    /// # std::fs::remove_dir_all(&dir).unwrap();
+    /// # Ok::<(), keylock::ProcessLockError>(())
+    /// ```
+    pub fn prune(&self) -> Result<usize, ProcessLockError> {
+        self.inner.prune()
     }
 }
 
@@ -346,7 +381,8 @@ fn held<K>(
     Held::new(Arc::clone(inner), key, grant, local)
 }
 
-/// The first step of a blocking lock: takes the key if it is free now (no
+/// The first step of a blocking lock, and the first poll of a lock future:
+/// takes the key if it is free now (no
 /// waiter of this process ahead, no live holder), without the future and
 /// the diagnosis of a failed `try_lock`. Gives the key back if not.
 fn try_first<K: AsRef<[u8]>>(
@@ -380,8 +416,15 @@ type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
 /// gets it) and holds nothing; it never leaves a key held.
 #[must_use = "futures do nothing unless polled"]
 pub struct ProcessLock<'a, K> {
-    inner: BoxFuture<'a, Result<ProcessGuard<'a, K>, ProcessLockError>>,
+    /// Until the first poll: what it tries at once, without a future.
+    first: Option<(Arc<Inner>, K, LockOptions)>,
+    /// The whole acquisition, made only if the first try did not take it.
+    rest: Option<BoxFuture<'a, Result<ProcessGuard<'a, K>, ProcessLockError>>>,
 }
+
+// Nothing is pinned structurally: `K` and the options are moved out by
+// value on the first poll, and the rest is boxed.
+impl<K> Unpin for ProcessLock<'_, K> {}
 
 impl<K> std::fmt::Debug for ProcessLock<'_, K> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -389,11 +432,31 @@ impl<K> std::fmt::Debug for ProcessLock<'_, K> {
     }
 }
 
-impl<'a, K> Future for ProcessLock<'a, K> {
+impl<'a, K: AsRef<[u8]> + Send + 'a> Future for ProcessLock<'a, K> {
     type Output = Result<ProcessGuard<'a, K>, ProcessLockError>;
 
-    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
-        self.inner.as_mut().poll(cx)
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        let this = self.get_mut();
+        if let Some((inner, key, opts)) = this.first.take() {
+            // As `blocking_lock`: a free key is taken here, with no boxed
+            // future, no in-process wait and no clock read.
+            match try_first(&inner, key, &opts) {
+                Err(err) => return Poll::Ready(Err(err)),
+                Ok(Ok(held)) => return Poll::Ready(Ok(ProcessGuard::new(held))),
+                Ok(Err(key)) => {
+                    this.rest = Some(Box::pin(async move {
+                        acquire(inner, key, opts, false)
+                            .await
+                            .map(ProcessGuard::new)
+                    }));
+                }
+            }
+        }
+        this.rest
+            .as_mut()
+            .expect("`ProcessLock` polled after completion")
+            .as_mut()
+            .poll(cx)
     }
 }
 
@@ -405,8 +468,14 @@ impl<'a, K> Future for ProcessLock<'a, K> {
 /// Cancel-safe, as [`ProcessLock`].
 #[must_use = "futures do nothing unless polled"]
 pub struct OwnedProcessLock<K> {
-    inner: BoxFuture<'static, Result<OwnedProcessGuard<K>, ProcessLockError>>,
+    /// Until the first poll: what it tries at once, without a future.
+    first: Option<(Arc<ProcessLockTable<K>>, K, LockOptions)>,
+    /// The whole acquisition, made only if the first try did not take it.
+    rest: Option<BoxFuture<'static, Result<OwnedProcessGuard<K>, ProcessLockError>>>,
 }
+
+// As `ProcessLock`: nothing is pinned structurally.
+impl<K> Unpin for OwnedProcessLock<K> {}
 
 impl<K> std::fmt::Debug for OwnedProcessLock<K> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -414,11 +483,30 @@ impl<K> std::fmt::Debug for OwnedProcessLock<K> {
     }
 }
 
-impl<K> Future for OwnedProcessLock<K> {
+impl<K: AsRef<[u8]> + Send + 'static> Future for OwnedProcessLock<K> {
     type Output = Result<OwnedProcessGuard<K>, ProcessLockError>;
 
-    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
-        self.inner.as_mut().poll(cx)
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        let this = self.get_mut();
+        if let Some((table, key, opts)) = this.first.take() {
+            match try_first(&table.inner, key, &opts) {
+                Err(err) => return Poll::Ready(Err(err)),
+                Ok(Ok(held)) => return Poll::Ready(Ok(OwnedProcessGuard::new(table, held))),
+                Ok(Err(key)) => {
+                    let inner = Arc::clone(&table.inner);
+                    this.rest = Some(Box::pin(async move {
+                        acquire(inner, key, opts, false)
+                            .await
+                            .map(|held| OwnedProcessGuard::new(table, held))
+                    }));
+                }
+            }
+        }
+        this.rest
+            .as_mut()
+            .expect("`OwnedProcessLock` polled after completion")
+            .as_mut()
+            .poll(cx)
     }
 }
 
@@ -498,13 +586,9 @@ impl<K: AsRef<[u8]> + Send> ProcessLockTable<K> {
     where
         K: 'a,
     {
-        let inner = Arc::clone(&self.inner);
         ProcessLock {
-            inner: Box::pin(async move {
-                acquire(inner, key, opts, false)
-                    .await
-                    .map(ProcessGuard::new)
-            }),
+            first: Some((Arc::clone(&self.inner), key, opts)),
+            rest: None,
         }
     }
 
@@ -565,13 +649,9 @@ impl<K: AsRef<[u8]> + Send> ProcessLockTable<K> {
     where
         K: 'static,
     {
-        let inner = Arc::clone(&self.inner);
         OwnedProcessLock {
-            inner: Box::pin(async move {
-                acquire(inner, key, opts, false)
-                    .await
-                    .map(|held| OwnedProcessGuard::new(self, held))
-            }),
+            first: Some((self, key, opts)),
+            rest: None,
         }
     }
 

@@ -73,6 +73,12 @@ pub(crate) const BOOT_BYTE: u64 = 0;
 /// processes"): past every slot's byte.
 pub(crate) const CLAIM_BYTE: u64 = 2 + super::stamp::MAX_SLOTS as u64;
 
+/// The byte of a key's state file that every table using the file holds a
+/// shared lock of, for as long as it keeps the file open (cached, waiting
+/// or holding): a reclaimer must take it exclusively, so it reclaims only a
+/// file nobody else has open (see `super::reclaim`).
+pub(crate) const USER_BYTE: u64 = CLAIM_BYTE + 1;
+
 /// The byte of a key's state file whose lock is slot `slot` (1 and up;
 /// slot 0 is the file's `flock` lock).
 const fn slot_byte(slot: u32) -> u64 {
@@ -164,6 +170,20 @@ pub(crate) fn range_locked(file: &File, start: u64, len: u64) -> io::Result<bool
     let mut req = ofd_request(Some(Kind::Shared), start, len);
     ofd(file, libc::F_OFD_GETLK, &mut req)?;
     Ok(i32::from(req.l_type) != libc::F_UNLCK)
+}
+
+/// Whose lock would refuse an exclusive lock of the range now
+/// (`F_OFD_GETLK`, a look, no lock taken): `None` if none would;
+/// `Some(None)` for an open file description lock (keylock's own);
+/// `Some(Some(pid))` for a classic POSIX lock of process `pid` (a program
+/// outside keylock).
+pub(crate) fn range_owner(file: &File, start: u64, len: u64) -> io::Result<Option<Option<i32>>> {
+    let mut req = ofd_request(Some(Kind::Exclusive), start, len);
+    ofd(file, libc::F_OFD_GETLK, &mut req)?;
+    if i32::from(req.l_type) == libc::F_UNLCK {
+        return Ok(None);
+    }
+    Ok(Some((req.l_pid > 0).then_some(req.l_pid)))
 }
 
 /// One `flock(2)` call, retried on `EINTR`: `Ok(false)` if a non-blocking
@@ -301,6 +321,22 @@ pub(crate) fn path_id(path: &Path) -> io::Result<Option<(FileId, u64)>> {
         Err(err) if err.kind() == io::ErrorKind::NotFound => Ok(None),
         Err(err) => Err(err),
     }
+}
+
+/// When the host booted, on the wall clock (`btime` of `/proc/stat`),
+/// read once; `None` if it cannot be read.
+pub(crate) fn boot_time() -> Option<std::time::SystemTime> {
+    static BOOT: std::sync::OnceLock<Option<std::time::SystemTime>> = std::sync::OnceLock::new();
+    *BOOT.get_or_init(|| {
+        let stat = std::fs::read_to_string("/proc/stat").ok()?;
+        let secs: u64 = stat
+            .lines()
+            .find_map(|l| l.strip_prefix("btime "))?
+            .trim()
+            .parse()
+            .ok()?;
+        Some(std::time::UNIX_EPOCH + std::time::Duration::from_secs(secs))
+    })
 }
 
 /// Allocates the first `len` bytes of `file` on the disk
