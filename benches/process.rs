@@ -5,7 +5,8 @@
 //! ```
 //!
 //! - `process_uncontended`: one process takes and releases one key:
-//!   `ProcessLockTable::try_lock` + drop, against a plain `flock` +
+//!   `ProcessLockTable::try_lock` + drop (and `blocking_lock`, and the async
+//!   `lock` under `futures::executor::block_on`), against a plain `flock` +
 //!   unlock of one open file (the kernel floor).
 //! - `process_new_key`: the first lock of a new key (`try_lock` + drop of
 //!   a key never locked, on one table, so that one cached key is evicted
@@ -47,6 +48,9 @@
 //!   so nobody barges. Criterion gets the sum of the latencies (not the
 //!   wall time, which includes the 200 µs holds); the bench also prints the
 //!   median and the 10th and 90th percentiles of every handoff measured.
+//!   `keylock` waits with `blocking_lock`, `keylock_async` with the async
+//!   `lock` under `futures::executor::block_on` (through the scope's helper
+//!   thread and the waiter's waker).
 //!
 //! Each sample spawns a partner process and times from its "ready" line to
 //! the end of this process's share of the round trips (or sums the
@@ -80,6 +84,18 @@ struct Keylock(ProcessLockTable<&'static str>);
 impl Lock for Keylock {
     fn with<R>(&mut self, f: impl FnOnce() -> R) -> R {
         let guard = self.0.blocking_lock("hot").unwrap();
+        let out = f();
+        drop(guard);
+        out
+    }
+}
+
+/// The async path: `lock` polled by `futures::executor::block_on`, so a
+/// waiter waits through the scope's helper thread and its waker.
+struct KeylockAsync(ProcessLockTable<&'static str>);
+impl Lock for KeylockAsync {
+    fn with<R>(&mut self, f: impl FnOnce() -> R) -> R {
+        let guard = futures::executor::block_on(self.0.lock("hot")).unwrap();
         let out = f();
         drop(guard);
         out
@@ -129,6 +145,10 @@ fn make_lock(kind: &str, dir: &Path) -> Locker {
     match kind {
         "keylock" => {
             let mut l = Keylock(ProcessLockTable::open(dir).unwrap());
+            Box::new(move |f| l.with(f))
+        }
+        "keylock_async" => {
+            let mut l = KeylockAsync(ProcessLockTable::open(dir).unwrap());
             Box::new(move |f| l.with(f))
         }
         "flock" => {
@@ -377,6 +397,7 @@ fn partner(spec: &str) {
         let kind: &'static str = match kind {
             "flock" => "flock",
             "keylock" => "keylock",
+            "keylock_async" => "keylock_async",
             "mkdir_fast" => "mkdir_fast",
             "mkdir_reference" => "mkdir_reference",
             other => panic!("unknown lock {other}"),
@@ -398,6 +419,10 @@ fn uncontended(c: &mut Criterion) {
     });
     group.bench_function("keylock_blocking_lock_drop", |b| {
         b.iter(|| drop(table.blocking_lock("k").unwrap()))
+    });
+    // The async path, as a caller outside a runtime polls it.
+    group.bench_function("keylock_async_lock_drop", |b| {
+        b.iter(|| drop(futures::executor::block_on(table.lock("k")).unwrap()))
     });
     let file = File::create(dir.join("plain.lock")).unwrap();
     group.bench_function("plain_flock_unlock", |b| {
@@ -469,7 +494,7 @@ fn handoffs(c: &mut Criterion) {
         .sampling_mode(SamplingMode::Flat)
         .measurement_time(Duration::from_secs(1))
         .warm_up_time(Duration::from_millis(100));
-    for kind in ["flock", "keylock", "mkdir_fast"] {
+    for kind in ["flock", "keylock", "keylock_async", "mkdir_fast"] {
         group.bench_function(kind, |b| b.iter_custom(|n| handoff_waiting(kind, n)));
     }
     group.finish();
