@@ -356,21 +356,10 @@ impl<K> ShardState<K> {
         let Some(index) = self.entries.find(hash, |e| e.key == key) else {
             return Err(None);
         };
-        let entry = self.entries.get_mut(index);
-        match entry.holders.get(token) {
-            Some(holder) if !holder.deadline.is_some() => {}
-            _ => return Err(None),
+        match self.entries.get_mut(index).holders.get(token) {
+            Some(holder) if !holder.deadline.is_some() => self.release_alone_at(index, token),
+            _ => Err(None),
         }
-        if !(entry.holders.is_only(token) && entry.queue.is_empty() && entry.fenced == 0) {
-            return Err(Some(index));
-        }
-        entry.holders.clear_only();
-        let removed = self.entries.remove(index);
-        // SAFETY: the entry was just removed from the table and nothing uses
-        // it: no holder, no waiter, no fenced guard.
-        let key = unsafe { self.keys.take(removed.key) };
-        removed.forget_unused();
-        Ok(key)
     }
 
     /// The common handoff, without a [`Ctx`]: grant `token`, the only
@@ -459,6 +448,12 @@ impl<K> ShardState<K> {
         let Some(index) = self.entries.find(hash, |e| e.key == key) else {
             return Err(None);
         };
+        self.release_alone_at(index, token)
+    }
+
+    /// [`release_alone`](Self::release_alone) of the entry at `index`.
+    #[inline(always)]
+    fn release_alone_at(&mut self, index: Index, token: FencingToken) -> Result<K, Option<Index>> {
         let entry = self.entries.get_mut(index);
         if !(entry.holders.is_only(token) && entry.queue.is_empty() && entry.fenced == 0) {
             return Err(Some(index));
