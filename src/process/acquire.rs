@@ -541,23 +541,9 @@ impl Inner {
                         slot: current,
                         on: On::State,
                     },
-                    None => match no_grant_patience(files) {
-                        Some(until) => {
-                            return Ok(Step::WaitSlot {
-                                slot: current,
-                                recheck: Some(until),
-                                free: true,
-                            })
-                        }
-                        // Locked with no grant for too long: taken on
-                        // another slot (a late taker's swap then fails).
-                        None => match self.free_slot(files, current)? {
-                            Some(slot) => Have {
-                                slot,
-                                on: On::State,
-                            },
-                            None => return Ok(Step::Backoff),
-                        },
+                    None => match self.locked_with_no_grant(files, current)? {
+                        Ok(have) => have,
+                        Err(step) => return Ok(step),
                     },
                 },
                 _ if files.try_slot(current)? => {
@@ -575,21 +561,9 @@ impl Inner {
                 // from this same word, so one of it and ours fails.
                 _ if map.handed(word) => match have {
                     Some(h) => h,
-                    None => match no_grant_patience(files) {
-                        Some(until) => {
-                            return Ok(Step::WaitSlot {
-                                slot: current,
-                                recheck: Some(until),
-                                free: true,
-                            })
-                        }
-                        None => match self.free_slot(files, current)? {
-                            Some(slot) => Have {
-                                slot,
-                                on: On::State,
-                            },
-                            None => return Ok(Step::Backoff),
-                        },
+                    None => match self.locked_with_no_grant(files, current)? {
+                        Ok(have) => have,
+                        Err(step) => return Ok(step),
                     },
                 },
                 _ => {
@@ -762,6 +736,31 @@ impl Inner {
         }
         unix::unlock_range(&files.state, unix::CLAIM_BYTE, 1)
             .map_err(|e| ProcessLockError::io("unlock", &files.path, e))
+    }
+
+    /// The key's slot `current` is locked with no grant: waited for up to
+    /// the patience (`Err`: the step to wait), then the key is taken on
+    /// another free slot (`Ok`; a late taker's swap then fails), or every
+    /// slot is locked (`Err(Backoff)`).
+    fn locked_with_no_grant(
+        &self,
+        files: &KeyFiles,
+        current: u32,
+    ) -> Result<Result<Have, Step>, ProcessLockError> {
+        Ok(match no_grant_patience(files) {
+            Some(until) => Err(Step::WaitSlot {
+                slot: current,
+                recheck: Some(until),
+                free: true,
+            }),
+            None => match self.free_slot(files, current)? {
+                Some(slot) => Ok(Have {
+                    slot,
+                    on: On::State,
+                }),
+                None => Err(Step::Backoff),
+            },
+        })
     }
 
     fn free_slot(&self, files: &KeyFiles, except: u32) -> Result<Option<u32>, ProcessLockError> {
