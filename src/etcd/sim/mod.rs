@@ -994,10 +994,26 @@ mod tests {
         }
     }
 
+    /// A known defect, found by the 10,000-seed smoke: a release that gives
+    /// up while the session's keep-alives fail (its retry bound is the
+    /// lease's believed validity) leaves the waiter key of a lease that
+    /// then lives on; the key stays blocked until the same process locks it
+    /// again, and that lock's idempotent enqueue re-adopts the leftover key,
+    /// granting its create revision, the same fencing token, a second time
+    /// ("key k0: token 1211 (c1) after token 1211 (c1)"). Ignored until the
+    /// release or the enqueue is fixed; then it joins `regression_seeds`.
+    #[test]
+    #[ignore = "known defect: a leftover waiter key is re-adopted with its old token"]
+    fn seed_3887_a_leftover_waiter_key_is_not_readopted() {
+        if let Err(f) = run(3887, &Config::smoke()) {
+            panic!("{}", f.message);
+        }
+    }
+
     /// The fleet: 1,000 clients on 128 keys, every fault kind, 3,000
     /// simulated seconds of faults per seed (`FLEET_SEEDS` seeds, default 1).
     #[test]
-    #[ignore = "the long run: cargo test --release --features etcd --lib etcd::sim -- --ignored"]
+    #[ignore = "the long run: cargo test --release --features etcd --lib etcd::sim::tests::fleet -- --ignored"]
     fn fleet() {
         run_all("fleet", &Config::fleet(), "FLEET_SEEDS", 1);
     }
