@@ -44,9 +44,19 @@ async fn table(endpoints: &[String], prefix: &str, label: &str) -> ClusterLockTa
         .prefix(prefix)
         .label(label)
         .session_ttl(Duration::from_secs(SESSION_TTL));
-    ClusterLockTable::connect_with(endpoints, opts)
-        .await
-        .expect("connect to the test cluster")
+    // The cluster may still be electing a leader after an earlier test
+    // killed a member: connect again until it answers (for up to `HANG`).
+    let give_up = tokio::time::Instant::now() + HANG;
+    loop {
+        match ClusterLockTable::connect_with(endpoints, opts.clone()).await {
+            Ok(table) => return table,
+            Err(err) if tokio::time::Instant::now() < give_up => {
+                eprintln!("{label}: the test cluster did not answer yet ({err}); connecting again");
+                tokio::time::sleep(Duration::from_millis(200)).await;
+            }
+            Err(err) => panic!("connect to the test cluster: {err:?}"),
+        }
+    }
 }
 
 /// The child half of `sigkill_frees_the_key_after_the_ttl`: takes the key
