@@ -239,6 +239,27 @@ pub(crate) struct KeyFiles {
     pub(crate) stale: bool,
 }
 
+impl KeyFiles {
+    /// A key's files as just opened and mapped: no spare yet, not stale.
+    pub(crate) fn opened(
+        stem: &str,
+        path: PathBuf,
+        state: File,
+        map: KeyState,
+        id: FileId,
+    ) -> Self {
+        Self {
+            stem: std::sync::Arc::from(stem),
+            path,
+            state,
+            map,
+            spare: None,
+            id,
+            stale: false,
+        }
+    }
+}
+
 /// What a key's path names, against the files a table holds open.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Named {
@@ -471,15 +492,7 @@ impl Inner {
                 Err(ProcessLockError::Corrupt { .. }) if remove_blank(&state, &path) => continue,
                 Err(err) => return Err(err),
             };
-            return Ok(KeyFiles {
-                stem: std::sync::Arc::from(stem),
-                path,
-                state,
-                map,
-                spare: None,
-                id,
-                stale: false,
-            });
+            return Ok(KeyFiles::opened(stem, path, state, map, id));
         }
     }
 

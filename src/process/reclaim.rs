@@ -68,7 +68,6 @@
 use std::fs::{File, OpenOptions};
 use std::io;
 use std::path::Path;
-use std::sync::Arc;
 
 use super::acquire::{KeyFiles, Named};
 use super::dir::DirState;
@@ -208,14 +207,6 @@ impl Inner {
             // creation short (see `remove_blank`).
             Err(_) => return Some(Err(remove_blank(&state, &path))),
         };
-        Some(Ok(KeyFiles {
-            stem: Arc::from(stem),
-            path,
-            state,
-            map,
-            spare: None,
-            id,
-            stale: false,
-        }))
+        Some(Ok(KeyFiles::opened(stem, path, state, map, id)))
     }
 }
