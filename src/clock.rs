@@ -254,6 +254,22 @@ impl<'a> Now<'a> {
 }
 
 /// The coarse monotonic clock, as a [`Stamp`].
+/// How a clock's timer fires a shard's timer (the real clock's timer
+/// thread, or a manual clock's `advance`): `fire(ptr, now, wakers)` locks
+/// the shard, collects the wakers of the waiters due at `now` and returns
+/// the shard's next deadline (a raw stamp; `u64::MAX`: none).
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct ShardHook {
+    pub(crate) ptr: *const (),
+    pub(crate) fire: unsafe fn(*const (), u64, &mut std::vec::Vec<std::task::Waker>) -> u64,
+}
+
+// SAFETY: `ptr` is only passed back to `fire`, which reaches the shard under
+// its lock (touching no key), and only while the shard's table exists: the
+// table cancels its shards' timers before its memory goes, and a fire runs
+// under the wheel lock that the cancel takes.
+unsafe impl Send for ShardHook {}
+
 #[cfg(target_os = "linux")]
 mod coarse {
     use std::sync::OnceLock;
@@ -320,8 +336,8 @@ mod manual {
 
     use slab::Slab;
 
+    use super::ShardHook;
     use crate::loom::{AtomicU64, Mutex};
-    use crate::timer_driver::ShardHook;
 
     /// `elapsed + by`, cut down so that `base + result` is representable.
     fn saturating_elapsed(base: Instant, elapsed: Duration, by: Duration) -> Duration {

@@ -16,9 +16,10 @@ use std::panic::{catch_unwind, resume_unwind, AssertUnwindSafe};
 use std::task::Waker;
 use std::time::Instant;
 
+use crate::clock::ShardHook;
 use crate::clock::{Clock, Now, Stamp};
 use crate::stats::Counters;
-use crate::timer_driver::{ShardHook, ShardTimer};
+use crate::timer_driver::ShardTimer;
 
 /// Wakers to wake and to drop after unlocking.
 ///

@@ -202,12 +202,8 @@ impl LeasePolicy {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct PackedDuration(u64);
 
-/// The owner word of a grant detached from its transaction as a hold
-/// (`hold.rs`): it belongs to no transaction, and no guard.
-pub(crate) const HOLD_OWNER: u64 = u64::MAX;
-
 /// What a new grant carries besides its mode: its lease, and the
-/// transaction it is for (0: none, a plain guard; [`HOLD_OWNER`]: a hold).
+/// transaction it is for (0: none, a plain guard; [`HOLD_OWNER`](crate::token::HOLD_OWNER): a hold).
 /// A waiter carries them from its request to its grant.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct Terms {

@@ -100,7 +100,7 @@ impl LockStatus {
                     since: h.since.get(),
                     lease_deadline: h.deadline.get(),
                     lapsed: h.lapsed,
-                    hold: h.owner == crate::lease::HOLD_OWNER,
+                    hold: h.owner == crate::token::HOLD_OWNER,
                 })
                 .collect(),
             waiters: raw.waiters.iter().map(|w| waiter(w, labels)).collect(),

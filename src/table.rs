@@ -17,6 +17,7 @@ use std::time::Duration;
 use crossbeam_utils::CachePadded;
 
 use crate::acquire::{Lock, LockOwned, LockOwnedWith, LockWith};
+use crate::clock::ShardHook;
 use crate::clock::{Clock, Now};
 use crate::deferred::{Ctx, Leftovers};
 use crate::error::{LockError, TryLockError};
@@ -31,7 +32,7 @@ use crate::mode::Mode;
 use crate::queue::{Grant, ShardState, ENTRY_PRESENT};
 use crate::shard_lock::ShardMutex;
 use crate::stats::{Counters, Stats};
-use crate::timer_driver::{ShardHook, ShardTimer};
+use crate::timer_driver::ShardTimer;
 use crate::token::{FencingToken, TokenCounter};
 use crate::waiter::Waiter;
 

@@ -38,7 +38,7 @@ use std::time::{Duration, Instant};
 
 use crossbeam_utils::CachePadded;
 
-use crate::clock::{Clock, Stamp};
+use crate::clock::{Clock, ShardHook, Stamp};
 
 /// One armed timer: which wheel, which slot, and which use of it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -92,21 +92,6 @@ struct Slot {
     /// A shard's timer: fired by calling into the shard, not by a waker.
     hook: Option<ShardHook>,
 }
-
-/// How the timer thread fires a shard's timer: `fire(ptr, now, wakers)` locks
-/// the shard, collects the wakers of the waiters due at `now` and returns the
-/// shard's next deadline (a raw stamp; `u64::MAX`: none).
-#[derive(Debug, Clone, Copy)]
-pub(crate) struct ShardHook {
-    pub(crate) ptr: *const (),
-    pub(crate) fire: unsafe fn(*const (), u64, &mut Vec<Waker>) -> u64,
-}
-
-// SAFETY: `ptr` is only passed back to `fire`, which reaches the shard under
-// its lock (touching no key), and only while the shard's table exists: the
-// table cancels its shards' timers before its memory goes, and a fire runs
-// under the wheel lock that the cancel takes.
-unsafe impl Send for ShardHook {}
 
 /// A shard's timer: the earliest deadline it is armed for (raw stamp;
 /// `u64::MAX`: none), read and lowered under the shard lock, and its

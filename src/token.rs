@@ -193,6 +193,12 @@ mod tests {
     }
 }
 
+/// The owner word of a grant detached from its transaction as a hold
+/// (`hold.rs`): it belongs to no transaction, and no guard. Owner words are
+/// this module's vocabulary (a [`TransactionId`] is one), so the key machine
+/// and the status view read it here.
+pub(crate) const HOLD_OWNER: u64 = u64::MAX;
+
 /// The identity of a transaction ([`Transaction::id`](crate::Transaction::id)):
 /// unique in the process, named in [`Deadlock`](crate::Deadlock) answers.
 ///
@@ -235,7 +241,7 @@ impl TransactionId {
 
     /// The id a grant or waiter carries, if it is a transaction's (0: none).
     pub(crate) fn from_owner(owner: u64) -> Option<Self> {
-        if owner == crate::lease::HOLD_OWNER {
+        if owner == HOLD_OWNER {
             return None;
         }
         NonZeroU64::new(owner).map(Self)

@@ -19,8 +19,8 @@ use smallvec::SmallVec;
 
 use crate::clock::Now;
 use crate::key_slot::KeyPtr;
-use crate::lease::HOLD_OWNER;
 use crate::mode::Mode;
+use crate::token::HOLD_OWNER;
 use crate::waiter::{Waiter, Want};
 
 use super::ShardState;

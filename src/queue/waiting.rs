@@ -461,7 +461,7 @@ impl<K> ShardState<K> {
         let (entry, _) = self.locate(hash, key);
         match entry.holders.get_mut(token) {
             Some(holder) => {
-                holder.owner = crate::lease::HOLD_OWNER;
+                holder.owner = crate::token::HOLD_OWNER;
                 true
             }
             None => false,
