@@ -51,8 +51,12 @@ use crate::owner::held::{Acquired, Found, HeldSet};
 use crate::owner::pending::{self, Pending, PendingList};
 use crate::owner::policy::Resolved;
 use crate::owner::reach::{GuardOps, Reach};
-use crate::owner::single::{GuardOf, KeyOf};
 use crate::shard_lock::ShardMutex;
+
+/// The key type of an owner behind the access `A`.
+pub(crate) type KeyOf<A> = <<A as Access>::R as Reach>::Key;
+/// The guard type of an owner behind the access `A`.
+pub(crate) type GuardOf<A> = <<A as Access>::R as Reach>::Guard;
 
 /// The set of keys of an owner reaching its table through `R`.
 pub(crate) type SetOf<R> = HeldSet<<R as Reach>::Guard, <R as Reach>::Key>;

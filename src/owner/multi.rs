@@ -57,12 +57,13 @@ use crate::mode::Mode;
 use crate::owner::access::{
     wait_unless_ended, Access, Ended, Holding, LockOf, PendingOf, Stop, UpgradingOf, WaitFor,
 };
+use crate::owner::access::{GuardOf, KeyOf};
 use crate::owner::error::TransactionError;
 use crate::owner::held::{AcquireKind, Begin, Found};
 use crate::owner::pending::{CancelOnDrop, Wait, Waited};
 use crate::owner::policy::WaitPolicy;
 use crate::owner::reach::{GuardOps, Reach};
-use crate::owner::single::{self, GuardOf, KeyOf};
+use crate::owner::single;
 use crate::owner::Few;
 use crate::LockError;
 

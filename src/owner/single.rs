@@ -33,16 +33,13 @@ use std::time::Duration;
 use crate::deferred::Leftovers;
 use crate::mode::Mode;
 use crate::owner::access::{
-    wait_unless_ended, Access, Ended, Fast, Holding, PendingOf, SetOf, WaitFor,
+    wait_unless_ended, Access, Ended, Fast, GuardOf, Holding, KeyOf, PendingOf, SetOf, WaitFor,
 };
 use crate::owner::error::TransactionError;
 use crate::owner::held::{AcquireKind, Acquired, Begin, HeldSet};
 use crate::owner::pending::{Wait, Waited};
 use crate::owner::policy::WaitPolicy;
 use crate::owner::reach::{GuardOps, Reach};
-
-pub(crate) type KeyOf<A> = <<A as Access>::R as Reach>::Key;
-pub(crate) type GuardOf<A> = <<A as Access>::R as Reach>::Guard;
 
 /// A pending call's hold on one slot of the set; gives it back when
 /// dropped unless settled.

@@ -153,13 +153,11 @@ use std::time::{Duration, Instant};
 
 use super::error::{HeldBy, ProcessLockError};
 use super::helper::{self, KernelWait};
+use super::holder::ProcessHolder;
 use super::reclaim::remove_blank;
-use super::stamp::{
-    init_file, unix_now_ns, KeyState, NewStamp, ProcessHolder, Stamp, Word, FILE_LEN, MAX_SLOTS,
-    TAKEN,
-};
+use super::stamp::{init_file, unix_now_ns, KeyState, NewStamp, Stamp, Word, FILE_LEN, TAKEN};
 use super::table::Inner;
-use super::unix::{self, FileId};
+use super::unix::{self, FileId, MAX_SLOTS};
 use crate::clock::Clock;
 use crate::timer::Sleep;
 
@@ -1071,7 +1069,7 @@ impl Inner {
         } else {
             HeldBy::AnotherProcess
         };
-        Ok((ProcessHolder::from_stamp(&stamp, alive, now), by))
+        Ok((stamp.holder(alive, now), by))
     }
 }
 

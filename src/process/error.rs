@@ -5,7 +5,7 @@ use std::io;
 use std::path::PathBuf;
 use std::time::Duration;
 
-use super::stamp::ProcessHolder;
+use super::holder::ProcessHolder;
 use crate::FencingToken;
 
 /// Why a process-scope lock, check or read failed.

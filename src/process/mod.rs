@@ -143,6 +143,7 @@ mod dir;
 mod error;
 mod guard;
 mod helper;
+mod holder;
 mod key;
 mod lost;
 mod reclaim;
@@ -153,7 +154,8 @@ mod unix;
 
 pub use error::{HeldBy, ProcessLockError};
 pub use guard::{OwnedProcessGuard, ProcessGuard};
+pub use holder::ProcessHolder;
 pub use key::MAX_ENCODED_KEY;
 pub use lost::{ProcessKeepAlive, ProcessLost};
-pub use stamp::{ProcessHolder, MAX_LABEL};
+pub use stamp::MAX_LABEL;
 pub use table::{OwnedProcessLock, ProcessLock, ProcessLockTable, ProcessStats};

@@ -1,6 +1,6 @@
 //! The token state and the owner stamps of one key, as laid out in the
 //! key's state file and shared by every process through its mapping
-//! ([`super::shared`]), and the public view of a holder ([`ProcessHolder`]).
+//! ([`super::shared`]), and the public view of a holder it fills ([`ProcessHolder`], in `holder.rs`).
 //!
 //! # Layout of `<stem>.state` (format 3, 28,672 bytes, 64-bit words)
 //!
@@ -66,7 +66,7 @@
 //! handed out before the crash; and no holder), under the kernel lock of
 //! byte 0, and then writes this boot's id.
 
-use std::fmt;
+use super::holder::ProcessHolder;
 use std::fs::File;
 use std::path::Path;
 use std::sync::atomic::{fence, Ordering};
@@ -74,7 +74,7 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use super::error::ProcessLockError;
 use super::shared::Mapping;
-use super::unix;
+use super::unix::{self, MAX_SLOTS};
 use crate::FencingToken;
 
 /// Bytes of a state file.
@@ -108,8 +108,6 @@ const S_LENS: usize = 40;
 const S_HOST: usize = 48;
 const S_LABEL: usize = 112;
 
-/// The most slots a key may use (one per stuck holder taken over).
-pub(crate) const MAX_SLOTS: u32 = 64;
 const SLOT_BITS: u32 = 6;
 const _: () = assert!(1 << SLOT_BITS == MAX_SLOTS);
 const _: () = assert!(S_LABEL + 256 <= STAMP_LEN);
@@ -583,94 +581,22 @@ pub(crate) fn init_file(file: &File) -> std::io::Result<()> {
     file.write_all_at(&new_file_header(), 0)
 }
 
-/// Who holds a key, as its owner stamp says, judged at the moment of the
-/// read ([`ProcessLockTable::holder`](super::ProcessLockTable::holder), and
-/// in [`ProcessLockError::Timeout`] and
-/// [`ProcessLockError::WouldBlock`]).
-///
-/// `alive` is the kernel's answer, not a guess from the pid: the holder is
-/// alive while it still holds its kernel lock, which the kernel frees the
-/// moment the process dies, whatever it died of. A pid may be reused; a
-/// kernel lock is not inherited by the pid's next owner.
-///
-/// ```
-/// # let dir = std::env::temp_dir().join(format!("keylock-doc-holder-{}", std::process::id()));
-/// # std::fs::create_dir_all(&dir).unwrap();
-/// let table = keylock::ProcessLockTable::open(&dir)?.with_label("nightly-report");
-/// let guard = table.try_lock("report")?;
-/// let holder = table.holder(&"report")?.expect("held");
-/// assert_eq!(holder.pid, std::process::id());
-/// assert!(holder.alive);
-/// assert_eq!(holder.token, guard.token());
-/// assert_eq!(holder.label.as_deref(), Some("nightly-report"));
-/// assert!(holder.to_string().contains("nightly-report"));
-/// # drop(guard);
-/// # std::fs::remove_dir_all(&dir).unwrap();
-/// # Ok::<(), keylock::ProcessLockError>(())
-/// ```
-#[derive(Debug, Clone, PartialEq, Eq)]
-#[non_exhaustive]
-pub struct ProcessHolder {
-    /// The holder's process id; 0 (and no host, label or lease) for a
-    /// grant whose stamp was never written: its holder died, or stopped,
-    /// in the microseconds between taking the key and writing its stamp.
-    pub pid: u32,
-    /// Whether the holder still holds its kernel lock. `false`: it died (or
-    /// its files were replaced); the next locker takes the key at once.
-    pub alive: bool,
-    /// The holder's fencing token.
-    pub token: FencingToken,
-    /// How long it has held the key.
-    pub held_for: Duration,
-    /// The time left on its lease: `None` without a lease, zero once it
-    /// lapsed (the next waiter takes the key over).
-    pub lease_left: Option<Duration>,
-    /// When it was granted the key, on the wall clock.
-    pub granted_at: SystemTime,
-    /// The host it runs on.
-    pub hostname: String,
-    /// The label of its table, if it set one
-    /// ([`ProcessLockTable::with_label`](super::ProcessLockTable::with_label)).
-    pub label: Option<String>,
-}
-
-impl ProcessHolder {
-    pub(crate) fn from_stamp(stamp: &Stamp, alive: bool, now_mono: u64) -> Option<Self> {
-        Some(Self {
-            pid: stamp.pid,
+impl Stamp {
+    /// The public view of this stamp's holder, judged at `now_mono` (none
+    /// for a stamp without a grant).
+    pub(crate) fn holder(&self, alive: bool, now_mono: u64) -> Option<ProcessHolder> {
+        Some(ProcessHolder {
+            pid: self.pid,
             alive,
-            token: FencingToken::new(stamp.token)?,
-            held_for: Duration::from_nanos(now_mono.saturating_sub(stamp.granted_mono)),
-            lease_left: stamp
+            token: FencingToken::new(self.token)?,
+            held_for: Duration::from_nanos(now_mono.saturating_sub(self.granted_mono)),
+            lease_left: self
                 .lease_deadline
                 .map(|d| Duration::from_nanos(d.saturating_sub(now_mono))),
-            granted_at: UNIX_EPOCH + Duration::from_nanos(stamp.granted_unix_ns),
-            hostname: stamp.host.clone(),
-            label: stamp.label.clone(),
+            granted_at: UNIX_EPOCH + Duration::from_nanos(self.granted_unix_ns),
+            hostname: self.host.clone(),
+            label: self.label.clone(),
         })
-    }
-}
-
-impl fmt::Display for ProcessHolder {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "pid {}", self.pid)?;
-        if !self.hostname.is_empty() {
-            write!(f, " on {}", self.hostname)?;
-        }
-        if let Some(label) = &self.label {
-            write!(f, " ({label:?})")?;
-        }
-        f.write_str(if self.alive {
-            ", alive"
-        } else {
-            ", dead (its kernel lock is free)"
-        })?;
-        write!(f, ", token {}, held for {:?}", self.token, self.held_for)?;
-        match self.lease_left {
-            None => f.write_str(", no lease"),
-            Some(left) if left.is_zero() => f.write_str(", lease lapsed"),
-            Some(left) => write!(f, ", lease ends in {left:?}"),
-        }
     }
 }
 

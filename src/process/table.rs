@@ -15,8 +15,9 @@ use super::cache::{FileCache, CACHED_KEYS};
 use super::dir::DirState;
 use super::error::{HeldBy, ProcessLockError};
 use super::guard::{Held, OwnedProcessGuard, ProcessGuard};
+use super::holder::ProcessHolder;
 use super::key;
-use super::stamp::{ProcessHolder, MAX_LABEL};
+use super::stamp::MAX_LABEL;
 use crate::{LockError, LockOptions, LockTable, Mode, OwnedGuard, DEFAULT_MAX_LEASE};
 
 /// What every guard and future of a table shares.

@@ -68,10 +68,14 @@ pub(crate) fn hostname() -> &'static str {
 /// before the reboot.
 pub(crate) const BOOT_BYTE: u64 = 0;
 
+/// The most slots a key may use (one per stuck holder taken over): slot 0
+/// is the `flock` lock of the file, slot `N` the lock of byte `1 + N`.
+pub(crate) const MAX_SLOTS: u32 = 64;
+
 /// The byte of a key's state file whose lock a waiting process holds while
 /// it has the next turn (the claim; see `acquire.rs`, "Order across
 /// processes"): past every slot's byte.
-pub(crate) const CLAIM_BYTE: u64 = 2 + super::stamp::MAX_SLOTS as u64;
+pub(crate) const CLAIM_BYTE: u64 = 2 + MAX_SLOTS as u64;
 
 /// The byte of a key's state file that every table using the file holds a
 /// shared lock of, for as long as it keeps the file open (cached, waiting
