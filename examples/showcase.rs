@@ -15,10 +15,13 @@
 //!
 //! Part 2 (`showcase/bench.rs`) measures keylock against the keyed locks
 //! people write by hand, with `compare`'s workloads and harness
-//! (`compare/*.rs`), prints markdown tables whose verdicts say "faster" or
-//! "slower" only when the repetitions do not overlap, and writes an SVG
-//! chart (`showcase/chart.rs`; default `target/showcase.svg`). A progress
-//! bar goes to stderr; everything else to stdout.
+//! (`compare/*.rs`). It opens with the workloads, each with one sentence on
+//! what its figures mean for a user (where keylock wins, where it ties,
+//! where a single mutex is the right tool), then prints markdown tables
+//! whose verdicts say "faster" or "slower" only when the repetitions do not
+//! overlap, and writes an SVG chart (`showcase/chart.rs`; default
+//! `target/showcase.svg`). A progress bar goes to stderr; everything else
+//! to stdout.
 //!
 //! Build it in release: a debug build measures the debug build.
 
@@ -96,6 +99,7 @@ fn main() {
     }
 
     println!("\n# Part 2: keylock against the hand-written keyed locks\n");
+    println!("{}", bench::preface(args.quick));
     let reps = args.reps.unwrap_or(if args.quick { 3 } else { 5 });
     let results = bench::run(&rt, args.quick, reps);
     print!("{}", results.report());

@@ -416,3 +416,50 @@ pub mod futures {
     pub use crate::lost::Lost;
     pub use crate::upgrade::Upgrade;
 }
+
+pub mod guide {
+    //! The guide: one page per concept, each with examples that run as tests.
+    //!
+    //! The same pages are in the repository's `docs/` folder.
+    //!
+    //! - [`entry_points`]: every way to take a key, and what a guard offers.
+    //! - [`leases`]: leases, fencing tokens and revocation.
+    //! - [`timeouts`]: bounded waits, and what a timeout says it waited on.
+    //! - [`cancellation`]: dropping any future at any point.
+    //! - [`runtimes`]: one table under every runtime; tokio's clock; `blocking_lock`.
+    //! - [`modes`]: shared and exclusive grants, upgrades, fairness.
+    //! - [`transactions`]: many keys for one owner, `SKIP LOCKED`, retries.
+    //! - [`deadlocks`]: cycles answered at once, holds, the status view.
+    //! - [`testing`]: deterministic tests with `ManualClock`.
+    //! - [`migrating`]: from `DashMap<K, Arc<Mutex<()>>>`, `lockable`, tokio's `Mutex`.
+    //! - [`process`]: the same locks across the processes of a host.
+    //! - [`cluster`]: the same locks across machines, on etcd.
+    //! - [`scopes`]: generic code for every scope.
+
+    #[doc = include_str!("../docs/entry-points.md")]
+    pub mod entry_points {}
+    #[doc = include_str!("../docs/leases.md")]
+    pub mod leases {}
+    #[doc = include_str!("../docs/timeouts.md")]
+    pub mod timeouts {}
+    #[doc = include_str!("../docs/cancellation.md")]
+    pub mod cancellation {}
+    #[doc = include_str!("../docs/runtimes.md")]
+    pub mod runtimes {}
+    #[doc = include_str!("../docs/modes.md")]
+    pub mod modes {}
+    #[doc = include_str!("../docs/transactions.md")]
+    pub mod transactions {}
+    #[doc = include_str!("../docs/deadlocks.md")]
+    pub mod deadlocks {}
+    #[doc = include_str!("../docs/testing.md")]
+    pub mod testing {}
+    #[doc = include_str!("../docs/migrating.md")]
+    pub mod migrating {}
+    #[doc = include_str!("../docs/process.md")]
+    pub mod process {}
+    #[doc = include_str!("../docs/cluster.md")]
+    pub mod cluster {}
+    #[doc = include_str!("../docs/scopes.md")]
+    pub mod scopes {}
+}

@@ -81,6 +81,82 @@ fn ops(w: Workload, quick: bool) -> u64 {
     }
 }
 
+/// What a workload's figures mean for a user: where keylock wins, where
+/// it ties, where a single mutex is the right tool. Drawn from the runs on
+/// an idle machine in BENCHMARKS.md; the tables of this run follow.
+fn meaning(w: Workload) -> &'static str {
+    match w {
+        Workload::W1 => {
+            "the price of a lock nobody contends: keylock wins against every keyed map \
+             (no `Arc` clone, no entry made and removed per lock) and against tokio's \
+             single mutex; async_lock's single mutex has no map to look up and is faster \
+             still: if you only ever lock one thing, one mutex is the right tool."
+        }
+        Workload::W2 => {
+            "many keys, each touched once (requests on distinct ids): keylock wins against \
+             the maps and keeps no entry afterwards (the leaky map keeps one per key: see \
+             \"Keys left\"); async_lock's single mutex is faster, but it makes every key \
+             wait for every other."
+        }
+        Workload::W3 => {
+            "a hot key held across an `.await`: every lock waits, and the time goes to \
+             waking and switching tasks, not to the lock, so every implementation comes \
+             out about even (mostly \"≈ within noise\"): choose on the other rows."
+        }
+        Workload::W4 => {
+            "what a keyed lock is for: tasks on different keys proceed together, so keylock \
+             wins against the single mutexes (where all 64 tasks queue on one lock) and \
+             wins or ties against the hand-written maps."
+        }
+        Workload::W5 => "the cost of waits that are cancelled (not shown here: see `compare`).",
+        Workload::W6 => {
+            "a tiny critical section on one hot key: when the tasks contend (a handoff \
+             share near 100% under \"Handoffs\"), keylock hands the key to the oldest \
+             waiter every time, beats the maps and ties tokio's mutex; at a low share the \
+             tasks did not overlap (one worker ran alone, as on a busy machine) and the row \
+             is an uncontended loop. async_lock's mutex lets the releasing task take the key \
+             straight back (it barges), so it often runs a task's whole loop without a \
+             handoff and can be several times faster, with figures that vary run to run: \
+             for one hot key with tiny critical sections and no need for arrival order, a \
+             single barging mutex is the right tool."
+        }
+    }
+}
+
+/// The opening of Part 2, printed before it runs: the workloads, each with
+/// what its figures mean for a user.
+pub(crate) fn preface(quick: bool) -> String {
+    let mut o = String::new();
+    writeln!(
+        o,
+        "Every workload runs on a tokio runtime with 2 workers; keylock runs against \
+         the keyed locks people write by hand and against single mutexes (one lock for \
+         all keys: not keyed, the floor on one key). Each workload, then what its figures \
+         mean for you:\n"
+    )
+    .unwrap();
+    for w in WORKLOADS {
+        writeln!(
+            o,
+            "- {}: {} ({} ops per repetition).\n  For you: {}",
+            w.id(),
+            w.describe(),
+            ops(w, quick),
+            meaning(w)
+        )
+        .unwrap();
+    }
+    if quick {
+        writeln!(
+            o,
+            "\n--quick: a few repetitions of short runs, noisier than the full run; \
+             a figure that counts is taken as BENCHMARKS.md says."
+        )
+        .unwrap();
+    }
+    o
+}
+
 /// Every repetition of every contender on every workload.
 pub(crate) struct Results {
     pub(crate) reps: usize,
@@ -280,17 +356,6 @@ impl Results {
             writeln!(o, "{}", verdict::plain_check_row(c.name, h, p)).unwrap();
         }
 
-        writeln!(o, "\nWorkloads (ops per repetition):\n").unwrap();
-        for w in WORKLOADS {
-            writeln!(
-                o,
-                "- {}: {} ({} ops)",
-                w.id(),
-                w.describe(),
-                ops(w, self.quick)
-            )
-            .unwrap();
-        }
         writeln!(o, "\nPart 2 wall time: {:.1} s", self.wall.as_secs_f64()).unwrap();
         out
     }
