@@ -107,6 +107,7 @@ where
         let (lease, timeout) = (opts.lease_duration(), opts.timeout_duration());
         let mode = opts.lock_mode();
         let hash = table.hash(&key);
+        let owner = table.owner_for(&opts);
         let (state, lease) = match lease {
             // The default was validated when the table was built.
             None => (State::Start { key, mode }, table.leases().default_packed),
@@ -124,7 +125,7 @@ where
             state,
             lease,
             timeout: PackedDuration::pack(timeout),
-            owner: opts.owner_id(),
+            owner,
             deadline: Stamp::new(opts.deadline_instant()),
             timing: Timing::default(),
             sleep: ManuallyDrop::new(None),
@@ -275,7 +276,12 @@ where
         if timeout == Some(Duration::ZERO) || passed {
             return match try_once(table, self.hash, key, mode, terms, left) {
                 Ok(grant) => Ok(Step::Ready(self.finish(grant))),
-                Err(diagnosis) => Err(Box::new(timeout_error(Duration::ZERO, diagnosis))),
+                Err((diagnosis, name)) => Err(Box::new(timeout_error(
+                    table,
+                    Duration::ZERO,
+                    diagnosis,
+                    name,
+                ))),
             };
         }
         let shard = table.shard(self.hash);
@@ -354,7 +360,17 @@ where
                 };
                 drop(state);
                 return match left_now {
-                    Ok(diagnosis) => Err(Box::new(timeout_error(Duration::ZERO, diagnosis))),
+                    Ok(diagnosis) => {
+                        // SAFETY: the guard being upgraded still holds the
+                        // key, so its entry stays in the table.
+                        let name = table.name_key(unsafe { key.get() });
+                        Err(Box::new(timeout_error(
+                            table,
+                            Duration::ZERO,
+                            diagnosis,
+                            name,
+                        )))
+                    }
                     Err(granted) => Ok(Step::Ready(self.finish_granted(key, granted))),
                 };
             }
@@ -446,11 +462,15 @@ where
         let gave_up = self.until().is_some_and(|until| ctx.now() >= until);
         // A wait that gives up stores no waker; its clone is dropped here,
         // before locking (`Waker::drop` is user code).
-        let fresh = if gave_up {
+        let (fresh, name) = if gave_up {
             drop(fresh);
-            None
+            // Named now, before locking (`Debug` is user code): the waiter
+            // is still linked.
+            // SAFETY: our waiter is linked into `key`'s queue, which keeps
+            // its entry in the table.
+            (None, table.name_key(unsafe { key.get() }))
         } else {
-            fresh
+            (fresh, None)
         };
         let polled = {
             let mut state = shard.state.lock();
@@ -521,7 +541,7 @@ where
                     (Some(start), Some(now)) => now.saturating_duration_since(start),
                     _ => Duration::ZERO,
                 };
-                Err(Box::new(timeout_error(waited, diagnosis)))
+                Err(Box::new(timeout_error(table, waited, diagnosis, name)))
             }
         }
     }
@@ -691,12 +711,23 @@ unsafe fn start_busy<K, S>(
     attempt
 }
 
-fn timeout_error(waited: Duration, diagnosis: Diagnosis) -> LockError {
+/// A timeout's error: what it waited on, the holder named by its label,
+/// the key by the table's [`name_keys`](crate::Builder::name_keys). Made
+/// after the shard lock is released.
+#[cold]
+fn timeout_error<K, S>(
+    table: &LockTable<K, S>,
+    waited: Duration,
+    diagnosis: Diagnosis,
+    key: Option<Box<str>>,
+) -> LockError {
     LockError::Timeout {
         waited,
         holder: diagnosis.holder,
+        holder_label: table.labels().one(diagnosis.owner),
         held_for: diagnosis.held_for,
         ahead: diagnosis.ahead,
+        key,
     }
 }
 
@@ -708,7 +739,7 @@ fn try_once<K: Eq + Hash, S: BuildHasher>(
     mode: Mode,
     terms: Terms,
     left: &mut Leftovers<K>,
-) -> Result<Grant<K>, Diagnosis> {
+) -> Result<Grant<K>, (Diagnosis, Option<Box<str>>)> {
     let shard = table.shard(hash);
     let mut key = Some(key);
     let mut ctx = shard.ctx(table.clock(), left);
@@ -723,6 +754,11 @@ fn try_once<K: Eq + Hash, S: BuildHasher>(
                 Err(diagnosis)
             }
         }
+    };
+    let result = match result {
+        Ok(grant) => Ok(grant),
+        // Named after the unlock: `Debug` is user code.
+        Err(diagnosis) => Err((diagnosis, key.as_ref().and_then(|k| table.name_key(k)))),
     };
     if let Some(key) = key {
         ctx.drop_key_later(key);

@@ -235,7 +235,7 @@ impl TransactionId {
 
     /// The id a grant or waiter carries, if it is a transaction's (0: none).
     pub(crate) fn from_owner(owner: u64) -> Option<Self> {
-        if owner == crate::lease::HOLD_OWNER {
+        if !crate::lease::is_transaction(owner) {
             return None;
         }
         NonZeroU64::new(owner).map(Self)

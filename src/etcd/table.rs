@@ -526,6 +526,7 @@ async fn acquire<K: AsRef<[u8]>>(
                     waited: now().saturating_duration_since(started),
                     holder: None,
                     ahead: 0,
+                    key: key::name(&stem),
                 })
             }
             Err(other) => {
@@ -586,6 +587,7 @@ async fn remote(
                         waited: now().saturating_duration_since(started),
                         holder: None,
                         ahead: 0,
+                        key: key::name(&stem),
                     })
                 }),
             None => {
