@@ -378,6 +378,10 @@ async fn timeout_names_the_holder() {
     else {
         panic!("not a timeout naming the holder: {err}");
     };
+    assert!(
+        err.to_string().contains("waiting for key \"report\""),
+        "the key named: {err}"
+    );
     assert_eq!(h.lease_id, g.lease_id());
     assert_eq!(h.token, g.token());
     assert_eq!(h.label.as_deref(), Some("holder-a"));
