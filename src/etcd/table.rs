@@ -254,6 +254,25 @@ pub struct ClusterStats {
     pub retries_ambiguous: u64,
 }
 
+/// One line: each counter by name.
+///
+/// ```no_run
+/// # async fn f() -> Result<(), keylock::etcd::ClusterLockError> {
+/// let table = keylock::etcd::ClusterLockTable::<&str>::connect(["http://127.0.0.1:2379"]).await?;
+/// let line = table.stats().to_string();
+/// assert!(line.starts_with("0 etcd waiters"), "{line}");
+/// # Ok(()) }
+/// ```
+impl std::fmt::Display for ClusterStats {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "{} etcd waiters, {} retries after a refusal, {} retries after an ambiguous failure",
+            self.etcd_waiters, self.retries_refused, self.retries_ambiguous
+        )
+    }
+}
+
 impl<K> ClusterLockTable<K> {
     /// Connects to the etcd cluster at `endpoints` (`http://host:port`)
     /// with the default [`ClusterOptions`], and starts the session (grants
