@@ -70,7 +70,9 @@ impl LockOptions {
     /// and a caller that times out waiting behind it reads it in its
     /// [`LockError::Timeout`]. Meant for a fixed set of names (each distinct
     /// label is kept by the table for its life); a lock without one pays
-    /// nothing for it.
+    /// nothing for it. The process and cluster scopes label a table's
+    /// grants instead (`ProcessLockTable::with_label`,
+    /// `ClusterOptions::label`) and refuse it with `InvalidOptions`.
     ///
     /// ```
     /// # futures::executor::block_on(async {

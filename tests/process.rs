@@ -756,6 +756,17 @@ fn bad_input_gives_clear_errors_naming_the_path_and_holds_nothing() {
             ..
         }
     ));
+    let err = table
+        .try_lock_with("k", LockOptions::new().label("flush"))
+        .unwrap_err();
+    assert!(matches!(
+        err,
+        ProcessLockError::InvalidOptions {
+            option: "label",
+            ..
+        }
+    ));
+    assert!(err.to_string().contains("with_label"), "{err}");
 
     // A state file that is not ours is refused, not reset.
     std::fs::write(dir.join("key-junk.state"), "hello").unwrap();

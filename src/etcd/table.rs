@@ -502,6 +502,15 @@ fn deadline_of(opts: &LockOptions, now: Instant) -> Option<Instant> {
 }
 
 fn check_options(opts: &LockOptions) -> Result<Option<Duration>, ClusterLockError> {
+    if let Some(label) = opts.label_name() {
+        return Err(ClusterLockError::InvalidOptions {
+            option: "label",
+            reason: format!(
+                "{label:?}: the cluster scope labels a table's grants, not one lock's; use \
+                 `ClusterOptions::label`"
+            ),
+        });
+    }
     match opts.lease_duration() {
         Some(lease) if lease.is_zero() || lease > DEFAULT_MAX_LEASE => {
             Err(ClusterLockError::InvalidOptions {

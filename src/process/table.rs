@@ -296,6 +296,15 @@ fn check_options(opts: &LockOptions) -> Result<Option<Duration>, ProcessLockErro
             reason: "the process scope takes keys exclusively only".into(),
         });
     }
+    if let Some(label) = opts.label_name() {
+        return Err(ProcessLockError::InvalidOptions {
+            option: "label",
+            reason: format!(
+                "{label:?}: the process scope labels a table's grants, not one lock's; use \
+                 `ProcessLockTable::with_label`"
+            ),
+        });
+    }
     match opts.lease_duration() {
         Some(lease) if lease.is_zero() || lease > DEFAULT_MAX_LEASE => {
             Err(ProcessLockError::InvalidOptions {
