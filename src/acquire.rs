@@ -25,6 +25,8 @@ use crate::timer::Sleep;
 use crate::token::FencingToken;
 use crate::waiter::{Armed, Granted, LazyWaiter, Seen, Waiter};
 
+use pin_project_lite::pin_project;
+
 /// Where an acquisition stands.
 enum State<K> {
     /// Not polled yet: owns the key it was given, to take in `mode`.
@@ -50,33 +52,48 @@ struct Timing {
     until: Stamp,
 }
 
-/// The acquisition state machine shared by every lock future.
-///
-/// `T` is how it reaches the table: a borrow or an `Arc`.
-///
-/// # Pinning
-///
-/// `waiter` is linked into the key's queue by address while the state is
-/// `Linked`, so the future is `!Unpin` and the waiter never moves once polled:
-/// `poll` reaches it only through `Pin`, and `Drop` unlinks it.
-pub(crate) struct Acquire<T: TableHandle<K>, K> {
-    table: Option<T>,
-    hash: u64,
-    state: State<K>,
-    lease: PackedDuration,
-    timeout: PackedDuration,
-    /// The transaction the grant is for (0: none).
-    owner: u64,
-    /// When the caller gives up, as asked (none: no deadline).
-    deadline: Stamp,
-    timing: Timing,
-    /// The waiter's own timer, on clocks without shard timers (boxed: most
-    /// waits never need one, so a lock future stays small). Dropped by
-    /// hand in `Drop`, behind an inline check: a completed future (the
-    /// common case) then makes no call to drop it.
-    sleep: ManuallyDrop<Option<Box<Sleep>>>,
-    /// The queue node, written only when the future first has to wait.
-    waiter: LazyWaiter,
+pin_project! {
+    /// The acquisition state machine shared by every lock future.
+    ///
+    /// `T` is how it reaches the table: a borrow or an `Arc`.
+    ///
+    /// # Pinning
+    ///
+    /// `waiter` is linked into the key's queue by address while the state is
+    /// `Linked`, so the future is `!Unpin` and the waiter never moves once
+    /// polled: `poll` reaches it only through `Pin`, and `Drop` unlinks it.
+    pub(crate) struct Acquire<T: TableHandle<K>, K> {
+        table: Option<T>,
+        hash: u64,
+        state: State<K>,
+        lease: PackedDuration,
+        timeout: PackedDuration,
+        // The transaction the grant is for (0: none).
+        owner: u64,
+        // When the caller gives up, as asked (none: no deadline).
+        deadline: Stamp,
+        timing: Timing,
+        // The waiter's own timer, on clocks without shard timers (boxed:
+        // most waits never need one, so a lock future stays small). Dropped
+        // by hand in `Drop`, behind an inline check: a completed future (the
+        // common case) then makes no call to drop it.
+        sleep: ManuallyDrop<Option<Box<Sleep>>>,
+        // The queue node, written only when the future first has to wait.
+        #[pin]
+        waiter: LazyWaiter,
+    }
+
+    impl<T: TableHandle<K>, K> PinnedDrop for Acquire<T, K> {
+        #[inline(always)]
+        fn drop(this: Pin<&mut Self>) {
+            let this = this.project();
+            if this.sleep.is_some() {
+                drop_with_sleep(this.sleep, this.table, *this.hash, this.state, &this.waiter);
+            } else if let State::Linked { key } = *this.state {
+                leave(this.table, *this.hash, key, &this.waiter);
+            }
+        }
+    }
 }
 
 impl<T, K, S> Acquire<T, K>
@@ -90,6 +107,7 @@ where
         let (lease, timeout) = (opts.lease_duration(), opts.timeout_duration());
         let mode = opts.lock_mode();
         let hash = table.hash(&key);
+        let owner = table.owner_for(&opts);
         let (state, lease) = match lease {
             // The default was validated when the table was built.
             None => (State::Start { key, mode }, table.leases().default_packed),
@@ -107,7 +125,7 @@ where
             state,
             lease,
             timeout: PackedDuration::pack(timeout),
-            owner: opts.owner_id(),
+            owner,
             deadline: Stamp::new(opts.deadline_instant()),
             timing: Timing::default(),
             sleep: ManuallyDrop::new(None),
@@ -157,8 +175,8 @@ where
 
     /// Takes the timer state out, to drop once the output exists.
     #[inline]
-    pub(crate) fn take_timing(&mut self) -> Option<Box<Sleep>> {
-        self.sleep.take()
+    pub(crate) fn take_timing(self: Pin<&mut Self>) -> Option<Box<Sleep>> {
+        self.project().sleep.take()
     }
 
     /// When the caller gives up, if it has started waiting with a timeout.
@@ -181,8 +199,11 @@ where
         cx: &mut Context<'_>,
         left: &mut Leftovers<K>,
     ) -> Poll<Acquired<T, K>> {
-        // SAFETY: `waiter` is never moved out of `this`, and nothing else
-        // is structurally pinned.
+        // SAFETY: the intrusive list's pin boundary. The steps below link
+        // `waiter` into the key's queue by address (through the queue's own
+        // `unsafe` calls, whose contract is a pinned node); they never move
+        // it or `self`, and `Drop` unlinks it. Nothing else is structurally
+        // pinned.
         let this = unsafe { self.get_unchecked_mut() };
         loop {
             let wake_at = match &this.state {
@@ -255,7 +276,12 @@ where
         if timeout == Some(Duration::ZERO) || passed {
             return match try_once(table, self.hash, key, mode, terms, left) {
                 Ok(grant) => Ok(Step::Ready(self.finish(grant))),
-                Err(diagnosis) => Err(Box::new(timeout_error(Duration::ZERO, diagnosis))),
+                Err((diagnosis, name)) => Err(Box::new(timeout_error(
+                    table,
+                    Duration::ZERO,
+                    diagnosis,
+                    name,
+                ))),
             };
         }
         let shard = table.shard(self.hash);
@@ -334,7 +360,17 @@ where
                 };
                 drop(state);
                 return match left_now {
-                    Ok(diagnosis) => Err(Box::new(timeout_error(Duration::ZERO, diagnosis))),
+                    Ok(diagnosis) => {
+                        // SAFETY: the guard being upgraded still holds the
+                        // key, so its entry stays in the table.
+                        let name = table.name_key(unsafe { key.get() });
+                        Err(Box::new(timeout_error(
+                            table,
+                            Duration::ZERO,
+                            diagnosis,
+                            name,
+                        )))
+                    }
                     Err(granted) => Ok(Step::Ready(self.finish_granted(key, granted))),
                 };
             }
@@ -426,11 +462,15 @@ where
         let gave_up = self.until().is_some_and(|until| ctx.now() >= until);
         // A wait that gives up stores no waker; its clone is dropped here,
         // before locking (`Waker::drop` is user code).
-        let fresh = if gave_up {
+        let (fresh, name) = if gave_up {
             drop(fresh);
-            None
+            // Named now, before locking (`Debug` is user code): the waiter
+            // is still linked.
+            // SAFETY: our waiter is linked into `key`'s queue, which keeps
+            // its entry in the table.
+            (None, table.name_key(unsafe { key.get() }))
         } else {
-            fresh
+            (fresh, None)
         };
         let polled = {
             let mut state = shard.state.lock();
@@ -501,7 +541,7 @@ where
                     (Some(start), Some(now)) => now.saturating_duration_since(start),
                     _ => Duration::ZERO,
                 };
-                Err(Box::new(timeout_error(waited, diagnosis)))
+                Err(Box::new(timeout_error(table, waited, diagnosis, name)))
             }
         }
     }
@@ -568,26 +608,28 @@ where
     /// An upgrade is dropped: unlinks its waiter, or, if it was granted and
     /// has not looked, makes that exclusive grant shared again and returns
     /// it (its token replaced the old one's).
-    pub(crate) fn cancel_upgrade(&mut self, left: &mut Leftovers<K>) -> Option<Granted> {
-        let State::Linked { key } = self.state else {
+    pub(crate) fn cancel_upgrade(self: Pin<&mut Self>, left: &mut Leftovers<K>) -> Option<Granted> {
+        let this = self.project();
+        let State::Linked { key } = *this.state else {
             return None;
         };
-        self.state = State::Done;
-        let table = self.table.as_deref()?;
-        let shard = table.shard(self.hash);
+        *this.state = State::Done;
+        let hash = *this.hash;
+        let table = this.table.as_deref()?;
+        let shard = table.shard(hash);
         let mut ctx = shard.ctx(table.clock(), left);
         let mut state = shard.state.lock();
-        let waiter = self.waiter.get();
+        let waiter = this.waiter.get();
         if waiter.seen() == Seen::Granted {
             let granted = waiter.granted();
             // Shared again; it cannot have lost the key unseen: a lapse
             // would only make this fail, and the guard then finds out.
-            let _ = state.downgrade(self.hash, key, granted.token, &mut ctx);
+            let _ = state.downgrade(hash, key, granted.token, &mut ctx);
             return Some(granted);
         }
         // SAFETY: our own waiter, linked (not granted: checked under the
         // lock, which every grant takes).
-        let _ = unsafe { state.leave(self.hash, key, waiter, false, table.fairness(), &mut ctx) };
+        let _ = unsafe { state.leave(hash, key, waiter, false, table.fairness(), &mut ctx) };
         None
     }
 }
@@ -669,12 +711,23 @@ unsafe fn start_busy<K, S>(
     attempt
 }
 
-fn timeout_error(waited: Duration, diagnosis: Diagnosis) -> LockError {
+/// A timeout's error: what it waited on, the holder named by its label,
+/// the key by the table's [`name_keys`](crate::Builder::name_keys). Made
+/// after the shard lock is released.
+#[cold]
+fn timeout_error<K, S>(
+    table: &LockTable<K, S>,
+    waited: Duration,
+    diagnosis: Diagnosis,
+    key: Option<Box<str>>,
+) -> LockError {
     LockError::Timeout {
         waited,
         holder: diagnosis.holder,
+        holder_label: table.labels().one(diagnosis.owner),
         held_for: diagnosis.held_for,
         ahead: diagnosis.ahead,
+        key,
     }
 }
 
@@ -686,7 +739,7 @@ fn try_once<K: Eq + Hash, S: BuildHasher>(
     mode: Mode,
     terms: Terms,
     left: &mut Leftovers<K>,
-) -> Result<Grant<K>, Diagnosis> {
+) -> Result<Grant<K>, (Diagnosis, Option<Box<str>>)> {
     let shard = table.shard(hash);
     let mut key = Some(key);
     let mut ctx = shard.ctx(table.clock(), left);
@@ -702,44 +755,42 @@ fn try_once<K: Eq + Hash, S: BuildHasher>(
             }
         }
     };
+    let result = match result {
+        Ok(grant) => Ok(grant),
+        // Named after the unlock: `Debug` is user code.
+        Err(diagnosis) => Err((diagnosis, key.as_ref().and_then(|k| table.name_key(k)))),
+    };
     if let Some(key) = key {
         ctx.drop_key_later(key);
     }
     result
 }
 
-impl<T: TableHandle<K>, K> Drop for Acquire<T, K> {
-    #[inline(always)]
-    fn drop(&mut self) {
-        if self.sleep.is_some() {
-            self.drop_with_sleep();
-        } else if let State::Linked { key } = self.state {
-            self.leave(key);
-        }
+/// `Drop` with a timer: leaves, then drops the timer (user code: it holds a
+/// waker), also if leaving panics.
+#[cold]
+#[inline(never)]
+fn drop_with_sleep<T: TableHandle<K>, K>(
+    sleep: &mut ManuallyDrop<Option<Box<Sleep>>>,
+    table: &Option<T>,
+    hash: u64,
+    state: &State<K>,
+    waiter: &LazyWaiter,
+) {
+    // SAFETY: taken once, here in `Drop`; the field is never used again.
+    let _sleep = unsafe { ManuallyDrop::take(sleep) };
+    if let State::Linked { key } = *state {
+        leave(table, hash, key, waiter);
     }
 }
 
-impl<T: TableHandle<K>, K> Acquire<T, K> {
-    /// `Drop` with a timer: leaves, then drops the timer (user code: it
-    /// holds a waker), also if leaving panics.
-    #[cold]
-    #[inline(never)]
-    fn drop_with_sleep(&mut self) {
-        // SAFETY: taken once, here in `Drop`; the field is never used again.
-        let _sleep = unsafe { ManuallyDrop::take(&mut self.sleep) };
-        if let State::Linked { key } = self.state {
-            self.leave(key);
-        }
-    }
-
-    #[cold]
-    #[inline(never)]
-    fn leave(&mut self, key: KeyPtr<K>) {
-        if let Some(table) = self.table.as_ref() {
-            // The waiter is unlinked (or its unobserved grant released)
-            // before its memory goes.
-            table.leave(self.hash, key, self.waiter.get());
-        }
+/// A dropped future's waiter is unlinked (or its unobserved grant
+/// released) before its memory goes.
+#[cold]
+#[inline(never)]
+fn leave<T: TableHandle<K>, K>(table: &Option<T>, hash: u64, key: KeyPtr<K>, waiter: &LazyWaiter) {
+    if let Some(table) = table.as_ref() {
+        table.leave(hash, key, waiter.get());
     }
 }
 
@@ -785,10 +836,13 @@ macro_rules! lock_future {
         $name:ident<$($lt:lifetime,)? K, S>, handle: $handle:ty, output: $out:ty,
         map: |$table:ident, $held:ident| $make:expr, result: $result:ident
     ) => {
-        $(#[$meta])*
-        #[must_use = "futures do nothing unless polled"]
-        pub struct $name<$($lt,)? K, S = DefaultHashBuilder> {
-            inner: Acquire<$handle, K>,
+        pin_project! {
+            $(#[$meta])*
+            #[must_use = "futures do nothing unless polled"]
+            pub struct $name<$($lt,)? K, S = DefaultHashBuilder> {
+                #[pin]
+                inner: Acquire<$handle, K>,
+            }
         }
 
         impl<$($lt,)? K: Eq + Hash, S: BuildHasher> $name<$($lt,)? K, S> {
@@ -805,9 +859,7 @@ macro_rules! lock_future {
 
             #[inline(always)]
             fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
-                // SAFETY: `inner` is pinned with `self` (structural pinning);
-                // it is never moved out.
-                let mut inner = unsafe { self.map_unchecked_mut(|f| &mut f.inner) };
+                let mut inner = self.project().inner;
                 #[cfg(feature = "tokio")]
                 let coop = match inner.as_ref().get_ref().poll_budget(cx) {
                     Poll::Ready(coop) => coop,
@@ -823,8 +875,6 @@ macro_rules! lock_future {
                 }
                 // A completed wait's timer (its sleeper holds a clone of a
                 // waker, user code to drop) goes after the guard exists too.
-                // SAFETY: `timing` is not structurally pinned.
-                let inner = unsafe { inner.get_unchecked_mut() };
                 let timing = if polled.is_ready() { inner.take_timing() } else { None };
                 if !left.is_dirty() && timing.is_none() {
                     // Nothing deferred, so no user code left to run: build

@@ -462,6 +462,30 @@ pub struct DeadlockStats {
     pub reorders: u64,
 }
 
+/// One line: each counter by name.
+///
+/// ```
+/// let table = keylock::LockTable::<u32>::new();
+/// let line = table.deadlock_stats().to_string();
+/// assert!(line.starts_with("0 waits, 0 searches"), "{line}");
+/// ```
+impl fmt::Display for DeadlockStats {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "{} waits, {} searches, {} visited, {} deepest, {} cycles ({} presumed), \
+             {} reorders",
+            self.waits,
+            self.searches,
+            self.visited,
+            self.deepest,
+            self.cycles,
+            self.presumed,
+            self.reorders
+        )
+    }
+}
+
 /// A registered wait.
 struct Wait<K> {
     /// Which of its transaction's waits it is: the address of the call's

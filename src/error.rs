@@ -59,11 +59,19 @@ pub enum LockError {
         /// revoke that grant alone with
         /// [`revoke_grant`](crate::LockTable::revoke_grant)).
         holder: Option<FencingToken>,
+        /// That holder's label, if it has one: its
+        /// [`LockOptions::label`](crate::LockOptions::label), or its
+        /// transaction's
+        /// [`TransactionOptions::label`](crate::TransactionOptions::label).
+        holder_label: Option<&'static str>,
         /// How long that holder had held the key, when known: the grant had
         /// a lease (or was renewed), so its start was read from the clock.
         held_for: Option<Duration>,
         /// How many others were still queued ahead of the caller.
         ahead: usize,
+        /// The key waited for, by its `Debug` form, if the table names keys
+        /// ([`Builder::name_keys`](crate::Builder::name_keys)).
+        key: Option<Box<str>>,
     },
     /// The grant lost its authority: its lease lapsed or it was revoked. Its
     /// guard no longer protects anything; do not commit.
@@ -112,13 +120,21 @@ impl fmt::Display for LockError {
             Self::Timeout {
                 waited,
                 holder,
+                holder_label,
                 held_for,
                 ahead,
+                key,
             } => {
-                write!(f, "timed out after {waited:?} waiting for the key")?;
+                match key {
+                    Some(key) => write!(f, "timed out after {waited:?} waiting for key {key}")?,
+                    None => write!(f, "timed out after {waited:?} waiting for the key")?,
+                }
                 match holder {
                     Some(token) => write!(f, "; held by grant {token} of this table")?,
                     None => f.write_str("; it had no live holder")?,
+                }
+                if let Some(label) = holder_label {
+                    write!(f, " ({label:?})")?;
                 }
                 if let Some(held) = held_for {
                     write!(f, " for {held:?}")?;

@@ -1,5 +1,11 @@
-//! Transactions' labels, for the status view: which name goes with which
-//! transaction id, for as long as the transaction lives.
+//! Labels, for the status view and timeouts: which name goes with which
+//! transaction id, for as long as the transaction lives, and which with a
+//! labeled plain lock (`LockOptions::label`).
+//!
+//! A plain lock's label is interned: each distinct label gets an owner
+//! word from [`LABEL_OWNER`] up, which its grants and waiters carry as a
+//! transaction's carry its id (no transaction has one so high), and which
+//! the table keeps for its life. Only a labeled lock looks it up.
 //!
 //! Only labeled transactions are registered. Each holds an [`Alive`] ticket;
 //! the registry keeps a weak reference to it, so an entry outlives its
@@ -13,6 +19,7 @@ use std::fmt;
 use std::sync::{Arc, Weak};
 
 use crate::loom::Mutex;
+use crate::token::{HOLD_OWNER, LABEL_OWNER};
 
 /// A labeled transaction's ticket: its label is shown while this lives.
 pub(crate) type Alive = Arc<()>;
@@ -26,6 +33,10 @@ struct State {
     names: HashMap<u64, (&'static str, Weak<()>), foldhash::fast::RandomState>,
     /// Sweep dead entries once `names` grows to this size.
     sweep_at: usize,
+    /// Plain locks' labels: the owner word of each is `LABEL_OWNER` plus
+    /// its index here.
+    plain: Vec<&'static str>,
+    plain_ids: HashMap<&'static str, u64, foldhash::fast::RandomState>,
 }
 
 impl fmt::Debug for Labels {
@@ -40,6 +51,8 @@ impl Labels {
             state: Mutex::new(State {
                 names: HashMap::default(),
                 sweep_at: 16,
+                plain: Vec::new(),
+                plain_ids: HashMap::default(),
             }),
         }
     }
@@ -56,17 +69,44 @@ impl Labels {
         alive
     }
 
+    /// The owner word of plain locks labeled `label` (interned).
+    #[cold]
+    #[inline(never)]
+    pub(crate) fn plain(&self, label: &'static str) -> u64 {
+        let mut state = self.state.lock();
+        if let Some(&id) = state.plain_ids.get(label) {
+            return id;
+        }
+        let id = LABEL_OWNER + state.plain.len() as u64;
+        debug_assert!(id < HOLD_OWNER);
+        state.plain.push(label);
+        state.plain_ids.insert(label, id);
+        id
+    }
+
     /// The label of each id that has one, among `ids` (in any order).
     pub(crate) fn of(&self, ids: impl Iterator<Item = u64>) -> HashMap<u64, &'static str> {
         let state = self.state.lock();
-        if state.names.is_empty() {
+        if state.names.is_empty() && state.plain.is_empty() {
             return HashMap::new();
         }
         ids.filter_map(|id| {
+            if (LABEL_OWNER..HOLD_OWNER).contains(&id) {
+                let label = state.plain.get(usize::try_from(id - LABEL_OWNER).ok()?)?;
+                return Some((id, *label));
+            }
             let (label, alive) = state.names.get(&id)?;
             (alive.strong_count() > 0).then_some((id, *label))
         })
         .collect()
+    }
+
+    /// The label of `id`, if it has one.
+    pub(crate) fn one(&self, id: u64) -> Option<&'static str> {
+        if id == 0 {
+            return None;
+        }
+        self.of(std::iter::once(id)).get(&id).copied()
     }
 }
 
@@ -93,5 +133,18 @@ mod tests {
         let shown = labels.of(1..=1000);
         assert_eq!(shown.len(), live.len(), "only the live ones are shown");
         assert!(live.iter().all(|(id, _)| shown.get(id) == Some(&"t")));
+    }
+
+    #[test]
+    fn plain_labels_are_interned_and_named() {
+        let labels = Labels::new();
+        let flush = labels.plain("flush");
+        let scan = labels.plain("scan");
+        assert_ne!(flush, scan);
+        assert_eq!(labels.plain("flush"), flush, "one id per label");
+        assert!(!crate::token::is_transaction(flush));
+        assert_eq!(labels.one(flush), Some("flush"));
+        assert_eq!(labels.one(scan), Some("scan"));
+        assert_eq!(labels.one(0), None);
     }
 }

@@ -31,6 +31,8 @@ pub struct LockOptions {
     mode: Mode,
     /// The transaction the grant is for (0: none); see [`Terms`].
     owner: u64,
+    /// The caller's name for the grant, for the status view and timeouts.
+    label: Option<&'static str>,
 }
 
 impl LockOptions {
@@ -44,6 +46,7 @@ impl LockOptions {
             deadline: None,
             mode: Mode::Exclusive,
             owner: 0,
+            label: None,
         }
     }
 
@@ -59,6 +62,44 @@ impl LockOptions {
     /// The transaction the grant is for (0: none).
     pub(crate) const fn owner_id(&self) -> u64 {
         self.owner
+    }
+
+    /// Names the grant: the status view shows `label` with it
+    /// ([`HolderStatus::label`](crate::HolderStatus::label), and a waiter's
+    /// [`WaiterStatus::label`](crate::WaiterStatus::label) while it waits),
+    /// and a caller that times out waiting behind it reads it in its
+    /// [`LockError::Timeout`]. Meant for a fixed set of names (each distinct
+    /// label is kept by the table for its life); a lock without one pays
+    /// nothing for it. The process and cluster scopes label a table's
+    /// grants instead (`ProcessLockTable::with_label`,
+    /// `ClusterOptions::label`) and refuse it with `InvalidOptions`.
+    ///
+    /// ```
+    /// # futures::executor::block_on(async {
+    /// use std::time::Duration;
+    /// use keylock::{LockError, LockOptions, LockTable};
+    /// let table = LockTable::new();
+    /// let _flush = table.lock_with("page-4", LockOptions::new().label("flush")).await?;
+    /// assert_eq!(table.holder("page-4").unwrap().label, Some("flush"));
+    /// let err = table
+    ///     .lock_with("page-4", LockOptions::new().timeout(Duration::ZERO))
+    ///     .await
+    ///     .unwrap_err();
+    /// assert!(matches!(err, LockError::Timeout { holder_label: Some("flush"), .. }));
+    /// assert!(err.to_string().contains(r#""flush""#), "{err}");
+    /// # Ok::<(), keylock::LockError>(())
+    /// # }).unwrap();
+    /// ```
+    #[must_use]
+    pub const fn label(mut self, label: &'static str) -> Self {
+        self.label = Some(label);
+        self
+    }
+
+    /// The label given, if any.
+    #[must_use]
+    pub const fn label_name(&self) -> Option<&'static str> {
+        self.label
     }
 
     /// Take the key in `mode`: [`Mode::Exclusive`] (the default) or
@@ -203,7 +244,9 @@ impl LeasePolicy {
 pub(crate) struct PackedDuration(u64);
 
 /// What a new grant carries besides its mode: its lease, and the
-/// transaction it is for (0: none, a plain guard; [`HOLD_OWNER`](crate::token::HOLD_OWNER): a hold).
+/// transaction it is for (0: none, a plain guard; from
+/// [`LABEL_OWNER`](crate::token::LABEL_OWNER): a labeled plain guard;
+/// [`HOLD_OWNER`](crate::token::HOLD_OWNER): a hold).
 /// A waiter carries them from its request to its grant.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct Terms {

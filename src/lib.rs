@@ -178,24 +178,30 @@
 //! [`LockOptions::timeout`] bounds a wait (zero: do not wait). When it runs
 //! out, [`LockError::Timeout`] says what the caller waited on: the token of
 //! the key's holder at that moment, which names exactly one grant of the
-//! table; how long that holder had held the key, when known (its grant has a
-//! lease); and how many waiters were still ahead.
+//! table; that grant's label, if it has one ([`LockOptions::label`]); how
+//! long that holder had held the key, when known (its grant has a lease);
+//! how many waiters were still ahead; and, on a table built with
+//! [`Builder::name_keys`], the key.
 //!
 //! ```
 //! # futures::executor::block_on(async {
 //! use std::time::Duration;
 //! use keylock::{LockError, LockOptions, LockTable};
 //!
-//! let table = LockTable::new();
-//! let holder = table.try_lock("report").unwrap();
+//! let table = LockTable::builder().name_keys().build();
+//! let holder = table.try_lock_with("report", LockOptions::new().label("nightly"))?;
 //! let wait = LockOptions::new().timeout(Duration::from_millis(10));
 //! let err = table.lock_with("report", wait).await.unwrap_err();
-//! let LockError::Timeout { holder: Some(token), ahead, .. } = err else {
+//! // "timed out after 10.1ms waiting for key "report"; held by grant #4 of
+//! // this table ("nightly"), 0 waiter(s) ahead"
+//! assert!(err.to_string().contains(r#"waiting for key "report""#));
+//! let LockError::Timeout { holder: Some(token), holder_label, ahead, .. } = err else {
 //!     unreachable!()
 //! };
-//! assert_eq!(token, holder.token());
+//! assert_eq!((token, holder_label), (holder.token(), Some("nightly")));
 //! assert_eq!(ahead, 0);
-//! # });
+//! # Ok::<(), LockError>(())
+//! # }).unwrap();
 //! ```
 //!
 //! # Revocation

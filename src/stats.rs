@@ -45,6 +45,31 @@ pub struct Stats {
     pub revoked: u64,
 }
 
+/// One line: each counter by name.
+///
+/// ```
+/// let table = keylock::LockTable::new();
+/// drop(table.try_lock(1).unwrap());
+/// let line = table.stats().to_string();
+/// assert!(line.starts_with("1 acquisitions, 0 contended"), "{line}");
+/// ```
+impl std::fmt::Display for Stats {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "{} acquisitions, {} contended, {} handoffs, {} cancelled, {} expired, \
+             {} timed out, {} revoked",
+            self.acquisitions,
+            self.contended,
+            self.handoffs,
+            self.cancelled,
+            self.expired,
+            self.timed_out,
+            self.revoked
+        )
+    }
+}
+
 /// One shard's counters.
 #[derive(Debug, Default)]
 pub(crate) struct Counters {

@@ -11,8 +11,9 @@
 
 use std::borrow::Borrow;
 use std::collections::HashMap;
+use std::fmt;
 use std::hash::{BuildHasher, Hash};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use crate::clock::Now;
 use crate::key_slot::KeyPtr;
@@ -42,6 +43,12 @@ pub struct HolderStatus {
     pub since: Option<Instant>,
     /// When its lease ends, if it has one.
     pub lease_deadline: Option<Instant>,
+    /// How long it had held the key when the view was read (known when
+    /// `since` is).
+    pub held_for: Option<Duration>,
+    /// How much of its lease was left when the view was read (zero once
+    /// the deadline passed; none without a lease).
+    pub lease_left: Option<Duration>,
     /// Its lease has lapsed: the next waiter takes the key at the next
     /// settle (a lock, a release, a timer).
     pub lapsed: bool,
@@ -68,6 +75,9 @@ pub struct WaiterStatus {
     /// other clocks only for waits with a timeout or deadline (a wait
     /// without one reads no clock).
     pub since: Option<Instant>,
+    /// How long it had waited when the view was read (known when `since`
+    /// is).
+    pub waited_for: Option<Duration>,
 }
 
 /// Who holds and who waits for one key.
@@ -86,25 +96,166 @@ fn id_of(owner: u64) -> Option<TransactionId> {
 }
 
 impl LockStatus {
-    /// The status as read, transactions named by `labels`.
-    fn from_raw(raw: RawStatus, labels: &HashMap<u64, &'static str>) -> Self {
+    /// The status as read at `now` (the table's clock), transactions named
+    /// by `labels`.
+    fn from_raw(raw: RawStatus, labels: &HashMap<u64, &'static str>, now: Instant) -> Self {
         LockStatus {
             holders: raw
                 .holders
                 .iter()
-                .map(|h| HolderStatus {
-                    token: h.token,
-                    mode: raw.mode,
-                    transaction: id_of(h.owner),
-                    label: labels.get(&h.owner).copied(),
-                    since: h.since.get(),
-                    lease_deadline: h.deadline.get(),
-                    lapsed: h.lapsed,
-                    hold: h.owner == crate::token::HOLD_OWNER,
+                .map(|h| {
+                    let since = h.since.get();
+                    let lease_deadline = h.deadline.get();
+                    HolderStatus {
+                        token: h.token,
+                        mode: raw.mode,
+                        transaction: id_of(h.owner),
+                        label: labels.get(&h.owner).copied(),
+                        since,
+                        lease_deadline,
+                        held_for: since.map(|at| now.saturating_duration_since(at)),
+                        lease_left: lease_deadline.map(|at| at.saturating_duration_since(now)),
+                        lapsed: h.lapsed,
+                        hold: h.owner == crate::token::HOLD_OWNER,
+                    }
                 })
                 .collect(),
-            waiters: raw.waiters.iter().map(|w| waiter(w, labels)).collect(),
+            waiters: raw.waiters.iter().map(|w| waiter(w, labels, now)).collect(),
         }
+    }
+}
+
+/// A duration as the status view shows it: `1.2s`, `350ms`, `20µs`.
+struct Short(Duration);
+
+impl fmt::Display for Short {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let d = self.0;
+        if d >= Duration::from_secs(1) {
+            write!(f, "{:.1}s", d.as_secs_f64())
+        } else if d >= Duration::from_millis(1) {
+            write!(f, "{}ms", d.as_millis())
+        } else {
+            write!(f, "{}µs", d.as_micros())
+        }
+    }
+}
+
+/// `transaction 3 "flush"`, or `"flush"` alone for a labeled plain lock.
+fn owner(
+    f: &mut fmt::Formatter<'_>,
+    transaction: Option<TransactionId>,
+    label: Option<&str>,
+) -> fmt::Result {
+    if let Some(id) = transaction {
+        write!(f, " {id}")?;
+    }
+    if let Some(label) = label {
+        write!(f, " {label:?}")?;
+    }
+    Ok(())
+}
+
+/// One line: `#5 exclusive transaction 3 "flush" held 1.2s lease 28.8s
+/// left`, as a row of PostgreSQL's `pg_locks` reads.
+///
+/// ```
+/// # futures::executor::block_on(async {
+/// use std::time::Duration;
+/// let table = keylock::LockTable::new();
+/// let guard = table
+///     .lock_with("job-7", keylock::LockOptions::new().lease(Duration::from_secs(30)))
+///     .await?;
+/// let line = table.holder("job-7").unwrap().to_string();
+/// assert!(line.starts_with(&format!("{} exclusive", guard.token())), "{line}");
+/// assert!(line.contains(" held ") && line.contains("s left"), "{line}");
+/// # Ok::<(), keylock::LockError>(())
+/// # }).unwrap();
+/// ```
+impl fmt::Display for HolderStatus {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{} {}", self.token, self.mode)?;
+        if self.hold {
+            f.write_str(" hold")?;
+        }
+        owner(f, self.transaction, self.label)?;
+        if let Some(held) = self.held_for {
+            write!(f, " held {}", Short(held))?;
+        }
+        if self.lapsed {
+            f.write_str(" lease lapsed")?;
+        } else if let Some(left) = self.lease_left {
+            write!(f, " lease {} left", Short(left))?;
+        }
+        Ok(())
+    }
+}
+
+/// One line: `exclusive upgrade transaction 4 waiting 0.3s`.
+///
+/// ```
+/// # futures::executor::block_on(async {
+/// let table = keylock::LockTable::new();
+/// let _held = table.lock("job-7").await;
+/// let mut waiting = Box::pin(table.lock_shared("job-7"));
+/// assert!(futures::poll!(waiting.as_mut()).is_pending());
+/// let status = table.lock_status("job-7").unwrap();
+/// assert!(status.waiters[0].to_string().starts_with("shared"));
+/// # });
+/// ```
+impl fmt::Display for WaiterStatus {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}", self.mode)?;
+        if self.upgrade {
+            f.write_str(" upgrade")?;
+        }
+        owner(f, self.transaction, self.label)?;
+        if let Some(waited) = self.waited_for {
+            write!(f, " waiting {}", Short(waited))?;
+        }
+        Ok(())
+    }
+}
+
+/// One line per key, as PostgreSQL's `pg_locks` reads: the holders after
+/// `granted`, then the waiters in queue order after `waiting`, each as its
+/// own `Display` shows it, separated by commas.
+///
+/// ```
+/// # futures::executor::block_on(async {
+/// let table = keylock::LockTable::new();
+/// let guard = table.lock("job-7").await;
+/// let mut waiting = Box::pin(table.lock("job-7"));
+/// assert!(futures::poll!(waiting.as_mut()).is_pending());
+/// for (key, status) in table.status() {
+///     let line = format!("{key}: {status}");
+///     assert!(line.starts_with(&format!("job-7: granted {} exclusive", guard.token())));
+///     assert!(line.contains("; waiting exclusive"), "{line}");
+/// }
+/// # });
+/// ```
+impl fmt::Display for LockStatus {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("granted ")?;
+        if self.holders.is_empty() {
+            f.write_str("none")?;
+        }
+        for (i, holder) in self.holders.iter().enumerate() {
+            if i > 0 {
+                f.write_str(", ")?;
+            }
+            write!(f, "{holder}")?;
+        }
+        if !self.waiters.is_empty() {
+            f.write_str("; waiting ")?;
+            for (i, waiter) in self.waiters.iter().enumerate() {
+                if i > 0 {
+                    f.write_str(", ")?;
+                }
+                write!(f, "{waiter}")?;
+            }
+        }
+        Ok(())
     }
 }
 
@@ -114,7 +265,7 @@ fn ids(raw: &RawStatus) -> impl Iterator<Item = u64> + '_ {
     holders.chain(raw.waiters.iter().map(|w| w.owner))
 }
 
-fn waiter(w: &RawWaiter, labels: &HashMap<u64, &'static str>) -> WaiterStatus {
+fn waiter(w: &RawWaiter, labels: &HashMap<u64, &'static str>, now: Instant) -> WaiterStatus {
     let (mode, upgrade) = match w.want {
         Want::Grant(mode) => (mode, false),
         Want::Upgrade(_) => (Mode::Exclusive, true),
@@ -125,6 +276,7 @@ fn waiter(w: &RawWaiter, labels: &HashMap<u64, &'static str>) -> WaiterStatus {
         transaction: id_of(w.owner),
         label: labels.get(&w.owner).copied(),
         since: w.since.get(),
+        waited_for: w.since.get().map(|at| now.saturating_duration_since(at)),
     }
 }
 
@@ -203,7 +355,8 @@ impl<K: Eq + Hash, S: BuildHasher> LockTable<K, S> {
                 // key cell is live and never written meanwhile.
                 let cloned = unsafe { key.get() }.clone();
                 let labels = self.labels().of(ids(&status));
-                out.push((cloned, LockStatus::from_raw(status, &labels)));
+                let now = self.clock().now();
+                out.push((cloned, LockStatus::from_raw(status, &labels, now)));
             }
         }
         out
@@ -230,7 +383,7 @@ impl<K: Eq + Hash, S: BuildHasher> LockTable<K, S> {
         let hash = self.hash(key);
         let raw = self.with_shard(hash, |state, ctx| state.status_of(hash, key, ctx.clock()))?;
         let labels = self.labels().of(ids(&raw));
-        Some(LockStatus::from_raw(raw, &labels))
+        Some(LockStatus::from_raw(raw, &labels, self.clock().now()))
     }
 
     /// The grant holding `key` (the oldest, if several share it), if any.

@@ -132,6 +132,9 @@ pub struct LockTable<K, S = DefaultHashBuilder> {
     deadlock_history: usize,
     /// Labeled transactions' labels (see `labels.rs`).
     labels: Labels,
+    /// How errors name a key ([`Builder::name_keys`]); read only when an
+    /// error is made.
+    key_name: Option<fn(&K) -> Box<str>>,
 }
 
 impl<K: Eq + Hash> LockTable<K> {
@@ -295,6 +298,16 @@ impl<K, S> LockTable<K, S> {
     #[inline]
     pub(crate) fn labels(&self) -> &Labels {
         &self.labels
+    }
+
+    /// The owner word a grant asked for with `opts` carries: its
+    /// transaction's id, or its label's (looked up only when it has one).
+    #[inline(always)]
+    pub(crate) fn owner_for(&self, opts: &LockOptions) -> u64 {
+        match opts.label_name() {
+            Some(label) if opts.owner_id() == 0 => self.labels.plain(label),
+            _ => opts.owner_id(),
+        }
     }
 
     /// The transaction layer's slot (see `layer_state.rs`), and its
@@ -941,7 +954,8 @@ where
     pub fn try_lock_with(&self, key: K, opts: LockOptions) -> Result<Guard<'_, K, S>, LockError> {
         let lease = self.leases.resolve(opts.lease_duration())?;
         let hash = self.hash(&key);
-        let (grant, spare) = self.try_acquire(hash, key, opts.lock_mode(), terms_of(lease, &opts));
+        let (grant, spare) =
+            self.try_acquire(hash, key, opts.lock_mode(), terms_of(self, lease, &opts));
         let guard = grant.map(|grant| Guard::new(self, Held::new(hash, grant)));
         drop(spare);
         guard.ok_or(LockError::WouldBlock)
@@ -993,7 +1007,8 @@ where
     ) -> Result<OwnedGuard<K, S>, LockError> {
         let lease = self.leases.resolve(opts.lease_duration())?;
         let hash = self.hash(&key);
-        let (grant, spare) = self.try_acquire(hash, key, opts.lock_mode(), terms_of(lease, &opts));
+        let (grant, spare) =
+            self.try_acquire(hash, key, opts.lock_mode(), terms_of(&self, lease, &opts));
         let guard = grant.map(|grant| OwnedGuard::new(self, Held::new(hash, grant)));
         drop(spare);
         guard.ok_or(LockError::WouldBlock)
@@ -1013,7 +1028,7 @@ where
             return Err(key);
         };
         debug_assert_eq!(hash, self.hash(&key));
-        match self.try_acquire(hash, key, opts.lock_mode(), terms_of(lease, &opts)) {
+        match self.try_acquire(hash, key, opts.lock_mode(), terms_of(self, lease, &opts)) {
             (Some(grant), spare) => {
                 let guard = Guard::new(self, Held::new(hash, grant));
                 drop(spare);
@@ -1041,7 +1056,11 @@ where
         };
         debug_assert_eq!(hash, self.hash(&key));
         let mut key = Some(key);
-        let (mode, terms, fairness) = (opts.lock_mode(), terms_of(lease, &opts), self.fairness);
+        let (mode, terms, fairness) = (
+            opts.lock_mode(),
+            terms_of(self, lease, &opts),
+            self.fairness,
+        );
         let grant = self.with_shard_leaving(hash, left, |state, ctx| {
             state.try_acquire(hash, &mut key, mode, terms, fairness, ctx)
         });
@@ -1324,6 +1343,7 @@ pub struct Builder<K, S = DefaultHashBuilder> {
     token_floor: u64,
     deadlock_limit: usize,
     deadlock_history: usize,
+    key_name: Option<fn(&K) -> Box<str>>,
 }
 
 // Written out: derived impls would demand `K: Clone + Debug`.
@@ -1340,6 +1360,7 @@ impl<K, S: Clone> Clone for Builder<K, S> {
             token_floor: self.token_floor,
             deadlock_limit: self.deadlock_limit,
             deadlock_history: self.deadlock_history,
+            key_name: self.key_name,
         }
     }
 }
@@ -1355,6 +1376,7 @@ impl<K, S> fmt::Debug for Builder<K, S> {
             .field("token_floor", &self.token_floor)
             .field("deadlock_limit", &self.deadlock_limit)
             .field("deadlock_history", &self.deadlock_history)
+            .field("name_keys", &self.key_name.is_some())
             .finish_non_exhaustive()
     }
 }
@@ -1372,7 +1394,52 @@ impl<K> Builder<K> {
             token_floor: 0,
             deadlock_limit: DEFAULT_DEADLOCK_LIMIT,
             deadlock_history: DEFAULT_DEADLOCK_HISTORY,
+            key_name: None,
         }
+    }
+}
+
+impl<K: fmt::Debug, S> Builder<K, S> {
+    /// Errors of this table name the key they are about, by its `Debug`
+    /// form: a [`LockError::Timeout`](crate::LockError::Timeout) says which
+    /// key it waited for. The key is formatted only when such an error is
+    /// made, never on a lock that succeeds.
+    ///
+    /// Without it (the default, since a table's keys need not be `Debug`)
+    /// an error names the grant and the queue, and the caller knows the key
+    /// it asked for.
+    ///
+    /// ```
+    /// # futures::executor::block_on(async {
+    /// use std::time::Duration;
+    /// use keylock::{LockOptions, LockTable};
+    /// let table = LockTable::builder().name_keys().build();
+    /// let _held = table.lock("invoice-7").await;
+    /// let err = table
+    ///     .lock_with("invoice-7", LockOptions::new().timeout(Duration::ZERO))
+    ///     .await
+    ///     .unwrap_err();
+    /// assert!(err.to_string().contains(r#"key "invoice-7""#), "{err}");
+    /// # });
+    /// ```
+    pub fn name_keys(mut self) -> Self {
+        self.key_name = Some(debug_name::<K>);
+        self
+    }
+}
+
+/// A key's `Debug` form, for an error.
+fn debug_name<K: fmt::Debug>(key: &K) -> Box<str> {
+    format!("{key:?}").into_boxed_str()
+}
+
+impl<K, S> LockTable<K, S> {
+    /// The key's name for an error, if the table names keys
+    /// ([`Builder::name_keys`]). Runs the key's `Debug`: never under a
+    /// shard lock.
+    #[cold]
+    pub(crate) fn name_key(&self, key: &K) -> Option<Box<str>> {
+        self.key_name.map(|name| name(key))
     }
 }
 
@@ -1404,6 +1471,7 @@ impl<K, S> Builder<K, S> {
             token_floor: self.token_floor,
             deadlock_limit: self.deadlock_limit,
             deadlock_history: self.deadlock_history,
+            key_name: self.key_name,
         }
     }
 
@@ -1657,6 +1725,7 @@ impl<K, S> Builder<K, S> {
             deadlock_limit: self.deadlock_limit,
             deadlock_history: self.deadlock_history,
             labels: Labels::new(),
+            key_name: self.key_name,
         }
     }
 }
@@ -1676,9 +1745,9 @@ fn default_shards() -> usize {
 
 /// The terms of a grant asked for with `opts`, its lease resolved.
 #[inline(always)]
-fn terms_of(lease: Option<Duration>, opts: &LockOptions) -> Terms {
+fn terms_of<K, S>(table: &LockTable<K, S>, lease: Option<Duration>, opts: &LockOptions) -> Terms {
     Terms {
         lease: PackedDuration::pack(lease),
-        owner: opts.owner_id(),
+        owner: table.owner_for(opts),
     }
 }

@@ -199,6 +199,16 @@ mod tests {
 /// and the status view read it here.
 pub(crate) const HOLD_OWNER: u64 = u64::MAX;
 
+/// Owner words from here up (below [`HOLD_OWNER`]) name a labeled plain
+/// grant: no transaction, only a label (`labels.rs`).
+pub(crate) const LABEL_OWNER: u64 = 1 << 62;
+
+/// The owner word is a transaction's (not none, a label or a hold).
+#[inline]
+pub(crate) const fn is_transaction(owner: u64) -> bool {
+    owner != 0 && owner < LABEL_OWNER
+}
+
 /// The identity of a transaction ([`Transaction::id`](crate::Transaction::id)):
 /// unique in the process, named in [`Deadlock`](crate::Deadlock) answers.
 ///
@@ -241,7 +251,7 @@ impl TransactionId {
 
     /// The id a grant or waiter carries, if it is a transaction's (0: none).
     pub(crate) fn from_owner(owner: u64) -> Option<Self> {
-        if owner == HOLD_OWNER {
+        if !is_transaction(owner) {
             return None;
         }
         NonZeroU64::new(owner).map(Self)

@@ -23,20 +23,37 @@ use crate::mode::Mode;
 use crate::table::{DefaultHashBuilder, LockTable};
 use crate::token::FencingToken;
 
-/// The future returned by [`Guard::upgrade`](crate::Guard::upgrade) and
-/// [`OwnedGuard::upgrade`](crate::OwnedGuard::upgrade): resolves to the
-/// grant's new token once it holds the key exclusively.
-///
-/// # Cancel safety
-///
-/// Dropping it leaves the guard shared: its waiter leaves the queue, or, if
-/// the upgrade had already been granted, the grant is made shared again
-/// (admitting the shared waiters behind it) and the guard carries its new
-/// token.
-#[must_use = "futures do nothing unless polled"]
-pub struct Upgrade<'g, K, S = DefaultHashBuilder> {
-    inner: Acquire<&'g LockTable<K, S>, K>,
-    held: &'g mut Held<K>,
+use pin_project_lite::pin_project;
+
+pin_project! {
+    /// The future returned by [`Guard::upgrade`](crate::Guard::upgrade) and
+    /// [`OwnedGuard::upgrade`](crate::OwnedGuard::upgrade): resolves to the
+    /// grant's new token once it holds the key exclusively.
+    ///
+    /// # Cancel safety
+    ///
+    /// Dropping it leaves the guard shared: its waiter leaves the queue, or, if
+    /// the upgrade had already been granted, the grant is made shared again
+    /// (admitting the shared waiters behind it) and the guard carries its new
+    /// token.
+    #[must_use = "futures do nothing unless polled"]
+    pub struct Upgrade<'g, K, S = DefaultHashBuilder> {
+        #[pin]
+        inner: Acquire<&'g LockTable<K, S>, K>,
+        held: &'g mut Held<K>,
+    }
+
+    impl<K, S> PinnedDrop for Upgrade<'_, K, S> {
+        fn drop(this: Pin<&mut Self>) {
+            let this = this.project();
+            let mut left = Leftovers::default();
+            if let Some(granted) = this.inner.cancel_upgrade(&mut left) {
+                this.held
+                    .regrant(granted.token, granted.deadline, Mode::Shared);
+            }
+            left.flush();
+        }
+    }
 }
 
 impl<'g, K: Eq + Hash, S: BuildHasher> Upgrade<'g, K, S> {
@@ -54,13 +71,9 @@ impl<K: Eq + Hash, S: BuildHasher> Future for Upgrade<'_, K, S> {
     type Output = Result<FencingToken, LockError>;
 
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
-        // SAFETY: `inner` is structurally pinned (never moved out); `held`
-        // is a plain reference.
-        let this = unsafe { self.get_unchecked_mut() };
-        // SAFETY: as above.
-        let inner = unsafe { Pin::new_unchecked(&mut this.inner) };
+        let mut this = self.project();
         let mut left = Leftovers::default();
-        let polled = inner.poll_acquire(cx, &mut left);
+        let polled = this.inner.as_mut().poll_acquire(cx, &mut left);
         let out = match polled {
             Poll::Pending => Poll::Pending,
             Poll::Ready(Ok((_, upgraded))) => {
@@ -82,17 +95,6 @@ impl<K: Eq + Hash, S: BuildHasher> Future for Upgrade<'_, K, S> {
     }
 }
 
-impl<K, S> Drop for Upgrade<'_, K, S> {
-    fn drop(&mut self) {
-        let mut left = Leftovers::default();
-        if let Some(granted) = self.inner.cancel_upgrade(&mut left) {
-            self.held
-                .regrant(granted.token, granted.deadline, Mode::Shared);
-        }
-        left.flush();
-    }
-}
-
 impl<K, S> fmt::Debug for Upgrade<'_, K, S> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("Upgrade")
@@ -101,18 +103,38 @@ impl<K, S> fmt::Debug for Upgrade<'_, K, S> {
     }
 }
 
-/// An upgrade that owns its guard: a transaction's pending call keeps it
-/// in a cell its transaction may cancel when it ends (`owner/pending.rs`),
-/// so the guard must go where the wait goes. It resolves to the guard and
-/// the upgrade's result: upgraded in place (a new token) on success,
-/// shared as before on failure. Dropped before it resolves, it leaves the
-/// queue (or makes an unobserved grant shared again), then releases the
-/// guard; [`into_guard`](Self::into_guard) gives the guard back instead,
-/// shared.
-pub(crate) struct UpgradeOwned<'t, K, S> {
-    inner: Acquire<&'t LockTable<K, S>, K>,
-    /// `None` once resolved (the guard went out with the output).
-    guard: Option<Guard<'t, K, S>>,
+pin_project! {
+    /// An upgrade that owns its guard: a transaction's pending call keeps it
+    /// in a cell its transaction may cancel when it ends (`owner/pending.rs`),
+    /// so the guard must go where the wait goes. It resolves to the guard and
+    /// the upgrade's result: upgraded in place (a new token) on success,
+    /// shared as before on failure. Dropped before it resolves, it leaves the
+    /// queue (or makes an unobserved grant shared again), then releases the
+    /// guard; [`into_guard`](Self::into_guard) gives the guard back instead,
+    /// shared.
+    pub(crate) struct UpgradeOwned<'t, K, S> {
+        #[pin]
+        inner: Acquire<&'t LockTable<K, S>, K>,
+        // `None` once resolved (the guard went out with the output).
+        guard: Option<Guard<'t, K, S>>,
+    }
+
+    impl<K, S> PinnedDrop for UpgradeOwned<'_, K, S> {
+        fn drop(this: Pin<&mut Self>) {
+            // The upgrade is undone first (shared again), then the guard, if
+            // still here, drops as the fields do: released.
+            let this = this.project();
+            let mut left = Leftovers::default();
+            if let Some(granted) = this.inner.cancel_upgrade(&mut left) {
+                if let Some(guard) = this.guard.as_mut() {
+                    guard
+                        .held
+                        .regrant(granted.token, granted.deadline, Mode::Shared);
+                }
+            }
+            left.flush();
+        }
+    }
 }
 
 impl<'t, K: Eq + Hash, S: BuildHasher> UpgradeOwned<'t, K, S> {
@@ -131,9 +153,7 @@ impl<'t, K, S> UpgradeOwned<'t, K, S> {
     /// or a grant it was handed and did not observe is made shared again.
     /// `None` once the future resolved (its output had the guard).
     pub(crate) fn into_guard(self: Pin<&mut Self>) -> Option<Guard<'t, K, S>> {
-        // SAFETY: `inner` is structurally pinned and only used in place;
-        // `guard` is not pinned (moved out here).
-        let this = unsafe { self.get_unchecked_mut() };
+        let this = self.project();
         let mut left = Leftovers::default();
         let granted = this.inner.cancel_upgrade(&mut left);
         let mut guard = this.guard.take();
@@ -151,13 +171,9 @@ impl<'t, K: Eq + Hash, S: BuildHasher> Future for UpgradeOwned<'t, K, S> {
     type Output = (Guard<'t, K, S>, Result<FencingToken, LockError>);
 
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
-        // SAFETY: `inner` is structurally pinned (never moved out); `guard`
-        // is not pinned.
-        let this = unsafe { self.get_unchecked_mut() };
-        // SAFETY: as above.
-        let inner = unsafe { Pin::new_unchecked(&mut this.inner) };
+        let mut this = self.project();
         let mut left = Leftovers::default();
-        let polled = inner.poll_acquire(cx, &mut left);
+        let polled = this.inner.as_mut().poll_acquire(cx, &mut left);
         let out = match polled {
             Poll::Pending => Poll::Pending,
             Poll::Ready(Ok((_, upgraded))) => {
@@ -180,21 +196,5 @@ impl<'t, K: Eq + Hash, S: BuildHasher> Future for UpgradeOwned<'t, K, S> {
         drop(timing);
         left.flush();
         out
-    }
-}
-
-impl<K, S> Drop for UpgradeOwned<'_, K, S> {
-    fn drop(&mut self) {
-        // The upgrade is undone first (shared again), then the guard, if
-        // still here, drops as the fields do: released.
-        let mut left = Leftovers::default();
-        if let Some(granted) = self.inner.cancel_upgrade(&mut left) {
-            if let Some(guard) = self.guard.as_mut() {
-                guard
-                    .held
-                    .regrant(granted.token, granted.deadline, Mode::Shared);
-            }
-        }
-        left.flush();
     }
 }

@@ -539,6 +539,53 @@ fn a_plain_guard_is_never_part_of_a_cycle() {
     });
 }
 
+/// A labeled plain guard or waiter carries its label where a
+/// transaction's grant carries its id: it is still no transaction, never a
+/// node of the wait-for graph, and a cycle through its key is found as
+/// without it.
+#[test]
+fn a_labeled_plain_lock_is_never_part_of_a_cycle() {
+    block(async {
+        let table = LockTable::<&str>::new();
+        let labeled = keylock::LockOptions::new().label("flush");
+        let mut a = table.transaction();
+        a.lock("x", Mode::Exclusive).await.unwrap();
+        let guard = table.lock_with("y", labeled).await.unwrap();
+        let mut a_waits = Box::pin(a.lock("y", Mode::Exclusive));
+        assert!(poll!(a_waits.as_mut()).is_pending());
+        let holder = table.holder("y").unwrap();
+        assert_eq!((holder.transaction, holder.label), (None, Some("flush")));
+        drop(guard);
+        assert!(a_waits.await.is_ok());
+        assert!(table.recent_deadlocks().is_empty());
+
+        // A cycle of two with a labeled plain waiter queued in it.
+        let mut b = table.transaction();
+        b.lock("z", Mode::Exclusive).await.unwrap();
+        let mut plain = Box::pin(table.lock_with("z", labeled));
+        assert!(poll!(plain.as_mut()).is_pending());
+        let mut a_waits = Box::pin(a.lock("z", Mode::Exclusive));
+        assert!(poll!(a_waits.as_mut()).is_pending());
+        let waiters = table.lock_status("z").unwrap().waiters;
+        assert_eq!(
+            (waiters[0].transaction, waiters[0].label),
+            (None, Some("flush"))
+        );
+        let Poll::Ready(Err(TransactionError::Deadlock(d))) =
+            poll!(Box::pin(b.lock("x", Mode::Exclusive)))
+        else {
+            panic!("b closes the cycle");
+        };
+        assert_eq!(d.victim(), b.id());
+        assert_eq!(d.cycle().len(), 2, "{d}");
+        drop(b);
+        drop(plain.await);
+        assert!(a_waits.await.is_ok());
+        a.commit().unwrap();
+        assert!(table.is_empty());
+    });
+}
+
 #[test]
 fn detection_can_be_turned_off_and_history_is_bounded() {
     block(async {

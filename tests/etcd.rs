@@ -378,6 +378,25 @@ async fn timeout_names_the_holder() {
     else {
         panic!("not a timeout naming the holder: {err}");
     };
+    assert!(
+        err.to_string().contains("waiting for key \"report\""),
+        "the key named: {err}"
+    );
+    // A lock's own label is refused: the table's labels its grants.
+    let refused = b
+        .lock_with("other".to_owned(), LockOptions::new().label("one-lock"))
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(
+            refused,
+            ClusterLockError::InvalidOptions {
+                option: "label",
+                ..
+            }
+        ),
+        "{refused}"
+    );
     assert_eq!(h.lease_id, g.lease_id());
     assert_eq!(h.token, g.token());
     assert_eq!(h.label.as_deref(), Some("holder-a"));

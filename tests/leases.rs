@@ -231,6 +231,7 @@ mod tests {
                 holder,
                 held_for,
                 ahead,
+                ..
             })) => {
                 assert_eq!(waited, 3 * SEC);
                 assert_eq!(holder, Some(g.token()));

@@ -756,6 +756,17 @@ fn bad_input_gives_clear_errors_naming_the_path_and_holds_nothing() {
             ..
         }
     ));
+    let err = table
+        .try_lock_with("k", LockOptions::new().label("flush"))
+        .unwrap_err();
+    assert!(matches!(
+        err,
+        ProcessLockError::InvalidOptions {
+            option: "label",
+            ..
+        }
+    ));
+    assert!(err.to_string().contains("with_label"), "{err}");
 
     // A state file that is not ours is refused, not reset.
     std::fs::write(dir.join("key-junk.state"), "hello").unwrap();
@@ -1672,5 +1683,39 @@ fn a_forgotten_waiter_handed_a_killed_holders_slot_does_not_strand_the_key() {
     let g = other.blocking_lock_with("k", patient()).unwrap();
     assert!(g.token().get() > last);
     drop(g);
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn a_timeout_names_the_key_and_the_state_file_only_as_a_detail() {
+    let dir = temp_dir("timeout-names-key");
+    let table = ProcessLockTable::open(&dir).unwrap();
+    let held = table.try_lock("k").unwrap();
+    let zero = LockOptions::new().timeout(Duration::ZERO);
+    let err = block_on(table.lock_with("k", zero)).unwrap_err();
+    let ProcessLockError::Timeout {
+        key, path, waited, ..
+    } = &err
+    else {
+        panic!("{err:?}")
+    };
+    assert_eq!(&**key, "\"k\"");
+    let text = err.to_string();
+    let expected = format!(
+        "timed out after {waited:?} waiting for key \"k\" (state file `{}`)",
+        path.display()
+    );
+    assert!(text.starts_with(&expected), "{text}");
+    drop(held);
+
+    // A key that is not UTF-8 is named by its escaped bytes.
+    let bytes = ProcessLockTable::open(&dir).unwrap();
+    let held = bytes.try_lock(vec![0xff, b'k']).unwrap();
+    let err = block_on(bytes.lock_with(vec![0xff, b'k'], zero)).unwrap_err();
+    assert!(
+        err.to_string().contains(r#"waiting for key b"\xffk""#),
+        "{err}"
+    );
+    drop(held);
     std::fs::remove_dir_all(&dir).unwrap();
 }

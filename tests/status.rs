@@ -181,4 +181,204 @@ mod tests {
         table.assert_consistent();
         assert!(table.is_empty(), "every pin was undone");
     }
+
+    /// `Display` of the status: one line per key, holders then waiters,
+    /// with their labels and durations read on the table's clock.
+    #[test]
+    fn the_status_reads_as_one_line_per_key_with_labels_and_durations() {
+        let clock = ManualClock::new();
+        let table: LockTable<&str> = LockTable::builder().clock(clock.clone()).build();
+        let flush = table
+            .try_lock_with("page", LockOptions::new().lease(30 * SEC).label("flush"))
+            .unwrap();
+        clock.advance(Duration::from_millis(1200));
+        let wait = LockOptions::new().timeout(60 * SEC).label("scan").shared();
+        let mut scan = Box::pin(table.lock_with("page", wait));
+        assert!(block(async { poll!(scan.as_mut()) }).is_pending());
+        clock.advance(Duration::from_millis(300));
+        let status = table.status();
+        assert_eq!(status.len(), 1);
+        let (key, row) = &status[0];
+        assert_eq!(row.holders[0].label, Some("flush"));
+        assert_eq!(
+            row.holders[0].transaction, None,
+            "a label is no transaction"
+        );
+        assert_eq!(row.holders[0].held_for, Some(Duration::from_millis(1500)));
+        assert_eq!(
+            row.holders[0].lease_left,
+            Some(Duration::from_millis(28_500))
+        );
+        assert_eq!(row.waiters[0].label, Some("scan"));
+        assert_eq!(row.waiters[0].waited_for, Some(Duration::from_millis(300)));
+        assert_eq!(
+            format!("{key}: {row}"),
+            format!(
+                "page: granted {} exclusive \"flush\" held 1.5s lease 28.5s left; \
+                 waiting shared \"scan\" waiting 300ms",
+                flush.token()
+            )
+        );
+        clock.advance(29 * SEC);
+        let line = table.lock_status("page").unwrap().to_string();
+        assert!(line.contains("held 30.5s lease lapsed"), "{line}");
+        drop(scan);
+        drop(flush);
+        assert!(table.is_empty());
+    }
+
+    /// A plain lock's label names its grant in a timeout behind it, on the
+    /// try-once path and after a wait.
+    #[test]
+    fn a_timeout_names_the_holders_label() {
+        let clock = ManualClock::new();
+        let table: LockTable<&str> = LockTable::builder().clock(clock.clone()).build();
+        let held = table
+            .try_lock_with("page", LockOptions::new().label("flush"))
+            .unwrap();
+        let now = table
+            .try_lock_with("page", LockOptions::new())
+            .map(drop)
+            .unwrap_err();
+        assert_eq!(now, keylock::LockError::WouldBlock);
+        let err =
+            block(table.lock_with("page", LockOptions::new().timeout(Duration::ZERO))).unwrap_err();
+        let keylock::LockError::Timeout {
+            holder,
+            holder_label,
+            ..
+        } = &err
+        else {
+            panic!("{err:?}")
+        };
+        assert_eq!(
+            (*holder, *holder_label),
+            (Some(held.token()), Some("flush"))
+        );
+        let text = err.to_string();
+        assert!(
+            text.contains(&format!(
+                "held by grant {} of this table (\"flush\")",
+                held.token()
+            )),
+            "{text}"
+        );
+        let mut waiting = Box::pin(table.lock_with("page", LockOptions::new().timeout(SEC)));
+        assert!(block(async { poll!(waiting.as_mut()) }).is_pending());
+        clock.advance(SEC);
+        let err = block(waiting).unwrap_err();
+        assert!(err.to_string().contains("(\"flush\")"), "{err}");
+        // Unlabeled holders show no label.
+        drop(held);
+        let _plain = table.try_lock("page").unwrap();
+        let err =
+            block(table.lock_with("page", LockOptions::new().timeout(Duration::ZERO))).unwrap_err();
+        assert!(matches!(
+            err,
+            keylock::LockError::Timeout {
+                holder_label: None,
+                ..
+            }
+        ));
+        assert!(!err.to_string().contains("(\""), "{err}");
+    }
+
+    /// With `name_keys`, a timeout names the key it waited for: at once, after
+    /// a wait, and for an upgrade; without it, it says "the key".
+    #[test]
+    fn a_timeout_names_the_key_when_the_table_names_keys() {
+        let clock = ManualClock::new();
+        let table: LockTable<String> = LockTable::builder()
+            .clock(clock.clone())
+            .name_keys()
+            .build();
+        let _held = table.try_lock("invoice-7".to_string()).unwrap();
+        let zero = LockOptions::new().timeout(Duration::ZERO);
+        let err = block(table.lock_with("invoice-7".to_string(), zero)).unwrap_err();
+        assert!(
+            matches!(&err, keylock::LockError::Timeout { key: Some(k), .. } if &**k == "\"invoice-7\""),
+            "{err:?}"
+        );
+        assert!(
+            err.to_string()
+                .starts_with("timed out after 0ns waiting for key \"invoice-7\";"),
+            "{err}"
+        );
+        let mut waiting =
+            Box::pin(table.lock_with("invoice-7".to_string(), LockOptions::new().timeout(SEC)));
+        assert!(block(async { poll!(waiting.as_mut()) }).is_pending());
+        clock.advance(SEC);
+        let err = block(waiting).unwrap_err();
+        assert!(
+            err.to_string()
+                .starts_with("timed out after 1s waiting for key \"invoice-7\";"),
+            "{err}"
+        );
+        // An upgrade that may not wait.
+        let mut a = table.try_lock_shared("row".to_string()).unwrap();
+        let _b = table.try_lock_shared("row".to_string()).unwrap();
+        let err = block(a.upgrade_with(zero)).unwrap_err();
+        assert!(err.to_string().contains("waiting for key \"row\""), "{err}");
+
+        let plain: LockTable<&str> = LockTable::new();
+        let _held = plain.try_lock("invoice-7").unwrap();
+        let err = block(plain.lock_with("invoice-7", zero)).unwrap_err();
+        assert!(matches!(err, keylock::LockError::Timeout { key: None, .. }));
+        assert!(err.to_string().contains("waiting for the key;"), "{err}");
+    }
+
+    /// A key whose `Debug` panics, formatted for a timeout: the panic comes
+    /// out of the poll, with no lock held, and strands nothing.
+    #[test]
+    fn a_key_whose_debug_panics_strands_nothing() {
+        #[derive(PartialEq, Eq, Hash)]
+        struct Hostile(u32);
+        impl std::fmt::Debug for Hostile {
+            fn fmt(&self, _: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                panic!("hostile Debug")
+            }
+        }
+        let clock = ManualClock::new();
+        let table: LockTable<Hostile> = LockTable::builder()
+            .clock(clock.clone())
+            .name_keys()
+            .build();
+        let held = table.try_lock(Hostile(1)).unwrap();
+        let zero = LockOptions::new().timeout(Duration::ZERO);
+        let once = catch_unwind(AssertUnwindSafe(|| {
+            block(table.lock_with(Hostile(1), zero))
+        }));
+        assert!(once.is_err());
+        let mut waiting = Box::pin(table.lock_with(Hostile(1), LockOptions::new().timeout(SEC)));
+        assert!(block(async { poll!(waiting.as_mut()) }).is_pending());
+        clock.advance(SEC);
+        let waited = catch_unwind(AssertUnwindSafe(|| block(waiting.as_mut())));
+        assert!(waited.is_err());
+        drop(waiting);
+        table.assert_consistent();
+        assert_eq!(table.waiters(&Hostile(1)), 0);
+        drop(held);
+        assert!(table.is_empty());
+        assert!(table.try_lock(Hostile(1)).is_ok());
+    }
+
+    /// The counters' and the deadlock counters' `Display`: one line each.
+    #[test]
+    fn stats_read_as_one_line() {
+        let table: LockTable<u32> = LockTable::new();
+        let held = table.try_lock(1).unwrap();
+        assert!(table.try_lock(1).is_err());
+        let err = block(table.lock_with(1, LockOptions::new().timeout(Duration::ZERO)));
+        assert!(err.is_err());
+        drop(held);
+        assert_eq!(
+            table.stats().to_string(),
+            "1 acquisitions, 0 contended, 0 handoffs, 0 cancelled, 0 expired, 1 timed out, \
+             0 revoked"
+        );
+        assert_eq!(
+            table.deadlock_stats().to_string(),
+            "0 waits, 0 searches, 0 visited, 0 deepest, 0 cycles (0 presumed), 0 reorders"
+        );
+    }
 }

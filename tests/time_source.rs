@@ -281,8 +281,10 @@ fn a_timeout_fires_when_its_sleep_completes() {
         LockError::Timeout {
             waited: 2 * SEC,
             holder: Some(held.token()),
+            holder_label: None,
             held_for: None,
             ahead: 0,
+            key: None,
         }
     );
     assert_eq!(table.waiters("k"), 0);

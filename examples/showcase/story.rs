@@ -235,6 +235,7 @@ fn diagnosis(rt: &Runtime) {
             held_for: Some(held_for),
             ahead: 0,
             waited,
+            ..
         } = err
         else {
             panic!("showcase: expected a timeout naming its holder, got {err:?}");

@@ -112,6 +112,9 @@ pub enum ClusterLockError {
         holder: Option<Box<ClusterHolder>>,
         /// How many waiter keys of other processes were ahead in etcd.
         ahead: usize,
+        /// The key waited for: its bytes as a quoted string when they are
+        /// UTF-8 (`"k"`), else escaped (`b"\xff"`).
+        key: Box<str>,
     },
     /// The session's lease could not be kept alive (or was revoked): every
     /// guard of the session is fenced, and waits of the session end.
@@ -166,8 +169,9 @@ impl fmt::Display for ClusterLockError {
                 waited,
                 holder,
                 ahead,
+                key,
             } => {
-                write!(f, "timed out after {waited:?}")?;
+                write!(f, "timed out after {waited:?} waiting for key {key}")?;
                 match holder {
                     Some(h) => write!(f, "; held by {h}")?,
                     None => {

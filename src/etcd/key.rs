@@ -29,6 +29,35 @@ pub(crate) fn encode(key: &[u8]) -> String {
     out
 }
 
+/// The key of `stem` (made by [`encode`]) as an error names it: its bytes
+/// as a quoted string when they are UTF-8 (`"k"`), else escaped
+/// (`b"\xff"`).
+pub(crate) fn name(stem: &str) -> Box<str> {
+    let raw = stem.as_bytes();
+    let mut bytes = Vec::with_capacity(raw.len());
+    let mut i = 0;
+    while i < raw.len() {
+        let hex = (raw[i] == b'%')
+            .then(|| std::str::from_utf8(raw.get(i + 1..i + 3)?).ok())
+            .flatten()
+            .and_then(|h| u8::from_str_radix(h, 16).ok());
+        match hex {
+            Some(b) => {
+                bytes.push(b);
+                i += 3;
+            }
+            None => {
+                bytes.push(raw[i]);
+                i += 1;
+            }
+        }
+    }
+    match std::str::from_utf8(&bytes) {
+        Ok(text) => format!("{text:?}").into_boxed_str(),
+        Err(_) => format!("b\"{}\"", bytes.escape_ascii()).into_boxed_str(),
+    }
+}
+
 /// The prefix under which a key's waiter keys live (with its trailing `/`).
 pub(crate) fn key_prefix(table_prefix: &str, stem: &str) -> String {
     format!("{table_prefix}/{stem}/")
@@ -137,5 +166,12 @@ mod tests {
             waiter_key(&key_prefix("t", "k"), 255),
             "t/k/00000000000000ff"
         );
+    }
+
+    #[test]
+    fn keys_are_named_as_given() {
+        assert_eq!(&*name(&encode(b"k")), r#""k""#);
+        assert_eq!(&*name(&encode("a/b c".as_bytes())), r#""a/b c""#);
+        assert_eq!(&*name(&encode(b"\xff")), r#"b"\xff""#);
     }
 }

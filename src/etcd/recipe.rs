@@ -292,6 +292,7 @@ pub(crate) async fn acquire(
                     waited: now().saturating_duration_since(started),
                     holder: holder.map(Box::new),
                     ahead,
+                    key: key::name(stem),
                 });
             }
             Wake::SessionEnded => return Err(session.state.lost_error()),

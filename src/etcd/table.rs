@@ -254,6 +254,25 @@ pub struct ClusterStats {
     pub retries_ambiguous: u64,
 }
 
+/// One line: each counter by name.
+///
+/// ```no_run
+/// # async fn f() -> Result<(), keylock::etcd::ClusterLockError> {
+/// let table = keylock::etcd::ClusterLockTable::<&str>::connect(["http://127.0.0.1:2379"]).await?;
+/// let line = table.stats().to_string();
+/// assert!(line.starts_with("0 etcd waiters"), "{line}");
+/// # Ok(()) }
+/// ```
+impl std::fmt::Display for ClusterStats {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "{} etcd waiters, {} retries after a refusal, {} retries after an ambiguous failure",
+            self.etcd_waiters, self.retries_refused, self.retries_ambiguous
+        )
+    }
+}
+
 impl<K> ClusterLockTable<K> {
     /// Connects to the etcd cluster at `endpoints` (`http://host:port`)
     /// with the default [`ClusterOptions`], and starts the session (grants
@@ -483,6 +502,15 @@ fn deadline_of(opts: &LockOptions, now: Instant) -> Option<Instant> {
 }
 
 fn check_options(opts: &LockOptions) -> Result<Option<Duration>, ClusterLockError> {
+    if let Some(label) = opts.label_name() {
+        return Err(ClusterLockError::InvalidOptions {
+            option: "label",
+            reason: format!(
+                "{label:?}: the cluster scope labels a table's grants, not one lock's; use \
+                 `ClusterOptions::label`"
+            ),
+        });
+    }
     match opts.lease_duration() {
         Some(lease) if lease.is_zero() || lease > DEFAULT_MAX_LEASE => {
             Err(ClusterLockError::InvalidOptions {
@@ -526,6 +554,7 @@ async fn acquire<K: AsRef<[u8]>>(
                     waited: now().saturating_duration_since(started),
                     holder: None,
                     ahead: 0,
+                    key: key::name(&stem),
                 })
             }
             Err(other) => {
@@ -586,6 +615,7 @@ async fn remote(
                         waited: now().saturating_duration_since(started),
                         holder: None,
                         ahead: 0,
+                        key: key::name(&stem),
                     })
                 }),
             None => {

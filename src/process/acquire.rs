@@ -994,6 +994,7 @@ impl Inner {
             waited: started.elapsed(),
             holder,
             by,
+            key: super::key::name(stem),
             path: self.state_path(stem),
         }
     }

@@ -73,6 +73,9 @@ pub enum ProcessLockError {
         holder: Option<Box<ProcessHolder>>,
         /// Who kept the key when the caller gave up.
         by: HeldBy,
+        /// The key waited for: its bytes as a quoted string when they are
+        /// UTF-8 (`"k"`), else escaped (`b"\xff"`).
+        key: Box<str>,
         /// The key's state file.
         path: PathBuf,
     },
@@ -205,11 +208,13 @@ impl fmt::Display for ProcessLockError {
                 waited,
                 holder,
                 by,
+                key,
                 path,
             } => {
                 write!(
                     f,
-                    "timed out after {waited:?} waiting for `{}`; held by {by}",
+                    "timed out after {waited:?} waiting for key {key} (state file `{}`); held by \
+                     {by}",
                     path.display()
                 )?;
                 match holder {

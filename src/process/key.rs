@@ -63,9 +63,21 @@ pub(crate) fn encode(key: &[u8]) -> Result<String, ProcessLockError> {
     Ok(out)
 }
 
+/// The key of `stem` as an error names it: `"k"` (its bytes as a string
+/// when they are UTF-8, else escaped as `b"\xff"`), or the stem itself if
+/// it is not one [`encode`] makes.
+pub(crate) fn name(stem: &str) -> Box<str> {
+    match decode(stem) {
+        Some(bytes) => match std::str::from_utf8(&bytes) {
+            Ok(text) => format!("{text:?}").into_boxed_str(),
+            Err(_) => format!("b\"{}\"", bytes.escape_ascii()).into_boxed_str(),
+        },
+        None => stem.into(),
+    }
+}
+
 /// The key bytes of a stem made by [`encode`], or `None` if `stem` is not
 /// one.
-#[cfg(test)]
 pub(crate) fn decode(stem: &str) -> Option<Vec<u8>> {
     let rest = stem.strip_prefix(PREFIX)?.as_bytes();
     let mut out = Vec::with_capacity(rest.len());
@@ -95,7 +107,7 @@ pub(crate) fn decode(stem: &str) -> Option<Vec<u8>> {
 
 #[cfg(test)]
 mod tests {
-    use super::{decode, encode, MAX_ENCODED_KEY};
+    use super::{decode, encode, name, MAX_ENCODED_KEY};
 
     #[test]
     fn literal_bytes_stay_and_others_are_escaped() {
@@ -136,6 +148,13 @@ mod tests {
         assert!(encode(&[b'x'; MAX_ENCODED_KEY - 4]).is_ok());
         assert!(encode(&[b'.'; 66]).is_err());
         assert!(encode(&[b'.'; 65]).is_ok());
+    }
+
+    #[test]
+    fn keys_are_named_as_given() {
+        assert_eq!(&*name(&encode(b"k").unwrap()), r#""k""#);
+        assert_eq!(&*name(&encode("a/b c".as_bytes()).unwrap()), r#""a/b c""#);
+        assert_eq!(&*name(&encode(b"\xff\x00").unwrap()), r#"b"\xff\x00""#);
     }
 
     #[test]

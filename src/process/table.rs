@@ -96,6 +96,27 @@ pub struct ProcessStats {
     pub cached_keys: usize,
 }
 
+/// One line: each gauge by name.
+///
+/// ```
+/// # let dir = std::env::temp_dir().join(format!("keylock-doc-pstats-{}", std::process::id()));
+/// # std::fs::create_dir_all(&dir).unwrap();
+/// let table = keylock::ProcessLockTable::<&str>::open(&dir)?;
+/// let line = table.stats().to_string();
+/// assert!(line.starts_with("0 file waiters, 0 kernel waits"), "{line}");
+/// # std::fs::remove_dir_all(&dir).unwrap();
+/// # Ok::<(), keylock::ProcessLockError>(())
+/// ```
+impl std::fmt::Display for ProcessStats {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "{} file waiters, {} kernel waits, {} cached keys",
+            self.file_waiters, self.kernel_waits, self.cached_keys
+        )
+    }
+}
+
 impl ProcessStats {
     /// The most keys whose files a table keeps open between uses (two
     /// descriptors each at most): taking a key whose files are open costs
@@ -274,6 +295,15 @@ fn check_options(opts: &LockOptions) -> Result<Option<Duration>, ProcessLockErro
         return Err(ProcessLockError::InvalidOptions {
             option: "mode",
             reason: "the process scope takes keys exclusively only".into(),
+        });
+    }
+    if let Some(label) = opts.label_name() {
+        return Err(ProcessLockError::InvalidOptions {
+            option: "label",
+            reason: format!(
+                "{label:?}: the process scope labels a table's grants, not one lock's; use \
+                 `ProcessLockTable::with_label`"
+            ),
         });
     }
     match opts.lease_duration() {

@@ -20,7 +20,7 @@ use smallvec::SmallVec;
 use crate::clock::Now;
 use crate::key_slot::KeyPtr;
 use crate::mode::Mode;
-use crate::token::HOLD_OWNER;
+use crate::token::is_transaction;
 use crate::waiter::{Waiter, Want};
 
 use super::ShardState;
@@ -87,7 +87,7 @@ impl<K> ShardState<K> {
                 let (who, want) = (Waiter::owner(ptr), Waiter::want(ptr));
                 if who == owner {
                     mine = Some(want);
-                } else if who != 0 {
+                } else if is_transaction(who) {
                     ahead.push((who, mode_of(want)));
                 }
             });
@@ -111,7 +111,7 @@ impl<K> ShardState<K> {
                 Want::Upgrade(token) => holder.token != token,
                 Want::Grant(mode) => !held.is_compatible_with(mode),
             };
-            let transaction = holder.owner != 0 && holder.owner != HOLD_OWNER;
+            let transaction = is_transaction(holder.owner);
             if blocks && transaction && holder.owner != owner && holder.is_live(now) {
                 out.push(Edge {
                     to: holder.owner,

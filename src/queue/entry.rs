@@ -103,6 +103,7 @@ impl<K> Entry<K> {
         let holder = self.holders.any().copied();
         Diagnosis {
             holder: holder.map(|h| h.token),
+            owner: holder.map_or(0, |h| h.owner),
             held_for: holder
                 .and_then(|h| h.since.get())
                 .map(|since| ctx.now().saturating_duration_since(since)),

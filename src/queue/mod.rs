@@ -144,6 +144,8 @@ pub(crate) enum Polled {
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct Diagnosis {
     pub(crate) holder: Option<FencingToken>,
+    /// The holder's owner word (0: none), for its label.
+    pub(crate) owner: u64,
     pub(crate) held_for: Option<Duration>,
     pub(crate) ahead: usize,
 }
@@ -485,6 +487,7 @@ fn lease_times(
 
 pub(crate) const NO_DIAGNOSIS: Diagnosis = Diagnosis {
     holder: None,
+    owner: 0,
     held_for: None,
     ahead: 0,
 };
