@@ -16,7 +16,6 @@ use crate::queue::Grant;
 use crate::queue::Watch;
 use crate::table::{DefaultHashBuilder, LockTable};
 use crate::token::FencingToken;
-use crate::upgrade::Upgrade;
 
 /// What a guard holds: where its key lives, the token of its grant and its
 /// lease deadline as last known to it.
@@ -209,54 +208,6 @@ impl<K> Held<K> {
     ) -> Result<(), LockError> {
         table.renew_grant_leaving(self.hash, self.key, self.token, lease, &self.deadline, left)
     }
-}
-
-macro_rules! upgrade_methods {
-    () => {
-        /// Makes this shared grant exclusive. It waits only for the other
-        /// shared holders of the key: it is served ahead of every queued
-        /// waiter (as lock managers do). On success the guard holds the key
-        /// exclusively under a new token, greater than every earlier grant's
-        /// of the key (the lease deadline stays); the future resolves to it.
-        /// An exclusive grant resolves at once with its token.
-        ///
-        /// # Errors
-        ///
-        /// [`LockError::UpgradeConflict`] at once if another shared holder is
-        /// already upgrading (each would wait for the other: release this
-        /// grant and retry); [`LockError::Expired`] if the grant lost the key
-        /// (lapsed or revoked) before or while it waited.
-        ///
-        /// # Cancel safety
-        ///
-        /// Dropping the future leaves the guard shared; see [`Upgrade`].
-        ///
-        /// ```
-        /// # futures::executor::block_on(async {
-        /// let table = keylock::LockTable::new();
-        /// let mut reader = table.lock_shared("row-1").await;
-        /// let before = reader.token();
-        /// let after = reader.upgrade().await?; // the only reader: at once
-        /// assert!(after > before);
-        /// assert_eq!(reader.mode(), keylock::Mode::Exclusive);
-        /// # Ok::<(), keylock::LockError>(())
-        /// # }).unwrap();
-        /// ```
-        pub fn upgrade(&mut self) -> Upgrade<'_, K, S> {
-            self.upgrade_with(crate::LockOptions::new())
-        }
-
-        /// Like [`upgrade`](Self::upgrade), giving up after the options'
-        /// timeout or at their deadline ([`LockError::Timeout`], the guard
-        /// still shared); their mode and lease are ignored.
-        ///
-        /// # Errors
-        ///
-        /// As [`upgrade`](Self::upgrade), and [`LockError::Timeout`].
-        pub fn upgrade_with(&mut self, opts: crate::LockOptions) -> Upgrade<'_, K, S> {
-            Upgrade::new(&self.table, &mut self.held, opts)
-        }
-    };
 }
 
 macro_rules! guard_methods {
@@ -460,10 +411,6 @@ impl<'a, K, S> Guard<'a, K, S> {
     guard_methods!();
 }
 
-impl<K: Eq + std::hash::Hash, S: std::hash::BuildHasher> Guard<'_, K, S> {
-    upgrade_methods!();
-}
-
 impl<K, S> Drop for Guard<'_, K, S> {
     #[inline(always)]
     fn drop(&mut self) {
@@ -553,10 +500,6 @@ impl<K, S> OwnedGuard<K, S> {
     }
 
     guard_methods!();
-}
-
-impl<K: Eq + std::hash::Hash, S: std::hash::BuildHasher> OwnedGuard<K, S> {
-    upgrade_methods!();
 }
 
 impl<K, S> Drop for OwnedGuard<K, S> {

@@ -17,7 +17,7 @@ use std::task::{Context, Poll};
 use crate::acquire::Acquire;
 use crate::deferred::Leftovers;
 use crate::error::LockError;
-use crate::guard::{Guard, Held};
+use crate::guard::{Guard, Held, OwnedGuard};
 use crate::lease::LockOptions;
 use crate::mode::Mode;
 use crate::table::{DefaultHashBuilder, LockTable};
@@ -54,6 +54,65 @@ pin_project! {
             left.flush();
         }
     }
+}
+
+// `Guard::upgrade` is defined here, beside the future it returns, so the
+// guard does not import its upgrade (see docs/ARCHITECTURE.md, "The import
+// circles left, and why").
+macro_rules! upgrade_methods {
+    () => {
+        /// Makes this shared grant exclusive. It waits only for the other
+        /// shared holders of the key: it is served ahead of every queued
+        /// waiter (as lock managers do). On success the guard holds the key
+        /// exclusively under a new token, greater than every earlier grant's
+        /// of the key (the lease deadline stays); the future resolves to it.
+        /// An exclusive grant resolves at once with its token.
+        ///
+        /// # Errors
+        ///
+        /// [`LockError::UpgradeConflict`] at once if another shared holder is
+        /// already upgrading (each would wait for the other: release this
+        /// grant and retry); [`LockError::Expired`] if the grant lost the key
+        /// (lapsed or revoked) before or while it waited.
+        ///
+        /// # Cancel safety
+        ///
+        /// Dropping the future leaves the guard shared; see [`Upgrade`].
+        ///
+        /// ```
+        /// # futures::executor::block_on(async {
+        /// let table = keylock::LockTable::new();
+        /// let mut reader = table.lock_shared("row-1").await;
+        /// let before = reader.token();
+        /// let after = reader.upgrade().await?; // the only reader: at once
+        /// assert!(after > before);
+        /// assert_eq!(reader.mode(), keylock::Mode::Exclusive);
+        /// # Ok::<(), keylock::LockError>(())
+        /// # }).unwrap();
+        /// ```
+        pub fn upgrade(&mut self) -> Upgrade<'_, K, S> {
+            self.upgrade_with(LockOptions::new())
+        }
+
+        /// Like [`upgrade`](Self::upgrade), giving up after the options'
+        /// timeout or at their deadline ([`LockError::Timeout`], the guard
+        /// still shared); their mode and lease are ignored.
+        ///
+        /// # Errors
+        ///
+        /// As [`upgrade`](Self::upgrade), and [`LockError::Timeout`].
+        pub fn upgrade_with(&mut self, opts: LockOptions) -> Upgrade<'_, K, S> {
+            Upgrade::new(&self.table, &mut self.held, opts)
+        }
+    };
+}
+
+impl<K: Eq + Hash, S: BuildHasher> Guard<'_, K, S> {
+    upgrade_methods!();
+}
+
+impl<K: Eq + Hash, S: BuildHasher> OwnedGuard<K, S> {
+    upgrade_methods!();
 }
 
 impl<'g, K: Eq + Hash, S: BuildHasher> Upgrade<'g, K, S> {
