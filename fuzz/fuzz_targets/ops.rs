@@ -2692,6 +2692,7 @@ impl<'a> Harness<'a> {
                     holder,
                     held_for,
                     ahead,
+                    ..
                 },
                 MErr::Timeout {
                     waited: w,
