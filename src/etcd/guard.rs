@@ -329,8 +329,11 @@ macro_rules! cluster_guard_methods {
         ///
         /// [`ClusterLockError::Expired`] if the grant's lease had ended;
         /// [`ClusterLockError::Unavailable`] if the delete could not be made
-        /// before the lease's bound (etcd then deletes the key with the
-        /// lease); [`ClusterLockError::Etcd`] if etcd refused it.
+        /// before the lease's bound, or [`ClusterLockError::Etcd`] if etcd
+        /// refused it: the table then retires its session (its other guards
+        /// fail `check()`, and its lease is revoked, retried while etcd
+        /// cannot be reached), so the key goes with the lease, and the next
+        /// lock starts a new session.
         ///
         /// # Cancel safety
         ///

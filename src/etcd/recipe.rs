@@ -58,10 +58,21 @@
 //!
 //! # Releasing
 //!
-//! `txn(if create_revision(me) == token then delete(me))`, retried until
-//! it is done or the lease that carries the key has ended (etcd then
-//! deletes it). The in-process grant is let go only after, so that the next
-//! caller of this process never finds the old key.
+//! `txn(if create_revision(me) == token then delete(me))`, retried while
+//! the lease that carries the key is believed valid. The in-process grant
+//! is let go only after, so that the next caller of this process never
+//! finds the old key.
+//!
+//! A release (or the undo of a failed acquisition) that gives up without
+//! etcd's answer may leave its waiter key behind, and "not believed valid"
+//! is not "ended": a keep-alive sent before the session's bound may be
+//! answered after it and move the bound again, so the lease lives on with
+//! the key. So a delete that could not be confirmed retires the session
+//! that names the key: it is marked lost, which stops its keep-alives and
+//! revokes its lease (retried while etcd cannot be reached), and the key goes with
+//! the lease; the next lock starts a new session, whose waiter keys have
+//! other names, so an enqueue never finds a leftover key of an earlier
+//! grant and never grants its create revision (its fencing token) again.
 
 use std::collections::HashSet;
 use std::sync::atomic::Ordering;
@@ -73,7 +84,7 @@ use super::error::{ClusterHolder, ClusterLockError};
 use super::key;
 use super::now;
 use super::retry::retry;
-use super::session::Session;
+use super::session::{Session, SessionState};
 use super::table::Inner;
 use crate::{FencingToken, Mode};
 
@@ -132,7 +143,15 @@ pub(crate) struct Grant {
     pub(crate) revision: i64,
     pub(crate) token: FencingToken,
     pub(crate) lease: GrantLease,
+    /// The session whose lease id names the waiter key (also for a grant
+    /// with a lease of its own): retired if the key's delete cannot be
+    /// confirmed, so that no later enqueue of it finds the key.
+    pub(crate) session: Arc<SessionState>,
 }
+
+/// Why a session is retired when a waiter key's delete was not confirmed.
+const UNCONFIRMED_DELETE: &str = "a waiter key's delete could not be confirmed: the session's \
+     lease is revoked so that the key goes with it";
 
 /// What a failed or cancelled acquisition must undo: the waiter key it may
 /// have written (named before it is sent, so that an enqueue cut short is
@@ -146,7 +165,9 @@ pub(crate) struct Undo {
 impl Undo {
     /// Deletes the waiter key (whoever wrote it: this session has no other
     /// for the key while the in-process grant is held) and revokes the
-    /// lease of its own, retrying while the session lives.
+    /// lease of its own, retrying while the session lives. A delete that
+    /// could not be confirmed retires the session (see the module
+    /// documentation).
     pub(crate) async fn run(&self, inner: &Inner, session: Option<&Session>) {
         let key = self
             .waiter_key
@@ -155,10 +176,13 @@ impl Undo {
             .take();
         if let Some(key) = key {
             let bound = session.map(|s| s.state.valid_until());
-            let _ = retry("delete the waiter key", &inner.counts, bound, || {
+            let deleted = retry("delete the waiter key", &inner.counts, bound, || {
                 inner.etcd.delete(&key)
             })
             .await;
+            if let (Err(_), Some(session)) = (deleted, session) {
+                session.state.mark_lost(UNCONFIRMED_DELETE.into());
+            }
             inner.etcd_waiters.fetch_sub(1, Ordering::Relaxed);
         }
         let own = self
@@ -359,6 +383,7 @@ pub(crate) async fn acquire(
         revision,
         token,
         lease,
+        session: Arc::clone(&session.state),
     })
 }
 
@@ -516,7 +541,11 @@ pub(crate) async fn head(
 }
 
 /// Deletes a grant's waiter key (if it still is that grant's) and revokes
-/// its own lease, retrying while the lease that carries the key lives.
+/// its own lease, retrying while the lease that carries the key is believed
+/// valid. A delete that could not be confirmed retires the grant's session
+/// (marked lost: its keep-alives stop and its lease is revoked), so that
+/// the key goes with the lease and no later enqueue finds it; see the
+/// module documentation.
 pub(crate) async fn release(inner: &Inner, grant: &Grant) -> Result<(), ClusterLockError> {
     let mut result;
     loop {
@@ -532,6 +561,9 @@ pub(crate) async fn release(inner: &Inner, grant: &Grant) -> Result<(), ClusterL
             Err(ClusterLockError::Unavailable { .. }) if grant.lease.is_live() => {}
             _ => break,
         }
+    }
+    if result.is_err() {
+        grant.session.mark_lost(UNCONFIRMED_DELETE.into());
     }
     if let GrantLease::Own { id, .. } = &grant.lease {
         let id = *id;

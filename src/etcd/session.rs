@@ -25,6 +25,13 @@
 //! while etcd cannot be reached, so that its waiter keys (those whose
 //! deletes gave up during an outage included) vanish as soon as etcd
 //! answers again.
+//!
+//! A bound that has passed is not yet a lost session: a keep-alive sent
+//! before the bound and answered after it moves the bound again, and the
+//! lease has lived on in etcd all along. So a release (or an undo) that
+//! gives up on its delete does not count on the lease ending: it marks the
+//! session lost itself (see `recipe.rs`, "Releasing"), and the key goes
+//! with the revoked lease.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};

@@ -943,6 +943,7 @@ fn run_all(name: &str, cfg: &Config, count_var: &str, default_seeds: u64) {
 
 #[cfg(test)]
 mod tests {
+    use super::super::client::{Call, DeleteWatch, Enqueued, Entry, Etcd, KeepAlive, Range};
     use super::*;
 
     /// Many seeds of a small cluster: the CI smoke (`SIM_SEEDS` to change
@@ -994,20 +995,248 @@ mod tests {
         }
     }
 
-    /// A known defect, found by the 10,000-seed smoke: a release that gives
-    /// up while the session's keep-alives fail (its retry bound is the
-    /// lease's believed validity) leaves the waiter key of a lease that
-    /// then lives on; the key stays blocked until the same process locks it
-    /// again, and that lock's idempotent enqueue re-adopts the leftover key,
-    /// granting its create revision, the same fencing token, a second time
-    /// ("key k0: token 1211 (c1) after token 1211 (c1)"). Ignored until the
-    /// release or the enqueue is fixed; then it joins `regression_seeds`.
+    /// Seed 3887 (found by the 10,000-seed smoke): a release that gave up
+    /// while the session's keep-alives failed (its retry bound is the
+    /// lease's believed validity) left the waiter key of a lease that a
+    /// keep-alive answered after the bound kept alive; the key stayed
+    /// blocked until the same process locked it again, and that lock's
+    /// idempotent enqueue re-adopted the leftover key, granting its create
+    /// revision, the same fencing token, a second time ("key k0: token
+    /// 1211 (c1) after token 1211 (c1)"). Fixed: a delete that could not be
+    /// confirmed retires the session (marked lost, its lease revoked); with
+    /// the fix reverted (`reverts/unconfirmed-delete.patch`) the seed fails
+    /// again. See also
+    /// `a_release_that_gives_up_while_keep_alives_fail_never_grants_its_token_again`.
     #[test]
-    #[ignore = "known defect: a leftover waiter key is re-adopted with its old token"]
     fn seed_3887_a_leftover_waiter_key_is_not_readopted() {
         if let Err(f) = run(3887, &Config::smoke()) {
             panic!("{}", f.message);
         }
+    }
+
+    /// What [`Scripted`] does to the calls it forwards, on the test's word.
+    #[derive(Debug)]
+    struct Script {
+        /// Deletes are refused (the connection is refused), 1 ms each.
+        refuse_deletes: AtomicBool,
+        /// The next keep-alive sent is lost (never answered).
+        lose_next_keep_alive: AtomicBool,
+        /// Counts the keep-alives sent.
+        sent: tokio::sync::watch::Sender<u64>,
+    }
+
+    /// The model's link, its deletes and keep-alives scripted by the test.
+    #[derive(Debug)]
+    struct Scripted {
+        link: Client,
+        script: Arc<Script>,
+    }
+
+    struct ScriptedKeepAlive {
+        inner: Box<dyn KeepAlive>,
+        script: Arc<Script>,
+    }
+
+    impl KeepAlive for ScriptedKeepAlive {
+        fn keep_alive(&mut self) -> Call<'_, ()> {
+            self.script.sent.send_modify(|n| *n += 1);
+            if self
+                .script
+                .lose_next_keep_alive
+                .swap(false, Ordering::SeqCst)
+            {
+                return Box::pin(async { Ok(()) });
+            }
+            self.inner.keep_alive()
+        }
+
+        fn message(&mut self) -> Call<'_, Option<i64>> {
+            self.inner.message()
+        }
+    }
+
+    impl Scripted {
+        fn refused(&self) -> Option<Call<'_, ()>> {
+            self.script.refuse_deletes.load(Ordering::SeqCst).then(|| {
+                Box::pin(async {
+                    tokio::time::sleep(Duration::from_millis(1)).await;
+                    Err(etcd_client::Error::IoError(std::io::Error::new(
+                        std::io::ErrorKind::ConnectionRefused,
+                        "connection refused",
+                    )))
+                }) as Call<'_, ()>
+            })
+        }
+    }
+
+    impl Etcd for Scripted {
+        fn enqueue<'a>(
+            &'a self,
+            me: &'a str,
+            value: &'a str,
+            lease: i64,
+            head: &'a Range,
+        ) -> Call<'a, Enqueued> {
+            self.link.enqueue(me, value, lease, head)
+        }
+
+        fn read_ahead<'a>(
+            &'a self,
+            me: &'a str,
+            revision: i64,
+            ahead: &'a Range,
+        ) -> Call<'a, Option<(Vec<Vec<u8>>, i64)>> {
+            self.link.read_ahead(me, revision, ahead)
+        }
+
+        fn put_if<'a>(
+            &'a self,
+            me: &'a str,
+            revision: i64,
+            value: &'a str,
+            lease: Option<i64>,
+        ) -> Call<'a, bool> {
+            self.link.put_if(me, revision, value, lease)
+        }
+
+        fn delete_if<'a>(&'a self, me: &'a str, revision: i64) -> Call<'a, bool> {
+            match self.refused() {
+                Some(refused) => Box::pin(async move { refused.await.map(|()| false) }),
+                None => self.link.delete_if(me, revision),
+            }
+        }
+
+        fn delete<'a>(&'a self, key: &'a str) -> Call<'a, ()> {
+            self.refused().unwrap_or_else(|| self.link.delete(key))
+        }
+
+        fn oldest<'a>(&'a self, prefix: &'a str) -> Call<'a, Option<Entry>> {
+            self.link.oldest(prefix)
+        }
+
+        fn count_older<'a>(&'a self, prefix: &'a str, revision: i64) -> Call<'a, usize> {
+            self.link.count_older(prefix, revision)
+        }
+
+        fn lease_grant(&self, ttl: i64) -> Call<'_, (i64, i64)> {
+            self.link.lease_grant(ttl)
+        }
+
+        fn lease_revoke(&self, id: i64) -> Call<'_, ()> {
+            self.link.lease_revoke(id)
+        }
+
+        fn lease_time_to_live(&self, id: i64) -> Call<'_, i64> {
+            self.link.lease_time_to_live(id)
+        }
+
+        fn lease_keep_alive(&self, id: i64) -> Call<'_, Box<dyn KeepAlive>> {
+            Box::pin(async move {
+                let inner = self.link.lease_keep_alive(id).await?;
+                Ok(Box::new(ScriptedKeepAlive {
+                    inner,
+                    script: Arc::clone(&self.script),
+                }) as Box<dyn KeepAlive>)
+            })
+        }
+
+        fn watch_deletes<'a>(&'a self, prefix: &'a str) -> Call<'a, Box<dyn DeleteWatch>> {
+            self.link.watch_deletes(prefix)
+        }
+    }
+
+    /// Seed 3887's defect, made directly: a release whose deletes are
+    /// refused gives up at the session's bound while a keep-alive sent
+    /// before the bound is still on its way (a slow link: a stream takes
+    /// 0.7 s to open, a keep-alive 0.7 s to be answered, the one before it
+    /// lost); its answer comes after the bound and would move it again,
+    /// so the lease lives on with the leftover waiter key. The same
+    /// process then locks the key again: it must get a new waiter key and
+    /// a greater token, never the leftover key's create revision (the
+    /// same token twice), and the leftover key must be gone within one
+    /// TTL + request timeout while etcd answers.
+    #[test]
+    fn a_release_that_gives_up_while_keep_alives_fail_never_grants_its_token_again() {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_time()
+            .start_paused(true)
+            .build()
+            .expect("a current-thread runtime");
+        rt.block_on(async {
+            let ttl = Duration::from_secs(3);
+            let request_timeout = Duration::from_secs(1);
+            let cluster = Cluster::new(3887, request_timeout);
+            let ticker = {
+                let c = Arc::clone(&cluster);
+                tokio::spawn(async move {
+                    loop {
+                        tokio::time::sleep(Duration::from_millis(100)).await;
+                        c.tick();
+                    }
+                })
+            };
+            let link = cluster.connect();
+            let client = link.id;
+            let (sent, _) = tokio::sync::watch::channel(0);
+            let script = Arc::new(Script {
+                refuse_deletes: AtomicBool::new(false),
+                lose_next_keep_alive: AtomicBool::new(false),
+                sent,
+            });
+            let etcd: Arc<dyn Etcd> = Arc::new(Scripted {
+                link,
+                script: Arc::clone(&script),
+            });
+            let opts = ClusterOptions::new()
+                .prefix("sim")
+                .session_ttl(ttl)
+                .request_timeout(request_timeout);
+            let table = ClusterLockTable::<String>::on_model(etcd, opts, 3887)
+                .await
+                .expect("the table starts");
+            let first = table.lock("k".to_owned()).await.expect("the first lock");
+            let token = first.token();
+            let lease = first.lease_id();
+
+            cluster.slow(
+                client,
+                Duration::from_millis(350),
+                Duration::from_secs(3600),
+            );
+            let mut sends = script.sent.subscribe();
+            sends.changed().await.expect("a keep-alive is sent");
+            script.lose_next_keep_alive.store(true, Ordering::SeqCst);
+            script.refuse_deletes.store(true, Ordering::SeqCst);
+            let released = first.unlock().await;
+            assert!(
+                matches!(released, Err(ClusterLockError::Unavailable { .. })),
+                "the release gives up at the bound: {released:?}"
+            );
+            script.refuse_deletes.store(false, Ordering::SeqCst);
+
+            // etcd answers (slowly): one TTL + request timeout later the
+            // leftover key is gone.
+            tokio::time::sleep(ttl + request_timeout).await;
+            let left: Vec<_> = cluster
+                .waiter_keys()
+                .into_iter()
+                .filter(|(_, _, l, _)| *l == lease)
+                .collect();
+            assert!(left.is_empty(), "the leftover waiter key stays: {left:?}");
+
+            cluster.heal();
+            let second = table.lock("k".to_owned()).await.expect("the second lock");
+            assert!(
+                second.token() > token,
+                "the same process locks again: token {} after token {}",
+                second.token(),
+                token
+            );
+            assert_ne!(second.lease_id(), lease, "a new session, a new waiter key");
+            second.unlock().await.expect("the second release");
+            assert!(cluster.waiter_keys().is_empty(), "no key is left");
+            ticker.abort();
+        });
     }
 
     /// The fleet: 1,000 clients on 128 keys, every fault kind, 3,000
