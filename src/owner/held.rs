@@ -214,6 +214,12 @@ impl<G, K> Default for HeldSet<G, K> {
 }
 
 impl<G, K> HeldSet<G, K> {
+    /// No slot at all: nothing held, nothing in flight.
+    #[inline]
+    pub(crate) fn is_vacant(&self) -> bool {
+        self.slots.is_empty()
+    }
+
     /// The position of the slot with `hash` that `is` accepts.
     #[inline]
     fn position(&self, hash: u64, mut is: impl FnMut(&Slot<G, K>) -> bool) -> Option<usize> {

@@ -102,6 +102,12 @@ pub struct Transaction<'t, K, S = DefaultHashBuilder> {
 
 impl<K, S> Drop for Transaction<'_, K, S> {
     fn drop(&mut self) {
+        // Nothing held and no call's cell (a committed transaction, or one
+        // that took nothing): nothing to release, and the fields' own drops
+        // free what little they own.
+        if self.set.is_vacant() && self.pending.is_empty() {
+            return;
+        }
         // As the owned form's end: the set's keys first (a panic in a key's
         // drop still releases the rest, see `HeldSet`), then what a
         // forgotten call has outside the set (its waiter leaves its queue,
