@@ -242,8 +242,24 @@ impl<G, K> HeldSet<G, K> {
     }
 
     /// Adds a slot (no user code runs).
-    #[inline]
+    #[inline(always)]
     fn push(&mut self, slot: Slot<G, K>) {
+        let at = self.slots.len();
+        // The common case, inline: room in place (or already on the heap),
+        // found by the linear scan.
+        if self.index.is_none() && at < LINEAR_MAX && (at != INLINE || self.slots.spilled()) {
+            self.version += 1;
+            self.hashes[at] = slot.hash;
+            self.slots.push(slot);
+            return;
+        }
+        self.push_slow(slot);
+    }
+
+    /// [`push`](Self::push) past the inline slots, or with the index.
+    #[cold]
+    #[inline(never)]
+    fn push_slow(&mut self, slot: Slot<G, K>) {
         self.version += 1;
         let at = self.slots.len();
         let hash = slot.hash;
