@@ -409,7 +409,7 @@ impl<G: GuardOps<Key = K>, K: Eq> HeldSet<G, K> {
     }
 
     /// Puts a new key's guard in, counted once (no user code runs).
-    #[inline]
+    #[inline(always)]
     pub(crate) fn insert(&mut self, hash: u64, guard: G) -> Acquired {
         let acquired = Acquired {
             token: guard.token(),
