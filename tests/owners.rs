@@ -1630,3 +1630,98 @@ mod fuzz_regressions {
         );
     }
 }
+
+/// A hasher that hashes every key alike: the canonical order of a
+/// `lock_all` is then the keys' `Ord` alone.
+#[derive(Default, Clone)]
+struct Tie;
+
+impl Hasher for Tie {
+    fn finish(&self) -> u64 {
+        0
+    }
+    fn write(&mut self, _: &[u8]) {}
+}
+
+type Tied = std::hash::BuildHasherDefault<Tie>;
+
+/// A `lock_all` of one or two keys (a transfer's): a key asked twice is
+/// taken once in the stronger mode, a covered key is re-entered beside a
+/// new one, a held shared key is upgraded, and the keys are taken in the
+/// canonical order whatever order they are asked in (by hash, and by key
+/// where the hashes tie): the lower key is held while the call waits for
+/// the higher one, and a call dropped while it waits keeps nothing.
+#[test]
+fn a_two_key_lock_all_merges_reenters_upgrades_and_keeps_the_order() {
+    let table = LockTable::<u64>::new();
+    let mut txn = table.transaction();
+    let got = block(txn.lock_all([(1, Mode::Shared), (1, Mode::Exclusive)])).unwrap();
+    assert_eq!((got.acquired(), got.reentered()), (1, 0));
+    assert_eq!((txn.mode(&1), txn.count(&1)), (Some(Mode::Exclusive), 1));
+    let got = block(txn.lock_all([(2, Mode::Exclusive), (1, Mode::Shared)])).unwrap();
+    assert_eq!((got.acquired(), got.reentered(), got.upgraded()), (1, 1, 0));
+    assert_eq!((txn.count(&1), txn.count(&2)), (2, 1));
+    let got = block(txn.lock_all([(2, Mode::Shared)])).unwrap();
+    assert_eq!((got.acquired(), got.reentered()), (0, 1));
+    assert_eq!(txn.count(&2), 2);
+    txn.commit().unwrap();
+    assert!(table.is_empty());
+
+    let mut txn = table.transaction();
+    block(txn.lock(1, Mode::Shared)).unwrap();
+    let got = block(txn.lock_all([(3, Mode::Exclusive), (1, Mode::Exclusive)])).unwrap();
+    assert_eq!((got.acquired(), got.upgraded()), (1, 1));
+    assert_eq!(
+        (txn.mode(&1), txn.mode(&3)),
+        (Some(Mode::Exclusive), Some(Mode::Exclusive))
+    );
+    drop(txn);
+    assert!(table.is_empty());
+
+    fn in_order<S: std::hash::BuildHasher + Default>() {
+        let table = LockTable::<u64>::builder().hasher(S::default()).build();
+        let mut txn = table.transaction();
+        // The higher key busy: the lower one is taken, and held while the
+        // call waits.
+        let blocker = table.try_lock(20).unwrap();
+        {
+            let mut call =
+                std::pin::pin!(txn.lock_all([(20, Mode::Exclusive), (10, Mode::Exclusive)]));
+            assert!(poll_once(call.as_mut()).is_pending());
+            assert!(table.is_locked(&10), "the lower key first");
+            drop(blocker);
+            let Poll::Ready(got) = poll_once(call.as_mut()) else {
+                panic!("handed the key")
+            };
+            assert_eq!(got.unwrap().acquired(), 2);
+        }
+        assert_eq!(txn.len(), 2);
+        txn.commit().unwrap();
+        assert!(table.is_empty());
+        // Dropped while it waits for the higher key: the lower one goes.
+        let mut txn = table.transaction();
+        let blocker = table.try_lock(20).unwrap();
+        {
+            let mut call =
+                std::pin::pin!(txn.lock_all([(20, Mode::Shared), (10, Mode::Exclusive)]));
+            assert!(poll_once(call.as_mut()).is_pending());
+            assert!(table.is_locked(&10));
+        }
+        assert!(!table.is_locked(&10));
+        assert_eq!(txn.len(), 0);
+        drop(blocker);
+        // The lower key busy: nothing is taken while the call waits.
+        let blocker = table.try_lock(10).unwrap();
+        {
+            let mut call =
+                std::pin::pin!(txn.lock_all([(20, Mode::Exclusive), (10, Mode::Exclusive)]));
+            assert!(poll_once(call.as_mut()).is_pending());
+            assert!(!table.is_locked(&20), "nothing above a key waited for");
+        }
+        drop(blocker);
+        drop(txn);
+        assert!(table.is_empty());
+    }
+    in_order::<Ordered>();
+    in_order::<Tied>();
+}

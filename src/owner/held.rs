@@ -214,6 +214,12 @@ impl<G, K> Default for HeldSet<G, K> {
 }
 
 impl<G, K> HeldSet<G, K> {
+    /// No slot at all: nothing held, nothing in flight.
+    #[inline]
+    pub(crate) fn is_vacant(&self) -> bool {
+        self.slots.is_empty()
+    }
+
     /// The position of the slot with `hash` that `is` accepts.
     #[inline]
     fn position(&self, hash: u64, mut is: impl FnMut(&Slot<G, K>) -> bool) -> Option<usize> {
@@ -236,8 +242,24 @@ impl<G, K> HeldSet<G, K> {
     }
 
     /// Adds a slot (no user code runs).
-    #[inline]
+    #[inline(always)]
     fn push(&mut self, slot: Slot<G, K>) {
+        let at = self.slots.len();
+        // The common case, inline: room in place (or already on the heap),
+        // found by the linear scan.
+        if self.index.is_none() && at < LINEAR_MAX && (at != INLINE || self.slots.spilled()) {
+            self.version += 1;
+            self.hashes[at] = slot.hash;
+            self.slots.push(slot);
+            return;
+        }
+        self.push_slow(slot);
+    }
+
+    /// [`push`](Self::push) past the inline slots, or with the index.
+    #[cold]
+    #[inline(never)]
+    fn push_slow(&mut self, slot: Slot<G, K>) {
         self.version += 1;
         let at = self.slots.len();
         let hash = slot.hash;
@@ -387,7 +409,7 @@ impl<G: GuardOps<Key = K>, K: Eq> HeldSet<G, K> {
     }
 
     /// Puts a new key's guard in, counted once (no user code runs).
-    #[inline]
+    #[inline(always)]
     pub(crate) fn insert(&mut self, hash: u64, guard: G) -> Acquired {
         let acquired = Acquired {
             token: guard.token(),

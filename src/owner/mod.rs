@@ -65,6 +65,23 @@ pub use retry::RetryPolicy;
 /// A per-call list: inline up to four items (a transfer's two accounts, a
 /// small `lock_all`), on the heap past that.
 pub(crate) type Few<T> = smallvec::SmallVec<[T; 4]>;
+/// A call's requests as a [`Few`]: pushed one by one, which costs a small
+/// call less than `collect` (that reserves by the size hint first); a
+/// larger one is collected.
+#[inline]
+fn few<T>(items: impl IntoIterator<Item = T>) -> Few<T> {
+    let items = items.into_iter();
+    let mut few = Few::new();
+    if items.size_hint().0 > few.inline_size() {
+        few.extend(items);
+        return few;
+    }
+    for item in items {
+        few.push(item);
+    }
+    few
+}
+
 pub use held::{AcquireKind, Acquired};
 pub use multi::LockedSet;
 pub use policy::{TransactionOptions, WaitPolicy};
@@ -102,6 +119,12 @@ pub struct Transaction<'t, K, S = DefaultHashBuilder> {
 
 impl<K, S> Drop for Transaction<'_, K, S> {
     fn drop(&mut self) {
+        // Nothing held and no call's cell (a committed transaction, or one
+        // that took nothing): nothing to release, and the fields' own drops
+        // free what little they own.
+        if self.set.is_vacant() && self.pending.is_empty() {
+            return;
+        }
         // As the owned form's end: the set's keys first (a panic in a key's
         // drop still releases the rest, see `HeldSet`), then what a
         // forgotten call has outside the set (its waiter leaves its queue,
@@ -489,8 +512,7 @@ impl<'t, K: Eq + Hash, S: BuildHasher> Transaction<'t, K, S> {
         I: IntoIterator<Item = (K, Mode)>,
         K: Ord + Clone,
     {
-        let requests: Few<(K, Mode)> = requests.into_iter().collect();
-        multi::lock_all(self.direct(), requests, policy)
+        multi::lock_all(self.direct(), few(requests), policy)
     }
 
     /// Takes up to `limit` of `candidates`, in the candidates' order, each
@@ -991,8 +1013,7 @@ impl<K: Eq + Hash + 'static, S: BuildHasher + 'static> OwnedTransaction<K, S> {
         I: IntoIterator<Item = (K, Mode)>,
         K: Ord + Clone,
     {
-        let requests: Few<(K, Mode)> = requests.into_iter().collect();
-        multi::lock_all(Arc::clone(&self.shared), requests, policy)
+        multi::lock_all(Arc::clone(&self.shared), few(requests), policy)
     }
 
     /// As [`Transaction::lock_up_to`]; the future is `'static` (the

@@ -497,13 +497,15 @@ fn is_taken(error: &LockError) -> bool {
 }
 
 /// Sorts the requests into the canonical order and merges duplicates.
-fn order<R: Reach>(reach: &R, requests: Few<(R::Key, Mode)>) -> Few<Request<R::Key>>
+fn order<R: Reach>(
+    reach: &R,
+    requests: impl Iterator<Item = (R::Key, Mode)>,
+) -> Few<Request<R::Key>>
 where
     R::Key: Ord,
 {
     let table = reach.table();
     let mut requests: Few<Request<R::Key>> = requests
-        .into_iter()
         .map(|(key, mode)| Request {
             hash: table.hash(&key),
             key: Some(key),
@@ -544,13 +546,14 @@ where
 /// that must wait boxes the rest.
 pub(crate) async fn lock_all<A: Access>(
     mut access: A,
-    requests: Few<(KeyOf<A>, Mode)>,
+    mut requests: Few<(KeyOf<A>, Mode)>,
     policy: WaitPolicy,
 ) -> Result<LockedSet<KeyOf<A>>, TransactionError<KeyOf<A>>>
 where
     KeyOf<A>: Ord + Clone,
 {
-    let out = match lock_all_now(&mut access, requests, policy) {
+    // The requests are read where they are (in this future), not moved.
+    let out = match lock_all_now(&mut access, &mut requests, policy) {
         Ok(done) => done,
         Err(wait) => { wait }.await,
     };
@@ -567,18 +570,35 @@ where
 /// version it was looked at. Anything else (a key held in a weaker mode or
 /// busy, a key that is not free, the set changed meanwhile) goes the
 /// claiming way, keeping the guards already taken.
-fn lock_all_now<A: Access>(
-    access: &mut A,
-    requests: Few<(KeyOf<A>, Mode)>,
+fn lock_all_now<'a, A: Access>(
+    access: &'a mut A,
+    requests: &mut Few<(KeyOf<A>, Mode)>,
     policy: WaitPolicy,
 ) -> Result<
     Outcome<A>,
-    Rest<impl Future<Output = Outcome<A>> + '_, impl Future<Output = Outcome<A>> + '_>,
+    Rest<impl Future<Output = Outcome<A>> + 'a, impl Future<Output = Outcome<A>> + 'a>,
 >
 where
     KeyOf<A>: Ord + Clone,
 {
-    let mut requests = order(&access.owner().reach, requests);
+    if A::SOLE && (1..=2).contains(&requests.len()) && policy != WaitPolicy::SkipLocked {
+        return match few_now(access, requests, policy) {
+            Few2::Done(done) => Ok(done),
+            Few2::Busy {
+                requests,
+                found,
+                taken,
+                at,
+                version,
+            } => Err(Rest::Sole(Box::pin(wait_sole(
+                access, requests, found, version, taken, at, policy,
+            )))),
+            Few2::Other(requests) => {
+                claim_all(access, requests, Few::new(), policy).map_err(Rest::Claimed)
+            }
+        };
+    }
+    let mut requests = order(&access.owner().reach, requests.drain(..));
     let mut taken: Few<(usize, GuardOf<A>)> = Few::with_capacity(requests.len());
     if A::SOLE {
         let mut found: Few<Found> = Few::with_capacity(requests.len());
@@ -593,6 +613,163 @@ where
         }
     }
     claim_all(access, requests, taken, policy).map_err(Rest::Claimed)
+}
+
+/// Where [`few_now`] left a call.
+enum Few2<A: Access> {
+    Done(Outcome<A>),
+    /// A key held in a weaker mode, or busy with another call: the
+    /// requests (ordered and merged) for the claiming way, nothing taken.
+    Other(Few<Request<KeyOf<A>>>),
+    /// Request `at` is not free at once: the state [`take_now`] leaves.
+    Busy {
+        requests: Few<Request<KeyOf<A>>>,
+        found: Few<Found>,
+        taken: Few<(usize, GuardOf<A>)>,
+        at: usize,
+        version: u64,
+    },
+}
+
+/// A `lock_all` of one or two keys in the borrowed form (a transfer's),
+/// not skipping: [`order`] and [`take_now`] without their lists. The two
+/// requests are put in the canonical order in place (by hash, then by
+/// key) and merged if they are one key; each is looked up in the set,
+/// each new one taken on the table at once, and both go into the set in
+/// one step (the transaction is borrowed by the call: its set cannot
+/// change meanwhile). The lists are built only when the call must wait or
+/// claim. `requests` is left empty.
+fn few_now<A: Access>(
+    access: &mut A,
+    requests: &mut Few<(KeyOf<A>, Mode)>,
+    policy: WaitPolicy,
+) -> Few2<A>
+where
+    KeyOf<A>: Ord + Clone,
+{
+    debug_assert!(A::SOLE && (1..=2).contains(&requests.len()));
+    let second = if requests.len() == 2 {
+        requests.pop()
+    } else {
+        None
+    };
+    let Some((key, mode)) = requests.pop() else {
+        unreachable!("one or two requests")
+    };
+    let table = access.owner().reach.table();
+    let mut a = Request {
+        hash: table.hash(&key),
+        key: Some(key),
+        mode,
+    };
+    let b = match second {
+        None => None,
+        Some((key, mode)) => {
+            let mut b = Request {
+                hash: table.hash(&key),
+                key: Some(key),
+                mode,
+            };
+            // The order `order` sorts into: by hash, a tie by key.
+            let swap = match a.hash.cmp(&b.hash) {
+                std::cmp::Ordering::Less => false,
+                std::cmp::Ordering::Greater => true,
+                std::cmp::Ordering::Equal => a.key > b.key,
+            };
+            if swap {
+                mem::swap(&mut a, &mut b);
+            }
+            if a.hash == b.hash && a.key == b.key {
+                a.mode = a.mode.max(b.mode);
+                None
+            } else {
+                Some(b)
+            }
+        }
+    };
+    let looked = access.with(|set| {
+        let found = |r: &Request<KeyOf<A>>| {
+            let key = r.key.as_ref().expect("not taken yet");
+            set.find(r.hash, key, r.mode)
+        };
+        (found(&a), b.as_ref().map(found), set.version())
+    });
+    let Ok((found_a, found_b, version)) = looked else {
+        return Few2::Done(Err(TransactionError::Ended));
+    };
+    let lists = |a, b: Option<Request<KeyOf<A>>>| {
+        let mut requests = Few::new();
+        requests.push(a);
+        requests.extend(b);
+        requests
+    };
+    if found_a == Found::Other || found_b == Some(Found::Other) {
+        return Few2::Other(lists(a, b));
+    }
+    let founds = || {
+        let mut found = Few::new();
+        found.push(found_a);
+        found.extend(found_b);
+        found
+    };
+    let mut guard_a = None;
+    if found_a == Found::Absent {
+        let key = a.key.take().expect("taken once");
+        match try_now(access, a.hash, key, a.mode, policy) {
+            Ok(guard) => guard_a = Some(guard),
+            Err(key) => {
+                a.key = Some(key);
+                return Few2::Busy {
+                    requests: lists(a, b),
+                    found: founds(),
+                    taken: Few::new(),
+                    at: 0,
+                    version,
+                };
+            }
+        }
+    }
+    let mut b = b;
+    let mut guard_b = None;
+    if let (Some(r), Some(Found::Absent)) = (b.as_mut(), found_b) {
+        let key = r.key.take().expect("taken once");
+        match try_now(access, r.hash, key, r.mode, policy) {
+            Ok(guard) => guard_b = Some(guard),
+            Err(key) => {
+                r.key = Some(key);
+                let mut taken = Few::new();
+                taken.extend(guard_a.map(|guard| (0, guard)));
+                return Few2::Busy {
+                    requests: lists(a, b),
+                    found: founds(),
+                    taken,
+                    at: 1,
+                    version,
+                };
+            }
+        }
+    }
+    let put = access.with(|set| {
+        debug_assert_eq!(set.version(), version, "a borrowed transaction's set moved");
+        let mut out = LockedSet::new(Vec::new());
+        for found in [Some(found_a), found_b] {
+            if let Some(Found::Covered { at }) = found {
+                set.reenter(at);
+                out.reentered += 1;
+            }
+        }
+        if let Some(guard) = guard_a.take() {
+            set.insert(a.hash, guard);
+            out.acquired += 1;
+        }
+        if let (Some(guard), Some(r)) = (guard_b.take(), &b) {
+            set.insert(r.hash, guard);
+            out.acquired += 1;
+        }
+        out
+    });
+    // Had the transaction ended, the guards are released as they drop.
+    Few2::Done(put.map_err(|Ended| TransactionError::Ended))
 }
 
 /// What a `lock_all` ends with.
