@@ -66,8 +66,8 @@
 //! A release (or the undo of a failed acquisition) that gives up without
 //! etcd's answer may leave its waiter key behind, and "not believed valid"
 //! is not "ended": a keep-alive sent before the session's bound may be
-//! answered after it and move the bound again, so the lease lives on with
-//! the key. So a delete that could not be confirmed retires the session
+//! answered after it, so the lease lives on in etcd with the key (the
+//! session is then lost, but its lease is not known to be gone). So a delete that could not be confirmed retires the session
 //! that names the key: it is marked lost, which stops its keep-alives and
 //! revokes its lease (retried while etcd cannot be reached), and the key goes with
 //! the lease; the next lock starts a new session, whose waiter keys have

@@ -26,12 +26,13 @@
 //! deletes gave up during an outage included) vanish as soon as etcd
 //! answers again.
 //!
-//! A bound that has passed is not yet a lost session: a keep-alive sent
-//! before the bound and answered after it moves the bound again, and the
-//! lease has lived on in etcd all along. So a release (or an undo) that
-//! gives up on its delete does not count on the lease ending: it marks the
-//! session lost itself (see `recipe.rs`, "Releasing"), and the key goes
-//! with the revoked lease.
+//! A keep-alive answered after the bound passed (sent before it) does not
+//! move the bound back: the session is lost then too, although its lease
+//! lived on in etcd, since `check()` may already have failed. And a bound
+//! that has passed is not yet an ended lease, so a release (or an undo)
+//! that gives up on its delete does not count on the lease ending: it
+//! marks the session lost itself (see `recipe.rs`, "Releasing"), and the
+//! key goes with the revoked lease.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
@@ -69,15 +70,16 @@ impl SessionState {
     }
 
     /// Moves the bound to `sent + ttl`, unless it had passed when the
-    /// keep-alive was sent: a renewal never revives (guards may have been
-    /// told they lost their keys), so the session is lost instead.
+    /// keep-alive was sent or by the time its answer came: a renewal never
+    /// revives (guards may have been told they lost their keys), so the
+    /// session is lost instead, and its lease revoked.
     fn extend(&self, sent: Instant, ttl_secs: i64) {
         let ttl = Duration::from_secs(u64::try_from(ttl_secs).unwrap_or(0));
         let mut v = self
             .valid_until
             .lock()
             .unwrap_or_else(PoisonError::into_inner);
-        if sent >= *v {
+        if sent >= *v || now() >= *v {
             drop(v);
             self.mark_lost("keep-alives failed past the lease's TTL".into());
             return;

@@ -1239,6 +1239,86 @@ mod tests {
         });
     }
 
+    /// A renewal never revives: on a slow link, with one keep-alive lost,
+    /// the session's bound passes while a keep-alive sent before it is on
+    /// its way; the answer then comes, but a guard whose `check()` failed
+    /// must not pass it again (it may already have been told it lost the
+    /// key). The session is lost instead, and the next lock starts anew.
+    #[test]
+    fn a_keep_alive_answered_after_the_bound_does_not_revive_the_session() {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_time()
+            .start_paused(true)
+            .build()
+            .expect("a current-thread runtime");
+        rt.block_on(async {
+            let ttl = Duration::from_secs(3);
+            let request_timeout = Duration::from_secs(1);
+            let cluster = Cluster::new(3887, request_timeout);
+            let ticker = {
+                let c = Arc::clone(&cluster);
+                tokio::spawn(async move {
+                    loop {
+                        tokio::time::sleep(Duration::from_millis(100)).await;
+                        c.tick();
+                    }
+                })
+            };
+            let link = cluster.connect();
+            let client = link.id;
+            let (sent, _) = tokio::sync::watch::channel(0);
+            let script = Arc::new(Script {
+                refuse_deletes: AtomicBool::new(false),
+                lose_next_keep_alive: AtomicBool::new(false),
+                sent,
+            });
+            let etcd: Arc<dyn Etcd> = Arc::new(Scripted {
+                link,
+                script: Arc::clone(&script),
+            });
+            let opts = ClusterOptions::new()
+                .prefix("sim")
+                .session_ttl(ttl)
+                .request_timeout(request_timeout);
+            let table = ClusterLockTable::<String>::on_model(etcd, opts, 3887)
+                .await
+                .expect("the table starts");
+            let guard = table.lock("k".to_owned()).await.expect("the lock");
+            let lease = guard.lease_id();
+
+            cluster.slow(
+                client,
+                Duration::from_millis(350),
+                Duration::from_secs(3600),
+            );
+            let mut sends = script.sent.subscribe();
+            sends.changed().await.expect("a keep-alive is sent");
+            script.lose_next_keep_alive.store(true, Ordering::SeqCst);
+
+            // Watch `check()` for two TTLs: once it has failed it stays
+            // failed.
+            let mut failed_at = None;
+            for step in 0..400u32 {
+                tokio::time::sleep(Duration::from_millis(15)).await;
+                match (guard.check(), failed_at) {
+                    (Err(_), None) => failed_at = Some(step),
+                    (Ok(token), Some(at)) => panic!(
+                        "check() failed at step {at}, then passed again at step {step} \
+                         (token {token}): the session was revived"
+                    ),
+                    _ => {}
+                }
+            }
+            assert!(failed_at.is_some(), "the bound passed on the slow link");
+            drop(guard);
+            cluster.heal();
+            let next = table.lock("k".to_owned()).await.expect("the next lock");
+            assert_ne!(next.lease_id(), lease, "a lost session, a new one");
+            next.unlock().await.expect("the release");
+            ticker.abort();
+        });
+    }
+
     /// The fleet: 1,000 clients on 128 keys, every fault kind, 3,000
     /// simulated seconds of faults per seed (`FLEET_SEEDS` seeds, default 1).
     #[test]
