@@ -16,7 +16,7 @@
 // The module is crate-private; here it is compiled on its own and the bench
 // uses only part of it.
 #[allow(dead_code, unreachable_pub, unused_imports)]
-#[path = "../src/key_map.rs"]
+#[path = "../src/support/key_map.rs"]
 mod key_map;
 
 use std::hash::BuildHasher;

@@ -3,7 +3,7 @@
 use std::fmt;
 use std::time::Duration;
 
-use crate::token::FencingToken;
+use crate::support::token::FencingToken;
 
 /// Why `try_lock` did not take the key.
 ///

@@ -347,61 +347,24 @@
 #[doc = include_str!("../README.md")]
 struct ReadmeDoctests;
 
-mod acquire;
-mod blocking;
-mod clock;
-mod deadlock;
-mod deferred;
 mod error;
 #[cfg(feature = "etcd")]
 #[cfg_attr(docsrs, doc(cfg(feature = "etcd")))]
 pub mod etcd;
-mod fairness;
-mod guard;
-mod hold;
-mod keep_alive;
-mod key_map;
-mod key_slot;
-mod labels;
-mod layer_state;
-mod lease;
-mod loom;
-mod lost;
-mod mode;
-mod owner;
+mod keys;
+mod loss;
 #[cfg(target_os = "linux")]
 #[cfg_attr(docsrs, doc(cfg(target_os = "linux")))]
 pub mod process;
-mod queue;
 mod scope;
-mod shard_lock;
-mod spares;
-mod stats;
-mod status;
+mod support;
 mod table;
-mod time_source;
-mod timer;
-mod timer_driver;
-mod token;
-mod upgrade;
-mod waiter;
+mod time;
+mod transactions;
 
-#[cfg(feature = "test-util")]
-#[cfg_attr(docsrs, doc(cfg(feature = "test-util")))]
-pub use clock::ManualClock;
-pub use deadlock::{CycleWait, Deadlock, DeadlockStats, TransactionId};
 pub use error::{LockError, TryLockError};
 #[cfg(feature = "etcd")]
 pub use etcd::{ClusterGuard, ClusterLockError, ClusterLockTable, OwnedClusterGuard};
-pub use fairness::Fairness;
-pub use guard::{Guard, OwnedGuard};
-pub use hold::Hold;
-pub use lease::{LockOptions, DEFAULT_MAX_LEASE};
-pub use mode::Mode;
-pub use owner::{
-    AcquireKind, Acquired, LockedSet, OwnedTransaction, RetryPolicy, Transaction, TransactionError,
-    TransactionFailure, TransactionOptions, WaitPolicy,
-};
 #[cfg(target_os = "linux")]
 pub use process::{
     OwnedProcessGuard, ProcessGuard, ProcessHolder, ProcessLockError, ProcessLockTable,
@@ -409,18 +372,31 @@ pub use process::{
 pub use scope::{
     Blocker, ScopedError, ScopedErrorKind, ScopedGuard, ScopedHolder, ScopedLockTable,
 };
-pub use stats::Stats;
-pub use status::{HolderStatus, LockStatus, WaiterStatus};
+pub use support::fairness::Fairness;
+pub use support::lease::{LockOptions, DEFAULT_MAX_LEASE};
+pub use support::mode::Mode;
+pub use support::stats::Stats;
+pub use support::token::FencingToken;
+pub use table::guard::{Guard, OwnedGuard};
+pub use table::status::{HolderStatus, LockStatus, WaiterStatus};
 pub use table::{Builder, DefaultHashBuilder, LockTable};
-pub use time_source::TimeSource;
-pub use token::FencingToken;
+#[cfg(feature = "test-util")]
+#[cfg_attr(docsrs, doc(cfg(feature = "test-util")))]
+pub use time::clock::ManualClock;
+pub use time::time_source::TimeSource;
+pub use transactions::deadlock::{CycleWait, Deadlock, DeadlockStats, TransactionId};
+pub use transactions::hold::Hold;
+pub use transactions::{
+    AcquireKind, Acquired, LockedSet, OwnedTransaction, RetryPolicy, Transaction, TransactionError,
+    TransactionFailure, TransactionOptions, WaitPolicy,
+};
 
 /// The named futures returned by the table.
 pub mod futures {
-    pub use crate::acquire::{Lock, LockOwned, LockOwnedWith, LockWith};
-    pub use crate::keep_alive::KeepAlive;
-    pub use crate::lost::Lost;
-    pub use crate::upgrade::Upgrade;
+    pub use crate::loss::keep_alive::KeepAlive;
+    pub use crate::loss::lost::Lost;
+    pub use crate::table::acquire::{Lock, LockOwned, LockOwnedWith, LockWith};
+    pub use crate::table::upgrade::Upgrade;
 }
 
 pub mod guide {

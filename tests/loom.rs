@@ -20,7 +20,7 @@
 //! features) and std.
 //!
 //! Under `--cfg loom` the shard locks are loom's, and so are the waiter
-//! node's state word and cells (`src/loom.rs`, `src/waiter.rs`): a grant is
+//! node's state word and cells (`src/support/loom.rs`, `src/keys/waiter.rs`): a grant is
 //! published into the node of a waiting future, which its owner takes
 //! without the shard lock, and the owner registers its waker without the
 //! lock right after linking. Loom explores those lock-free races and checks

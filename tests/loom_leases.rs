@@ -10,7 +10,7 @@
 //! `revoke_grant`).
 //!
 //! Time is a [`ManualClock`]: under `--cfg loom` its internal mutex is loom's
-//! (`src/loom.rs`), so `clock.advance()` on one loom thread races, at every
+//! (`src/support/loom.rs`), so `clock.advance()` on one loom thread races, at every
 //! lock acquisition, with the table's operations (which read the clock under
 //! the shard lock) on another. Its sleepers are the timers of a manual-clock
 //! table, so a waiter's timer firing is part of what is explored; no async-io

@@ -34,7 +34,7 @@
 //! wakes in a loom atomic (once no other thread is left, a pending future
 //! must have been woken since its last poll started: no lost wake-up).
 //! Under `--cfg loom` an owned transaction's state (its mutex and its
-//! *ended* mark, `src/owner/access.rs`) is loom's too, so the end racing a
+//! *ended* mark, `src/transactions/access.rs`) is loom's too, so the end racing a
 //! pending call's registration of its waker is explored. Holders of a key
 //! are counted in a loom atomic from the moment they have their grant until
 //! just before they release it ([`Inside`], [`Rw`]): never two writers,
@@ -552,7 +552,7 @@ mod models {
     /// end (on one thread) races the release of `a` (on another), which may
     /// hand `a` to the call's waiter first. Either way, once both are done,
     /// nothing is held and nobody waits, before the call is dropped: the
-    /// end cancelled the call's lock future (`src/owner/pending.rs`), taking
+    /// end cancelled the call's lock future (`src/transactions/pending.rs`), taking
     /// its waiter out of the queue, or passing on the grant it had been
     /// handed and never seen.
     #[test]
@@ -636,7 +636,7 @@ mod models {
     /// The end races the release of `b`, which may hand `b` to the call's
     /// waiter first. Either way, once both are done, nothing is held and
     /// nobody waits, before the call is dropped: the end cancelled the
-    /// call's cell (`src/owner/pending.rs`), which had its wait for `b` and
+    /// call's cell (`src/transactions/pending.rs`), which had its wait for `b` and
     /// its guard of `a`.
     #[test]
     fn owned_end_vs_release_while_a_lock_all_is_never_polled_again() {

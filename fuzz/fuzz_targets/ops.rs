@@ -835,7 +835,7 @@ struct MHolder {
 }
 
 /// The grants holding one key, in the order the table keeps them
-/// (`queue/holders.rs`: the first inline, the rest in a vector; a removal of
+/// (`keys/holders.rs`: the first inline, the rest in a vector; a removal of
 /// the first moves the last of the rest into its place, any other removal
 /// swaps the last into the gap). The order decides which holder a timeout's
 /// diagnosis names and in which order a settle or a `revoke` displaces them.
@@ -961,7 +961,7 @@ enum MWant {
     Upgrade { gid: Gid, token: u64 },
 }
 
-/// What the head of a key's queue may do now (`queue/entry.rs`
+/// What the head of a key's queue may do now (`keys/entry.rs`
 /// `Admission`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum MAdmission {

@@ -24,8 +24,8 @@ use std::time::{Duration, Instant};
 use super::error::ClusterLockError;
 use super::guard::Held;
 use super::recipe::GrantLease;
-use crate::clock::Clock;
-use crate::timer::Sleep;
+use crate::time::clock::Clock;
+use crate::time::timer::Sleep;
 
 type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
 

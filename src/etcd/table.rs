@@ -885,7 +885,7 @@ impl<K: AsRef<[u8]> + Send> ClusterLockTable<K> {
     /// # Ok(()) }
     /// ```
     pub fn blocking_lock(&self, key: K) -> Result<ClusterGuard<'_, K>, ClusterLockError> {
-        crate::blocking::block_on(self.lock(key))
+        crate::table::blocking::block_on(self.lock(key))
     }
 
     /// Takes `key` if nobody holds or waits for it, in this process or in

@@ -158,8 +158,8 @@ use super::reclaim::remove_blank;
 use super::stamp::{init_file, unix_now_ns, KeyState, NewStamp, Stamp, Word, FILE_LEN, TAKEN};
 use super::table::Inner;
 use super::unix::{self, FileId, MAX_SLOTS};
-use crate::clock::Clock;
-use crate::timer::Sleep;
+use crate::time::clock::Clock;
+use crate::time::timer::Sleep;
 
 /// How long judgements defer to a claim while the key is free for its
 /// claimant to take: a claimant that has not taken it by then (stopped,

@@ -28,8 +28,8 @@ use super::acquire::instant_of_monotonic;
 use super::error::ProcessLockError;
 use super::guard::Held;
 use super::stamp::NO_LEASE;
-use crate::clock::Clock;
-use crate::timer::Sleep;
+use crate::time::clock::Clock;
+use crate::time::timer::Sleep;
 use crate::DEFAULT_MAX_LEASE;
 
 /// The future returned by [`ProcessGuard::lost`](super::ProcessGuard::lost)

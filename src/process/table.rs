@@ -741,7 +741,7 @@ impl<K: AsRef<[u8]> + Send> ProcessLockTable<K> {
             Err(key) => key,
         };
         let inner = Arc::clone(&self.inner);
-        crate::blocking::block_on(async move {
+        crate::table::blocking::block_on(async move {
             acquire(inner, key, opts, true).await.map(ProcessGuard::new)
         })
     }

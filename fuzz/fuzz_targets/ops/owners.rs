@@ -217,7 +217,7 @@ enum Phase {
     One { key: usize, mode: MMode, inner: Fid, kind: EKind },
     All { ents: Vec<Ent>, at: usize, inner: Option<Fid> },
     /// A waiting call whose cell the transaction's end cancelled
-    /// (`src/owner/pending.rs`: a forgotten call keeps nothing): its wait
+    /// (`src/transactions/pending.rs`: a forgotten call keeps nothing): its wait
     /// and the guards it held outside the set are gone; its detector
     /// registration (`inner`'s) stays until the call is polled (it fails
     /// `Ended`) or dropped.
@@ -1550,7 +1550,7 @@ impl<'a> Harness<'a> {
 }
 
 // ---------------------------------------------------------------------------
-// Deadlock detection (`src/deadlock.rs`, `src/queue/edges.rs`)
+// Deadlock detection (`src/transactions/deadlock.rs`, `src/keys/edges.rs`)
 // ---------------------------------------------------------------------------
 
 /// The table's search limit (`Builder::deadlock_search_limit`, default).

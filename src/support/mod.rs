@@ -1,0 +1,15 @@
+//! The support layer: the vocabulary and primitives every other layer
+//! uses, and that use nothing of the crate above them: the shard spin lock
+//! and the loom shim, the key map and its slots, modes, fencing tokens,
+//! fairness, statistics and the lease options.
+
+pub(crate) mod fairness;
+pub(crate) mod key_map;
+pub(crate) mod key_slot;
+pub(crate) mod lease;
+pub(crate) mod loom;
+pub(crate) mod mode;
+pub(crate) mod shard_lock;
+pub(crate) mod spares;
+pub(crate) mod stats;
+pub(crate) mod token;

@@ -1,0 +1,638 @@
+//! How a call reaches its transaction's state: directly through `&mut` (a
+//! [`Transaction`](crate::Transaction), whose calls borrow it), or through
+//! an `Arc` shared with the pending futures of an
+//! [`OwnedTransaction`](crate::OwnedTransaction), behind a lock (the
+//! table's spin lock, `shard_lock.rs`: its sections are a search of the set
+//! and a few stores), with an *ended* mark.
+//!
+//! # Ending an owned transaction
+//!
+//! Commit, abort and drop end the transaction the same way, from any
+//! thread: under the lock it is marked ended and its set of keys is taken;
+//! after unlocking, the keys are released and every pending future is woken.
+//! A woken future (or one that completes on its own) finds the mark at its
+//! next step, releases what it had got (its guard, or its waiter slot) and
+//! fails with [`TransactionError::Ended`](crate::TransactionError::Ended).
+//! A future that is never polled again (or is forgotten) keeps nothing
+//! of the table once the end is done with it: a waiting call keeps its
+//! wait (a new key's table lock future, an upgrade) and the guards it has
+//! outside the set (a `lock_all`'s) in a cell the transaction cancels as
+//! it ends (`pending.rs`), so its waiter leaves the queue, a grant handed
+//! to it and not yet seen passes on, and its guards are released.
+//!
+//! No guard is released, no key dropped and no waker of a pending future
+//! woken while the lock is held: they are user code (a waker may call back
+//! into the transaction). Three kinds of user code do run under it: a
+//! key's `Eq` and `Clone` while the set is searched and a pending future's
+//! waker's `clone` as it registers (a panic there leaves the state as it
+//! was, and the unwinding releases the lock), and, in `renew`, the wakes of
+//! [`Lost`](crate::futures::Lost) watchers of a grant whose renewal moved
+//! its deadline earlier (the table wakes them as the renewal returns); a
+//! waker that polls inline and calls back into the same owned transaction
+//! would spin on that lock.
+//!
+//! The lock (loom's mutex under loom) and the mark come from the loom shim
+//! (`crate::support::loom`), so the loom models (`tests/loom_owners.rs`) explore the
+//! end racing a pending call.
+
+use std::future::{poll_fn, Future};
+use std::ops::DerefMut;
+use std::panic::{catch_unwind, resume_unwind, AssertUnwindSafe};
+use std::pin::Pin;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::task::{Poll, Waker};
+
+use crate::support::loom::AtomicBool;
+use crate::support::mode::Mode;
+use crate::support::shard_lock::ShardMutex;
+use crate::transactions::deadlock::{wait_id, Deadlock};
+use crate::transactions::error::TransactionError;
+use crate::transactions::held::{Acquired, Found, HeldSet};
+use crate::transactions::pending::{self, Pending, PendingList};
+use crate::transactions::policy::Resolved;
+use crate::transactions::reach::{GuardOps, Reach};
+
+/// The key type of an owner behind the access `A`.
+pub(crate) type KeyOf<A> = <<A as Access>::R as Reach>::Key;
+/// The guard type of an owner behind the access `A`.
+pub(crate) type GuardOf<A> = <<A as Access>::R as Reach>::Guard;
+
+/// The set of keys of an owner reaching its table through `R`.
+pub(crate) type SetOf<R> = HeldSet<<R as Reach>::Guard, <R as Reach>::Key>;
+
+/// A pending call's cell (`pending.rs`) for an owner reaching its table
+/// through `R`.
+pub(crate) type PendingOf<R> =
+    Pending<<R as Reach>::Lock, <<R as Reach>::Guard as GuardOps>::Upgrading, <R as Reach>::Guard>;
+
+/// The list of pending calls' cells of an owner reaching its table
+/// through `R`.
+pub(crate) type PendingListOf<R> = PendingList<
+    <R as Reach>::Lock,
+    <<R as Reach>::Guard as GuardOps>::Upgrading,
+    <R as Reach>::Guard,
+>;
+
+/// What does not change during a transaction: its table and options.
+#[derive(Debug)]
+pub(crate) struct Owner<R> {
+    pub(crate) reach: R,
+    pub(crate) opts: Resolved,
+    /// Keeps the transaction's label registered with its table while the
+    /// transaction lives (labeled transactions only).
+    pub(crate) _label: Option<crate::table::labels::Alive>,
+    /// Set when a call of the transaction failed in a way that a retry
+    /// of the whole transaction may not (it was a deadlock's victim, or its
+    /// upgrade conflicted with another's): what the retry helper
+    /// (`retry.rs`) asks, whatever error the caller's closure returned.
+    /// Written only on those failures.
+    pub(crate) retryable: AtomicBool,
+}
+
+impl<R> Owner<R> {
+    pub(crate) fn new(
+        reach: R,
+        opts: Resolved,
+        label: Option<crate::table::labels::Alive>,
+    ) -> Self {
+        Self {
+            reach,
+            opts,
+            _label: label,
+            retryable: AtomicBool::new(false),
+        }
+    }
+
+    /// Notes `out`'s failure, if retryable (see [`Owner::retryable`]).
+    #[inline]
+    pub(crate) fn note<T, K>(&self, out: &Result<T, TransactionError<K>>) {
+        if let Err(error) = out {
+            if error.is_retryable() {
+                self.note_retryable();
+            }
+        }
+    }
+
+    #[cold]
+    fn note_retryable(&self) {
+        self.retryable.store(true, Ordering::Relaxed);
+    }
+
+    /// Whether a call failed retryably (see [`Owner::retryable`]).
+    pub(crate) fn failed_retryably(&self) -> bool {
+        self.retryable.load(Ordering::Relaxed)
+    }
+}
+
+/// The transaction ended while a call was pending.
+#[derive(Debug)]
+pub(crate) struct Ended;
+
+/// A call's way to its transaction.
+pub(crate) trait Access {
+    type R: Reach;
+
+    /// Whether this call is the transaction's only one (the borrowed form):
+    /// then a `lock_all` may take keys on the table before it claims them
+    /// in the set. With other calls pending (the owned form), a `lock_all`
+    /// claims first, so that a second call for the same key fails
+    /// `InFlight` rather than waiting on its own transaction's grant (a
+    /// single lock's attempt is marked instead: see [`look`](Self::look)).
+    const SOLE: bool;
+
+    fn owner(&self) -> &Owner<Self::R>;
+
+    /// Runs `f` on the set of keys, unless the transaction has ended.
+    fn with<T>(&mut self, f: impl FnOnce(&mut SetOf<Self::R>) -> T) -> Result<T, Ended>;
+
+    /// A lock's fast path, in one step on the set (under its lock, in the
+    /// owned form): a key held in a covering mode is counted; an absent one
+    /// is tried on the table by `try_` (which must wake and drop nothing:
+    /// see [`Reach::try_lock_leaving`]) and, if had, put in. User code
+    /// (`Eq`) runs in the search and the table's probe.
+    fn fast(
+        &mut self,
+        hash: u64,
+        key: KeyOf<Self>,
+        mode: Mode,
+        try_: impl FnOnce(&Owner<Self::R>, KeyOf<Self>) -> Result<GuardOf<Self>, KeyOf<Self>>,
+    ) -> Fast<KeyOf<Self>>;
+
+    /// Whether the transaction has ended (cheap, no lock).
+    fn is_ended(&self) -> bool;
+
+    /// Whether a waiter is queued on any key the set holds (so may wait
+    /// for the transaction); `true` if that cannot be told cheaply.
+    fn set_is_awaited(&self) -> bool;
+
+    /// A call starts a wait (counted by the borrowed form, whose
+    /// [`set_is_awaited`](Self::set_is_awaited) must know of a forgotten
+    /// call, which may hold a grant outside the set).
+    fn wait_begins(&mut self);
+
+    /// The wait [`wait_begins`](Self::wait_begins) counted is over.
+    fn wait_ends(&mut self);
+
+    /// Registers `waker` (in `slot`) to be woken when the transaction ends;
+    /// returns whether it already has.
+    fn watch(&mut self, slot: &mut Option<usize>, waker: &Waker) -> bool;
+
+    fn unwatch(&mut self, slot: usize);
+
+    /// Puts a waiting call's lock future on the transaction's list of
+    /// pending calls (`pending.rs`), which the transaction's end cancels;
+    /// `Err` if it has ended.
+    fn pend(&mut self, pending: &Arc<PendingOf<Self::R>>) -> Result<(), Ended>;
+}
+
+/// The table lock future of an owner's calls.
+pub(crate) type LockOf<A> = <<A as Access>::R as Reach>::Lock;
+
+/// An owner's calls' owning upgrade (see [`GuardOps::upgrade_owned`]).
+pub(crate) type UpgradingOf<A> = <<<A as Access>::R as Reach>::Guard as GuardOps>::Upgrading;
+
+/// What [`Access::fast`] did.
+#[derive(Debug)]
+pub(crate) enum Fast<K> {
+    /// Counted on a covering grant, or taken: done.
+    Done(Acquired),
+    /// Not free at once: the key back, for the claiming path's wait.
+    NotFree(K),
+    /// Held in a weaker mode, or busy with another call: the claiming path.
+    Other(K),
+    /// The transaction has ended (the key, to drop).
+    Ended(K),
+}
+
+/// The borrowed form: the call has the transaction to itself, and it cannot
+/// end while the call is pending.
+pub(crate) struct Direct<'a, R: Reach> {
+    pub(crate) owner: &'a Owner<R>,
+    pub(crate) set: &'a mut SetOf<R>,
+    /// The transaction's pending calls (see `pending.rs`).
+    pub(crate) pending: &'a mut PendingListOf<R>,
+}
+
+impl<R: Reach> Access for Direct<'_, R> {
+    type R = R;
+
+    const SOLE: bool = true;
+
+    #[inline]
+    fn owner(&self) -> &Owner<R> {
+        self.owner
+    }
+
+    #[inline]
+    fn with<T>(&mut self, f: impl FnOnce(&mut SetOf<R>) -> T) -> Result<T, Ended> {
+        Ok(f(self.set))
+    }
+
+    #[inline]
+    fn fast(
+        &mut self,
+        hash: u64,
+        key: KeyOf<Self>,
+        mode: Mode,
+        try_: impl FnOnce(&Owner<R>, KeyOf<Self>) -> Result<GuardOf<Self>, KeyOf<Self>>,
+    ) -> Fast<KeyOf<Self>> {
+        fast_in(self.set, self.owner, hash, key, mode, try_)
+    }
+
+    #[inline]
+    fn is_ended(&self) -> bool {
+        false
+    }
+
+    fn set_is_awaited(&self) -> bool {
+        self.set.is_awaited()
+    }
+
+    #[inline]
+    fn wait_begins(&mut self) {
+        self.set.waits += 1;
+    }
+
+    #[inline]
+    fn wait_ends(&mut self) {
+        self.set.waits -= 1;
+    }
+
+    #[inline]
+    fn watch(&mut self, _: &mut Option<usize>, _: &Waker) -> bool {
+        false
+    }
+
+    #[inline]
+    fn unwatch(&mut self, _: usize) {}
+
+    fn pend(&mut self, pending: &Arc<PendingOf<R>>) -> Result<(), Ended> {
+        pending::push(self.pending, pending);
+        Ok(())
+    }
+}
+
+/// The owned form's state, shared by the handle and its pending futures.
+///
+/// Field order is drop order: the state (its guards) goes before the owner
+/// (its way to the table), which the guards may borrow (`reach::Pinned`).
+pub(crate) struct Shared<R: Reach> {
+    /// The table's spin lock (see `shard_lock.rs`): its sections are a
+    /// search of the set and a few stores, and it unlocks with a store, not
+    /// a read-modify-write (two calls per lock: a look and a put).
+    state: ShardMutex<State<R>>,
+    /// Set once, under `state`'s lock; read without it as a hint.
+    ended: AtomicBool,
+    owner: Owner<R>,
+}
+
+/// [`Access::fast`] on a set the caller has to itself.
+#[inline]
+fn fast_in<R: Reach>(
+    set: &mut SetOf<R>,
+    owner: &Owner<R>,
+    hash: u64,
+    key: R::Key,
+    mode: Mode,
+    try_: impl FnOnce(&Owner<R>, R::Key) -> Result<R::Guard, R::Key>,
+) -> Fast<R::Key> {
+    match set.find(hash, &key, mode) {
+        Found::Covered { at } => Fast::Done(set.reenter(at)),
+        Found::Absent => match try_(owner, key) {
+            Ok(guard) => Fast::Done(set.insert(hash, guard)),
+            Err(key) => Fast::NotFree(key),
+        },
+        Found::Other => Fast::Other(key),
+    }
+}
+
+struct State<R: Reach> {
+    set: SetOf<R>,
+    /// Pending calls' lock futures, cancelled when the transaction ends
+    /// (see `pending.rs`).
+    pending: PendingListOf<R>,
+    /// The wakers of pending futures, woken when the transaction ends.
+    watchers: Vec<Option<Waker>>,
+    free: Vec<usize>,
+}
+
+impl<R: Reach> Shared<R> {
+    pub(crate) fn new(owner: Owner<R>) -> Self {
+        Self {
+            state: ShardMutex::new(State {
+                set: HeldSet::default(),
+                pending: PendingList::new(),
+                watchers: Vec::new(),
+                free: Vec::new(),
+            }),
+            ended: AtomicBool::new(false),
+            owner,
+        }
+    }
+
+    pub(crate) fn owner(&self) -> &Owner<R> {
+        &self.owner
+    }
+
+    /// The state, whatever a panic in user code (a key's `Eq` or `Clone`
+    /// during a lookup) left it: the set changes only after user code ran,
+    /// so a lock released by a panic guards a consistent set (its poison,
+    /// if any, is ignored).
+    fn lock(&self) -> impl DerefMut<Target = State<R>> + '_ {
+        self.state.lock()
+    }
+
+    /// Runs `f` on the set unless the transaction ended.
+    pub(crate) fn with<T>(&self, f: impl FnOnce(&mut SetOf<R>) -> T) -> Result<T, Ended> {
+        let mut state = self.lock();
+        if self.ended.load(Ordering::Relaxed) {
+            // `f` may own a guard or a key: released after unlocking.
+            drop(state);
+            drop(f);
+            return Err(Ended);
+        }
+        Ok(f(&mut state.set))
+    }
+
+    /// Ends the transaction: releases every key it holds and wakes its
+    /// pending futures (see the module doc). Idempotent.
+    pub(crate) fn end(&self) {
+        self.end_with(drop);
+    }
+
+    /// Ends the transaction, giving its keys to `release` (run after
+    /// unlocking), then wakes its pending futures, even if `release`
+    /// panics. `None` if it had already ended.
+    pub(crate) fn end_with<T>(&self, release: impl FnOnce(SetOf<R>) -> T) -> Option<T> {
+        let (slots, pending, watchers) = {
+            let mut state = self.lock();
+            if self.ended.swap(true, Ordering::Relaxed) {
+                return None;
+            }
+            let slots = state.set.take();
+            state.free = Vec::new();
+            let pending = std::mem::take(&mut state.pending);
+            (slots, pending, std::mem::take(&mut state.watchers))
+        };
+        // Release first, so the keys are free by the time anyone is woken;
+        // a panic in a key's drop still releases the rest (see `HeldSet`'s
+        // drop) and still wakes everyone. Then the pending calls' lock
+        // futures go (a forgotten call's waiter leaves its queue, its
+        // unobserved grant passes on: `pending.rs`).
+        let released = catch_unwind(AssertUnwindSafe(|| {
+            let out = release(slots);
+            pending::cancel_all(pending);
+            out
+        }));
+        let mut panic = None;
+        for waker in watchers.into_iter().flatten() {
+            if let Err(payload) = catch_unwind(AssertUnwindSafe(|| waker.wake())) {
+                panic.get_or_insert(payload);
+            }
+        }
+        match released {
+            Ok(out) => {
+                if let Some(payload) = panic {
+                    resume_unwind(payload);
+                }
+                Some(out)
+            }
+            Err(payload) => resume_unwind(payload),
+        }
+    }
+}
+
+impl<R: Reach> Access for Arc<Shared<R>> {
+    type R = R;
+
+    const SOLE: bool = false;
+
+    #[inline]
+    fn owner(&self) -> &Owner<R> {
+        &self.owner
+    }
+
+    #[inline]
+    fn with<T>(&mut self, f: impl FnOnce(&mut SetOf<R>) -> T) -> Result<T, Ended> {
+        Shared::with(self, f)
+    }
+
+    fn fast(
+        &mut self,
+        hash: u64,
+        key: KeyOf<Self>,
+        mode: Mode,
+        try_: impl FnOnce(&Owner<R>, KeyOf<Self>) -> Result<GuardOf<Self>, KeyOf<Self>>,
+    ) -> Fast<KeyOf<Self>> {
+        let mut state = self.lock();
+        if self.ended.load(Ordering::Relaxed) {
+            return Fast::Ended(key);
+        }
+        // The whole step under the set's lock: no other call of the
+        // transaction sees the key between its look and its grant, so two
+        // locks of one new key take it once and count it once, and neither
+        // queues behind its own transaction's grant.
+        fast_in(&mut state.set, &self.owner, hash, key, mode, try_)
+    }
+
+    #[inline]
+    fn is_ended(&self) -> bool {
+        self.ended.load(Ordering::Relaxed)
+    }
+
+    /// Never asked (the owned form's waits are [`Holding::Unknown`]):
+    /// looking would take the set's lock under the detector's, whose one
+    /// mutex would then wait on any transaction's lock (and the `K: Eq`
+    /// that runs under it).
+    fn set_is_awaited(&self) -> bool {
+        true
+    }
+
+    fn wait_begins(&mut self) {}
+
+    fn wait_ends(&mut self) {}
+
+    fn watch(&mut self, slot: &mut Option<usize>, waker: &Waker) -> bool {
+        let mut locked = self.lock();
+        if self.ended.load(Ordering::Relaxed) {
+            return true;
+        }
+        let state = &mut *locked;
+        let old = match *slot {
+            Some(index) => match &state.watchers[index] {
+                Some(current) if current.will_wake(waker) => None,
+                _ => state.watchers[index].replace(waker.clone()),
+            },
+            None => {
+                let index = match state.free.pop() {
+                    Some(index) => index,
+                    None => {
+                        state.watchers.push(None);
+                        state.watchers.len() - 1
+                    }
+                };
+                *slot = Some(index);
+                state.watchers[index].replace(waker.clone())
+            }
+        };
+        drop(locked);
+        drop(old);
+        false
+    }
+
+    fn pend(&mut self, pending: &Arc<PendingOf<R>>) -> Result<(), Ended> {
+        let mut state = self.lock();
+        if self.ended.load(Ordering::Relaxed) {
+            return Err(Ended);
+        }
+        pending::push(&mut state.pending, pending);
+        Ok(())
+    }
+
+    fn unwatch(&mut self, slot: usize) {
+        let mut state = self.lock();
+        if self.ended.load(Ordering::Relaxed) {
+            // The watchers went with the end.
+            return;
+        }
+        let old = state.watchers[slot].take();
+        state.free.push(slot);
+        drop(state);
+        drop(old);
+    }
+}
+
+/// What stopped a wait before its future completed.
+#[derive(Debug)]
+pub(crate) enum Stop<K> {
+    /// The transaction ended.
+    Ended,
+    /// The wait closed a deadlock cycle, and the transaction is its victim.
+    Deadlock(Deadlock<K>),
+}
+
+impl<K> From<Stop<K>> for TransactionError<K> {
+    fn from(stop: Stop<K>) -> Self {
+        match stop {
+            Stop::Ended => TransactionError::Ended,
+            Stop::Deadlock(deadlock) => TransactionError::Deadlock(deadlock),
+        }
+    }
+}
+
+/// A transaction's wait for a key, for deadlock detection: the key, its
+/// hash and the mode asked for. The key is the caller's (or a clone of it),
+/// shared with the detector's registration, which never holds its last
+/// reference: the caller drops that after the call's state is settled, so
+/// a key whose `Drop` panics cannot interrupt the call half done.
+pub(crate) struct WaitFor<'k, K> {
+    pub(crate) hash: u64,
+    pub(crate) key: &'k Arc<K>,
+    pub(crate) mode: Mode,
+    /// What the transaction holds while this call waits.
+    pub(crate) holding: Holding,
+}
+
+/// What a waiting call knows its transaction holds, for deadlock
+/// detection (see `LockTable::enter_wait`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Holding {
+    /// No grant, and no other call can give it one while this one waits.
+    Nothing,
+    /// Exactly the keys of its set, unless another of its calls is (or was,
+    /// and was forgotten) in a wait, which the set counts: the borrowed
+    /// form's lock of a new key.
+    TheSet,
+    /// Grants of this call outside the set (a `lock_all`'s, an upgrade's),
+    /// or keys another call may take meanwhile (the owned form).
+    Unknown,
+}
+
+/// Awaits `fut`, a lock of `wait`, unless the transaction ends first (then
+/// `fut` is dropped, releasing what it had). Once `fut` is queued, the wait
+/// is registered with the table's deadlock detector; if it closes a cycle,
+/// the wait stops with [`Stop::Deadlock`] (and `fut` is dropped, leaving
+/// the queue).
+pub(crate) async fn wait_unless_ended<A: Access, F: Future>(
+    access: &mut A,
+    wait: WaitFor<'_, KeyOf<A>>,
+    mut fut: Pin<&mut F>,
+) -> Result<F::Output, Stop<KeyOf<A>>>
+where
+    KeyOf<A>: Clone,
+{
+    /// Unregisters the waker and the wait when the wait ends, however it
+    /// ends.
+    struct Watch<'a, A: Access> {
+        access: &'a mut A,
+        slot: Option<usize>,
+        /// Registered with the detector, under this id.
+        detecting: Option<usize>,
+    }
+    impl<A: Access> Drop for Watch<'_, A> {
+        fn drop(&mut self) {
+            self.access.wait_ends();
+            if let Some(slot) = self.slot.take() {
+                self.access.unwatch(slot);
+            }
+            if let Some(id) = self.detecting {
+                let owner = self.access.owner();
+                owner
+                    .reach
+                    .table()
+                    .detector()
+                    .leave(owner.opts.id.get(), id);
+            }
+        }
+    }
+
+    access.wait_begins();
+    let mut watch = Watch {
+        access,
+        slot: None,
+        detecting: None,
+    };
+    let mut searched = false;
+    poll_fn(|cx| {
+        if watch.access.is_ended() {
+            return Poll::Ready(Err(Stop::Ended));
+        }
+        if let Poll::Ready(out) = fut.as_mut().poll(cx) {
+            return Poll::Ready(Ok(out));
+        }
+        if !searched {
+            // Queued now: the first time, look for a cycle this wait closes.
+            searched = true;
+            let owner = watch.access.owner();
+            let table = owner.reach.table();
+            // A transaction that holds nothing, and can get nothing while
+            // this call waits (the borrowed form's only call), is waited
+            // for only by transactions queued behind it on this key, which
+            // come after it and whose searches follow it through the queue
+            // (`deadlock.rs`): it closes no cycle and is not registered.
+            if table.detector().is_on() && wait.holding != Holding::Nothing {
+                let key = Arc::clone(wait.key);
+                let id = owner.opts.id.get();
+                // Whether anyone may wait for the transaction through a key
+                // it holds: asked once the wait is registered.
+                let access = &*watch.access;
+                let awaited = || wait.holding != Holding::TheSet || access.set_is_awaited();
+                // Set first: if the search panics (a key's `Eq`), the wait
+                // it registered is unregistered as the guard drops. (A
+                // transaction's other pending calls have waits of their
+                // own, each under its call's key cell.)
+                watch.detecting = Some(wait_id(&key));
+                if let Err(deadlock) = table.enter_wait(id, wait.hash, key, wait.mode, awaited) {
+                    // Registered: the guard unregisters it as it drops.
+                    return Poll::Ready(Err(Stop::Deadlock(deadlock)));
+                }
+            }
+        }
+        if watch.access.watch(&mut watch.slot, cx.waker()) {
+            return Poll::Ready(Err(Stop::Ended));
+        }
+        Poll::Pending
+    })
+    .await
+}

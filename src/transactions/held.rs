@@ -1,0 +1,635 @@
+//! The keys a transaction holds: one slot per key with its guard and its
+//! re-entry count, found by the table's own hash.
+//!
+//! The slots are found by the hash the table computed for the key, compared
+//! through the guard's `key()` (the table's copy of the key): no second
+//! hasher, no copy of held keys. Up to [`LINEAR_MAX`] keys they are found
+//! by a scan of a packed array of their hashes (a transaction usually holds
+//! a few keys, and a scan of a few words beats a hash table; the first
+//! [`INLINE`] are kept in place, so a transfer allocates nothing); past that, a
+//! `hashbrown::HashTable` of positions keyed by that same hash indexes
+//! them. A slot whose guard is away — a new key being locked, or a held one
+//! being upgraded by a pending call — keeps a clone of the key to be
+//! compared with, and is
+//! *busy*: a second call for that key fails at once
+//! ([`TransactionError::InFlight`](crate::TransactionError::InFlight))
+//! instead of waiting on its own owner. A call finds its slots again by
+//! `(hash, id)`, which runs no user code, so finishing or undoing a call
+//! cannot panic halfway.
+//!
+//! # Invariants
+//!
+//! - `count` is how many grants of the key the transaction has been given
+//!   (re-entries included); it is 0 only while a new key is in flight.
+//! - `guard` is `None` only while `busy`; `name` is `Some` exactly when
+//!   `guard` is `None`.
+//! - User code (`Eq`, `Clone`, `Drop` of keys) runs in a method only before
+//!   it changes anything, and nothing is dropped inside: what leaves the set
+//!   is returned to the caller, to drop after releasing any lock it holds.
+
+use std::borrow::Borrow;
+
+use hashbrown::HashTable;
+use smallvec::SmallVec;
+
+use crate::support::mode::Mode;
+use crate::support::token::FencingToken;
+use crate::transactions::error::TransactionError;
+use crate::transactions::reach::GuardOps;
+
+/// What a transaction's lock got: the grant's token and mode, how many
+/// times the transaction now holds the key, and whether this call took it,
+/// re-entered it or upgraded it.
+///
+/// ```
+/// use keylock::{AcquireKind, Mode};
+/// # futures::executor::block_on(async {
+/// let table = keylock::LockTable::new();
+/// let mut txn = table.transaction();
+/// let first = txn.lock("k", Mode::Shared).await?;
+/// assert_eq!((first.kind, first.count), (AcquireKind::New, 1));
+/// let again = txn.lock("k", Mode::Shared).await?;
+/// assert_eq!((again.kind, again.count, again.token), (AcquireKind::Reentered, 2, first.token));
+/// let up = txn.lock("k", Mode::Exclusive).await?;
+/// assert_eq!((up.kind, up.count, up.mode), (AcquireKind::Upgraded, 3, Mode::Exclusive));
+/// assert!(up.token > first.token);
+/// # Ok::<(), keylock::TransactionError<&str>>(())
+/// # }).unwrap();
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct Acquired {
+    /// The token of the transaction's grant of the key (after an upgrade,
+    /// the new one).
+    pub token: FencingToken,
+    /// The mode the transaction now holds the key in.
+    pub mode: Mode,
+    /// How many times the transaction now holds the key (each lock counts;
+    /// [`unlock`](crate::Transaction::unlock) takes one back).
+    pub count: usize,
+    /// What this call did.
+    pub kind: AcquireKind,
+}
+
+/// What a transaction's lock did to get its key.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum AcquireKind {
+    /// Took a key the transaction did not hold.
+    New,
+    /// The transaction already held the key in the mode asked or a stronger
+    /// one: counted, nothing taken.
+    Reentered,
+    /// The transaction held the key shared and asked for exclusive: its
+    /// grant was upgraded (a new token).
+    Upgraded,
+}
+
+/// How many keys a set keeps in place, before it allocates.
+const INLINE: usize = 2;
+
+/// How many more keys a set makes room for when it first allocates: room
+/// for 16 in all, as many as the linear scan covers (PostgreSQL sizes a
+/// backend's lock table for 16), so that a transaction of up to 16 keys
+/// allocates once and never grows.
+const INITIAL_CAPACITY: usize = LINEAR_MAX - INLINE;
+
+/// One held (or in-flight) key; see the module's invariants.
+#[derive(Debug)]
+pub(crate) struct Slot<G, K> {
+    hash: u64,
+    id: u64,
+    count: usize,
+    guard: Option<G>,
+    name: Option<K>,
+    busy: bool,
+}
+
+impl<G: GuardOps<Key = K>, K> Slot<G, K> {
+    fn is<Q: Eq + ?Sized>(&self, key: &Q) -> bool
+    where
+        K: Borrow<Q>,
+    {
+        match (&self.guard, &self.name) {
+            (Some(guard), _) => guard.key().borrow() == key,
+            (None, Some(name)) => name.borrow() == key,
+            (None, None) => false,
+        }
+    }
+
+    pub(crate) fn count(&self) -> usize {
+        self.count
+    }
+
+    pub(crate) fn guard(&self) -> Option<&G> {
+        self.guard.as_ref()
+    }
+
+    /// The slot's guard, taken out (the slot drops without releasing it).
+    pub(crate) fn into_guard(mut self) -> Option<G> {
+        self.guard.take()
+    }
+}
+
+/// What [`HeldSet::find`] found of a requested key.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Found {
+    /// No slot: lock it on the table, then [`HeldSet::insert`] it.
+    Absent,
+    /// Held in a mode that covers the request, at this position.
+    Covered { at: usize },
+    /// Held in a weaker mode, or busy with another call: the claiming
+    /// path ([`HeldSet::begin`]) decides.
+    Other,
+}
+
+/// A call's claim on a key, made by [`HeldSet::begin`].
+#[derive(Debug)]
+pub(crate) enum Begin<G> {
+    /// Held in a mode that covers the request.
+    Covered { id: u64, acquired: Acquired },
+    /// Held shared, asked exclusive: the guard, to upgrade and give back.
+    Upgrade { id: u64, guard: G },
+    /// Not held: lock it and give the guard to [`HeldSet::settle`].
+    New { id: u64 },
+}
+
+/// The key is busy with another call of the transaction.
+#[derive(Debug)]
+pub(crate) struct Busy;
+
+/// Why [`HeldSet::unlock`] did nothing.
+#[derive(Debug)]
+pub(crate) enum NotReleased {
+    NotHeld,
+    Busy,
+}
+
+/// The keys a transaction holds; see the module doc.
+#[derive(Debug)]
+pub(crate) struct HeldSet<G, K> {
+    /// The slots, in no particular order; the first [`INLINE`] in place
+    /// (a transfer's two keys allocate nothing).
+    slots: SmallVec<[Slot<G, K>; INLINE]>,
+    /// Each slot's hash, at the slot's position, while there is no index
+    /// (so for at most [`LINEAR_MAX`] slots): the linear search scans these
+    /// packed words, not the slots. In place, so the set allocates once
+    /// when it first grows, not twice.
+    hashes: [u64; LINEAR_MAX],
+    /// Positions in `slots` by hash, once there are more than
+    /// [`LINEAR_MAX`] of them.
+    index: Option<HashTable<usize>>,
+    next_id: u64,
+    /// How many slots have a count above zero.
+    held: usize,
+    /// How many of the transaction's calls are in a wait (counted by the
+    /// borrowed form only): more than the one asking means another call,
+    /// forgotten while it waited, may hold a grant outside the set.
+    pub(crate) waits: usize,
+    /// Bumped by every change of the slots but a re-entry's count: a call
+    /// that looked at the set, let go of it (an owned transaction's lock)
+    /// and comes back to the same version finds what it left.
+    version: u64,
+}
+
+/// Up to this many keys a set is searched linearly (comparing stored hashes
+/// first): a transaction usually holds a few keys, and a scan of a few
+/// words costs less than hashing into a table; past it, an index by hash
+/// keeps a lookup constant.
+const LINEAR_MAX: usize = 16;
+
+impl<G, K> Default for HeldSet<G, K> {
+    #[inline]
+    fn default() -> Self {
+        Self {
+            slots: SmallVec::new(),
+            hashes: [0; LINEAR_MAX],
+            index: None,
+            next_id: 0,
+            held: 0,
+            waits: 0,
+            version: 0,
+        }
+    }
+}
+
+impl<G, K> HeldSet<G, K> {
+    /// No slot at all: nothing held, nothing in flight.
+    #[inline]
+    pub(crate) fn is_vacant(&self) -> bool {
+        self.slots.is_empty()
+    }
+
+    /// The position of the slot with `hash` that `is` accepts.
+    #[inline]
+    fn position(&self, hash: u64, mut is: impl FnMut(&Slot<G, K>) -> bool) -> Option<usize> {
+        match &self.index {
+            None => {
+                let mut from = 0;
+                // Without an index there are at most `LINEAR_MAX` slots.
+                let hashes = &self.hashes[..self.slots.len()];
+                while let Some(found) = hashes[from..].iter().position(|&h| h == hash) {
+                    let at = from + found;
+                    if is(&self.slots[at]) {
+                        return Some(at);
+                    }
+                    from = at + 1;
+                }
+                None
+            }
+            Some(index) => index.find(hash, |&at| is(&self.slots[at])).copied(),
+        }
+    }
+
+    /// Adds a slot (no user code runs).
+    #[inline(always)]
+    fn push(&mut self, slot: Slot<G, K>) {
+        let at = self.slots.len();
+        // The common case, inline: room in place (or already on the heap),
+        // found by the linear scan.
+        if self.index.is_none() && at < LINEAR_MAX && (at != INLINE || self.slots.spilled()) {
+            self.version += 1;
+            self.hashes[at] = slot.hash;
+            self.slots.push(slot);
+            return;
+        }
+        self.push_slow(slot);
+    }
+
+    /// [`push`](Self::push) past the inline slots, or with the index.
+    #[cold]
+    #[inline(never)]
+    fn push_slow(&mut self, slot: Slot<G, K>) {
+        self.version += 1;
+        let at = self.slots.len();
+        let hash = slot.hash;
+        if self.slots.len() == INLINE && !self.slots.spilled() {
+            // Past the inline slots: room for the rest of the linear scan's
+            // keys at once, not growth a few at a time.
+            self.slots.reserve_exact(INITIAL_CAPACITY);
+        }
+        self.slots.push(slot);
+        if self.index.is_none() && at < LINEAR_MAX {
+            self.hashes[at] = hash;
+        }
+        let slots = &self.slots;
+        match &mut self.index {
+            Some(index) => {
+                index.insert_unique(hash, at, |&i| slots[i].hash);
+            }
+            None if slots.len() > LINEAR_MAX => {
+                // Room for as many slots as were made room for (a large
+                // `lock_all` reserved them): no rehash while it goes in.
+                let mut index = HashTable::with_capacity(slots.capacity().max(slots.len() * 2));
+                for (i, slot) in slots.iter().enumerate() {
+                    index.insert_unique(slot.hash, i, |&i| slots[i].hash);
+                }
+                self.index = Some(index);
+            }
+            None => {}
+        }
+    }
+
+    /// Removes the slot at `at` (no user code runs; the slot is returned,
+    /// to drop later).
+    fn remove(&mut self, at: usize) -> Slot<G, K> {
+        self.version += 1;
+        let last = self.slots.len() - 1;
+        if let Some(index) = &mut self.index {
+            let slots = &self.slots;
+            if let Ok(entry) = index.find_entry(slots[at].hash, |&i| i == at) {
+                entry.remove();
+            }
+            if at != last {
+                // The last slot moves into `at`.
+                if let Some(moved) = index.find_mut(slots[last].hash, |&i| i == last) {
+                    *moved = at;
+                }
+            }
+        } else {
+            // The last slot moves into `at`.
+            self.hashes[at] = self.hashes[last];
+        }
+        self.slots.swap_remove(at)
+    }
+}
+
+impl<G: GuardOps<Key = K>, K: Eq> HeldSet<G, K> {
+    /// Whether the transaction holds nothing, as far as a call of the
+    /// borrowed form can tell: no key in the set, and no call forgotten in
+    /// a wait (whose waiter may since have been granted a key for it).
+    pub(crate) fn holds_nothing(&self) -> bool {
+        self.held == 0 && self.waits == 0
+    }
+
+    /// Whether a waiter may be queued on a key the transaction holds, asked
+    /// by the borrowed form's one call in a wait (its own slot is busy, its
+    /// key not held yet): a visit to each held key's shard. `true` without
+    /// looking past [`LINEAR_MAX`] keys, or if another call is counted in a
+    /// wait (one forgotten there: its waiter may have been granted a key
+    /// for the transaction that the set does not know of).
+    pub(crate) fn is_awaited(&self) -> bool {
+        self.waits > 1
+            || self.slots.len() > LINEAR_MAX
+            || self
+                .slots
+                .iter()
+                .any(|slot| !slot.busy && slot.guard.as_ref().is_some_and(G::is_awaited))
+    }
+
+    /// How many keys the transaction holds (a key being upgraded counts, a
+    /// new key in flight does not).
+    pub(crate) fn len(&self) -> usize {
+        self.held
+    }
+
+    pub(crate) fn get<Q: Eq + ?Sized>(&self, hash: u64, key: &Q) -> Option<&Slot<G, K>>
+    where
+        K: Borrow<Q>,
+    {
+        let at = self.position(hash, |slot| slot.is(key))?;
+        Some(&self.slots[at]).filter(|slot| slot.count > 0)
+    }
+
+    /// The clone of the key a call has in flight in slot `id`.
+    pub(crate) fn name(&self, hash: u64, id: u64) -> Option<&K> {
+        let at = self.position(hash, |slot| slot.id == id)?;
+        self.slots[at].name.as_ref()
+    }
+
+    /// Makes room for `additional` more keys (a `lock_all`).
+    pub(crate) fn reserve(&mut self, additional: usize) {
+        self.slots.reserve(additional);
+        if let Some(index) = &mut self.index {
+            let slots = &self.slots;
+            index.reserve(additional, |&i| slots[i].hash);
+        }
+    }
+
+    /// The guards held now (not those a pending call has away).
+    pub(crate) fn guards(&self) -> impl Iterator<Item = &G> {
+        self.slots.iter().filter_map(|slot| slot.guard.as_ref())
+    }
+
+    /// The set's version (see the field): a fast path looks, takes keys on
+    /// the table without holding the set, and puts them in only if the
+    /// version is still the one it saw.
+    #[inline]
+    pub(crate) fn version(&self) -> u64 {
+        self.version
+    }
+
+    /// What a fast path finds of `key` asked in `mode`, changing nothing
+    /// (user code, `Eq`, runs in the search).
+    #[inline]
+    pub(crate) fn find(&self, hash: u64, key: &K, mode: Mode) -> Found {
+        let Some(at) = self.position(hash, |slot| slot.is(key)) else {
+            return Found::Absent;
+        };
+        let slot = &self.slots[at];
+        match slot.guard.as_ref() {
+            Some(guard) if !slot.busy && guard.mode().covers(mode) => Found::Covered { at },
+            _ => Found::Other,
+        }
+    }
+
+    /// Counts one more grant of the covered slot at `at` (found by
+    /// [`find`](Self::find) at the current version).
+    #[inline]
+    pub(crate) fn reenter(&mut self, at: usize) -> Acquired {
+        let slot = &mut self.slots[at];
+        slot.count += 1;
+        let guard = slot.guard.as_ref().expect("covered: held, not busy");
+        Acquired {
+            token: guard.token(),
+            mode: guard.mode(),
+            count: slot.count,
+            kind: AcquireKind::Reentered,
+        }
+    }
+
+    /// Puts a new key's guard in, counted once (no user code runs).
+    #[inline(always)]
+    pub(crate) fn insert(&mut self, hash: u64, guard: G) -> Acquired {
+        let acquired = Acquired {
+            token: guard.token(),
+            mode: guard.mode(),
+            count: 1,
+            kind: AcquireKind::New,
+        };
+        let id = self.next_id;
+        self.next_id += 1;
+        self.held += 1;
+        self.push(Slot {
+            hash,
+            id,
+            count: 1,
+            guard: Some(guard),
+            name: None,
+            busy: false,
+        });
+        acquired
+    }
+
+    /// Claims `key` for a call asking for `mode`: a covered key is counted
+    /// at once if `reenter` (else marked busy until the call settles); a
+    /// weaker one gives its guard to be upgraded; an absent one gets an
+    /// in-flight slot.
+    #[inline]
+    pub(crate) fn begin(
+        &mut self,
+        hash: u64,
+        key: &K,
+        mode: Mode,
+        reenter: bool,
+    ) -> Result<Begin<G>, Busy>
+    where
+        K: Clone,
+    {
+        // User code (`Eq`) runs in the search, before anything changes.
+        let Some(at) = self.position(hash, |slot| slot.is(key)) else {
+            // User code first: a panicking clone leaves the set as it was.
+            let name = key.clone();
+            let id = self.next_id;
+            self.next_id += 1;
+            self.push(Slot {
+                hash,
+                id,
+                count: 0,
+                guard: None,
+                name: Some(name),
+                busy: true,
+            });
+            return Ok(Begin::New { id });
+        };
+        let slot = &mut self.slots[at];
+        let Some(guard) = slot.guard.as_ref().filter(|_| !slot.busy) else {
+            return Err(Busy);
+        };
+        if guard.mode().covers(mode) {
+            let acquired = Acquired {
+                token: guard.token(),
+                mode: guard.mode(),
+                count: slot.count + 1,
+                kind: AcquireKind::Reentered,
+            };
+            if reenter {
+                slot.count += 1;
+            } else {
+                slot.busy = true;
+                self.version += 1;
+            }
+            return Ok(Begin::Covered {
+                id: slot.id,
+                acquired,
+            });
+        }
+        let name = key.clone();
+        slot.name = Some(name);
+        slot.busy = true;
+        self.version += 1;
+        let guard = slot.guard.take().expect("checked above");
+        Ok(Begin::Upgrade { id: slot.id, guard })
+    }
+
+    /// Ends a call's claim on slot `id` with success: its guard (a new or
+    /// upgraded grant; `None` for a covered key) goes back, the count goes
+    /// up. Returns what the call got, and the key's clone to drop; if the
+    /// slot is gone, the guard comes back instead.
+    #[inline]
+    pub(crate) fn settle(
+        &mut self,
+        hash: u64,
+        id: u64,
+        guard: Option<G>,
+        kind: AcquireKind,
+    ) -> Result<(Acquired, Option<K>), Option<G>> {
+        let Some(at) = self.position(hash, |slot| slot.id == id) else {
+            return Err(guard);
+        };
+        self.version += 1;
+        let slot = &mut self.slots[at];
+        if let Some(guard) = guard {
+            slot.guard = Some(guard);
+        }
+        let Some(held) = slot.guard.as_ref() else {
+            // A new key settled without its guard: not a success after all.
+            return Err(None);
+        };
+        if slot.count == 0 {
+            self.held += 1;
+        }
+        slot.count += 1;
+        slot.busy = false;
+        let acquired = Acquired {
+            token: held.token(),
+            mode: held.mode(),
+            count: slot.count,
+            kind,
+        };
+        Ok((acquired, slot.name.take()))
+    }
+
+    /// Ends a call's claim on slot `id` without taking anything: a key held
+    /// before gets `guard` back (as the call leaves it) and its count as it
+    /// was; a new key's slot goes. Returns the key's clone (for an error, or
+    /// to drop) and whatever guard could not be put back (a new key's, or
+    /// one whose slot is gone), to drop.
+    pub(crate) fn abandon(
+        &mut self,
+        hash: u64,
+        id: u64,
+        guard: Option<G>,
+    ) -> (Option<K>, Option<G>) {
+        let Some(at) = self.position(hash, |slot| slot.id == id) else {
+            return (None, guard);
+        };
+        if self.slots[at].count == 0 {
+            let slot = self.remove(at);
+            return (slot.name, guard);
+        }
+        self.version += 1;
+        let slot = &mut self.slots[at];
+        slot.busy = false;
+        let rest = match guard {
+            Some(guard) if slot.guard.is_none() => {
+                slot.guard = Some(guard);
+                None
+            }
+            rest => rest,
+        };
+        (slot.name.take(), rest)
+    }
+
+    /// Takes back one grant of `key`: returns the count left and, at zero,
+    /// the slot (its guard releases the key when dropped). With `all`, takes
+    /// back every grant.
+    pub(crate) fn unlock<Q: Eq + ?Sized>(
+        &mut self,
+        hash: u64,
+        key: &Q,
+        all: bool,
+    ) -> Result<(usize, Option<Slot<G, K>>), NotReleased>
+    where
+        K: Borrow<Q>,
+    {
+        let Some(at) = self.position(hash, |slot| slot.is(key)) else {
+            return Err(NotReleased::NotHeld);
+        };
+        let slot = &mut self.slots[at];
+        if slot.busy {
+            return Err(if slot.count == 0 {
+                NotReleased::NotHeld
+            } else {
+                NotReleased::Busy
+            });
+        }
+        slot.count = if all { 0 } else { slot.count - 1 };
+        if slot.count > 0 {
+            return Ok((slot.count, None));
+        }
+        let slot = self.remove(at);
+        self.held -= 1;
+        Ok((0, Some(slot)))
+    }
+
+    /// Empties the set into the returned one, for the caller to drop
+    /// (releasing every key) after unlocking whatever it holds.
+    pub(crate) fn take(&mut self) -> Self {
+        std::mem::take(self)
+    }
+}
+
+/// Releases every key of `set`, each in one visit to the table that also
+/// says whether its grant still held it (`release_checked`); returns the
+/// first that did not, named. Keys a pending call has away are released by
+/// that call. Every key is released even if a clone panics (see `Drop`).
+pub(crate) fn release_checked<G, K>(set: &mut HeldSet<G, K>) -> Result<(), TransactionError<K>>
+where
+    G: GuardOps<Key = K>,
+    K: Clone,
+{
+    let mut lost = None;
+    set.held = 0;
+    set.index = None;
+    set.version += 1;
+    for slot in set.slots.drain(..) {
+        let Some(guard) = slot.guard else { continue };
+        // A live grant is released in one visit, its key not copied; a lost
+        // one comes back, is named (the first only: its grant keeps the
+        // table's copy of the key alive) and released as lost.
+        if let Err(lost_guard) = guard.release_if_live() {
+            if lost.is_none() {
+                lost = Some(TransactionError::Expired {
+                    key: lost_guard.key().clone(),
+                    token: lost_guard.token(),
+                });
+            }
+            drop(lost_guard);
+        }
+    }
+    lost.map_or(Ok(()), Err)
+}
+
+// No `Drop`: a `Vec` drops every slot even if one's drop panics (a key's
+// `Drop`, a waker), so every key is released.

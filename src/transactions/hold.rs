@@ -1,0 +1,150 @@
+//! Holds: grants that outlive the transaction that took them.
+//!
+//! A transaction can detach one of its keys as a hold
+//! ([`Transaction::detach`](crate::Transaction::detach)): the grant keeps its
+//! key, mode, token and lease, but belongs to no transaction (its owner word
+//! in the table becomes the hold mark, so it is never part of a deadlock
+//! cycle) and to no guard. The table keeps the grant in its hold registry,
+//! by token, in place of the guard; [`LockTable::release_hold`] releases it
+//! by key and token later, from anywhere. A hold with a lease lapses like
+//! any grant: the next waiter takes the key, and the hold's record (like a
+//! lapsed guard) is cleared by the next operation on the registry, which
+//! first sweeps out the records of holds that lost their key.
+//!
+//! No user code runs under the registry's mutex: keys are compared and
+//! cloned outside it, and the table is entered after it is released.
+
+use std::borrow::Borrow;
+use std::collections::HashMap;
+use std::fmt;
+use std::hash::{BuildHasher, Hash};
+use std::time::Instant;
+
+use crate::error::LockError;
+use crate::support::loom::Mutex;
+use crate::support::mode::Mode;
+use crate::support::token::FencingToken;
+use crate::table::guard::Held;
+use crate::table::LockTable;
+
+/// A grant detached from its transaction, as
+/// [`Transaction::detach`](crate::Transaction::detach) returns it: what to
+/// release it by later ([`LockTable::release_hold`]), and what it holds.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct Hold<K> {
+    /// The key held.
+    pub key: K,
+    /// The grant's fencing token: the proof of ownership a release gives.
+    pub token: FencingToken,
+    /// The mode it holds the key in.
+    pub mode: Mode,
+    /// When its lease ends, if it has one.
+    pub lease_deadline: Option<Instant>,
+}
+
+/// The grants the table holds for their holds, by token.
+pub(crate) struct Holds<K> {
+    records: Mutex<HashMap<FencingToken, Held<K>, foldhash::fast::RandomState>>,
+}
+
+impl<K> Holds<K> {
+    pub(crate) fn new() -> Self {
+        Self {
+            records: Mutex::new(HashMap::default()),
+        }
+    }
+}
+
+impl<K> fmt::Debug for Holds<K> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Holds").finish_non_exhaustive()
+    }
+}
+
+impl<K: Eq + Hash, S: BuildHasher> LockTable<K, S> {
+    /// Takes over `held`, a grant whose guard is gone, as a hold.
+    pub(crate) fn adopt_hold(&self, held: Held<K>) {
+        self.sweep_holds();
+        let (hash, key, token) = (held.hash(), held.key_ptr(), held.token());
+        self.with_shard(hash, |state, _| state.make_hold(hash, key, token));
+        let old = self.holds().records.lock().insert(token, held);
+        debug_assert!(old.is_none(), "tokens are unique");
+    }
+
+    /// Releases the hold of `key` with `token`: `Ok` if it held the key
+    /// and now lets it go (the next waiter takes it). Otherwise nothing of
+    /// anyone else's is freed, and the error says why:
+    /// [`LockError::Expired`] if the hold lost the key meanwhile (its lease
+    /// lapsed, or it was revoked) and its record was still kept;
+    /// [`LockError::NoSuchHold`] if `token` names no hold of `key` (never
+    /// one, another key's, released already, or lost and swept away).
+    ///
+    /// ```
+    /// # futures::executor::block_on(async {
+    /// use keylock::{LockError, LockTable, Mode};
+    /// let table = LockTable::new();
+    /// let mut txn = table.transaction();
+    /// txn.lock("order-9", Mode::Exclusive).await?;
+    /// let hold = txn.detach(&"order-9")?;
+    /// txn.commit()?; // the hold outlives the transaction
+    /// assert!(table.is_locked("order-9"));
+    /// table.release_hold("order-9", hold.token)?;
+    /// assert!(!table.is_locked("order-9"));
+    /// // A second release frees nothing, and says so.
+    /// assert_eq!(
+    ///     table.release_hold("order-9", hold.token),
+    ///     Err(LockError::NoSuchHold { token: hold.token })
+    /// );
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// # }).unwrap();
+    /// ```
+    pub fn release_hold<Q>(&self, key: &Q, token: FencingToken) -> Result<(), LockError>
+    where
+        K: Borrow<Q>,
+        Q: Hash + Eq + ?Sized,
+    {
+        let Some(held) = self.holds().records.lock().remove(&token) else {
+            return Err(LockError::NoSuchHold { token });
+        };
+        // SAFETY: the record keeps the grant's entry (its holder, or its
+        // fenced count once lost) until it is released below.
+        let same = unsafe { held.key_ptr().get() }.borrow() == key;
+        if !same {
+            // A token of another key: put it back, free nothing.
+            self.holds().records.lock().insert(token, held);
+            return Err(LockError::NoSuchHold { token });
+        }
+        if self.release_if_live(held.hash(), held.key_ptr(), token) {
+            Ok(())
+        } else {
+            // Lost meanwhile: its record goes (as a lapsed guard's drop).
+            held.release(self);
+            Err(LockError::Expired { token })
+        }
+    }
+
+    /// Drops the records of holds that lost their key (lapsed or revoked),
+    /// as their guards' drops would.
+    fn sweep_holds(&self) {
+        let lost: Vec<Held<K>> = {
+            let mut records = self.holds().records.lock();
+            if records.is_empty() {
+                return;
+            }
+            // Read only (no settle, so no wake or drop under the mutex);
+            // each record keeps its entry, so its key cell is current.
+            let lost: Vec<FencingToken> = records
+                .values()
+                .filter(|h| !self.grant_is_live(h.hash(), h.key_ptr(), h.token()))
+                .map(Held::token)
+                .collect();
+            lost.iter().filter_map(|t| records.remove(t)).collect()
+        };
+        // Released as their guards would be: a lapsed grant still in place
+        // lets go, a displaced one drops its fenced claim.
+        for held in lost {
+            held.release(self);
+        }
+    }
+}

@@ -1,0 +1,1331 @@
+//! Many keys at once: a transaction's all-or-nothing `lock_all`.
+//!
+//! # The order
+//!
+//! The requests are sorted by the table's hash of the key, then by the key's
+//! `Ord` (hashes tie for distinct keys rarely, but a hasher may be made to
+//! tie them all; the `Ord` makes the order total), and a key asked twice is
+//! asked once, in the stronger mode. When every key is new or covered and
+//! every new one can be had at once, they are taken in that order and put
+//! into the set in one step (at the version of the set the call looked at).
+//! Otherwise every key is claimed in the held set, and the keys that need
+//! the table (new ones, and held shared ones asked exclusive: upgrades) are
+//! taken one by one in that order (keeping the ones already taken), each
+//! waiting at most until the transaction's deadline.
+//!
+//! # Why it does not deadlock
+//!
+//! Say a transaction is *ascending* if each of its waits is for a key not
+//! below (in this order) any key it holds: a new key above all it holds,
+//! or an upgrade of the highest it holds. A `lock_all` of a transaction
+//! that held nothing before, or only keys below (or equal to) the ones it
+//! asks, is ascending throughout. Among ascending transactions no cycle of
+//! waits can form. Follow a wait from `T` (waiting for key `k`) to a
+//! transaction `U` it waits behind: `U` holds `k`, or is queued ahead of
+//! `T` on `k`. If `U` holds `k` and waits, it waits for a key `k' > k`, or
+//! upgrades `k` itself (`k' = k`). If `U` is queued on `k` it waits for
+//! `k' = k`. So keys never decrease along a chain of waits, and a cycle
+//! would have to stay on one key `k`. On one key, the queue is FIFO and its
+//! waiters wait only for the holders, and a holder waiting on `k` is
+//! upgrading: an upgrade waits only for the *other shared holders*, ahead of
+//! every queued waiter, and a second upgrader of the key is refused at once
+//! by the table ([`LockError::UpgradeConflict`](crate::LockError)). So a
+//! cycle would need two upgraders of one key, which cannot exist.
+//!
+//! A transaction that locks keys one at a time out of this order, or asks a
+//! `lock_all` for keys below ones it already holds, is not covered: give
+//! it a deadline ([`TransactionOptions::timeout`](crate::TransactionOptions)).
+//!
+//! # All or nothing, and cancellation
+//!
+//! What the call takes stays in a [`Stage`] until every key is had: then it
+//! all goes into the set at once (no user code runs there, so that cannot
+//! fail halfway). If a key fails, or the future is dropped at any await, or
+//! a key's `Eq`/`Hash`/`Ord` panics, the stage undoes the call: new keys
+//! are released, upgrades it made are undone by a downgrade (the grant is
+//! shared again, as before the call, under the token the upgrade gave it),
+//! and keys it only counted are left as they were.
+
+use std::future::{poll_fn, Future};
+use std::mem;
+use std::panic::{catch_unwind, resume_unwind, AssertUnwindSafe};
+use std::pin::{pin, Pin};
+use std::sync::Arc;
+use std::task::{Context, Poll};
+
+use crate::support::mode::Mode;
+use crate::transactions::access::{
+    wait_unless_ended, Access, Ended, Holding, LockOf, PendingOf, Stop, UpgradingOf, WaitFor,
+};
+use crate::transactions::access::{GuardOf, KeyOf};
+use crate::transactions::error::TransactionError;
+use crate::transactions::held::{AcquireKind, Begin, Found};
+use crate::transactions::pending::{CancelOnDrop, Wait, Waited};
+use crate::transactions::policy::WaitPolicy;
+use crate::transactions::reach::{GuardOps, Reach};
+use crate::transactions::single;
+use crate::transactions::Few;
+use crate::LockError;
+
+/// What a [`lock_all`](crate::Transaction::lock_all) or a
+/// [`lock_up_to`](crate::Transaction::lock_up_to) did: how many keys it
+/// took, re-entered and upgraded; the keys it took and how, and the keys
+/// it skipped, when it may take fewer keys than asked
+/// ([`WaitPolicy::SkipLocked`], `lock_up_to`).
+///
+/// ```
+/// use keylock::{AcquireKind, Mode, TransactionOptions, WaitPolicy};
+/// # futures::executor::block_on(async {
+/// let table = keylock::LockTable::new();
+/// let _other = table.try_lock(2).unwrap();
+/// let mut txn = table.transaction_with(TransactionOptions::new().wait(WaitPolicy::SkipLocked));
+/// let got = txn.lock_all([(1, Mode::Exclusive), (2, Mode::Exclusive), (3, Mode::Shared)]).await?;
+/// assert_eq!(got.acquired(), 2);
+/// assert_eq!(got.skipped(), &[2]);
+/// let mut keys: Vec<_> = got.keys().to_vec();
+/// keys.sort_by_key(|&(key, _)| key);
+/// assert_eq!(keys, [(1, AcquireKind::New), (3, AcquireKind::New)]);
+/// assert_eq!(txn.len(), 2);
+/// # Ok::<(), keylock::TransactionError<i32>>(())
+/// # }).unwrap();
+/// ```
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LockedSet<K> {
+    acquired: usize,
+    reentered: usize,
+    upgraded: usize,
+    skipped: Vec<K>,
+    keys: Vec<(K, AcquireKind)>,
+}
+
+impl<K> LockedSet<K> {
+    fn new(skipped: Vec<K>) -> Self {
+        Self {
+            acquired: 0,
+            reentered: 0,
+            upgraded: 0,
+            skipped,
+            keys: Vec::new(),
+        }
+    }
+
+    /// Counts one key got `kind`-wise.
+    fn count(&mut self, kind: AcquireKind) {
+        match kind {
+            AcquireKind::New => self.acquired += 1,
+            AcquireKind::Reentered => self.reentered += 1,
+            AcquireKind::Upgraded => self.upgraded += 1,
+        }
+    }
+
+    /// How many keys the call took that the transaction did not hold.
+    ///
+    /// ```
+    /// use keylock::Mode;
+    /// # futures::executor::block_on(async {
+    /// let table = keylock::LockTable::new();
+    /// let mut txn = table.transaction();
+    /// txn.lock("a", Mode::Exclusive).await?;
+    /// let got = txn.lock_all([("a", Mode::Exclusive), ("b", Mode::Exclusive)]).await?;
+    /// assert_eq!((got.acquired(), got.reentered()), (1, 1));
+    /// # Ok::<(), keylock::TransactionError<&str>>(())
+    /// # }).unwrap();
+    /// ```
+    #[must_use]
+    pub fn acquired(&self) -> usize {
+        self.acquired
+    }
+
+    /// How many keys the transaction already held in a covering mode (each
+    /// counted once more, as a re-entrant lock would).
+    ///
+    /// ```
+    /// use keylock::Mode;
+    /// # futures::executor::block_on(async {
+    /// let table = keylock::LockTable::new();
+    /// let mut txn = table.transaction();
+    /// txn.lock("a", Mode::Exclusive).await?;
+    /// let got = txn.lock_all([("a", Mode::Shared)]).await?;
+    /// assert_eq!(got.reentered(), 1);
+    /// assert_eq!(txn.count("a"), 2);
+    /// # Ok::<(), keylock::TransactionError<&str>>(())
+    /// # }).unwrap();
+    /// ```
+    #[must_use]
+    pub fn reentered(&self) -> usize {
+        self.reentered
+    }
+
+    /// How many held shared keys the call upgraded to exclusive.
+    ///
+    /// ```
+    /// use keylock::Mode;
+    /// # futures::executor::block_on(async {
+    /// let table = keylock::LockTable::new();
+    /// let mut txn = table.transaction();
+    /// txn.lock("a", Mode::Shared).await?;
+    /// let got = txn.lock_all([("a", Mode::Exclusive)]).await?;
+    /// assert_eq!(got.upgraded(), 1);
+    /// # Ok::<(), keylock::TransactionError<&str>>(())
+    /// # }).unwrap();
+    /// ```
+    #[must_use]
+    pub fn upgraded(&self) -> usize {
+        self.upgraded
+    }
+
+    /// The keys skipped because they could not be had at once
+    /// ([`WaitPolicy::SkipLocked`], and
+    /// [`lock_up_to`](crate::Transaction::lock_up_to); a skipped upgrade
+    /// leaves its key held shared): for a `lock_all`, in the canonical
+    /// order (see the module doc), not the caller's; for `lock_up_to`, in
+    /// the candidates' order.
+    ///
+    /// ```
+    /// use keylock::{Mode, WaitPolicy};
+    /// # futures::executor::block_on(async {
+    /// let table = keylock::LockTable::new();
+    /// let _other = table.try_lock("b").unwrap();
+    /// let mut txn = table.transaction();
+    /// let got = txn.lock_all_with([("a", Mode::Exclusive), ("b", Mode::Exclusive)], WaitPolicy::SkipLocked).await?;
+    /// assert_eq!(got.skipped(), &["b"]);
+    /// # Ok::<(), keylock::TransactionError<&str>>(())
+    /// # }).unwrap();
+    /// ```
+    #[must_use]
+    pub fn skipped(&self) -> &[K] {
+        &self.skipped
+    }
+
+    /// The skipped keys, by value.
+    ///
+    /// ```
+    /// use keylock::Mode;
+    /// # futures::executor::block_on(async {
+    /// let table = keylock::LockTable::new();
+    /// let _other = table.try_lock(2).unwrap();
+    /// let mut txn = table.transaction();
+    /// let got = txn.lock_up_to(5, [(1, Mode::Exclusive), (2, Mode::Exclusive)]).await?;
+    /// assert_eq!(got.into_skipped(), vec![2]);
+    /// # Ok::<(), keylock::TransactionError<i32>>(())
+    /// # }).unwrap();
+    /// ```
+    #[must_use]
+    pub fn into_skipped(self) -> Vec<K> {
+        self.skipped
+    }
+
+    /// The keys the call took, each with how it got it (taken new,
+    /// re-entered, upgraded), in the order it took them: the canonical
+    /// order for a `lock_all` (see the module doc), the candidates' order
+    /// for [`lock_up_to`](crate::Transaction::lock_up_to).
+    ///
+    /// Listed by the calls that may take fewer keys than asked: a
+    /// `lock_all` under [`WaitPolicy::SkipLocked`], and `lock_up_to`.
+    /// Under the other policies a `lock_all` takes every requested key or
+    /// fails, so its requests are the list, and it leaves this empty (it
+    /// clones no key to make it).
+    ///
+    /// ```
+    /// use keylock::{AcquireKind, Mode, WaitPolicy};
+    /// # futures::executor::block_on(async {
+    /// let table = keylock::LockTable::new();
+    /// let mut txn = table.transaction();
+    /// txn.lock("held", Mode::Shared).await?;
+    /// let got = txn
+    ///     .lock_all_with([("held", Mode::Exclusive), ("new", Mode::Shared)], WaitPolicy::SkipLocked)
+    ///     .await?;
+    /// let mut keys = got.keys().to_vec();
+    /// keys.sort_by_key(|&(key, _)| key);
+    /// assert_eq!(keys, [("held", AcquireKind::Upgraded), ("new", AcquireKind::New)]);
+    /// # Ok::<(), keylock::TransactionError<&str>>(())
+    /// # }).unwrap();
+    /// ```
+    #[must_use]
+    pub fn keys(&self) -> &[(K, AcquireKind)] {
+        &self.keys
+    }
+
+    /// The keys taken (as [`keys`](Self::keys) lists them) and the keys
+    /// skipped, by value.
+    ///
+    /// ```
+    /// use keylock::{AcquireKind, Mode};
+    /// # futures::executor::block_on(async {
+    /// let table = keylock::LockTable::new();
+    /// let _other = table.try_lock("job-1").unwrap();
+    /// let mut txn = table.transaction();
+    /// let got = txn.lock_up_to(1, [("job-1", Mode::Exclusive), ("job-2", Mode::Exclusive)]).await?;
+    /// let (taken, skipped) = got.into_parts();
+    /// assert_eq!(taken, [("job-2", AcquireKind::New)]);
+    /// assert_eq!(skipped, ["job-1"]);
+    /// # Ok::<(), keylock::TransactionError<&str>>(())
+    /// # }).unwrap();
+    /// ```
+    #[must_use]
+    pub fn into_parts(self) -> (Vec<(K, AcquireKind)>, Vec<K>) {
+        (self.keys, self.skipped)
+    }
+}
+
+/// One request, once hashed.
+struct Request<K> {
+    hash: u64,
+    /// Moved into the table when the key is locked.
+    key: Option<K>,
+    mode: Mode,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Kind {
+    Covered,
+    Upgrade,
+    New,
+}
+
+/// What the call has of one request.
+struct Staged<G> {
+    hash: u64,
+    id: u64,
+    kind: Kind,
+    /// A new key's guard once granted, or the held guard being upgraded.
+    guard: Option<G>,
+    /// This call upgraded `guard`: undone by a downgrade.
+    upgraded: bool,
+    skipped: bool,
+}
+
+/// Everything the call claimed; undoes it when dropped unless finished.
+struct Stage<'a, A: Access> {
+    access: &'a mut A,
+    entries: Few<Staged<GuardOf<A>>>,
+    /// The cell (`pending.rs`) that has the call's wait and every guard of
+    /// `entries` while the call waits, so that the transaction's end
+    /// releases them even if the call's future is forgotten; made at the
+    /// first wait.
+    away: Option<Arc<PendingOf<A::R>>>,
+    /// The entry whose guard the waiting upgrade in `away` owns.
+    upgrading: Option<usize>,
+    done: bool,
+}
+
+impl<A: Access> Stage<'_, A> {
+    /// Before a wait: puts `wait` and every guard of the entries into the
+    /// cell (made, and put on the transaction's list, the first time);
+    /// `Err` if the transaction ended (they were released).
+    fn stow(
+        &mut self,
+        wait: Wait<LockOf<A>, UpgradingOf<A>>,
+    ) -> Result<Arc<PendingOf<A::R>>, Ended> {
+        let cell = match &self.away {
+            Some(cell) => Arc::clone(cell),
+            None => {
+                let cell = PendingOf::<A::R>::new();
+                self.access.pend(&cell)?;
+                self.away = Some(Arc::clone(&cell));
+                cell
+            }
+        };
+        cell.start(wait).map_err(|_| Ended)?;
+        let guards = self
+            .entries
+            .iter_mut()
+            .enumerate()
+            .filter_map(|(i, entry)| entry.guard.take().map(|guard| (i, guard)));
+        cell.stow(guards).map_err(|_| Ended)?;
+        Ok(cell)
+    }
+
+    /// After a wait: the guards back from the cell; `Err` if the
+    /// transaction ended meanwhile (they were released).
+    fn unstow(&mut self) -> Result<(), Ended> {
+        let Some(cell) = &self.away else {
+            return Ok(());
+        };
+        for (i, guard) in cell.unstow().map_err(|_| Ended)? {
+            self.entries[i].guard = Some(guard);
+        }
+        Ok(())
+    }
+
+    /// The error for request `i`, undoing its claim to get the key's name.
+    fn fail(
+        &mut self,
+        i: usize,
+        mode: Mode,
+        waited: bool,
+        error: LockError,
+    ) -> TransactionError<KeyOf<A>> {
+        let entry = &mut self.entries[i];
+        let (hash, id, guard) = (entry.hash, entry.id, entry.guard.take());
+        // Its claim ends here; the others are undone when the stage drops.
+        entry.kind = Kind::Covered;
+        entry.upgraded = false;
+        let name = self.access.with(|set| set.abandon(hash, id, guard));
+        match name {
+            Ok((Some(key), rest)) => {
+                drop(rest);
+                TransactionError::from_lock(key, mode, waited, error)
+            }
+            Ok((None, _)) | Err(Ended) => TransactionError::Ended,
+        }
+    }
+
+    /// Puts everything into the set at once; with `record`, lists the
+    /// keys taken (a covered key's name is its request's, the others' the
+    /// claim's copy).
+    fn finish(
+        mut self,
+        requests: &mut [Request<KeyOf<A>>],
+        record: bool,
+    ) -> Result<LockedSet<KeyOf<A>>, TransactionError<KeyOf<A>>> {
+        self.done = true;
+        let mut entries = mem::take(&mut self.entries);
+        let mut out = LockedSet::new(Vec::new());
+        debug_assert!(self.upgrading.is_none(), "no wait in flight");
+        let mut names: Few<_> = Few::new();
+        let mut rest: Few<_> = Few::new();
+        let finished = self.access.with(|set| {
+            for (j, entry) in entries.iter_mut().enumerate() {
+                let guard = entry.guard.take();
+                if entry.skipped {
+                    let (name, guard) = set.abandon(entry.hash, entry.id, guard);
+                    out.skipped.extend(name);
+                    rest.push(guard);
+                    continue;
+                }
+                let kind = match entry.kind {
+                    Kind::Covered => AcquireKind::Reentered,
+                    Kind::Upgrade => AcquireKind::Upgraded,
+                    Kind::New => AcquireKind::New,
+                };
+                match set.settle(entry.hash, entry.id, guard, kind) {
+                    Ok((_, name)) => {
+                        out.count(kind);
+                        if !record {
+                            names.push(name);
+                            continue;
+                        }
+                        let key = match kind {
+                            AcquireKind::Reentered => requests[j].key.take(),
+                            AcquireKind::New | AcquireKind::Upgraded => name,
+                        };
+                        out.keys.extend(key.map(|key| (key, kind)));
+                    }
+                    Err(guard) => rest.push(guard),
+                }
+            }
+        });
+        // After unlocking: the keys' clones, and (had the transaction
+        // ended) every guard of the call, released.
+        drop(names);
+        drop(rest);
+        drop(entries);
+        match finished {
+            Ok(()) => Ok(out),
+            Err(Ended) => Err(TransactionError::Ended),
+        }
+    }
+}
+
+impl<A: Access> Drop for Stage<'_, A> {
+    fn drop(&mut self) {
+        if self.done {
+            return;
+        }
+        // Everything the cell has comes back first (its wait goes, a
+        // waiting upgrade's guard comes back shared), unless the
+        // transaction's end cancelled it (then it was all released).
+        if let Some(cell) = self.away.take() {
+            if let Some((guards, upgraded)) = cell.recover(GuardOf::<A>::upgrade_undone) {
+                for (i, guard) in guards {
+                    self.entries[i].guard = Some(guard);
+                }
+                if let (Some(i), Some(guard)) = (self.upgrading, upgraded) {
+                    self.entries[i].guard = Some(guard);
+                }
+            }
+        }
+        let mut entries = mem::take(&mut self.entries);
+        // Outside the set's lock (a downgrade wakes waiters): the upgrades
+        // this call made become shared again. A waker that panics there
+        // (user code, run as the downgrade returns) must not keep the rest
+        // from being undone and the claims from being given back: its panic
+        // is held until then (the guard is shared already: the table sets
+        // its mode under the shard lock).
+        let mut panicked = None;
+        for entry in &mut entries {
+            if entry.upgraded {
+                if let Some(guard) = entry.guard.as_mut() {
+                    // A grant that lost its key has nothing to undo.
+                    let undo = catch_unwind(AssertUnwindSafe(|| {
+                        let _ = guard.downgrade();
+                    }));
+                    if let Err(payload) = undo {
+                        panicked.get_or_insert(payload);
+                    }
+                }
+            }
+        }
+        let mut leftovers: Few<_> = Few::new();
+        let _ = self.access.with(|set| {
+            for entry in &mut entries {
+                leftovers.push(set.abandon(entry.hash, entry.id, entry.guard.take()));
+            }
+        });
+        // After unlocking: new keys' guards (released), keys' clones, and,
+        // had the transaction ended, every guard of the call.
+        drop(leftovers);
+        drop(entries);
+        // Resumed once everything is given back (swallowed if this drop runs
+        // during an unwind already, where a second panic would abort).
+        if let Some(payload) = panicked {
+            if !std::thread::panicking() {
+                resume_unwind(payload);
+            }
+        }
+    }
+}
+
+/// Whether a failed lock under a policy that does not wait only found the
+/// key taken (skip it), rather than something wrong (fail the call).
+fn is_taken(error: &LockError) -> bool {
+    matches!(
+        error,
+        LockError::Timeout { .. } | LockError::UpgradeConflict { .. }
+    )
+}
+
+/// Sorts the requests into the canonical order and merges duplicates.
+fn order<R: Reach>(
+    reach: &R,
+    requests: impl Iterator<Item = (R::Key, Mode)>,
+) -> Few<Request<R::Key>>
+where
+    R::Key: Ord,
+{
+    let table = reach.table();
+    let mut requests: Few<Request<R::Key>> = requests
+        .map(|(key, mode)| Request {
+            hash: table.hash(&key),
+            key: Some(key),
+            mode,
+        })
+        .collect();
+    // By hash (a plain word compare), then runs of equal hashes by key.
+    requests.sort_unstable_by_key(|r| r.hash);
+    let mut start = 0;
+    while start + 1 < requests.len() {
+        let hash = requests[start].hash;
+        let end = start
+            + requests[start..]
+                .iter()
+                .take_while(|r| r.hash == hash)
+                .count();
+        if end - start > 1 {
+            requests[start..end].sort_unstable_by(|a, b| a.key.cmp(&b.key));
+        }
+        start = end;
+    }
+    requests.dedup_by(|later, kept| {
+        let same = later.hash == kept.hash && later.key == kept.key;
+        if same {
+            kept.mode = kept.mode.max(later.mode);
+        }
+        same
+    });
+    requests
+}
+
+/// Locks every requested key for the transaction, all or nothing; see the
+/// module doc.
+///
+/// Everything up to the first wait happens in a plain function: an
+/// uncontended call creates no lock future and its future stays a few
+/// words (moving a large future costs more than the locks); only a call
+/// that must wait boxes the rest.
+pub(crate) async fn lock_all<A: Access>(
+    mut access: A,
+    mut requests: Few<(KeyOf<A>, Mode)>,
+    policy: WaitPolicy,
+) -> Result<LockedSet<KeyOf<A>>, TransactionError<KeyOf<A>>>
+where
+    KeyOf<A>: Ord + Clone,
+{
+    // The requests are read where they are (in this future), not moved.
+    let out = match lock_all_now(&mut access, &mut requests, policy) {
+        Ok(done) => done,
+        Err(wait) => { wait }.await,
+    };
+    access.owner().note(&out);
+    out
+}
+
+/// The call as far as it goes without waiting: done, or the boxed rest.
+///
+/// The borrowed form's common case runs without claims (see
+/// [`Access::SOLE`]): the set is looked at once (every
+/// key new or covered), each new key is taken on the table at once, and
+/// everything goes into the set in one step if the set is still at the
+/// version it was looked at. Anything else (a key held in a weaker mode or
+/// busy, a key that is not free, the set changed meanwhile) goes the
+/// claiming way, keeping the guards already taken.
+fn lock_all_now<'a, A: Access>(
+    access: &'a mut A,
+    requests: &mut Few<(KeyOf<A>, Mode)>,
+    policy: WaitPolicy,
+) -> Result<
+    Outcome<A>,
+    Rest<impl Future<Output = Outcome<A>> + 'a, impl Future<Output = Outcome<A>> + 'a>,
+>
+where
+    KeyOf<A>: Ord + Clone,
+{
+    if A::SOLE && (1..=2).contains(&requests.len()) && policy != WaitPolicy::SkipLocked {
+        return match few_now(access, requests, policy) {
+            Few2::Done(done) => Ok(done),
+            Few2::Busy {
+                requests,
+                found,
+                taken,
+                at,
+                version,
+            } => Err(Rest::Sole(Box::pin(wait_sole(
+                access, requests, found, version, taken, at, policy,
+            )))),
+            Few2::Other(requests) => {
+                claim_all(access, requests, Few::new(), policy).map_err(Rest::Claimed)
+            }
+        };
+    }
+    let mut requests = order(&access.owner().reach, requests.drain(..));
+    let mut taken: Few<(usize, GuardOf<A>)> = Few::with_capacity(requests.len());
+    if A::SOLE {
+        let mut found: Few<Found> = Few::with_capacity(requests.len());
+        match take_now(access, &mut requests, &mut found, &mut taken, policy) {
+            Ok(done) => return Ok(done),
+            Err(Fallback::Busy { at, version }) => {
+                return Err(Rest::Sole(Box::pin(wait_sole(
+                    access, requests, found, version, taken, at, policy,
+                ))));
+            }
+            Err(Fallback::Other | Fallback::Moved) => {}
+        }
+    }
+    claim_all(access, requests, taken, policy).map_err(Rest::Claimed)
+}
+
+/// Where [`few_now`] left a call.
+enum Few2<A: Access> {
+    Done(Outcome<A>),
+    /// A key held in a weaker mode, or busy with another call: the
+    /// requests (ordered and merged) for the claiming way, nothing taken.
+    Other(Few<Request<KeyOf<A>>>),
+    /// Request `at` is not free at once: the state [`take_now`] leaves.
+    Busy {
+        requests: Few<Request<KeyOf<A>>>,
+        found: Few<Found>,
+        taken: Few<(usize, GuardOf<A>)>,
+        at: usize,
+        version: u64,
+    },
+}
+
+/// A `lock_all` of one or two keys in the borrowed form (a transfer's),
+/// not skipping: [`order`] and [`take_now`] without their lists. The two
+/// requests are put in the canonical order in place (by hash, then by
+/// key) and merged if they are one key; each is looked up in the set,
+/// each new one taken on the table at once, and both go into the set in
+/// one step (the transaction is borrowed by the call: its set cannot
+/// change meanwhile). The lists are built only when the call must wait or
+/// claim. `requests` is left empty.
+fn few_now<A: Access>(
+    access: &mut A,
+    requests: &mut Few<(KeyOf<A>, Mode)>,
+    policy: WaitPolicy,
+) -> Few2<A>
+where
+    KeyOf<A>: Ord + Clone,
+{
+    debug_assert!(A::SOLE && (1..=2).contains(&requests.len()));
+    let second = if requests.len() == 2 {
+        requests.pop()
+    } else {
+        None
+    };
+    let Some((key, mode)) = requests.pop() else {
+        unreachable!("one or two requests")
+    };
+    let table = access.owner().reach.table();
+    let mut a = Request {
+        hash: table.hash(&key),
+        key: Some(key),
+        mode,
+    };
+    let b = match second {
+        None => None,
+        Some((key, mode)) => {
+            let mut b = Request {
+                hash: table.hash(&key),
+                key: Some(key),
+                mode,
+            };
+            // The order `order` sorts into: by hash, a tie by key.
+            let swap = match a.hash.cmp(&b.hash) {
+                std::cmp::Ordering::Less => false,
+                std::cmp::Ordering::Greater => true,
+                std::cmp::Ordering::Equal => a.key > b.key,
+            };
+            if swap {
+                mem::swap(&mut a, &mut b);
+            }
+            if a.hash == b.hash && a.key == b.key {
+                a.mode = a.mode.max(b.mode);
+                None
+            } else {
+                Some(b)
+            }
+        }
+    };
+    let looked = access.with(|set| {
+        let found = |r: &Request<KeyOf<A>>| {
+            let key = r.key.as_ref().expect("not taken yet");
+            set.find(r.hash, key, r.mode)
+        };
+        (found(&a), b.as_ref().map(found), set.version())
+    });
+    let Ok((found_a, found_b, version)) = looked else {
+        return Few2::Done(Err(TransactionError::Ended));
+    };
+    let lists = |a, b: Option<Request<KeyOf<A>>>| {
+        let mut requests = Few::new();
+        requests.push(a);
+        requests.extend(b);
+        requests
+    };
+    if found_a == Found::Other || found_b == Some(Found::Other) {
+        return Few2::Other(lists(a, b));
+    }
+    let founds = || {
+        let mut found = Few::new();
+        found.push(found_a);
+        found.extend(found_b);
+        found
+    };
+    let mut guard_a = None;
+    if found_a == Found::Absent {
+        let key = a.key.take().expect("taken once");
+        match try_now(access, a.hash, key, a.mode, policy) {
+            Ok(guard) => guard_a = Some(guard),
+            Err(key) => {
+                a.key = Some(key);
+                return Few2::Busy {
+                    requests: lists(a, b),
+                    found: founds(),
+                    taken: Few::new(),
+                    at: 0,
+                    version,
+                };
+            }
+        }
+    }
+    let mut b = b;
+    let mut guard_b = None;
+    if let (Some(r), Some(Found::Absent)) = (b.as_mut(), found_b) {
+        let key = r.key.take().expect("taken once");
+        match try_now(access, r.hash, key, r.mode, policy) {
+            Ok(guard) => guard_b = Some(guard),
+            Err(key) => {
+                r.key = Some(key);
+                let mut taken = Few::new();
+                taken.extend(guard_a.map(|guard| (0, guard)));
+                return Few2::Busy {
+                    requests: lists(a, b),
+                    found: founds(),
+                    taken,
+                    at: 1,
+                    version,
+                };
+            }
+        }
+    }
+    let put = access.with(|set| {
+        debug_assert_eq!(set.version(), version, "a borrowed transaction's set moved");
+        let mut out = LockedSet::new(Vec::new());
+        for found in [Some(found_a), found_b] {
+            if let Some(Found::Covered { at }) = found {
+                set.reenter(at);
+                out.reentered += 1;
+            }
+        }
+        if let Some(guard) = guard_a.take() {
+            set.insert(a.hash, guard);
+            out.acquired += 1;
+        }
+        if let (Some(guard), Some(r)) = (guard_b.take(), &b) {
+            set.insert(r.hash, guard);
+            out.acquired += 1;
+        }
+        out
+    });
+    // Had the transaction ended, the guards are released as they drop.
+    Few2::Done(put.map_err(|Ended| TransactionError::Ended))
+}
+
+/// What a `lock_all` ends with.
+type Outcome<A> = Result<LockedSet<KeyOf<A>>, TransactionError<KeyOf<A>>>;
+
+/// The rest of a call that must wait: the borrowed form's, or the
+/// claiming way's (each boxed, so the call's own future stays small).
+enum Rest<L, R> {
+    Sole(Pin<Box<L>>),
+    Claimed(Pin<Box<R>>),
+}
+
+impl<L: Future, R: Future<Output = L::Output>> Future for Rest<L, R> {
+    type Output = L::Output;
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<L::Output> {
+        match self.get_mut() {
+            Rest::Sole(rest) => rest.as_mut().poll(cx),
+            Rest::Claimed(rest) => rest.as_mut().poll(cx),
+        }
+    }
+}
+
+/// Why the fast path could not finish; `taken` keeps what it got.
+enum Fallback {
+    /// Request `at` is not free at once (the set was at `version`).
+    Busy { at: usize, version: u64 },
+    /// A key is held in a weaker mode, or busy with another call.
+    Other,
+    /// The set changed since it was looked at.
+    Moved,
+}
+
+/// The fast path of [`lock_all_now`]: done (everything in the set, or the
+/// transaction ended), or [`Fallback`] with the guards taken so far in
+/// `taken` (by request index) and the other requests' keys in `requests`.
+#[allow(clippy::type_complexity)]
+fn take_now<A: Access>(
+    access: &mut A,
+    requests: &mut Few<Request<KeyOf<A>>>,
+    found: &mut Few<Found>,
+    taken: &mut Few<(usize, GuardOf<A>)>,
+    policy: WaitPolicy,
+) -> Result<Outcome<A>, Fallback>
+where
+    KeyOf<A>: Ord + Clone,
+{
+    found.reserve(requests.len());
+    let looked = access.with(|set| {
+        for request in requests.iter() {
+            let key = request.key.as_ref().expect("not taken yet");
+            match set.find(request.hash, key, request.mode) {
+                Found::Other => return None,
+                f => found.push(f),
+            }
+        }
+        Some(set.version())
+    });
+    let version = match looked {
+        Err(Ended) => return Ok(Err(TransactionError::Ended)),
+        Ok(None) => return Err(Fallback::Other),
+        Ok(Some(version)) => version,
+    };
+    for (i, request) in requests.iter_mut().enumerate() {
+        if found[i] != Found::Absent {
+            continue;
+        }
+        let key = request.key.take().expect("taken once");
+        let opts = access.owner().opts.lock_options(request.mode, policy);
+        match access.owner().reach.try_lock_kept(request.hash, key, opts) {
+            Ok(guard) => taken.push((i, guard)),
+            Err(key) => {
+                request.key = Some(key);
+                return Err(Fallback::Busy { at: i, version });
+            }
+        }
+    }
+    put_all(
+        access,
+        requests,
+        found,
+        version,
+        taken,
+        Vec::new(),
+        policy == WaitPolicy::SkipLocked,
+    )
+}
+
+/// Puts what a call without claims got into the set in one step, if the
+/// set is still at `version` (no user code runs then); else
+/// [`Fallback::Moved`].
+fn put_all<A: Access>(
+    access: &mut A,
+    requests: &[Request<KeyOf<A>>],
+    found: &[Found],
+    version: u64,
+    taken: &mut Few<(usize, GuardOf<A>)>,
+    skipped: Vec<KeyOf<A>>,
+    record: bool,
+) -> Result<Outcome<A>, Fallback>
+where
+    KeyOf<A>: Clone,
+{
+    let mut out = LockedSet::new(skipped);
+    if record {
+        // The keys taken, in order: a covered key's name is its request's
+        // (still there: only new keys went to the table), a new one's the
+        // table's copy, through its guard.
+        let mut guards = taken.iter().peekable();
+        for (i, f) in found.iter().enumerate() {
+            if let Found::Covered { .. } = f {
+                if let Some(key) = &requests[i].key {
+                    out.keys.push((key.clone(), AcquireKind::Reentered));
+                }
+            } else if let Some((_, guard)) = guards.next_if(|(at, _)| *at == i) {
+                out.keys.push((guard.key().clone(), AcquireKind::New));
+            }
+        }
+    }
+    let put = access.with(|set| {
+        if set.version() != version {
+            return false;
+        }
+        if taken.len() > 4 {
+            set.reserve(taken.len());
+        }
+        for f in found {
+            if let Found::Covered { at } = *f {
+                set.reenter(at);
+                out.reentered += 1;
+            }
+        }
+        for (i, guard) in taken.drain(..) {
+            set.insert(requests[i].hash, guard);
+            out.acquired += 1;
+        }
+        true
+    });
+    match put {
+        // The guards (had it ended) are released as `taken` drops.
+        Err(Ended) => Ok(Err(TransactionError::Ended)),
+        Ok(true) => Ok(Ok(out)),
+        Ok(false) => Err(Fallback::Moved),
+    }
+}
+
+/// The borrowed form's wait (see [`Access::SOLE`]): from request `from`
+/// on, each new key is tried at once, else waited for (in the canonical
+/// order, holding what the call took: as sorted plain guards would); then
+/// everything goes into the set in one step. Nothing is claimed: the
+/// transaction is borrowed by this call, so the set cannot change
+/// meanwhile. Dropped at an await, or failing, the call releases what it
+/// took (its guards drop) and the set is as it was.
+///
+/// A plain function returning an `async move` block, not an `async fn`:
+/// an `async fn` keeps its arguments and its own copies of them side by
+/// side in the future (here 432 bytes twice), and this future is boxed: a
+/// box past the allocator's small-block size (1,032 bytes for glibc's
+/// per-thread cache) makes every contended call lock an allocator arena
+/// when the box is freed on another thread (`tests/alloc.rs` checks it).
+// Not an `async fn`: see the doc above.
+#[allow(clippy::manual_async_fn)]
+fn wait_sole<A: Access>(
+    access: &mut A,
+    mut requests: Few<Request<KeyOf<A>>>,
+    found: Few<Found>,
+    version: u64,
+    mut taken: Few<(usize, GuardOf<A>)>,
+    from: usize,
+    policy: WaitPolicy,
+) -> impl Future<Output = Outcome<A>> + '_
+where
+    KeyOf<A>: Ord + Clone,
+{
+    async move {
+        let mut skipped = Vec::new();
+        // The cell (`pending.rs`) that has the wait and the guards taken so
+        // far while the call waits, so that the transaction's end releases
+        // them even if this future is forgotten; made at the first wait,
+        // cancelled (releasing what it has) if this future is dropped.
+        let mut away: Option<CancelOnDrop<LockOf<A>, UpgradingOf<A>, GuardOf<A>>> = None;
+        for i in from..requests.len() {
+            if found[i] != Found::Absent {
+                continue;
+            }
+            let (hash, mode) = (requests[i].hash, requests[i].mode);
+            let key = requests[i].key.take().expect("taken once");
+            let key = match try_now(access, hash, key, mode, policy) {
+                Ok(guard) => {
+                    taken.push((i, guard));
+                    continue;
+                }
+                Err(key) => key,
+            };
+            // The name for the detector, an error or a skip (the key goes to
+            // the table).
+            let name = Arc::new(key.clone());
+            let lock = access
+                .owner()
+                .reach
+                .lock_with(key, access.owner().opts.lock_options(mode, policy));
+            let cell = match &away {
+                Some(cell) => Arc::clone(&cell.0),
+                None => {
+                    let cell = PendingOf::<A::R>::new();
+                    if access.pend(&cell).is_err() {
+                        return Err(TransactionError::Ended);
+                    }
+                    away = Some(CancelOnDrop(Arc::clone(&cell)));
+                    cell
+                }
+            };
+            // Whether the transaction holds anything, asked before the
+            // guards taken so far go into the cell.
+            let holding = if A::SOLE
+                && taken.is_empty()
+                && access.with(|set| set.holds_nothing()).unwrap_or(false)
+            {
+                Holding::Nothing
+            } else {
+                Holding::Unknown
+            };
+            let stowed = cell.start(Wait::Lock(Box::pin(lock)));
+            if stowed.is_err() || cell.stow(taken.drain(..)).is_err() {
+                return Err(TransactionError::Ended);
+            }
+            let wait = WaitFor {
+                hash,
+                key: &name,
+                mode,
+                holding,
+            };
+            let polled = poll_fn(|cx| cell.poll(cx));
+            let waited = wait_unless_ended(&mut *access, wait, pin!(polled)).await;
+            match cell.unstow() {
+                Ok(guards) => taken = guards,
+                Err(_) => return Err(TransactionError::Ended),
+            }
+            match waited {
+                Err(stop) => return Err(stop.into()),
+                Ok(None) => return Err(TransactionError::Ended),
+                Ok(Some(Waited::Granted(guard))) => taken.push((i, guard)),
+                Ok(Some(Waited::Failed(_, error)))
+                    if policy == WaitPolicy::SkipLocked && is_taken(&error) =>
+                {
+                    skipped.push(KeyOf::<A>::clone(&name));
+                }
+                Ok(Some(Waited::Failed(_, error))) => {
+                    return Err(TransactionError::from_lock(
+                        KeyOf::<A>::clone(&name),
+                        mode,
+                        policy.waits(),
+                        error,
+                    ))
+                }
+            }
+        }
+        let record = policy == WaitPolicy::SkipLocked;
+        match put_all(
+            access, &requests, &found, version, &mut taken, skipped, record,
+        ) {
+            Ok(done) => done,
+            // The call has the transaction to itself: its set cannot move.
+            Err(_) => unreachable!("a borrowed transaction's set changed during its call"),
+        }
+    }
+}
+
+/// Tries `key` on the table at once, as the transaction's call would
+/// lock it (a plain function: its locals are not kept in the waiting
+/// future).
+fn try_now<A: Access>(
+    access: &A,
+    hash: u64,
+    key: KeyOf<A>,
+    mode: Mode,
+    policy: WaitPolicy,
+) -> Result<GuardOf<A>, KeyOf<A>> {
+    let opts = access.owner().opts.lock_options(mode, policy);
+    access.owner().reach.try_lock_kept(hash, key, opts)
+}
+
+/// The claiming way: every key claimed in the set (the guards the fast
+/// path took go to their claims), then the rest taken in order, waiting
+/// where needed (boxed).
+fn claim_all<A: Access>(
+    access: &mut A,
+    mut requests: Few<Request<KeyOf<A>>>,
+    taken: Few<(usize, GuardOf<A>)>,
+    policy: WaitPolicy,
+) -> Result<Outcome<A>, Pin<Box<impl Future<Output = Outcome<A>> + '_>>>
+where
+    KeyOf<A>: Ord + Clone,
+{
+    let mut stage = Stage {
+        access,
+        entries: Few::with_capacity(requests.len()),
+        away: None,
+        upgrading: None,
+        done: false,
+    };
+    let mut taken = taken.into_iter().peekable();
+    let began = {
+        let Stage {
+            access, entries, ..
+        } = &mut stage;
+        access.with(|set| {
+            set.reserve(requests.len());
+            for (i, request) in requests.iter().enumerate() {
+                let mut mine = taken.next_if(|(at, _)| *at == i).map(|(_, guard)| guard);
+                let key = match (&request.key, &mine) {
+                    (Some(key), _) => key,
+                    (None, Some(guard)) => guard.key(),
+                    (None, None) => unreachable!("a request's key or its guard"),
+                };
+                // Pushed as soon as claimed: a panic in the next key's `Eq`
+                // leaves the stage to undo this one.
+                // A key the transaction's other call took while this one
+                // was taking it too (two shared grants) is a conflict: this
+                // call is the one in flight (its claim is given back, and a
+                // guard taken out to upgrade put back, as the stage drops).
+                let (id, kind, guard, conflict) =
+                    match set.begin(request.hash, key, request.mode, false) {
+                        Err(_busy) => return Err((i, mine)),
+                        Ok(Begin::Covered { id, .. }) => (id, Kind::Covered, None, mine.is_some()),
+                        Ok(Begin::Upgrade { id, guard }) => {
+                            (id, Kind::Upgrade, Some(guard), mine.is_some())
+                        }
+                        Ok(Begin::New { id }) => (id, Kind::New, mine.take(), false),
+                    };
+                entries.push(Staged {
+                    hash: request.hash,
+                    id,
+                    kind,
+                    guard,
+                    upgraded: false,
+                    skipped: false,
+                });
+                if conflict {
+                    return Err((i, mine));
+                }
+            }
+            Ok(())
+        })
+    };
+    // Whatever is left of the fast path's guards is released here (had the
+    // transaction ended, or a claim failed), after unlocking.
+    drop(taken);
+    match began {
+        Err(Ended) => return Ok(Err(TransactionError::Ended)),
+        Ok(Err((i, mine))) => {
+            let key = match (requests[i].key.take(), mine) {
+                (Some(key), _) => key,
+                (None, Some(guard)) => guard.key().clone(),
+                (None, None) => unreachable!("a request's key or its guard"),
+            };
+            return Ok(Err(TransactionError::InFlight { key }));
+        }
+        Ok(Ok(())) => {}
+    }
+
+    // Every key that can be had at once, in order, until the first that
+    // must be waited for (or upgraded): the rest is the slow path's.
+    for (i, request) in requests.iter_mut().enumerate() {
+        match stage.entries[i].kind {
+            Kind::Covered => continue,
+            Kind::Upgrade => return Err(Box::pin(wait_rest(stage, requests, i, policy))),
+            Kind::New if stage.entries[i].guard.is_some() => continue,
+            Kind::New => {
+                let key = request.key.take().expect("locked once");
+                let opts = stage.access.owner().opts.lock_options(request.mode, policy);
+                match stage
+                    .access
+                    .owner()
+                    .reach
+                    .try_lock_kept(request.hash, key, opts)
+                {
+                    Ok(guard) => stage.entries[i].guard = Some(guard),
+                    Err(key) => {
+                        request.key = Some(key);
+                        return Err(Box::pin(wait_rest(stage, requests, i, policy)));
+                    }
+                }
+            }
+        }
+    }
+    Ok(stage.finish(&mut requests, policy == WaitPolicy::SkipLocked))
+}
+
+/// The slow path: the requests from `from` on, waiting where needed.
+///
+/// A plain function returning an `async move` block, for the size of its
+/// boxed future (see [`wait_sole`]).
+// Not an `async fn`: see the doc above.
+#[allow(clippy::manual_async_fn)]
+fn wait_rest<'a, A: Access>(
+    mut stage: Stage<'a, A>,
+    mut requests: Few<Request<KeyOf<A>>>,
+    from: usize,
+    policy: WaitPolicy,
+) -> impl Future<Output = Result<LockedSet<KeyOf<A>>, TransactionError<KeyOf<A>>>> + 'a
+where
+    KeyOf<A>: Ord + Clone,
+{
+    async move {
+        let skip = policy == WaitPolicy::SkipLocked;
+        for (i, request) in requests.iter_mut().enumerate().skip(from) {
+            let opts = stage.access.owner().opts.lock_options(request.mode, policy);
+            let result = match stage.entries[i].kind {
+                Kind::Covered => continue,
+                Kind::New if stage.entries[i].guard.is_some() => continue,
+                Kind::New => {
+                    let key = request.key.take().expect("locked once");
+                    // Tried at once first (it never barges past queued waiters,
+                    // so fairness is the same): an uncontended key creates no
+                    // lock future. The key goes to the table only if it takes
+                    // it; a busy one comes back for the wait.
+                    let reach = &stage.access.owner().reach;
+                    let key = match reach.try_lock_kept(request.hash, key, opts) {
+                        Ok(guard) => {
+                            stage.entries[i].guard = Some(guard);
+                            continue;
+                        }
+                        Err(key) => key,
+                    };
+                    let name = Arc::new(key.clone());
+                    let lock = stage.access.owner().reach.lock_with(key, opts);
+                    let Ok(cell) = stage.stow(Wait::Lock(Box::pin(lock))) else {
+                        return Err(TransactionError::Ended);
+                    };
+                    let wait = WaitFor {
+                        hash: request.hash,
+                        key: &name,
+                        mode: request.mode,
+                        holding: Holding::Unknown,
+                    };
+                    let polled = poll_fn(|cx| cell.poll(cx));
+                    let waited = wait_unless_ended(&mut *stage.access, wait, pin!(polled)).await;
+                    if stage.unstow().is_err() {
+                        return Err(TransactionError::Ended);
+                    }
+                    match waited {
+                        Ok(Some(Waited::Granted(guard))) => {
+                            stage.entries[i].guard = Some(guard);
+                            Ok(Ok(()))
+                        }
+                        Ok(Some(Waited::Failed(_, error))) => Ok(Err(error)),
+                        Ok(None) => Err(Stop::Ended),
+                        Err(stop) => Err(stop),
+                    }
+                }
+                Kind::Upgrade => {
+                    let guard = stage.entries[i].guard.take().expect("held");
+                    // The caller's key names the wait (never a clone of the
+                    // table's: its drop, last, comes after the flag below).
+                    let name = Arc::new(match request.key.take() {
+                        Some(key) => key,
+                        None => guard.key().clone(),
+                    });
+                    let wait = WaitFor {
+                        hash: request.hash,
+                        key: &name,
+                        mode: Mode::Exclusive,
+                        holding: Holding::Unknown,
+                    };
+                    // The upgrade owns the guard while it waits, in the
+                    // cell: the stage's undo takes it back from there.
+                    stage.upgrading = Some(i);
+                    let upgrade = Box::pin(guard.upgrade_owned(opts));
+                    let Ok(cell) = stage.stow(Wait::Upgrade(upgrade)) else {
+                        return Err(TransactionError::Ended);
+                    };
+                    let polled = poll_fn(|cx| cell.poll(cx));
+                    let waited = wait_unless_ended(&mut *stage.access, wait, pin!(polled)).await;
+                    if stage.unstow().is_err() {
+                        return Err(TransactionError::Ended);
+                    }
+                    match waited {
+                        Ok(Some(Waited::Granted(guard))) => {
+                            stage.upgrading = None;
+                            let entry = &mut stage.entries[i];
+                            entry.guard = Some(guard);
+                            entry.upgraded = true;
+                            Ok(Ok(()))
+                        }
+                        Ok(Some(Waited::Failed(guard, error))) => {
+                            stage.upgrading = None;
+                            stage.entries[i].guard = guard;
+                            Ok(Err(error))
+                        }
+                        Ok(None) => Err(Stop::Ended),
+                        // The upgrade is still in the cell: the stage's
+                        // undo takes its guard back.
+                        Err(stop) => Err(stop),
+                    }
+                }
+            };
+            match result {
+                Err(stop) => return Err(stop.into()),
+                Ok(Ok(())) => {}
+                Ok(Err(error)) if skip && is_taken(&error) => stage.entries[i].skipped = true,
+                Ok(Err(error)) => return Err(stage.fail(i, request.mode, policy.waits(), error)),
+            }
+        }
+        stage.finish(&mut requests, skip)
+    }
+}
+
+/// Takes up to `limit` of `candidates`, in their order, each only if it
+/// can be had at once (PostgreSQL's `LIMIT n FOR UPDATE SKIP LOCKED`): a
+/// key the transaction holds in a covering mode counts (re-entered), one
+/// it holds shared and asks exclusive is upgraded if that can be done at
+/// once, and a key that cannot be had at once is skipped (an upgrade's key
+/// stays shared). It stops once `limit` keys are taken, leaving the rest
+/// untouched. Each candidate is a lock of its own that never waits, so the
+/// order cannot deadlock; an error other than a key being taken ends the
+/// call, the keys taken before it staying the transaction's (as a sequence
+/// of `NOWAIT` locks would leave them).
+pub(crate) async fn lock_up_to<A: Access>(
+    mut access: A,
+    limit: usize,
+    candidates: Vec<(KeyOf<A>, Mode)>,
+) -> Outcome<A>
+where
+    KeyOf<A>: Clone,
+{
+    let mut out = LockedSet::new(Vec::new());
+    let mut failed = None;
+    for (key, mode) in candidates {
+        if out.keys.len() == limit {
+            break;
+        }
+        let name = key.clone();
+        let got = match single::lock_now(&mut access, key, mode, WaitPolicy::NoWait) {
+            Ok(done) => done,
+            Err(wait) => { wait }.await,
+        };
+        match got {
+            Ok(acquired) => {
+                out.count(acquired.kind);
+                out.keys.push((name, acquired.kind));
+            }
+            Err(TransactionError::Busy { .. }) => out.skipped.push(name),
+            Err(TransactionError::Lock { error, .. }) if is_taken(&error) => {
+                out.skipped.push(name);
+            }
+            Err(error) => {
+                failed = Some(error);
+                break;
+            }
+        }
+    }
+    let out = match failed {
+        None => Ok(out),
+        Some(error) => Err(error),
+    };
+    access.owner().note(&out);
+    out
+}

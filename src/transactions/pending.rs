@@ -1,0 +1,304 @@
+//! What a waiting call holds outside its transaction's set, shared
+//! between the call and its transaction, so that the transaction owns its
+//! grants whatever the call's future does.
+//!
+//! A call that must wait keeps, in a [`Pending`] cell (a heap cell behind a
+//! small spin lock, reached by an `Arc` from the call and from the
+//! transaction's list of pending calls: `Transaction::pending`, or the
+//! owned form's state), everything of the table it has outside the set
+//! while it waits: the wait itself (a new key's table lock future, its
+//! waiter node and the grant once one is handed to it; or an upgrade,
+//! which owns the guard it upgrades) and the guards it has taken and not
+//! yet put into the set (a `lock_all`'s keys taken before the one it waits
+//! for, and the held keys it claimed to upgrade). The call polls the wait
+//! through the cell, puts its guards in before it suspends and takes them
+//! back when it resumes, and, however it stops waiting (done, failed,
+//! dropped), takes itself off the list. A call future that is forgotten
+//! (`mem::forget` of its box: safe Rust) never does: its cell stays on the
+//! list, and when the transaction ends (commit, abort, drop) it cancels
+//! every cell still there, dropping what it holds, which does what
+//! dropping any lock future and guard does: a waiter leaves the queue, a
+//! grant handed to it and never observed passes on, an upgrade is undone
+//! and its guard released, a guard releases its key. So nothing of a
+//! transaction stays held after it ended, and a plain lock runs none of
+//! this: only a transaction's contended wait makes a cell.
+//!
+//! The wait is boxed inside the cell, so cancelling moves a pointer out
+//! and drops the wait after the cell's lock is released (its drop enters
+//! the table, which wakes what it must after its own unlock). A poll takes
+//! the wait out of the cell, polls it with no lock held (the poll runs user
+//! code: a waker's `clone`, which may call back into the transaction, end
+//! it even), and puts it back; an end that cancels meanwhile marks the
+//! cell, and the poll drops the wait as it returns. The cell's lock is
+//! held only for a few moves, and nothing else is locked inside it.
+
+use std::future::Future;
+use std::panic::{catch_unwind, resume_unwind, AssertUnwindSafe};
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+
+use crate::error::LockError;
+use crate::support::shard_lock::ShardMutex;
+use crate::support::token::FencingToken;
+use crate::transactions::Few;
+
+/// What a waiting call holds outside its transaction's set, cancellable by
+/// the transaction: `L` a table lock future, `U` an upgrade that owns its
+/// guard, `G` a guard.
+pub(crate) struct Pending<L, U, G> {
+    state: ShardMutex<Inner<L, U, G>>,
+}
+
+struct Inner<L, U, G> {
+    phase: Phase,
+    /// The wait, between polls.
+    wait: Option<Wait<L, U>>,
+    /// The guards the call stowed before suspending, each with the call's
+    /// own index for it.
+    guards: Few<(usize, G)>,
+}
+
+/// Only the call polls the wait (one poll at a time: the call's future is
+/// polled through `&mut`); the transaction's end may cancel the cell at
+/// any time, from any thread.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Phase {
+    /// The call's: the wait, if any, is in the cell between polls.
+    Open,
+    /// The wait is out of the cell, being polled (no lock is held while it
+    /// is: the poll runs user code, a waker's `clone`).
+    Polling,
+    /// Cancelled (by the end, or taken back by the call's own undo): what
+    /// was in the cell is gone, and the wait is dropped by the poll that
+    /// has it out.
+    Cancelled,
+}
+
+/// A call's wait.
+pub(crate) enum Wait<L, U> {
+    /// A new key's table lock future.
+    Lock(Pin<Box<L>>),
+    /// An upgrade, owning the guard it upgrades.
+    Upgrade(Pin<Box<U>>),
+}
+
+/// How a wait ended.
+pub(crate) enum Waited<G> {
+    /// The new key's guard, or the upgraded one.
+    Granted(G),
+    /// The wait failed; an upgrade's guard is back, shared.
+    Failed(Option<G>, LockError),
+}
+
+/// The transaction ended (or the call gave its cell up).
+#[derive(Debug)]
+pub(crate) struct Cancelled;
+
+impl<L, U, G> Pending<L, U, G> {
+    pub(crate) fn new() -> Arc<Self> {
+        Arc::new(Self {
+            state: ShardMutex::new(Inner {
+                phase: Phase::Open,
+                wait: None,
+                guards: Few::new(),
+            }),
+        })
+    }
+
+    /// Puts the call's next wait into the cell; `Err` (the wait dropped,
+    /// after the cell's lock is released) if it was cancelled.
+    pub(crate) fn start(&self, wait: Wait<L, U>) -> Result<(), Cancelled> {
+        let mut state = self.state.lock();
+        if state.phase == Phase::Cancelled {
+            drop(state);
+            drop(wait);
+            return Err(Cancelled);
+        }
+        debug_assert!(state.wait.is_none(), "one wait at a time");
+        state.wait = Some(wait);
+        Ok(())
+    }
+
+    /// Stows the call's guards in the cell before it suspends; `Err` (the
+    /// guards released, after the cell's lock is released) if it was
+    /// cancelled.
+    pub(crate) fn stow(
+        &self,
+        guards: impl IntoIterator<Item = (usize, G)>,
+    ) -> Result<(), Cancelled> {
+        let mut state = self.state.lock();
+        if state.phase == Phase::Cancelled {
+            drop(state);
+            drop(guards.into_iter().collect::<Few<_>>());
+            return Err(Cancelled);
+        }
+        state.guards.extend(guards);
+        Ok(())
+    }
+
+    /// Takes the stowed guards back as the call resumes; `Err` if the cell
+    /// was cancelled (they were released).
+    pub(crate) fn unstow(&self) -> Result<Few<(usize, G)>, Cancelled> {
+        let mut state = self.state.lock();
+        if state.phase == Phase::Cancelled {
+            return Err(Cancelled);
+        }
+        Ok(std::mem::take(&mut state.guards))
+    }
+
+    /// Cancels the cell (the transaction ended): its wait and guards are
+    /// dropped here, after the cell's lock is released; a wait being polled
+    /// is dropped by its poll as it ends.
+    pub(crate) fn cancel(&self) {
+        let (wait, guards) = {
+            let mut state = self.state.lock();
+            state.phase = Phase::Cancelled;
+            (state.wait.take(), std::mem::take(&mut state.guards))
+        };
+        // The wait first: an upgrade is undone before its guard goes.
+        drop(wait);
+        drop(guards);
+    }
+
+    /// The call's own undo (its future dropped, or unwinding): takes back
+    /// everything the cell holds, an upgrade's guard as `undo` gives it back
+    /// (shared), and closes the cell; `None` if the end cancelled it first
+    /// (everything was released).
+    #[allow(clippy::type_complexity)]
+    pub(crate) fn recover(
+        &self,
+        undo: impl FnOnce(Pin<&mut U>) -> Option<G>,
+    ) -> Option<(Few<(usize, G)>, Option<G>)> {
+        let (wait, guards) = {
+            let mut state = self.state.lock();
+            if state.phase == Phase::Cancelled {
+                return None;
+            }
+            state.phase = Phase::Cancelled;
+            (state.wait.take(), std::mem::take(&mut state.guards))
+        };
+        let upgraded = match wait {
+            Some(Wait::Upgrade(mut upgrade)) => undo(upgrade.as_mut()),
+            // A lock's waiter leaves its queue (its unobserved grant passes
+            // on) as it drops.
+            Some(Wait::Lock(lock)) => {
+                drop(lock);
+                None
+            }
+            None => None,
+        };
+        Some((guards, upgraded))
+    }
+}
+
+impl<L, U, G> Pending<L, U, G>
+where
+    L: Future<Output = Result<G, LockError>>,
+    U: Future<Output = (G, Result<FencingToken, LockError>)>,
+{
+    /// Polls the wait, out of the cell (no lock held while it runs):
+    /// `Ready(None)` if the cell was cancelled (the transaction ended), or
+    /// holds no wait. The wait is dropped once done or cancelled, after the
+    /// cell's lock is released; so is an output it gave after the cell was
+    /// cancelled. If the poll panics (a waker's `clone`), the wait goes
+    /// back into the cell for the call's undo, and the panic goes on.
+    pub(crate) fn poll(&self, cx: &mut Context<'_>) -> Poll<Option<Waited<G>>> {
+        let mut wait = {
+            let mut state = self.state.lock();
+            if state.phase != Phase::Open {
+                return Poll::Ready(None);
+            }
+            match state.wait.take() {
+                Some(wait) => {
+                    state.phase = Phase::Polling;
+                    wait
+                }
+                None => return Poll::Ready(None),
+            }
+        };
+        let polled = catch_unwind(AssertUnwindSafe(|| match &mut wait {
+            Wait::Lock(lock) => lock.as_mut().poll(cx).map(|out| match out {
+                Ok(guard) => Waited::Granted(guard),
+                Err(error) => Waited::Failed(None, error),
+            }),
+            Wait::Upgrade(upgrade) => upgrade.as_mut().poll(cx).map(|(guard, out)| match out {
+                Ok(_) => Waited::Granted(guard),
+                Err(error) => Waited::Failed(Some(guard), error),
+            }),
+        }));
+        let mut state = self.state.lock();
+        let cancelled = state.phase == Phase::Cancelled;
+        if !cancelled {
+            state.phase = Phase::Open;
+        }
+        match polled {
+            Err(payload) => {
+                if !cancelled {
+                    state.wait = Some(wait);
+                    drop(state);
+                } else {
+                    drop(state);
+                    drop(wait);
+                }
+                resume_unwind(payload)
+            }
+            Ok(Poll::Pending) if !cancelled => {
+                state.wait = Some(wait);
+                Poll::Pending
+            }
+            Ok(out) => {
+                drop(state);
+                drop(wait);
+                match out {
+                    Poll::Ready(out) if !cancelled => Poll::Ready(Some(out)),
+                    // The transaction ended meanwhile: the output (a guard)
+                    // is released here.
+                    out => {
+                        drop(out);
+                        Poll::Ready(None)
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// The transaction's list of its calls' cells: one inline (a transaction
+/// rarely has more than one call waiting, or forgotten, at a time), so a
+/// transaction's first wait allocates no list.
+pub(crate) type PendingList<L, U, G> = smallvec::SmallVec<[Arc<Pending<L, U, G>>; 1]>;
+
+/// Cancels every cell of `list` (the transaction ended): each forgotten
+/// call's waiter leaves its queue, or its unobserved grant passes on, and
+/// its guards are released. A panic in one (a key's `Drop`) does not keep
+/// the others from being cancelled; the first is resumed at the end.
+pub(crate) fn cancel_all<L, U, G>(list: PendingList<L, U, G>) {
+    let mut panic = None;
+    for pending in list {
+        if let Err(payload) = catch_unwind(AssertUnwindSafe(|| pending.cancel())) {
+            panic.get_or_insert(payload);
+        }
+    }
+    if let Some(payload) = panic {
+        resume_unwind(payload);
+    }
+}
+
+/// Puts `pending` on `list`, first dropping the cells of calls that are
+/// gone (only the list holds them: a call cancelled or recovered its cell
+/// as it ended). A forgotten call's cell stays: its call never ended.
+pub(crate) fn push<L, U, G>(list: &mut PendingList<L, U, G>, pending: &Arc<Pending<L, U, G>>) {
+    list.retain(|p| Arc::strong_count(p) > 1);
+    list.push(Arc::clone(pending));
+}
+
+/// The call's hold on its cell: cancels it when dropped (the call's future
+/// dropped, or done), so a dropped call leaves nothing queued or held.
+pub(crate) struct CancelOnDrop<L, U, G>(pub(crate) Arc<Pending<L, U, G>>);
+
+impl<L, U, G> Drop for CancelOnDrop<L, U, G> {
+    fn drop(&mut self) {
+        self.0.cancel();
+    }
+}

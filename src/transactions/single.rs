@@ -1,0 +1,450 @@
+//! One key: a transaction's re-entrant lock (count, upgrade or take), and
+//! the operations over every key it holds (check, renew).
+//!
+//! A lock first looks at the held set and, for a new key, tries it on the
+//! table, in one step on the set ([`Access::fast`]; in the owned form under
+//! the set's lock, the table's shard locked inside it, nothing woken or
+//! dropped until both are released): a key held in a covering mode is
+//! counted and the call returns at once; a new key had at once goes into
+//! the set — no claim, no copy of the key, and no other call of the
+//! transaction can see it in between, so two locks of one new key at once
+//! take it once and count it once. What that step does not finish — a key
+//! held shared and asked exclusive, a key not free at once, a key busy
+//! with another call — is claimed ([`HeldSet::begin`]): a key held shared
+//! and asked exclusive has its guard taken out and upgraded; a new key that
+//! was not free waits on the table (a second call for a key claimed by a
+//! pending one fails [`InFlight`](TransactionError::InFlight)). Until the
+//! call settles, a [`Claim`] owns what it took: dropped (the future
+//! cancelled, or unwinding), it gives the upgraded-or-not guard back as the
+//! cancelled upgrade left it (shared), and releases a new key's guard, so a
+//! cancelled call leaves the transaction as it was.
+//!
+//! Everything up to the wait runs in a plain function (`lock_now`), and the
+//! wait is boxed: the lock future keeps only its arguments and one pointer,
+//! so moving it (into `pin!`, into a caller's future) copies little, and an
+//! uncontended lock allocates nothing.
+
+use std::future::{poll_fn, Future};
+use std::panic::{catch_unwind, resume_unwind, AssertUnwindSafe};
+use std::pin::{pin, Pin};
+use std::sync::Arc;
+use std::time::Duration;
+
+use crate::keys::deferred::Leftovers;
+use crate::support::mode::Mode;
+use crate::transactions::access::{
+    wait_unless_ended, Access, Ended, Fast, GuardOf, Holding, KeyOf, PendingOf, SetOf, WaitFor,
+};
+use crate::transactions::error::TransactionError;
+use crate::transactions::held::{AcquireKind, Acquired, Begin, HeldSet};
+use crate::transactions::pending::{Wait, Waited};
+use crate::transactions::policy::WaitPolicy;
+use crate::transactions::reach::{GuardOps, Reach};
+
+/// A pending call's hold on one slot of the set; gives it back when
+/// dropped unless settled.
+struct Claim<'a, A: Access> {
+    access: &'a mut A,
+    hash: u64,
+    id: u64,
+    /// The guard being upgraded, or the new key's once granted.
+    guard: Option<GuardOf<A>>,
+    /// The cell of the call's wait (`pending.rs`), which has the guard
+    /// while an upgrade waits: taken back (the upgrade undone, shared) if
+    /// the call is dropped, cancelled if the transaction ends first.
+    away: Option<Arc<PendingOf<A::R>>>,
+    settled: bool,
+}
+
+impl<A: Access> Claim<'_, A> {
+    /// Puts the guard into the set and counts the grant.
+    #[inline]
+    fn settle(mut self, kind: AcquireKind) -> Result<Acquired, TransactionError<KeyOf<A>>> {
+        self.settled = true;
+        let (hash, id, guard) = (self.hash, self.id, self.guard.take());
+        let settled = self.access.with(|set| set.settle(hash, id, guard, kind));
+        match settled {
+            Ok(Ok((acquired, name))) => {
+                drop(name);
+                Ok(acquired)
+            }
+            // The transaction ended meanwhile: the guard is released here.
+            Ok(Err(_)) | Err(Ended) => Err(TransactionError::Ended),
+        }
+    }
+
+    /// Gives the slot back without a grant; returns the key's clone, for
+    /// the error.
+    fn abandon(mut self) -> Option<KeyOf<A>> {
+        self.settled = true;
+        let (hash, id, guard) = (self.hash, self.id, self.guard.take());
+        match self.access.with(|set| set.abandon(hash, id, guard)) {
+            Ok((name, rest)) => {
+                drop(rest);
+                name
+            }
+            Err(Ended) => None,
+        }
+    }
+}
+
+impl<A: Access> Drop for Claim<'_, A> {
+    fn drop(&mut self) {
+        if let Some(away) = self.away.take() {
+            // The call's own undo: its wait goes (a new key's waiter leaves
+            // the queue), an upgrade's guard comes back, shared.
+            if let Some((_, upgraded)) = away.recover(GuardOf::<A>::upgrade_undone) {
+                if upgraded.is_some() {
+                    self.guard = upgraded;
+                }
+            }
+        }
+        if self.settled {
+            return;
+        }
+        let (hash, id, guard) = (self.hash, self.id, self.guard.take());
+        // If the transaction ended, `with` does not run and the guard is
+        // dropped (released) with the closure.
+        if let Ok((name, rest)) = self.access.with(|set| set.abandon(hash, id, guard)) {
+            drop(rest);
+            drop(name);
+        }
+    }
+}
+
+/// Locks `key` in `mode` for the transaction; see the module doc.
+///
+/// The uncontended path runs without a future of the table's: a new key is
+/// first tried at once (`try_lock_with`, which never barges past queued
+/// waiters, so fairness is the same); only a key that must be waited for
+/// (or named with its holder, under a policy that does not wait) goes to
+/// the boxed slow path, so this future stays a few words.
+pub(crate) async fn lock<A: Access>(
+    mut access: A,
+    key: KeyOf<A>,
+    mode: Mode,
+    policy: WaitPolicy,
+) -> Result<Acquired, TransactionError<KeyOf<A>>>
+where
+    KeyOf<A>: Clone,
+{
+    // Everything but the wait happens in a plain function, so that this
+    // future keeps only its arguments and a box across its one await.
+    let out = match lock_now(&mut access, key, mode, policy) {
+        Ok(done) => done,
+        Err(wait) => { wait }.await,
+    };
+    access.owner().note(&out);
+    out
+}
+
+/// The lock as far as it goes without waiting: done, or the boxed wait.
+#[allow(clippy::type_complexity)]
+pub(crate) fn lock_now<A: Access>(
+    access: &mut A,
+    key: KeyOf<A>,
+    mode: Mode,
+    policy: WaitPolicy,
+) -> Result<
+    Result<Acquired, TransactionError<KeyOf<A>>>,
+    Pin<Box<impl Future<Output = Result<Acquired, TransactionError<KeyOf<A>>>> + '_>>,
+>
+where
+    KeyOf<A>: Clone,
+{
+    let hash = access.owner().reach.table().hash(&key);
+    let opts = access.owner().opts.lock_options(mode, policy);
+    // The fast path (see `Access::fast`): a covered key is counted; a new
+    // key is tried on the table and put in, in one step on the set (no
+    // claim, no copy of the key). What the table leaves to do after its
+    // shard's unlock, and a copy of the key it did not keep, are dropped
+    // here, after the set's lock (owned form) is released.
+    let mut spare = None;
+    let fast = {
+        // Dropped in place at the block's end (a `drop(left)` would move,
+        // and so copy, the whole record first).
+        let mut left = Leftovers::default();
+        access.fast(hash, key, mode, |owner, key| {
+            let (got, unkept) = owner.reach.try_lock_leaving(hash, key, opts, &mut left);
+            spare = unkept;
+            got
+        })
+    };
+    drop(spare);
+    let (tried, mut key) = match fast {
+        Fast::Done(acquired) => return Ok(Ok(acquired)),
+        // Not free at once (or options the wait will report): the
+        // claiming path, which waits with the claim's copy.
+        Fast::NotFree(key) => (true, key),
+        Fast::Other(key) => (false, key),
+        Fast::Ended(key) => {
+            drop(key);
+            return Ok(Err(TransactionError::Ended));
+        }
+    };
+    let begun = match access.with(|set| set.begin(hash, &key, mode, true)) {
+        Err(Ended) => return Ok(Err(TransactionError::Ended)),
+        Ok(Err(_busy)) => return Ok(Err(TransactionError::InFlight { key })),
+        Ok(Ok(begun)) => begun,
+    };
+    let (id, guard) = match begun {
+        Begin::Covered { acquired, .. } => return Ok(Ok(acquired)),
+        Begin::New { id } => (id, None),
+        Begin::Upgrade { id, guard } => (id, Some(guard)),
+    };
+    let upgrading = guard.is_some();
+    let mut claim = Claim {
+        access,
+        hash,
+        id,
+        guard,
+        away: None,
+        settled: false,
+    };
+    if !upgrading && !tried {
+        let opts = claim.access.owner().opts.lock_options(mode, policy);
+        // The hash is the one the held set was searched with: the key is
+        // not hashed twice. A key that cannot be had at once (or invalid
+        // options, which the wait reports) goes to the wait, which locks
+        // the claim's copy of it.
+        match claim.access.owner().reach.try_lock_kept(hash, key, opts) {
+            Ok(guard) => {
+                claim.guard = Some(guard);
+                return Ok(claim.settle(AcquireKind::New));
+            }
+            Err(k) => key = k,
+        }
+    }
+    Err(Box::pin(wait(claim, upgrading, key, mode, policy)))
+}
+
+/// The slow path: a new key that was not free at once, or an upgrade.
+///
+/// `key` is the caller's: it names the wait for deadlock detection, and
+/// drops (after the call settled) at the end.
+async fn wait<A: Access>(
+    claim: Claim<'_, A>,
+    upgrading: bool,
+    key: KeyOf<A>,
+    mode: Mode,
+    policy: WaitPolicy,
+) -> Result<Acquired, TransactionError<KeyOf<A>>>
+where
+    KeyOf<A>: Clone,
+{
+    let name = Arc::new(key);
+    if upgrading {
+        upgrade(claim, &name, mode, policy).await
+    } else {
+        wait_new(claim, &name, mode, policy).await
+    }
+}
+
+/// A new key that was not free at once: wait for it on the table (under a
+/// policy that does not wait, the zero-timeout wait names the holder).
+async fn wait_new<A: Access>(
+    mut claim: Claim<'_, A>,
+    name: &Arc<KeyOf<A>>,
+    mode: Mode,
+    policy: WaitPolicy,
+) -> Result<Acquired, TransactionError<KeyOf<A>>>
+where
+    KeyOf<A>: Clone,
+{
+    // The caller's key went to the attempt: lock with the claim's clone.
+    let (hash, id) = (claim.hash, claim.id);
+    let key = match claim.access.with(|set| set.name(hash, id).cloned()) {
+        Ok(Some(key)) => key,
+        Ok(None) | Err(Ended) => return Err(TransactionError::Ended),
+    };
+    let opts = claim.access.owner().opts.lock_options(mode, policy);
+    // The lock future lives in a cell the transaction can reach too, so
+    // that if this call's future is forgotten, the transaction's end still
+    // takes its waiter out of the queue, or passes on its grant
+    // (`pending.rs`); dropped, the call takes it back itself (the claim).
+    let cell = PendingOf::<A::R>::new();
+    let lock = claim.access.owner().reach.lock_with(key, opts);
+    if cell.start(Wait::Lock(Box::pin(lock))).is_err() || claim.access.pend(&cell).is_err() {
+        return Err(TransactionError::Ended);
+    }
+    claim.away = Some(Arc::clone(&cell));
+    // The borrowed form's only call: nothing else can take a key for the
+    // transaction while it waits, so it holds its set's keys (and those of
+    // a call it forgot while it waited: the set counts those).
+    let holding = if !A::SOLE {
+        Holding::Unknown
+    } else if claim
+        .access
+        .with(|set| set.holds_nothing())
+        .unwrap_or(false)
+    {
+        Holding::Nothing
+    } else {
+        Holding::TheSet
+    };
+    let wait = WaitFor {
+        hash,
+        key: name,
+        mode,
+        holding,
+    };
+    let polled = poll_fn(|cx| cell.poll(cx));
+    match wait_unless_ended(&mut *claim.access, wait, pin!(polled)).await {
+        Err(stop) => Err(stop.into()),
+        // Cancelled: the transaction ended.
+        Ok(None) => Err(TransactionError::Ended),
+        Ok(Some(Waited::Granted(guard))) => {
+            claim.guard = Some(guard);
+            claim.settle(AcquireKind::New)
+        }
+        Ok(Some(Waited::Failed(_, error))) => match claim.abandon() {
+            Some(key) => Err(TransactionError::from_lock(
+                key,
+                mode,
+                policy.waits(),
+                error,
+            )),
+            None => Err(TransactionError::Ended),
+        },
+    }
+}
+
+/// A key held shared, asked exclusive: upgrade its guard.
+async fn upgrade<A: Access>(
+    mut claim: Claim<'_, A>,
+    name: &Arc<KeyOf<A>>,
+    mode: Mode,
+    policy: WaitPolicy,
+) -> Result<Acquired, TransactionError<KeyOf<A>>>
+where
+    KeyOf<A>: Clone,
+{
+    let opts = claim.access.owner().opts.lock_options(mode, policy);
+    // The upgrade owns the guard while it waits, in a cell the transaction
+    // can reach too (`pending.rs`): forgotten, the call's guard is still
+    // released when the transaction ends; dropped, the claim takes it back
+    // (shared).
+    let guard = claim.guard.take().expect("set by the caller");
+    let cell = PendingOf::<A::R>::new();
+    let started = cell.start(Wait::Upgrade(Box::pin(guard.upgrade_owned(opts))));
+    debug_assert!(started.is_ok(), "a new cell");
+    claim.away = Some(Arc::clone(&cell));
+    if claim.access.pend(&cell).is_err() {
+        return Err(TransactionError::Ended);
+    }
+    let wait = WaitFor {
+        hash: claim.hash,
+        key: name,
+        mode: Mode::Exclusive,
+        holding: Holding::Unknown,
+    };
+    let polled = poll_fn(|cx| cell.poll(cx));
+    let upgraded = wait_unless_ended(&mut *claim.access, wait, pin!(polled)).await;
+    match upgraded {
+        Err(stop) => Err(stop.into()),
+        Ok(None) => Err(TransactionError::Ended),
+        Ok(Some(Waited::Granted(guard))) => {
+            claim.guard = Some(guard);
+            claim.settle(AcquireKind::Upgraded)
+        }
+        Ok(Some(Waited::Failed(guard, error))) => {
+            claim.guard = guard;
+            match claim.abandon() {
+                Some(key) => Err(TransactionError::from_lock(
+                    key,
+                    mode,
+                    policy.waits(),
+                    error,
+                )),
+                None => Err(TransactionError::Ended),
+            }
+        }
+    }
+}
+
+/// The first grant of the set that has lost its key, if any, as an error
+/// naming it.
+pub(crate) fn first_lost<G, K>(
+    set: &HeldSet<G, K>,
+    left: &mut Settled<K>,
+) -> Option<TransactionError<K>>
+where
+    G: GuardOps<Key = K>,
+    K: Eq + Clone,
+{
+    set.guards().find_map(|guard| {
+        let checked = left.leaving(|left| guard.check_leaving(left));
+        checked.err().map(|_| TransactionError::Expired {
+            key: guard.key().clone(),
+            token: guard.token(),
+        })
+    })
+}
+
+/// What checks and renewals of a set's grants leave to do (wakes, drops
+/// of what they settled), one record per visit that left anything: done
+/// when dropped, after the set's lock (owned form) is released, so no
+/// waker runs under it.
+pub(crate) struct Settled<K>(Vec<Leftovers<K>>);
+
+impl<K> Drop for Settled<K> {
+    fn drop(&mut self) {
+        // Every record's work is done even if one's wake panics (then the
+        // first panic goes on once all are done).
+        let mut first = None;
+        for mut left in self.0.drain(..) {
+            if let Err(payload) = catch_unwind(AssertUnwindSafe(|| left.flush())) {
+                first.get_or_insert(payload);
+            }
+        }
+        if let Some(payload) = first {
+            resume_unwind(payload);
+        }
+    }
+}
+
+impl<K> Settled<K> {
+    pub(crate) fn new() -> Self {
+        Self(Vec::new())
+    }
+
+    /// Runs one table visit with a record of its own, kept if it left work.
+    fn leaving<T>(&mut self, visit: impl FnOnce(&mut Leftovers<K>) -> T) -> T {
+        let mut left = Leftovers::default();
+        let out = visit(&mut left);
+        if left.is_dirty() {
+            self.0.push(left);
+        }
+        out
+    }
+}
+
+/// Renews every grant of the set with `lease`, all or nothing as far as a
+/// lapse goes: every grant is checked first and none is renewed if one has
+/// lost its key (the error names it). Without a lease, only the check.
+pub(crate) fn renew<R: Reach>(
+    set: &SetOf<R>,
+    lease: Option<Duration>,
+    left: &mut Settled<R::Key>,
+) -> Result<(), TransactionError<R::Key>>
+where
+    R::Key: Clone,
+{
+    if let Some(err) = first_lost(set, left) {
+        return Err(err);
+    }
+    let Some(lease) = lease else {
+        return Ok(());
+    };
+    for guard in set.guards() {
+        // A grant that lapses between its check and its renewal (its
+        // deadline passed in that instant) fails here; the ones renewed
+        // before it stay renewed, which grants nothing to a transaction
+        // that cannot commit any more.
+        let renewed = left.leaving(|left| guard.renew_leaving(lease, left));
+        renewed.map_err(|error| {
+            TransactionError::from_lock(guard.key().clone(), guard.mode(), true, error)
+        })?;
+    }
+    Ok(())
+}
