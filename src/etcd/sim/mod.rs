@@ -1145,6 +1145,56 @@ mod tests {
         }
     }
 
+    /// What the scripted tests below share: a model cluster ticking every
+    /// 100 ms, one client linked through [`Scripted`] (its deletes and
+    /// keep-alives at the test's command), and its table.
+    struct Scripted3887 {
+        cluster: Arc<Cluster>,
+        ticker: tokio::task::JoinHandle<()>,
+        client: usize,
+        script: Arc<Script>,
+        table: ClusterLockTable<String>,
+    }
+
+    async fn scripted_table(ttl: Duration, request_timeout: Duration) -> Scripted3887 {
+        let cluster = Cluster::new(3887, request_timeout);
+        let ticker = {
+            let c = Arc::clone(&cluster);
+            tokio::spawn(async move {
+                loop {
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                    c.tick();
+                }
+            })
+        };
+        let link = cluster.connect();
+        let client = link.id;
+        let (sent, _) = tokio::sync::watch::channel(0);
+        let script = Arc::new(Script {
+            refuse_deletes: AtomicBool::new(false),
+            lose_next_keep_alive: AtomicBool::new(false),
+            sent,
+        });
+        let etcd: Arc<dyn Etcd> = Arc::new(Scripted {
+            link,
+            script: Arc::clone(&script),
+        });
+        let opts = ClusterOptions::new()
+            .prefix("sim")
+            .session_ttl(ttl)
+            .request_timeout(request_timeout);
+        let table = ClusterLockTable::<String>::on_model(etcd, opts, 3887)
+            .await
+            .expect("the table starts");
+        Scripted3887 {
+            cluster,
+            ticker,
+            client,
+            script,
+            table,
+        }
+    }
+
     /// Seed 3887's defect, made directly: a release whose deletes are
     /// refused gives up at the session's bound while a keep-alive sent
     /// before the bound is still on its way (a slow link: a stream takes
@@ -1165,35 +1215,13 @@ mod tests {
         rt.block_on(async {
             let ttl = Duration::from_secs(3);
             let request_timeout = Duration::from_secs(1);
-            let cluster = Cluster::new(3887, request_timeout);
-            let ticker = {
-                let c = Arc::clone(&cluster);
-                tokio::spawn(async move {
-                    loop {
-                        tokio::time::sleep(Duration::from_millis(100)).await;
-                        c.tick();
-                    }
-                })
-            };
-            let link = cluster.connect();
-            let client = link.id;
-            let (sent, _) = tokio::sync::watch::channel(0);
-            let script = Arc::new(Script {
-                refuse_deletes: AtomicBool::new(false),
-                lose_next_keep_alive: AtomicBool::new(false),
-                sent,
-            });
-            let etcd: Arc<dyn Etcd> = Arc::new(Scripted {
-                link,
-                script: Arc::clone(&script),
-            });
-            let opts = ClusterOptions::new()
-                .prefix("sim")
-                .session_ttl(ttl)
-                .request_timeout(request_timeout);
-            let table = ClusterLockTable::<String>::on_model(etcd, opts, 3887)
-                .await
-                .expect("the table starts");
+            let Scripted3887 {
+                cluster,
+                ticker,
+                client,
+                script,
+                table,
+            } = scripted_table(ttl, request_timeout).await;
             let first = table.lock("k".to_owned()).await.expect("the first lock");
             let token = first.token();
             let lease = first.lease_id();
@@ -1254,35 +1282,13 @@ mod tests {
         rt.block_on(async {
             let ttl = Duration::from_secs(3);
             let request_timeout = Duration::from_secs(1);
-            let cluster = Cluster::new(3887, request_timeout);
-            let ticker = {
-                let c = Arc::clone(&cluster);
-                tokio::spawn(async move {
-                    loop {
-                        tokio::time::sleep(Duration::from_millis(100)).await;
-                        c.tick();
-                    }
-                })
-            };
-            let link = cluster.connect();
-            let client = link.id;
-            let (sent, _) = tokio::sync::watch::channel(0);
-            let script = Arc::new(Script {
-                refuse_deletes: AtomicBool::new(false),
-                lose_next_keep_alive: AtomicBool::new(false),
-                sent,
-            });
-            let etcd: Arc<dyn Etcd> = Arc::new(Scripted {
-                link,
-                script: Arc::clone(&script),
-            });
-            let opts = ClusterOptions::new()
-                .prefix("sim")
-                .session_ttl(ttl)
-                .request_timeout(request_timeout);
-            let table = ClusterLockTable::<String>::on_model(etcd, opts, 3887)
-                .await
-                .expect("the table starts");
+            let Scripted3887 {
+                cluster,
+                ticker,
+                client,
+                script,
+                table,
+            } = scripted_table(ttl, request_timeout).await;
             let guard = table.lock("k".to_owned()).await.expect("the lock");
             let lease = guard.lease_id();
 
