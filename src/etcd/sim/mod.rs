@@ -1195,6 +1195,29 @@ mod tests {
         }
     }
 
+    /// A current-thread runtime on paused time.
+    fn paused_runtime() -> tokio::runtime::Runtime {
+        tokio::runtime::Builder::new_current_thread()
+            .enable_time()
+            .start_paused(true)
+            .build()
+            .expect("a current-thread runtime")
+    }
+
+    /// Slows the client's link (0.35 s each way) and, once a keep-alive
+    /// is on its way, loses the next one: the session's bound then passes
+    /// while a keep-alive sent before it is still to be answered.
+    async fn slow_link_losing_a_keep_alive(cluster: &Cluster, client: usize, script: &Script) {
+        cluster.slow(
+            client,
+            Duration::from_millis(350),
+            Duration::from_secs(3600),
+        );
+        let mut sends = script.sent.subscribe();
+        sends.changed().await.expect("a keep-alive is sent");
+        script.lose_next_keep_alive.store(true, Ordering::SeqCst);
+    }
+
     /// Seed 3887's defect, made directly: a release whose deletes are
     /// refused gives up at the session's bound while a keep-alive sent
     /// before the bound is still on its way (a slow link: a stream takes
@@ -1207,12 +1230,7 @@ mod tests {
     /// TTL + request timeout while etcd answers.
     #[test]
     fn a_release_that_gives_up_while_keep_alives_fail_never_grants_its_token_again() {
-        let rt = tokio::runtime::Builder::new_current_thread()
-            .enable_time()
-            .start_paused(true)
-            .build()
-            .expect("a current-thread runtime");
-        rt.block_on(async {
+        paused_runtime().block_on(async {
             let ttl = Duration::from_secs(3);
             let request_timeout = Duration::from_secs(1);
             let Scripted3887 {
@@ -1226,14 +1244,7 @@ mod tests {
             let token = first.token();
             let lease = first.lease_id();
 
-            cluster.slow(
-                client,
-                Duration::from_millis(350),
-                Duration::from_secs(3600),
-            );
-            let mut sends = script.sent.subscribe();
-            sends.changed().await.expect("a keep-alive is sent");
-            script.lose_next_keep_alive.store(true, Ordering::SeqCst);
+            slow_link_losing_a_keep_alive(&cluster, client, &script).await;
             script.refuse_deletes.store(true, Ordering::SeqCst);
             let released = first.unlock().await;
             assert!(
@@ -1274,12 +1285,7 @@ mod tests {
     /// key). The session is lost instead, and the next lock starts anew.
     #[test]
     fn a_keep_alive_answered_after_the_bound_does_not_revive_the_session() {
-        let rt = tokio::runtime::Builder::new_current_thread()
-            .enable_time()
-            .start_paused(true)
-            .build()
-            .expect("a current-thread runtime");
-        rt.block_on(async {
+        paused_runtime().block_on(async {
             let ttl = Duration::from_secs(3);
             let request_timeout = Duration::from_secs(1);
             let Scripted3887 {
@@ -1292,14 +1298,7 @@ mod tests {
             let guard = table.lock("k".to_owned()).await.expect("the lock");
             let lease = guard.lease_id();
 
-            cluster.slow(
-                client,
-                Duration::from_millis(350),
-                Duration::from_secs(3600),
-            );
-            let mut sends = script.sent.subscribe();
-            sends.changed().await.expect("a keep-alive is sent");
-            script.lose_next_keep_alive.store(true, Ordering::SeqCst);
+            slow_link_losing_a_keep_alive(&cluster, client, &script).await;
 
             // Watch `check()` for two TTLs: once it has failed it stays
             // failed.
