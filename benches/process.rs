@@ -16,12 +16,14 @@
 //!   --new-keys N` prints the same with the disk per idle key after
 //!   `prune`.
 //! - `process_calls`: the system calls one uncontended lock+unlock of the
-//!   process scope makes (three: lock slot 0, `fstat`, unlock; see
-//!   BENCHMARKS.md), made by hand on an open file with nothing else, as a
-//!   sequence and one by one: the floor of the design, and what each call
-//!   costs; the same with `flock` (the alternative of one slot file per
-//!   slot), and the seven calls of format 2 (a state lock, `pread` and
-//!   `pwrite` of the state) for comparison.
+//!   process scope makes (four: lock slot 0, a `stat` of the key's path,
+//!   an `fstat` before the release's store, unlock; `today_four_in_sequence`;
+//!   see BENCHMARKS.md), made by hand on an open file with nothing else, as
+//!   a sequence and one by one: the floor of the design, and what each call
+//!   costs (the path's `stat` also relative to an open directory); the
+//!   older three-call sequence, the same with `flock` (the alternative of
+//!   one slot file per slot), and the seven calls of format 2 (a state
+//!   lock, `pread` and `pwrite` of the state) for comparison.
 //! - `process_handoff_round_trip`: two processes hand one key back and
 //!   forth. Each round trip is two handoffs: the partner process (this bench
 //!   binary re-invoked) and this one each take the key, find it is their
@@ -50,7 +52,10 @@
 //!   median and the 10th and 90th percentiles of every handoff measured.
 //!   `keylock` waits with `blocking_lock`, `keylock_async` with the async
 //!   `lock` under `futures::executor::block_on` (through the scope's helper
-//!   thread and the waiter's waker).
+//!   thread and the waiter's waker). `wake_hop` is not a lock: one thread
+//!   waking a future parked in `block_on` on another, the step an async
+//!   waiter adds to a kernel handoff (its helper thread is woken by the
+//!   kernel, then wakes the future).
 //!
 //! Each sample spawns a partner process and times from its "ready" line to
 //! the end of this process's share of the round trips (or sums the
@@ -296,6 +301,54 @@ fn play_waiting(
     latencies
 }
 
+/// `hops` times: a thread, 200 µs after a future parked `block_on`'s thread
+/// (so that it sleeps), reads the clock and wakes the future's waker; the
+/// latency is from that reading to the future running again. This is the
+/// step an async waiter of the process scope adds to a kernel handoff: the
+/// kernel wakes the helper thread blocked in the lock call (as it wakes a
+/// blocked `flock` caller), and the helper wakes the future.
+fn wake_hops(hops: u64) -> Duration {
+    use std::sync::{Arc, Mutex};
+    use std::task::{Poll, Waker};
+    #[derive(Default)]
+    struct Hop {
+        waker: Option<Waker>,
+        woken_at: Option<Instant>,
+    }
+    let mut total = Duration::ZERO;
+    for _ in 0..hops {
+        let hop = Arc::new(Mutex::new(Hop::default()));
+        let theirs = Arc::clone(&hop);
+        let waker_thread = std::thread::spawn(move || loop {
+            std::thread::sleep(Duration::from_micros(200));
+            let mut hop = theirs.lock().unwrap();
+            if let Some(waker) = hop.waker.take() {
+                hop.woken_at = Some(Instant::now());
+                drop(hop);
+                waker.wake();
+                return;
+            }
+        });
+        let latency = futures::executor::block_on(std::future::poll_fn(|cx| {
+            let mut hop = hop.lock().unwrap();
+            match hop.woken_at {
+                Some(at) => Poll::Ready(at.elapsed()),
+                None => {
+                    hop.waker = Some(cx.waker().clone());
+                    Poll::Pending
+                }
+            }
+        }));
+        waker_thread.join().unwrap();
+        LATENCIES
+            .lock()
+            .unwrap()
+            .push(("wake_hop", latency.as_nanos() as u64));
+        total += latency;
+    }
+    total
+}
+
 /// Every latency `handoff_waiting` measured, by lock, for the medians
 /// printed at the end (criterion's estimates are means, which a few
 /// handoffs delayed by the scheduler of a busy machine dominate).
@@ -497,6 +550,8 @@ fn handoffs(c: &mut Criterion) {
     for kind in ["flock", "keylock", "keylock_async", "mkdir_fast"] {
         group.bench_function(kind, |b| b.iter_custom(|n| handoff_waiting(kind, n)));
     }
+    // Not a lock: the step the async path adds to a handoff, alone.
+    group.bench_function("wake_hop", |b| b.iter_custom(wake_hops));
     group.finish();
     let mut group = c.benchmark_group("process_handoff_to_a_waiter_reference");
     group
@@ -591,6 +646,39 @@ fn calls(c: &mut Criterion) {
         b.iter(|| {
             ofd(&file, libc::F_WRLCK, 1, 1);
             ofd(&file, libc::F_UNLCK, 1, 1);
+        })
+    });
+    // Today's uncontended lock + unlock, by hand: lock slot 0, `stat` of
+    // the key's path (it still names the open file, whole), `fstat` before
+    // the release's store (still whole), unlock. The floor of the design
+    // with the checks of issue 27 items 1 and 3.
+    let path = dir.join("calls.state");
+    let ino = std::os::unix::fs::MetadataExt::ino(&file.metadata().unwrap());
+    group.bench_function("today_four_in_sequence", |b| {
+        b.iter(|| {
+            flock(&file, libc::LOCK_EX | libc::LOCK_NB);
+            let meta = std::fs::metadata(&path).unwrap();
+            assert_eq!(std::os::unix::fs::MetadataExt::ino(&meta), ino);
+            assert_eq!(file.metadata().unwrap().len(), 2048);
+            flock(&file, libc::LOCK_UN);
+        })
+    });
+    group.bench_function("stat_of_the_path", |b| {
+        b.iter(|| std::fs::metadata(&path).unwrap().len())
+    });
+    // The same look relative to an open directory (one component to walk,
+    // but blind to the directory itself being moved aside).
+    let dir_fd = File::open(&dir).unwrap();
+    let name = std::ffi::CString::new("calls.state").unwrap();
+    group.bench_function("stat_relative_to_the_directory", |b| {
+        b.iter(|| {
+            // SAFETY: all zeros is a valid `stat` struct, filled by the call.
+            let mut st: libc::stat = unsafe { std::mem::zeroed() };
+            // SAFETY: `dir_fd` stays open, `name` is a C string, `st` is
+            // borrowed for the call.
+            let rc = unsafe { libc::fstatat(dir_fd.as_raw_fd(), name.as_ptr(), &mut st, 0) };
+            assert_eq!(rc, 0, "fstatat");
+            st.st_ino
         })
     });
     group.bench_function("fstat", |b| b.iter(|| file.metadata().unwrap().len()));
