@@ -11,23 +11,42 @@ use crate::support::token::FencingToken;
 /// let table = keylock::LockTable::new();
 /// let _held = table.try_lock("k").unwrap();
 /// let err = table.try_lock("k").unwrap_err();
-/// assert_eq!(err, keylock::TryLockError::WouldBlock);
+/// assert_eq!(err, keylock::TryLockError::WouldBlock { key: None });
+///
+/// // A table that names keys says which one.
+/// let table = keylock::LockTable::builder().name_keys().build();
+/// let _held = table.try_lock("k").unwrap();
+/// let err = table.try_lock("k").unwrap_err();
+/// assert_eq!(err.to_string(), "key \"k\" is held or already awaited; use `lock().await` to queue for it");
 /// ```
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 #[non_exhaustive]
 pub enum TryLockError {
     /// The key is held, or other callers already wait for it and are served
     /// first.
-    WouldBlock,
+    WouldBlock {
+        /// The key, by its `Debug` form, if the table names keys
+        /// ([`Builder::name_keys`](crate::Builder::name_keys)).
+        key: Option<Box<str>>,
+    },
 }
 
 impl fmt::Display for TryLockError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
-            Self::WouldBlock => {
-                f.write_str("key is held or already awaited; use `lock().await` to queue for it")
+            Self::WouldBlock { key } => {
+                write_key(f, key)?;
+                f.write_str(" is held or already awaited; use `lock().await` to queue for it")
             }
         }
+    }
+}
+
+/// "key K" if the error names its key, else "the key".
+fn write_key(f: &mut fmt::Formatter<'_>, key: &Option<Box<str>>) -> fmt::Result {
+    match key {
+        Some(key) => write!(f, "key {key}"),
+        None => f.write_str("the key"),
     }
 }
 
@@ -48,7 +67,11 @@ impl std::error::Error for TryLockError {}
 #[non_exhaustive]
 pub enum LockError {
     /// The key is held or awaited and the caller would not wait.
-    WouldBlock,
+    WouldBlock {
+        /// The key, by its `Debug` form, if the table names keys
+        /// ([`Builder::name_keys`](crate::Builder::name_keys)).
+        key: Option<Box<str>>,
+    },
     /// The wait ran out.
     Timeout {
         /// How long the caller waited.
@@ -78,6 +101,9 @@ pub enum LockError {
     Expired {
         /// The token of the grant that lapsed.
         token: FencingToken,
+        /// Its key, by its `Debug` form, if the table names keys
+        /// ([`Builder::name_keys`](crate::Builder::name_keys)).
+        key: Option<Box<str>>,
     },
     /// [`release_hold`](crate::LockTable::release_hold) was given a token
     /// that names no hold of the key: it was never detached as one (a
@@ -87,6 +113,9 @@ pub enum LockError {
     NoSuchHold {
         /// The token given.
         token: FencingToken,
+        /// The key given, by its `Debug` form, if the table names keys
+        /// ([`Builder::name_keys`](crate::Builder::name_keys)).
+        key: Option<Box<str>>,
     },
     /// Another shared holder of the key is already waiting to upgrade to
     /// exclusive: both would wait for the other's shared grant for ever, so
@@ -97,6 +126,9 @@ pub enum LockError {
         token: FencingToken,
         /// The shared grant already waiting to upgrade.
         upgrading: FencingToken,
+        /// The key, by its `Debug` form, if the table names keys
+        /// ([`Builder::name_keys`](crate::Builder::name_keys)).
+        key: Option<Box<str>>,
     },
     /// An option was out of range; nothing was queued.
     InvalidOptions {
@@ -114,9 +146,10 @@ pub enum LockError {
 impl fmt::Display for LockError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
-            Self::WouldBlock => f.write_str(
-                "key is held or already awaited; wait with `lock_with` or give a timeout",
-            ),
+            Self::WouldBlock { key } => {
+                write_key(f, key)?;
+                f.write_str(" is held or already awaited; wait with `lock_with` or give a timeout")
+            }
             Self::Timeout {
                 waited,
                 holder,
@@ -141,20 +174,33 @@ impl fmt::Display for LockError {
                 }
                 write!(f, ", {ahead} waiter(s) ahead")
             }
-            Self::Expired { token } => write!(
-                f,
-                "grant {token} has lost the key (lease lapsed or revoked); do not commit its work"
-            ),
-            Self::NoSuchHold { token } => write!(
-                f,
-                "no hold of this key has grant {token} (never detached as a hold, released \
-                 already, or lost and cleared); nothing was released"
-            ),
-            Self::UpgradeConflict { token, upgrading } => write!(
-                f,
-                "grant {token} cannot upgrade to exclusive: shared grant {upgrading} of the same \
-                 key is already upgrading, and each would wait for the other; release it and retry"
-            ),
+            Self::Expired { token, key } => {
+                write!(f, "grant {token} has lost ")?;
+                write_key(f, key)?;
+                f.write_str(" (lease lapsed or revoked); do not commit its work")
+            }
+            Self::NoSuchHold { token, key } => {
+                write!(f, "no hold of ")?;
+                write_key(f, key)?;
+                write!(
+                    f,
+                    " has grant {token} (never detached as a hold, released already, or lost \
+                     and cleared); nothing was released"
+                )
+            }
+            Self::UpgradeConflict {
+                token,
+                upgrading,
+                key,
+            } => {
+                write!(f, "grant {token} cannot upgrade ")?;
+                write_key(f, key)?;
+                write!(
+                    f,
+                    " to exclusive: shared grant {upgrading} of it is already upgrading, and \
+                     each would wait for the other; release it and retry"
+                )
+            }
             Self::InvalidOptions {
                 option,
                 value,
@@ -173,7 +219,28 @@ impl std::error::Error for LockError {}
 impl From<TryLockError> for LockError {
     fn from(err: TryLockError) -> Self {
         match err {
-            TryLockError::WouldBlock => Self::WouldBlock,
+            TryLockError::WouldBlock { key } => Self::WouldBlock { key },
         }
+    }
+}
+
+impl LockError {
+    /// The error with its key's name (from the table's
+    /// [`name_key`](crate::LockTable)), if it has a key field that is still
+    /// empty. Called by the table after it unlocked: naming runs user code.
+    pub(crate) fn with_key(mut self, name: impl FnOnce() -> Option<Box<str>>) -> Self {
+        match &mut self {
+            Self::WouldBlock { key }
+            | Self::Timeout { key, .. }
+            | Self::Expired { key, .. }
+            | Self::NoSuchHold { key, .. }
+            | Self::UpgradeConflict { key, .. } => {
+                if key.is_none() {
+                    *key = name();
+                }
+            }
+            Self::InvalidOptions { .. } => {}
+        }
+        self
     }
 }

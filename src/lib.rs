@@ -181,7 +181,8 @@
 //! table; that grant's label, if it has one ([`LockOptions::label`]); how
 //! long that holder had held the key, when known (its grant has a lease);
 //! how many waiters were still ahead; and, on a table built with
-//! [`Builder::name_keys`], the key.
+//! [`Builder::name_keys`], the key (as every other error of such a table
+//! does).
 //!
 //! ```
 //! # futures::executor::block_on(async {

@@ -27,7 +27,7 @@ use crate::{FencingToken, Guard, HolderStatus, LockError, LockOptions, LockTable
 ///
 /// ```
 /// use keylock::{LockError, ScopedError, ScopedErrorKind};
-/// let err = LockError::WouldBlock;
+/// let err = LockError::WouldBlock { key: None };
 /// assert_eq!(err.kind(), ScopedErrorKind::WouldBlock);
 /// ```
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -85,14 +85,14 @@ pub struct Blocker {
 /// fn should_retry<E: ScopedError>(err: &E) -> bool {
 ///     matches!(err.kind(), ScopedErrorKind::Timeout | ScopedErrorKind::Unavailable)
 /// }
-/// assert!(!should_retry(&LockError::WouldBlock));
+/// assert!(!should_retry(&LockError::WouldBlock { key: None }));
 /// ```
 pub trait ScopedError: std::error::Error + Send + Sync + 'static {
     /// What kind of failure this is.
     ///
     /// ```
     /// use keylock::{FencingToken, LockError, ScopedError, ScopedErrorKind};
-    /// let err = LockError::Expired { token: FencingToken::new(7).unwrap() };
+    /// let err = LockError::Expired { token: FencingToken::new(7).unwrap(), key: None };
     /// assert_eq!(err.kind(), ScopedErrorKind::Expired);
     /// ```
     fn kind(&self) -> ScopedErrorKind;
@@ -102,7 +102,7 @@ pub trait ScopedError: std::error::Error + Send + Sync + 'static {
     ///
     /// ```
     /// use keylock::{LockError, ScopedError};
-    /// assert_eq!(LockError::WouldBlock.blocker(), None); // in-process: not said
+    /// assert_eq!(LockError::WouldBlock { key: None }.blocker(), None); // in-process: not said
     /// ```
     fn blocker(&self) -> Option<Blocker>;
 }
@@ -443,7 +443,7 @@ pub trait ScopedLockTable<K>: Send + Sync {
 impl ScopedError for LockError {
     fn kind(&self) -> ScopedErrorKind {
         match self {
-            Self::WouldBlock => ScopedErrorKind::WouldBlock,
+            Self::WouldBlock { .. } => ScopedErrorKind::WouldBlock,
             Self::Timeout { .. } => ScopedErrorKind::Timeout,
             Self::Expired { .. } => ScopedErrorKind::Expired,
             Self::InvalidOptions { .. } => ScopedErrorKind::InvalidOptions,
@@ -563,7 +563,7 @@ where
     {
         std::future::ready(match LockTable::try_lock_with(self, key, opts) {
             Ok(g) => Ok(Some(g)),
-            Err(LockError::WouldBlock) => Ok(None),
+            Err(LockError::WouldBlock { .. }) => Ok(None),
             Err(e) => Err(e),
         })
     }
@@ -728,7 +728,7 @@ mod cluster {
 
         fn blocker(&self) -> Option<Blocker> {
             match self {
-                Self::WouldBlock { holder } | Self::Timeout { holder, .. } => Some(Blocker {
+                Self::WouldBlock { holder, .. } | Self::Timeout { holder, .. } => Some(Blocker {
                     token: holder.as_ref().map(|h| h.token),
                     held_for: holder.as_ref().and_then(|h| h.held_for),
                 }),

@@ -342,7 +342,10 @@ async fn select_losing_branch_drops_the_wait() {
     drop(holder);
     assert_eq!(table.len(), 0);
     let g = table.try_lock(9).unwrap();
-    assert_eq!(table.try_lock(9).unwrap_err(), TryLockError::WouldBlock);
+    assert_eq!(
+        table.try_lock(9).unwrap_err(),
+        TryLockError::WouldBlock { key: None }
+    );
     drop(g);
     assert_eq!(table.len(), 0);
 }

@@ -428,13 +428,19 @@ async fn try_lock_and_owned_guards() {
     let g = Arc::clone(&a).try_lock_owned("k".to_owned()).await.unwrap();
     // Held in another table: WouldBlock naming it, nothing left in etcd.
     match b.try_lock("k".to_owned()).await {
-        Err(ClusterLockError::WouldBlock { holder: Some(h) }) => assert_eq!(h.token, g.token()),
+        Err(ClusterLockError::WouldBlock {
+            holder: Some(h),
+            key,
+        }) => {
+            assert_eq!(h.token, g.token());
+            assert_eq!(&*key, "\"k\"");
+        }
         other => panic!("{other:?}"),
     }
     // Held in this table: WouldBlock from the in-process tier.
     assert!(matches!(
         a.try_lock("k".to_owned()).await,
-        Err(ClusterLockError::WouldBlock { holder: None })
+        Err(ClusterLockError::WouldBlock { holder: None, .. })
     ));
     assert_eq!(count_keys(&b, "k").await, 1);
     let token = g.token();
@@ -1053,7 +1059,7 @@ async fn cluster_lost_resolves_when_the_session_lease_is_revoked() {
         .await
         .expect("lost() never resolved");
     assert!(
-        matches!(why, ClusterLockError::Expired { token } if token == g.token()),
+        matches!(&why, ClusterLockError::Expired { token, key } if *token == g.token() && &**key == "\"k\""),
         "{why}"
     );
     assert!(g.check().is_err());

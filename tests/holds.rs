@@ -45,7 +45,10 @@ mod tests {
             assert!(poll!(writer.as_mut()).is_pending(), "the hold holds");
             assert_eq!(
                 table.release_hold("b", hold.token),
-                Err(LockError::NoSuchHold { token: hold.token })
+                Err(LockError::NoSuchHold {
+                    token: hold.token,
+                    key: None
+                })
             );
             assert!(
                 poll!(writer.as_mut()).is_pending(),
@@ -56,7 +59,10 @@ mod tests {
             assert!(guard.token() > hold.token);
             assert_eq!(
                 table.release_hold("a", hold.token),
-                Err(LockError::NoSuchHold { token: hold.token })
+                Err(LockError::NoSuchHold {
+                    token: hold.token,
+                    key: None
+                })
             );
             assert!(guard.check().is_ok(), "a stale release freed nothing");
             drop(guard);
@@ -76,7 +82,8 @@ mod tests {
             assert_eq!(
                 err,
                 LockError::NoSuchHold {
-                    token: guard.token()
+                    token: guard.token(),
+                    key: None,
                 }
             );
             let text = err.to_string();
@@ -86,7 +93,10 @@ mod tests {
             let never = keylock::FencingToken::new(u64::MAX - 7).unwrap();
             assert_eq!(
                 table.release_hold("g", never),
-                Err(LockError::NoSuchHold { token: never })
+                Err(LockError::NoSuchHold {
+                    token: never,
+                    key: None
+                })
             );
 
             let mut txn = table.transaction();
@@ -95,14 +105,20 @@ mod tests {
             txn.commit().unwrap();
             assert_eq!(
                 table.release_hold("b", hold.token),
-                Err(LockError::NoSuchHold { token: hold.token }),
+                Err(LockError::NoSuchHold {
+                    token: hold.token,
+                    key: None
+                }),
                 "a hold of another key"
             );
             assert!(table.is_locked("a"), "put back untouched");
             table.release_hold("a", hold.token).unwrap();
             assert_eq!(
                 table.release_hold("a", hold.token),
-                Err(LockError::NoSuchHold { token: hold.token }),
+                Err(LockError::NoSuchHold {
+                    token: hold.token,
+                    key: None
+                }),
                 "released already"
             );
             drop(guard);

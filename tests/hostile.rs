@@ -751,7 +751,8 @@ mod tests {
                 assert_eq!(
                     checked,
                     Err(LockError::Expired {
-                        token: holder.token()
+                        token: holder.token(),
+                        key: None,
                     })
                 );
             }
@@ -1386,7 +1387,13 @@ mod tests {
                 Err(payload) => panic!("the late waiter's poll panicked: {}", message(&*payload)),
             };
             assert!(gl.is_expired(), "the late waiter's guard is fenced");
-            assert_eq!(gl.check(), Err(LockError::Expired { token: gl.token() }));
+            assert_eq!(
+                gl.check(),
+                Err(LockError::Expired {
+                    token: gl.token(),
+                    key: None
+                })
+            );
             assert!(
                 gl.token() < go.token(),
                 "its grant came before the successor's"
@@ -1446,7 +1453,13 @@ mod tests {
             let gw = ready(&mut w, &ww, "the revoked waiter resolves");
             assert_eq!(gw.token(), revoked, "to the guard of its revoked grant");
             assert!(gw.is_expired(), "which is fenced");
-            assert_eq!(gw.check(), Err(LockError::Expired { token: revoked }));
+            assert_eq!(
+                gw.check(),
+                Err(LockError::Expired {
+                    token: revoked,
+                    key: None
+                })
+            );
             drop(gw);
             let taken = taken.expect("checked above");
             assert!(taken.check().is_ok(), "the fenced guard freed nothing");
@@ -1520,7 +1533,13 @@ mod tests {
 
             // Key 2: the lapsed grant is fenced, the key is taken exactly once.
             assert!(g2.is_expired(), "a leased guard lapsed");
-            assert_eq!(g2.check(), Err(LockError::Expired { token: g2.token() }));
+            assert_eq!(
+                g2.check(),
+                Err(LockError::Expired {
+                    token: g2.token(),
+                    key: None
+                })
+            );
             let t1 = table.try_lock(2);
             assert!(t1.is_ok(), "the key whose grant lapsed can be taken");
             assert!(
@@ -1627,6 +1646,7 @@ mod tests {
             assert!(other.is_expired(), "B's re-entrant revoke took effect");
             let expired = LockError::Expired {
                 token: holder.token(),
+                key: None,
             };
             assert_eq!(ready(&mut la, &wa, "A after the revoke"), expired);
             assert_eq!(ready(&mut lb, &wb, "B after the revoke"), expired);

@@ -70,7 +70,10 @@ mod tests {
         // No time has passed: it was not the next renewal that noticed.
         assert_eq!(
             w.poll(&mut keep),
-            Poll::Ready(LockError::Expired { token: g.token() })
+            Poll::Ready(LockError::Expired {
+                token: g.token(),
+                key: None
+            })
         );
         assert_eq!(clock.sleepers(), 0, "a timer stayed armed");
     }
@@ -86,7 +89,10 @@ mod tests {
         clock.advance(5 * SEC);
         assert_eq!(
             w.poll(&mut keep),
-            Poll::Ready(LockError::Expired { token: g.token() })
+            Poll::Ready(LockError::Expired {
+                token: g.token(),
+                key: None
+            })
         );
         assert!(g.is_expired());
     }
@@ -137,7 +143,10 @@ mod tests {
         assert_eq!(table.revoke("b"), Some(b.token()));
         assert_eq!(
             w.poll(&mut keep),
-            Poll::Ready(LockError::Expired { token: b.token() })
+            Poll::Ready(LockError::Expired {
+                token: b.token(),
+                key: None
+            })
         );
         assert!(!a.is_expired() && !c.is_expired());
     }
@@ -161,7 +170,7 @@ mod tests {
         assert_eq!(renewed, Some(clock.now() + 5 * SEC));
         clock.advance(3 * SEC);
         assert!(table.revoke_grant("job", token));
-        assert_eq!(task.await.unwrap(), LockError::Expired { token });
+        assert_eq!(task.await.unwrap(), LockError::Expired { token, key: None });
         assert!(table.is_empty());
     }
 }

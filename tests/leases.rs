@@ -29,7 +29,13 @@ mod tests {
         assert!(table.is_locked("k"));
         clock.advance(Duration::from_nanos(1));
         assert!(g.is_expired());
-        assert_eq!(g.check(), Err(LockError::Expired { token: g.token() }));
+        assert_eq!(
+            g.check(),
+            Err(LockError::Expired {
+                token: g.token(),
+                key: None
+            })
+        );
         assert!(!table.is_locked("k"), "a lapsed holder does not count");
         drop(g);
         table.assert_consistent();
@@ -56,7 +62,8 @@ mod tests {
         assert_eq!(
             holder.check(),
             Err(LockError::Expired {
-                token: holder.token()
+                token: holder.token(),
+                key: None,
             })
         );
         // The stale guard's drop must not free the successor's key.
@@ -116,7 +123,13 @@ mod tests {
         assert_eq!(table.waiters("k"), 0);
         let ga = ready(&mut a, &wa, "a resolves to its (lapsed) grant").unwrap();
         assert!(ga.is_expired());
-        assert_eq!(ga.check(), Err(LockError::Expired { token: ga.token() }));
+        assert_eq!(
+            ga.check(),
+            Err(LockError::Expired {
+                token: ga.token(),
+                key: None
+            })
+        );
         assert!(ga.token() < gb.token());
         // Its release frees nothing of b's.
         drop(ga);
@@ -140,7 +153,13 @@ mod tests {
         g.renew(SEC).unwrap();
         clock.advance(SEC);
         assert!(g.is_expired());
-        assert_eq!(g.renew(SEC), Err(LockError::Expired { token: g.token() }));
+        assert_eq!(
+            g.renew(SEC),
+            Err(LockError::Expired {
+                token: g.token(),
+                key: None
+            })
+        );
         assert!(g.is_expired());
         let bad = g.renew(Duration::ZERO).unwrap_err();
         assert!(matches!(

@@ -420,7 +420,7 @@ mod models {
                     Err(e) => {
                         // Granted by the release before the advance, which
                         // lapsed that grant before the future ran: fenced.
-                        assert_eq!(e, LockError::Expired { token });
+                        assert_eq!(e, LockError::Expired { token, key: None });
                         assert!(waiter_lease.is_some(), "a grant without a lease lapsed");
                         assert!(g.is_expired(), "is_expired != check().is_err()");
                         Err(g)
@@ -902,7 +902,10 @@ mod models {
                             // The release granted it, then the revocation took it.
                             assert_eq!(
                                 g.check(),
-                                Err(LockError::Expired { token: r }),
+                                Err(LockError::Expired {
+                                    token: r,
+                                    key: None
+                                }),
                                 "a revoked grant checks Ok"
                             );
                             return (r, Err(g), waiter);
@@ -1285,7 +1288,7 @@ mod models {
                 if saw_advanced {
                     assert_eq!(
                         r,
-                        Err(LockError::Expired { token }),
+                        Err(LockError::Expired { token, key: None }),
                         "renewed a lapsed grant"
                     );
                 }
@@ -1350,14 +1353,22 @@ mod models {
                         "timer at the new deadline"
                     );
                 }
-                assert_eq!(g.check(), Err(LockError::Expired { token }));
+                assert_eq!(g.check(), Err(LockError::Expired { token, key: None }));
                 assert!(g.is_expired());
             }
             Err(e) => {
                 seen.note("renewal refused: lapsed");
-                assert_eq!(e, LockError::Expired { token }, "renew failed otherwise");
+                assert_eq!(
+                    e,
+                    LockError::Expired { token, key: None },
+                    "renew failed otherwise"
+                );
                 assert!(!saw_renewed);
-                assert_eq!(g.check(), Err(LockError::Expired { token }), "revived");
+                assert_eq!(
+                    g.check(),
+                    Err(LockError::Expired { token, key: None }),
+                    "revived"
+                );
                 assert!(g.is_expired());
                 assert_eq!(
                     g.expires_at(),
@@ -1815,7 +1826,7 @@ mod models {
                         finish(&mut lost, "the loss future after the lapse")
                     }
                 };
-                assert_eq!(out, LockError::Expired { token });
+                assert_eq!(out, LockError::Expired { token, key: None });
                 assert!(guard.is_expired());
                 assert_eq!(table.stats().expired, 1, "the lapse counted once");
                 assert_eq!(clock.sleepers(), 0, "a timer stayed armed");
@@ -1877,7 +1888,7 @@ mod models {
                         finish(&mut lost, "the loss future after the revoke")
                     }
                 };
-                assert_eq!(out, LockError::Expired { token });
+                assert_eq!(out, LockError::Expired { token, key: None });
                 assert!(guard.is_expired());
                 assert!(guard.expires_at().unwrap() <= clock.now());
                 assert_eq!(table.stats().revoked, 1);
@@ -1995,7 +2006,7 @@ mod models {
                         finish(&mut keep, "the keep-alive after the revoke")
                     }
                 };
-                assert_eq!(out, LockError::Expired { token });
+                assert_eq!(out, LockError::Expired { token, key: None });
                 assert!(guard.is_expired(), "revived by a renewal");
                 assert_eq!(table.stats().revoked, 1);
                 drop(keep);

@@ -703,7 +703,11 @@ mod models {
                                 drop(h);
                                 Ok(t)
                             }
-                            Err(LockError::UpgradeConflict { token, upgrading }) => {
+                            Err(LockError::UpgradeConflict {
+                                token,
+                                upgrading,
+                                key: None,
+                            }) => {
                                 assert_eq!(polls, 1, "a conflict is reported at once");
                                 assert_eq!((token, upgrading), (mine, other));
                                 drop(h);

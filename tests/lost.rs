@@ -39,7 +39,10 @@ mod tests {
         assert_eq!(w.wakes(), 1, "the timer woke it at the deadline");
         assert_eq!(
             w.poll(&mut lost),
-            Poll::Ready(LockError::Expired { token: g.token() })
+            Poll::Ready(LockError::Expired {
+                token: g.token(),
+                key: None
+            })
         );
         assert_eq!(
             w.wakes(),
@@ -85,7 +88,10 @@ mod tests {
         assert_eq!(w.wakes(), 1, "the revoke woke it");
         assert_eq!(
             w.poll(&mut lost),
-            Poll::Ready(LockError::Expired { token: g.token() })
+            Poll::Ready(LockError::Expired {
+                token: g.token(),
+                key: None
+            })
         );
     }
 
@@ -181,7 +187,10 @@ mod tests {
             assert!(w.wakes() >= 1, "a Lost was never woken");
             assert_eq!(
                 w.poll(l),
-                Poll::Ready(LockError::Expired { token: g.token() })
+                Poll::Ready(LockError::Expired {
+                    token: g.token(),
+                    key: None
+                })
             );
         }
         // The other grant's Lost is woken by its own timer, not resolved by ours.
@@ -221,7 +230,10 @@ mod tests {
         let w = W::new();
         assert_eq!(
             w.poll(&mut g.lost()),
-            Poll::Ready(LockError::Expired { token: g.token() })
+            Poll::Ready(LockError::Expired {
+                token: g.token(),
+                key: None
+            })
         );
         let h = table.try_lock("k").unwrap();
         table.revoke("k");
@@ -296,7 +308,10 @@ mod tests {
         });
         registered_rx.await.unwrap();
         assert!(table.revoke_grant("job", token));
-        assert_eq!(task.await.unwrap(), (LockError::Expired { token }, true));
+        assert_eq!(
+            task.await.unwrap(),
+            (LockError::Expired { token, key: None }, true)
+        );
         assert!(table.is_empty());
     }
 
@@ -310,7 +325,7 @@ mod tests {
             async move { table.revoke(&1) }
         });
         // Registered before or after the revoke: it resolves either way.
-        assert_eq!(guard.lost().await, LockError::Expired { token });
+        assert_eq!(guard.lost().await, LockError::Expired { token, key: None });
         assert_eq!(revoker.await, Some(token));
     }
 
@@ -331,6 +346,9 @@ mod tests {
         });
         rx.recv().unwrap();
         assert!(table.revoke_grant(&1, token));
-        assert_eq!(watcher.join().unwrap(), LockError::Expired { token });
+        assert_eq!(
+            watcher.join().unwrap(),
+            LockError::Expired { token, key: None }
+        );
     }
 }

@@ -230,14 +230,14 @@ mod tests {
                 Entry::TryLockWith(_) => match table.try_lock_with(K, opts) {
                     Ok(g) => Some(Any::B(g)),
                     Err(e) => {
-                        assert_eq!(e, LockError::WouldBlock, "{self:?}");
+                        assert_eq!(e, LockError::WouldBlock { key: None }, "{self:?}");
                         None
                     }
                 },
                 Entry::TryLockOwnedWith(_) => match table.clone().try_lock_owned_with(K, opts) {
                     Ok(g) => Some(Any::O(g)),
                     Err(e) => {
-                        assert_eq!(e, LockError::WouldBlock, "{self:?}");
+                        assert_eq!(e, LockError::WouldBlock { key: None }, "{self:?}");
                         None
                     }
                 },
@@ -507,11 +507,11 @@ mod tests {
         // The key is held only shared, but a writer waits: readers queue.
         assert_eq!(
             table.try_lock_shared(K).err(),
-            Some(TryLockError::WouldBlock)
+            Some(TryLockError::WouldBlock { key: None })
         );
         assert_eq!(
             table.try_lock_with(K, shared()).err(),
-            Some(LockError::WouldBlock)
+            Some(LockError::WouldBlock { key: None })
         );
         let ws = W::new();
         let mut s2 = Box::pin(table.lock_shared(K));
@@ -842,7 +842,8 @@ mod tests {
                 err,
                 LockError::UpgradeConflict {
                     token: t,
-                    upgrading: ta
+                    upgrading: ta,
+                    key: None,
                 }
             );
             assert!(err.to_string().contains("upgrad"), "{err}");
@@ -913,11 +914,20 @@ mod tests {
             assert!(wu.wakes() >= 1, "the lapse woke the waiting upgrade");
             assert_eq!(
                 ready(&mut up, &wu, "a lapsed upgrade resolves"),
-                Err(LockError::Expired { token: ta })
+                Err(LockError::Expired {
+                    token: ta,
+                    key: None
+                })
             );
         }
         assert!(a.is_expired());
-        assert_eq!(a.check(), Err(LockError::Expired { token: ta }));
+        assert_eq!(
+            a.check(),
+            Err(LockError::Expired {
+                token: ta,
+                key: None
+            })
+        );
         assert_eq!(table.waiters(&K), 1, "only x waits");
         pending(&mut x, &wx, "b still holds");
         let before = wx.wakes();
@@ -953,7 +963,10 @@ mod tests {
             assert_eq!(wu.wakes(), 1, "the revocation woke the waiting upgrade");
             assert_eq!(
                 ready(&mut up, &wu, "revoked"),
-                Err(LockError::Expired { token: ta })
+                Err(LockError::Expired {
+                    token: ta,
+                    key: None
+                })
             );
         }
         assert_eq!(a.mode(), Mode::Shared);
@@ -976,12 +989,24 @@ mod tests {
         let w = W::new();
         let ta = a.token();
         let got = ready(&mut Box::pin(a.upgrade()), &w, "at once");
-        assert_eq!(got, Err(LockError::Expired { token: ta }));
+        assert_eq!(
+            got,
+            Err(LockError::Expired {
+                token: ta,
+                key: None
+            })
+        );
         let mut c = table.try_lock_shared(K).unwrap();
         let tc = c.token();
         assert!(table.revoke_grant(&K, tc));
         let got = ready(&mut Box::pin(c.upgrade()), &w, "at once");
-        assert_eq!(got, Err(LockError::Expired { token: tc }));
+        assert_eq!(
+            got,
+            Err(LockError::Expired {
+                token: tc,
+                key: None
+            })
+        );
         assert_eq!(table.waiters(&K), 0, "nothing queued");
         assert_eq!(b.check(), Ok(b.token()), "b is untouched");
         drop((a, b, c));
@@ -1311,10 +1336,22 @@ mod tests {
         let (clock, table) = table();
         let mut x = table.try_lock_with(K, lease(SEC)).unwrap();
         clock.advance(SEC);
-        assert_eq!(x.downgrade(), Err(LockError::Expired { token: x.token() }));
+        assert_eq!(
+            x.downgrade(),
+            Err(LockError::Expired {
+                token: x.token(),
+                key: None
+            })
+        );
         let mut y = table.try_lock(K).expect("the lapsed key is free");
         assert!(table.revoke_grant(&K, y.token()));
-        assert_eq!(y.downgrade(), Err(LockError::Expired { token: y.token() }));
+        assert_eq!(
+            y.downgrade(),
+            Err(LockError::Expired {
+                token: y.token(),
+                key: None
+            })
+        );
         // Neither lost grant let a reader in beside a live holder.
         let z = table.try_lock(K).expect("free");
         assert!(table.try_lock_shared(K).is_err());
@@ -1337,7 +1374,13 @@ mod tests {
         let mut x = Box::pin(table.lock(K));
         pending(&mut x, &wx, "x");
         clock.advance(SEC);
-        assert_eq!(a.check(), Err(LockError::Expired { token: a.token() }));
+        assert_eq!(
+            a.check(),
+            Err(LockError::Expired {
+                token: a.token(),
+                key: None
+            })
+        );
         assert_eq!(b.check(), Ok(b.token()));
         assert_eq!(c.check(), Ok(c.token()));
         pending(&mut x, &wx, "b and c still hold");
@@ -1391,7 +1434,13 @@ mod tests {
         pending(&mut x, &wx, "x");
         clock.advance(SEC);
         assert!(b.is_expired());
-        assert_eq!(b.renew(SEC), Err(LockError::Expired { token: b.token() }));
+        assert_eq!(
+            b.renew(SEC),
+            Err(LockError::Expired {
+                token: b.token(),
+                key: None
+            })
+        );
         assert_eq!(a.check(), Ok(a.token()), "a was renewed");
         pending(&mut x, &wx, "a holds");
         clock.advance(4 * SEC);
@@ -1421,7 +1470,10 @@ mod tests {
         assert_eq!(wlb.wakes(), 0, "only the revoked grant's watcher");
         assert_eq!(
             ready(&mut la, &wla, "a lost"),
-            LockError::Expired { token: a.token() }
+            LockError::Expired {
+                token: a.token(),
+                key: None
+            }
         );
         pending(&mut lb, &wlb, "b still holds");
         assert_eq!(b.check(), Ok(b.token()));
@@ -1454,7 +1506,13 @@ mod tests {
         assert_eq!(table.revoke(&K), Some(highest), "the highest token revoked");
         for g in [&a, &b, &c] {
             assert!(g.is_expired());
-            assert_eq!(g.check(), Err(LockError::Expired { token: g.token() }));
+            assert_eq!(
+                g.check(),
+                Err(LockError::Expired {
+                    token: g.token(),
+                    key: None
+                })
+            );
         }
         assert_eq!((wx.wakes(), ws.wakes()), (1, 0), "the writer at the head");
         let xg = ready(&mut x, &wx, "x");
@@ -1709,14 +1767,23 @@ mod tests {
             assert_eq!(wl.wakes(), 1);
             assert_eq!(
                 ready(&mut lost, &wl, "lost"),
-                LockError::Expired { token: new }
+                LockError::Expired {
+                    token: new,
+                    key: None
+                }
             );
         }
         assert!(
             table.try_lock_shared(K).is_ok(),
             "the revoked upgraded grant left"
         );
-        assert_eq!(a.downgrade(), Err(LockError::Expired { token: new }));
+        assert_eq!(
+            a.downgrade(),
+            Err(LockError::Expired {
+                token: new,
+                key: None
+            })
+        );
         drop(a);
         table.assert_consistent();
         assert!(table.is_empty());
@@ -2396,7 +2463,10 @@ mod stress {
             assert!(!table.is_locked(&1), "nobody holds the key after revoke");
             assert_eq!(
                 up.as_mut().poll(&mut cx()),
-                Poll::Ready(Err(LockError::Expired { token: ta }))
+                Poll::Ready(Err(LockError::Expired {
+                    token: ta,
+                    key: None
+                }))
             );
             drop(b);
         }
@@ -2417,7 +2487,10 @@ mod stress {
             assert!(b.check().is_err()); // settles both lapses
             assert_eq!(
                 up.as_mut().poll(&mut cx()),
-                Poll::Ready(Err(LockError::Expired { token: ta }))
+                Poll::Ready(Err(LockError::Expired {
+                    token: ta,
+                    key: None
+                }))
             );
             assert_eq!(table.stats().expired, 2);
         }

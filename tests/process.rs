@@ -422,7 +422,7 @@ fn a_stopped_holder_past_its_lease_is_taken_over_and_fenced() {
     kid.tell("check");
     let check = kid.line();
     assert!(check.starts_with("check err"), "{check}");
-    assert!(check.contains("lost the key"), "{check}");
+    assert!(check.contains(r#"lost key "k""#), "{check}");
     kid.tell("release");
     let released = kid.line();
     assert!(released.starts_with("released err"), "{released}");
@@ -453,7 +453,9 @@ fn try_lock_across_processes() {
         Err(ProcessLockError::WouldBlock {
             holder: Some(holder),
             by: HeldBy::AnotherProcess,
+            key,
         }) => {
+            assert_eq!(&*key, "\"k\"");
             assert_eq!((holder.pid, holder.token.get()), (kid.pid(), token));
             assert_eq!(holder.label.as_deref(), Some("child"));
         }
@@ -1422,7 +1424,8 @@ fn another_programs_flock_on_a_key_file_is_not_blamed_on_this_process() {
             err,
             ProcessLockError::WouldBlock {
                 holder: None,
-                by: HeldBy::KernelLock
+                by: HeldBy::KernelLock,
+                ..
             }
         ),
         "{text}"
@@ -1469,7 +1472,7 @@ fn a_key_churned_by_another_process_is_never_said_to_be_held_by_this_one() {
                 busy += 1;
                 let text = err.to_string();
                 assert!(!text.contains("this process"), "answer {busy}: {text}");
-                let ProcessLockError::WouldBlock { holder, by } = err else {
+                let ProcessLockError::WouldBlock { holder, by, .. } = err else {
                     unreachable!()
                 };
                 assert_ne!(by, HeldBy::ThisProcess, "answer {busy}: {text}");

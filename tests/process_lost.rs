@@ -60,7 +60,7 @@ fn lost_resolves_when_the_lease_lapses_and_check_fails_with_it() {
         .unwrap();
     let why = within(guard.lost());
     assert!(
-        matches!(why, ProcessLockError::Expired { token } if token == guard.token()),
+        matches!(&why, ProcessLockError::Expired { token, key } if *token == guard.token() && &**key == "\"k\""),
         "{why}"
     );
     assert!(guard.check().is_err());

@@ -37,7 +37,8 @@ mod tests {
         assert_eq!(
             holder.check(),
             Err(LockError::Expired {
-                token: holder.token()
+                token: holder.token(),
+                key: None,
             })
         );
         assert_eq!(
@@ -48,7 +49,8 @@ mod tests {
         assert_eq!(
             holder.renew(SEC),
             Err(LockError::Expired {
-                token: holder.token()
+                token: holder.token(),
+                key: None,
             })
         );
         let next = ready(

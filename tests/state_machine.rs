@@ -125,7 +125,10 @@ fn granted_waiter_is_woken_exactly_once_whatever_happens_around_it() {
     pending(&mut c, &wc);
     pending(&mut b, &wb);
     drop(b);
-    assert_eq!(table.try_lock(7).unwrap_err(), TryLockError::WouldBlock);
+    assert_eq!(
+        table.try_lock(7).unwrap_err(),
+        TryLockError::WouldBlock { key: None }
+    );
     assert_eq!(pa.wakes(), 1);
 
     let guard = ready(&mut a, &wa);
@@ -154,10 +157,13 @@ fn try_lock_would_block_while_a_grant_is_pending_and_unobserved() {
     assert_eq!(table.waiters(&3), 0);
     assert_eq!(table.len(), 1);
     for _ in 0..3 {
-        assert_eq!(table.try_lock(3).unwrap_err(), TryLockError::WouldBlock);
+        assert_eq!(
+            table.try_lock(3).unwrap_err(),
+            TryLockError::WouldBlock { key: None }
+        );
         assert_eq!(
             table.clone().try_lock_owned(3).unwrap_err(),
-            TryLockError::WouldBlock
+            TryLockError::WouldBlock { key: None }
         );
     }
     // Failed attempts neither queue nor count (the holder's grant and the

@@ -240,7 +240,7 @@ mod tests {
             .try_lock_with("page", LockOptions::new())
             .map(drop)
             .unwrap_err();
-        assert_eq!(now, keylock::LockError::WouldBlock);
+        assert_eq!(now, keylock::LockError::WouldBlock { key: None });
         let err =
             block(table.lock_with("page", LockOptions::new().timeout(Duration::ZERO))).unwrap_err();
         let keylock::LockError::Timeout {
@@ -325,6 +325,123 @@ mod tests {
         let err = block(plain.lock_with("invoice-7", zero)).unwrap_err();
         assert!(matches!(err, keylock::LockError::Timeout { key: None, .. }));
         assert!(err.to_string().contains("waiting for the key;"), "{err}");
+    }
+
+    /// With `name_keys`, every error about a key names it: a refused try,
+    /// a lapsed or revoked grant (`check`, `renew`, `release_checked`,
+    /// `lost()`), an upgrade conflict, a hold released twice or never
+    /// detached. Without it, each says "the key".
+    #[test]
+    fn every_error_names_its_key_when_the_table_names_keys() {
+        use keylock::{LockError, TryLockError};
+        let clock = ManualClock::new();
+        let table: LockTable<String> = LockTable::builder()
+            .clock(clock.clone())
+            .name_keys()
+            .build();
+        let named = |err: &dyn std::fmt::Display, key: &str| {
+            let text = err.to_string();
+            assert!(text.contains(&format!("key \"{key}\"")), "{text}");
+            assert!(!text.contains("the key"), "{text}");
+        };
+        // A refused try, with and without options.
+        let held = table.try_lock("job-1".to_string()).unwrap();
+        let err = table.try_lock("job-1".to_string()).unwrap_err();
+        assert!(matches!(&err, TryLockError::WouldBlock { key: Some(k) } if &**k == "\"job-1\""));
+        named(&err, "job-1");
+        named(
+            &table.try_lock_shared("job-1".to_string()).unwrap_err(),
+            "job-1",
+        );
+        let err = table
+            .try_lock_with("job-1".to_string(), LockOptions::new())
+            .unwrap_err();
+        assert!(matches!(&err, LockError::WouldBlock { key: Some(_) }));
+        named(&err, "job-1");
+        // A revoked grant: `check`, `renew`, `lost()`, `release_checked`.
+        table.revoke("job-1");
+        let err = held.check().unwrap_err();
+        assert!(matches!(&err, LockError::Expired { key: Some(_), .. }));
+        named(&err, "job-1");
+        named(&held.renew(SEC).unwrap_err(), "job-1");
+        named(&block(held.lost()), "job-1");
+        named(&held.release_checked().unwrap_err(), "job-1");
+        // A lapsed lease.
+        let leased = table
+            .try_lock_with("job-2".to_string(), LockOptions::new().lease(SEC))
+            .unwrap();
+        clock.advance(SEC);
+        named(&leased.check().unwrap_err(), "job-2");
+        drop(leased);
+        // Two shared holders both upgrading.
+        let mut a = table.try_lock_shared("row".to_string()).unwrap();
+        let mut b = table.try_lock_shared("row".to_string()).unwrap();
+        let mut first = Box::pin(a.upgrade());
+        assert!(block(async { poll!(first.as_mut()) }).is_pending());
+        let err = block(b.upgrade()).unwrap_err();
+        assert!(matches!(
+            &err,
+            LockError::UpgradeConflict { key: Some(_), .. }
+        ));
+        named(&err, "row");
+        drop(first);
+        drop((a, b));
+        // A hold released twice, and a token that names no hold.
+        let hold = block(async {
+            let mut txn = table.transaction();
+            txn.lock("order-9".to_string(), Mode::Exclusive)
+                .await
+                .unwrap();
+            let hold = txn.detach(&"order-9".to_string()).unwrap();
+            txn.commit().unwrap();
+            hold
+        });
+        assert_eq!(table.release_hold("order-9", hold.token), Ok(()));
+        let err = table.release_hold("order-9", hold.token).unwrap_err();
+        assert!(matches!(&err, LockError::NoSuchHold { key: Some(_), .. }));
+        named(&err, "order-9");
+
+        // Without `name_keys`: "the key", and no name.
+        let plain: LockTable<&str> = LockTable::new();
+        let held = plain.try_lock("job-1").unwrap();
+        let err = plain.try_lock("job-1").unwrap_err();
+        assert_eq!(err, TryLockError::WouldBlock { key: None });
+        assert!(err.to_string().starts_with("the key is held"), "{err}");
+        plain.revoke("job-1");
+        let err = held.check().unwrap_err();
+        assert_eq!(
+            err,
+            LockError::Expired {
+                token: held.token(),
+                key: None
+            }
+        );
+        assert!(err.to_string().contains("has lost the key"), "{err}");
+    }
+
+    /// A key whose `Debug` panics, named for a refused try: the panic comes
+    /// out of `try_lock`, with no lock held, and strands nothing.
+    #[test]
+    fn a_key_whose_debug_panics_in_a_refused_try_strands_nothing() {
+        #[derive(PartialEq, Eq, Hash)]
+        struct Hostile(u32);
+        impl std::fmt::Debug for Hostile {
+            fn fmt(&self, _: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                panic!("hostile Debug")
+            }
+        }
+        let table: LockTable<Hostile> = LockTable::builder().name_keys().build();
+        let held = table.try_lock(Hostile(1)).unwrap();
+        let once = catch_unwind(AssertUnwindSafe(|| table.try_lock(Hostile(1))));
+        assert!(once.is_err());
+        table.assert_consistent();
+        table.revoke(&Hostile(1));
+        let once = catch_unwind(AssertUnwindSafe(|| held.check()));
+        assert!(once.is_err());
+        drop(held);
+        table.assert_consistent();
+        assert!(table.is_empty());
+        assert!(table.try_lock(Hostile(1)).is_ok());
     }
 
     /// A key whose `Debug` panics, formatted for a timeout: the panic comes

@@ -111,7 +111,10 @@ impl Ledger {
                 self.checks_ok.fetch_add(1, SeqCst);
                 true
             }
-            Err(LockError::Expired { token: t }) => {
+            Err(LockError::Expired {
+                token: t,
+                key: None,
+            }) => {
                 assert_eq!(t.get(), token);
                 log.dead.insert(token);
                 self.checks_failed.fetch_add(1, SeqCst);

@@ -194,7 +194,8 @@ fn a_lease_lapses_exactly_when_the_custom_clock_passes_its_deadline() {
     assert_eq!(
         guard.check(),
         Err(LockError::Expired {
-            token: guard.token()
+            token: guard.token(),
+            key: None,
         })
     );
     assert!(!table.is_locked("k"));

@@ -65,7 +65,8 @@ mod tests {
         assert_eq!(
             guard.check(),
             Err(LockError::Expired {
-                token: guard.token()
+                token: guard.token(),
+                key: None,
             }),
             "lapsed after 6 virtual s"
         );

@@ -191,7 +191,13 @@ fn fencing(rt: &Runtime) {
         );
 
         let a_check = a.check().expect_err("A's lease lapsed");
-        assert_eq!(a_check, LockError::Expired { token: a.token() });
+        assert_eq!(
+            a_check,
+            LockError::Expired {
+                token: a.token(),
+                key: None
+            }
+        );
         println!("   A wakes after {a_stalled:.0?}; A.check(): {a_check}");
         let refused = store
             .write("account-7", a.token(), "A's stale balance")
@@ -253,7 +259,13 @@ fn diagnosis(rt: &Runtime) {
         let why = (&mut lost)
             .now_or_never()
             .expect("lost() resolves at once after a revocation");
-        assert_eq!(why, LockError::Expired { token: holder });
+        assert_eq!(
+            why,
+            LockError::Expired {
+                token: holder,
+                key: None
+            }
+        );
         println!(
             "   revoke_grant(\"nightly-report\", {holder}) = true; job.lost() resolves at once:"
         );

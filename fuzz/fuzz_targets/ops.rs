@@ -2706,10 +2706,10 @@ impl<'a> Harness<'a> {
                     && *held_for == hf.map(ns)
                     && *ahead == a
             }
-            (LockError::Expired { token }, MErr::Expired(t)) => token.get() == t,
-            (LockError::WouldBlock, MErr::WouldBlock) => true,
+            (LockError::Expired { token, key: None }, MErr::Expired(t)) => token.get() == t,
+            (LockError::WouldBlock { key: None }, MErr::WouldBlock) => true,
             (
-                LockError::UpgradeConflict { token, upgrading },
+                LockError::UpgradeConflict { token, upgrading, key: None },
                 MErr::Conflict {
                     token: t,
                     upgrading: u,
@@ -3259,7 +3259,7 @@ impl<'a> Harness<'a> {
             }
             Ok(Poll::Ready(err)) => {
                 assert!(want, "Lost of guard {gid} resolved; the model says live");
-                assert_eq!(err, LockError::Expired { token }, "Lost of guard {gid}");
+                assert_eq!(err, LockError::Expired { token, key: None }, "Lost of guard {gid}");
                 h.retire(gid);
             }
             Ok(Poll::Pending) => {

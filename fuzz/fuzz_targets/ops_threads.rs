@@ -312,7 +312,7 @@ impl<'a> Worker<'a> {
                 self.shared
                     .observed_live_in("check", *k, t.get(), before, g.mode());
             }
-            Err(LockError::Expired { token }) => {
+            Err(LockError::Expired { token, key: None }) => {
                 assert_eq!(token, g.token());
                 assert!(
                     self.shared.leases,
@@ -381,7 +381,7 @@ impl<'a> Worker<'a> {
                 };
                 match r {
                     Ok(g) => self.got("try_lock", k, g, before),
-                    Err(LockError::WouldBlock) => {}
+                    Err(LockError::WouldBlock { key: None }) => {}
                     Err(e) => panic!("try_lock: {e:?}"),
                 }
             }
@@ -448,7 +448,7 @@ impl<'a> Worker<'a> {
                     let before = sh.max_live[*k].load(SeqCst);
                     match g.renew(sh.lease(lease)) {
                         Ok(()) => sh.observed_live("renew", *k, g.token().get(), before),
-                        Err(LockError::Expired { token }) => assert_eq!(token, g.token()),
+                        Err(LockError::Expired { token, key: None }) => assert_eq!(token, g.token()),
                         Err(e) => panic!("renew: {e:?}"),
                     }
                 }

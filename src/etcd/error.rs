@@ -101,6 +101,8 @@ pub enum ClusterLockError {
         /// Who holds it, as its waiter key says; `None` when the one ahead
         /// is a caller of this process (queued on the in-process tier).
         holder: Option<Box<ClusterHolder>>,
+        /// The key, quoted as in `Timeout`'s `key`.
+        key: Box<str>,
     },
     /// The wait ran out.
     Timeout {
@@ -136,6 +138,8 @@ pub enum ClusterLockError {
     Expired {
         /// The token of the grant that lost the key.
         token: FencingToken,
+        /// The key, quoted as in `Timeout`'s `key`.
+        key: Box<str>,
     },
 }
 
@@ -158,8 +162,8 @@ impl fmt::Display for ClusterLockError {
                  or no leader): {source}"
             ),
             Self::InvalidOptions { option, reason } => write!(f, "invalid {option}: {reason}"),
-            Self::WouldBlock { holder } => {
-                f.write_str("the key is held")?;
+            Self::WouldBlock { holder, key } => {
+                write!(f, "key {key} is held")?;
                 match holder {
                     Some(h) => write!(f, " by {h}"),
                     None => f.write_str(" (by a caller of this process, or one is ahead)"),
@@ -189,9 +193,9 @@ impl fmt::Display for ClusterLockError {
                 "the waiter key {key} was deleted by another etcd client while it waited \
                  (its lease lives); the key was not taken"
             ),
-            Self::Expired { token } => write!(
+            Self::Expired { token, key } => write!(
                 f,
-                "grant {token} has lost the key (its lease ended); do not commit its work"
+                "grant {token} has lost key {key} (its lease ended); do not commit its work"
             ),
         }
     }

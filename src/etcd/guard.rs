@@ -81,6 +81,22 @@ impl<K> Held<K> {
         self.grant.as_ref().expect("a live guard has its grant")
     }
 
+    /// The key's name, for an error.
+    fn key_name(&self) -> Box<str> {
+        self.local.as_ref().map_or_else(
+            || "(released)".into(),
+            |local| super::key::name(local.key()),
+        )
+    }
+
+    /// This grant's loss, as an error naming its key.
+    fn expired(&self) -> ClusterLockError {
+        ClusterLockError::Expired {
+            token: self.grant().token,
+            key: self.key_name(),
+        }
+    }
+
     /// The lease that carries the grant.
     pub(crate) fn lease(&self) -> &GrantLease {
         &self.grant().lease
@@ -91,7 +107,7 @@ impl<K> Held<K> {
         if grant.lease.is_live() {
             Ok(grant.token)
         } else {
-            Err(ClusterLockError::Expired { token: grant.token })
+            Err(self.expired())
         }
     }
 
@@ -105,8 +121,10 @@ impl<K> Held<K> {
                     .inner
                     .handle
                     .spawn(async move { session.refresh().await });
-                task.await
-                    .map_err(|_| ClusterLockError::Expired { token })??;
+                task.await.map_err(|_| ClusterLockError::Expired {
+                    token,
+                    key: self.key_name(),
+                })??;
             }
             GrantLease::Own {
                 id,
@@ -125,11 +143,15 @@ impl<K> Held<K> {
                 });
                 let (sent, granted) = task
                     .await
-                    .map_err(|_| ClusterLockError::Expired { token })?
+                    .map_err(|_| ClusterLockError::Expired {
+                        token,
+                        key: self.key_name(),
+                    })?
                     .map_err(|e| match e {
-                        etcd_client::Error::LeaseKeepAliveError(_) => {
-                            ClusterLockError::Expired { token }
-                        }
+                        etcd_client::Error::LeaseKeepAliveError(_) => ClusterLockError::Expired {
+                            token,
+                            key: self.key_name(),
+                        },
                         e => ClusterLockError::etcd("renew the grant's lease", e),
                     })?;
                 let mut v = valid_until.lock().unwrap_or_else(PoisonError::into_inner);
@@ -137,7 +159,10 @@ impl<K> Held<K> {
                 // "gone", the grant is lost.
                 if granted <= 0 || sent >= *v {
                     *v = sent.min(*v);
-                    return Err(ClusterLockError::Expired { token });
+                    return Err(ClusterLockError::Expired {
+                        token,
+                        key: self.key_name(),
+                    });
                 }
                 *v = (*v).max(sent + ttl);
             }
@@ -146,6 +171,7 @@ impl<K> Held<K> {
     }
 
     async fn unlock(&mut self) -> Result<FencingToken, ClusterLockError> {
+        let name = self.key_name();
         let (Some(grant), Some(local)) = (self.grant.take(), self.local.take()) else {
             unreachable!("unlock consumes the guard");
         };
@@ -157,12 +183,14 @@ impl<K> Held<K> {
             drop(local);
             r
         });
-        task.await
-            .map_err(|_| ClusterLockError::Expired { token })??;
+        task.await.map_err(|_| ClusterLockError::Expired {
+            token,
+            key: name.clone(),
+        })??;
         if live {
             Ok(token)
         } else {
-            Err(ClusterLockError::Expired { token })
+            Err(ClusterLockError::Expired { token, key: name })
         }
     }
 }

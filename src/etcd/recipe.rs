@@ -305,6 +305,7 @@ pub(crate) async fn acquire(
             let (holder, _) = head(inner, &prefix, revision).await;
             return Err(ClusterLockError::WouldBlock {
                 holder: holder.map(Box::new),
+                key: key::name(stem),
             });
         }
         match wait_turn(inner, session, &me, &prefix, revision, shared, deadline).await {

@@ -262,6 +262,7 @@ pub struct ClusterStats {
 /// let line = table.stats().to_string();
 /// assert!(line.starts_with("0 etcd waiters"), "{line}");
 /// # Ok(()) }
+/// # let _ = f;
 /// ```
 impl std::fmt::Display for ClusterStats {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -567,7 +568,10 @@ async fn acquire<K: AsRef<[u8]>>(
     } else {
         Arc::clone(&inner.local)
             .try_lock_owned_with(stem.clone(), LockOptions::new().mode(mode))
-            .map_err(|_| ClusterLockError::WouldBlock { holder: None })?
+            .map_err(|_| ClusterLockError::WouldBlock {
+                holder: None,
+                key: key::name(&stem),
+            })?
     };
     let (tx, rx) = tokio::sync::oneshot::channel();
     let task_inner = Arc::clone(&inner);

@@ -125,7 +125,7 @@ impl<K> ShardState<K> {
         keys.settle(entry, ctx);
         match entry.holders.get(token) {
             Some(_) => Ok(token),
-            None => Err(LockError::Expired { token }),
+            None => Err(LockError::Expired { token, key: None }),
         }
     }
 
@@ -156,7 +156,7 @@ impl<K> ShardState<K> {
         keys.settle(entry, ctx);
         let start = ctx.clock().start_for(lease);
         let Some(holder) = entry.holders.get_mut(token) else {
-            return Err(LockError::Expired { token });
+            return Err(LockError::Expired { token, key: None });
         };
         let deadline = start.plus(lease);
         let before = std::mem::replace(&mut holder.deadline, deadline);

@@ -223,7 +223,7 @@ impl<K> ShardState<K> {
         let (entry, mut keys) = self.locate(hash, key);
         keys.settle(entry, ctx);
         let Some(&mine) = entry.holders.get(token) else {
-            return Err(LockError::Expired { token });
+            return Err(LockError::Expired { token, key: None });
         };
         let grant = |token, entry: &Entry<K>| Grant {
             key: entry.key,
@@ -257,7 +257,11 @@ impl<K> ShardState<K> {
         if let Some(head) = entry.queue.head() {
             // SAFETY: the head is linked, under the lock.
             if let Want::Upgrade(upgrading) = unsafe { Waiter::want(head) } {
-                return Err(LockError::UpgradeConflict { token, upgrading });
+                return Err(LockError::UpgradeConflict {
+                    token,
+                    upgrading,
+                    key: None,
+                });
             }
         }
         let waiter = waiter.get_or_init();
@@ -291,7 +295,7 @@ impl<K> ShardState<K> {
         let (entry, mut keys) = self.locate(hash, key);
         keys.settle(entry, ctx);
         if entry.holders.get(token).is_none() {
-            return Err(LockError::Expired { token });
+            return Err(LockError::Expired { token, key: None });
         }
         if entry.mode == Mode::Shared {
             return Ok(());

@@ -61,7 +61,7 @@ use crate::time::timer::Sleep;
 /// };
 /// match select(std::pin::pin!(work), keep_alive).await {
 ///     Either::Left(_) => unreachable!(),
-///     Either::Right((why, _)) => assert_eq!(why, keylock::LockError::Expired { token }),
+///     Either::Right((why, _)) => assert_eq!(why, keylock::LockError::Expired { token, key: None }),
 /// };
 /// # });
 /// ```
@@ -115,7 +115,7 @@ impl<'a, K, S> KeepAlive<'a, K, S> {
     ///     .keep_alive(Duration::from_secs(1), Duration::from_secs(3))
     ///     .and(&b);
     /// table.revoke("b");
-    /// assert_eq!(both.await, keylock::LockError::Expired { token: b.token() });
+    /// assert_eq!(both.await, keylock::LockError::Expired { token: b.token(), key: None });
     /// # });
     /// ```
     pub fn and(self, guard: &'a Guard<'_, K, S>) -> Self {

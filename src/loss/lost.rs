@@ -55,7 +55,7 @@ use crate::time::timer::Sleep;
 /// let token = guard.token();
 /// assert!(table.revoke_grant("job", token));
 /// let why = guard.lost().await;
-/// assert_eq!(why, keylock::LockError::Expired { token });
+/// assert_eq!(why, keylock::LockError::Expired { token, key: None });
 /// # });
 /// ```
 #[must_use = "futures do nothing unless polled"]
@@ -120,6 +120,9 @@ impl<K, S> Future for Lost<'_, K, S> {
                     this.sleep = None;
                     return Poll::Ready(LockError::Expired {
                         token: this.held.token(),
+                        // SAFETY: the guard `held` belongs to points at
+                        // the key, which keeps its entry in the table.
+                        key: this.table.name_key(unsafe { this.held.key_ptr().get() }),
                     });
                 }
                 Watch::NeedWaker => unreachable!("keylock: a fresh waker was given"),

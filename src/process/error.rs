@@ -62,6 +62,8 @@ pub enum ProcessLockError {
         /// Who kept the key: this process, another process, or a kernel
         /// lock on the key's file without a grant.
         by: HeldBy,
+        /// The key, quoted as in `Timeout`'s `key`.
+        key: Box<str>,
     },
     /// The wait ran out.
     Timeout {
@@ -86,6 +88,9 @@ pub enum ProcessLockError {
     /// included). The process is not harmed: the file's memory is not
     /// touched once its size is found wrong.
     Damaged {
+        /// The key whose state file it is, quoted as in `Timeout`'s `key`
+        /// (`None`: the directory's own file, `keylock.dir`).
+        key: Option<Box<str>>,
         /// The state file.
         path: PathBuf,
         /// Its length when it was found damaged, in bytes.
@@ -98,6 +103,8 @@ pub enum ProcessLockError {
     Expired {
         /// The token of the grant that lost the key.
         token: FencingToken,
+        /// The key, quoted as in `Timeout`'s `key`.
+        key: Box<str>,
     },
 }
 
@@ -197,8 +204,8 @@ impl fmt::Display for ProcessLockError {
                 path.display()
             ),
             Self::InvalidOptions { option, reason } => write!(f, "invalid {option}: {reason}"),
-            Self::WouldBlock { holder, by } => {
-                write!(f, "the key is held by {by}")?;
+            Self::WouldBlock { holder, by, key } => {
+                write!(f, "key {key} is held by {by}")?;
                 match holder {
                     Some(h) => write!(f, ": {h}"),
                     None => Ok(()),
@@ -222,17 +229,32 @@ impl fmt::Display for ProcessLockError {
                     None => Ok(()),
                 }
             }
-            Self::Damaged { path, len } => write!(
+            Self::Damaged {
+                key: Some(key),
+                path,
+                len,
+            } => write!(
                 f,
-                "`{}` was truncated to {len} bytes while in use (keylock never shortens it): \
-                 the key's state is lost and no grant of it is valid; remove the file to start \
-                 the key afresh (its fencing tokens restart)",
+                "the state file of key {key} was truncated to {len} bytes while in use \
+                 (keylock never shortens it): the key's state is lost and no grant of it is \
+                 valid; remove the file to start the key afresh (its fencing tokens restart) \
+                 (file `{}`)",
                 path.display()
             ),
-            Self::Expired { token } => write!(
+            Self::Damaged {
+                key: None,
+                path,
+                len,
+            } => write!(
                 f,
-                "grant {token} has lost the key (its lease lapsed and another process took it \
-                 over, or its file was removed or replaced); do not commit its work"
+                "`{}` was truncated to {len} bytes while in use (keylock never shortens it); \
+                 remove it to start the directory afresh",
+                path.display()
+            ),
+            Self::Expired { token, key } => write!(
+                f,
+                "grant {token} has lost key {key} (its lease lapsed and another process took \
+                 it over, or its file was removed or replaced); do not commit its work"
             ),
         }
     }

@@ -182,22 +182,33 @@ impl<K> Held<K> {
         let token = self.token;
         let mut files = self.files();
         let Some(files) = files.as_mut() else {
-            return Err(ProcessLockError::Expired { token });
+            return Err(self.expired());
         };
         match standing(files, token, self.slot) {
             Ok(Standing::Live(lease)) => Ok(lease),
             Ok(Standing::Replaced) => {
                 // Not to be used again by this process.
                 files.stale = true;
-                Err(ProcessLockError::Expired { token })
+                Err(self.expired())
             }
-            Ok(Standing::Lapsed(_) | Standing::Lost) => Err(ProcessLockError::Expired { token }),
+            Ok(Standing::Lapsed(_) | Standing::Lost) => Err(self.expired()),
             Err(err) => {
                 if matches!(err, ProcessLockError::Damaged { .. }) {
                     files.stale = true;
                 }
                 Err(err)
             }
+        }
+    }
+
+    /// This grant's loss, as an error naming its key.
+    fn expired(&self) -> ProcessLockError {
+        ProcessLockError::Expired {
+            token: self.token,
+            key: self.local.as_ref().map_or_else(
+                || "(released)".into(),
+                |local| super::key::name(local.key()),
+            ),
         }
     }
 
@@ -213,7 +224,7 @@ impl<K> Held<K> {
         let files = self.files();
         match files.as_ref() {
             Some(files) => f(files, standing(files, self.token, self.slot)?),
-            None => Err(ProcessLockError::Expired { token: self.token }),
+            None => Err(self.expired()),
         }
     }
 
@@ -222,12 +233,11 @@ impl<K> Held<K> {
     }
 
     fn expires_at(&self) -> Result<Option<Instant>, ProcessLockError> {
-        let token = self.token;
         self.with_standing(|_, standing| match standing {
             Standing::Live(lease) | Standing::Lapsed(lease) => {
                 Ok((lease != NO_LEASE).then(|| instant_of_monotonic(lease)))
             }
-            Standing::Lost | Standing::Replaced => Err(ProcessLockError::Expired { token }),
+            Standing::Lost | Standing::Replaced => Err(self.expired()),
         })
     }
 
@@ -247,11 +257,10 @@ impl<K> Held<K> {
                 reason: format!("{lease:?} is not between 1ns and {DEFAULT_MAX_LEASE:?}"),
             });
         }
-        let token = self.token;
         let slot = self.slot;
         self.with_standing(|files, standing| {
             let Standing::Live(mut seen) = standing else {
-                return Err(ProcessLockError::Expired { token });
+                return Err(self.expired());
             };
             let nanos = u64::try_from(lease.as_nanos()).unwrap_or(u64::MAX);
             // A taker marks a lapsed lease word taken before it swaps the
@@ -267,7 +276,7 @@ impl<K> Held<K> {
                     Ok(_) => return Ok(()),
                     // Renewed by another thread of this guard, or taken.
                     Err(now) if now != TAKEN && unix::monotonic_ns() < now => seen = now,
-                    Err(_) => return Err(ProcessLockError::Expired { token }),
+                    Err(_) => return Err(self.expired()),
                 }
             }
         })?;
@@ -289,21 +298,19 @@ impl<K> Held<K> {
     fn release(&mut self, checked: bool) -> Result<FencingToken, ProcessLockError> {
         let token = self.token;
         let Some(mut files) = self.files().take() else {
-            return Err(ProcessLockError::Expired { token });
+            return Err(self.expired());
         };
         let verdict = if checked {
             match standing(&files, token, self.slot) {
                 Ok(Standing::Live(_)) => Ok(token),
                 Ok(Standing::Replaced) => {
                     files.stale = true;
-                    Err(ProcessLockError::Expired { token })
+                    Err(self.expired())
                 }
                 // Lapsed (the cell below frees the key) or taken over (the
                 // word names the successor, on another slot: the cell of
                 // this grant's slot frees nothing of it).
-                Ok(Standing::Lapsed(_) | Standing::Lost) => {
-                    Err(ProcessLockError::Expired { token })
-                }
+                Ok(Standing::Lapsed(_) | Standing::Lost) => Err(self.expired()),
                 Err(err) => Err(err),
             }
         } else {
@@ -418,7 +425,7 @@ macro_rules! process_guard_methods {
         /// let table = ProcessLockTable::open(&dir)?;
         /// let guard = table.lock_with("job", LockOptions::new().lease(Duration::from_millis(10))).await?;
         /// let why = guard.lost().await; // its lease lapses
-        /// assert!(why.to_string().contains("lost the key"));
+        /// assert!(why.to_string().contains(r#"lost key "job""#));
         /// # Ok::<(), keylock::ProcessLockError>(())
         /// # }).unwrap();
         /// # std::fs::remove_dir_all(&dir).unwrap();

@@ -59,7 +59,7 @@ use crate::DEFAULT_MAX_LEASE;
 /// let guard = table.lock_with("job", opts).await?;
 /// // Nobody renews it: it lapses, and `lost` says so.
 /// let why = guard.lost().await;
-/// assert!(matches!(why, ProcessLockError::Expired { token } if token == guard.token()));
+/// assert!(matches!(why, ProcessLockError::Expired { token, .. } if token == guard.token()));
 /// assert!(guard.check().is_err());
 /// # Ok::<(), ProcessLockError>(())
 /// # }).unwrap();

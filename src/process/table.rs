@@ -381,7 +381,11 @@ fn try_acquire<K: AsRef<[u8]>>(
             // Another caller of this process has the key or is ahead; the
             // file says who holds it.
             let (holder, by) = inner.blocker(&stem, HeldBy::ThisProcess);
-            return Err(ProcessLockError::WouldBlock { holder, by });
+            return Err(ProcessLockError::WouldBlock {
+                holder,
+                by,
+                key: key::name(&stem),
+            });
         }
     };
     match inner.try_grant(&stem, lease)? {
@@ -392,6 +396,7 @@ fn try_acquire<K: AsRef<[u8]>>(
             Err(ProcessLockError::WouldBlock {
                 holder: holder.map(Box::new),
                 by,
+                key: key::name(&stem),
             })
         }
     }

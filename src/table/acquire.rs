@@ -377,7 +377,12 @@ where
             other => other,
         };
         drop(state);
-        self.started(attempt.map_err(Box::new)?, cx, left)
+        let attempt = attempt.map_err(|err| {
+            // SAFETY: the guard being upgraded still holds the key, so its
+            // entry stays in the table.
+            Box::new(err.with_key(|| table.name_key(unsafe { key.get() })))
+        })?;
+        self.started(attempt, cx, left)
     }
 
     /// What the first poll's attempt came to: the grant, or a linked waiter
@@ -532,7 +537,10 @@ where
             Outcome::NeedWaker => Ok(Step::Again),
             Outcome::Lost(token) => {
                 self.state = State::Done;
-                Err(Box::new(LockError::Expired { token }))
+                // SAFETY: the guard being upgraded still points at the key,
+                // so its entry stays in the table.
+                let key = table.name_key(unsafe { key.get() });
+                Err(Box::new(LockError::Expired { token, key }))
             }
             Outcome::GaveUp(diagnosis) => {
                 self.state = State::Done;

@@ -357,6 +357,7 @@ impl<'a, K, S> Guard<'a, K, S> {
     pub fn release_checked(self) -> Result<FencingToken, LockError> {
         self.release_if_live().map_err(|lost| LockError::Expired {
             token: lost.token(),
+            key: lost.table.name_key(lost.key()),
         })
     }
 
@@ -477,6 +478,7 @@ impl<K, S> OwnedGuard<K, S> {
     pub fn release_checked(self) -> Result<FencingToken, LockError> {
         self.release_if_live().map_err(|lost| LockError::Expired {
             token: lost.token(),
+            key: lost.table.name_key(lost.key()),
         })
     }
 

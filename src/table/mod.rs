@@ -586,7 +586,20 @@ impl<K, S> LockTable<K, S> {
         key: KeyPtr<K>,
         token: FencingToken,
     ) -> Result<FencingToken, LockError> {
-        self.with_shard(hash, |state, ctx| state.check(hash, key, token, ctx))
+        let checked = self.with_shard(hash, |state, ctx| state.check(hash, key, token, ctx));
+        self.named(key, checked)
+    }
+
+    /// `result`, its error naming `key` if the table names keys. Called
+    /// after the shard lock is released (naming runs the key's `Debug`), by
+    /// a guard's own call (a caller under a lock of its own, a transaction,
+    /// names keys itself).
+    fn named<T>(&self, key: KeyPtr<K>, result: Result<T, LockError>) -> Result<T, LockError> {
+        result.map_err(|err| {
+            // SAFETY: the caller's guard points at `key`, which keeps its
+            // entry, and the key in it, in the table.
+            err.with_key(|| self.name_key(unsafe { key.get() }))
+        })
     }
 
     /// [`check_grant`](Self::check_grant), leaving the wakes and drops of
@@ -615,7 +628,7 @@ impl<K, S> LockTable<K, S> {
         let mut left = Leftovers::default();
         let renewed = self.renew_grant_leaving(hash, key, token, lease, cache, &mut left);
         left.flush();
-        renewed
+        self.named(key, renewed)
     }
 
     /// [`renew_grant`](Self::renew_grant), leaving the wakes and drops of
@@ -667,11 +680,12 @@ impl<K, S> LockTable<K, S> {
         token: FencingToken,
         cache: &crate::table::guard::GrantCache,
     ) -> Result<(), LockError> {
-        self.with_shard(hash, |state, ctx| {
+        let downgraded = self.with_shard(hash, |state, ctx| {
             state.downgrade(hash, key, token, ctx)?;
             cache.set_shared();
             Ok(())
-        })
+        });
+        self.named(key, downgraded)
     }
 
     /// See [`ShardState::deadline_of`].
@@ -849,7 +863,7 @@ where
     ///
     /// # Errors
     ///
-    /// [`TryLockError::WouldBlock`] if the key is held exclusively or
+    /// [`TryLockError::WouldBlock { key: None }`] if the key is held exclusively or
     /// awaited.
     ///
     /// ```
@@ -868,9 +882,15 @@ where
             Mode::Shared,
             Terms::lease(self.leases.default_packed),
         );
+        let key_name = self.key_name;
         let guard = grant.map(|grant| Guard::new(self, Held::new(hash, grant)));
+        let key = if guard.is_none() {
+            would_block_name(key_name, spare.as_ref())
+        } else {
+            None
+        };
         drop(spare);
-        guard.ok_or(TryLockError::WouldBlock)
+        guard.ok_or(TryLockError::WouldBlock { key })
     }
 
     /// Like [`try_lock_shared`](Self::try_lock_shared), for a table behind
@@ -898,9 +918,15 @@ where
             Mode::Shared,
             Terms::lease(self.leases.default_packed),
         );
+        let key_name = self.key_name;
         let guard = grant.map(|grant| OwnedGuard::new(self, Held::new(hash, grant)));
+        let key = if guard.is_none() {
+            would_block_name(key_name, spare.as_ref())
+        } else {
+            None
+        };
         drop(spare);
-        guard.ok_or(TryLockError::WouldBlock)
+        guard.ok_or(TryLockError::WouldBlock { key })
     }
 
     /// Blocks the current thread until `key` can be held shared and takes
@@ -921,7 +947,7 @@ where
     ///
     /// # Errors
     ///
-    /// [`TryLockError::WouldBlock`] if the key is held or awaited.
+    /// [`TryLockError::WouldBlock { key: None }`] if the key is held or awaited.
     ///
     /// ```
     /// let table = keylock::LockTable::new();
@@ -939,11 +965,17 @@ where
             Mode::Exclusive,
             Terms::lease(self.leases.default_packed),
         );
+        let key_name = self.key_name;
         let guard = grant.map(|grant| Guard::new(self, Held::new(hash, grant)));
         // After the guard exists: if the spare key's drop panics, unwinding
         // drops the guard, which releases.
+        let key = if guard.is_none() {
+            would_block_name(key_name, spare.as_ref())
+        } else {
+            None
+        };
         drop(spare);
-        guard.ok_or(TryLockError::WouldBlock)
+        guard.ok_or(TryLockError::WouldBlock { key })
     }
 
     /// Like [`try_lock`](Self::try_lock), with a lease (the timeout, if any,
@@ -951,7 +983,7 @@ where
     ///
     /// # Errors
     ///
-    /// [`LockError::WouldBlock`] if the key is held or awaited;
+    /// [`LockError::WouldBlock { key: None }`] if the key is held or awaited;
     /// [`LockError::InvalidOptions`] for a lease out of range.
     ///
     /// ```
@@ -966,16 +998,22 @@ where
         let hash = self.hash(&key);
         let (grant, spare) =
             self.try_acquire(hash, key, opts.lock_mode(), terms_of(self, lease, &opts));
+        let key_name = self.key_name;
         let guard = grant.map(|grant| Guard::new(self, Held::new(hash, grant)));
+        let key = if guard.is_none() {
+            would_block_name(key_name, spare.as_ref())
+        } else {
+            None
+        };
         drop(spare);
-        guard.ok_or(LockError::WouldBlock)
+        guard.ok_or(LockError::WouldBlock { key })
     }
 
     /// Like [`try_lock`](Self::try_lock), for a table behind an [`Arc`].
     ///
     /// # Errors
     ///
-    /// [`TryLockError::WouldBlock`] if the key is held or awaited.
+    /// [`TryLockError::WouldBlock { key: None }`] if the key is held or awaited.
     ///
     /// ```
     /// use std::sync::Arc;
@@ -992,9 +1030,15 @@ where
             Mode::Exclusive,
             Terms::lease(self.leases.default_packed),
         );
+        let key_name = self.key_name;
         let guard = grant.map(|grant| OwnedGuard::new(self, Held::new(hash, grant)));
+        let key = if guard.is_none() {
+            would_block_name(key_name, spare.as_ref())
+        } else {
+            None
+        };
         drop(spare);
-        guard.ok_or(TryLockError::WouldBlock)
+        guard.ok_or(TryLockError::WouldBlock { key })
     }
 
     /// Like [`try_lock_with`](Self::try_lock_with), for a table behind an
@@ -1019,9 +1063,15 @@ where
         let hash = self.hash(&key);
         let (grant, spare) =
             self.try_acquire(hash, key, opts.lock_mode(), terms_of(&self, lease, &opts));
+        let key_name = self.key_name;
         let guard = grant.map(|grant| OwnedGuard::new(self, Held::new(hash, grant)));
+        let key = if guard.is_none() {
+            would_block_name(key_name, spare.as_ref())
+        } else {
+            None
+        };
         drop(spare);
-        guard.ok_or(LockError::WouldBlock)
+        guard.ok_or(LockError::WouldBlock { key })
     }
 
     /// One attempt with `opts` that gives the caller's key back if the key
@@ -1412,12 +1462,24 @@ impl<K> Builder<K> {
 impl<K: fmt::Debug, S> Builder<K, S> {
     /// Errors of this table name the key they are about, by its `Debug`
     /// form: a [`LockError::Timeout`](crate::LockError::Timeout) says which
-    /// key it waited for. The key is formatted only when such an error is
-    /// made, never on a lock that succeeds.
+    /// key it waited for, a refused `try_lock`
+    /// ([`TryLockError::WouldBlock`](crate::TryLockError::WouldBlock),
+    /// [`LockError::WouldBlock`](crate::LockError::WouldBlock)) which key
+    /// was busy, and a lost grant
+    /// ([`LockError::Expired`](crate::LockError::Expired), from `check`,
+    /// `renew`, `release_checked` or `lost()`), a refused upgrade
+    /// ([`LockError::UpgradeConflict`](crate::LockError::UpgradeConflict))
+    /// and a hold released in vain
+    /// ([`LockError::NoSuchHold`](crate::LockError::NoSuchHold)) which key
+    /// they are about (each in its `key` field and its message). The key is
+    /// formatted only when such an error is made, after the table's locks
+    /// are released, never on a lock that succeeds. A transaction's errors
+    /// carry the key itself ([`TransactionError`](crate::TransactionError)),
+    /// and the process and cluster scopes always name it.
     ///
     /// Without it (the default, since a table's keys need not be `Debug`)
-    /// an error names the grant and the queue, and the caller knows the key
-    /// it asked for.
+    /// an error says "the key" and names the grant and the queue, and the
+    /// caller knows the key it asked for.
     ///
     /// ```
     /// # futures::executor::block_on(async {
@@ -1438,6 +1500,15 @@ impl<K: fmt::Debug, S> Builder<K, S> {
     }
 }
 
+/// The name of a key a `try_lock` could not take (given back to it as
+/// `key`), for its error, if the table names keys. Runs the key's `Debug`:
+/// called after the shard lock is released.
+#[cold]
+#[inline(never)]
+fn would_block_name<K>(name: Option<fn(&K) -> Box<str>>, key: Option<&K>) -> Option<Box<str>> {
+    Some(name?(key?))
+}
+
 /// A key's `Debug` form, for an error.
 fn debug_name<K: fmt::Debug>(key: &K) -> Box<str> {
     format!("{key:?}").into_boxed_str()
@@ -1450,6 +1521,11 @@ impl<K, S> LockTable<K, S> {
     #[cold]
     pub(crate) fn name_key(&self, key: &K) -> Option<Box<str>> {
         self.key_name.map(|name| name(key))
+    }
+
+    /// Whether the table names keys in its errors ([`Builder::name_keys`]).
+    pub(crate) fn names_keys(&self) -> bool {
+        self.key_name.is_some()
     }
 }
 

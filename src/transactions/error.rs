@@ -180,7 +180,7 @@ impl<K> TransactionError<K> {
     pub(crate) fn from_lock(key: K, mode: Mode, waited: bool, error: LockError) -> Self {
         match error {
             LockError::Timeout { holder, .. } if !waited => Self::Busy { key, mode, holder },
-            LockError::Expired { token } => Self::Expired { key, token },
+            LockError::Expired { token, .. } => Self::Expired { key, token },
             error => Self::Lock { key, mode, error },
         }
     }

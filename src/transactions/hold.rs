@@ -94,7 +94,7 @@ impl<K: Eq + Hash, S: BuildHasher> LockTable<K, S> {
     /// // A second release frees nothing, and says so.
     /// assert_eq!(
     ///     table.release_hold("order-9", hold.token),
-    ///     Err(LockError::NoSuchHold { token: hold.token })
+    ///     Err(LockError::NoSuchHold { token: hold.token, key: None })
     /// );
     /// # Ok::<(), Box<dyn std::error::Error>>(())
     /// # }).unwrap();
@@ -102,10 +102,16 @@ impl<K: Eq + Hash, S: BuildHasher> LockTable<K, S> {
     pub fn release_hold<Q>(&self, key: &Q, token: FencingToken) -> Result<(), LockError>
     where
         K: Borrow<Q>,
-        Q: Hash + Eq + ?Sized,
+        Q: Hash + Eq + fmt::Debug + ?Sized,
     {
+        // Formatted after the records' lock is released: `Debug` is user
+        // code.
+        let name = || {
+            self.names_keys()
+                .then(|| format!("{key:?}").into_boxed_str())
+        };
         let Some(held) = self.holds().records.lock().remove(&token) else {
-            return Err(LockError::NoSuchHold { token });
+            return Err(LockError::NoSuchHold { token, key: name() });
         };
         // SAFETY: the record keeps the grant's entry (its holder, or its
         // fenced count once lost) until it is released below.
@@ -113,14 +119,14 @@ impl<K: Eq + Hash, S: BuildHasher> LockTable<K, S> {
         if !same {
             // A token of another key: put it back, free nothing.
             self.holds().records.lock().insert(token, held);
-            return Err(LockError::NoSuchHold { token });
+            return Err(LockError::NoSuchHold { token, key: name() });
         }
         if self.release_if_live(held.hash(), held.key_ptr(), token) {
             Ok(())
         } else {
             // Lost meanwhile: its record goes (as a lapsed guard's drop).
             held.release(self);
-            Err(LockError::Expired { token })
+            Err(LockError::Expired { token, key: name() })
         }
     }
 
