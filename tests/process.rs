@@ -775,6 +775,7 @@ fn bad_input_gives_clear_errors_naming_the_path_and_holds_nothing() {
     let err = table.try_lock("junk").unwrap_err();
     assert!(matches!(err, ProcessLockError::Corrupt { .. }), "{err}");
     assert!(err.to_string().contains("key-junk.state"), "{err}");
+    assert!(err.to_string().contains(r#"key "junk""#), "{err}");
 
     // Nothing is held after those errors.
     assert!(table.try_lock("k").is_ok());
@@ -1378,6 +1379,7 @@ fn a_key_file_truncated_from_outside_is_an_error_not_a_crash() {
     let check = kid.line();
     assert!(check.starts_with("check err"), "{check}");
     assert!(check.contains("key-k.state"), "names the file: {check}");
+    assert!(check.contains(r#"key "k""#), "names the key: {check}");
     assert!(check.contains("truncated"), "says what happened: {check}");
     kid.tell("release");
     let released = kid.line();
@@ -1393,12 +1395,14 @@ fn a_key_file_truncated_from_outside_is_an_error_not_a_crash() {
     let answer = kid.line();
     assert!(answer.starts_with("try err"), "{answer}");
     assert!(answer.contains("key-k.state"), "names the file: {answer}");
+    assert!(answer.contains(r#"key "k""#), "names the key: {answer}");
     kid.finish();
 
     // A table opening it afresh refuses it, naming it; nothing is held.
     let table = ProcessLockTable::<&str>::open(&dir).unwrap();
     let err = table.try_lock("k").unwrap_err();
     assert!(err.to_string().contains("key-k.state"), "{err}");
+    assert!(err.to_string().contains(r#"key "k""#), "{err}");
     assert!(table.try_lock("other").is_ok());
     std::fs::remove_dir_all(&dir).unwrap();
 }

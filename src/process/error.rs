@@ -1,4 +1,5 @@
-//! Errors of the process scope, each naming the path or the holder at fault.
+//! Errors of the process scope, each naming the key (the file only as a
+//! detail), or the path or option at fault, and the holder.
 
 use std::fmt;
 use std::io;
@@ -173,6 +174,15 @@ impl fmt::Display for HeldBy {
     }
 }
 
+/// The key a path is the state file of (`<stem>.state`, the stem a key's
+/// encoding), quoted, if it is one: named when the error is displayed.
+fn key_of(path: &std::path::Path) -> Option<Box<str>> {
+    let name = path.file_name()?.to_str()?;
+    let stem = name.strip_suffix(".state")?;
+    super::key::decode(stem)?;
+    Some(super::key::name(stem))
+}
+
 impl ProcessLockError {
     pub(crate) fn io(op: &'static str, path: impl Into<PathBuf>, source: io::Error) -> Self {
         Self::Io {
@@ -186,9 +196,14 @@ impl ProcessLockError {
 impl fmt::Display for ProcessLockError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
-            Self::Io { op, path, source } => {
-                write!(f, "cannot {op} `{}`: {source}", path.display())
-            }
+            Self::Io { op, path, source } => match key_of(path) {
+                Some(key) => write!(
+                    f,
+                    "cannot {op} for key {key} (file `{}`): {source}",
+                    path.display()
+                ),
+                None => write!(f, "cannot {op} `{}`: {source}", path.display()),
+            },
             Self::Key {
                 key_len,
                 encoded_len,
@@ -198,11 +213,19 @@ impl fmt::Display for ProcessLockError {
                 "a key of {key_len} bytes encodes to a file name of {encoded_len} bytes, over \
                  the limit of {max}; use a shorter key (or a digest of it)"
             ),
-            Self::Corrupt { path } => write!(
-                f,
-                "`{}` is not a keylock state file (or is of a newer format); left untouched",
-                path.display()
-            ),
+            Self::Corrupt { path } => match key_of(path) {
+                Some(key) => write!(
+                    f,
+                    "the file of key {key} (`{}`) is not a keylock state file (or is of a \
+                     newer format); left untouched",
+                    path.display()
+                ),
+                None => write!(
+                    f,
+                    "`{}` is not a keylock state file (or is of a newer format); left untouched",
+                    path.display()
+                ),
+            },
             Self::InvalidOptions { option, reason } => write!(f, "invalid {option}: {reason}"),
             Self::WouldBlock { holder, by, key } => {
                 write!(f, "key {key} is held by {by}")?;
