@@ -110,7 +110,10 @@ impl<K: Eq + Hash, S: BuildHasher> LockTable<K, S> {
             self.names_keys()
                 .then(|| format!("{key:?}").into_boxed_str())
         };
-        let Some(held) = self.holds().records.lock().remove(&token) else {
+        // The records' lock is released at the end of this statement,
+        // before `name` may run.
+        let removed = self.holds().records.lock().remove(&token);
+        let Some(held) = removed else {
             return Err(LockError::NoSuchHold { token, key: name() });
         };
         // SAFETY: the record keeps the grant's entry (its holder, or its
