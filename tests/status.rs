@@ -419,6 +419,39 @@ mod tests {
         assert!(err.to_string().contains("has lost the key"), "{err}");
     }
 
+    /// A key whose `Debug` calls back into its table (it looks at its own
+    /// key's state, which takes that key's shard lock): every error is
+    /// named with no lock of the table held, so none of them deadlocks.
+    #[test]
+    fn a_key_whose_debug_calls_back_into_the_table_is_named_without_a_lock() {
+        use std::sync::OnceLock;
+        #[derive(PartialEq, Eq, Hash)]
+        struct Reentrant(u32);
+        static TABLE: OnceLock<LockTable<Reentrant>> = OnceLock::new();
+        impl std::fmt::Debug for Reentrant {
+            fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                let table = TABLE.get().expect("the table");
+                let locked = table.is_locked(&Reentrant(self.0));
+                write!(f, "R{}{}", self.0, if locked { "+" } else { "-" })
+            }
+        }
+        let table = TABLE.get_or_init(|| LockTable::builder().name_keys().build());
+        let held = table.try_lock(Reentrant(1)).unwrap();
+        assert_eq!(
+            table.try_lock(Reentrant(1)).unwrap_err().to_string(),
+            "key R1+ is held or already awaited; use `lock().await` to queue for it"
+        );
+        let zero = LockOptions::new().timeout(Duration::ZERO);
+        let err = block(table.lock_with(Reentrant(1), zero)).unwrap_err();
+        assert!(err.to_string().contains("waiting for key R1+"), "{err}");
+        table.revoke(&Reentrant(1));
+        let err = held.check().unwrap_err();
+        assert!(err.to_string().contains("lost key R1-"), "revoked: free; {err}");
+        assert!(held.release_checked().is_err());
+        table.assert_consistent();
+        assert!(table.is_empty());
+    }
+
     /// A key whose `Debug` panics, named for a refused try: the panic comes
     /// out of `try_lock`, with no lock held, and strands nothing.
     #[test]
