@@ -552,3 +552,47 @@ fn a_forgotten_file_level_waiter_does_not_strand_the_key() {
     assert_eq!(key_files(&dir), ["key-k.state"]);
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+/// A shared open file description lock of every byte of `file` (the user
+/// byte included), as a creator holds on its temporary file.
+fn hold_shared(file: &std::fs::File) {
+    use std::os::fd::AsRawFd;
+    // SAFETY: all zeros is a valid `flock` struct (l_pid must be 0).
+    let mut req: libc::flock = unsafe { std::mem::zeroed() };
+    req.l_type = libc::F_RDLCK as libc::c_short;
+    req.l_whence = libc::SEEK_SET as libc::c_short;
+    // SAFETY: `req` is borrowed for the call; `file` keeps its descriptor.
+    let rc = unsafe { libc::fcntl(file.as_raw_fd(), libc::F_OFD_SETLK, &mut req) };
+    assert_eq!(rc, 0, "fcntl: {}", std::io::Error::last_os_error());
+}
+
+/// A creator's temporary file is pruned only once no creator holds it. Its
+/// pid here is one no process of this namespace has (as for a creator in
+/// another PID namespace sharing the directory): while it holds its user
+/// byte the file stays; once it lets go (as the kernel does for a creator
+/// that died) `prune` removes it. Keys are made as usual meanwhile.
+#[test]
+fn prune_removes_a_temporary_file_only_once_no_creator_holds_it() {
+    let dir = temp_dir("tmpfile");
+    let table = ProcessLockTable::<&str>::open(&dir).unwrap();
+    // Above any pid Linux hands out (`pid_max` is at most 2^22).
+    let tmp = dir.join(".keylock-new-4194305-0");
+    let creator = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create_new(true)
+        .open(&tmp)
+        .unwrap();
+    hold_shared(&creator);
+    table.prune().unwrap();
+    assert!(tmp.exists(), "a live creator's temporary file was removed");
+    drop(table.try_lock("made-meanwhile").unwrap());
+    drop(creator);
+    table.prune().unwrap();
+    assert!(
+        !tmp.exists(),
+        "a temporary file nobody holds was left behind"
+    );
+    drop(table.try_lock("made-after").unwrap());
+    std::fs::remove_dir_all(&dir).unwrap();
+}

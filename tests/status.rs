@@ -446,7 +446,10 @@ mod tests {
         assert!(err.to_string().contains("waiting for key R1+"), "{err}");
         table.revoke(&Reentrant(1));
         let err = held.check().unwrap_err();
-        assert!(err.to_string().contains("lost key R1-"), "revoked: free; {err}");
+        assert!(
+            err.to_string().contains("lost key R1-"),
+            "revoked: free; {err}"
+        );
         assert!(held.release_checked().is_err());
         table.assert_consistent();
         assert!(table.is_empty());

@@ -408,27 +408,44 @@ impl Inner {
     /// file nor the directory is synced: the key's tokens are covered by
     /// the directory's durable ceiling (see `super::dir`), so a power loss
     /// that loses the new file (or its contents) loses no token.
+    ///
+    /// While it makes the file, the creator holds the temporary file's user
+    /// byte shared (as any user of a key file does): that is how `prune`
+    /// tells a live creator's temporary file from one left by a creator
+    /// that died (the kernel lets a dead process's locks go), in any PID
+    /// namespace. Should a prune remove the temporary file all the same (in
+    /// the instant between its creation and that lock), the link finds it
+    /// gone and the creation starts again under a new name.
     fn create_key(&self, path: &Path) -> Result<(), ProcessLockError> {
         static SEQ: AtomicU64 = AtomicU64::new(0);
-        let tmp = self.dir.join(format!(
-            ".keylock-new-{}-{}",
-            unix::pid(),
-            SEQ.fetch_add(1, Ordering::Relaxed)
-        ));
-        let file = OpenOptions::new()
-            .read(true)
-            .write(true)
-            .create_new(true)
-            .open(&tmp)
-            .map_err(|e| ProcessLockError::io("create the state file", &tmp, e))?;
-        // Allocated now, so a full disk shows here, before any key is held.
-        let made = init_file(&file).and_then(|()| std::fs::hard_link(&tmp, path));
-        drop(file);
-        let _ = std::fs::remove_file(&tmp);
-        match made {
-            Ok(()) => Ok(()),
-            Err(err) if err.kind() == io::ErrorKind::AlreadyExists => Ok(()),
-            Err(err) => Err(ProcessLockError::io("create the state file", path, err)),
+        let mut attempts = 0;
+        loop {
+            let tmp = self.dir.join(format!(
+                ".keylock-new-{}-{}",
+                unix::pid(),
+                SEQ.fetch_add(1, Ordering::Relaxed)
+            ));
+            let file = OpenOptions::new()
+                .read(true)
+                .write(true)
+                .create_new(true)
+                .open(&tmp)
+                .map_err(|e| ProcessLockError::io("create the state file", &tmp, e))?;
+            // Allocated now, so a full disk shows here, before any key is
+            // held.
+            let made = unix::try_lock_range(&file, unix::Kind::Shared, unix::USER_BYTE, 1)
+                .and_then(|_| init_file(&file))
+                .and_then(|()| std::fs::hard_link(&tmp, path));
+            drop(file);
+            let _ = std::fs::remove_file(&tmp);
+            attempts += 1;
+            return match made {
+                Ok(()) => Ok(()),
+                Err(err) if err.kind() == io::ErrorKind::AlreadyExists => Ok(()),
+                // The temporary file was pruned before its creator's lock.
+                Err(err) if err.kind() == io::ErrorKind::NotFound && attempts < 3 => continue,
+                Err(err) => Err(ProcessLockError::io("create the state file", path, err)),
+            };
         }
     }
 

@@ -178,12 +178,17 @@ impl Inner {
                     Some(Err(blank)) => removed += usize::from(blank),
                     None => {}
                 }
-            } else if let Some(rest) = name.strip_prefix(".keylock-new-") {
-                // A creator's temporary file: removed once its process is
-                // gone (a live creator removes its own).
-                let pid = rest.split('-').next().and_then(|p| p.parse::<u32>().ok());
-                if pid.is_some_and(|pid| !std::path::Path::new(&format!("/proc/{pid}")).exists()) {
-                    let _ = std::fs::remove_file(entry.path());
+            } else if name.starts_with(".keylock-new-") {
+                // A creator's temporary file: removed once no creator holds
+                // its user byte (a live creator does, and removes its own;
+                // the kernel lets a dead one's lock go), whatever PID
+                // namespace the creator runs in.
+                if let Ok(file) = OpenOptions::new().read(true).write(true).open(entry.path()) {
+                    let idle =
+                        unix::try_lock_range(&file, unix::Kind::Exclusive, unix::USER_BYTE, 1);
+                    if idle.unwrap_or(false) {
+                        let _ = std::fs::remove_file(entry.path());
+                    }
                 }
             }
         }
