@@ -283,15 +283,30 @@ mod tests {
         assert!(!err.to_string().contains("(\""), "{err}");
     }
 
+    /// A table on a manual clock that names its keys in errors.
+    fn naming_table() -> (ManualClock, LockTable<String>) {
+        let clock = ManualClock::new();
+        let table = LockTable::builder()
+            .clock(clock.clone())
+            .name_keys()
+            .build();
+        (clock, table)
+    }
+
+    /// A key whose `Debug` panics.
+    #[derive(PartialEq, Eq, Hash)]
+    struct Hostile(u32);
+    impl std::fmt::Debug for Hostile {
+        fn fmt(&self, _: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+            panic!("hostile Debug")
+        }
+    }
+
     /// With `name_keys`, a timeout names the key it waited for: at once, after
     /// a wait, and for an upgrade; without it, it says "the key".
     #[test]
     fn a_timeout_names_the_key_when_the_table_names_keys() {
-        let clock = ManualClock::new();
-        let table: LockTable<String> = LockTable::builder()
-            .clock(clock.clone())
-            .name_keys()
-            .build();
+        let (clock, table) = naming_table();
         let _held = table.try_lock("invoice-7".to_string()).unwrap();
         let zero = LockOptions::new().timeout(Duration::ZERO);
         let err = block(table.lock_with("invoice-7".to_string(), zero)).unwrap_err();
@@ -334,11 +349,7 @@ mod tests {
     #[test]
     fn every_error_names_its_key_when_the_table_names_keys() {
         use keylock::{LockError, TryLockError};
-        let clock = ManualClock::new();
-        let table: LockTable<String> = LockTable::builder()
-            .clock(clock.clone())
-            .name_keys()
-            .build();
+        let (clock, table) = naming_table();
         let named = |err: &dyn std::fmt::Display, key: &str| {
             let text = err.to_string();
             assert!(text.contains(&format!("key \"{key}\"")), "{text}");
@@ -459,13 +470,6 @@ mod tests {
     /// out of `try_lock`, with no lock held, and strands nothing.
     #[test]
     fn a_key_whose_debug_panics_in_a_refused_try_strands_nothing() {
-        #[derive(PartialEq, Eq, Hash)]
-        struct Hostile(u32);
-        impl std::fmt::Debug for Hostile {
-            fn fmt(&self, _: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-                panic!("hostile Debug")
-            }
-        }
         let table: LockTable<Hostile> = LockTable::builder().name_keys().build();
         let held = table.try_lock(Hostile(1)).unwrap();
         let once = catch_unwind(AssertUnwindSafe(|| table.try_lock(Hostile(1))));
@@ -484,13 +488,6 @@ mod tests {
     /// out of the poll, with no lock held, and strands nothing.
     #[test]
     fn a_key_whose_debug_panics_strands_nothing() {
-        #[derive(PartialEq, Eq, Hash)]
-        struct Hostile(u32);
-        impl std::fmt::Debug for Hostile {
-            fn fmt(&self, _: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-                panic!("hostile Debug")
-            }
-        }
         let clock = ManualClock::new();
         let table: LockTable<Hostile> = LockTable::builder()
             .clock(clock.clone())
