@@ -151,13 +151,16 @@ impl KernelWait {
         let cell = Arc::new(Mutex::new(Cell::Waiting(None)));
         let theirs = Arc::clone(&cell);
         spawn(Box::new(move || {
+            // Mapped before the wait, and dropped after the wake (at the
+            // end of this job): off the handoff's path.
+            let page = stamp::HandedPage::map(&file);
             BLOCKED.fetch_add(1, Ordering::Relaxed);
             let result = unix::lock_slot(&file, slot);
             BLOCKED.fetch_sub(1, Ordering::Relaxed);
             if result.is_ok() {
                 // Before the future can see it (it may never look: see
                 // `stamp::mark_handed`).
-                stamp::mark_handed(&file, slot);
+                stamp::mark_handed(&file, &page, slot);
             }
             let result = result.map(|()| file);
             let mut cell = lock(&theirs);
@@ -169,13 +172,21 @@ impl KernelWait {
                         waker.wake();
                     }
                 }
-                // Nobody wants it any more: closing the file frees the lock.
+                // Nobody wants it any more: closing the file frees the lock
+                // (its page's mapping first, which keeps the file open).
                 _ => {
                     *cell = Cell::Abandoned;
                     drop(cell);
+                    drop(page);
                     drop(result);
+                    return;
                 }
             }
+            // The page is unmapped here, after the wake. Until then the
+            // file stays open (a mapping keeps it so), and with it the
+            // slot's lock should the future close it at once: for these
+            // few instructions longer, never beyond this job.
+            drop(page);
         }))?;
         Ok(Self { cell })
     }

@@ -248,21 +248,51 @@ pub(crate) fn boot_words() -> [u64; 2] {
 /// will swap soon, or one forgotten that never will), and treats it as a
 /// slot locked with no grant (see `acquire.rs`). Errors (a file shortened
 /// from outside) skip the record: the slot is then judged as before.
-pub(crate) fn mark_handed(file: &File, slot: u32) {
+///
+/// `page` is that first page of `file`, mapped by the helper before it
+/// waited ([`HandedPage::map`]): no mapping is made or unmade, and no page
+/// fault taken, between the kernel's handoff and the wake (they cost tens
+/// of microseconds here). The mapping is the helper's own, made from the
+/// open file it waits on and dropped with it: a mapping keeps its open
+/// file alive, and with it that file's locks, so it must never outlive
+/// the file it was made from (a mapping of the table's own open file
+/// would keep its user byte and claim locked after the table closed it).
+pub(crate) fn mark_handed(file: &File, page: &HandedPage, slot: u32) {
+    let Some(map) = &page.0 else {
+        return;
+    };
     let Ok((_, len)) = unix::file_id(file) else {
         return;
     };
     if len < FILE_LEN as u64 {
         return; // its page could be gone: no access (`SIGBUS`)
     }
-    let Ok(map) = Mapping::map(file, STAMPS_AT, true) else {
-        return;
-    };
     let word = Word::unpack(map.word(WORD_AT).load(Ordering::SeqCst));
     let released =
         word.token == 0 || map.word(cell_at(word.slot)).load(Ordering::SeqCst) == word.token;
     if word.slot == slot && !released {
         map.word(HANDED_AT).fetch_max(word.pack(), Ordering::SeqCst);
+    }
+}
+
+/// The first page of a key's state file (its words), mapped by a helper
+/// thread from the open file it waits on, for [`mark_handed`]; `None` if
+/// it could not be mapped (the record is then skipped).
+#[derive(Debug)]
+pub(crate) struct HandedPage(Option<Mapping>);
+
+impl HandedPage {
+    /// Maps the first page of `file` and touches it (so that its fault is
+    /// taken now, not after the handoff), if the file is whole.
+    pub(crate) fn map(file: &File) -> Self {
+        let whole = unix::file_id(file).is_ok_and(|(_, len)| len >= FILE_LEN as u64);
+        let map = whole
+            .then(|| Mapping::map(file, STAMPS_AT, true).ok())
+            .flatten();
+        if let Some(map) = &map {
+            map.word(WORD_AT).load(Ordering::Relaxed);
+        }
+        Self(map)
     }
 }
 
