@@ -377,11 +377,6 @@ impl KeyFiles {
 
     fn damaged(&self, len: u64) -> ProcessLockError {
         ProcessLockError::Damaged {
-            key: self
-                .path
-                .file_stem()
-                .and_then(|stem| stem.to_str())
-                .map(super::key::name),
             path: self.path.clone(),
             len,
         }

@@ -190,7 +190,6 @@ impl DirState {
             unix::file_id(&self.file).map_err(|e| ProcessLockError::io("stat", &self.path, e))?;
         if len < LEN as u64 {
             return Err(ProcessLockError::Damaged {
-                key: None,
                 path: self.path.clone(),
                 len,
             });

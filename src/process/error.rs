@@ -89,10 +89,7 @@ pub enum ProcessLockError {
     /// included). The process is not harmed: the file's memory is not
     /// touched once its size is found wrong.
     Damaged {
-        /// The key whose state file it is, quoted as in `Timeout`'s `key`
-        /// (`None`: the directory's own file, `keylock.dir`).
-        key: Option<Box<str>>,
-        /// The state file.
+        /// The state file (its message names the key whose file it is).
         path: PathBuf,
         /// Its length when it was found damaged, in bytes.
         len: u64,
@@ -252,28 +249,22 @@ impl fmt::Display for ProcessLockError {
                     None => Ok(()),
                 }
             }
-            Self::Damaged {
-                key: Some(key),
-                path,
-                len,
-            } => write!(
-                f,
-                "the state file of key {key} was truncated to {len} bytes while in use \
-                 (keylock never shortens it): the key's state is lost and no grant of it is \
-                 valid; remove the file to start the key afresh (its fencing tokens restart) \
-                 (file `{}`)",
-                path.display()
-            ),
-            Self::Damaged {
-                key: None,
-                path,
-                len,
-            } => write!(
-                f,
-                "`{}` was truncated to {len} bytes while in use (keylock never shortens it); \
-                 remove it to start the directory afresh",
-                path.display()
-            ),
+            Self::Damaged { path, len } => match key_of(path) {
+                Some(key) => write!(
+                    f,
+                    "the state file of key {key} was truncated to {len} bytes while in use \
+                     (keylock never shortens it): the key's state is lost and no grant of it is \
+                     valid; remove the file to start the key afresh (its fencing tokens restart) \
+                     (file `{}`)",
+                    path.display()
+                ),
+                None => write!(
+                    f,
+                    "`{}` was truncated to {len} bytes while in use (keylock never shortens it); \
+                     remove it to start the directory afresh",
+                    path.display()
+                ),
+            },
             Self::Expired { token, key } => write!(
                 f,
                 "grant {token} has lost key {key} (its lease lapsed and another process took \
