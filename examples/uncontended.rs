@@ -372,6 +372,36 @@ fn main() {
                 drop(black_box(guard));
             }
         }
+        // The `handoff` cycle on `tokio::sync::Mutex` and on
+        // `async_lock::Mutex`, for reference.
+        "handoff_tokio" => {
+            let mutex = tokio::sync::Mutex::new(());
+            let mut cx = Context::from_waker(futures::task::noop_waker_ref());
+            for _ in 0..n {
+                let holder = black_box(&mutex).try_lock().expect("free");
+                let mut fut = pin!(black_box(&mutex).lock());
+                assert!(fut.as_mut().poll(&mut cx).is_pending());
+                drop(holder);
+                let Poll::Ready(guard) = fut.poll(&mut cx) else {
+                    unreachable!("handed off")
+                };
+                drop(black_box(guard));
+            }
+        }
+        "handoff_async_lock" => {
+            let mutex = async_lock::Mutex::new(());
+            let mut cx = Context::from_waker(futures::task::noop_waker_ref());
+            for _ in 0..n {
+                let holder = black_box(&mutex).try_lock().expect("free");
+                let mut fut = pin!(black_box(&mutex).lock());
+                assert!(fut.as_mut().poll(&mut cx).is_pending());
+                drop(holder);
+                let Poll::Ready(guard) = fut.poll(&mut cx) else {
+                    unreachable!("handed off")
+                };
+                drop(black_box(guard));
+            }
+        }
         "std" => {
             let mutex = std::sync::Mutex::new(());
             for _ in 0..n {

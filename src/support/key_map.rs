@@ -77,6 +77,12 @@ impl<V> Slot<V> {
 pub(crate) struct KeyMap<V> {
     slots: Vec<Slot<V>>,
     len: usize,
+    /// `len` at which an insert first doubles the table ([`max_len`] of the
+    /// slot count, kept so that an insert compares one word).
+    grow_at: usize,
+    /// `len` below which a remove shrinks the table (zero: it never does at
+    /// this size), kept for the same reason.
+    shrink_at: usize,
     /// Bumped by every structural change, to catch stale indices in debug
     /// builds.
     #[cfg(debug_assertions)]
@@ -132,6 +138,8 @@ impl<V> KeyMap<V> {
         Self {
             slots: Vec::new(),
             len: 0,
+            grow_at: 0,
+            shrink_at: 0,
             #[cfg(debug_assertions)]
             stamp: 0,
             #[cfg(test)]
@@ -153,9 +161,9 @@ impl<V> KeyMap<V> {
     }
 
     /// How many values the map holds before it reallocates to grow.
-    #[inline]
+    #[cfg(test)]
     pub(crate) fn capacity(&self) -> usize {
-        max_len(self.slots.len())
+        self.grow_at
     }
 
     #[inline]
@@ -219,7 +227,7 @@ impl<V> KeyMap<V> {
         match self.probe(hash, eq) {
             Ok(slot) => Ok(self.index(slot)),
             Err(mut slot) => {
-                if self.len >= self.capacity() {
+                if self.len >= self.grow_at {
                     // Rare (amortised over the inserts that filled the
                     // table): the slot found is gone with the old array, so
                     // find the new one, by hash alone, as the value is absent.
@@ -298,7 +306,7 @@ impl<V> KeyMap<V> {
                 hole = i;
             }
         }
-        if self.len < self.slots.len() / SHRINK_BELOW && self.slots.len() > KEEP_SLOTS {
+        if self.len < self.shrink_at {
             self.shrink();
         }
         value
@@ -329,8 +337,20 @@ impl<V> KeyMap<V> {
     pub(crate) fn drain(&mut self) -> impl Iterator<Item = V> {
         let slots = std::mem::take(&mut self.slots);
         self.len = 0;
+        self.set_thresholds();
         self.changed();
         slots.into_iter().filter_map(|slot| slot.value)
+    }
+
+    /// Sets `grow_at` and `shrink_at` for the current slot count.
+    fn set_thresholds(&mut self) {
+        let slots = self.slots.len();
+        self.grow_at = max_len(slots);
+        self.shrink_at = if slots > KEEP_SLOTS {
+            slots / SHRINK_BELOW
+        } else {
+            0
+        };
     }
 
     /// The slot count after doubling (or the first allocation).
@@ -373,6 +393,7 @@ impl<V> KeyMap<V> {
                 self.slots[i] = slot;
             }
         }
+        self.set_thresholds();
         self.changed();
         #[cfg(test)]
         {
@@ -440,6 +461,9 @@ mod tests {
             let used = self.slots.iter().filter(|s| s.value.is_some()).count();
             assert_eq!(used, self.len, "len counts the occupied slots");
             assert!(self.len <= max_len(n), "load within the limit");
+            assert_eq!(self.grow_at, max_len(n), "the growth threshold");
+            let shrink_at = if n > KEEP_SLOTS { n / SHRINK_BELOW } else { 0 };
+            assert_eq!(self.shrink_at, shrink_at, "the shrink threshold");
             if n == 0 {
                 return;
             }
