@@ -10,7 +10,12 @@
 //! target/release/examples/handoff keylock 2000000 1   # one worker: no parking
 //! target/release/examples/handoff keylock-lease 2000000 # a 30 s lease on every lock
 //! target/release/examples/handoff keylock-timeout 2000000
+//! target/release/examples/handoff keylock 2000000 2 40  # 40 steps of extra work under the lock
 //! ```
+//!
+//! The fourth argument adds that many steps of busy work (a `black_box`
+//! loop, timed alone first and printed) to every critical section: how much
+//! the contended time grows per nanosecond of work on the handoff's path.
 //!
 //! `examples/compare.rs` is the comparison (its W6 is this workload); this
 //! binary runs one implementation, so a profile shows only its cost.
@@ -32,6 +37,20 @@ fn main() {
     let workers: usize = args
         .next()
         .map_or(2, |s| s.parse().expect("a count of worker threads"));
+    let work: u64 = args
+        .next()
+        .map_or(0, |s| s.parse().expect("a count of work steps"));
+    if work > 0 {
+        const ROUNDS: u32 = 1_000_000;
+        let start = Instant::now();
+        for _ in 0..ROUNDS {
+            busy(work);
+        }
+        println!(
+            "extra work under the lock: {work} steps, {:.1} ns alone",
+            start.elapsed().as_nanos() as f64 / f64::from(ROUNDS)
+        );
+    }
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(workers)
         .build()
@@ -64,6 +83,7 @@ fn main() {
                 let mut mine = 0;
                 for _ in 0..per_task {
                     let mut note = || {
+                        busy(work);
                         counter.fetch_add(1, Relaxed);
                         if last.swap(id, Relaxed) != id {
                             mine += 1;
@@ -110,4 +130,12 @@ fn main() {
         elapsed.as_nanos() as f64 / n as f64,
         100.0 * handoffs.load(Relaxed) as f64 / n as f64
     );
+}
+
+/// `steps` iterations the compiler cannot remove: the extra work.
+#[inline(never)]
+fn busy(steps: u64) {
+    for i in 0..steps {
+        std::hint::black_box(i);
+    }
 }

@@ -101,6 +101,13 @@ impl Holders {
         self.first = None;
     }
 
+    /// Puts `holder` in the place of the only holder.
+    #[inline(always)]
+    pub(super) fn replace_only(&mut self, holder: Holder) {
+        debug_assert!(self.only().is_some());
+        self.first = Some(holder);
+    }
+
     /// Adds a holder (the caller keeps the key's mode consistent).
     ///
     /// Inline always, so that the holder goes from the caller's registers

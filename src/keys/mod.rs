@@ -392,49 +392,33 @@ impl<K> ShardState<K> {
         if fairness != Fairness::Strict || !self.tokens.has_available() {
             return None;
         }
-        let entry = self.entries.get_mut(index);
+        let (entry, keys) = self.at(index);
         let head = entry.queue.head()?;
         // SAFETY: the head is linked, under the shard lock (the caller's).
         let lease = unsafe { Waiter::exclusive_lease(head) }?;
         if !entry.holders.is_only(token) {
             return None;
         }
-        let times = if lease.nanos().is_none() {
+        let (deadline, since) = if lease.nanos().is_none() {
             (Stamp::NONE, Stamp::NONE)
         } else {
             lease_times(lease, shard)?
         };
-        Some(self.hand_to_head(index, times, shard.0))
-    }
-
-    /// Grants the head of the entry at `index` the key exclusively, with
-    /// lease `times`, in place of its only holder; returns its waker.
-    #[inline(always)]
-    fn hand_to_head(
-        &mut self,
-        index: Index,
-        (deadline, since): (Stamp, Stamp),
-        counters: &Counters,
-    ) -> Option<std::task::Waker> {
-        let entry = self.entries.get_mut(index);
-        let fresh = self.tokens.mint();
-        // SAFETY: under the shard lock; the caller saw a head.
+        // Grants the head the key exclusively, in place of its only holder.
+        let fresh = keys.tokens.mint();
+        // SAFETY: under the shard lock; we saw a head.
         let (head, terms) = unsafe { entry.queue.pop_front() }?;
         // SAFETY: just unlinked, under the lock; not touched again.
         let waker = unsafe { Waiter::grant(head, fresh, deadline, Mode::Exclusive) };
-        entry.holders.clear_only();
-        entry.holders.push(
-            Holder {
-                token: fresh,
-                deadline,
-                since,
-                owner: terms.owner,
-            },
-            &mut self.spares,
-        );
+        entry.holders.replace_only(Holder {
+            token: fresh,
+            deadline,
+            since,
+            owner: terms.owner,
+        });
         entry.mode = Mode::Exclusive;
-        counters.handed_off();
-        waker
+        shard.0.handed_off();
+        Some(waker)
     }
 
     /// The common release, inline and without a [`Ctx`]: grant `token` is

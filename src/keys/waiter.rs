@@ -620,6 +620,12 @@ impl Waiter {
 
 /// A key's FIFO queue of waiters, threaded through the waiters themselves.
 /// Touched only under the shard lock.
+///
+/// The head's `prev` link is not kept: it is `None` by definition, and
+/// [`pop_front`](Self::pop_front) leaves the new head's stale link as it
+/// is, so that a handoff writes only the node it grants, not its
+/// successor's (another task's memory, often another core's cache line).
+/// Every reader of `prev` asks whether the node is the head first.
 #[derive(Debug, Default)]
 pub(crate) struct WaitList {
     head: Option<WaiterPtr>,
@@ -714,12 +720,15 @@ impl WaitList {
     ///
     /// Under the shard lock; `waiter` is linked into this list.
     pub(crate) unsafe fn remove(&mut self, waiter: WaiterPtr) {
+        let is_head = self.head == Some(waiter);
         let (prev, next) = {
             // SAFETY: linked, under the lock.
             let node = unsafe { waiter.as_ref() }.node.get_mut();
             // SAFETY: as above.
             let (prev, next) = unsafe { node.deref() }.links();
-            (prev.take(), next.take())
+            // The head's own link may be stale: it has none.
+            let prev = prev.take().filter(|_| !is_head);
+            (prev, next.take())
         };
         match prev {
             // SAFETY: linked neighbours, under the lock.
@@ -748,8 +757,21 @@ impl WaitList {
                 owner: Waiter::owner(head),
             }
         };
-        // SAFETY: as above.
-        unsafe { self.remove(head) };
+        let next = {
+            // SAFETY: as above.
+            let node = unsafe { head.as_ref() }.node.get_mut();
+            // SAFETY: as above.
+            let (prev, next) = unsafe { node.deref() }.links();
+            *prev = None;
+            next.take()
+        };
+        // The new head's `prev` still names `head`: a head's link is not
+        // read (see the type's doc), so it is not written either.
+        self.head = next;
+        if next.is_none() {
+            self.tail = None;
+        }
+        self.len -= 1;
         Some((head, terms))
     }
 
@@ -761,6 +783,7 @@ impl WaitList {
     /// Under the shard lock.
     pub(crate) unsafe fn walk(&self, mut visit: impl FnMut(WaiterPtr, Option<WaiterPtr>, u8)) {
         let mut at = self.head;
+        let mut first = true;
         while let Some(ptr) = at {
             // SAFETY: linked, under the lock.
             let me = unsafe { ptr.as_ref() };
@@ -768,8 +791,10 @@ impl WaitList {
                 let node = me.node.get_mut();
                 // SAFETY: as above.
                 let (prev, next) = unsafe { node.deref() }.links();
-                (*prev, *next)
+                // The head has no `prev` (its stored link may be stale).
+                (if first { None } else { *prev }, *next)
             };
+            first = false;
             // The node's cell is released first: `visit` may read it.
             visit(ptr, prev, me.state.load(Relaxed));
             at = next;
