@@ -260,6 +260,10 @@ struct Cell {
     samples: Vec<Outcome>,
     /// W1 only: the plain loop's ns/op, one per repetition.
     plain: Vec<f64>,
+    /// W1, keylock with a lease only: one read of the monotonic clock in
+    /// the same loop, ns per read, one per repetition (what a lease judged
+    /// on that clock at the moment it is asked cannot do without).
+    clock: Vec<f64>,
 }
 
 fn median(mut ns: Vec<f64>) -> Option<f64> {
@@ -409,6 +413,10 @@ fn main() {
                     let ns = (c.plain_w1)(&rt, ops).as_nanos() as f64 / ops as f64;
                     bar.inc(1);
                     results[wi][ii].plain.push(ns);
+                    if c.name == impls::KeylockLease::NAME {
+                        let ns = plain::clock_read(&rt, ops).as_nanos() as f64 / ops as f64;
+                        results[wi][ii].clock.push(ns);
+                    }
                 }
             }
         }
@@ -1077,6 +1085,19 @@ fn goals_table(o: &mut String, run: &Run<'_>) {
         };
         if plain_option {
             notes.push("plain loops (the code a user writes)".to_string());
+            if let (Some(clock), Some((_, plain))) = (
+                median(ours.clock.clone()),
+                run.cell(g.workload, impls::Keylock::NAME),
+            ) {
+                if let Some(plain) = median(plain.plain.clone()) {
+                    notes.push(format!(
+                        "one monotonic clock read alone: {clock:.1} ns, {:.2}x plain's time \
+                         (the goal leaves {:.1} ns)",
+                        1.0 + clock / plain,
+                        (g.goal - 1.0) * plain
+                    ));
+                }
+            }
         }
         writeln!(
             rows,

@@ -372,6 +372,36 @@ fn main() {
                 drop(black_box(guard));
             }
         }
+        // One handoff per iteration, as W6 runs it in steady state: a new
+        // lock future waits behind the holder, the holder lets go (the key
+        // is handed to the waiter), the waiter polls and becomes the holder.
+        "chain" => {
+            let mut cx = Context::from_waker(futures::task::noop_waker_ref());
+            let mut holder = table.try_lock(black_box(7)).expect("free");
+            for _ in 0..n {
+                let mut fut = pin!(table.lock(black_box(7)));
+                assert!(fut.as_mut().poll(&mut cx).is_pending());
+                drop(holder);
+                let Poll::Ready(guard) = fut.poll(&mut cx) else {
+                    unreachable!("handed off")
+                };
+                holder = black_box(guard);
+            }
+        }
+        "chain_tokio" => {
+            let mutex = tokio::sync::Mutex::new(());
+            let mut cx = Context::from_waker(futures::task::noop_waker_ref());
+            let mut holder = black_box(&mutex).try_lock().expect("free");
+            for _ in 0..n {
+                let mut fut = pin!(black_box(&mutex).lock());
+                assert!(fut.as_mut().poll(&mut cx).is_pending());
+                drop(holder);
+                let Poll::Ready(guard) = fut.poll(&mut cx) else {
+                    unreachable!("handed off")
+                };
+                holder = black_box(guard);
+            }
+        }
         // The `handoff` cycle on `tokio::sync::Mutex` and on
         // `async_lock::Mutex`, for reference.
         "handoff_tokio" => {

@@ -57,6 +57,14 @@ pub(crate) fn keylock_timeout(rt: &Runtime, iters: u64) -> Duration {
     })
 }
 
+/// One read of the monotonic clock (`Instant::now`) per iteration, in the
+/// same loop: the least a lease judged on that clock when it is asked adds.
+pub(crate) fn clock_read(rt: &Runtime, iters: u64) -> Duration {
+    plain_loop!(rt, iters, (), |_unit, _k| {
+        black_box(Instant::now());
+    })
+}
+
 pub(crate) fn keylock_shared(rt: &Runtime, iters: u64) -> Duration {
     plain_loop!(rt, iters, keylock::LockTable::<u64>::new(), |t, k| {
         let guard = t.lock_shared(k).await;

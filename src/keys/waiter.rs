@@ -665,6 +665,7 @@ impl WaitList {
     ///
     /// Under the shard lock; `waiter` is idle, prepared, pinned, and its owner
     /// unlinks it before freeing it.
+    #[inline]
     pub(crate) unsafe fn push_back(&mut self, waiter: &Waiter) {
         let ptr = NonNull::from(waiter);
         {
@@ -748,6 +749,7 @@ impl WaitList {
     /// # Safety
     ///
     /// Under the shard lock.
+    #[inline]
     pub(crate) unsafe fn pop_front(&mut self) -> Option<(WaiterPtr, Terms)> {
         let head = self.head?;
         // SAFETY: the head is linked, under the lock.

@@ -301,8 +301,28 @@ where
                     timeout,
                     deadline: self.deadline,
                 };
+                // The common wait (exclusive, strict FIFO, no timeout, behind
+                // a holder without a lease) is linked here, inline: its
+                // arguments stay in registers.
                 // SAFETY: the waiter is idle and pinned (we are, through
                 // `Pin`), and `Drop` unlinks it before it is freed.
+                let plain = unsafe {
+                    state.enqueue_plain(
+                        index,
+                        (mode, terms, patience),
+                        table.fairness(),
+                        &mut self.waiter,
+                    )
+                };
+                if let Some(queued) = plain {
+                    drop(state);
+                    // After unlocking: `K::drop` is user code.
+                    if let Some(key) = key {
+                        left.drop_key_later(key);
+                    }
+                    return self.started(queued, cx, left);
+                }
+                // SAFETY: as above.
                 let attempt = unsafe {
                     start_busy(
                         table,
@@ -404,7 +424,7 @@ where
             } => {
                 // Recorded before any user code runs: from here on `Drop`
                 // unlinks the waiter whatever panics.
-                self.state = State::Linked { key };
+                self.set_state(State::Linked { key });
                 self.timing = Timing { start, until };
                 if !start.is_some() {
                     // When the wait began, for the status view: the coarse
@@ -430,8 +450,9 @@ where
         }
     }
 
-    /// A later poll of a linked waiter.
-    #[inline]
+    /// A later poll of a linked waiter: inline up to its grant (the common
+    /// later poll: the wake of a handoff).
+    #[inline(always)]
     fn poll_linked(
         &mut self,
         key: KeyPtr<K>,
@@ -443,6 +464,17 @@ where
             let granted = self.waiter.get().granted();
             return Ok(Step::Ready(self.finish_granted(key, granted)));
         }
+        self.poll_linked_slow(key, cx, left)
+    }
+
+    /// [`poll_linked`](Self::poll_linked) of a waiter not granted (yet).
+    #[inline(never)]
+    fn poll_linked_slow(
+        &mut self,
+        key: KeyPtr<K>,
+        cx: &mut Context<'_>,
+        left: &mut Leftovers<K>,
+    ) -> Result<Step<(T, Held<K>)>, Box<LockError>> {
         match self.poll_linked_locked(key, cx, None, left)? {
             Step::Again => {
                 // The waker must be stored anew: clone it outside the lock.
@@ -554,6 +586,18 @@ where
         }
     }
 
+    /// Moves from a state that owns nothing (`Linked`, or `Done` after the
+    /// first poll took its key out) to `next`, running no drop glue: the
+    /// old state has none to run, and the call to the enum's glue (for the
+    /// other variants) is skipped on every lock.
+    #[inline(always)]
+    fn set_state(&mut self, next: State<K>) {
+        let old = std::mem::replace(&mut self.state, next);
+        debug_assert!(matches!(old, State::Done | State::Linked { .. }));
+        // Owns nothing (see above); were it to, that would leak, not free.
+        std::mem::forget(old);
+    }
+
     #[inline]
     fn finish_granted(&mut self, key: KeyPtr<K>, granted: Granted) -> (T, Held<K>) {
         self.finish(Grant {
@@ -566,7 +610,7 @@ where
 
     #[inline(always)]
     fn finish(&mut self, grant: Grant<K>) -> (T, Held<K>) {
-        self.state = State::Done;
+        self.set_state(State::Done);
         // The timing (an armed timer holds a clone of a waker, user code to
         // drop) stays until the future is dropped, after its guard exists.
         let table = self.table.take().expect("present until completion");
@@ -664,8 +708,9 @@ enum Step<O> {
 }
 
 /// The first poll on a key that has an entry (at `index`, in `state`, the
-/// key's shard, locked): take it if it is open to the caller, else link
-/// `waiter`. Out of line: the inline first step covers a free key.
+/// key's shard, locked), past the plain wait: take it if it is open to the
+/// caller, else link `waiter`. Out of line: the inline first step covers a
+/// free key and the plain wait.
 ///
 /// # Safety
 ///
@@ -683,15 +728,9 @@ unsafe fn start_busy<K, S>(
     let key = key;
     let mut state = state;
     let asked = (mode, terms, patience);
-    let mut fast = {
-        // SAFETY: the caller's contract.
-        unsafe { state.enqueue_plain(index, asked, table.fairness(), waiter) }
-    };
-    if fast.is_none() {
-        let timing = (&table.shard(hash).timer, table.clock());
-        // SAFETY: as above.
-        fast = unsafe { state.enqueue_timed(index, asked, table.fairness(), waiter, timing) };
-    }
+    let timing = (&table.shard(hash).timer, table.clock());
+    // SAFETY: the caller's contract.
+    let fast = unsafe { state.enqueue_timed(index, asked, table.fairness(), waiter, timing) };
     if let Some(queued) = fast {
         drop(state);
         if let Some(key) = key {

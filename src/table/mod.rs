@@ -460,7 +460,22 @@ impl<K, S> LockTable<K, S> {
                 // After unlocking: `K::drop` is user code.
                 drop(key);
             }
-            Err(index) => self.release_busy(shard, state, index, token),
+            Err(Some(index)) => {
+                // The common handoff, inline too: the head waiter is
+                // granted the key and woken.
+                let shard_parts = (&shard.counters, &shard.timer, &self.clock);
+                match state.hand_off_plain(index, token, self.fairness, shard_parts) {
+                    Some(waker) => {
+                        drop(state);
+                        // After unlocking: `Waker::wake` is user code.
+                        if let Some(waker) = waker {
+                            waker.wake();
+                        }
+                    }
+                    None => self.release_general(shard, state, Some(index), token),
+                }
+            }
+            Err(None) => self.release_general(shard, state, None, token),
         }
     }
 
@@ -491,6 +506,7 @@ impl<K, S> LockTable<K, S> {
     }
 
     /// [`release_busy`](Self::release_busy) past the plain handoff.
+    #[cold]
     #[inline(never)]
     fn release_general(
         &self,
