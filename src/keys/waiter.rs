@@ -665,7 +665,7 @@ impl WaitList {
     ///
     /// Under the shard lock; `waiter` is idle, prepared, pinned, and its owner
     /// unlinks it before freeing it.
-    #[inline]
+    #[inline(always)]
     pub(crate) unsafe fn push_back(&mut self, waiter: &Waiter) {
         let ptr = NonNull::from(waiter);
         {

@@ -426,18 +426,19 @@ where
                 // unlinks the waiter whatever panics.
                 self.set_state(State::Linked { key });
                 self.timing = Timing { start, until };
+                let waiter = self.waiter.get();
                 if !start.is_some() {
                     // When the wait began, for the status view: the coarse
                     // clock's reading on the real clock (none on others),
                     // taken after the unlock.
                     let table = self.table.as_deref().expect("present until completion");
-                    self.waiter.get().stamp_since(table.clock().wait_stamp());
+                    waiter.stamp_since(table.clock().wait_stamp());
                 }
                 // SAFETY: our own waiter, just linked, armed once.
-                match unsafe { self.waiter.get().arm_unlocked(cx.waker().clone()) } {
+                match unsafe { waiter.arm_unlocked(cx.waker().clone()) } {
                     Armed::Stored => Ok(Step::Wait(wake_at)),
                     Armed::Granted(spare) => {
-                        let granted = self.waiter.get().granted();
+                        let granted = waiter.granted();
                         left.drop_waker_later(spare);
                         Ok(Step::Ready(self.finish_granted(key, granted)))
                     }
@@ -460,8 +461,9 @@ where
         left: &mut Leftovers<K>,
     ) -> Result<Step<(T, Held<K>)>, Box<LockError>> {
         // The grant is published through the waiter: no lock needed to see it.
-        if self.waiter.get().seen() == Seen::Granted {
-            let granted = self.waiter.get().granted();
+        let waiter = self.waiter.get();
+        if waiter.seen() == Seen::Granted {
+            let granted = waiter.granted();
             return Ok(Step::Ready(self.finish_granted(key, granted)));
         }
         self.poll_linked_slow(key, cx, left)
