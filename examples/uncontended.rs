@@ -388,6 +388,26 @@ fn main() {
                 holder = black_box(guard);
             }
         }
+        // `chain` with a 30 s lease or a 30 s timeout on every lock.
+        "chain_lease" | "chain_timeout" => {
+            let thirty = std::time::Duration::from_secs(30);
+            let opts = if mode == "chain_lease" {
+                keylock::LockOptions::new().lease(thirty)
+            } else {
+                keylock::LockOptions::new().timeout(thirty)
+            };
+            let mut cx = Context::from_waker(futures::task::noop_waker_ref());
+            let mut holder = table.try_lock_with(black_box(7), opts).expect("free");
+            for _ in 0..n {
+                let mut fut = pin!(table.lock_with(black_box(7), opts));
+                assert!(fut.as_mut().poll(&mut cx).is_pending());
+                drop(holder);
+                let Poll::Ready(guard) = fut.poll(&mut cx) else {
+                    unreachable!("handed off")
+                };
+                holder = black_box(guard.expect("in time"));
+            }
+        }
         "chain_tokio" => {
             let mutex = tokio::sync::Mutex::new(());
             let mut cx = Context::from_waker(futures::task::noop_waker_ref());

@@ -520,6 +520,13 @@ impl Waiter {
         Stamp::from_raw(unsafe { this.as_ref() }.since.load(Relaxed))
     }
 
+    /// Whether the node's wait start is known already (it was linked with
+    /// one, read under the lock). Owner only, right after linking.
+    #[inline]
+    pub(crate) fn is_stamped(&self) -> bool {
+        self.since.load(Relaxed) != 0
+    }
+
     /// The owner stamps when its wait began, right after linking it and
     /// unlocking (a status view may read it at any time: an atomic).
     #[inline]

@@ -188,10 +188,18 @@ impl<K> ShardState<K> {
         if until.is_some() && !timer.covers(until.to_raw()) {
             return None;
         }
+        // When the wait began, for the status view: its own start if timed,
+        // else the coarse reading just taken for the holder's lease, if any
+        // (the owner then stamps nothing after unlocking).
+        let since = if start.is_some() {
+            start
+        } else {
+            now.coarse_seen()
+        };
         let waiter = waiter.get_or_init();
         // SAFETY: the caller's contract; under the shard lock.
         unsafe {
-            waiter.prepare(terms, until, Want::Grant(mode), start);
+            waiter.prepare(terms, until, Want::Grant(mode), since);
             entry.queue.push_back(waiter);
         }
         Some(Attempt::Queued {

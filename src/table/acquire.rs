@@ -322,6 +322,25 @@ where
                     }
                     return self.started(queued, cx, left);
                 }
+                // Else a wait with a timeout, or behind a leased holder, that
+                // the shard's timer already covers: one call, no context.
+                // SAFETY: as above.
+                let timed = unsafe {
+                    state.enqueue_timed(
+                        index,
+                        (mode, terms, patience),
+                        table.fairness(),
+                        &mut self.waiter,
+                        (&shard.timer, table.clock()),
+                    )
+                };
+                if let Some(queued) = timed {
+                    drop(state);
+                    if let Some(key) = key {
+                        left.drop_key_later(key);
+                    }
+                    return self.started(queued, cx, left);
+                }
                 // SAFETY: as above.
                 let attempt = unsafe {
                     start_busy(
@@ -427,10 +446,11 @@ where
                 self.set_state(State::Linked { key });
                 self.timing = Timing { start, until };
                 let waiter = self.waiter.get();
-                if !start.is_some() {
+                if !start.is_some() && !waiter.is_stamped() {
                     // When the wait began, for the status view: the coarse
                     // clock's reading on the real clock (none on others),
-                    // taken after the unlock.
+                    // taken after the unlock (unless one was taken under
+                    // the lock already).
                     let table = self.table.as_deref().expect("present until completion");
                     waiter.stamp_since(table.clock().wait_stamp());
                 }
@@ -710,9 +730,9 @@ enum Step<O> {
 }
 
 /// The first poll on a key that has an entry (at `index`, in `state`, the
-/// key's shard, locked), past the plain wait: take it if it is open to the
-/// caller, else link `waiter`. Out of line: the inline first step covers a
-/// free key and the plain wait.
+/// key's shard, locked), past the plain and the timed wait: take it if it
+/// is open to the caller, else link `waiter`. Out of line: the first step
+/// covers a free key and the common waits.
 ///
 /// # Safety
 ///
@@ -729,17 +749,6 @@ unsafe fn start_busy<K, S>(
     // In this order, so that unwinding unlocks before it drops the key.
     let key = key;
     let mut state = state;
-    let asked = (mode, terms, patience);
-    let timing = (&table.shard(hash).timer, table.clock());
-    // SAFETY: the caller's contract.
-    let fast = unsafe { state.enqueue_timed(index, asked, table.fairness(), waiter, timing) };
-    if let Some(queued) = fast {
-        drop(state);
-        if let Some(key) = key {
-            left.drop_key_later(key);
-        }
-        return queued;
-    }
     let mut ctx = table.shard(hash).ctx(table.clock(), left);
     // SAFETY: the caller's contract.
     let attempt = unsafe {

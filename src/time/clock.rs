@@ -197,11 +197,25 @@ impl Stamp {
 pub(crate) struct Now<'a> {
     clock: &'a Clock,
     at: Option<Instant>,
+    /// The coarse clock's reading, if this operation took one (real clock
+    /// only): a long lease or timeout starts from it, and a wait is stamped
+    /// with it, rather than reading it again.
+    coarse: Stamp,
 }
 
 impl<'a> Now<'a> {
     pub(crate) fn new(clock: &'a Clock) -> Self {
-        Self { clock, at: None }
+        Self {
+            clock,
+            at: None,
+            coarse: Stamp::NONE,
+        }
+    }
+
+    /// The coarse clock's reading this operation took (none: it took none).
+    #[inline]
+    pub(crate) fn coarse_seen(&self) -> Stamp {
+        self.coarse
     }
 
     /// The clock this reads.
@@ -233,6 +247,9 @@ impl<'a> Now<'a> {
     pub(crate) fn start_for_nanos(&mut self, nanos: u64) -> Stamp {
         match self.at {
             Some(at) => Stamp::new(Some(at)),
+            // The coarse reading already taken is what `grant_stamp` would
+            // read again (only the real clock takes one).
+            None if self.coarse.is_some() && nanos >= COARSE_LEASE_NANOS => self.coarse,
             None => self.clock.grant_stamp(nanos),
         }
     }
@@ -244,7 +261,9 @@ impl<'a> Now<'a> {
     #[inline]
     pub(crate) fn is_before(&mut self, deadline: Stamp) -> bool {
         if self.at.is_none() && matches!(self.clock, Clock::Monotonic) {
-            let coarse = coarse::stamp().to_raw();
+            let stamp = coarse::stamp();
+            self.coarse = stamp;
+            let coarse = stamp.to_raw();
             if coarse.saturating_add(COARSE_SLACK) < deadline.to_raw() {
                 return true;
             }
