@@ -460,28 +460,15 @@ impl<K, S> LockTable<K, S> {
                 // After unlocking: `K::drop` is user code.
                 drop(key);
             }
-            Err(Some(index)) => {
-                // The common handoff, inline too: the head waiter is
-                // granted the key and woken.
-                let shard_parts = (&shard.counters, &shard.timer, &self.clock);
-                match state.hand_off_plain(index, token, self.fairness, shard_parts) {
-                    Some(waker) => {
-                        drop(state);
-                        // After unlocking: `Waker::wake` is user code.
-                        if let Some(waker) = waker {
-                            waker.wake();
-                        }
-                    }
-                    None => self.release_general(shard, state, Some(index), token),
-                }
-            }
+            // Out of line, so that the lone release above stays small.
+            Err(Some(index)) => self.release_busy(shard, state, Some(index), token),
             Err(None) => self.release_general(shard, state, None, token),
         }
     }
 
     /// [`release`](Self::release) of a key with waiters, other holders or
     /// fenced guards, or of a fenced grant; `state` is the shard's, locked.
-    #[cold]
+    /// The common handoff (a plain head granted the key) is inline here.
     #[inline(never)]
     fn release_busy(
         &self,
