@@ -21,6 +21,25 @@ use std::hint::black_box;
 use std::pin::pin;
 use std::task::{Context, Poll};
 
+/// The `handoff` cycle on a single async mutex: a holder, a waiter that
+/// polls `Pending`, the holder's release, the waiter's second poll.
+macro_rules! mutex_handoff {
+    ($mutex:expr, $n:expr) => {{
+        let mutex = $mutex;
+        let mut cx = Context::from_waker(futures::task::noop_waker_ref());
+        for _ in 0..$n {
+            let holder = black_box(&mutex).try_lock().expect("free");
+            let mut fut = pin!(black_box(&mutex).lock());
+            assert!(fut.as_mut().poll(&mut cx).is_pending());
+            drop(holder);
+            let Poll::Ready(guard) = fut.poll(&mut cx) else {
+                unreachable!("handed off")
+            };
+            drop(black_box(guard));
+        }
+    }};
+}
+
 fn main() {
     let mut args = std::env::args().skip(1);
     let n: u64 = args
@@ -424,34 +443,8 @@ fn main() {
         }
         // The `handoff` cycle on `tokio::sync::Mutex` and on
         // `async_lock::Mutex`, for reference.
-        "handoff_tokio" => {
-            let mutex = tokio::sync::Mutex::new(());
-            let mut cx = Context::from_waker(futures::task::noop_waker_ref());
-            for _ in 0..n {
-                let holder = black_box(&mutex).try_lock().expect("free");
-                let mut fut = pin!(black_box(&mutex).lock());
-                assert!(fut.as_mut().poll(&mut cx).is_pending());
-                drop(holder);
-                let Poll::Ready(guard) = fut.poll(&mut cx) else {
-                    unreachable!("handed off")
-                };
-                drop(black_box(guard));
-            }
-        }
-        "handoff_async_lock" => {
-            let mutex = async_lock::Mutex::new(());
-            let mut cx = Context::from_waker(futures::task::noop_waker_ref());
-            for _ in 0..n {
-                let holder = black_box(&mutex).try_lock().expect("free");
-                let mut fut = pin!(black_box(&mutex).lock());
-                assert!(fut.as_mut().poll(&mut cx).is_pending());
-                drop(holder);
-                let Poll::Ready(guard) = fut.poll(&mut cx) else {
-                    unreachable!("handed off")
-                };
-                drop(black_box(guard));
-            }
-        }
+        "handoff_tokio" => mutex_handoff!(tokio::sync::Mutex::new(()), n),
+        "handoff_async_lock" => mutex_handoff!(async_lock::Mutex::new(()), n),
         "std" => {
             let mutex = std::sync::Mutex::new(());
             for _ in 0..n {
