@@ -433,3 +433,42 @@ fn a_forgotten_guard_and_a_forgotten_waiter_are_cleaned_up_with_the_table() {
     // The table never owned the waker: it leaks with the forgotten future.
     assert_eq!(p.live_wakers(1), 1);
 }
+
+/// The queue's head keeps no `prev` link: after a handoff pops `a`, the new
+/// head `b` still names `a` in its stored link. Cancelling `b` then must not
+/// follow that link, which would rewrite the links of `a`'s node, where the
+/// table published `a`'s grant: `a` (granted, not yet polled) must still
+/// read its grant, and `c` must come next.
+#[test]
+fn cancelling_the_new_head_after_a_handoff_leaves_the_granted_waiter_its_grant() {
+    let table = LockTable::new();
+    let probe = Probe::new();
+    let waker = probe.waker();
+    let holder = table.try_lock("k").unwrap();
+    let mut a = Box::pin(table.lock("k"));
+    let mut b = Box::pin(table.lock("k"));
+    let mut c = Box::pin(table.lock("k"));
+    pending(&mut a, &waker);
+    pending(&mut b, &waker);
+    pending(&mut c, &waker);
+    assert_eq!(table.waiters("k"), 3);
+
+    let t0 = holder.token();
+    drop(holder); // `a` is granted the key and unlinked; `b` heads the queue.
+    assert_eq!(table.waiters("k"), 2);
+    drop(b); // cancels the head
+    assert_eq!(table.waiters("k"), 1);
+    assert_eq!(table.stats().cancelled, 1);
+
+    let ga = ready(&mut a, &waker);
+    assert!(ga.token() > t0, "a's grant, published before b left");
+    assert!(table.try_lock("k").is_err());
+    let ta = ga.token();
+    drop(ga); // hands the key to `c`, the only waiter left
+    assert_eq!(table.waiters("k"), 0);
+    let gc = ready(&mut c, &waker);
+    assert!(gc.token() > ta);
+    drop(gc);
+    assert_eq!(table.len(), 0);
+    assert_eq!(table.stats().handoffs, 2, "holder -> a -> c");
+}

@@ -106,6 +106,17 @@ mod tests {
     fn on_the_real_clock_a_waiter_shows_when_it_began_to_wait() {
         let table: LockTable<&str> = LockTable::new();
         let guard = table.try_lock("k").unwrap();
+        waiter_start_is_shown(&table, guard);
+        // Behind a leased holder the wait is stamped under the lock, with
+        // the reading the lease check took: shown all the same.
+        let leased = table
+            .try_lock_with("k", LockOptions::new().lease(Duration::from_secs(30)))
+            .unwrap();
+        waiter_start_is_shown(&table, leased);
+        assert_eq!(table.len(), 0);
+    }
+
+    fn waiter_start_is_shown(table: &LockTable<&str>, guard: keylock::Guard<'_, &str>) {
         let before = std::time::Instant::now();
         block(async {
             let mut waits = Box::pin(table.lock("k"));
