@@ -2,10 +2,11 @@
 //! joining and leaving a key allocate nothing once warm; a transaction's
 //! boxed wait fits a small allocator block.
 //!
-//! A counting global allocator counts allocations (not frees) made by the
-//! current thread while counting is switched on for it, and the largest
-//! one, so the tests of this binary may run in parallel without seeing each
-//! other's allocations.
+//! A counting global allocator counts allocations made by the current
+//! thread while counting is switched on for it, the largest one, and the
+//! bytes still live (allocated less freed), so the tests of this binary may
+//! run in parallel without seeing each other's allocations. A committed
+//! transaction frees all it allocated.
 
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::cell::Cell;
@@ -23,6 +24,14 @@ thread_local! {
     static ON: Cell<bool> = const { Cell::new(false) };
     static ALLOCS: Cell<usize> = const { Cell::new(0) };
     static LARGEST: Cell<usize> = const { Cell::new(0) };
+    static LIVE: Cell<isize> = const { Cell::new(0) };
+}
+
+/// Notes `bytes` more (or fewer) live bytes, if counting.
+fn live(bytes: isize) {
+    if ON.try_with(Cell::get).unwrap_or(false) {
+        let _ = LIVE.try_with(|l| l.set(l.get() + bytes));
+    }
 }
 
 fn note(size: usize) {
@@ -36,20 +45,24 @@ fn note(size: usize) {
 unsafe impl GlobalAlloc for Counting {
     unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
         note(layout.size());
+        live(layout.size() as isize);
         // SAFETY: forwarded with the caller's guarantees.
         unsafe { System.alloc(layout) }
     }
     unsafe fn alloc_zeroed(&self, layout: Layout) -> *mut u8 {
         note(layout.size());
+        live(layout.size() as isize);
         // SAFETY: forwarded with the caller's guarantees.
         unsafe { System.alloc_zeroed(layout) }
     }
     unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
         note(new_size);
+        live(new_size as isize - layout.size() as isize);
         // SAFETY: forwarded with the caller's guarantees.
         unsafe { System.realloc(ptr, layout, new_size) }
     }
     unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
+        live(-(layout.size() as isize));
         // SAFETY: forwarded with the caller's guarantees.
         unsafe { System.dealloc(ptr, layout) }
     }
@@ -71,6 +84,15 @@ fn allocations_and_largest(f: impl FnOnce()) -> (usize, usize) {
     f();
     ON.with(|on| on.set(false));
     (ALLOCS.with(Cell::get), LARGEST.with(Cell::get))
+}
+
+/// The bytes this thread allocated and did not free while `f` ran.
+fn kept_bytes(f: impl FnOnce()) -> isize {
+    LIVE.with(|l| l.set(0));
+    ON.with(|on| on.set(true));
+    f();
+    ON.with(|on| on.set(false));
+    LIVE.with(Cell::get)
 }
 
 /// Runs `run` once to warm the table up, then asserts that a second run
@@ -299,4 +321,31 @@ fn a_warm_handoff_to_a_waiter_allocates_nothing() {
     assert_warm_allocates_nothing(|| run(&table, cx));
     assert_eq!(table.len(), 0);
     assert_eq!(table.stats().handoffs, 2 * 2 * (N as u64 / 10));
+}
+
+/// A committed transaction frees everything it allocated: its set's room
+/// once it held more keys than it keeps in place. (A commit that skipped
+/// the transaction's drop glue while it had something to free would keep
+/// these bytes.)
+#[test]
+fn a_committed_transaction_frees_all_it_allocated() {
+    use keylock::Mode;
+    let table = LockTable::<u64>::new();
+    let lock_five = || {
+        let mut txn = table.transaction();
+        let got = poll_ready(txn.lock_all((0..5).map(|k| (k, Mode::Exclusive))));
+        assert_eq!(got.expect("uncontended").acquired(), 5);
+        txn.commit().expect("no lease");
+    };
+    let lock_two = || {
+        let mut txn = table.transaction();
+        poll_ready(txn.lock_all([(7, Mode::Exclusive), (8, Mode::Exclusive)]))
+            .expect("uncontended");
+        txn.commit().expect("no lease");
+    };
+    for run in [&lock_five as &dyn Fn(), &lock_two] {
+        run();
+        assert_eq!(kept_bytes(run), 0, "a committed transaction kept memory");
+    }
+    assert!(table.is_empty());
 }

@@ -104,6 +104,16 @@ impl<R> Owner<R> {
         }
     }
 
+    /// Whether dropping the owner frees nothing (no label registered; its
+    /// reach is a borrow).
+    #[inline]
+    pub(crate) fn owns_nothing(&self) -> bool
+    where
+        R: Copy,
+    {
+        self._label.is_none()
+    }
+
     /// Notes `out`'s failure, if retryable (see [`Owner::retryable`]).
     #[inline]
     pub(crate) fn note<T, K>(&self, out: &Result<T, TransactionError<K>>) {

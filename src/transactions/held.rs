@@ -4,9 +4,10 @@
 //! The slots are found by the hash the table computed for the key, compared
 //! through the guard's `key()` (the table's copy of the key): no second
 //! hasher, no copy of held keys. Up to [`LINEAR_MAX`] keys they are found
-//! by a scan of a packed array of their hashes (a transaction usually holds
-//! a few keys, and a scan of a few words beats a hash table; the first
-//! [`INLINE`] are kept in place, so a transfer allocates nothing); past that, a
+//! by a scan of the slots comparing their stored hashes (a transaction
+//! usually holds a few keys, and a scan of a few beats a hash table; the
+//! first [`INLINE`] are kept in place, so a transfer allocates nothing, and
+//! an empty set is not scanned at all); past that, a
 //! `hashbrown::HashTable` of positions keyed by that same hash indexes
 //! them. A slot whose guard is away — a new key being locked, or a held one
 //! being upgraded by a pending call — keeps a clone of the key to be
@@ -171,11 +172,6 @@ pub(crate) struct HeldSet<G, K> {
     /// The slots, in no particular order; the first [`INLINE`] in place
     /// (a transfer's two keys allocate nothing).
     slots: SmallVec<[Slot<G, K>; INLINE]>,
-    /// Each slot's hash, at the slot's position, while there is no index
-    /// (so for at most [`LINEAR_MAX`] slots): the linear search scans these
-    /// packed words, not the slots. In place, so the set allocates once
-    /// when it first grows, not twice.
-    hashes: [u64; LINEAR_MAX],
     /// Positions in `slots` by hash, once there are more than
     /// [`LINEAR_MAX`] of them.
     index: Option<HashTable<usize>>,
@@ -203,7 +199,6 @@ impl<G, K> Default for HeldSet<G, K> {
     fn default() -> Self {
         Self {
             slots: SmallVec::new(),
-            hashes: [0; LINEAR_MAX],
             index: None,
             next_id: 0,
             held: 0,
@@ -220,22 +215,25 @@ impl<G, K> HeldSet<G, K> {
         self.slots.is_empty()
     }
 
+    /// Whether the set owns nothing at all: no slot, and no memory of its
+    /// own (its slots in place, no index). Dropping such a set frees
+    /// nothing.
+    #[inline]
+    pub(crate) fn owns_nothing(&self) -> bool {
+        self.slots.is_empty() && !self.slots.spilled() && self.index.is_none()
+    }
+
     /// The position of the slot with `hash` that `is` accepts.
     #[inline]
     fn position(&self, hash: u64, mut is: impl FnMut(&Slot<G, K>) -> bool) -> Option<usize> {
         match &self.index {
             None => {
-                let mut from = 0;
-                // Without an index there are at most `LINEAR_MAX` slots.
-                let hashes = &self.hashes[..self.slots.len()];
-                while let Some(found) = hashes[from..].iter().position(|&h| h == hash) {
-                    let at = from + found;
-                    if is(&self.slots[at]) {
-                        return Some(at);
-                    }
-                    from = at + 1;
-                }
-                None
+                // Without an index there are at most `LINEAR_MAX` slots:
+                // their stored hashes are compared first, the key only on
+                // a match.
+                self.slots
+                    .iter()
+                    .position(|slot| slot.hash == hash && is(slot))
             }
             Some(index) => index.find(hash, |&at| is(&self.slots[at])).copied(),
         }
@@ -249,7 +247,6 @@ impl<G, K> HeldSet<G, K> {
         // found by the linear scan.
         if self.index.is_none() && at < LINEAR_MAX && (at != INLINE || self.slots.spilled()) {
             self.version += 1;
-            self.hashes[at] = slot.hash;
             self.slots.push(slot);
             return;
         }
@@ -269,9 +266,6 @@ impl<G, K> HeldSet<G, K> {
             self.slots.reserve_exact(INITIAL_CAPACITY);
         }
         self.slots.push(slot);
-        if self.index.is_none() && at < LINEAR_MAX {
-            self.hashes[at] = hash;
-        }
         let slots = &self.slots;
         match &mut self.index {
             Some(index) => {
@@ -306,9 +300,6 @@ impl<G, K> HeldSet<G, K> {
                     *moved = at;
                 }
             }
-        } else {
-            // The last slot moves into `at`.
-            self.hashes[at] = self.hashes[last];
         }
         self.slots.swap_remove(at)
     }
@@ -381,8 +372,12 @@ impl<G: GuardOps<Key = K>, K: Eq> HeldSet<G, K> {
 
     /// What a fast path finds of `key` asked in `mode`, changing nothing
     /// (user code, `Eq`, runs in the search).
-    #[inline]
+    #[inline(always)]
     pub(crate) fn find(&self, hash: u64, key: &K, mode: Mode) -> Found {
+        // A transaction's first call finds an empty set: no scan.
+        if self.slots.is_empty() {
+            return Found::Absent;
+        }
         let Some(at) = self.position(hash, |slot| slot.is(key)) else {
             return Found::Absent;
         };

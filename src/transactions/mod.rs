@@ -839,12 +839,32 @@ impl<'t, K: Eq + Hash, S: BuildHasher> Transaction<'t, K, S> {
     ///
     /// [`TransactionError::Expired`] naming a key whose grant had been lost
     /// (lapsed or revoked); every key is released all the same.
+    #[inline]
     pub fn commit(mut self) -> Result<(), TransactionError<K>>
     where
         K: Clone,
     {
         // In place: the set is not moved out of the transaction.
-        held::release_checked(&mut self.set)
+        let out = held::release_checked(&mut self.set);
+        if self.owns_nothing() {
+            // Nothing left to release or free: skip the drop glue.
+            std::mem::forget(self);
+        }
+        out
+    }
+
+    /// Whether dropping the transaction would release and free nothing:
+    /// no key, no pending call's cell, no memory of its set's or its
+    /// list's, no label registered. Every field that owns something is
+    /// asked here.
+    #[inline]
+    fn owns_nothing(&self) -> bool {
+        let Self {
+            owner,
+            set,
+            pending,
+        } = self;
+        set.owns_nothing() && pending.is_empty() && !pending.spilled() && owner.owns_nothing()
     }
 
     /// Releases every key the transaction holds; the same as dropping it.

@@ -174,6 +174,7 @@ impl TransactionOptions {
     /// Fixes the deadline when the transaction starts: the earlier of the
     /// deadline and now plus the timeout (a timeout past what an `Instant`
     /// can hold bounds nothing).
+    #[inline]
     pub(crate) fn resolve(self, clock: &Clock) -> Resolved {
         let from_timeout = self
             .timeout
