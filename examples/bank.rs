@@ -2,7 +2,7 @@
 //! today.
 //!
 //! ```text
-//! cargo run --release --example bank            # 5 repetitions, ~10 s
+//! cargo run --release --example bank            # 5 repetitions of each shape
 //! cargo run --release --example bank -- --quick # 1 repetition, small
 //! ```
 //!
@@ -38,23 +38,26 @@ use bank::BankRun;
 
 fn main() {
     let quick = std::env::args().any(|a| a == "--quick");
-    let shape = BankRun {
-        accounts: 64,
-        tellers: 32,
-        transfers: if quick { 1_000 } else { 10_000 },
-        auditors: 2,
-    };
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
         .build()
         .expect("tokio runtime");
     println!("# The bank\n");
-    let report = bank::compare(
-        &rt,
-        shape,
-        if quick { 1 } else { 5 },
-        Duration::from_secs(120),
-    );
-    print!("{report}");
+    for accounts in bank::SHAPES {
+        let shape = BankRun {
+            accounts,
+            tellers: 32,
+            transfers: if quick { 1_000 } else { 10_000 },
+            auditors: 2,
+        };
+        println!("## {accounts} accounts\n");
+        let report = bank::compare(
+            &rt,
+            shape,
+            if quick { 1 } else { 5 },
+            Duration::from_secs(120),
+        );
+        println!("{report}");
+    }
 }

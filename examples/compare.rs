@@ -439,15 +439,25 @@ fn main() {
         eprintln!("compare: {why}");
     }
     let bank = cfg.bank.then(|| {
-        let shape = bank::BankRun {
-            accounts: 64,
-            tellers: 32,
-            transfers: if cfg.quick { 1_000 } else { 10_000 },
-            auditors: 2,
-        };
         loads.before.push(("bank", load::read()));
         eprintln!("running the bank...");
-        bank::compare(&rt, shape, cfg.reps, Duration::from_secs(120))
+        let mut report = String::new();
+        for accounts in bank::SHAPES {
+            let shape = bank::BankRun {
+                accounts,
+                tellers: 32,
+                transfers: if cfg.quick { 1_000 } else { 10_000 },
+                auditors: 2,
+            };
+            report.push_str(&format!("\n#### {accounts} accounts\n\n"));
+            report.push_str(&bank::compare(
+                &rt,
+                shape,
+                cfg.reps,
+                Duration::from_secs(120),
+            ));
+        }
+        report
     });
     let wall = started.elapsed();
     loads.end = load::read();

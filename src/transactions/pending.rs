@@ -137,6 +137,26 @@ impl<L, U, G> Pending<L, U, G> {
         Ok(())
     }
 
+    /// [`stow`](Self::stow) of a whole list, moved in at once when the
+    /// cell has none (a long call that yields with many guards taken moves
+    /// a pointer, not each guard).
+    pub(crate) fn stow_all(&self, guards: Few<(usize, G)>) -> Result<(), Cancelled> {
+        let mut state = self.state.lock();
+        if state.phase == Phase::Cancelled {
+            drop(state);
+            drop(guards);
+            return Err(Cancelled);
+        }
+        if state.guards.is_empty() {
+            // The empty list it replaces holds no guard to drop under the
+            // lock.
+            state.guards = guards;
+        } else {
+            state.guards.extend(guards);
+        }
+        Ok(())
+    }
+
     /// Takes the stowed guards back as the call resumes; `Err` if the cell
     /// was cancelled (they were released).
     pub(crate) fn unstow(&self) -> Result<Few<(usize, G)>, Cancelled> {
