@@ -49,7 +49,7 @@ fn main() {
             accounts,
             tellers: 32,
             transfers: if quick { 1_000 } else { 10_000 },
-            auditors: 2,
+            auditors: bank::auditors(),
         };
         println!("## {accounts} accounts\n");
         let report = bank::compare(

@@ -447,7 +447,7 @@ fn main() {
                 accounts,
                 tellers: 32,
                 transfers: if cfg.quick { 1_000 } else { 10_000 },
-                auditors: 2,
+                auditors: bank::auditors(),
             };
             report.push_str(&format!("\n#### {accounts} accounts\n\n"));
             report.push_str(&bank::compare(

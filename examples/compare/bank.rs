@@ -33,6 +33,7 @@
 //! total: the run checks both. Shared by `examples/bank.rs` and
 //! `examples/compare.rs`. With `BANK_STATS` set in the environment, each
 //! keylock run prints its table's counters (grants, waits) to stderr; with
+//! `BANK_AUDITORS=N`, N auditors instead of 2; with
 //! `BANK_ONLY=txn`, `dashmap`, `cleanup`, `guards` or `unsorted`, only that bank runs (to profile
 //! one bank at a time, e.g. under `perf record`; `floor` is the same
 //! harness with no locks at all, the ceiling no lock can pass: it loses
@@ -55,6 +56,16 @@ use tokio::runtime::Runtime;
 /// The bank's two shapes, in accounts: hot (transfers contend) and cool
 /// (nearly every transfer is uncontended: the per-operation cost).
 pub(crate) const SHAPES: [usize; 2] = [64, 100_000];
+
+/// The auditors of a run: 2, or `BANK_AUDITORS` from the environment (0
+/// leaves only the transfers, to see their own cost in the cool shape,
+/// where audits of every account dominate).
+pub(crate) fn auditors() -> usize {
+    std::env::var("BANK_AUDITORS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(2)
+}
 
 /// Each account's opening balance.
 pub(crate) const OPENING: i64 = 1_000;
