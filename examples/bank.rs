@@ -34,8 +34,6 @@ mod verdict;
 
 use std::time::Duration;
 
-use bank::BankRun;
-
 fn main() {
     let quick = std::env::args().any(|a| a == "--quick");
     let rt = tokio::runtime::Builder::new_multi_thread()
@@ -45,12 +43,7 @@ fn main() {
         .expect("tokio runtime");
     println!("# The bank\n");
     for accounts in bank::SHAPES {
-        let shape = BankRun {
-            accounts,
-            tellers: 32,
-            transfers: if quick { 1_000 } else { 10_000 },
-            auditors: bank::auditors(),
-        };
+        let shape = bank::shape(accounts, quick);
         println!("## {accounts} accounts\n");
         let report = bank::compare(
             &rt,

@@ -443,12 +443,7 @@ fn main() {
         eprintln!("running the bank...");
         let mut report = String::new();
         for accounts in bank::SHAPES {
-            let shape = bank::BankRun {
-                accounts,
-                tellers: 32,
-                transfers: if cfg.quick { 1_000 } else { 10_000 },
-                auditors: bank::auditors(),
-            };
+            let shape = bank::shape(accounts, cfg.quick);
             report.push_str(&format!("\n#### {accounts} accounts\n\n"));
             report.push_str(&bank::compare(
                 &rt,

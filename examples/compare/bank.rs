@@ -57,10 +57,28 @@ use tokio::runtime::Runtime;
 /// (nearly every transfer is uncontended: the per-operation cost).
 pub(crate) const SHAPES: [usize; 2] = [64, 100_000];
 
+/// The run of one shape: 32 tellers, each making 10,000 transfers (1,000
+/// with `quick`) among 64 accounts, or a tenth as many among 100,000
+/// (each audit there locks every account: the run is long enough with
+/// fewer); [`auditors`] auditors.
+pub(crate) fn shape(accounts: usize, quick: bool) -> BankRun {
+    let transfers = if quick { 1_000 } else { 10_000 };
+    BankRun {
+        accounts,
+        tellers: 32,
+        transfers: if accounts > 1_000 {
+            transfers / 10
+        } else {
+            transfers
+        },
+        auditors: auditors(),
+    }
+}
+
 /// The auditors of a run: 2, or `BANK_AUDITORS` from the environment (0
 /// leaves only the transfers, to see their own cost in the cool shape,
 /// where audits of every account dominate).
-pub(crate) fn auditors() -> usize {
+fn auditors() -> usize {
     std::env::var("BANK_AUDITORS")
         .ok()
         .and_then(|v| v.parse().ok())
