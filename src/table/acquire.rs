@@ -283,16 +283,14 @@ where
             lease: self.lease,
             owner: self.owner,
         };
-        let timeout = if self.timeout == PackedDuration::NONE {
-            None
-        } else {
-            self.timeout.get()
-        };
         // A deadline already passed is a zero timeout (the clock is read only
-        // when there is a deadline).
-        let passed =
-            self.deadline.is_some() && Stamp::new(Some(table.clock().now())) >= self.deadline;
-        if timeout == Some(Duration::ZERO) || passed {
+        // when there is a deadline). A plain lock has neither: one check.
+        let timed = self.timeout != PackedDuration::NONE || self.deadline.is_some();
+        if timed
+            && (self.timeout == PackedDuration::ZERO
+                || self.deadline.is_some()
+                    && Stamp::new(Some(table.clock().now())) >= self.deadline)
+        {
             return match try_once(table, self.hash, key, mode, terms, left) {
                 Ok(grant) => Ok(Step::Ready(self.finish(grant))),
                 Err((diagnosis, name)) => Err(Box::new(timeout_error(
@@ -317,7 +315,7 @@ where
             }
             Err(index) => {
                 let patience = Patience {
-                    timeout,
+                    timeout: if timed { self.timeout.get() } else { None },
                     deadline: self.deadline,
                 };
                 // The common wait (exclusive, strict FIFO, no timeout, behind
