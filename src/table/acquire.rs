@@ -618,8 +618,11 @@ where
         std::mem::forget(old);
     }
 
+    /// [`finish`](Self::finish) of a waiter's grant (the state may still
+    /// say `Linked`).
     #[inline]
     fn finish_granted(&mut self, key: KeyPtr<K>, granted: Granted) -> (T, Held<K>) {
+        self.set_state(State::Done);
         self.finish(Grant {
             key,
             token: granted.token,
@@ -628,9 +631,11 @@ where
         })
     }
 
+    /// The output of a grant taken on the first poll, whose dispatch in
+    /// [`poll_acquire`](Self::poll_acquire) set the state to `Done` already.
     #[inline(always)]
     fn finish(&mut self, grant: Grant<K>) -> (T, Held<K>) {
-        self.set_state(State::Done);
+        debug_assert!(matches!(*self.state, State::Done));
         // The timing (an armed timer holds a clone of a waker, user code to
         // drop) stays until the future is dropped, after its guard exists.
         let table = self.table.take().expect("present until completion");
