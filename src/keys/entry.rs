@@ -66,6 +66,15 @@ impl<K> Entry<K> {
         std::mem::forget(self);
     }
 
+    /// Disposes of an entry removed from the table as its only holder let
+    /// go (nobody waits, no fenced guard), without running its drop glue:
+    /// a lone holder owns nothing, and the holder need not be cleared first.
+    #[inline(always)]
+    pub(super) fn forget_released(self) {
+        debug_assert!(self.holders.only().is_some() && self.queue.is_empty() && self.fenced == 0);
+        std::mem::forget(self);
+    }
+
     /// Whether a newcomer asking for `mode` may take the key at once (it
     /// still has to respect the queue: see the callers).
     #[inline]

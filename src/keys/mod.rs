@@ -434,10 +434,16 @@ impl<K> ShardState<K> {
         key: KeyPtr<K>,
         token: FencingToken,
     ) -> Result<K, Option<Index>> {
-        let Some(index) = self.entries.find(hash, |e| e.key == key) else {
-            return Err(None);
-        };
-        self.release_alone_at(index, token)
+        let removed = self.entries.remove_if(
+            hash,
+            |e| e.key == key,
+            |e| e.holders.is_only(token) && e.queue.is_empty() && e.fenced == 0,
+        )?;
+        // SAFETY: the entry was just removed from the table and nothing uses
+        // it: no waiter, no fenced guard, and its only holder lets go.
+        let key = unsafe { self.keys.take(removed.key) };
+        removed.forget_released();
+        Ok(key)
     }
 
     /// [`release_alone`](Self::release_alone) of the entry at `index`.

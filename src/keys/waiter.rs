@@ -166,7 +166,12 @@ impl Node {
 
 /// A future's waiter node, written only when the future first has to wait,
 /// so that a lock that does not wait writes one flag, not the node.
+///
+/// Laid out in order (`repr(C)`), the flag first: next to the future's
+/// other fields, so that the stores that build a lock future cover the flag
+/// without spanning the (uninitialized) node.
 #[derive(Debug)]
+#[repr(C)]
 pub(crate) struct LazyWaiter {
     live: bool,
     node: std::mem::MaybeUninit<Waiter>,

@@ -274,6 +274,43 @@ impl<V> KeyMap<V> {
             .expect("stale KeyMap index")
     }
 
+    /// Finds the value of `hash` for which `eq` holds and removes it if
+    /// `take` says so, in one probe: `Ok(value)` removed (as by
+    /// [`remove`](Self::remove)), `Err(Some(index))` found and kept (`take`
+    /// may have changed it), `Err(None)` absent. `eq` is called only on
+    /// values stored with exactly this hash.
+    #[inline(always)]
+    pub(crate) fn remove_if(
+        &mut self,
+        hash: u64,
+        eq: impl FnMut(&V) -> bool,
+        take: impl FnOnce(&mut V) -> bool,
+    ) -> Result<V, Option<Index>> {
+        // `probe`, holding on to the slot it finds (no second bounds check).
+        let mut eq = eq;
+        let mask = self.slots.len().wrapping_sub(1);
+        let mut i = hash as usize & mask;
+        let value = loop {
+            let Some(slot) = self.slots.get_mut(i) else {
+                return Err(None);
+            };
+            let found = match &mut slot.value {
+                Some(value) => slot.hash == hash && eq(value),
+                None => return Err(None),
+            };
+            if found {
+                if !slot.value.as_mut().is_some_and(take) {
+                    return Err(Some(self.index(i)));
+                }
+                break slot.value.take();
+            }
+            i = (i + 1) & mask;
+        };
+        let value = value.expect("found");
+        self.close_hole(i);
+        Ok(value)
+    }
+
     /// Removes the value at `index` and returns it. The entries after it
     /// shift back into its slot where they may (no tombstone is left), then
     /// the table shrinks if it is mostly empty.
@@ -285,8 +322,19 @@ impl<V> KeyMap<V> {
     pub(crate) fn remove(&mut self, index: Index) -> V {
         #[cfg(debug_assertions)]
         debug_assert_eq!(index.stamp, self.stamp, "stale KeyMap index");
-        let mut hole = index.slot;
-        let value = self.slots[hole].value.take().expect("stale KeyMap index");
+        let value = self.slots[index.slot]
+            .value
+            .take()
+            .expect("stale KeyMap index");
+        self.close_hole(index.slot);
+        value
+    }
+
+    /// After the value at `hole` was taken out: the entries after it shift
+    /// back where they may, then the table shrinks if it is mostly empty.
+    #[inline(always)]
+    fn close_hole(&mut self, hole: usize) {
+        let mut hole = hole;
         self.len -= 1;
         self.changed();
         let mask = self.slots.len() - 1;
@@ -309,7 +357,6 @@ impl<V> KeyMap<V> {
         if self.len < self.shrink_at {
             self.shrink();
         }
-        value
     }
 
     #[cold]
@@ -408,16 +455,20 @@ impl Vacant {
     ///
     /// # Panics
     ///
-    /// If `map` is not the map that found the slot, or was changed since:
-    /// always if the slot is taken, in debug builds on any change.
+    /// In debug builds, if `map` is not the map that found the slot, or was
+    /// changed since.
     #[inline]
     pub(crate) fn insert<V>(self, map: &mut KeyMap<V>, value: V) -> Index {
         #[cfg(debug_assertions)]
         debug_assert_eq!(self.stamp, map.stamp, "stale KeyMap vacant slot");
         let slot = &mut map.slots[self.slot];
-        assert!(slot.value.is_none(), "stale KeyMap vacant slot");
         slot.hash = self.hash;
-        slot.value = Some(value);
+        // Empty, unless the caller broke the contract above: then the value
+        // there is leaked (not dropped: no code runs), a logic error caught
+        // in debug builds.
+        let old = slot.value.replace(value);
+        debug_assert!(old.is_none(), "stale KeyMap vacant slot");
+        std::mem::forget(old);
         map.len += 1;
         map.changed();
         map.index(self.slot)

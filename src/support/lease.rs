@@ -265,6 +265,9 @@ impl Terms {
 impl PackedDuration {
     pub(crate) const NONE: Self = Self(u64::MAX);
 
+    /// A zero duration, packed.
+    pub(crate) const ZERO: Self = Self(0);
+
     /// The word it is stored as.
     #[inline(always)]
     pub(crate) const fn bits(self) -> u64 {

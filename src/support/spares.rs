@@ -46,7 +46,10 @@ impl<T, const N: usize> Spares<T, N> {
     #[inline(always)]
     pub(crate) fn give(&mut self, value: T) {
         if let Some(slot) = self.spare.get_mut(self.count) {
-            *slot = Some(value);
+            // Empty, by the invariant: nothing to drop, and no check for it.
+            let old = slot.replace(value);
+            debug_assert!(old.is_none());
+            std::mem::forget(old);
             self.count += 1;
         }
     }

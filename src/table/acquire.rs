@@ -65,7 +65,9 @@ pin_project! {
     pub(crate) struct Acquire<T: TableHandle<K>, K> {
         table: Option<T>,
         hash: u64,
-        state: State<K>,
+        // Dropped by hand in `Drop` (`drop_rest`), with `waiter`, behind the
+        // same inline check as `sleep`.
+        state: ManuallyDrop<State<K>>,
         lease: PackedDuration,
         timeout: PackedDuration,
         // The transaction the grant is for (0: none).
@@ -80,17 +82,34 @@ pin_project! {
         sleep: ManuallyDrop<Option<Box<Sleep>>>,
         // The queue node, written only when the future first has to wait.
         #[pin]
-        waiter: LazyWaiter,
+        waiter: ManuallyDrop<LazyWaiter>,
     }
 
     impl<T: TableHandle<K>, K> PinnedDrop for Acquire<T, K> {
         #[inline(always)]
         fn drop(this: Pin<&mut Self>) {
             let this = this.project();
-            if this.sleep.is_some() {
-                drop_with_sleep(this.sleep, this.table, *this.hash, this.state, &this.waiter);
-            } else if let State::Linked { key } = *this.state {
-                leave(this.table, *this.hash, key, &this.waiter);
+            // A completed lock without a timer (the common case) owns
+            // nothing but its waiter node, if it waited: a few inline
+            // checks, and no call, so that the drop glue is small enough to
+            // be inlined where the future is dropped.
+            if matches!(**this.state, State::Done) && this.sleep.is_none() {
+                // SAFETY: dropped in place, once, here in `Drop`; the field
+                // is not used again. The node is not linked: a completed
+                // future took its grant.
+                unsafe { ManuallyDrop::drop(this.waiter.get_unchecked_mut()) };
+                return;
+            }
+            // SAFETY: the waiter is dropped in place, never moved; this is
+            // the future's `Drop`, so its fields are not used again.
+            unsafe {
+                drop_rest(
+                    this.sleep,
+                    this.table,
+                    *this.hash,
+                    this.state,
+                    this.waiter.get_unchecked_mut(),
+                );
             }
         }
     }
@@ -122,14 +141,14 @@ where
         Self {
             table: Some(table),
             hash,
-            state,
+            state: ManuallyDrop::new(state),
             lease,
             timeout: PackedDuration::pack(timeout),
             owner,
             deadline: Stamp::new(opts.deadline_instant()),
             timing: Timing::default(),
             sleep: ManuallyDrop::new(None),
-            waiter: LazyWaiter::new(),
+            waiter: ManuallyDrop::new(LazyWaiter::new()),
         }
     }
 
@@ -145,14 +164,14 @@ where
         Self {
             table: Some(table),
             hash,
-            state: State::StartUpgrade { key },
+            state: ManuallyDrop::new(State::StartUpgrade { key }),
             lease: PackedDuration::from_bits(token.get()),
             timeout: PackedDuration::pack(opts.timeout_duration()),
             owner: 0,
             deadline: Stamp::new(opts.deadline_instant()),
             timing: Timing::default(),
             sleep: ManuallyDrop::new(None),
-            waiter: LazyWaiter::new(),
+            waiter: ManuallyDrop::new(LazyWaiter::new()),
         }
     }
 
@@ -206,10 +225,10 @@ where
         // pinned.
         let this = unsafe { self.get_unchecked_mut() };
         loop {
-            let wake_at = match &this.state {
+            let wake_at = match &*this.state {
                 State::Start { .. } => {
                     let State::Start { key, mode } =
-                        std::mem::replace(&mut this.state, State::Done)
+                        std::mem::replace(&mut *this.state, State::Done)
                     else {
                         unreachable!()
                     };
@@ -220,7 +239,7 @@ where
                     }
                 }
                 &State::StartUpgrade { key } => {
-                    this.state = State::Done;
+                    *this.state = State::Done;
                     let token = FencingToken::new(this.lease.bits())
                         .expect("keylock: an upgrade keeps its token");
                     match this.start_upgrade(key, token, cx, left)? {
@@ -235,7 +254,7 @@ where
                     Step::Again => continue,
                 },
                 State::Invalid(_) => {
-                    let State::Invalid(err) = std::mem::replace(&mut this.state, State::Done)
+                    let State::Invalid(err) = std::mem::replace(&mut *this.state, State::Done)
                     else {
                         unreachable!()
                     };
@@ -264,16 +283,14 @@ where
             lease: self.lease,
             owner: self.owner,
         };
-        let timeout = if self.timeout == PackedDuration::NONE {
-            None
-        } else {
-            self.timeout.get()
-        };
         // A deadline already passed is a zero timeout (the clock is read only
-        // when there is a deadline).
-        let passed =
-            self.deadline.is_some() && Stamp::new(Some(table.clock().now())) >= self.deadline;
-        if timeout == Some(Duration::ZERO) || passed {
+        // when there is a deadline). A plain lock has neither: one check.
+        let timed = self.timeout != PackedDuration::NONE || self.deadline.is_some();
+        if timed
+            && (self.timeout == PackedDuration::ZERO
+                || self.deadline.is_some()
+                    && Stamp::new(Some(table.clock().now())) >= self.deadline)
+        {
             return match try_once(table, self.hash, key, mode, terms, left) {
                 Ok(grant) => Ok(Step::Ready(self.finish(grant))),
                 Err((diagnosis, name)) => Err(Box::new(timeout_error(
@@ -298,7 +315,7 @@ where
             }
             Err(index) => {
                 let patience = Patience {
-                    timeout,
+                    timeout: if timed { self.timeout.get() } else { None },
                     deadline: self.deadline,
                 };
                 // The common wait (exclusive, strict FIFO, no timeout, behind
@@ -571,14 +588,14 @@ where
             Outcome::Waiting(wake_at) => Ok(Step::Wait(wake_at)),
             Outcome::NeedWaker => Ok(Step::Again),
             Outcome::Lost(token) => {
-                self.state = State::Done;
+                *self.state = State::Done;
                 // SAFETY: the guard being upgraded still points at the key,
                 // so its entry stays in the table.
                 let key = table.name_key(unsafe { key.get() });
                 Err(Box::new(LockError::Expired { token, key }))
             }
             Outcome::GaveUp(diagnosis) => {
-                self.state = State::Done;
+                *self.state = State::Done;
                 let start = self.timing.start.get();
                 let waited = match (start, now) {
                     (Some(start), Some(now)) => now.saturating_duration_since(start),
@@ -595,14 +612,17 @@ where
     /// other variants) is skipped on every lock.
     #[inline(always)]
     fn set_state(&mut self, next: State<K>) {
-        let old = std::mem::replace(&mut self.state, next);
+        let old = std::mem::replace(&mut *self.state, next);
         debug_assert!(matches!(old, State::Done | State::Linked { .. }));
         // Owns nothing (see above); were it to, that would leak, not free.
         std::mem::forget(old);
     }
 
+    /// [`finish`](Self::finish) of a waiter's grant (the state may still
+    /// say `Linked`).
     #[inline]
     fn finish_granted(&mut self, key: KeyPtr<K>, granted: Granted) -> (T, Held<K>) {
+        self.set_state(State::Done);
         self.finish(Grant {
             key,
             token: granted.token,
@@ -611,9 +631,11 @@ where
         })
     }
 
+    /// The output of a grant taken on the first poll, whose dispatch in
+    /// [`poll_acquire`](Self::poll_acquire) set the state to `Done` already.
     #[inline(always)]
     fn finish(&mut self, grant: Grant<K>) -> (T, Held<K>) {
-        self.set_state(State::Done);
+        debug_assert!(matches!(*self.state, State::Done));
         // The timing (an armed timer holds a clone of a waker, user code to
         // drop) stays until the future is dropped, after its guard exists.
         let table = self.table.take().expect("present until completion");
@@ -665,10 +687,10 @@ where
     /// it (its token replaced the old one's).
     pub(crate) fn cancel_upgrade(self: Pin<&mut Self>, left: &mut Leftovers<K>) -> Option<Granted> {
         let this = self.project();
-        let State::Linked { key } = *this.state else {
+        let State::Linked { key } = **this.state else {
             return None;
         };
-        *this.state = State::Done;
+        **this.state = State::Done;
         let hash = *this.hash;
         let table = this.table.as_deref()?;
         let shard = table.shard(hash);
@@ -819,21 +841,41 @@ fn try_once<K: Eq + Hash, S: BuildHasher>(
     result
 }
 
-/// `Drop` with a timer: leaves, then drops the timer (user code: it holds a
-/// waker), also if leaving panics.
+/// `Drop` past the common case: leaves the queue if linked, then drops the
+/// timer (user code: it holds a waker), the state (the key, if the future
+/// never ran) and the waiter node (its waker), in that order, each also if
+/// an earlier step panics.
+///
+/// # Safety
+///
+/// Called once, from the future's `Drop`: nothing uses these fields after.
 #[cold]
 #[inline(never)]
-fn drop_with_sleep<T: TableHandle<K>, K>(
+unsafe fn drop_rest<T: TableHandle<K>, K>(
     sleep: &mut ManuallyDrop<Option<Box<Sleep>>>,
     table: &Option<T>,
     hash: u64,
-    state: &State<K>,
-    waiter: &LazyWaiter,
+    state: &mut ManuallyDrop<State<K>>,
+    waiter: &mut ManuallyDrop<LazyWaiter>,
 ) {
-    // SAFETY: taken once, here in `Drop`; the field is never used again.
-    let _sleep = unsafe { ManuallyDrop::take(sleep) };
-    if let State::Linked { key } = *state {
-        leave(table, hash, key, waiter);
+    /// Drops its field when dropped, also while unwinding.
+    struct DropOnExit<'a, V>(&'a mut ManuallyDrop<V>);
+    impl<V> Drop for DropOnExit<'_, V> {
+        fn drop(&mut self) {
+            // SAFETY: `drop_rest`'s contract: dropped once, never used again.
+            unsafe { ManuallyDrop::drop(self.0) };
+        }
+    }
+    // Dropped in the reverse order of their declaration.
+    let linked = match **state {
+        State::Linked { key } => Some(key),
+        _ => None,
+    };
+    let waiter = DropOnExit(waiter);
+    let _state = DropOnExit(state);
+    let _sleep = DropOnExit(sleep);
+    if let Some(key) = linked {
+        leave(table, hash, key, waiter.0);
     }
 }
 
@@ -867,7 +909,7 @@ impl<K, S> TableHandle<K> for Arc<LockTable<K, S>> {
 
 impl<T: TableHandle<K>, K> fmt::Debug for Acquire<T, K> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        let state = match self.state {
+        let state = match *self.state {
             State::Start { .. } | State::StartUpgrade { .. } => "start",
             State::Invalid(_) => "invalid",
             State::Linked { .. } => "waiting",

@@ -41,6 +41,9 @@ pub(crate) struct GrantCache(AtomicU64);
 
 const SHARED_BIT: u64 = 1 << 63;
 
+// `GrantCache::pack` computes the bit from the discriminants.
+const _: () = assert!(Mode::Shared as u64 == 0 && Mode::Exclusive as u64 == 1);
+
 impl GrantCache {
     #[inline(always)]
     fn new(deadline: Stamp, mode: Mode) -> Self {
@@ -49,7 +52,8 @@ impl GrantCache {
 
     #[inline(always)]
     fn pack(deadline: Stamp, mode: Mode) -> u64 {
-        let bit = if mode == Mode::Shared { SHARED_BIT } else { 0 };
+        // Branch-free: `Shared` is 0 and `Exclusive` 1.
+        let bit = ((mode as u64) ^ 1) << 63;
         (deadline.to_raw() & !SHARED_BIT) | bit
     }
 

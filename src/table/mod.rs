@@ -461,7 +461,7 @@ impl<K, S> LockTable<K, S> {
                 drop(key);
             }
             // Out of line, so that the lone release above stays small.
-            Err(Some(index)) => self.release_busy(shard, state, Some(index), token),
+            Err(Some(index)) => self.release_busy(shard, state, index, token),
             Err(None) => self.release_general(shard, state, None, token),
         }
     }
@@ -474,22 +474,20 @@ impl<K, S> LockTable<K, S> {
         &self,
         shard: &Shard<K>,
         state: impl DerefMut<Target = ShardState<K>>,
-        index: Option<Index>,
+        index: Index,
         token: FencingToken,
     ) {
         let mut state = state;
-        if let Some(index) = index {
-            let shard_parts = (&shard.counters, &shard.timer, &self.clock);
-            if let Some(waker) = state.hand_off_plain(index, token, self.fairness, shard_parts) {
-                drop(state);
-                // After unlocking: `Waker::wake` is user code.
-                if let Some(waker) = waker {
-                    waker.wake();
-                }
-                return;
+        let shard_parts = (&shard.counters, &shard.timer, &self.clock);
+        if let Some(waker) = state.hand_off_plain(index, token, self.fairness, shard_parts) {
+            drop(state);
+            // After unlocking: `Waker::wake` is user code.
+            if let Some(waker) = waker {
+                waker.wake();
             }
+            return;
         }
-        self.release_general(shard, state, index, token);
+        self.release_general(shard, state, Some(index), token);
     }
 
     /// [`release_busy`](Self::release_busy) past the plain handoff.
@@ -535,7 +533,7 @@ impl<K, S> LockTable<K, S> {
                 true
             }
             Err(Some(index)) => {
-                self.release_busy(shard, state, Some(index), token);
+                self.release_busy(shard, state, index, token);
                 true
             }
             Err(None) => self.release_if_live_general(shard, state, hash, key, token),
