@@ -2,8 +2,8 @@
 //! today.
 //!
 //! ```text
-//! cargo run --release --example bank            # 5 repetitions of each shape
-//! cargo run --release --example bank -- --quick # 1 repetition, small
+//! cargo run --release --features tokio --example bank  # 5 repetitions of each shape
+//! cargo run --release --example bank -- --quick        # 1 repetition, small
 //! ```
 //!
 //! Tellers transfer money between random accounts (two accounts locked
@@ -42,7 +42,7 @@ fn main() {
         .build()
         .expect("tokio runtime");
     println!("# The bank\n");
-    for accounts in bank::SHAPES {
+    for &accounts in bank::SHAPES {
         let shape = bank::shape(accounts, quick);
         println!("## {accounts} accounts\n");
         let report = bank::compare(
@@ -52,5 +52,8 @@ fn main() {
             Duration::from_secs(120),
         );
         println!("{report}");
+    }
+    if let Some(note) = bank::NO_COOL_SHAPE {
+        println!("{note}");
     }
 }

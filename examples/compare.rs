@@ -442,7 +442,7 @@ fn main() {
         loads.before.push(("bank", load::read()));
         eprintln!("running the bank...");
         let mut report = String::new();
-        for accounts in bank::SHAPES {
+        for &accounts in bank::SHAPES {
             let shape = bank::shape(accounts, cfg.quick);
             report.push_str(&format!("\n#### {accounts} accounts\n\n"));
             report.push_str(&bank::compare(
@@ -451,6 +451,9 @@ fn main() {
                 cfg.reps,
                 Duration::from_secs(120),
             ));
+        }
+        if let Some(note) = bank::NO_COOL_SHAPE {
+            report.push_str(&format!("\n{note}\n"));
         }
         report
     });

@@ -18,8 +18,9 @@
 //! - on keylock, with plain guards sorted by hand (what a transaction is
 //!   judged against).
 //!
-//! keylock's tables are built with `Builder::tokio_time()`, as a tokio
-//! program's would be: their lock futures and a transaction's long
+//! keylock's tables are built with `Builder::tokio_time()` (with the
+//! `tokio` feature: `cargo run --release --features tokio --example
+//! bank`), as a tokio program's would be: their lock futures and a transaction's long
 //! `lock_all` spend tokio's cooperative budget, as tokio's `RwLock` does,
 //! so an audit does not hold its worker until it has every account.
 //!
@@ -54,8 +55,36 @@ use keylock::{LockTable, Mode, TransactionError};
 use tokio::runtime::Runtime;
 
 /// The bank's two shapes, in accounts: hot (transfers contend) and cool
-/// (nearly every transfer is uncontended: the per-operation cost).
-pub(crate) const SHAPES: [usize; 2] = [64, 100_000];
+/// (nearly every transfer is uncontended: the per-operation cost). The
+/// cool shape runs with the `tokio` feature only: without it keylock's
+/// tables cannot spend tokio's budget, and its audits of every account
+/// would hold their workers (see the module doc).
+#[cfg(feature = "tokio")]
+pub(crate) const SHAPES: &[usize] = &[64, 100_000];
+#[cfg(not(feature = "tokio"))]
+pub(crate) const SHAPES: &[usize] = &[64];
+
+/// What the reader is told when the cool shape did not run.
+pub(crate) const NO_COOL_SHAPE: Option<&str> = if cfg!(feature = "tokio") {
+    None
+} else {
+    Some("(The 100,000-account shape runs with `--features tokio`.)")
+};
+
+/// keylock's tables here spend tokio's cooperative budget, as tokio's own
+/// locks do (`Builder::tokio_time`), when the `tokio` feature is on.
+trait Cooperative {
+    fn cooperative(self) -> Self;
+}
+
+impl Cooperative for keylock::Builder<u64> {
+    fn cooperative(self) -> Self {
+        #[cfg(feature = "tokio")]
+        return self.tokio_time();
+        #[cfg(not(feature = "tokio"))]
+        self
+    }
+}
 
 /// The run of one shape: 32 tellers, each making 10,000 transfers (1,000
 /// with `quick`) among 64 accounts, or a tenth as many among 100,000
@@ -148,7 +177,7 @@ pub(crate) struct KeylockBank {
 fn transactions_table() -> LockTable<u64> {
     let off = std::env::var("BANK_DETECTION").is_ok_and(|v| v == "off");
     LockTable::builder()
-        .tokio_time()
+        .cooperative()
         .deadlock_search_limit(if off { 0 } else { 50 })
         .build()
 }
@@ -217,7 +246,7 @@ impl Bank for KeylockUnorderedBank {
 
     fn open(accounts: usize) -> Self {
         Self {
-            table: LockTable::builder().tokio_time().build(),
+            table: LockTable::builder().cooperative().build(),
             ledger: Ledger::new(accounts),
             retries: AtomicU64::new(0),
         }
@@ -284,7 +313,7 @@ impl Bank for KeylockGuardsBank {
 
     fn open(accounts: usize) -> Self {
         Self {
-            table: LockTable::builder().tokio_time().build(),
+            table: LockTable::builder().cooperative().build(),
             ledger: Ledger::new(accounts),
         }
     }
