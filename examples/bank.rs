@@ -53,7 +53,4 @@ fn main() {
         );
         println!("{report}");
     }
-    if let Some(note) = bank::NO_COOL_SHAPE {
-        println!("{note}");
-    }
 }

@@ -452,9 +452,6 @@ fn main() {
                 Duration::from_secs(120),
             ));
         }
-        if let Some(note) = bank::NO_COOL_SHAPE {
-            report.push_str(&format!("\n{note}\n"));
-        }
         report
     });
     let wall = started.elapsed();

@@ -292,65 +292,6 @@ mod tests {
         assert!(table.is_empty());
     }
 
-    /// A transaction's `lock_all` of many free keys spends the budget too: it
-    /// takes a run of keys, then one unit of budget per key, and yields when
-    /// the budget is spent, so a long call (an audit of every account) does
-    /// not hold its worker until it is done. Deterministic on a
-    /// current-thread runtime: the spawned task can run only when the
-    /// test's future returns `Pending`, and no key is contended.
-    #[tokio::test(flavor = "current_thread")]
-    async fn a_long_lock_all_on_a_tokio_table_yields_to_other_tasks() {
-        use keylock::Mode;
-        let table = tokio_table::<u64>();
-        let flag = spawn_flag_setter();
-        let mut txn = table.transaction();
-        let (mut polls, mut ran_before_done) = (0, false);
-        let got = {
-            let mut call =
-                std::pin::pin!(txn.lock_all((0..NO_YIELD_RUN as u64).map(|k| (k, Mode::Shared))));
-            std::future::poll_fn(|cx| {
-                polls += 1;
-                let polled = std::future::Future::poll(call.as_mut(), cx);
-                if polled.is_ready() {
-                    ran_before_done = flag.load(SeqCst);
-                }
-                polled
-            })
-            .await
-            .expect("free keys")
-        };
-        assert_eq!(got.acquired(), NO_YIELD_RUN);
-        assert!(polls > 1, "the call never yielded");
-        assert!(ran_before_done, "the other task ran only after the call");
-        txn.commit().unwrap();
-        assert!(table.is_empty());
-        // A default table's call takes every key in its first poll.
-        let table = LockTable::<u64>::new();
-        let mut txn = table.transaction();
-        {
-            let call = txn.lock_all((0..NO_YIELD_RUN as u64).map(|k| (k, Mode::Shared)));
-            assert!(futures::poll!(std::pin::pin!(call)).is_ready());
-        }
-        txn.commit().unwrap();
-    }
-
-    /// A long `lock_all` forgotten while it yields (its guards stowed in its
-    /// transaction's cell) keeps nothing once the transaction ends.
-    #[tokio::test(flavor = "current_thread")]
-    async fn a_long_lock_all_forgotten_while_it_yields_keeps_nothing() {
-        use keylock::Mode;
-        let table = tokio_table::<u64>();
-        let mut txn = table.transaction();
-        let mut call =
-            Box::pin(txn.lock_all((0..NO_YIELD_RUN as u64).map(|k| (k, Mode::Exclusive))));
-        assert!(futures::poll!(call.as_mut()).is_pending(), "no yield");
-        assert!(!table.is_empty(), "the call took its first keys");
-        std::mem::forget(call);
-        drop(txn);
-        table.assert_consistent();
-        assert!(table.is_empty(), "a forgotten call kept keys");
-    }
-
     /// Deterministic on a current-thread runtime: a default table's lock futures
     /// complete at once and never return `Pending`, so the test's future never
     /// yields and the spawned task cannot run until it does.

@@ -18,15 +18,15 @@
 //! - on keylock, with plain guards sorted by hand (what a transaction is
 //!   judged against).
 //!
-//! keylock's tables are built with `Builder::tokio_time()` (with the
-//! `tokio` feature: `cargo run --release --features tokio --example
-//! bank`), as a tokio program's would be: their lock futures and a transaction's long
-//! `lock_all` spend tokio's cooperative budget, as tokio's `RwLock` does,
-//! so an audit does not hold its worker until it has every account.
+//! With the `tokio` feature (`cargo run --release --features tokio
+//! --example bank`), keylock's tables are built with
+//! `Builder::tokio_time()`, as a tokio program's would be: their lock
+//! futures spend tokio's cooperative budget, as tokio's `RwLock` does.
 //!
-//! Two shapes are run: 64 accounts (hot: transfers contend) and 100,000
-//! accounts (cool: nearly every transfer is uncontended, so what shows is
-//! the per-operation cost).
+//! Two shapes are run: 64 accounts with 2 auditors (hot: transfers
+//! contend) and 100,000 accounts with transfers alone (cool: nearly every
+//! transfer is uncontended, so what shows is the per-transaction cost; see
+//! [`shape`] for why without audits).
 //!
 //! Balances are plain loads and stores of atomics (no read-modify-write), so
 //! a lock that let two transfers of one account in together would lose an
@@ -34,7 +34,7 @@
 //! total: the run checks both. Shared by `examples/bank.rs` and
 //! `examples/compare.rs`. With `BANK_STATS` set in the environment, each
 //! keylock run prints its table's counters (grants, waits) to stderr; with
-//! `BANK_AUDITORS=N`, N auditors instead of 2; with
+//! `BANK_AUDITORS=N`, N auditors in both shapes; with
 //! `BANK_ONLY=txn`, `dashmap`, `cleanup`, `guards` or `unsorted`, only that bank runs (to profile
 //! one bank at a time, e.g. under `perf record`; `floor` is the same
 //! harness with no locks at all, the ceiling no lock can pass: it loses
@@ -55,21 +55,8 @@ use keylock::{LockTable, Mode, TransactionError};
 use tokio::runtime::Runtime;
 
 /// The bank's two shapes, in accounts: hot (transfers contend) and cool
-/// (nearly every transfer is uncontended: the per-operation cost). The
-/// cool shape runs with the `tokio` feature only: without it keylock's
-/// tables cannot spend tokio's budget, and its audits of every account
-/// would hold their workers (see the module doc).
-#[cfg(feature = "tokio")]
+/// (nearly every transfer is uncontended: the per-transaction cost).
 pub(crate) const SHAPES: &[usize] = &[64, 100_000];
-#[cfg(not(feature = "tokio"))]
-pub(crate) const SHAPES: &[usize] = &[64];
-
-/// What the reader is told when the cool shape did not run.
-pub(crate) const NO_COOL_SHAPE: Option<&str> = if cfg!(feature = "tokio") {
-    None
-} else {
-    Some("(The 100,000-account shape runs with `--features tokio`.)")
-};
 
 /// keylock's tables here spend tokio's cooperative budget, as tokio's own
 /// locks do (`Builder::tokio_time`), when the `tokio` feature is on.
@@ -87,31 +74,29 @@ impl Cooperative for keylock::Builder<u64> {
 }
 
 /// The run of one shape: 32 tellers, each making 10,000 transfers (1,000
-/// with `quick`) among 64 accounts, or a tenth as many among 100,000
-/// (each audit there locks every account: the run is long enough with
-/// fewer); [`auditors`] auditors.
+/// with `quick`) among 64 accounts with 2 auditors, or among 100,000
+/// accounts with none: there an audit locks every account, and what it
+/// would measure is the audit, not the transactions (a keylock
+/// transaction's `lock_all` takes every free key in one poll, so under
+/// tokio an audit of 100,000 accounts holds its worker for the whole call,
+/// where tokio's own locks yield every 128). `BANK_AUDITORS=N` sets the
+/// auditors of both shapes.
 pub(crate) fn shape(accounts: usize, quick: bool) -> BankRun {
-    let transfers = if quick { 1_000 } else { 10_000 };
+    let cool = accounts > 1_000;
     BankRun {
         accounts,
         tellers: 32,
-        transfers: if accounts > 1_000 {
-            transfers / 10
-        } else {
-            transfers
-        },
-        auditors: auditors(),
+        transfers: if quick { 1_000 } else { 10_000 },
+        auditors: auditors().unwrap_or(if cool { 0 } else { 2 }),
     }
 }
 
-/// The auditors of a run: 2, or `BANK_AUDITORS` from the environment (0
-/// leaves only the transfers, to see their own cost in the cool shape,
-/// where audits of every account dominate).
-fn auditors() -> usize {
+/// The auditors asked for by `BANK_AUDITORS`, if any (0 leaves only the
+/// transfers).
+fn auditors() -> Option<usize> {
     std::env::var("BANK_AUDITORS")
         .ok()
         .and_then(|v| v.parse().ok())
-        .unwrap_or(2)
 }
 
 /// Each account's opening balance.

@@ -104,28 +104,6 @@ impl Clock {
         }
         false
     }
-
-    /// Whether the running task has spent its tokio cooperative budget
-    /// (under a tokio clock; `false` under any other, and outside a tokio
-    /// runtime): a long run of work should give its worker back.
-    #[inline]
-    pub(crate) fn budget_spent(&self) -> bool {
-        #[cfg(feature = "tokio")]
-        if self.is_tokio() {
-            return !tokio::task::coop::has_budget_remaining();
-        }
-        false
-    }
-
-    /// Spends one unit of the running task's tokio cooperative budget under
-    /// a tokio clock, yielding to the runtime if it was spent; nothing
-    /// under any other clock.
-    pub(crate) async fn spend_budget(&self) {
-        #[cfg(feature = "tokio")]
-        if self.is_tokio() {
-            tokio::task::coop::consume_budget().await;
-        }
-    }
 }
 
 /// An optional instant in one word, for the table's per-key state: 1 plus the

@@ -833,20 +833,9 @@ where
         Ok(None) => return Err(Fallback::Other),
         Ok(Some(version)) => version,
     };
-    // Under tokio's cooperative budget, a long call takes a run of keys at
-    // once and the rest where it can yield (`wait_sole`), so that it does
-    // not hold its worker for the whole call.
-    let run = if access.owner().reach.table().clock().is_tokio() {
-        COOPERATIVE_RUN
-    } else {
-        usize::MAX
-    };
     for (i, request) in requests.iter_mut().enumerate() {
         if found[i] != Found::Absent {
             continue;
-        }
-        if taken.len() == run {
-            return Err(Fallback::Busy { at: i, version });
         }
         let key = request.key.take().expect("taken once");
         let opts = access.owner().opts.lock_options(request.mode, policy);
@@ -962,31 +951,9 @@ where
         // them even if this future is forgotten; made at the first wait,
         // cancelled (releasing what it has) if this future is dropped.
         let mut away: Option<CancelOnDrop<LockOf<A>, UpgradingOf<A>, GuardOf<A>>> = None;
-        let cooperative = access.owner().reach.table().clock().is_tokio();
         for i in from..requests.len() {
             if found[i] != Found::Absent {
                 continue;
-            }
-            if cooperative {
-                // One unit of tokio's budget per key. When it is spent, the
-                // task yields, its guards stowed in the cell meanwhile (as
-                // for a wait), so that a future forgotten there keeps
-                // nothing once its transaction ends.
-                if access.owner().reach.table().clock().budget_spent() {
-                    let Ok(cell) = cell_of(&mut *access, &mut away) else {
-                        return Err(TransactionError::Ended);
-                    };
-                    if cell.stow_all(mem::take(&mut taken)).is_err() {
-                        return Err(TransactionError::Ended);
-                    }
-                    access.owner().reach.table().clock().spend_budget().await;
-                    match cell.unstow() {
-                        Ok(guards) => taken = guards,
-                        Err(_) => return Err(TransactionError::Ended),
-                    }
-                } else {
-                    access.owner().reach.table().clock().spend_budget().await;
-                }
             }
             let (hash, mode) = (requests[i].hash, requests[i].mode);
             let key = requests[i].key.take().expect("taken once");
@@ -1004,8 +971,16 @@ where
                 .owner()
                 .reach
                 .lock_with(key, access.owner().opts.lock_options(mode, policy));
-            let Ok(cell) = cell_of(&mut *access, &mut away) else {
-                return Err(TransactionError::Ended);
+            let cell = match &away {
+                Some(cell) => Arc::clone(&cell.0),
+                None => {
+                    let cell = PendingOf::<A::R>::new();
+                    if access.pend(&cell).is_err() {
+                        return Err(TransactionError::Ended);
+                    }
+                    away = Some(CancelOnDrop(Arc::clone(&cell)));
+                    cell
+                }
             };
             // Whether the transaction holds anything, asked before the
             // guards taken so far go into the cell.
@@ -1061,26 +1036,6 @@ where
             Err(_) => unreachable!("a borrowed transaction's set changed during its call"),
         }
     }
-}
-
-/// How many new keys a call takes in its first poll on a table under
-/// tokio's cooperative budget before it goes on where it can yield: as
-/// many as tokio's budget lets a task make progress on between yields.
-const COOPERATIVE_RUN: usize = 128;
-
-/// The call's cell (`pending.rs`), made and put on the transaction's list
-/// of pending calls at its first need; `Err` if the transaction ended.
-fn cell_of<A: Access>(
-    access: &mut A,
-    away: &mut Option<CancelOnDrop<LockOf<A>, UpgradingOf<A>, GuardOf<A>>>,
-) -> Result<Arc<PendingOf<A::R>>, Ended> {
-    if let Some(cell) = away {
-        return Ok(Arc::clone(&cell.0));
-    }
-    let cell = PendingOf::<A::R>::new();
-    access.pend(&cell)?;
-    *away = Some(CancelOnDrop(Arc::clone(&cell)));
-    Ok(cell)
 }
 
 /// Tries `key` on the table at once, as the transaction's call would
