@@ -443,81 +443,41 @@ impl Bank for NoLockBank {
 }
 
 /// The bank as written by hand today: a map of reader-writer locks, keys
-/// sorted and de-duplicated before locking.
-pub(crate) struct DashMapBank {
+/// sorted and de-duplicated before locking; with `CLEANUP`, after releasing,
+/// each of the operation's entries is removed if nobody else holds its lock
+/// (the map holds the only `Arc`), so the map keeps only the accounts in
+/// use; without, entries are kept for ever.
+pub(crate) struct HandBank<const CLEANUP: bool> {
     locks: DashMap<u64, RwLockArc>,
     ledger: Ledger,
 }
 
-impl DashMapBank {
-    fn lock_of(&self, account: u64) -> RwLockArc {
-        Arc::clone(&self.locks.entry(account).or_default())
-    }
-}
+/// The hand-written bank, its entries kept.
+pub(crate) type DashMapBank = HandBank<false>;
+/// The hand-written bank with cleanup.
+pub(crate) type DashMapCleanupBank = HandBank<true>;
 
-impl Bank for DashMapBank {
-    const NAME: &'static str = "DashMap<K, Arc<RwLock<()>>> (sorted)";
-
-    fn open(accounts: usize) -> Self {
-        Self {
-            locks: DashMap::new(),
-            ledger: Ledger::new(accounts),
-        }
-    }
-
-    fn ledger(&self) -> &Ledger {
-        &self.ledger
-    }
-
-    async fn transfer(&self, from: u64, to: u64, amount: i64) {
-        let mut keys = [from, to];
-        keys.sort_unstable();
-        let first = self.lock_of(keys[0]).write_owned().await;
-        let second = if keys[1] != keys[0] {
-            Some(self.lock_of(keys[1]).write_owned().await)
-        } else {
-            None
-        };
-        self.ledger.transfer(from, to, amount);
-        drop((second, first));
-    }
-
-    async fn audit(&self) -> i64 {
-        let accounts = self.ledger.0.len() as u64;
-        let mut guards = Vec::with_capacity(accounts as usize);
-        for a in 0..accounts {
-            guards.push(self.lock_of(a).read_owned().await);
-        }
-        let total = self.ledger.total();
-        drop(guards);
-        total
-    }
-}
-
-/// The hand-written bank with cleanup: as [`DashMapBank`], and after
-/// releasing, each of the operation's entries is removed if nobody else
-/// holds its lock (the map holds the only `Arc`), so the map keeps only the
-/// accounts in use.
-pub(crate) struct DashMapCleanupBank {
-    locks: DashMap<u64, RwLockArc>,
-    ledger: Ledger,
-}
-
-impl DashMapCleanupBank {
+impl<const CLEANUP: bool> HandBank<CLEANUP> {
     fn lock_of(&self, account: u64) -> RwLockArc {
         Arc::clone(&self.locks.entry(account).or_default())
     }
 
-    /// Removes `account`'s entry unless someone else holds or waits for
-    /// its lock.
+    /// With `CLEANUP`, removes `account`'s entry unless someone else holds
+    /// or waits for its lock.
     fn clean(&self, account: u64) {
-        self.locks
-            .remove_if(&account, |_, lock| Arc::strong_count(lock) == 1);
+        if CLEANUP {
+            self.locks
+                .remove_if(&account, |_, lock| Arc::strong_count(lock) == 1);
+        }
     }
 }
 
-impl Bank for DashMapCleanupBank {
-    const NAME: &'static str = "DashMap<K, Arc<RwLock<()>>> (sorted, cleanup)";
+impl<const CLEANUP: bool> Bank for HandBank<CLEANUP> {
+    const NAME: &'static str = if CLEANUP {
+        "DashMap<K, Arc<RwLock<()>>> (sorted, cleanup)"
+    } else {
+        "DashMap<K, Arc<RwLock<()>>> (sorted)"
+    };
 
     fn open(accounts: usize) -> Self {
         Self {
