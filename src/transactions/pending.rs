@@ -122,24 +122,17 @@ impl<L, U, G> Pending<L, U, G> {
 
     /// Stows the call's guards in the cell before it suspends; `Err` (the
     /// guards released, after the cell's lock is released) if it was
-    /// cancelled.
+    /// cancelled. Gathered before the lock is taken.
     pub(crate) fn stow(
         &self,
         guards: impl IntoIterator<Item = (usize, G)>,
     ) -> Result<(), Cancelled> {
-        let mut state = self.state.lock();
-        if state.phase == Phase::Cancelled {
-            drop(state);
-            drop(guards.into_iter().collect::<Few<_>>());
-            return Err(Cancelled);
-        }
-        state.guards.extend(guards);
-        Ok(())
+        self.stow_all(guards.into_iter().collect())
     }
 
-    /// [`stow`](Self::stow) of a whole list, moved in at once when the
-    /// cell has none (a long call that yields with many guards taken moves
-    /// a pointer, not each guard).
+    /// [`stow`](Self::stow) of a list, moved in whole when the cell has
+    /// none (a call that waits many times with many keys taken moves a
+    /// pointer each time, not each guard).
     pub(crate) fn stow_all(&self, guards: Few<(usize, G)>) -> Result<(), Cancelled> {
         let mut state = self.state.lock();
         if state.phase == Phase::Cancelled {
