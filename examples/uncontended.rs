@@ -162,6 +162,21 @@ fn main() {
                 txn.commit().expect("no lease");
             }
         }
+        // A transfer's two keys locked one call at a time (`txn2_seq`).
+        "txn2_seq" => {
+            let mut cx = Context::from_waker(futures::task::noop_waker_ref());
+            for i in 0..n {
+                let mut txn = table.transaction();
+                for key in [black_box(i & 63), black_box((i * 7 + 1) & 63)] {
+                    let fut = pin!(txn.lock(key, keylock::Mode::Exclusive));
+                    let Poll::Ready(got) = fut.poll(&mut cx) else {
+                        unreachable!("uncontended")
+                    };
+                    black_box(got.expect("uncontended"));
+                }
+                txn.commit().expect("no lease");
+            }
+        }
         "guards2" => {
             let mut cx = Context::from_waker(futures::task::noop_waker_ref());
             for i in 0..n {
