@@ -33,7 +33,7 @@ use crate::keys::deferred::Ctx;
 use crate::keys::waiter::{Granted, Waiter};
 use crate::support::fairness::Fairness;
 use crate::support::key_slot::{KeyPool, KeyPtr};
-use crate::support::lease::Terms;
+use crate::support::lease::{PackedDuration, Terms};
 use crate::support::mode::Mode;
 use crate::support::stats::Counters;
 use crate::support::token::{FencingToken, TokenCounter};
@@ -87,7 +87,9 @@ pub(crate) enum Attempt<K> {
 /// deadline, both (the earlier wins), or neither.
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct Patience {
-    pub(crate) timeout: Option<Duration>,
+    /// The timeout, packed (none: no timeout): in nanoseconds, as the
+    /// stamps it is added to.
+    pub(crate) timeout: PackedDuration,
     pub(crate) deadline: Stamp,
 }
 
@@ -105,15 +107,15 @@ impl Patience {
     /// Whether the wait has a timeout or a deadline.
     #[inline(always)]
     fn is_timed(self) -> bool {
-        self.timeout.is_some() || self.deadline.is_some()
+        self.timeout != PackedDuration::NONE || self.deadline.is_some()
     }
 
     #[inline(never)]
     fn start_and_until_timed(self, now: &mut Now<'_>) -> (Stamp, Stamp) {
-        let after_timeout = match self.timeout {
-            Some(timeout) => {
-                let start = now.start_for(timeout);
-                (start, start.plus(timeout))
+        let after_timeout = match self.timeout.nanos() {
+            Some(nanos) => {
+                let start = now.start_for_nanos(nanos);
+                (start, start.plus_nanos(nanos))
             }
             None if self.deadline.is_some() => (Stamp::new(Some(now.get())), Stamp::NONE),
             None => return (Stamp::NONE, Stamp::NONE),

@@ -315,7 +315,7 @@ where
             }
             Err(index) => {
                 let patience = Patience {
-                    timeout: if timed { self.timeout.get() } else { None },
+                    timeout: self.timeout,
                     deadline: self.deadline,
                 };
                 // The common wait (exclusive, strict FIFO, no timeout, behind
@@ -331,7 +331,23 @@ where
                         &mut self.waiter,
                     )
                 };
-                if let Some(queued) = plain {
+                // The timed wait (a lease on the holder, a timeout or a
+                // deadline on the wait) the shard's timer covers: out of
+                // line, called from here so that its request is passed once.
+                let fast = match plain {
+                    Some(queued) => Some(queued),
+                    // SAFETY: as above.
+                    None => unsafe {
+                        state.enqueue_timed(
+                            index,
+                            (mode, terms, patience),
+                            table.fairness(),
+                            &mut self.waiter,
+                            (&shard.timer, table.clock()),
+                        )
+                    },
+                };
+                if let Some(queued) = fast {
                     drop(state);
                     // After unlocking: `K::drop` is user code.
                     if let Some(key) = key {
@@ -371,7 +387,7 @@ where
         let passed =
             self.deadline.is_some() && Stamp::new(Some(table.clock().now())) >= self.deadline;
         let patience = Patience {
-            timeout,
+            timeout: self.timeout,
             deadline: self.deadline,
         };
         let shard = table.shard(self.hash);
@@ -733,12 +749,12 @@ enum Step<O> {
 }
 
 /// The first poll on a key that has an entry (at `index`, in `state`, the
-/// key's shard, locked), past the plain wait: a timed wait the shard's
-/// timer covers is linked at once, else the key is taken if it is open to
-/// the caller, or `waiter` linked by the general path. Out of line: the
-/// first step covers a free key and the plain wait (the timed wait inline
-/// too made every option's uncontended lock slower: W1's timeout 1.04x ->
-/// 1.15x plain, interleaved).
+/// key's shard, locked), past the plain and the timed wait: the key is
+/// taken if it is open to the caller, or `waiter` linked by the general
+/// path. Out of line: the first step covers a free key and the plain wait,
+/// and calls the timed wait out of line (the timed wait inline too made
+/// every option's uncontended lock slower: W1's timeout 1.04x -> 1.15x
+/// plain, interleaved).
 ///
 /// # Safety
 ///
@@ -755,17 +771,6 @@ unsafe fn start_busy<K, S>(
     // In this order, so that unwinding unlocks before it drops the key.
     let key = key;
     let mut state = state;
-    let asked = (mode, terms, patience);
-    let timing = (&table.shard(hash).timer, table.clock());
-    // SAFETY: the caller's contract.
-    let fast = unsafe { state.enqueue_timed(index, asked, table.fairness(), waiter, timing) };
-    if let Some(queued) = fast {
-        drop(state);
-        if let Some(key) = key {
-            left.drop_key_later(key);
-        }
-        return queued;
-    }
     let mut ctx = table.shard(hash).ctx(table.clock(), left);
     // SAFETY: the caller's contract.
     let attempt = unsafe {
