@@ -468,7 +468,7 @@ impl<K> ShardState<K> {
 /// The deadline and start of a handed-off grant with `lease`, on the real
 /// clock, if the shard's timer already fires by that deadline (so that the
 /// handoff arms nothing); `None` otherwise.
-#[inline(never)]
+#[inline(always)]
 fn lease_times(
     lease: crate::support::lease::PackedDuration,
     (_, timer, clock): (&Counters, &ShardTimer, &Clock),

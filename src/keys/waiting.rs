@@ -184,7 +184,14 @@ impl<K> ShardState<K> {
         {
             return None;
         }
-        let (start, until) = patience.start_and_until(&mut now);
+        let (start, until) = match (patience.timeout.nanos(), patience.deadline.is_some()) {
+            // A timeout alone, the common timed wait: here, not a call.
+            (Some(nanos), false) => {
+                let start = now.start_for_nanos(nanos);
+                (start, start.plus_nanos(nanos))
+            }
+            _ => patience.start_and_until(&mut now),
+        };
         if until.is_some() && !timer.covers(until.to_raw()) {
             return None;
         }

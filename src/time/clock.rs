@@ -258,7 +258,7 @@ impl<'a> Now<'a> {
     /// deadline more than a second past the coarse clock's reading is
     /// answered from that reading alone; a nearer one reads the precise
     /// clock.
-    #[inline]
+    #[inline(always)]
     pub(crate) fn is_before(&mut self, deadline: Stamp) -> bool {
         if self.at.is_none() && matches!(self.clock, Clock::Monotonic) {
             let stamp = coarse::stamp();
