@@ -53,7 +53,7 @@ mod watch;
 
 pub(crate) use edges::{Edge, Edges};
 use entry::Entry;
-use handoff::{grant_times, lease_from, Keys};
+use handoff::{grant_times, Keys};
 use holders::{Holder, HolderSpares, Holders};
 pub(crate) use status::{RawStatus, RawWaiter};
 pub(crate) use watch::Watch;
@@ -476,8 +476,11 @@ fn lease_times(
     if !clock.uses_shard_timers() {
         return None;
     }
-    let times = lease_from(lease, &mut Now::new(clock));
-    timer.covers(times.0.to_raw()).then_some(times)
+    // As `lease_from`, its clock read in place.
+    let nanos = lease.nanos()?;
+    let since = Now::new(clock).start_for_nanos_inline(nanos);
+    let deadline = since.plus_nanos(nanos);
+    timer.covers(deadline.to_raw()).then_some((deadline, since))
 }
 
 pub(crate) const NO_DIAGNOSIS: Diagnosis = Diagnosis {

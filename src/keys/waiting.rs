@@ -115,58 +115,29 @@ impl<K> ShardState<K> {
         }
     }
 
-    /// The plain lock's wait, without a [`Ctx`]: an exclusive request
-    /// without a timeout or a deadline, on a key that one holder without a
-    /// lease holds (so no lapse to settle and no holder deadline to time),
-    /// under strict fairness. `waiter` is linked at the back and the wait
-    /// needs no timer. Anything else changes nothing and returns `None`,
-    /// for [`enqueue_timed`](Self::enqueue_timed) or
-    /// [`acquire_or_enqueue_busy`](Self::acquire_or_enqueue_busy).
+    /// The common wait, without a [`Ctx`]: an exclusive request under
+    /// strict fairness on a key that one holder holds. `waiter` is linked at
+    /// the back, needing no timer of its own and arming nothing:
+    ///
+    /// - with no deadline anywhere (no lease on the holder, no timeout or
+    ///   deadline on the wait), at once, reading no clock;
+    /// - with a lease on the holder or a timeout or deadline on the wait,
+    ///   only on the real clock and only when the shard's timer already
+    ///   fires by those deadlines (checked), after one clock read that also
+    ///   checks that the holder's lease has not lapsed (a lapse is the
+    ///   general path's to settle).
+    ///
+    /// Anything else changes nothing and returns `None`, for
+    /// [`acquire_or_enqueue_busy`](Self::acquire_or_enqueue_busy). Both
+    /// cases share one body, inline in the first poll: the checks, the
+    /// link and the answer are written once, and the timed case makes no
+    /// call but the clock's.
     ///
     /// # Safety
     ///
     /// As [`acquire_or_enqueue_busy`](Self::acquire_or_enqueue_busy).
     #[inline(always)]
-    pub(crate) unsafe fn enqueue_plain(
-        &mut self,
-        index: Index,
-        (mode, terms, patience): (Mode, Terms, Patience),
-        fairness: Fairness,
-        waiter: &mut LazyWaiter,
-    ) -> Option<Attempt<K>> {
-        if mode != Mode::Exclusive || fairness != Fairness::Strict || patience.is_timed() {
-            return None;
-        }
-        let entry = self.entries.get_mut(index);
-        if entry.holders.only()?.deadline.is_some() {
-            return None;
-        }
-        let waiter = waiter.get_or_init();
-        // SAFETY: the caller's contract; under the shard lock.
-        unsafe {
-            waiter.prepare(terms, Stamp::NONE, Want::Grant(mode), Stamp::NONE);
-            entry.queue.push_back(waiter);
-        }
-        Some(Attempt::Queued {
-            key: entry.key,
-            wake_at: None,
-            start: Stamp::NONE,
-            until: Stamp::NONE,
-        })
-    }
-
-    /// [`enqueue_plain`](Self::enqueue_plain) with a lease on the holder or
-    /// a timeout or deadline on the wait, on the real clock, when the
-    /// shard's timer already fires by those deadlines (checked), so that the
-    /// wait needs no timer of its own and nothing is armed; a holder whose
-    /// lease has lapsed is left to the general path, which settles it.
-    /// Anything else changes nothing and returns `None`.
-    ///
-    /// # Safety
-    ///
-    /// As [`acquire_or_enqueue_busy`](Self::acquire_or_enqueue_busy).
-    #[inline(never)]
-    pub(crate) unsafe fn enqueue_timed(
+    pub(crate) unsafe fn enqueue_fast(
         &mut self,
         index: Index,
         (mode, terms, patience): (Mode, Terms, Patience),
@@ -174,34 +145,44 @@ impl<K> ShardState<K> {
         waiter: &mut LazyWaiter,
         (timer, clock): (&ShardTimer, &Clock),
     ) -> Option<Attempt<K>> {
-        if mode != Mode::Exclusive || fairness != Fairness::Strict || !clock.uses_shard_timers() {
+        if mode != Mode::Exclusive || fairness != Fairness::Strict {
             return None;
         }
         let entry = self.entries.get_mut(index);
         let held_until = entry.holders.only()?.deadline;
-        let mut now = Now::new(clock);
-        if held_until.is_some() && !(now.is_before(held_until) && timer.covers(held_until.to_raw()))
-        {
-            return None;
-        }
-        let (start, until) = match (patience.timeout.nanos(), patience.deadline.is_some()) {
-            // A timeout alone, the common timed wait: here, not a call.
-            (Some(nanos), false) => {
-                let start = now.start_for_nanos(nanos);
-                (start, start.plus_nanos(nanos))
-            }
-            _ => patience.start_and_until(&mut now),
-        };
-        if until.is_some() && !timer.covers(until.to_raw()) {
-            return None;
-        }
-        // When the wait began, for the status view: its own start if timed,
-        // else the coarse reading just taken for the holder's lease, if any
-        // (the owner then stamps nothing after unlocking).
-        let since = if start.is_some() {
-            start
+        let (start, until, since) = if !held_until.is_some() && !patience.is_timed() {
+            (Stamp::NONE, Stamp::NONE, Stamp::NONE)
         } else {
-            now.coarse_seen()
+            if !clock.uses_shard_timers() {
+                return None;
+            }
+            let mut now = Now::new(clock);
+            if held_until.is_some()
+                && !(now.is_before(held_until) && timer.covers(held_until.to_raw()))
+            {
+                return None;
+            }
+            let (start, until) = match (patience.timeout.nanos(), patience.deadline.is_some()) {
+                // A timeout alone, the common timed wait: here, not a call.
+                (Some(nanos), false) => {
+                    let start = now.start_for_nanos_inline(nanos);
+                    (start, start.plus_nanos(nanos))
+                }
+                _ => patience.start_and_until(&mut now),
+            };
+            if until.is_some() && !timer.covers(until.to_raw()) {
+                return None;
+            }
+            // When the wait began, for the status view: its own start if
+            // timed, else the coarse reading just taken for the holder's
+            // lease, if any (the owner then stamps nothing after
+            // unlocking).
+            let since = if start.is_some() {
+                start
+            } else {
+                now.coarse_seen()
+            };
+            (start, until, since)
         };
         let waiter = waiter.get_or_init();
         // SAFETY: the caller's contract; under the shard lock.

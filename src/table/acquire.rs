@@ -318,34 +318,20 @@ where
                     timeout: self.timeout,
                     deadline: self.deadline,
                 };
-                // The common wait (exclusive, strict FIFO, no timeout, behind
-                // a holder without a lease) is linked here, inline: its
-                // arguments stay in registers.
+                // The common wait (exclusive, strict FIFO, behind one
+                // holder; with a lease or timeout only if the shard's timer
+                // covers it) is linked here, inline: its arguments stay in
+                // registers.
                 // SAFETY: the waiter is idle and pinned (we are, through
                 // `Pin`), and `Drop` unlinks it before it is freed.
-                let plain = unsafe {
-                    state.enqueue_plain(
+                let fast = unsafe {
+                    state.enqueue_fast(
                         index,
                         (mode, terms, patience),
                         table.fairness(),
                         &mut self.waiter,
+                        (&shard.timer, table.clock()),
                     )
-                };
-                // The timed wait (a lease on the holder, a timeout or a
-                // deadline on the wait) the shard's timer covers: out of
-                // line, called from here so that its request is passed once.
-                let fast = match plain {
-                    Some(queued) => Some(queued),
-                    // SAFETY: as above.
-                    None => unsafe {
-                        state.enqueue_timed(
-                            index,
-                            (mode, terms, patience),
-                            table.fairness(),
-                            &mut self.waiter,
-                            (&shard.timer, table.clock()),
-                        )
-                    },
                 };
                 if let Some(queued) = fast {
                     drop(state);
@@ -749,12 +735,10 @@ enum Step<O> {
 }
 
 /// The first poll on a key that has an entry (at `index`, in `state`, the
-/// key's shard, locked), past the plain and the timed wait: the key is
+/// key's shard, locked), past the common wait (`enqueue_fast`): the key is
 /// taken if it is open to the caller, or `waiter` linked by the general
-/// path. Out of line: the first step covers a free key and the plain wait,
-/// and calls the timed wait out of line (the timed wait inline too made
-/// every option's uncontended lock slower: W1's timeout 1.04x -> 1.15x
-/// plain, interleaved).
+/// path. Out of line: the first step covers a free key and the common
+/// wait.
 ///
 /// # Safety
 ///

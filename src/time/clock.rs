@@ -254,6 +254,24 @@ impl<'a> Now<'a> {
         }
     }
 
+    /// [`start_for_nanos`](Self::start_for_nanos) with the real clock's
+    /// coarse read made in place, not through [`Clock::grant_stamp`]'s
+    /// call: for the contended path's one reading (a wait's timeout, a
+    /// handoff's lease), kept apart so that the other callers stay small.
+    #[inline(always)]
+    pub(crate) fn start_for_nanos_inline(&mut self, nanos: u64) -> Stamp {
+        if self.at.is_none()
+            && nanos >= COARSE_LEASE_NANOS
+            && matches!(self.clock, Clock::Monotonic)
+        {
+            if !self.coarse.is_some() {
+                self.coarse = coarse::stamp();
+            }
+            return self.coarse;
+        }
+        self.start_for_nanos(nanos)
+    }
+
     /// Whether `deadline` (some) is still ahead. On the real clock a
     /// deadline more than a second past the coarse clock's reading is
     /// answered from that reading alone; a nearer one reads the precise
