@@ -447,6 +447,7 @@ impl Waiter {
     /// # Safety
     ///
     /// Under the shard lock; the node was linked and has just been unlinked.
+    #[inline(always)]
     pub(crate) unsafe fn grant(
         this: WaiterPtr,
         token: FencingToken,
