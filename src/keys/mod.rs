@@ -375,14 +375,17 @@ impl<K> ShardState<K> {
     /// token (and its lease, from one clock read) and returned its waker, to
     /// wake after unlocking (`None` inside: it was not armed, and sees the
     /// grant when it polls). Anything else (eventual fairness, other
-    /// holders, a shared or upgrading head, no waiter, no token left, or a
-    /// lease the shard's timer does not cover yet) changes nothing and
-    /// returns `None`, for [`release_at`](Self::release_at).
+    /// holders, a shared or upgrading head, no waiter, no token left, or,
+    /// with waiters left behind the head, a lease the shard's timer does not
+    /// cover yet) changes nothing and returns `None`, for
+    /// [`release_at`](Self::release_at).
     ///
     /// What the general path would do beside this is nothing here: a
-    /// granted exclusive head ends the admission, and the next head is woken
-    /// by the new holder's deadline through the shard's timer, which already
-    /// fires by then (checked), so nobody is nudged.
+    /// granted exclusive head ends the admission, and the next head, if any,
+    /// is woken by the new holder's deadline through the shard's timer,
+    /// which already fires by then (checked), so nobody is nudged; with no
+    /// next head, nothing is woken by that deadline (a later waiter covers
+    /// it as it links).
     #[inline(always)]
     pub(crate) fn hand_off_plain(
         &mut self,
@@ -404,7 +407,10 @@ impl<K> ShardState<K> {
         let (deadline, since) = if lease.nanos().is_none() {
             (Stamp::NONE, Stamp::NONE)
         } else {
-            lease_times(lease, shard)?
+            // Only a waiter left behind the new holder needs waking by its
+            // deadline (as `nudge_head_for_timer`, which skips an empty
+            // queue): with none, nothing needs covering.
+            lease_times(lease, shard, entry.queue.len() > 1)?
         };
         // Grants the head the key exclusively, in place of its only holder.
         let fresh = keys.tokens.mint();
@@ -466,12 +472,14 @@ impl<K> ShardState<K> {
 }
 
 /// The deadline and start of a handed-off grant with `lease`, on the real
-/// clock, if the shard's timer already fires by that deadline (so that the
+/// clock, if nothing must cover that deadline (no waiter is left behind
+/// the grant: not `waiters_left`) or the shard's timer already fires by it (so that the
 /// handoff arms nothing); `None` otherwise.
 #[inline(always)]
 fn lease_times(
     lease: crate::support::lease::PackedDuration,
     (_, timer, clock): (&Counters, &ShardTimer, &Clock),
+    waiters_left: bool,
 ) -> Option<(Stamp, Stamp)> {
     if !clock.uses_shard_timers() {
         return None;
@@ -480,7 +488,7 @@ fn lease_times(
     let nanos = lease.nanos()?;
     let since = Now::new(clock).start_for_nanos_inline(nanos);
     let deadline = since.plus_nanos(nanos);
-    timer.covers(deadline.to_raw()).then_some((deadline, since))
+    (!waiters_left || timer.covers(deadline.to_raw())).then_some((deadline, since))
 }
 
 pub(crate) const NO_DIAGNOSIS: Diagnosis = Diagnosis {
