@@ -597,9 +597,11 @@ impl<G: GuardOps<Key = K>, K: Eq> HeldSet<G, K> {
 
 /// Releases every key of `set`, each in one visit to the table that also
 /// says whether its grant still held it (`release_checked`); returns the
-/// first that did not, named. Keys a pending call has away are released by
-/// that call. Every key is released even if a clone panics (see `Drop`).
-pub(crate) fn release_checked<G, K>(set: &mut HeldSet<G, K>) -> Result<(), TransactionError<K>>
+/// first that did not, named (its key and token: the caller makes the
+/// error, so that a commit's result is built in place). Keys a pending
+/// call has away are released by that call. Every key is released even if
+/// a clone panics (see `Drop`).
+pub(crate) fn release_checked<G, K>(set: &mut HeldSet<G, K>) -> Option<(K, FencingToken)>
 where
     G: GuardOps<Key = K>,
     K: Clone,
@@ -615,15 +617,23 @@ where
         // table's copy of the key alive) and released as lost.
         if let Err(lost_guard) = guard.release_if_live() {
             if lost.is_none() {
-                lost = Some(TransactionError::Expired {
-                    key: lost_guard.key().clone(),
-                    token: lost_guard.token(),
-                });
+                lost = Some((lost_guard.key().clone(), lost_guard.token()));
             }
             drop(lost_guard);
         }
     }
-    lost.map_or(Ok(()), Err)
+    lost
+}
+
+/// The error of a commit whose [`release_checked`] found `lost`.
+#[inline]
+pub(crate) fn lost_to_result<K>(
+    lost: Option<(K, FencingToken)>,
+) -> Result<(), TransactionError<K>> {
+    match lost {
+        None => Ok(()),
+        Some((key, token)) => Err(TransactionError::Expired { key, token }),
+    }
 }
 
 // No `Drop`: a `Vec` drops every slot even if one's drop panics (a key's
