@@ -544,21 +544,29 @@ where
 /// uncontended call creates no lock future and its future stays a few
 /// words (moving a large future costs more than the locks); only a call
 /// that must wait boxes the rest.
-pub(crate) async fn lock_all<A: Access>(
+///
+/// A plain function returning an `async move` block, not an `async fn`:
+/// an `async fn` copies its arguments into locals of its own as it starts;
+/// the block uses them where they are, in the future.
+// Not an `async fn`: see the doc above.
+#[allow(clippy::manual_async_fn)]
+pub(crate) fn lock_all<A: Access>(
     mut access: A,
     mut requests: Few<(KeyOf<A>, Mode)>,
     policy: WaitPolicy,
-) -> Result<LockedSet<KeyOf<A>>, TransactionError<KeyOf<A>>>
+) -> impl Future<Output = Result<LockedSet<KeyOf<A>>, TransactionError<KeyOf<A>>>>
 where
     KeyOf<A>: Ord + Clone,
 {
-    // The requests are read where they are (in this future), not moved.
-    let out = match lock_all_now(&mut access, &mut requests, policy) {
-        Ok(done) => done,
-        Err(wait) => { wait }.await,
-    };
-    access.owner().note(&out);
-    out
+    async move {
+        // The requests are read where they are (in this future), not moved.
+        let out = match lock_all_now(&mut access, &mut requests, policy) {
+            Ok(done) => done,
+            Err(wait) => { wait }.await,
+        };
+        access.owner().note(&out);
+        out
+    }
 }
 
 /// The call as far as it goes without waiting: done, or the boxed rest.
@@ -583,7 +591,18 @@ where
 {
     if A::SOLE && (1..=2).contains(&requests.len()) && policy != WaitPolicy::SkipLocked {
         return match few_now(access, requests, policy) {
-            Few2::Done(done) => Ok(done),
+            // The set is built here, in the call's own result.
+            Few2::Done {
+                acquired,
+                reentered,
+            } => Ok(Ok(LockedSet {
+                acquired,
+                reentered,
+                upgraded: 0,
+                skipped: Vec::new(),
+                keys: Vec::new(),
+            })),
+            Few2::Ended => Ok(Err(TransactionError::Ended)),
             Few2::Busy {
                 requests,
                 found,
@@ -617,7 +636,11 @@ where
 
 /// Where [`few_now`] left a call.
 enum Few2<A: Access> {
-    Done(Outcome<A>),
+    /// Everything in the set: how many keys were taken, how many counted
+    /// (the call's [`LockedSet`] is made by the caller, in place).
+    Done { acquired: usize, reentered: usize },
+    /// The transaction has ended.
+    Ended,
     /// A key held in a weaker mode, or busy with another call: the
     /// requests (ordered and merged) for the claiming way, nothing taken.
     Other(Few<Request<KeyOf<A>>>),
@@ -695,7 +718,7 @@ where
         (found(&a), b.as_ref().map(found), set.version())
     });
     let Ok((found_a, found_b, version)) = looked else {
-        return Few2::Done(Err(TransactionError::Ended));
+        return Few2::Ended;
     };
     let lists = |a, b: Option<Request<KeyOf<A>>>| {
         let mut requests = Few::new();
@@ -712,10 +735,12 @@ where
         found.extend(found_b);
         found
     };
+    // The options of both keys, made once (only the mode differs).
+    let opts = access.owner().opts.lock_options(a.mode, policy);
     let mut guard_a = None;
     if found_a == Found::Absent {
         let key = a.key.take().expect("taken once");
-        match try_now(access, a.hash, key, a.mode, policy) {
+        match access.owner().reach.try_lock_kept(a.hash, key, opts) {
             Ok(guard) => guard_a = Some(guard),
             Err(key) => {
                 a.key = Some(key);
@@ -733,7 +758,11 @@ where
     let mut guard_b = None;
     if let (Some(r), Some(Found::Absent)) = (b.as_mut(), found_b) {
         let key = r.key.take().expect("taken once");
-        match try_now(access, r.hash, key, r.mode, policy) {
+        match access
+            .owner()
+            .reach
+            .try_lock_kept(r.hash, key, opts.mode(r.mode))
+        {
             Ok(guard) => guard_b = Some(guard),
             Err(key) => {
                 r.key = Some(key);
@@ -751,25 +780,31 @@ where
     }
     let put = access.with(|set| {
         debug_assert_eq!(set.version(), version, "a borrowed transaction's set moved");
-        let mut out = LockedSet::new(Vec::new());
+        let (mut acquired, mut reentered) = (0, 0);
         for found in [Some(found_a), found_b] {
             if let Some(Found::Covered { at }) = found {
                 set.reenter(at);
-                out.reentered += 1;
+                reentered += 1;
             }
         }
         if let Some(guard) = guard_a.take() {
             set.insert(a.hash, guard);
-            out.acquired += 1;
+            acquired += 1;
         }
         if let (Some(guard), Some(r)) = (guard_b.take(), &b) {
             set.insert(r.hash, guard);
-            out.acquired += 1;
+            acquired += 1;
         }
-        out
+        (acquired, reentered)
     });
     // Had the transaction ended, the guards are released as they drop.
-    Few2::Done(put.map_err(|Ended| TransactionError::Ended))
+    match put {
+        Ok((acquired, reentered)) => Few2::Done {
+            acquired,
+            reentered,
+        },
+        Err(Ended) => Few2::Ended,
+    }
 }
 
 /// What a `lock_all` ends with.
