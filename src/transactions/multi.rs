@@ -711,11 +711,12 @@ where
         }
     };
     let looked = access.with(|set| {
-        let found = |r: &Request<KeyOf<A>>| {
+        let mut found = |r: &Request<KeyOf<A>>| {
             let key = r.key.as_ref().expect("not taken yet");
             set.find(r.hash, key, r.mode)
         };
-        (found(&a), b.as_ref().map(found), set.version())
+        let (found_a, found_b) = (found(&a), b.as_ref().map(found));
+        (found_a, found_b, set.version())
     });
     let Ok((found_a, found_b, version)) = looked else {
         return Few2::Ended;
