@@ -561,7 +561,20 @@ where
     async move {
         // The requests are read where they are (in this future), not moved.
         let out = match lock_all_now(&mut access, &mut requests, policy) {
-            Ok(done) => done,
+            // Made anew in the future's output: nothing else is copied.
+            Ok(Now::Counted {
+                acquired,
+                reentered,
+            }) => {
+                return Ok(LockedSet {
+                    acquired,
+                    reentered,
+                    upgraded: 0,
+                    skipped: Vec::new(),
+                    keys: Vec::new(),
+                })
+            }
+            Ok(Now::Done(done)) => done,
             Err(wait) => { wait }.await,
         };
         access.owner().note(&out);
@@ -583,7 +596,7 @@ fn lock_all_now<'a, A: Access>(
     requests: &mut Few<(KeyOf<A>, Mode)>,
     policy: WaitPolicy,
 ) -> Result<
-    Outcome<A>,
+    Now<A>,
     Rest<impl Future<Output = Outcome<A>> + 'a, impl Future<Output = Outcome<A>> + 'a>,
 >
 where
@@ -591,18 +604,14 @@ where
 {
     if A::SOLE && (1..=2).contains(&requests.len()) && policy != WaitPolicy::SkipLocked {
         return match few_now(access, requests, policy) {
-            // The set is built here, in the call's own result.
             Few2::Done {
                 acquired,
                 reentered,
-            } => Ok(Ok(LockedSet {
+            } => Ok(Now::Counted {
                 acquired,
                 reentered,
-                upgraded: 0,
-                skipped: Vec::new(),
-                keys: Vec::new(),
-            })),
-            Few2::Ended => Ok(Err(TransactionError::Ended)),
+            }),
+            Few2::Ended => Ok(Now::Done(Err(TransactionError::Ended))),
             Few2::Busy {
                 requests,
                 found,
@@ -612,9 +621,9 @@ where
             } => Err(Rest::Sole(Box::pin(wait_sole(
                 access, requests, found, version, taken, at, policy,
             )))),
-            Few2::Other(requests) => {
-                claim_all(access, requests, Few::new(), policy).map_err(Rest::Claimed)
-            }
+            Few2::Other(requests) => claim_all(access, requests, Few::new(), policy)
+                .map(Now::Done)
+                .map_err(Rest::Claimed),
         };
     }
     let mut requests = order(&access.owner().reach, requests.drain(..));
@@ -622,7 +631,7 @@ where
     if A::SOLE {
         let mut found: Few<Found> = Few::with_capacity(requests.len());
         match take_now(access, &mut requests, &mut found, &mut taken, policy) {
-            Ok(done) => return Ok(done),
+            Ok(done) => return Ok(Now::Done(done)),
             Err(Fallback::Busy { at, version }) => {
                 return Err(Rest::Sole(Box::pin(wait_sole(
                     access, requests, found, version, taken, at, policy,
@@ -631,13 +640,23 @@ where
             Err(Fallback::Other | Fallback::Moved) => {}
         }
     }
-    claim_all(access, requests, taken, policy).map_err(Rest::Claimed)
+    claim_all(access, requests, taken, policy)
+        .map(Now::Done)
+        .map_err(Rest::Claimed)
+}
+
+/// What [`lock_all_now`] did without waiting.
+enum Now<A: Access> {
+    /// Every key in the set, none skipped: how many were taken and how
+    /// many counted (the call's [`LockedSet`] is made in its output).
+    Counted { acquired: usize, reentered: usize },
+    /// Done otherwise: the outcome.
+    Done(Outcome<A>),
 }
 
 /// Where [`few_now`] left a call.
 enum Few2<A: Access> {
-    /// Everything in the set: how many keys were taken, how many counted
-    /// (the call's [`LockedSet`] is made by the caller, in place).
+    /// Everything in the set: how many keys were taken, how many counted.
     Done { acquired: usize, reentered: usize },
     /// The transaction has ended.
     Ended,

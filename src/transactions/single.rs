@@ -138,7 +138,9 @@ where
         // Everything but the wait happens in a plain function, so that this
         // future keeps only its arguments and a box across its one await.
         let out = match lock_now(&mut access, key, mode, policy) {
-            Ok(done) => done,
+            // Made anew in the future's output: only the grant is copied.
+            Ok(Ok(acquired)) => return Ok(acquired),
+            Ok(Err(error)) => Err(error),
             Err(wait) => { wait }.await,
         };
         access.owner().note(&out);
