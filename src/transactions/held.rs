@@ -248,8 +248,8 @@ impl<G, K> HeldSet<G, K> {
     fn push(&mut self, slot: Slot<G, K>) {
         let at = self.slots.len();
         // The common case, inline: room in place (or already on the heap),
-        // found by the linear scan.
-        if self.index.is_none() && at < LINEAR_MAX && (at != INLINE || self.slots.spilled()) {
+        // and no index to keep (none is made here: see `index_if_large`).
+        if self.index.is_none() && (at != INLINE || self.slots.spilled()) {
             self.version += 1;
             self.slots.push(slot);
             return;
