@@ -9,7 +9,9 @@
 //! first [`INLINE`] are kept in place, so a transfer allocates nothing, and
 //! an empty set is not scanned at all); past that, a
 //! `hashbrown::HashTable` of positions keyed by that same hash indexes
-//! them. A slot whose guard is away — a new key being locked, or a held one
+//! them, built at the first lookup that may change the set (keys going in
+//! are not indexed one by one: a large `lock_all` that is then committed
+//! never builds it; a query of a set without it scans). A slot whose guard is away — a new key being locked, or a held one
 //! being upgraded by a pending call — keeps a clone of the key to be
 //! compared with, and is
 //! *busy*: a second call for that key fails at once
@@ -173,7 +175,9 @@ pub(crate) struct HeldSet<G, K> {
     /// (a transfer's two keys allocate nothing).
     slots: SmallVec<[Slot<G, K>; INLINE]>,
     /// Positions in `slots` by hash, once there are more than
-    /// [`LINEAR_MAX`] of them.
+    /// [`LINEAR_MAX`] of them and a lookup that may change the set asked
+    /// ([`index_if_large`](Self::index_if_large)); `None` until then (a
+    /// lookup scans). When `Some`, it indexes every slot.
     index: Option<HashTable<usize>>,
     next_id: u64,
     /// How many slots have a count above zero.
@@ -228,9 +232,9 @@ impl<G, K> HeldSet<G, K> {
     fn position(&self, hash: u64, mut is: impl FnMut(&Slot<G, K>) -> bool) -> Option<usize> {
         match &self.index {
             None => {
-                // Without an index there are at most `LINEAR_MAX` slots:
-                // their stored hashes are compared first, the key only on
-                // a match.
+                // Without an index (at most `LINEAR_MAX` slots, or an index
+                // not built yet): the stored hashes are compared first, the
+                // key only on a match.
                 self.slots
                     .iter()
                     .position(|slot| slot.hash == hash && is(slot))
@@ -244,8 +248,8 @@ impl<G, K> HeldSet<G, K> {
     fn push(&mut self, slot: Slot<G, K>) {
         let at = self.slots.len();
         // The common case, inline: room in place (or already on the heap),
-        // found by the linear scan.
-        if self.index.is_none() && at < LINEAR_MAX && (at != INLINE || self.slots.spilled()) {
+        // and no index to keep (none is made here: see `index_if_large`).
+        if self.index.is_none() && (at != INLINE || self.slots.spilled()) {
             self.version += 1;
             self.slots.push(slot);
             return;
@@ -267,21 +271,34 @@ impl<G, K> HeldSet<G, K> {
         }
         self.slots.push(slot);
         let slots = &self.slots;
-        match &mut self.index {
-            Some(index) => {
-                index.insert_unique(hash, at, |&i| slots[i].hash);
-            }
-            None if slots.len() > LINEAR_MAX => {
-                // Room for as many slots as were made room for (a large
-                // `lock_all` reserved them): no rehash while it goes in.
-                let mut index = HashTable::with_capacity(slots.capacity().max(slots.len() * 2));
-                for (i, slot) in slots.iter().enumerate() {
-                    index.insert_unique(slot.hash, i, |&i| slots[i].hash);
-                }
-                self.index = Some(index);
-            }
-            None => {}
+        // Without an index, none is made here: see `index_if_large`.
+        if let Some(index) = &mut self.index {
+            index.insert_unique(hash, at, |&i| slots[i].hash);
         }
+    }
+
+    /// Indexes a set of more than [`LINEAR_MAX`] slots that has no index
+    /// yet: called by every lookup that may change the set, so that a
+    /// transaction that goes on with many keys finds each in constant
+    /// time.
+    #[inline(always)]
+    fn index_if_large(&mut self) {
+        if self.index.is_none() && self.slots.len() > LINEAR_MAX {
+            self.build_index();
+        }
+    }
+
+    #[cold]
+    #[inline(never)]
+    fn build_index(&mut self) {
+        let slots = &self.slots;
+        // Room for as many slots as were made room for: no rehash while
+        // more go in.
+        let mut index = HashTable::with_capacity(slots.capacity().max(slots.len() * 2));
+        for (i, slot) in slots.iter().enumerate() {
+            index.insert_unique(slot.hash, i, |&i| slots[i].hash);
+        }
+        self.index = Some(index);
     }
 
     /// Removes the slot at `at` (no user code runs; the slot is returned,
@@ -373,11 +390,12 @@ impl<G: GuardOps<Key = K>, K: Eq> HeldSet<G, K> {
     /// What a fast path finds of `key` asked in `mode`, changing nothing
     /// (user code, `Eq`, runs in the search).
     #[inline(always)]
-    pub(crate) fn find(&self, hash: u64, key: &K, mode: Mode) -> Found {
+    pub(crate) fn find(&mut self, hash: u64, key: &K, mode: Mode) -> Found {
         // A transaction's first call finds an empty set: no scan.
         if self.slots.is_empty() {
             return Found::Absent;
         }
+        self.index_if_large();
         let Some(at) = self.position(hash, |slot| slot.is(key)) else {
             return Found::Absent;
         };
@@ -441,6 +459,7 @@ impl<G: GuardOps<Key = K>, K: Eq> HeldSet<G, K> {
     where
         K: Clone,
     {
+        self.index_if_large();
         // User code (`Eq`) runs in the search, before anything changes.
         let Some(at) = self.position(hash, |slot| slot.is(key)) else {
             // User code first: a panicking clone leaves the set as it was.
@@ -499,6 +518,7 @@ impl<G: GuardOps<Key = K>, K: Eq> HeldSet<G, K> {
         guard: Option<G>,
         kind: AcquireKind,
     ) -> Result<(Acquired, Option<K>), Option<G>> {
+        self.index_if_large();
         let Some(at) = self.position(hash, |slot| slot.id == id) else {
             return Err(guard);
         };
@@ -536,6 +556,7 @@ impl<G: GuardOps<Key = K>, K: Eq> HeldSet<G, K> {
         id: u64,
         guard: Option<G>,
     ) -> (Option<K>, Option<G>) {
+        self.index_if_large();
         let Some(at) = self.position(hash, |slot| slot.id == id) else {
             return (None, guard);
         };
@@ -568,6 +589,7 @@ impl<G: GuardOps<Key = K>, K: Eq> HeldSet<G, K> {
     where
         K: Borrow<Q>,
     {
+        self.index_if_large();
         let Some(at) = self.position(hash, |slot| slot.is(key)) else {
             return Err(NotReleased::NotHeld);
         };
@@ -597,9 +619,11 @@ impl<G: GuardOps<Key = K>, K: Eq> HeldSet<G, K> {
 
 /// Releases every key of `set`, each in one visit to the table that also
 /// says whether its grant still held it (`release_checked`); returns the
-/// first that did not, named. Keys a pending call has away are released by
-/// that call. Every key is released even if a clone panics (see `Drop`).
-pub(crate) fn release_checked<G, K>(set: &mut HeldSet<G, K>) -> Result<(), TransactionError<K>>
+/// first that did not, named (its key and token: the caller makes the
+/// error, so that a commit's result is built in place). Keys a pending
+/// call has away are released by that call. Every key is released even if
+/// a clone panics (see `Drop`).
+pub(crate) fn release_checked<G, K>(set: &mut HeldSet<G, K>) -> Option<(K, FencingToken)>
 where
     G: GuardOps<Key = K>,
     K: Clone,
@@ -615,15 +639,23 @@ where
         // table's copy of the key alive) and released as lost.
         if let Err(lost_guard) = guard.release_if_live() {
             if lost.is_none() {
-                lost = Some(TransactionError::Expired {
-                    key: lost_guard.key().clone(),
-                    token: lost_guard.token(),
-                });
+                lost = Some((lost_guard.key().clone(), lost_guard.token()));
             }
             drop(lost_guard);
         }
     }
-    lost.map_or(Ok(()), Err)
+    lost
+}
+
+/// The error of a commit whose [`release_checked`] found `lost`.
+#[inline]
+pub(crate) fn lost_to_result<K>(
+    lost: Option<(K, FencingToken)>,
+) -> Result<(), TransactionError<K>> {
+    match lost {
+        None => Ok(()),
+        Some((key, token)) => Err(TransactionError::Expired { key, token }),
+    }
 }
 
 // No `Drop`: a `Vec` drops every slot even if one's drop panics (a key's

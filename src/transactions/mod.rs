@@ -845,12 +845,14 @@ impl<'t, K: Eq + Hash, S: BuildHasher> Transaction<'t, K, S> {
         K: Clone,
     {
         // In place: the set is not moved out of the transaction.
-        let out = held::release_checked(&mut self.set);
+        let lost = held::release_checked(&mut self.set);
         if self.owns_nothing() {
             // Nothing left to release or free: skip the drop glue.
             std::mem::forget(self);
         }
-        out
+        // Made here, once the transaction is gone: built in the caller's
+        // place, not moved there.
+        held::lost_to_result(lost)
     }
 
     /// Whether dropping the transaction would release and free nothing:
@@ -1350,7 +1352,7 @@ impl<K: Eq + Hash + 'static, S: BuildHasher + 'static> OwnedTransaction<K, S> {
     {
         self.shared
             .end_with(|mut set| held::release_checked(&mut set))
-            .unwrap_or(Err(TransactionError::Ended))
+            .map_or(Err(TransactionError::Ended), held::lost_to_result)
     }
 
     /// Ends the transaction, releasing every key; the same as dropping it.

@@ -544,21 +544,42 @@ where
 /// uncontended call creates no lock future and its future stays a few
 /// words (moving a large future costs more than the locks); only a call
 /// that must wait boxes the rest.
-pub(crate) async fn lock_all<A: Access>(
+///
+/// A plain function returning an `async move` block, not an `async fn`:
+/// an `async fn` copies its arguments into locals of its own as it starts;
+/// the block uses them where they are, in the future.
+// Not an `async fn`: see the doc above.
+#[allow(clippy::manual_async_fn)]
+pub(crate) fn lock_all<A: Access>(
     mut access: A,
     mut requests: Few<(KeyOf<A>, Mode)>,
     policy: WaitPolicy,
-) -> Result<LockedSet<KeyOf<A>>, TransactionError<KeyOf<A>>>
+) -> impl Future<Output = Result<LockedSet<KeyOf<A>>, TransactionError<KeyOf<A>>>>
 where
     KeyOf<A>: Ord + Clone,
 {
-    // The requests are read where they are (in this future), not moved.
-    let out = match lock_all_now(&mut access, &mut requests, policy) {
-        Ok(done) => done,
-        Err(wait) => { wait }.await,
-    };
-    access.owner().note(&out);
-    out
+    async move {
+        // The requests are read where they are (in this future), not moved.
+        let out = match lock_all_now(&mut access, &mut requests, policy) {
+            // Made anew in the future's output: nothing else is copied.
+            Ok(Now::Counted {
+                acquired,
+                reentered,
+            }) => {
+                return Ok(LockedSet {
+                    acquired,
+                    reentered,
+                    upgraded: 0,
+                    skipped: Vec::new(),
+                    keys: Vec::new(),
+                })
+            }
+            Ok(Now::Done(done)) => done,
+            Err(wait) => { wait }.await,
+        };
+        access.owner().note(&out);
+        out
+    }
 }
 
 /// The call as far as it goes without waiting: done, or the boxed rest.
@@ -575,7 +596,7 @@ fn lock_all_now<'a, A: Access>(
     requests: &mut Few<(KeyOf<A>, Mode)>,
     policy: WaitPolicy,
 ) -> Result<
-    Outcome<A>,
+    Now<A>,
     Rest<impl Future<Output = Outcome<A>> + 'a, impl Future<Output = Outcome<A>> + 'a>,
 >
 where
@@ -583,7 +604,14 @@ where
 {
     if A::SOLE && (1..=2).contains(&requests.len()) && policy != WaitPolicy::SkipLocked {
         return match few_now(access, requests, policy) {
-            Few2::Done(done) => Ok(done),
+            Few2::Done {
+                acquired,
+                reentered,
+            } => Ok(Now::Counted {
+                acquired,
+                reentered,
+            }),
+            Few2::Ended => Ok(Now::Done(Err(TransactionError::Ended))),
             Few2::Busy {
                 requests,
                 found,
@@ -593,9 +621,9 @@ where
             } => Err(Rest::Sole(Box::pin(wait_sole(
                 access, requests, found, version, taken, at, policy,
             )))),
-            Few2::Other(requests) => {
-                claim_all(access, requests, Few::new(), policy).map_err(Rest::Claimed)
-            }
+            Few2::Other(requests) => claim_all(access, requests, Few::new(), policy)
+                .map(Now::Done)
+                .map_err(Rest::Claimed),
         };
     }
     let mut requests = order(&access.owner().reach, requests.drain(..));
@@ -603,7 +631,7 @@ where
     if A::SOLE {
         let mut found: Few<Found> = Few::with_capacity(requests.len());
         match take_now(access, &mut requests, &mut found, &mut taken, policy) {
-            Ok(done) => return Ok(done),
+            Ok(done) => return Ok(Now::Done(done)),
             Err(Fallback::Busy { at, version }) => {
                 return Err(Rest::Sole(Box::pin(wait_sole(
                     access, requests, found, version, taken, at, policy,
@@ -612,12 +640,26 @@ where
             Err(Fallback::Other | Fallback::Moved) => {}
         }
     }
-    claim_all(access, requests, taken, policy).map_err(Rest::Claimed)
+    claim_all(access, requests, taken, policy)
+        .map(Now::Done)
+        .map_err(Rest::Claimed)
+}
+
+/// What [`lock_all_now`] did without waiting.
+enum Now<A: Access> {
+    /// Every key in the set, none skipped: how many were taken and how
+    /// many counted (the call's [`LockedSet`] is made in its output).
+    Counted { acquired: usize, reentered: usize },
+    /// Done otherwise: the outcome.
+    Done(Outcome<A>),
 }
 
 /// Where [`few_now`] left a call.
 enum Few2<A: Access> {
-    Done(Outcome<A>),
+    /// Everything in the set: how many keys were taken, how many counted.
+    Done { acquired: usize, reentered: usize },
+    /// The transaction has ended.
+    Ended,
     /// A key held in a weaker mode, or busy with another call: the
     /// requests (ordered and merged) for the claiming way, nothing taken.
     Other(Few<Request<KeyOf<A>>>),
@@ -688,14 +730,15 @@ where
         }
     };
     let looked = access.with(|set| {
-        let found = |r: &Request<KeyOf<A>>| {
+        let mut found = |r: &Request<KeyOf<A>>| {
             let key = r.key.as_ref().expect("not taken yet");
             set.find(r.hash, key, r.mode)
         };
-        (found(&a), b.as_ref().map(found), set.version())
+        let (found_a, found_b) = (found(&a), b.as_ref().map(found));
+        (found_a, found_b, set.version())
     });
     let Ok((found_a, found_b, version)) = looked else {
-        return Few2::Done(Err(TransactionError::Ended));
+        return Few2::Ended;
     };
     let lists = |a, b: Option<Request<KeyOf<A>>>| {
         let mut requests = Few::new();
@@ -712,10 +755,12 @@ where
         found.extend(found_b);
         found
     };
+    // The options of both keys, made once (only the mode differs).
+    let opts = access.owner().opts.lock_options(a.mode, policy);
     let mut guard_a = None;
     if found_a == Found::Absent {
         let key = a.key.take().expect("taken once");
-        match try_now(access, a.hash, key, a.mode, policy) {
+        match access.owner().reach.try_lock_kept(a.hash, key, opts) {
             Ok(guard) => guard_a = Some(guard),
             Err(key) => {
                 a.key = Some(key);
@@ -733,7 +778,11 @@ where
     let mut guard_b = None;
     if let (Some(r), Some(Found::Absent)) = (b.as_mut(), found_b) {
         let key = r.key.take().expect("taken once");
-        match try_now(access, r.hash, key, r.mode, policy) {
+        match access
+            .owner()
+            .reach
+            .try_lock_kept(r.hash, key, opts.mode(r.mode))
+        {
             Ok(guard) => guard_b = Some(guard),
             Err(key) => {
                 r.key = Some(key);
@@ -751,25 +800,31 @@ where
     }
     let put = access.with(|set| {
         debug_assert_eq!(set.version(), version, "a borrowed transaction's set moved");
-        let mut out = LockedSet::new(Vec::new());
+        let (mut acquired, mut reentered) = (0, 0);
         for found in [Some(found_a), found_b] {
             if let Some(Found::Covered { at }) = found {
                 set.reenter(at);
-                out.reentered += 1;
+                reentered += 1;
             }
         }
         if let Some(guard) = guard_a.take() {
             set.insert(a.hash, guard);
-            out.acquired += 1;
+            acquired += 1;
         }
         if let (Some(guard), Some(r)) = (guard_b.take(), &b) {
             set.insert(r.hash, guard);
-            out.acquired += 1;
+            acquired += 1;
         }
-        out
+        (acquired, reentered)
     });
     // Had the transaction ended, the guards are released as they drop.
-    Few2::Done(put.map_err(|Ended| TransactionError::Ended))
+    match put {
+        Ok((acquired, reentered)) => Few2::Done {
+            acquired,
+            reentered,
+        },
+        Err(Ended) => Few2::Ended,
+    }
 }
 
 /// What a `lock_all` ends with.

@@ -119,23 +119,33 @@ impl<A: Access> Drop for Claim<'_, A> {
 /// waiters, so fairness is the same); only a key that must be waited for
 /// (or named with its holder, under a policy that does not wait) goes to
 /// the boxed slow path, so this future stays a few words.
-pub(crate) async fn lock<A: Access>(
+///
+/// A plain function returning an `async move` block, not an `async fn`:
+/// an `async fn` copies its arguments into locals of its own as it starts;
+/// the block uses them where they are, in the future.
+// Not an `async fn`: see the doc above.
+#[allow(clippy::manual_async_fn)]
+pub(crate) fn lock<A: Access>(
     mut access: A,
     key: KeyOf<A>,
     mode: Mode,
     policy: WaitPolicy,
-) -> Result<Acquired, TransactionError<KeyOf<A>>>
+) -> impl Future<Output = Result<Acquired, TransactionError<KeyOf<A>>>>
 where
     KeyOf<A>: Clone,
 {
-    // Everything but the wait happens in a plain function, so that this
-    // future keeps only its arguments and a box across its one await.
-    let out = match lock_now(&mut access, key, mode, policy) {
-        Ok(done) => done,
-        Err(wait) => { wait }.await,
-    };
-    access.owner().note(&out);
-    out
+    async move {
+        // Everything but the wait happens in a plain function, so that this
+        // future keeps only its arguments and a box across its one await.
+        let out = match lock_now(&mut access, key, mode, policy) {
+            // Made anew in the future's output: only the grant is copied.
+            Ok(Ok(acquired)) => return Ok(acquired),
+            Ok(Err(error)) => Err(error),
+            Err(wait) => { wait }.await,
+        };
+        access.owner().note(&out);
+        out
+    }
 }
 
 /// The lock as far as it goes without waiting: done, or the boxed wait.
