@@ -132,6 +132,51 @@ fn many_keys_keep_their_counts() {
     assert!(table.is_empty());
 }
 
+/// A set of more than 1,024 keys, filled by one `lock_all` and then by
+/// single calls (its index built as keys go in past that, not by a later
+/// lookup): every key is found by the queries, absent ones are not, and
+/// early releases and re-entries keep each key's own count.
+#[test]
+fn a_large_set_is_found_by_queries_alone() {
+    let table = LockTable::new();
+    let mut txn = table.transaction();
+    let got = txn
+        .blocking_lock_all((0..1500u32).map(|k| (k, Mode::Shared)))
+        .unwrap();
+    assert_eq!(got.acquired(), 1500);
+    for k in 0..1500u32 {
+        assert_eq!(txn.count(&k), 1, "key {k}");
+        assert_eq!(txn.mode(&k), Some(Mode::Shared), "key {k}");
+        assert!(txn.token(&k).is_some(), "key {k}");
+    }
+    for k in 1500..1600u32 {
+        assert_eq!(txn.count(&k), 0, "key {k}");
+        assert_eq!(txn.mode(&k), None, "key {k}");
+    }
+    for k in (0..1500u32).step_by(7) {
+        assert_eq!(txn.unlock(&k).unwrap(), 0, "key {k}");
+    }
+    for k in 1500..1600u32 {
+        txn.blocking_lock(k, Mode::Exclusive).unwrap();
+    }
+    for k in (1..1500u32).step_by(5) {
+        let again = txn.blocking_lock(k, Mode::Shared).unwrap();
+        let before = usize::from(k % 7 != 0);
+        assert_eq!(again.count, before + 1, "key {k}");
+    }
+    for k in 0..1600u32 {
+        let expected = if k >= 1500 {
+            1
+        } else {
+            usize::from(k % 7 != 0) + usize::from(k % 5 == 1)
+        };
+        assert_eq!(txn.count(&k), expected, "key {k}");
+        assert_eq!(table.is_locked(&k), expected > 0, "key {k}");
+    }
+    txn.commit().unwrap();
+    assert!(table.is_empty());
+}
+
 /// Up to sixteen keys a set is searched by a scan of their hashes: every key
 /// is still found, with its own count, after early releases move the last
 /// key into each freed place, and after the set grows past the scan and

@@ -11,8 +11,10 @@
 //! `hashbrown::HashTable` of positions keyed by that same hash indexes
 //! them, built at the first lookup that may change the set (keys going in
 //! are not indexed one by one: a large `lock_all` that is then committed
-//! never builds it; a query of a set without it scans). A slot whose guard is away — a new key being locked, or a held one
-//! being upgraded by a pending call — keeps a clone of the key to be
+//! never builds it; a query of a set without it scans, and past
+//! [`UNINDEXED_MAX`] keys it is built as they go in, so that a scan stays
+//! short). A slot whose guard is away — a new key being locked, or a held
+//! one being upgraded by a pending call — keeps a clone of the key to be
 //! compared with, and is
 //! *busy*: a second call for that key fails at once
 //! ([`TransactionError::InFlight`](crate::TransactionError::InFlight))
@@ -198,6 +200,12 @@ pub(crate) struct HeldSet<G, K> {
 /// keeps a lookup constant.
 const LINEAR_MAX: usize = 16;
 
+/// The most slots a set keeps without an index: past it the index is built
+/// as keys go in, so that a query (which takes the set by shared reference
+/// and cannot build it) scans at most this many slots, and a loop of
+/// queries over a large transaction stays linear.
+const UNINDEXED_MAX: usize = 1024;
+
 impl<G, K> Default for HeldSet<G, K> {
     #[inline]
     fn default() -> Self {
@@ -249,7 +257,7 @@ impl<G, K> HeldSet<G, K> {
         let at = self.slots.len();
         // The common case, inline: room in place (or already on the heap),
         // and no index to keep (none is made here: see `index_if_large`).
-        if self.index.is_none() && (at != INLINE || self.slots.spilled()) {
+        if self.index.is_none() && (at != INLINE || self.slots.spilled()) && at < UNINDEXED_MAX {
             self.version += 1;
             self.slots.push(slot);
             return;
@@ -271,9 +279,14 @@ impl<G, K> HeldSet<G, K> {
         }
         self.slots.push(slot);
         let slots = &self.slots;
-        // Without an index, none is made here: see `index_if_large`.
-        if let Some(index) = &mut self.index {
-            index.insert_unique(hash, at, |&i| slots[i].hash);
+        // Without an index, none is made here (see `index_if_large`) unless
+        // the set has grown past what a query may scan.
+        match &mut self.index {
+            Some(index) => {
+                index.insert_unique(hash, at, |&i| slots[i].hash);
+            }
+            None if slots.len() > UNINDEXED_MAX => self.build_index(),
+            None => {}
         }
     }
 
