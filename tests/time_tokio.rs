@@ -292,6 +292,100 @@ mod tests {
         assert!(table.is_empty());
     }
 
+    /// Spends the running task's cooperative budget: a lock future polled
+    /// next returns `Pending` before it touches the table.
+    fn spend_budget(cx: &mut std::task::Context<'_>) {
+        for _ in 0..NO_YIELD_RUN {
+            match tokio::task::coop::poll_proceed(cx) {
+                std::task::Poll::Ready(unit) => unit.made_progress(),
+                std::task::Poll::Pending => return,
+            }
+        }
+        panic!("the task has no budget to spend");
+    }
+
+    /// Polls `a` and `b` (the two calls of a deadlock) in turn, yielding to
+    /// the runtime between rounds, until one of them is answered; the
+    /// answer, or `None` if both still waited after a bound of rounds (no
+    /// wait found the cycle: both would wait for ever).
+    async fn first_answer<A, B, T>(
+        mut a: std::pin::Pin<&mut A>,
+        mut b: std::pin::Pin<&mut B>,
+    ) -> Option<Result<T, keylock::TransactionError<u64>>>
+    where
+        A: std::future::Future<Output = Result<T, keylock::TransactionError<u64>>>,
+        B: std::future::Future<Output = Result<T, keylock::TransactionError<u64>>>,
+    {
+        for _ in 0..16 {
+            if let std::task::Poll::Ready(out) = futures::poll!(a.as_mut()) {
+                return Some(out);
+            }
+            if let std::task::Poll::Ready(out) = futures::poll!(b.as_mut()) {
+                return Some(out);
+            }
+            tokio::task::yield_now().await;
+        }
+        None
+    }
+
+    /// A transaction's wait whose first poll finds its task's budget spent
+    /// (its lock future would return `Pending` before it is queued) still
+    /// searches for the cycle it closes, once it is queued. Here `a` holds
+    /// 1 and waits for 2 with its budget spent; `b` holds 2 and waits for 1
+    /// before `a`'s wait is queued (so `b` finds no cycle: `a` waits
+    /// nowhere yet); then `a`'s wait queues and must find the cycle.
+    /// Deterministic: one task polls both by hand.
+    #[tokio::test(flavor = "current_thread")]
+    async fn a_wait_first_polled_with_the_budget_spent_finds_its_cycle() {
+        use keylock::{Mode, TransactionError};
+        use std::future::Future;
+        let table = tokio_table::<u64>();
+        let (mut a, mut b) = (table.transaction(), table.transaction());
+        a.lock(1, Mode::Exclusive).await.unwrap();
+        b.lock(2, Mode::Exclusive).await.unwrap();
+        let mut a_wait = std::pin::pin!(a.lock(2, Mode::Exclusive));
+        std::future::poll_fn(|cx| {
+            spend_budget(cx);
+            assert!(a_wait.as_mut().poll(cx).is_pending(), "2 is held");
+            std::task::Poll::Ready(())
+        })
+        .await;
+        tokio::task::yield_now().await;
+        let mut b_wait = std::pin::pin!(b.lock(1, Mode::Exclusive));
+        assert!(futures::poll!(b_wait.as_mut()).is_pending(), "1 is held");
+        let answer = first_answer(a_wait.as_mut(), b_wait.as_mut()).await;
+        assert!(
+            matches!(answer, Some(Err(TransactionError::Deadlock(_)))),
+            "the cycle was not found: {answer:?}"
+        );
+    }
+
+    /// As above, through `lock_all`'s wait.
+    #[tokio::test(flavor = "current_thread")]
+    async fn a_lock_all_first_polled_with_the_budget_spent_finds_its_cycle() {
+        use keylock::{Mode, TransactionError};
+        use std::future::Future;
+        let table = tokio_table::<u64>();
+        let (mut a, mut b) = (table.transaction(), table.transaction());
+        a.lock(1, Mode::Exclusive).await.unwrap();
+        b.lock(2, Mode::Exclusive).await.unwrap();
+        let mut a_wait = std::pin::pin!(a.lock_all([(2, Mode::Exclusive), (3, Mode::Exclusive)]));
+        std::future::poll_fn(|cx| {
+            spend_budget(cx);
+            assert!(a_wait.as_mut().poll(cx).is_pending(), "2 is held");
+            std::task::Poll::Ready(())
+        })
+        .await;
+        tokio::task::yield_now().await;
+        let mut b_wait = std::pin::pin!(b.lock_all([(1, Mode::Exclusive)]));
+        assert!(futures::poll!(b_wait.as_mut()).is_pending(), "1 is held");
+        let answer = first_answer(a_wait.as_mut(), b_wait.as_mut()).await;
+        assert!(
+            matches!(answer, Some(Err(TransactionError::Deadlock(_)))),
+            "the cycle was not found: {answer:?}"
+        );
+    }
+
     /// Deterministic on a current-thread runtime: a default table's lock futures
     /// complete at once and never return `Pending`, so the test's future never
     /// yields and the spawned task cannot run until it does.

@@ -104,6 +104,19 @@ impl Clock {
         }
         false
     }
+
+    /// Whether the running task has spent its tokio cooperative budget
+    /// (under a tokio clock; `false` under any other, and outside a tokio
+    /// runtime): a lock future polled now would return `Pending` before it
+    /// touches the table.
+    #[inline]
+    pub(crate) fn budget_spent(&self) -> bool {
+        #[cfg(feature = "tokio")]
+        if self.is_tokio() {
+            return !tokio::task::coop::has_budget_remaining();
+        }
+        false
+    }
 }
 
 /// An optional instant in one word, for the table's per-key state: 1 plus the

@@ -608,11 +608,23 @@ where
         if watch.access.is_ended() {
             return Poll::Ready(Err(Stop::Ended));
         }
+        if !searched && watch.access.owner().reach.table().clock().budget_spent() {
+            // Under tokio's budget a lock future polled with none left
+            // returns `Pending` before it is queued, and the search below
+            // would find no cycle through a wait not queued yet, nor run
+            // again once it is (a cycle it closes would be missed for
+            // good). So the first poll waits for the task's next turn,
+            // which has budget again.
+            cx.waker().wake_by_ref();
+            return Poll::Pending;
+        }
         if let Poll::Ready(out) = fut.as_mut().poll(cx) {
             return Poll::Ready(Ok(out));
         }
         if !searched {
-            // Queued now: the first time, look for a cycle this wait closes.
+            // Queued now (a first poll made with budget returns `Pending`
+            // only once queued): the first time, look for a cycle this
+            // wait closes.
             searched = true;
             let owner = watch.access.owner();
             let table = owner.reach.table();
