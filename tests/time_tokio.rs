@@ -328,63 +328,56 @@ mod tests {
         None
     }
 
-    /// A transaction's wait whose first poll finds its task's budget spent
-    /// (its lock future would return `Pending` before it is queued) still
-    /// searches for the cycle it closes, once it is queued. Here `a` holds
-    /// 1 and waits for 2 with its budget spent; `b` holds 2 and waits for 1
-    /// before `a`'s wait is queued (so `b` finds no cycle: `a` waits
-    /// nowhere yet); then `a`'s wait queues and must find the cycle.
-    /// Deterministic: one task polls both by hand.
-    #[tokio::test(flavor = "current_thread")]
-    async fn a_wait_first_polled_with_the_budget_spent_finds_its_cycle() {
-        use keylock::{Mode, TransactionError};
-        use std::future::Future;
-        let table = tokio_table::<u64>();
-        let (mut a, mut b) = (table.transaction(), table.transaction());
-        a.lock(1, Mode::Exclusive).await.unwrap();
-        b.lock(2, Mode::Exclusive).await.unwrap();
-        let mut a_wait = std::pin::pin!(a.lock(2, Mode::Exclusive));
-        std::future::poll_fn(|cx| {
-            spend_budget(cx);
-            assert!(a_wait.as_mut().poll(cx).is_pending(), "2 is held");
-            std::task::Poll::Ready(())
-        })
-        .await;
-        tokio::task::yield_now().await;
-        let mut b_wait = std::pin::pin!(b.lock(1, Mode::Exclusive));
-        assert!(futures::poll!(b_wait.as_mut()).is_pending(), "1 is held");
-        let answer = first_answer(a_wait.as_mut(), b_wait.as_mut()).await;
-        assert!(
-            matches!(answer, Some(Err(TransactionError::Deadlock(_)))),
-            "the cycle was not found: {answer:?}"
-        );
+    /// A test that a transaction's wait whose first poll finds its task's
+    /// budget spent (its lock future would return `Pending` before it is
+    /// queued) still searches for the cycle it closes, once it is queued:
+    /// `a` holds 1 and waits (`$a_wait`) for 2 with its budget spent; `b`
+    /// holds 2 and waits (`$b_wait`) for 1 before `a`'s wait is queued (so
+    /// `b` finds no cycle: `a` waits nowhere yet); then `a`'s wait queues
+    /// and must find the cycle. Deterministic: one task polls both by hand.
+    macro_rules! budget_spent_wait_finds_its_cycle {
+        ($(#[$doc:meta])* $name:ident, |$a:ident| $a_wait:expr, |$b:ident| $b_wait:expr) => {
+            $(#[$doc])*
+            #[tokio::test(flavor = "current_thread")]
+            async fn $name() {
+                use keylock::{Mode, TransactionError};
+                use std::future::Future;
+                let table = tokio_table::<u64>();
+                let (mut $a, mut $b) = (table.transaction(), table.transaction());
+                $a.lock(1, Mode::Exclusive).await.unwrap();
+                $b.lock(2, Mode::Exclusive).await.unwrap();
+                let mut a_wait = std::pin::pin!($a_wait);
+                std::future::poll_fn(|cx| {
+                    spend_budget(cx);
+                    assert!(a_wait.as_mut().poll(cx).is_pending(), "2 is held");
+                    std::task::Poll::Ready(())
+                })
+                .await;
+                tokio::task::yield_now().await;
+                let mut b_wait = std::pin::pin!($b_wait);
+                assert!(futures::poll!(b_wait.as_mut()).is_pending(), "1 is held");
+                let answer = first_answer(a_wait.as_mut(), b_wait.as_mut()).await;
+                assert!(
+                    matches!(answer, Some(Err(TransactionError::Deadlock(_)))),
+                    "the cycle was not found: {answer:?}"
+                );
+            }
+        };
     }
 
-    /// As above, through `lock_all`'s wait.
-    #[tokio::test(flavor = "current_thread")]
-    async fn a_lock_all_first_polled_with_the_budget_spent_finds_its_cycle() {
-        use keylock::{Mode, TransactionError};
-        use std::future::Future;
-        let table = tokio_table::<u64>();
-        let (mut a, mut b) = (table.transaction(), table.transaction());
-        a.lock(1, Mode::Exclusive).await.unwrap();
-        b.lock(2, Mode::Exclusive).await.unwrap();
-        let mut a_wait = std::pin::pin!(a.lock_all([(2, Mode::Exclusive), (3, Mode::Exclusive)]));
-        std::future::poll_fn(|cx| {
-            spend_budget(cx);
-            assert!(a_wait.as_mut().poll(cx).is_pending(), "2 is held");
-            std::task::Poll::Ready(())
-        })
-        .await;
-        tokio::task::yield_now().await;
-        let mut b_wait = std::pin::pin!(b.lock_all([(1, Mode::Exclusive)]));
-        assert!(futures::poll!(b_wait.as_mut()).is_pending(), "1 is held");
-        let answer = first_answer(a_wait.as_mut(), b_wait.as_mut()).await;
-        assert!(
-            matches!(answer, Some(Err(TransactionError::Deadlock(_)))),
-            "the cycle was not found: {answer:?}"
-        );
-    }
+    budget_spent_wait_finds_its_cycle!(
+        /// Through `lock`'s wait.
+        a_wait_first_polled_with_the_budget_spent_finds_its_cycle,
+        |a| a.lock(2, Mode::Exclusive),
+        |b| b.lock(1, Mode::Exclusive)
+    );
+
+    budget_spent_wait_finds_its_cycle!(
+        /// Through `lock_all`'s wait.
+        a_lock_all_first_polled_with_the_budget_spent_finds_its_cycle,
+        |a| a.lock_all([(2, Mode::Exclusive), (3, Mode::Exclusive)]),
+        |b| b.lock_all([(1, Mode::Exclusive)])
+    );
 
     /// Deterministic on a current-thread runtime: a default table's lock futures
     /// complete at once and never return `Pending`, so the test's future never
