@@ -82,6 +82,79 @@ mod tests {
         assert!(table.is_empty());
     }
 
+    /// Key 1 handed over with a 2 s lease to the last waiter in its queue
+    /// (no waiter left behind it, so the handoff arms no timer), the
+    /// holder's guard forgotten: only the lapse can free the key. With
+    /// `busy`, the shard's timer is already armed for another key's later
+    /// timeout (10 s) before anyone waits for key 1.
+    fn a_leased_handoff_with_no_waiter_left(
+        busy: bool,
+    ) -> (ManualClock, Arc<LockTable<u32>>, keylock::FencingToken) {
+        let (clock, table) = table();
+        let table = Arc::new(table);
+        let first = table.try_lock(1).unwrap();
+        let (_, w) = counting();
+        let mut heir = Box::pin(table.lock_with(1, lease(2 * SEC)));
+        assert!(poll(&mut heir, &w).is_pending());
+        drop(first);
+        let held = ready(&mut heir, &w, "handed over").unwrap();
+        drop(heir);
+        assert_eq!(table.waiters(&1), 0);
+        let token = held.token();
+        std::mem::forget(held);
+        if busy {
+            std::mem::forget(table.try_lock(2).unwrap());
+            let mut other = Box::pin(table.clone().lock_owned_with(2, timeout(10 * SEC)));
+            assert!(poll(&mut other, &w).is_pending());
+            std::mem::forget(other);
+            assert_eq!(clock.armed_shards(), 1);
+        }
+        (clock, table, token)
+    }
+
+    /// After a leased handoff that left no waiter (and so armed nothing), a
+    /// waiter that links later, exclusive or shared, plain or timed, and
+    /// with the shard's timer busy with another key or not, makes the timer
+    /// cover the holder's lease: it is woken at the lapse and takes the key,
+    /// though the holder never lets go.
+    #[test]
+    fn a_waiter_behind_a_lease_handed_to_the_last_waiter_is_woken_at_the_lapse() {
+        for busy in [false, true] {
+            for late in ["exclusive", "shared", "timed"] {
+                let (clock, table, held) = a_leased_handoff_with_no_waiter_left(busy);
+                let (c, w) = counting();
+                let got = match late {
+                    "exclusive" | "shared" => {
+                        let mut f = Box::pin(if late == "shared" {
+                            table.lock_shared(1)
+                        } else {
+                            table.lock(1)
+                        });
+                        assert!(poll(&mut f, &w).is_pending(), "{late}, busy {busy}");
+                        clock.advance(SEC);
+                        assert_eq!(wakes(&c), 0, "{late}, busy {busy}: woken early");
+                        clock.advance(SEC);
+                        assert_eq!(wakes(&c), 1, "{late}, busy {busy}: not woken at the lapse");
+                        ready(&mut f, &w, "the lapsed key was not handed over")
+                    }
+                    _ => {
+                        let mut f = Box::pin(table.lock_with(1, timeout(5 * SEC)));
+                        assert!(poll(&mut f, &w).is_pending(), "{late}, busy {busy}");
+                        clock.advance(SEC);
+                        assert_eq!(wakes(&c), 0, "{late}, busy {busy}: woken early");
+                        clock.advance(SEC);
+                        assert_eq!(wakes(&c), 1, "{late}, busy {busy}: not woken at the lapse");
+                        ready(&mut f, &w, "the lapsed key was not handed over").expect("in time")
+                    }
+                };
+                assert!(got.token() > held, "{late}, busy {busy}: a new grant");
+                assert!(table.is_locked(&1), "{late}, busy {busy}");
+                drop(got);
+                assert!(!table.is_locked(&1), "{late}, busy {busy}: left held");
+            }
+        }
+    }
+
     /// The real-clock bug this guards against: a holder renews (its deadline
     /// moves later) after the shard's timer was armed for the old deadline, then
     /// stalls. The timer fires early, finds the lease live, re-arms for the new
