@@ -569,9 +569,7 @@ where
                 return Ok(LockedSet {
                     acquired,
                     reentered,
-                    upgraded: 0,
-                    skipped: Vec::new(),
-                    keys: Vec::new(),
+                    ..LockedSet::new(Vec::new())
                 })
             }
             Ok(Now::Done(done)) => done,
