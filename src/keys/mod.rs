@@ -353,6 +353,11 @@ impl<K> ShardState<K> {
     /// [`release_at`](Self::release_at). `Err(None)`: anything else (a
     /// leased or lost grant, no entry), for
     /// [`release_if_live`](Self::release_if_live); nothing changed.
+    ///
+    /// The common case (the only holder, without a lease, nobody waiting,
+    /// no fenced guard) is one pass over the map, as
+    /// [`release_alone`](Self::release_alone)'s: the probe checks the entry
+    /// it finds and takes it out.
     #[inline(always)]
     pub(crate) fn release_unleased(
         &mut self,
@@ -360,11 +365,37 @@ impl<K> ShardState<K> {
         key: KeyPtr<K>,
         token: FencingToken,
     ) -> Result<K, Option<Index>> {
-        let Some(index) = self.entries.find(hash, |e| e.key == key) else {
-            return Err(None);
-        };
-        match self.entries.get_mut(index).holders.get(token) {
-            Some(holder) if !holder.deadline.is_some() => self.release_alone_at(index, token),
+        let removed = self.entries.remove_if(
+            hash,
+            |e| e.key == key,
+            |e| {
+                matches!(e.holders.only(), Some(h) if h.token == token && !h.deadline.is_some())
+                    && e.queue.is_empty()
+                    && e.fenced == 0
+            },
+        );
+        match removed {
+            Ok(removed) => {
+                // SAFETY: the entry was just removed from the table and
+                // nothing uses it: no waiter, no fenced guard, and its only
+                // holder lets go.
+                let key = unsafe { self.keys.take(removed.key) };
+                removed.forget_released();
+                Ok(key)
+            }
+            Err(None) => Err(None),
+            Err(Some(index)) => self.unleased_busy(index, token),
+        }
+    }
+
+    /// [`release_unleased`](Self::release_unleased) of an entry the
+    /// one-pass release did not take: `Err(Some(index))` for a live grant
+    /// without a lease (other holders, waiters or fenced guards),
+    /// `Err(None)` for anything else.
+    #[inline]
+    fn unleased_busy(&self, index: Index, token: FencingToken) -> Result<K, Option<Index>> {
+        match self.entries.get(index).holders.get(token) {
+            Some(holder) if !holder.deadline.is_some() => Err(Some(index)),
             _ => Err(None),
         }
     }
@@ -451,22 +482,6 @@ impl<K> ShardState<K> {
         // it: no waiter, no fenced guard, and its only holder lets go.
         let key = unsafe { self.keys.take(removed.key) };
         removed.forget_released();
-        Ok(key)
-    }
-
-    /// [`release_alone`](Self::release_alone) of the entry at `index`.
-    #[inline(always)]
-    fn release_alone_at(&mut self, index: Index, token: FencingToken) -> Result<K, Option<Index>> {
-        let entry = self.entries.get_mut(index);
-        if !(entry.holders.is_only(token) && entry.queue.is_empty() && entry.fenced == 0) {
-            return Err(Some(index));
-        }
-        entry.holders.clear_only();
-        let removed = self.entries.remove(index);
-        // SAFETY: the entry was just removed from the table and nothing uses
-        // it: no holder, no waiter, no fenced guard.
-        let key = unsafe { self.keys.take(removed.key) };
-        removed.forget_unused();
         Ok(key)
     }
 }

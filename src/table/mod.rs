@@ -1099,6 +1099,43 @@ where
         }
     }
 
+    /// The terms of an owner's grants (a transaction's: its id, and its
+    /// lease or else the table's default), resolved once for all the keys
+    /// of a call; `None` for a lease out of range (the wait that follows
+    /// reports it).
+    #[inline]
+    pub(crate) fn owner_terms(&self, lease: Option<Duration>, owner: u64) -> Option<Terms> {
+        let lease = match lease {
+            None => self.leases.default_packed,
+            Some(lease) => PackedDuration::pack(Some(self.leases.check(lease).ok()?)),
+        };
+        Some(Terms { lease, owner })
+    }
+
+    /// [`try_lock_kept`](Self::try_lock_kept) on terms resolved by
+    /// [`owner_terms`](Self::owner_terms), inline: the probe and insert of
+    /// a free key run in the caller's frame, the grant in its registers.
+    #[inline(always)]
+    pub(crate) fn try_lock_on(
+        &self,
+        hash: u64,
+        key: K,
+        mode: Mode,
+        terms: Terms,
+    ) -> Result<Guard<'_, K, S>, K> {
+        debug_assert_eq!(hash, self.hash(&key));
+        match self.try_acquire(hash, key, mode, terms) {
+            (Some(grant), spare) => {
+                let guard = Guard::new(self, Held::new(hash, grant));
+                // After the guard exists: if the spare key's drop panics,
+                // unwinding drops the guard, which releases.
+                drop(spare);
+                Ok(guard)
+            }
+            (None, spare) => Err(spare.expect("kept when not taken")),
+        }
+    }
+
     /// [`try_lock_kept`](Self::try_lock_kept) for a caller that holds a lock
     /// of its own (an owned transaction's set): nothing is woken or dropped
     /// here. What the attempt leaves to do is left in `left`, and the

@@ -368,33 +368,41 @@ impl<R: Reach> Shared<R> {
     /// Ends the transaction: releases every key it holds and wakes its
     /// pending futures (see the module doc). Idempotent.
     pub(crate) fn end(&self) {
-        self.end_with(drop);
+        self.end_with(|set| drop(set.take()));
     }
 
     /// Ends the transaction, giving its keys to `release` (run after
-    /// unlocking), then wakes its pending futures, even if `release`
-    /// panics. `None` if it had already ended.
-    pub(crate) fn end_with<T>(&self, release: impl FnOnce(SetOf<R>) -> T) -> Option<T> {
-        let (slots, pending, watchers) = {
+    /// unlocking; what it leaves in the set is dropped after it), then
+    /// wakes its pending futures, even if `release` panics. `None` if it
+    /// had already ended.
+    pub(crate) fn end_with<T>(&self, release: impl FnOnce(&mut SetOf<R>) -> T) -> Option<T> {
+        // Taken out once, then worked on in place (not moved again: the set
+        // is a few hundred bytes).
+        let mut slots;
+        let pending;
+        let watchers;
+        {
             let mut state = self.lock();
             if self.ended.swap(true, Ordering::Relaxed) {
                 return None;
             }
-            let slots = state.set.take();
+            slots = state.set.take();
             state.free = Vec::new();
-            let pending = std::mem::take(&mut state.pending);
-            (slots, pending, std::mem::take(&mut state.watchers))
-        };
+            pending = std::mem::take(&mut state.pending);
+            watchers = std::mem::take(&mut state.watchers);
+        }
         // Release first, so the keys are free by the time anyone is woken;
         // a panic in a key's drop still releases the rest (see `HeldSet`'s
         // drop) and still wakes everyone. Then the pending calls' lock
         // futures go (a forgotten call's waiter leaves its queue, its
         // unobserved grant passes on: `pending.rs`).
         let released = catch_unwind(AssertUnwindSafe(|| {
-            let out = release(slots);
+            let out = release(&mut slots);
             pending::cancel_all(pending);
             out
         }));
+        // Whatever `release` left (a panic midway: the rest of the keys).
+        drop(slots);
         let mut panic = None;
         for waker in watchers.into_iter().flatten() {
             if let Err(payload) = catch_unwind(AssertUnwindSafe(|| waker.wake())) {

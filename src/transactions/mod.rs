@@ -1351,7 +1351,7 @@ impl<K: Eq + Hash + 'static, S: BuildHasher + 'static> OwnedTransaction<K, S> {
         K: Clone,
     {
         self.shared
-            .end_with(|mut set| held::release_checked(&mut set))
+            .end_with(held::release_checked)
             .map_or(Err(TransactionError::Ended), held::lost_to_result)
     }
 

@@ -601,7 +601,7 @@ where
     KeyOf<A>: Ord + Clone,
 {
     if A::SOLE && (1..=2).contains(&requests.len()) && policy != WaitPolicy::SkipLocked {
-        return match few_now(access, requests, policy) {
+        return match few_now(access, requests) {
             Few2::Done {
                 acquired,
                 reentered,
@@ -679,11 +679,7 @@ enum Few2<A: Access> {
 /// one step (the transaction is borrowed by the call: its set cannot
 /// change meanwhile). The lists are built only when the call must wait or
 /// claim. `requests` is left empty.
-fn few_now<A: Access>(
-    access: &mut A,
-    requests: &mut Few<(KeyOf<A>, Mode)>,
-    policy: WaitPolicy,
-) -> Few2<A>
+fn few_now<A: Access>(access: &mut A, requests: &mut Few<(KeyOf<A>, Mode)>) -> Few2<A>
 where
     KeyOf<A>: Ord + Clone,
 {
@@ -753,15 +749,26 @@ where
         found.extend(found_b);
         found
     };
-    // The options of both keys, made once (only the mode differs).
-    let opts = access.owner().opts.lock_options(a.mode, policy);
+    // The terms of both keys' grants, resolved once (a lease out of range:
+    // `None`, and the wait reports it).
+    let owner = access.owner();
+    let terms = owner
+        .reach
+        .table()
+        .owner_terms(owner.opts.lease, owner.opts.id.get());
+    let try_ = |r: &mut Request<KeyOf<A>>| {
+        let key = r.key.take().expect("taken once");
+        let tried = match terms {
+            Some(terms) => owner.reach.try_lock_on(r.hash, key, r.mode, terms),
+            None => Err(key),
+        };
+        tried.map_err(|key| r.key = Some(key))
+    };
     let mut guard_a = None;
     if found_a == Found::Absent {
-        let key = a.key.take().expect("taken once");
-        match access.owner().reach.try_lock_kept(a.hash, key, opts) {
+        match try_(&mut a) {
             Ok(guard) => guard_a = Some(guard),
-            Err(key) => {
-                a.key = Some(key);
+            Err(()) => {
                 return Few2::Busy {
                     requests: lists(a, b),
                     found: founds(),
@@ -775,15 +782,9 @@ where
     let mut b = b;
     let mut guard_b = None;
     if let (Some(r), Some(Found::Absent)) = (b.as_mut(), found_b) {
-        let key = r.key.take().expect("taken once");
-        match access
-            .owner()
-            .reach
-            .try_lock_kept(r.hash, key, opts.mode(r.mode))
-        {
+        match try_(r) {
             Ok(guard) => guard_b = Some(guard),
-            Err(key) => {
-                r.key = Some(key);
+            Err(()) => {
                 let mut taken = Few::new();
                 taken.extend(guard_a.map(|guard| (0, guard)));
                 return Few2::Busy {

@@ -11,7 +11,7 @@ use std::time::Duration;
 
 use crate::error::LockError;
 use crate::keys::deferred::Leftovers;
-use crate::support::lease::LockOptions;
+use crate::support::lease::{LockOptions, Terms};
 use crate::support::mode::Mode;
 use crate::support::token::FencingToken;
 use crate::table::acquire::LockWith;
@@ -37,6 +37,16 @@ pub(crate) trait Reach {
         hash: u64,
         key: Self::Key,
         opts: LockOptions,
+    ) -> Result<Self::Guard, Self::Key>;
+
+    /// [`try_lock_kept`](Self::try_lock_kept) on terms resolved once for a
+    /// call (see [`LockTable::owner_terms`]), inline.
+    fn try_lock_on(
+        &self,
+        hash: u64,
+        key: Self::Key,
+        mode: Mode,
+        terms: Terms,
     ) -> Result<Self::Guard, Self::Key>;
 
     /// [`try_lock_kept`](Self::try_lock_kept) that wakes and drops nothing
@@ -71,6 +81,17 @@ impl<'t, K: Eq + Hash, S: BuildHasher> Reach for &'t LockTable<K, S> {
     #[inline]
     fn try_lock_kept(&self, hash: u64, key: K, opts: LockOptions) -> Result<Guard<'t, K, S>, K> {
         LockTable::try_lock_kept(*self, hash, key, opts)
+    }
+
+    #[inline(always)]
+    fn try_lock_on(
+        &self,
+        hash: u64,
+        key: K,
+        mode: Mode,
+        terms: Terms,
+    ) -> Result<Guard<'t, K, S>, K> {
+        LockTable::try_lock_on(*self, hash, key, mode, terms)
     }
 
     #[inline]
@@ -163,6 +184,17 @@ impl<K: Eq + Hash + 'static, S: BuildHasher + 'static> Reach for Pinned<K, S> {
         opts: LockOptions,
     ) -> Result<Guard<'static, K, S>, K> {
         LockTable::try_lock_kept(self.extended(), hash, key, opts)
+    }
+
+    #[inline(always)]
+    fn try_lock_on(
+        &self,
+        hash: u64,
+        key: K,
+        mode: Mode,
+        terms: Terms,
+    ) -> Result<Guard<'static, K, S>, K> {
+        LockTable::try_lock_on(self.extended(), hash, key, mode, terms)
     }
 
     #[inline]

@@ -163,24 +163,28 @@ where
     KeyOf<A>: Clone,
 {
     let hash = access.owner().reach.table().hash(&key);
-    let opts = access.owner().opts.lock_options(mode, policy);
     // The fast path (see `Access::fast`): a covered key is counted; a new
     // key is tried on the table and put in, in one step on the set (no
-    // claim, no copy of the key). What the table leaves to do after its
-    // shard's unlock, and a copy of the key it did not keep, are dropped
-    // here, after the set's lock (owned form) is released.
-    let mut spare = None;
-    let fast = {
-        // Dropped in place at the block's end (a `drop(left)` would move,
-        // and so copy, the whole record first).
-        let mut left = Leftovers::default();
-        access.fast(hash, key, mode, |owner, key| {
-            let (got, unkept) = owner.reach.try_lock_leaving(hash, key, opts, &mut left);
-            spare = unkept;
-            got
+    // claim, no copy of the key).
+    let fast = if A::SOLE {
+        // The borrowed form holds no lock of its own around the step: the
+        // table's own attempt, inline, on terms resolved here (a lease out
+        // of range: not tried, and the wait reports it), doing its wakes
+        // and drops as it returns.
+        let owner = access.owner();
+        let terms = owner
+            .reach
+            .table()
+            .owner_terms(owner.opts.lease, owner.opts.id.get());
+        access.fast(hash, key, mode, |owner, key| match terms {
+            Some(terms) => owner.reach.try_lock_on(hash, key, mode, terms),
+            None => Err(key),
         })
+    } else {
+        lock_fast_leaving(access, hash, key, mode, policy)
     };
-    drop(spare);
+    // Dropped in place at the block's end (a `drop(left)` would move,
+    // and so copy, the whole record first).
     let (tried, mut key) = match fast {
         Fast::Done(acquired) => return Ok(Ok(acquired)),
         // Not free at once (or options the wait will report): the
@@ -226,6 +230,34 @@ where
         }
     }
     Err(Box::pin(wait(claim, upgrading, key, mode, policy)))
+}
+
+/// [`lock_now`]'s fast path in the owned form, whose step holds the set's
+/// lock: what the table leaves to do after its shard's unlock, and a copy
+/// of the key it did not keep, are dropped here, after the set's lock is
+/// released.
+#[inline]
+fn lock_fast_leaving<A: Access>(
+    access: &mut A,
+    hash: u64,
+    key: KeyOf<A>,
+    mode: Mode,
+    policy: WaitPolicy,
+) -> Fast<KeyOf<A>> {
+    let opts = access.owner().opts.lock_options(mode, policy);
+    let mut spare = None;
+    let fast = {
+        // Dropped in place at the block's end (a `drop(left)` would move,
+        // and so copy, the whole record first).
+        let mut left = Leftovers::default();
+        access.fast(hash, key, mode, |owner, key| {
+            let (got, unkept) = owner.reach.try_lock_leaving(hash, key, opts, &mut left);
+            spare = unkept;
+            got
+        })
+    };
+    drop(spare);
+    fast
 }
 
 /// The slow path: a new key that was not free at once, or an upgrade.
