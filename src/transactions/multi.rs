@@ -53,6 +53,7 @@ use std::pin::{pin, Pin};
 use std::sync::Arc;
 use std::task::{Context, Poll};
 
+use crate::support::lease::Terms;
 use crate::support::mode::Mode;
 use crate::transactions::access::{
     wait_unless_ended, Access, Ended, Holding, LockOf, PendingOf, Stop, UpgradingOf, WaitFor,
@@ -756,14 +757,7 @@ where
         .reach
         .table()
         .owner_terms(owner.opts.lease, owner.opts.id.get());
-    let try_ = |r: &mut Request<KeyOf<A>>| {
-        let key = r.key.take().expect("taken once");
-        let tried = match terms {
-            Some(terms) => owner.reach.try_lock_on(r.hash, key, r.mode, terms),
-            None => Err(key),
-        };
-        tried.map_err(|key| r.key = Some(key))
-    };
+    let try_ = |r: &mut Request<KeyOf<A>>| try_request(&owner.reach, terms, r);
     let mut guard_a = None;
     if found_a == Found::Absent {
         match try_(&mut a) {
@@ -824,6 +818,23 @@ where
         },
         Err(Ended) => Few2::Ended,
     }
+}
+
+/// One attempt at request `r`'s key on `terms` (`None`: a lease out of
+/// range, not tried); the key stays in `r` if it was not had. Inline, so
+/// that the guard goes from the table's probe into the caller's registers.
+#[inline(always)]
+fn try_request<R: Reach>(
+    reach: &R,
+    terms: Option<Terms>,
+    r: &mut Request<R::Key>,
+) -> Result<R::Guard, ()> {
+    let key = r.key.take().expect("taken once");
+    let tried = match terms {
+        Some(terms) => reach.try_lock_on(r.hash, key, r.mode, terms),
+        None => Err(key),
+    };
+    tried.map_err(|key| r.key = Some(key))
 }
 
 /// What a `lock_all` ends with.
