@@ -14,8 +14,8 @@
 //! never builds it; a query of a set without it scans, and past
 //! [`UNINDEXED_MAX`] keys it is built as they go in, so that a scan stays
 //! short). A slot whose guard is away — a new key being locked, or a held
-//! one being upgraded by a pending call — keeps a clone of the key to be
-//! compared with, and is
+//! one being upgraded by a pending call — keeps a clone of the key (and its
+//! hash) to be compared with in the guard's place, and is
 //! *busy*: a second call for that key fails at once
 //! ([`TransactionError::InFlight`](crate::TransactionError::InFlight))
 //! instead of waiting on its own owner. A call finds its slots again by
@@ -26,8 +26,8 @@
 //!
 //! - `count` is how many grants of the key the transaction has been given
 //!   (re-entries included); it is 0 only while a new key is in flight.
-//! - `guard` is `None` only while `busy`; `name` is `Some` exactly when
-//!   `guard` is `None`.
+//! - A slot has its guard, or, only while `busy`, the key's clone and hash
+//!   in its place (`Body::Away`): exactly one of the two.
 //! - User code (`Eq`, `Clone`, `Drop` of keys) runs in a method only before
 //!   it changes anything, and nothing is dropped inside: what leaves the set
 //!   is returned to the caller, to drop after releasing any lock it holds.
@@ -100,39 +100,127 @@ const INLINE: usize = 2;
 const INITIAL_CAPACITY: usize = LINEAR_MAX - INLINE;
 
 /// One held (or in-flight) key; see the module's invariants.
+///
+/// Kept to seven words (for a key of one word), so that a transaction,
+/// which keeps two slots in place, stays small enough to move cheaply
+/// (`commit` takes it by value): the hash is the guard's own (the table's
+/// hash of the key), or kept beside the key's clone while the guard is
+/// away, and the busy mark is the count's top bit.
 #[derive(Debug)]
 pub(crate) struct Slot<G, K> {
-    hash: u64,
     id: u64,
-    count: usize,
-    guard: Option<G>,
-    name: Option<K>,
-    busy: bool,
+    /// The count, and [`BUSY`] while a pending call has the slot.
+    word: usize,
+    body: Body<G, K>,
 }
+
+/// A slot's guard, or, while a pending call has it away, the key's clone
+/// and hash (exactly one of them: see the module's invariants).
+#[derive(Debug)]
+enum Body<G, K> {
+    Guard(G),
+    Away { hash: u64, name: K },
+}
+
+/// The busy mark in [`Slot::word`].
+const BUSY: usize = 1 << (usize::BITS - 1);
 
 impl<G: GuardOps<Key = K>, K> Slot<G, K> {
     fn is<Q: Eq + ?Sized>(&self, key: &Q) -> bool
     where
         K: Borrow<Q>,
     {
-        match (&self.guard, &self.name) {
-            (Some(guard), _) => guard.key().borrow() == key,
-            (None, Some(name)) => name.borrow() == key,
-            (None, None) => false,
+        match &self.body {
+            Body::Guard(guard) => guard.key().borrow() == key,
+            Body::Away { name, .. } => name.borrow() == key,
         }
     }
 
-    pub(crate) fn count(&self) -> usize {
-        self.count
+    #[inline(always)]
+    fn hash(&self) -> u64 {
+        match &self.body {
+            Body::Guard(guard) => guard.hash(),
+            Body::Away { hash, .. } => *hash,
+        }
     }
 
+    #[inline]
+    pub(crate) fn count(&self) -> usize {
+        self.word & !BUSY
+    }
+
+    #[inline]
+    fn set_count(&mut self, count: usize) {
+        debug_assert!(count & BUSY == 0, "a count that fits");
+        self.word = (self.word & BUSY) | count;
+    }
+
+    #[inline]
+    fn busy(&self) -> bool {
+        self.word & BUSY != 0
+    }
+
+    #[inline]
+    fn set_busy(&mut self, busy: bool) {
+        self.word = if busy {
+            self.word | BUSY
+        } else {
+            self.word & !BUSY
+        };
+    }
+
+    #[inline]
     pub(crate) fn guard(&self) -> Option<&G> {
-        self.guard.as_ref()
+        match &self.body {
+            Body::Guard(guard) => Some(guard),
+            Body::Away { .. } => None,
+        }
+    }
+
+    fn name(&self) -> Option<&K> {
+        match &self.body {
+            Body::Guard(_) => None,
+            Body::Away { name, .. } => Some(name),
+        }
+    }
+
+    /// Takes the guard out, leaving `name` (a clone of its key) in its
+    /// place (the caller saw the guard there).
+    fn take_guard(&mut self, name: K) -> G {
+        let hash = self.hash();
+        match std::mem::replace(&mut self.body, Body::Away { hash, name }) {
+            Body::Guard(guard) => guard,
+            Body::Away { .. } => unreachable!("the caller saw the guard"),
+        }
+    }
+
+    /// Puts `guard` in; returns the key's clone that kept its place, if
+    /// any. A slot that has a guard already keeps it, and `guard` comes
+    /// back.
+    fn put_guard(&mut self, guard: G) -> Result<Option<K>, G> {
+        if let Body::Guard(_) = self.body {
+            return Err(guard);
+        }
+        match std::mem::replace(&mut self.body, Body::Guard(guard)) {
+            Body::Away { name, .. } => Ok(Some(name)),
+            Body::Guard(_) => unreachable!("checked above"),
+        }
     }
 
     /// The slot's guard, taken out (the slot drops without releasing it).
-    pub(crate) fn into_guard(mut self) -> Option<G> {
-        self.guard.take()
+    pub(crate) fn into_guard(self) -> Option<G> {
+        match self.body {
+            Body::Guard(guard) => Some(guard),
+            Body::Away { .. } => None,
+        }
+    }
+
+    /// The key's clone, if the guard is away.
+    fn into_name(self) -> Option<K> {
+        match self.body {
+            Body::Guard(_) => None,
+            Body::Away { name, .. } => Some(name),
+        }
     }
 }
 
@@ -180,7 +268,7 @@ pub(crate) struct HeldSet<G, K> {
     /// [`LINEAR_MAX`] of them and a lookup that may change the set asked
     /// ([`index_if_large`](Self::index_if_large)); `None` until then (a
     /// lookup scans). When `Some`, it indexes every slot.
-    index: Option<HashTable<usize>>,
+    index: Option<Box<HashTable<usize>>>,
     next_id: u64,
     /// How many slots have a count above zero.
     held: usize,
@@ -234,7 +322,9 @@ impl<G, K> HeldSet<G, K> {
     pub(crate) fn owns_nothing(&self) -> bool {
         self.slots.is_empty() && !self.slots.spilled() && self.index.is_none()
     }
+}
 
+impl<G: GuardOps<Key = K>, K> HeldSet<G, K> {
     /// The position of the slot with `hash` that `is` accepts.
     #[inline]
     fn position(&self, hash: u64, mut is: impl FnMut(&Slot<G, K>) -> bool) -> Option<usize> {
@@ -245,7 +335,7 @@ impl<G, K> HeldSet<G, K> {
                 // key only on a match.
                 self.slots
                     .iter()
-                    .position(|slot| slot.hash == hash && is(slot))
+                    .position(|slot| slot.hash() == hash && is(slot))
             }
             Some(index) => index.find(hash, |&at| is(&self.slots[at])).copied(),
         }
@@ -271,7 +361,7 @@ impl<G, K> HeldSet<G, K> {
     fn push_slow(&mut self, slot: Slot<G, K>) {
         self.version += 1;
         let at = self.slots.len();
-        let hash = slot.hash;
+        let hash = slot.hash();
         if self.slots.len() == INLINE && !self.slots.spilled() {
             // Past the inline slots: room for the rest of the linear scan's
             // keys at once, not growth a few at a time.
@@ -283,7 +373,7 @@ impl<G, K> HeldSet<G, K> {
         // the set has grown past what a query may scan.
         match &mut self.index {
             Some(index) => {
-                index.insert_unique(hash, at, |&i| slots[i].hash);
+                index.insert_unique(hash, at, |&i| slots[i].hash());
             }
             None if slots.len() > UNINDEXED_MAX => self.build_index(),
             None => {}
@@ -309,9 +399,9 @@ impl<G, K> HeldSet<G, K> {
         // more go in.
         let mut index = HashTable::with_capacity(slots.capacity().max(slots.len() * 2));
         for (i, slot) in slots.iter().enumerate() {
-            index.insert_unique(slot.hash, i, |&i| slots[i].hash);
+            index.insert_unique(slot.hash(), i, |&i| slots[i].hash());
         }
-        self.index = Some(index);
+        self.index = Some(Box::new(index));
     }
 
     /// Removes the slot at `at` (no user code runs; the slot is returned,
@@ -321,12 +411,12 @@ impl<G, K> HeldSet<G, K> {
         let last = self.slots.len() - 1;
         if let Some(index) = &mut self.index {
             let slots = &self.slots;
-            if let Ok(entry) = index.find_entry(slots[at].hash, |&i| i == at) {
+            if let Ok(entry) = index.find_entry(slots[at].hash(), |&i| i == at) {
                 entry.remove();
             }
             if at != last {
                 // The last slot moves into `at`.
-                if let Some(moved) = index.find_mut(slots[last].hash, |&i| i == last) {
+                if let Some(moved) = index.find_mut(slots[last].hash(), |&i| i == last) {
                     *moved = at;
                 }
             }
@@ -355,7 +445,7 @@ impl<G: GuardOps<Key = K>, K: Eq> HeldSet<G, K> {
             || self
                 .slots
                 .iter()
-                .any(|slot| !slot.busy && slot.guard.as_ref().is_some_and(G::is_awaited))
+                .any(|slot| !slot.busy() && slot.guard().is_some_and(G::is_awaited))
     }
 
     /// How many keys the transaction holds (a key being upgraded counts, a
@@ -369,13 +459,13 @@ impl<G: GuardOps<Key = K>, K: Eq> HeldSet<G, K> {
         K: Borrow<Q>,
     {
         let at = self.position(hash, |slot| slot.is(key))?;
-        Some(&self.slots[at]).filter(|slot| slot.count > 0)
+        Some(&self.slots[at]).filter(|slot| slot.count() > 0)
     }
 
     /// The clone of the key a call has in flight in slot `id`.
     pub(crate) fn name(&self, hash: u64, id: u64) -> Option<&K> {
         let at = self.position(hash, |slot| slot.id == id)?;
-        self.slots[at].name.as_ref()
+        self.slots[at].name()
     }
 
     /// Makes room for `additional` more keys (a `lock_all`).
@@ -383,13 +473,13 @@ impl<G: GuardOps<Key = K>, K: Eq> HeldSet<G, K> {
         self.slots.reserve(additional);
         if let Some(index) = &mut self.index {
             let slots = &self.slots;
-            index.reserve(additional, |&i| slots[i].hash);
+            index.reserve(additional, |&i| slots[i].hash());
         }
     }
 
     /// The guards held now (not those a pending call has away).
     pub(crate) fn guards(&self) -> impl Iterator<Item = &G> {
-        self.slots.iter().filter_map(|slot| slot.guard.as_ref())
+        self.slots.iter().filter_map(Slot::guard)
     }
 
     /// The set's version (see the field): a fast path looks, takes keys on
@@ -413,8 +503,8 @@ impl<G: GuardOps<Key = K>, K: Eq> HeldSet<G, K> {
             return Found::Absent;
         };
         let slot = &self.slots[at];
-        match slot.guard.as_ref() {
-            Some(guard) if !slot.busy && guard.mode().covers(mode) => Found::Covered { at },
+        match slot.guard() {
+            Some(guard) if !slot.busy() && guard.mode().covers(mode) => Found::Covered { at },
             _ => Found::Other,
         }
     }
@@ -424,12 +514,13 @@ impl<G: GuardOps<Key = K>, K: Eq> HeldSet<G, K> {
     #[inline]
     pub(crate) fn reenter(&mut self, at: usize) -> Acquired {
         let slot = &mut self.slots[at];
-        slot.count += 1;
-        let guard = slot.guard.as_ref().expect("covered: held, not busy");
+        let count = slot.count() + 1;
+        slot.set_count(count);
+        let guard = slot.guard().expect("covered: held, not busy");
         Acquired {
             token: guard.token(),
             mode: guard.mode(),
-            count: slot.count,
+            count,
             kind: AcquireKind::Reentered,
         }
     }
@@ -446,13 +537,11 @@ impl<G: GuardOps<Key = K>, K: Eq> HeldSet<G, K> {
         let id = self.next_id;
         self.next_id += 1;
         self.held += 1;
+        debug_assert_eq!(hash, guard.hash());
         self.push(Slot {
-            hash,
             id,
-            count: 1,
-            guard: Some(guard),
-            name: None,
-            busy: false,
+            word: 1,
+            body: Body::Guard(guard),
         });
         acquired
     }
@@ -480,30 +569,27 @@ impl<G: GuardOps<Key = K>, K: Eq> HeldSet<G, K> {
             let id = self.next_id;
             self.next_id += 1;
             self.push(Slot {
-                hash,
                 id,
-                count: 0,
-                guard: None,
-                name: Some(name),
-                busy: true,
+                word: BUSY,
+                body: Body::Away { hash, name },
             });
             return Ok(Begin::New { id });
         };
         let slot = &mut self.slots[at];
-        let Some(guard) = slot.guard.as_ref().filter(|_| !slot.busy) else {
+        let Some(guard) = slot.guard().filter(|_| !slot.busy()) else {
             return Err(Busy);
         };
         if guard.mode().covers(mode) {
             let acquired = Acquired {
                 token: guard.token(),
                 mode: guard.mode(),
-                count: slot.count + 1,
+                count: slot.count() + 1,
                 kind: AcquireKind::Reentered,
             };
             if reenter {
-                slot.count += 1;
+                slot.set_count(acquired.count);
             } else {
-                slot.busy = true;
+                slot.set_busy(true);
                 self.version += 1;
             }
             return Ok(Begin::Covered {
@@ -512,10 +598,9 @@ impl<G: GuardOps<Key = K>, K: Eq> HeldSet<G, K> {
             });
         }
         let name = key.clone();
-        slot.name = Some(name);
-        slot.busy = true;
+        slot.set_busy(true);
         self.version += 1;
-        let guard = slot.guard.take().expect("checked above");
+        let guard = slot.take_guard(name);
         Ok(Begin::Upgrade { id: slot.id, guard })
     }
 
@@ -537,25 +622,32 @@ impl<G: GuardOps<Key = K>, K: Eq> HeldSet<G, K> {
         };
         self.version += 1;
         let slot = &mut self.slots[at];
-        if let Some(guard) = guard {
-            slot.guard = Some(guard);
-        }
-        let Some(held) = slot.guard.as_ref() else {
+        let name = match guard {
+            Some(guard) => match slot.put_guard(guard) {
+                Ok(name) => name,
+                // A guard for a slot that has its own: never made.
+                Err(guard) => return Err(Some(guard)),
+            },
+            None => None,
+        };
+        let Some(held) = slot.guard() else {
             // A new key settled without its guard: not a success after all.
             return Err(None);
         };
-        if slot.count == 0 {
+        let (token, held_mode) = (held.token(), held.mode());
+        let count = slot.count() + 1;
+        if count == 1 {
             self.held += 1;
         }
-        slot.count += 1;
-        slot.busy = false;
+        slot.set_count(count);
+        slot.set_busy(false);
         let acquired = Acquired {
-            token: held.token(),
-            mode: held.mode(),
-            count: slot.count,
+            token,
+            mode: held_mode,
+            count,
             kind,
         };
-        Ok((acquired, slot.name.take()))
+        Ok((acquired, name))
     }
 
     /// Ends a call's claim on slot `id` without taking anything: a key held
@@ -573,21 +665,29 @@ impl<G: GuardOps<Key = K>, K: Eq> HeldSet<G, K> {
         let Some(at) = self.position(hash, |slot| slot.id == id) else {
             return (None, guard);
         };
-        if self.slots[at].count == 0 {
+        if self.slots[at].count() == 0 {
             let slot = self.remove(at);
-            return (slot.name, guard);
+            return (slot.into_name(), guard);
         }
         self.version += 1;
         let slot = &mut self.slots[at];
-        slot.busy = false;
-        let rest = match guard {
-            Some(guard) if slot.guard.is_none() => {
-                slot.guard = Some(guard);
-                None
+        slot.set_busy(false);
+        match guard {
+            Some(guard) => match slot.put_guard(guard) {
+                Ok(name) => (name, None),
+                // The slot kept its own guard (a covered key's claim).
+                Err(guard) => (None, Some(guard)),
+            },
+            None if slot.guard().is_some() => (None, None),
+            None => {
+                // A held key whose guard the call did not give back (a
+                // call gives back what it took, so this is not met): the
+                // key is not held any more, and its slot goes.
+                let slot = self.remove(at);
+                self.held -= 1;
+                (slot.into_name(), None)
             }
-            rest => rest,
-        };
-        (slot.name.take(), rest)
+        }
     }
 
     /// Takes back one grant of `key`: returns the count left and, at zero,
@@ -607,16 +707,17 @@ impl<G: GuardOps<Key = K>, K: Eq> HeldSet<G, K> {
             return Err(NotReleased::NotHeld);
         };
         let slot = &mut self.slots[at];
-        if slot.busy {
-            return Err(if slot.count == 0 {
+        if slot.busy() {
+            return Err(if slot.count() == 0 {
                 NotReleased::NotHeld
             } else {
                 NotReleased::Busy
             });
         }
-        slot.count = if all { 0 } else { slot.count - 1 };
-        if slot.count > 0 {
-            return Ok((slot.count, None));
+        let count = if all { 0 } else { slot.count() - 1 };
+        slot.set_count(count);
+        if count > 0 {
+            return Ok((count, None));
         }
         let slot = self.remove(at);
         self.held -= 1;
@@ -646,7 +747,9 @@ where
     set.index = None;
     set.version += 1;
     for slot in set.slots.drain(..) {
-        let Some(guard) = slot.guard else { continue };
+        let Some(guard) = slot.into_guard() else {
+            continue;
+        };
         // A live grant is released in one visit, its key not copied; a lost
         // one comes back, is named (the first only: its grant keeps the
         // table's copy of the key alive) and released as lost.
@@ -673,3 +776,18 @@ pub(crate) fn lost_to_result<K>(
 
 // No `Drop`: a `Vec` drops every slot even if one's drop panics (a key's
 // `Drop`, a waker), so every key is released.
+
+#[cfg(all(test, not(loom)))]
+mod tests {
+    /// A transaction is moved by value into `commit`, and the caller's copy
+    /// is a `memcpy` of the whole handle (it was borrowed by the calls
+    /// before, so the move is not elided): up to 256 bytes that copy takes
+    /// about 30 instructions, past it about 65 (glibc's AVX copy). Two
+    /// slots in place are most of the handle.
+    #[test]
+    fn a_transaction_of_one_word_keys_is_at_most_256_bytes() {
+        type G = crate::table::guard::Guard<'static, u64>;
+        assert_eq!(std::mem::size_of::<super::Slot<G, u64>>(), 56);
+        assert!(std::mem::size_of::<crate::Transaction<'static, u64>>() <= 256);
+    }
+}

@@ -205,10 +205,9 @@ impl<K: Eq + Hash, S: BuildHasher> LockTable<K, S> {
     /// ```
     #[inline]
     pub fn transaction_with(&self, opts: TransactionOptions) -> Transaction<'_, K, S> {
+        let name = opts.label_name();
         let opts = opts.resolve(self.clock());
-        let label = opts
-            .label
-            .map(|label| self.labels().register(opts.id.get(), label));
+        let label = name.map(|label| self.labels().register(opts.id.get(), label));
         Transaction {
             owner: Owner::new(self, opts, label),
             set: HeldSet::default(),
@@ -250,10 +249,9 @@ impl<K: Eq + Hash, S: BuildHasher> LockTable<K, S> {
         K: 'static,
         S: 'static,
     {
+        let name = opts.label_name();
         let opts = opts.resolve(self.clock());
-        let label = opts
-            .label
-            .map(|label| self.labels().register(opts.id.get(), label));
+        let label = name.map(|label| self.labels().register(opts.id.get(), label));
         OwnedTransaction {
             shared: Arc::new(Shared::new(Owner::new(Pinned::new(self), opts, label))),
         }

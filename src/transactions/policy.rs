@@ -188,7 +188,6 @@ impl TransactionOptions {
             lease: self.lease,
             wait: self.wait,
             id: TransactionId::next(),
-            label: self.label,
         }
     }
 }
@@ -201,8 +200,6 @@ pub(crate) struct Resolved {
     pub(crate) wait: WaitPolicy,
     /// The transaction's identity, which its grants and waiters carry.
     pub(crate) id: TransactionId,
-    /// Its name in the status view, if any.
-    pub(crate) label: Option<&'static str>,
 }
 
 impl Resolved {

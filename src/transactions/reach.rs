@@ -215,6 +215,8 @@ pub(crate) trait GuardOps {
     type Hasher;
 
     fn key(&self) -> &Self::Key;
+    /// The table's hash of the key.
+    fn hash(&self) -> u64;
     fn mode(&self) -> Mode;
     fn token(&self) -> FencingToken;
     fn check(&self) -> Result<FencingToken, LockError>;
@@ -264,6 +266,11 @@ macro_rules! guard_ops {
             #[inline]
             fn key(&self) -> &K {
                 $guard::key(self)
+            }
+
+            #[inline(always)]
+            fn hash(&self) -> u64 {
+                self.held.hash()
             }
 
             #[inline]
