@@ -457,6 +457,35 @@ impl<G: GuardOps<Key = K>, K: Eq> HeldSet<G, K> {
         acquired
     }
 
+    /// [`insert`](Self::insert), for a call that made room for its keys
+    /// first ([`reserve`](Self::reserve)) and puts them in one by one: with
+    /// room on the heap and no index, the slot is written in place (no
+    /// growth to branch around); otherwise it is [`insert`](Self::insert).
+    #[inline(always)]
+    pub(crate) fn insert_reserved(&mut self, hash: u64, guard: G) {
+        let at = self.slots.len();
+        if self.index.is_some()
+            || !self.slots.spilled()
+            || at >= self.slots.capacity()
+            || at >= UNINDEXED_MAX
+        {
+            self.insert(hash, guard);
+            return;
+        }
+        let id = self.next_id;
+        self.next_id += 1;
+        self.held += 1;
+        self.version += 1;
+        self.slots.push(Slot {
+            hash,
+            id,
+            count: 1,
+            guard: Some(guard),
+            name: None,
+            busy: false,
+        });
+    }
+
     /// How many slots the set has (held keys and keys in flight): where
     /// the [`insert`](Self::insert)s of a call that may give them back
     /// start ([`pop_new`](Self::pop_new)).

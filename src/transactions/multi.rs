@@ -735,11 +735,15 @@ where
         set,
     };
     let opts = owner.opts.lock_options(Mode::Shared, policy);
-    let mut items = requests.drain(..).zip(hashes.iter());
-    while let Some(((key, mode), &hash)) = items.next() {
+    let mut items = requests.drain(..);
+    let mut hashes = hashes.iter();
+    while let Some((key, mode)) = items.next() {
+        let Some(&hash) = hashes.next() else {
+            unreachable!("a hash for each request")
+        };
         let key = match owner.reach.try_lock_kept(hash, key, opts.mode(mode)) {
             Ok(guard) => {
-                put.set.insert(hash, guard);
+                put.set.insert_reserved(hash, guard);
                 continue;
             }
             Err(key) => key,
@@ -747,7 +751,7 @@ where
         // Not free at once: the careful way, from nothing.
         let mut careful = Few::with_capacity(n);
         careful.push((key, mode));
-        careful.extend(items.map(|(request, _)| request));
+        careful.extend(items);
         put.give_back(&mut careful);
         *requests = careful;
         return None;
