@@ -675,6 +675,185 @@ fn lock_all_is_all_or_nothing_when_a_key_fails() {
     assert!(table.try_lock_shared("x").is_ok());
 }
 
+/// A hasher that gives a `u64` key its own value as its hash: the table's
+/// canonical order (by hash, then by key) is then the keys' order.
+#[derive(Default)]
+struct ByValue(u64);
+
+impl Hasher for ByValue {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+    fn write(&mut self, bytes: &[u8]) {
+        for &b in bytes {
+            self.0 = self.0.wrapping_mul(31).wrapping_add(u64::from(b));
+        }
+    }
+    fn write_u64(&mut self, n: u64) {
+        self.0 = n;
+    }
+}
+
+type ByValueTable = LockTable<u64, std::hash::BuildHasherDefault<ByValue>>;
+
+/// A borrowed transaction's `lock_all` of free keys takes them in the
+/// caller's order, unsorted; a busy key sends it the careful way. Here the
+/// keys are given out of the canonical order (0 < 1 < ... < 9, the hash
+/// being the key) and 5 is busy: the waiting call must hold exactly the
+/// keys below 5 (it gave back 9 and 7, taken before it met 5, and waits
+/// holding nothing above the key it waits for). A second `lock_all` of the
+/// same keys in the reverse order then waits holding nothing (0 is the
+/// first's). Once 5 is let go both complete, one after the other: no
+/// deadlock, all or nothing.
+#[test]
+fn an_unsorted_lock_all_meeting_a_busy_key_waits_in_the_canonical_order() {
+    let table: ByValueTable = LockTable::builder()
+        .hasher(std::hash::BuildHasherDefault::default())
+        .build();
+    let busy = table.try_lock(5).unwrap();
+    let order = [9u64, 3, 7, 0, 5, 1, 8, 2, 6, 4];
+    let mode = |k: u64| {
+        if k % 3 == 0 {
+            Mode::Exclusive
+        } else {
+            Mode::Shared
+        }
+    };
+    let mut a = table.transaction();
+    let mut b = table.transaction();
+    {
+        let mut first = Box::pin(a.lock_all(order.map(|k| (k, mode(k)))));
+        assert!(poll_once(first.as_mut()).is_pending(), "5 is busy");
+        for k in 0..10 {
+            assert_eq!(table.is_locked(&k), k <= 5, "key {k} while waiting for 5");
+        }
+        let reversed = order.iter().rev().map(|&k| (k, mode(k)));
+        let mut second = Box::pin(b.lock_all(reversed));
+        assert!(poll_once(second.as_mut()).is_pending(), "0 is the first's");
+        for k in 6..10 {
+            assert!(
+                !table.is_locked(&k),
+                "the second holds nothing: {k} is free"
+            );
+        }
+        drop(busy);
+        let Poll::Ready(got) = poll_once(first.as_mut()) else {
+            panic!("5 was handed to the first")
+        };
+        assert_eq!(got.unwrap().acquired(), 10);
+        assert!(
+            poll_once(second.as_mut()).is_pending(),
+            "the first holds all"
+        );
+        drop(first);
+        a.commit().unwrap();
+        let Poll::Ready(got) = poll_once(second.as_mut()) else {
+            panic!("the first committed")
+        };
+        assert_eq!(got.unwrap().acquired(), 10);
+    }
+    for k in 0..10 {
+        assert_eq!(b.mode(&k), Some(mode(k)));
+        assert_eq!(b.count(&k), 1);
+    }
+    b.commit().unwrap();
+    assert!(table.is_empty());
+}
+
+/// The unsorted way's duplicates: a key asked twice is merged (the
+/// stronger mode wins, counted once), whether its two requests are the
+/// same key or keys whose hashes tie (then the careful way sorts them by
+/// `Ord`); a key whose hash is 0 (the empty mark of the call's set of
+/// hashes) is taken like any other; a busy key under `NoWait` fails the
+/// call and leaves every key it took free.
+#[test]
+fn an_unsorted_lock_all_merges_duplicates_and_is_all_or_nothing() {
+    let table: ByValueTable = LockTable::builder()
+        .hasher(std::hash::BuildHasherDefault::default())
+        .build();
+    let mut txn = table.transaction();
+    let got = block(txn.lock_all([
+        (3, Mode::Shared),
+        (0, Mode::Shared),
+        (1, Mode::Shared),
+        (3, Mode::Exclusive),
+        (2, Mode::Shared),
+        (1, Mode::Shared),
+        (0, Mode::Exclusive),
+    ]))
+    .unwrap();
+    assert_eq!((got.acquired(), got.reentered()), (4, 0));
+    assert_eq!(txn.mode(&3), Some(Mode::Exclusive));
+    assert_eq!(txn.mode(&0), Some(Mode::Exclusive));
+    assert_eq!(txn.mode(&1), Some(Mode::Shared));
+    assert_eq!((txn.count(&3), txn.count(&1), txn.count(&0)), (1, 1, 1));
+    assert_eq!(table.stats().acquisitions, 4);
+    txn.commit().unwrap();
+
+    // Distinct keys whose hashes tie: every key's hash is 7.
+    #[derive(Default)]
+    struct Seven;
+    impl Hasher for Seven {
+        fn finish(&self) -> u64 {
+            7
+        }
+        fn write(&mut self, _: &[u8]) {}
+    }
+    let tied: LockTable<u64, std::hash::BuildHasherDefault<Seven>> = LockTable::builder()
+        .hasher(std::hash::BuildHasherDefault::default())
+        .build();
+    let mut txn = tied.transaction();
+    let got = block(txn.lock_all([
+        (30, Mode::Shared),
+        (10, Mode::Shared),
+        (20, Mode::Exclusive),
+        (10, Mode::Exclusive),
+    ]))
+    .unwrap();
+    assert_eq!(got.acquired(), 3);
+    assert_eq!(txn.mode(&10), Some(Mode::Exclusive));
+    assert_eq!(txn.count(&10), 1);
+    txn.commit().unwrap();
+    assert!(tied.is_empty());
+
+    // NoWait: 6 busy, met after 8, 9 and 1 were taken.
+    let busy = table.try_lock_shared(6).unwrap();
+    let mut txn = table.transaction();
+    let err = block(txn.lock_all_with(
+        [
+            (8, Mode::Shared),
+            (9, Mode::Exclusive),
+            (1, Mode::Shared),
+            (6, Mode::Exclusive),
+            (2, Mode::Shared),
+        ],
+        WaitPolicy::NoWait,
+    ))
+    .unwrap_err();
+    assert!(
+        matches!(err, TransactionError::Busy { key: 6, .. }),
+        "{err:?}"
+    );
+    assert!(txn.is_empty());
+    assert_eq!(table.len(), 1, "only the busy key is held");
+    // The same call once 6 is free takes everything.
+    drop(busy);
+    let got = block(txn.lock_all_with(
+        [
+            (8, Mode::Shared),
+            (9, Mode::Exclusive),
+            (1, Mode::Shared),
+            (6, Mode::Exclusive),
+            (2, Mode::Shared),
+        ],
+        WaitPolicy::NoWait,
+    ))
+    .unwrap();
+    assert_eq!(got.acquired(), 5);
+    drop(txn);
+    assert!(table.is_empty());
+}
+
 /// The state of a scenario for cancellation: a transaction holding `s`
 /// shared and `x` exclusive, others holding some of the keys a `lock_all`
 /// asks for, released one by one at random between polls.
@@ -1406,7 +1585,19 @@ fn a_key_whose_eq_or_hash_panics_strands_nothing() {
         ]));
     }));
     assert!(panicked.is_err());
+    // A fresh transaction's unsorted call: the table's probe for 13 (held
+    // by `txn`) panics after 20..=29 were taken; they are given back.
+    let mut fresh = table.transaction();
+    let panicked = catch_unwind(AssertUnwindSafe(|| {
+        let reqs = (20..30)
+            .map(|i| (Hostile(i), Mode::Shared))
+            .chain([(Hostile(13), Mode::Shared)]);
+        let _ = block(fresh.lock_all(reqs));
+    }));
+    assert!(panicked.is_err());
     HOSTILE.store(false, SeqCst);
+    assert!(fresh.is_empty());
+    drop(fresh);
     // Nothing the failed calls claimed stayed, the earlier keys did.
     assert_eq!(txn.len(), 2);
     assert_eq!(txn.mode(&Hostile(13)), Some(Mode::Shared));
