@@ -565,13 +565,11 @@ impl<G: GuardOps<Key = K>, K: Eq> HeldSet<G, K> {
         self.next_id += 1;
         self.held += 1;
         self.version += 1;
+        debug_assert_eq!(hash, guard.hash());
         self.slots.push(Slot {
-            hash,
             id,
-            count: 1,
-            guard: Some(guard),
-            name: None,
-            busy: false,
+            word: 1,
+            body: Body::Guard(guard),
         });
     }
 
@@ -591,10 +589,7 @@ impl<G: GuardOps<Key = K>, K: Eq> HeldSet<G, K> {
     /// no user code runs.
     pub(crate) fn pop_new(&mut self, from: usize) -> Option<Slot<G, K>> {
         let last = self.slots.len().checked_sub(1).filter(|&at| at >= from)?;
-        debug_assert!(
-            self.slots[last].count == 1 && !self.slots[last].busy,
-            "a key the call inserted"
-        );
+        debug_assert!(self.slots[last].word == 1, "a key the call inserted");
         let slot = self.remove(last);
         self.held -= 1;
         Some(slot)
