@@ -55,7 +55,7 @@ mod tests {
     use std::thread;
     use std::time::Duration;
 
-    use keylock::{LockError, LockOptions, LockTable, ManualClock};
+    use keylock::{LockError, LockOptions, LockTable, ManualClock, Mode};
 
     /// How long a test body may run before it is declared hung.
     const WATCHDOG: Duration = Duration::from_secs(20);
@@ -803,6 +803,73 @@ mod tests {
     /// A waiting future is re-polled with a new waker; dropping the waker it
     /// replaces panics. The re-poll may panic, but the future must keep its
     /// registration.
+    #[test]
+    fn a_panicking_wake_in_a_trys_lapse_settlement_releases_the_grant_it_made() {
+        watchdog("wake-panics-in-a-try", || {
+            type Try = fn(&Arc<LockTable<u32>>, u32);
+            // Each way to take a key at once: the try settles the lapsed
+            // holder (waking its loss watcher, which panics) and grants the
+            // key before any guard owns it.
+            let tries: [(&str, Try); 7] = [
+                ("try_lock", |t, k| drop(t.try_lock(k))),
+                ("try_lock_with", |t, k| {
+                    drop(t.try_lock_with(k, LockOptions::new()))
+                }),
+                ("a transaction's lock", |t, k| {
+                    let mut txn = t.transaction();
+                    drop(poll_once(txn.lock(k, Mode::Exclusive)));
+                }),
+                ("a transaction's lock_all of one key", |t, k| {
+                    let mut txn = t.transaction();
+                    drop(poll_once(txn.lock_all([(k, Mode::Exclusive)])));
+                }),
+                ("a transaction's lock_all of two keys", |t, k| {
+                    let mut txn = t.transaction();
+                    drop(poll_once(txn.lock_all([
+                        (k, Mode::Exclusive),
+                        (k + 1000, Mode::Exclusive),
+                    ])));
+                }),
+                ("a transaction's lock_all of three keys", |t, k| {
+                    let mut txn = t.transaction();
+                    let keys = [k + 2000, k, k + 1000].map(|k| (k, Mode::Shared));
+                    drop(poll_once(txn.lock_all(keys)));
+                }),
+                ("an owned transaction's lock", |t, k| {
+                    let txn = Arc::clone(t).transaction_owned();
+                    drop(poll_once(txn.lock(k, Mode::Exclusive)));
+                }),
+            ];
+            for (key, (what, try_it)) in (1..).zip(tries) {
+                let clock = ManualClock::new();
+                let table: Arc<LockTable<u32>> =
+                    Arc::new(LockTable::builder().clock(clock.clone()).build());
+                let holder = table.try_lock_with(key, leased()).expect("free");
+                let watcher = Hostile::new();
+                let waker = watcher.waker();
+                let mut lost = Box::pin(holder.lost());
+                pending(&mut lost, &waker, "the holder's loss watcher");
+                clock.advance(LEASE);
+                watcher.arm_wake_panic();
+                let done = planted_or(what, || try_it(&table, key));
+                assert!(done.is_none(), "{what}: the watcher's wake panicked");
+                assert_eq!(watcher.wake_panics(), 1, "{what}: the lapse was settled");
+                drop(lost);
+                drop(holder);
+                assert_key_free(&table, || key, what);
+                for other in [key + 1000, key + 2000] {
+                    assert_key_free(&table, || other, what);
+                }
+            }
+        });
+    }
+
+    /// Polls `fut` once with a waker that does nothing.
+    fn poll_once<F: Future>(fut: F) -> Poll<F::Output> {
+        let mut fut = std::pin::pin!(fut);
+        fut.as_mut().poll(&mut Context::from_waker(Waker::noop()))
+    }
+
     #[test]
     fn a_panicking_old_waker_drop_on_repoll_keeps_the_registration() {
         watchdog("old-waker-drop-panics", || {

@@ -1192,7 +1192,10 @@ where
                 drop(state);
                 (Some(grant), key)
             }
-            Err(index) => (self.try_acquire_busy(shard, state, index, mode, terms), key),
+            Err(index) => (
+                self.try_acquire_busy(shard, state, hash, index, mode, terms),
+                key,
+            ),
         }
     }
 
@@ -1204,6 +1207,7 @@ where
         &self,
         shard: &Shard<K>,
         state: impl DerefMut<Target = ShardState<K>>,
+        hash: u64,
         index: Index,
         mode: Mode,
         terms: Terms,
@@ -1216,8 +1220,22 @@ where
             state.try_acquire_busy(index, mode, terms, self.fairness, &mut ctx)
         };
         drop(state);
+        let Some(grant) = grant else {
+            left.flush();
+            return None;
+        };
+        // The wakes left (a lapsed holder's loss watchers, say) are user
+        // code: if one panics, the grant, not yet any guard's, is released
+        // as the panic unwinds, not stranded.
+        let undo = ReleaseOnUnwind {
+            table: self,
+            hash,
+            key: grant.key,
+            token: grant.token,
+        };
         left.flush();
-        grant
+        std::mem::forget(undo);
+        Some(grant)
     }
 
     /// Blocks the current thread until `key` is free and takes it.
@@ -1873,5 +1891,21 @@ fn terms_of<K, S>(table: &LockTable<K, S>, lease: Option<Duration>, opts: &LockO
     Terms {
         lease: PackedDuration::pack(lease),
         owner: table.owner_for(opts),
+    }
+}
+
+/// Releases a grant that no guard owns yet if dropped (by a panic in
+/// [`LockTable::try_acquire_busy`]'s wakes); forgotten once the grant is
+/// handed on.
+struct ReleaseOnUnwind<'a, K, S> {
+    table: &'a LockTable<K, S>,
+    hash: u64,
+    key: KeyPtr<K>,
+    token: FencingToken,
+}
+
+impl<K, S> Drop for ReleaseOnUnwind<'_, K, S> {
+    fn drop(&mut self) {
+        self.table.release(self.hash, self.key, self.token);
     }
 }
