@@ -817,19 +817,16 @@ fn an_unsorted_lock_all_merges_duplicates_and_is_all_or_nothing() {
     assert!(tied.is_empty());
 
     // NoWait: 6 busy, met after 8, 9 and 1 were taken.
+    let keys = [
+        (8, Mode::Shared),
+        (9, Mode::Exclusive),
+        (1, Mode::Shared),
+        (6, Mode::Exclusive),
+        (2, Mode::Shared),
+    ];
     let busy = table.try_lock_shared(6).unwrap();
     let mut txn = table.transaction();
-    let err = block(txn.lock_all_with(
-        [
-            (8, Mode::Shared),
-            (9, Mode::Exclusive),
-            (1, Mode::Shared),
-            (6, Mode::Exclusive),
-            (2, Mode::Shared),
-        ],
-        WaitPolicy::NoWait,
-    ))
-    .unwrap_err();
+    let err = block(txn.lock_all_with(keys, WaitPolicy::NoWait)).unwrap_err();
     assert!(
         matches!(err, TransactionError::Busy { key: 6, .. }),
         "{err:?}"
@@ -838,17 +835,7 @@ fn an_unsorted_lock_all_merges_duplicates_and_is_all_or_nothing() {
     assert_eq!(table.len(), 1, "only the busy key is held");
     // The same call once 6 is free takes everything.
     drop(busy);
-    let got = block(txn.lock_all_with(
-        [
-            (8, Mode::Shared),
-            (9, Mode::Exclusive),
-            (1, Mode::Shared),
-            (6, Mode::Exclusive),
-            (2, Mode::Shared),
-        ],
-        WaitPolicy::NoWait,
-    ))
-    .unwrap();
+    let got = block(txn.lock_all_with(keys, WaitPolicy::NoWait)).unwrap();
     assert_eq!(got.acquired(), 5);
     drop(txn);
     assert!(table.is_empty());
