@@ -183,8 +183,6 @@ where
     } else {
         lock_fast_leaving(access, hash, key, mode, policy)
     };
-    // Dropped in place at the block's end (a `drop(left)` would move,
-    // and so copy, the whole record first).
     let (tried, mut key) = match fast {
         Fast::Done(acquired) => return Ok(Ok(acquired)),
         // Not free at once (or options the wait will report): the
