@@ -153,12 +153,6 @@ pub(crate) trait Access {
 
     fn owner(&self) -> &Owner<Self::R>;
 
-    /// The owner and the set at once, for a call that has the transaction
-    /// to itself (the borrowed form, [`SOLE`](Self::SOLE)): `None` in the
-    /// owned form, whose set is reached only through
-    /// [`with`](Self::with).
-    fn sole(&mut self) -> Option<Sole<'_, Self::R>>;
-
     /// Runs `f` on the set of keys, unless the transaction has ended.
     fn with<T>(&mut self, f: impl FnOnce(&mut SetOf<Self::R>) -> T) -> Result<T, Ended>;
 
@@ -202,9 +196,6 @@ pub(crate) trait Access {
     fn pend(&mut self, pending: &Arc<PendingOf<Self::R>>) -> Result<(), Ended>;
 }
 
-/// What [`Access::sole`] gives: the owner and its set, at once.
-pub(crate) type Sole<'a, R> = (&'a Owner<R>, &'a mut SetOf<R>);
-
 /// The table lock future of an owner's calls.
 pub(crate) type LockOf<A> = <<A as Access>::R as Reach>::Lock;
 
@@ -241,11 +232,6 @@ impl<R: Reach> Access for Direct<'_, R> {
     #[inline]
     fn owner(&self) -> &Owner<R> {
         self.owner
-    }
-
-    #[inline]
-    fn sole(&mut self) -> Option<Sole<'_, R>> {
-        Some((self.owner, self.set))
     }
 
     #[inline]
@@ -443,11 +429,6 @@ impl<R: Reach> Access for Arc<Shared<R>> {
     #[inline]
     fn owner(&self) -> &Owner<R> {
         &self.owner
-    }
-
-    #[inline]
-    fn sole(&mut self) -> Option<Sole<'_, R>> {
-        None
     }
 
     #[inline]

@@ -546,55 +546,6 @@ impl<G: GuardOps<Key = K>, K: Eq> HeldSet<G, K> {
         acquired
     }
 
-    /// [`insert`](Self::insert), for a call that made room for its keys
-    /// first ([`reserve`](Self::reserve)) and puts them in one by one: with
-    /// room on the heap and no index, the slot is written in place (no
-    /// growth to branch around); otherwise it is [`insert`](Self::insert).
-    #[inline(always)]
-    pub(crate) fn insert_reserved(&mut self, hash: u64, guard: G) {
-        let at = self.slots.len();
-        if self.index.is_some()
-            || !self.slots.spilled()
-            || at >= self.slots.capacity()
-            || at >= UNINDEXED_MAX
-        {
-            self.insert(hash, guard);
-            return;
-        }
-        let id = self.next_id;
-        self.next_id += 1;
-        self.held += 1;
-        self.version += 1;
-        debug_assert_eq!(hash, guard.hash());
-        self.slots.push(Slot {
-            id,
-            word: 1,
-            body: Body::Guard(guard),
-        });
-    }
-
-    /// How many slots the set has (held keys and keys in flight): where
-    /// the [`insert`](Self::insert)s of a call that may give them back
-    /// start ([`pop_new`](Self::pop_new)).
-    #[inline]
-    pub(crate) fn slot_count(&self) -> usize {
-        self.slots.len()
-    }
-
-    /// Takes back the last slot if it sits at `from` or past it: a key a
-    /// call put in with [`insert`](Self::insert) (at a
-    /// [`slot_count`](Self::slot_count) of `from` or more, with no other
-    /// change of the set since) and gives back. The slot is returned, to
-    /// drop (its guard releases the key) after any lock the caller holds;
-    /// no user code runs.
-    pub(crate) fn pop_new(&mut self, from: usize) -> Option<Slot<G, K>> {
-        let last = self.slots.len().checked_sub(1).filter(|&at| at >= from)?;
-        debug_assert!(self.slots[last].word == 1, "a key the call inserted");
-        let slot = self.remove(last);
-        self.held -= 1;
-        Some(slot)
-    }
-
     /// Claims `key` for a call asking for `mode`: a covered key is counted
     /// at once if `reenter` (else marked busy until the call settles); a
     /// weaker one gives its guard to be upgraded; an absent one gets an

@@ -13,14 +13,6 @@
 //! taken one by one in that order (keeping the ones already taken), each
 //! waiting at most until the transaction's deadline.
 //!
-//! The borrowed form's call of three keys or more (not skipping) first
-//! tries the cheap way, in the caller's order: when no key is asked twice
-//! or held by the transaction and every key is free at once, it takes them
-//! unsorted, straight into the set. A key not free at once makes it give
-//! back what it took and go the way above, from nothing; it never waits
-//! holding a key taken out of order (`take_loose` says why that keeps the
-//! argument below).
-//!
 //! # Why it does not deadlock
 //!
 //! Say a transaction is *ascending* if each of its waits is for a key not
@@ -68,7 +60,7 @@ use crate::transactions::access::{
 };
 use crate::transactions::access::{GuardOf, KeyOf};
 use crate::transactions::error::TransactionError;
-use crate::transactions::held::{AcquireKind, Begin, Found, HeldSet};
+use crate::transactions::held::{AcquireKind, Begin, Found};
 use crate::transactions::pending::{CancelOnDrop, Wait, Waited};
 use crate::transactions::policy::WaitPolicy;
 use crate::transactions::reach::{GuardOps, Reach};
@@ -633,14 +625,6 @@ where
                 .map_err(Rest::Claimed),
         };
     }
-    if A::SOLE && policy != WaitPolicy::SkipLocked {
-        if let Some(acquired) = take_loose(access, requests, policy) {
-            return Ok(Now::Counted {
-                acquired,
-                reentered: 0,
-            });
-        }
-    }
     let mut requests = order(&access.owner().reach, requests.drain(..));
     let mut taken: Few<(usize, GuardOf<A>)> = Few::with_capacity(requests.len());
     if A::SOLE {
@@ -658,180 +642,6 @@ where
     claim_all(access, requests, taken, policy)
         .map(Now::Done)
         .map_err(Rest::Claimed)
-}
-
-/// The borrowed form's call of three keys or more, not skipping, when
-/// every key is free: the keys are taken in the caller's order, unsorted,
-/// each tried once on the table and put straight into the set; `Some` of
-/// how many. `None` if a key needs the careful way ([`order`], then
-/// [`take_now`] and the rest), `requests` then holding every request
-/// again:
-///
-/// - a key asked twice (two requests whose hashes are equal, or may be:
-///   see [`Seen`]), or a key the transaction holds or has in flight: found
-///   by a first look at every key, before anything is taken (so the table
-///   counts no grant for it);
-/// - a key not free at once: met while taking them, so every key taken
-///   before it is given back (taken out of the set and released; its
-///   request made again from the guard's key, cloned, and mode) before
-///   the call goes the careful way, from nothing.
-///
-/// Why this keeps the deadlock argument of the module doc: the call never
-/// waits here (a try returns at once, and never barges past a queued
-/// waiter), and it leaves this path either done, holding exactly the keys
-/// the careful way would hold once done, or holding nothing it took here.
-/// So every wait it makes afterwards (on the careful way, or in later
-/// calls) is made holding what the careful way alone would have had: no
-/// wait is made while holding a key taken out of the canonical order.
-/// Others may queue on a key while this call holds it out of order, but a
-/// chain of waits that reaches this call ends there (it runs, it does not
-/// wait), and the key is then kept as the careful way would keep it, or
-/// released.
-///
-/// All or nothing: the keys go into the set one by one, and until the last
-/// is in, a [`PutBack`] takes them back out and releases them if the call
-/// stops (gives up on a key, or a key's `Hash` or `Eq` panics in the
-/// table's probe). The set is the call's own meanwhile (the borrowed
-/// form), and nothing awaits, so no other call, nor the transaction's end,
-/// sees it halfway.
-fn take_loose<A: Access>(
-    access: &mut A,
-    requests: &mut Few<(KeyOf<A>, Mode)>,
-    policy: WaitPolicy,
-) -> Option<usize>
-where
-    KeyOf<A>: Clone,
-{
-    let n = requests.len();
-    let (owner, set) = access.sole()?;
-    let table = owner.reach.table();
-    // The call's set of hashes, then each request's hash: on the stack up
-    // to 64 keys (1.5 KiB, zeroed).
-    let size = Seen::size(n);
-    let mut inline = [0u64; Seen::INLINE + Seen::INLINE / 2];
-    let mut heap;
-    let buffer = if size <= Seen::INLINE {
-        &mut inline[..]
-    } else {
-        heap = vec![0u64; size + n];
-        &mut heap[..]
-    };
-    let (slots, hashes) = buffer.split_at_mut(size);
-    let mut seen = Seen { slots, zero: false };
-    // First every key is looked at, nothing taken: a key asked twice, or
-    // held (or in flight) in the set, sends the call the careful way as it
-    // is. With a set that holds nothing, no key of the call can be held.
-    let vacant = set.is_vacant();
-    for ((key, mode), at) in requests.iter().zip(hashes.iter_mut()) {
-        let hash = table.hash(key);
-        if !seen.first(hash) || !(vacant || set.find(hash, key, *mode) == Found::Absent) {
-            return None;
-        }
-        *at = hash;
-    }
-    // Then each is tried, and put in as it is had.
-    set.reserve(n);
-    let mut put = PutBack {
-        from: set.slot_count(),
-        set,
-    };
-    let opts = owner.opts.lock_options(Mode::Shared, policy);
-    let mut items = requests.drain(..);
-    let mut hashes = hashes.iter();
-    while let Some((key, mode)) = items.next() {
-        let Some(&hash) = hashes.next() else {
-            unreachable!("a hash for each request")
-        };
-        let key = match owner.reach.try_lock_kept(hash, key, opts.mode(mode)) {
-            Ok(guard) => {
-                put.set.insert_reserved(hash, guard);
-                continue;
-            }
-            Err(key) => key,
-        };
-        // Not free at once: the careful way, from nothing.
-        let mut careful = Few::with_capacity(n);
-        careful.push((key, mode));
-        careful.extend(items);
-        put.give_back(&mut careful);
-        *requests = careful;
-        return None;
-    }
-    put.from = usize::MAX;
-    Some(n)
-}
-
-/// The keys [`take_loose`] put into the set (from slot `from` on), taken
-/// back out and released when it drops (the call stopped halfway, by a
-/// panic too) unless `from` was moved past the set's end (done).
-struct PutBack<'s, G: GuardOps<Key = K>, K: Eq> {
-    set: &'s mut HeldSet<G, K>,
-    from: usize,
-}
-
-impl<G: GuardOps<Key = K>, K: Eq + Clone> PutBack<'_, G, K> {
-    /// Gives back every key the call took, each pushed onto `requests` as
-    /// asked (the key cloned from its guard, the guard's mode), then
-    /// released. A panicking clone leaves the rest to the drop.
-    fn give_back(&mut self, requests: &mut Few<(K, Mode)>) {
-        while let Some(slot) = self.set.pop_new(self.from) {
-            let guard = slot.into_guard().expect("inserted with its guard");
-            requests.push((guard.key().clone(), guard.mode()));
-        }
-    }
-}
-
-impl<G: GuardOps<Key = K>, K: Eq> Drop for PutBack<'_, G, K> {
-    fn drop(&mut self) {
-        // Each slot dropped as it comes out: its guard releases the key.
-        while self.set.pop_new(self.from).is_some() {}
-    }
-}
-
-/// Whether each of a call's hashes is seen for the first time: an
-/// open-addressing set of the hashes so far, in `slots` (a power of two of
-/// them, zeroed, at least two per key so that probes stay short), no user
-/// code. A probe of more than [`Seen::PROBE_MAX`] slots (a hasher whose
-/// hashes cluster) answers "seen", which only sends the call the careful
-/// way.
-struct Seen<'b> {
-    slots: &'b mut [u64],
-    /// Whether the hash 0 (the empty slot's mark) was seen.
-    zero: bool,
-}
-
-impl Seen<'_> {
-    const PROBE_MAX: usize = 64;
-    /// Up to this many slots live on the stack (64 keys' worth).
-    const INLINE: usize = 128;
-
-    /// How many slots `n` keys need.
-    fn size(n: usize) -> usize {
-        n.saturating_mul(2).next_power_of_two().max(8)
-    }
-
-    /// Records `hash`; whether it was not seen before.
-    #[inline(always)]
-    fn first(&mut self, hash: u64) -> bool {
-        if hash == 0 {
-            return !mem::replace(&mut self.zero, true);
-        }
-        let mask = self.slots.len() - 1;
-        // Fibonacci hashing: the product's high half mixes every bit.
-        let mut at = (hash.wrapping_mul(0x9E37_79B9_7F4A_7C15) >> 32) as usize;
-        for _ in 0..Self::PROBE_MAX {
-            let slot = &mut self.slots[at & mask];
-            if *slot == 0 {
-                *slot = hash;
-                return true;
-            }
-            if *slot == hash {
-                return false;
-            }
-            at = (at & mask) + 1;
-        }
-        false
-    }
 }
 
 /// What [`lock_all_now`] did without waiting.
