@@ -783,8 +783,9 @@ mod tests {
     /// is a `memcpy` of the whole handle (it was borrowed by the calls
     /// before, so the move is not elided): up to 256 bytes that copy takes
     /// about 30 instructions, past it about 65 (glibc's AVX copy). Two
-    /// slots in place are most of the handle.
+    /// slots in place are most of the handle. Sizes of a 64-bit target.
     #[test]
+    #[cfg(target_pointer_width = "64")]
     fn a_transaction_of_one_word_keys_is_at_most_256_bytes() {
         type G = crate::table::guard::Guard<'static, u64>;
         assert_eq!(std::mem::size_of::<super::Slot<G, u64>>(), 56);
