@@ -1088,15 +1088,7 @@ where
         let Ok(lease) = self.leases.resolve(opts.lease_duration()) else {
             return Err(key);
         };
-        debug_assert_eq!(hash, self.hash(&key));
-        match self.try_acquire(hash, key, opts.lock_mode(), terms_of(self, lease, &opts)) {
-            (Some(grant), spare) => {
-                let guard = Guard::new(self, Held::new(hash, grant));
-                drop(spare);
-                Ok(guard)
-            }
-            (None, spare) => Err(spare.expect("kept when not taken")),
-        }
+        self.try_lock_on(hash, key, opts.lock_mode(), terms_of(self, lease, &opts))
     }
 
     /// The terms of an owner's grants (a transaction's: its id, and its
