@@ -442,6 +442,7 @@ fn main() {
         loads.before.push(("bank", load::read()));
         eprintln!("running the bank...");
         let mut report = String::new();
+        let rt = workloads::bank_runtime();
         for &accounts in bank::SHAPES {
             let shape = bank::shape(accounts, cfg.quick);
             report.push_str(&format!("\n#### {accounts} accounts\n\n"));

@@ -223,8 +223,24 @@ impl Outcome {
     }
 }
 
-/// The tokio runtime every workload runs on: multi-thread, two workers.
+/// The tokio runtime W1-W6 run on: multi-thread, two workers, and no I/O
+/// or time driver, as in the floor's harness (which makes no `epoll` call).
+/// None of these workloads uses either driver, and with the I/O driver a
+/// parked worker waits in `epoll_wait` and is woken through an event fd:
+/// every implementation's contended time grows, and the anchors stop
+/// agreeing with the floor's (W6's tokio::Mutex ran 1.20-1.31x the floor's
+/// in three runs with the drivers, 1.08-1.17x without).
 pub(crate) fn runtime() -> Runtime {
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .build()
+        .expect("tokio runtime")
+}
+
+/// The bank's runtime: as [`runtime`], with tokio's drivers (the bank
+/// bounds each run with `tokio::time::timeout`, and its tables keep time
+/// on tokio's clock as a tokio program's would).
+pub(crate) fn bank_runtime() -> Runtime {
     tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
