@@ -105,6 +105,8 @@ mod tests {
     #[test]
     fn on_the_real_clock_a_waiter_shows_when_it_began_to_wait() {
         let table: LockTable<&str> = LockTable::new();
+        // Once the view has been read, every wait is stamped.
+        assert!(table.status().is_empty());
         let guard = table.try_lock("k").unwrap();
         waiter_start_is_shown(&table, guard);
         // Behind a leased holder the wait is stamped under the lock, with
@@ -114,6 +116,43 @@ mod tests {
             .unwrap();
         waiter_start_is_shown(&table, leased);
         assert_eq!(table.len(), 0);
+    }
+
+    #[test]
+    fn a_plain_wait_reads_no_clock_until_the_view_is_first_read() {
+        // Each way of reading the view turns the stamps on.
+        let reads: [fn(&LockTable<&str>) -> bool; 3] = [
+            |t| t.status().len() == 1,
+            |t| t.lock_status("other").is_none(),
+            |t| t.holder("other").is_none(),
+        ];
+        for read in reads {
+            let table: LockTable<&str> = LockTable::new();
+            let guard = table.try_lock("k").unwrap();
+            block(async {
+                let mut early = Box::pin(table.lock("k"));
+                assert!(poll!(early.as_mut()).is_pending());
+                // Read for the first time: the wait that began before is
+                // not stamped (no clock was read for it) ...
+                let status = table.lock_status("k").unwrap();
+                assert_eq!(status.waiters[0].since, None);
+                assert_eq!(status.waiters[0].waited_for, None);
+                drop(early);
+            });
+            let table: LockTable<&str> = LockTable::new();
+            let guard2 = table.try_lock("k").unwrap();
+            assert!(read(&table), "only \"k\" is held");
+            block(async {
+                // ... and once any read has been made, a new one is.
+                let mut late = Box::pin(table.lock("k"));
+                assert!(poll!(late.as_mut()).is_pending());
+                let status = table.lock_status("k").unwrap();
+                assert!(status.waiters[0].since.is_some());
+                assert!(status.waiters[0].waited_for.is_some());
+                drop(late);
+            });
+            drop((guard, guard2));
+        }
     }
 
     fn waiter_start_is_shown(table: &LockTable<&str>, guard: keylock::Guard<'_, &str>) {

@@ -452,7 +452,7 @@ where
                     // taken after the unlock (unless one was taken under
                     // the lock already).
                     let table = self.table.as_deref().expect("present until completion");
-                    waiter.stamp_since(table.clock().wait_stamp());
+                    waiter.stamp_since(table.wait_stamp());
                 }
                 // SAFETY: our own waiter, just linked, armed once.
                 match unsafe { waiter.arm_unlocked(cx.waker().clone()) } {

@@ -145,6 +145,12 @@ pub struct LockTable<K, S = DefaultHashBuilder> {
     /// How errors name a key ([`Builder::name_keys`]); read only when an
     /// error is made.
     key_name: Option<fn(&K) -> Box<str>>,
+    /// Set once the status view is first read: from then on a wait without
+    /// a timeout reads the coarse clock to stamp when it began (the view's
+    /// `since`). Until then it reads no clock: a table whose view nobody
+    /// reads pays nothing for it. A hint, read and written relaxed: a wait
+    /// that links while the view is first read may go unstamped.
+    wait_starts: std::sync::atomic::AtomicBool,
 }
 
 impl<K: Eq + Hash> LockTable<K> {
@@ -403,6 +409,29 @@ impl<K, S> LockTable<K, S> {
     #[inline]
     pub(crate) fn clock(&self) -> &Clock {
         &self.clock
+    }
+
+    /// When a wait without a timeout began, for the status view: the
+    /// coarse clock's reading on the real clock once the view has been read
+    /// (see [`watch_wait_starts`](Self::watch_wait_starts)), else none (no
+    /// clock read).
+    #[inline]
+    pub(crate) fn wait_stamp(&self) -> crate::time::clock::Stamp {
+        if self.wait_starts.load(std::sync::atomic::Ordering::Relaxed) {
+            self.clock.wait_stamp()
+        } else {
+            crate::time::clock::Stamp::NONE
+        }
+    }
+
+    /// The status view is being read: stamp every wait from now on. Written
+    /// once (a load first keeps later readers off the line).
+    #[inline]
+    pub(crate) fn watch_wait_starts(&self) {
+        use std::sync::atomic::Ordering::Relaxed;
+        if !self.wait_starts.load(Relaxed) {
+            self.wait_starts.store(true, Relaxed);
+        }
     }
 
     #[inline]
@@ -1860,6 +1889,7 @@ impl<K, S> Builder<K, S> {
             deadlock_history: self.deadlock_history,
             labels: Labels::new(),
             key_name: self.key_name,
+            wait_starts: std::sync::atomic::AtomicBool::new(false),
         }
     }
 }

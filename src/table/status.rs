@@ -70,10 +70,15 @@ pub struct WaiterStatus {
     pub transaction: Option<TransactionId>,
     /// That transaction's label, if it has one.
     pub label: Option<&'static str>,
-    /// When it started to wait: on the real clock always (to the coarse
-    /// clock's precision, unless the wait has a timeout or deadline); on
-    /// other clocks only for waits with a timeout or deadline (a wait
-    /// without one reads no clock).
+    /// When it started to wait. Known for a wait with a timeout or
+    /// deadline (it reads the clock anyway), and on the real clock for
+    /// every wait that began after the table's status view was first read
+    /// ([`status`](crate::LockTable::status),
+    /// [`lock_status`](crate::LockTable::lock_status) or
+    /// [`holder`](crate::LockTable::holder)), to the coarse clock's
+    /// precision. Until the view is read a wait without a timeout reads no
+    /// clock, so a table nobody inspects pays nothing for this field: read
+    /// the view once at start-up to have every wait stamped.
     pub since: Option<Instant>,
     /// How long it had waited when the view was read (known when `since`
     /// is).
@@ -333,6 +338,7 @@ impl<K: Eq + Hash, S: BuildHasher> LockTable<K, S> {
     where
         K: Clone,
     {
+        self.watch_wait_starts();
         let mut out = Vec::new();
         for index in 0..self.shard_count() {
             let mut raw = Vec::new();
@@ -380,6 +386,7 @@ impl<K: Eq + Hash, S: BuildHasher> LockTable<K, S> {
         K: Borrow<Q>,
         Q: Hash + Eq + ?Sized,
     {
+        self.watch_wait_starts();
         let hash = self.hash(key);
         let raw = self.with_shard(hash, |state, ctx| state.status_of(hash, key, ctx.clock()))?;
         let labels = self.labels().of(ids(&raw));
