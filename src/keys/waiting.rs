@@ -121,11 +121,15 @@ impl<K> ShardState<K> {
     ///
     /// - with no deadline anywhere (no lease on the holder, no timeout or
     ///   deadline on the wait), at once, reading no clock;
-    /// - with a lease on the holder or a timeout or deadline on the wait,
-    ///   only on the real clock and only when the shard's timer already
-    ///   fires by those deadlines (checked), after one clock read that also
-    ///   checks that the holder's lease has not lapsed (a lapse is the
-    ///   general path's to settle).
+    /// - with a lease on the holder and no deadline of its own, only when
+    ///   the shard's timer already fires by the holder's deadline
+    ///   (checked), reading no clock: a lapse, past or to come, is settled
+    ///   by that firing;
+    /// - with a timeout or deadline on the wait, only on the real clock and
+    ///   only when the shard's timer already fires by those deadlines
+    ///   (checked), after one clock read that also checks that the
+    ///   holder's lease has not lapsed (a lapse is the general path's to
+    ///   settle).
     ///
     /// Anything else changes nothing and returns `None`, for
     /// [`acquire_or_enqueue_busy`](Self::acquire_or_enqueue_busy). Both
@@ -150,7 +154,19 @@ impl<K> ShardState<K> {
         }
         let entry = self.entries.get_mut(index);
         let held_until = entry.holders.only()?.deadline;
-        let (start, until, since) = if !held_until.is_some() && !patience.is_timed() {
+        let (start, until, since) = if !patience.is_timed() {
+            // Behind a leased holder, with no deadline of its own: the
+            // shard's timer must fire by the holder's deadline, and it then
+            // settles the lapse, whether the deadline is still ahead or
+            // passed already (a timer due in the past fires as soon as the
+            // shard is unlocked). So no clock is read to ask: a waiter that
+            // comes after a lapse is granted by that firing, not by this
+            // poll.
+            if held_until.is_some()
+                && !(clock.uses_shard_timers() && timer.covers(held_until.to_raw()))
+            {
+                return None;
+            }
             (Stamp::NONE, Stamp::NONE, Stamp::NONE)
         } else {
             if !clock.uses_shard_timers() {
@@ -175,8 +191,7 @@ impl<K> ShardState<K> {
             }
             // When the wait began, for the status view: its own start if
             // timed, else the coarse reading just taken for the holder's
-            // lease, if any (the owner then stamps nothing after
-            // unlocking).
+            // lease (the owner then stamps nothing after unlocking).
             let since = if start.is_some() {
                 start
             } else {
