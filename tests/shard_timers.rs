@@ -155,6 +155,39 @@ mod tests {
         }
     }
 
+    /// A manual clock fires its shard timers only inside `advance`, so a
+    /// timer armed for an instant already past waits for the next one: a
+    /// plain wait behind a holder whose lease lapsed must settle the lapse
+    /// itself and take the key at its first poll, not link behind it and
+    /// count on that timer. Here the timer is left armed in the past by a
+    /// waiter leaving another key, whose holder lapsed unnoticed.
+    #[test]
+    fn a_plain_wait_behind_a_lapsed_holder_takes_the_key_at_once_on_a_manual_clock() {
+        let (clock, table) = table();
+        let held = table.try_lock_with(1, lease(2 * SEC)).unwrap();
+        let _other = table.try_lock_with(2, lease(SEC)).unwrap();
+        let (_, w) = counting();
+        let mut first = Box::pin(table.lock(2));
+        let mut second = Box::pin(table.lock(2));
+        assert!(poll(&mut first, &w).is_pending());
+        assert!(poll(&mut second, &w).is_pending());
+        // Both leases lapse; the firing nudges key 2's head and disarms.
+        clock.advance(2 * SEC);
+        // Key 2's head leaves: the queue is re-covered, for a deadline
+        // already past.
+        drop(first);
+        assert_eq!(clock.armed_shards(), 1, "armed for key 2's lapsed lease");
+        let mut late = Box::pin(table.lock(1));
+        let got = ready(
+            &mut late,
+            &w,
+            "key 1's holder lapsed: taken at the first poll",
+        );
+        assert!(got.token() > held.token());
+        drop(got);
+        drop(second);
+    }
+
     /// The real-clock bug this guards against: a holder renews (its deadline
     /// moves later) after the shard's timer was armed for the old deadline, then
     /// stalls. The timer fires early, finds the lease live, re-arms for the new

@@ -121,10 +121,10 @@ impl<K> ShardState<K> {
     ///
     /// - with no deadline anywhere (no lease on the holder, no timeout or
     ///   deadline on the wait), at once, reading no clock;
-    /// - with a lease on the holder and no deadline of its own, only when
-    ///   the shard's timer already fires by the holder's deadline
-    ///   (checked), reading no clock: a lapse, past or to come, is settled
-    ///   by that firing;
+    /// - with a lease on the holder and no deadline of its own, only on the
+    ///   real clock and only when the shard's timer already fires by the
+    ///   holder's deadline (checked), reading no clock: a lapse, past or to
+    ///   come, is settled by that firing;
     /// - with a timeout or deadline on the wait, only on the real clock and
     ///   only when the shard's timer already fires by those deadlines
     ///   (checked), after one clock read that also checks that the
@@ -158,12 +158,14 @@ impl<K> ShardState<K> {
             // Behind a leased holder, with no deadline of its own: the
             // shard's timer must fire by the holder's deadline, and it then
             // settles the lapse, whether the deadline is still ahead or
-            // passed already (a timer due in the past fires as soon as the
-            // shard is unlocked). So no clock is read to ask: a waiter that
+            // passed already (on the real clock a timer due in the past
+            // fires as soon as the shard is unlocked; a manual clock's only
+            // at its next `advance`, so there the general path settles a
+            // lapse at once). So no clock is read to ask: a waiter that
             // comes after a lapse is granted by that firing, not by this
             // poll.
             if held_until.is_some()
-                && !(clock.uses_shard_timers() && timer.covers(held_until.to_raw()))
+                && !(clock.fires_due_timers_at_once() && timer.covers(held_until.to_raw()))
             {
                 return None;
             }

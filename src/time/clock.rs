@@ -94,6 +94,15 @@ impl Clock {
         }
     }
 
+    /// Whether a shard timer armed for an instant already past fires as
+    /// soon as the shard is unlocked: the real clock's timer thread does; a
+    /// manual clock fires only inside `advance`, so a due timer there waits
+    /// for the next one.
+    #[inline(always)]
+    pub(crate) fn fires_due_timers_at_once(&self) -> bool {
+        matches!(self, Self::Monotonic)
+    }
+
     /// Whether the table's futures take part in tokio's cooperative budget.
     #[inline(always)]
     #[cfg_attr(not(feature = "tokio"), allow(dead_code))]
