@@ -442,7 +442,7 @@ fn main() {
         loads.before.push(("bank", load::read()));
         eprintln!("running the bank...");
         let mut report = String::new();
-        let rt = workloads::bank_runtime();
+        let rt = workloads::runtime_with_drivers();
         for &accounts in bank::SHAPES {
             let shape = bank::shape(accounts, cfg.quick);
             report.push_str(&format!("\n#### {accounts} accounts\n\n"));

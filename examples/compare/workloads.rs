@@ -237,10 +237,11 @@ pub(crate) fn runtime() -> Runtime {
         .expect("tokio runtime")
 }
 
-/// The bank's runtime: as [`runtime`], with tokio's drivers (the bank
-/// bounds each run with `tokio::time::timeout`, and its tables keep time
-/// on tokio's clock as a tokio program's would).
-pub(crate) fn bank_runtime() -> Runtime {
+/// As [`runtime`], with tokio's drivers: for what uses tokio's time (the
+/// bank bounds each run with `tokio::time::timeout` and its tables keep
+/// time on tokio's clock, as a tokio program's would; the showcase's story
+/// sleeps).
+pub(crate) fn runtime_with_drivers() -> Runtime {
     tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
