@@ -448,9 +448,10 @@ where
                 let waiter = self.waiter.get();
                 if !start.is_some() && !waiter.is_stamped() {
                     // When the wait began, for the status view: the coarse
-                    // clock's reading on the real clock (none on others),
-                    // taken after the unlock (unless one was taken under
-                    // the lock already).
+                    // clock's reading on the real clock once the view has
+                    // been read (none before, none on other clocks), taken
+                    // after the unlock (unless one was taken under the
+                    // lock already).
                     let table = self.table.as_deref().expect("present until completion");
                     waiter.stamp_since(table.wait_stamp());
                 }
