@@ -250,6 +250,62 @@ fn main() {
                 black_box(got.expect("granted"));
             }
         }
+        // A transfer that waits: a holder transaction has one of the two
+        // keys; the waiter's `lock_all` of both takes what it can, waits,
+        // is handed the key by the holder's commit, and commits
+        // (`txn2wait`). `guards2wait`: the same with sorted plain guards.
+        "txn2wait" => {
+            // A fixed hasher: the keys' order (by hash) is the same in
+            // every run, so is the count.
+            let table = keylock::LockTable::<u64>::builder()
+                .hasher(foldhash::fast::FixedState::with_seed(7))
+                .build();
+            let mut cx = Context::from_waker(futures::task::noop_waker_ref());
+            for i in 0..n {
+                let (a, b) = (black_box(i & 63), black_box((i & 63) + 64));
+                let mut holder = table.transaction();
+                {
+                    let fut = pin!(holder.lock(b, keylock::Mode::Exclusive));
+                    let Poll::Ready(got) = fut.poll(&mut cx) else {
+                        unreachable!("uncontended")
+                    };
+                    black_box(got.expect("uncontended"));
+                }
+                let mut waiter = table.transaction();
+                {
+                    let keys = [(a, keylock::Mode::Exclusive), (b, keylock::Mode::Exclusive)];
+                    let mut wait = pin!(waiter.lock_all(keys));
+                    assert!(wait.as_mut().poll(&mut cx).is_pending());
+                    holder.commit().expect("no lease");
+                    let Poll::Ready(got) = wait.as_mut().poll(&mut cx) else {
+                        unreachable!("handed the key")
+                    };
+                    black_box(got.expect("granted"));
+                }
+                waiter.commit().expect("no lease");
+            }
+        }
+        "guards2wait" => {
+            let table = keylock::LockTable::<u64>::builder()
+                .hasher(foldhash::fast::FixedState::with_seed(7))
+                .build();
+            let mut cx = Context::from_waker(futures::task::noop_waker_ref());
+            for i in 0..n {
+                let (a, b) = (black_box(i & 63), black_box((i & 63) + 64));
+                let holder = table.try_lock(b).expect("free");
+                let first = pin!(table.lock(a));
+                let Poll::Ready(first) = first.poll(&mut cx) else {
+                    unreachable!("uncontended")
+                };
+                let mut second = pin!(table.lock(b));
+                assert!(second.as_mut().poll(&mut cx).is_pending());
+                drop(holder);
+                let Poll::Ready(second) = second.poll(&mut cx) else {
+                    unreachable!("handed the key")
+                };
+                drop(black_box((second, first)));
+            }
+        }
         // The chain of `benches/owners.rs` (`deadlock/chain8_*`): seven
         // transactions wait in a chain (transaction i holds key i, waits
         // for key i + 1); the timed one waits for key 0 and gives up. With

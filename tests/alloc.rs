@@ -159,7 +159,8 @@ fn a_transactions_contended_lock_all_boxes_its_wait_in_a_small_block() {
             holder.commit().unwrap();
             assert!(all.as_mut().poll(cx).is_ready());
         });
-        // The boxed rest of the call, the name of its wait, and the cell
+        // The boxed rest of the call, the name of its wait (registered
+        // with the deadlock detector: the call holds a key), and the cell
         // its transaction can cancel (its wait and the guards it took, so
         // that a forgotten call keeps nothing once the transaction ended)
         // with the boxed table lock future in it.
@@ -186,6 +187,68 @@ fn a_transactions_contended_lock_all_boxes_its_wait_in_a_small_block() {
     assert!(largest <= SMALL_BLOCK, "a {largest}-byte block");
     txn.commit().unwrap();
     assert_eq!(table.len(), 0);
+}
+
+/// A call that waited frees its wait's cell as it returns, not when its
+/// transaction ends: a transaction that goes on after its calls finished
+/// keeps nothing of them (the cells of forgotten calls alone stay on its
+/// list until it ends).
+#[test]
+fn a_finished_wait_keeps_no_memory_until_the_transaction_ends() {
+    use keylock::Mode;
+    let table: LockTable<u64> = LockTable::new();
+    let cx = &mut Context::from_waker(noop_waker_ref());
+    for round in 0..2 {
+        // One key (`lock`), then two (`lock_all`), each waiting for a
+        // holder that lets go meanwhile.
+        for two in [false, true] {
+            let holder = table.try_lock(2).unwrap();
+            let mut txn = table.transaction();
+            let kept = kept_bytes(|| {
+                if two {
+                    let mut all =
+                        std::pin::pin!(txn.lock_all([(1, Mode::Exclusive), (2, Mode::Exclusive)]));
+                    assert!(all.as_mut().poll(cx).is_pending());
+                    drop(holder);
+                    assert!(all.as_mut().poll(cx).is_ready());
+                } else {
+                    let mut one = std::pin::pin!(txn.lock(2, Mode::Exclusive));
+                    assert!(one.as_mut().poll(cx).is_pending());
+                    drop(holder);
+                    assert!(one.as_mut().poll(cx).is_ready());
+                }
+            });
+            // The first round warms the table up (its entries' room).
+            if round > 0 {
+                assert_eq!(kept, 0, "a finished wait kept memory (two keys: {two})");
+            }
+            txn.commit().unwrap();
+        }
+    }
+    // The owned form's. Its first wait makes room for the waits' wakers
+    // and the keys, which the transaction keeps for what it does next: the
+    // second, the same after the first's keys were released, is measured.
+    let table = Arc::new(table);
+    for round in 0..2 {
+        let txn = Arc::clone(&table).transaction_owned();
+        for measured in [false, true] {
+            let holder = table.try_lock(2).unwrap();
+            let kept = kept_bytes(|| {
+                let mut all =
+                    std::pin::pin!(txn.lock_all([(1, Mode::Exclusive), (2, Mode::Exclusive)]));
+                assert!(all.as_mut().poll(cx).is_pending());
+                drop(holder);
+                assert!(all.as_mut().poll(cx).is_ready());
+            });
+            if round > 0 && measured {
+                assert_eq!(kept, 0, "the owned form's finished wait kept memory");
+            }
+            txn.release(&1).unwrap();
+            txn.release(&2).unwrap();
+        }
+        txn.commit().unwrap();
+    }
+    assert!(table.is_empty());
 }
 
 #[test]

@@ -194,6 +194,12 @@ pub(crate) trait Access {
     /// pending calls (`pending.rs`), which the transaction's end cancels;
     /// `Err` if it has ended.
     fn pend(&mut self, pending: &Arc<PendingOf<Self::R>>) -> Result<(), Ended>;
+
+    /// Takes a call's cell off the list once the call is done with it
+    /// (its wait over, its cell cancelled or emptied), so that a
+    /// transaction whose calls all ended has nothing to cancel when it
+    /// ends. A forgotten call never gets here: its cell stays on the list.
+    fn unpend(&mut self, pending: &Arc<PendingOf<Self::R>>);
 }
 
 /// The table lock future of an owner's calls.
@@ -280,6 +286,11 @@ impl<R: Reach> Access for Direct<'_, R> {
     fn pend(&mut self, pending: &Arc<PendingOf<R>>) -> Result<(), Ended> {
         pending::push(self.pending, pending);
         Ok(())
+    }
+
+    #[inline]
+    fn unpend(&mut self, pending: &Arc<PendingOf<R>>) {
+        drop(pending::remove(self.pending, pending));
     }
 }
 
@@ -508,6 +519,19 @@ impl<R: Reach> Access for Arc<Shared<R>> {
         Ok(())
     }
 
+    fn unpend(&mut self, pending: &Arc<PendingOf<R>>) {
+        let removed = {
+            let mut state = self.lock();
+            // After the end the list is gone (its cells cancelled).
+            if self.ended.load(Ordering::Relaxed) {
+                return;
+            }
+            pending::remove(&mut state.pending, pending)
+        };
+        // The cell (its last reference, perhaps) is freed unlocked.
+        drop(removed);
+    }
+
     fn unwatch(&mut self, slot: usize) {
         let mut state = self.lock();
         if self.ended.load(Ordering::Relaxed) {
@@ -546,7 +570,7 @@ impl<K> From<Stop<K>> for TransactionError<K> {
 /// a key whose `Drop` panics cannot interrupt the call half done.
 pub(crate) struct WaitFor<'k, K> {
     pub(crate) hash: u64,
-    pub(crate) key: &'k Arc<K>,
+    pub(crate) key: &'k K,
     pub(crate) mode: Mode,
     /// What the transaction holds while this call waits.
     pub(crate) holding: Holding,
@@ -642,7 +666,9 @@ where
             // come after it and whose searches follow it through the queue
             // (`deadlock.rs`): it closes no cycle and is not registered.
             if table.detector().is_on() && wait.holding != Holding::Nothing {
-                let key = Arc::clone(wait.key);
+                // The wait's key cell, shared with the registry (its address
+                // is the wait's id): made only for a wait it registers.
+                let key = Arc::new(wait.key.clone());
                 let id = owner.opts.id.get();
                 // Whether anyone may wait for the transaction through a key
                 // it holds: asked once the wait is registered.

@@ -381,6 +381,11 @@ impl<A: Access> Stage<'_, A> {
         record: bool,
     ) -> Result<LockedSet<KeyOf<A>>, TransactionError<KeyOf<A>>> {
         self.done = true;
+        // The cell is empty now (every wait over, every guard back): off
+        // the transaction's list.
+        if let Some(cell) = self.away.take() {
+            self.access.unpend(&cell);
+        }
         let mut entries = mem::take(&mut self.entries);
         let mut out = LockedSet::new(Vec::new());
         debug_assert!(self.upgrading.is_none(), "no wait in flight");
@@ -446,6 +451,7 @@ impl<A: Access> Drop for Stage<'_, A> {
                     self.entries[i].guard = Some(guard);
                 }
             }
+            self.access.unpend(&cell);
         }
         let mut entries = mem::take(&mut self.entries);
         // Outside the set's lock (a downgrade wakes waiters): the upgrades
@@ -1016,90 +1022,106 @@ where
         // them even if this future is forgotten; made at the first wait,
         // cancelled (releasing what it has) if this future is dropped.
         let mut away: Option<CancelOnDrop<LockOf<A>, UpgradingOf<A>, GuardOf<A>>> = None;
-        for i in from..requests.len() {
-            if found[i] != Found::Absent {
-                continue;
-            }
-            let (hash, mode) = (requests[i].hash, requests[i].mode);
-            let key = requests[i].key.take().expect("taken once");
-            let key = match try_now(access, hash, key, mode, policy) {
-                Ok(guard) => {
-                    taken.push((i, guard));
+        let out = 'call: {
+            for i in from..requests.len() {
+                if found[i] != Found::Absent {
                     continue;
                 }
-                Err(key) => key,
-            };
-            // The name for the detector, an error or a skip (the key goes to
-            // the table).
-            let name = Arc::new(key.clone());
-            let lock = access
-                .owner()
-                .reach
-                .lock_with(key, access.owner().opts.lock_options(mode, policy));
-            let cell = match &away {
-                Some(cell) => Arc::clone(&cell.0),
-                None => {
-                    let cell = PendingOf::<A::R>::new();
-                    if access.pend(&cell).is_err() {
-                        return Err(TransactionError::Ended);
+                let (hash, mode) = (requests[i].hash, requests[i].mode);
+                let key = requests[i].key.take().expect("taken once");
+                // Request `from` was found not free just now: it waits at once.
+                let key = if i == from {
+                    key
+                } else {
+                    match try_now(access, hash, key, mode, policy) {
+                        Ok(guard) => {
+                            taken.push((i, guard));
+                            continue;
+                        }
+                        Err(key) => key,
                     }
-                    away = Some(CancelOnDrop(Arc::clone(&cell)));
-                    cell
-                }
-            };
-            // Whether the transaction holds anything, asked before the
-            // guards taken so far go into the cell.
-            let holding = if A::SOLE
-                && taken.is_empty()
-                && access.with(|set| set.holds_nothing()).unwrap_or(false)
-            {
-                Holding::Nothing
-            } else {
-                Holding::Unknown
-            };
-            let stowed = cell.start(Wait::Lock(Box::pin(lock)));
-            if stowed.is_err() || cell.stow_all(mem::take(&mut taken)).is_err() {
-                return Err(TransactionError::Ended);
-            }
-            let wait = WaitFor {
-                hash,
-                key: &name,
-                mode,
-                holding,
-            };
-            let polled = poll_fn(|cx| cell.poll(cx));
-            let waited = wait_unless_ended(&mut *access, wait, pin!(polled)).await;
-            match cell.unstow() {
-                Ok(guards) => taken = guards,
-                Err(_) => return Err(TransactionError::Ended),
-            }
-            match waited {
-                Err(stop) => return Err(stop.into()),
-                Ok(None) => return Err(TransactionError::Ended),
-                Ok(Some(Waited::Granted(guard))) => taken.push((i, guard)),
-                Ok(Some(Waited::Failed(_, error)))
-                    if policy == WaitPolicy::SkipLocked && is_taken(&error) =>
+                };
+                // The name for the detector, an error or a skip (the key goes to
+                // the table).
+                let name = key.clone();
+                let lock = access
+                    .owner()
+                    .reach
+                    .lock_with(key, access.owner().opts.lock_options(mode, policy));
+                let cell = match &away {
+                    Some(cell) => Arc::clone(&cell.0),
+                    None => {
+                        let cell = PendingOf::<A::R>::new();
+                        if access.pend(&cell).is_err() {
+                            break 'call Err(TransactionError::Ended);
+                        }
+                        away = Some(CancelOnDrop(Arc::clone(&cell)));
+                        cell
+                    }
+                };
+                // Whether the transaction holds anything, asked before the
+                // guards taken so far go into the cell.
+                let holding = if A::SOLE
+                    && taken.is_empty()
+                    && access.with(|set| set.holds_nothing()).unwrap_or(false)
                 {
-                    skipped.push(KeyOf::<A>::clone(&name));
+                    Holding::Nothing
+                } else {
+                    Holding::Unknown
+                };
+                let stowed = cell.start(Wait::Lock(Box::pin(lock)));
+                if stowed.is_err() || cell.stow_all(mem::take(&mut taken)).is_err() {
+                    break 'call Err(TransactionError::Ended);
                 }
-                Ok(Some(Waited::Failed(_, error))) => {
-                    return Err(TransactionError::from_lock(
-                        KeyOf::<A>::clone(&name),
-                        mode,
-                        policy.waits(),
-                        error,
-                    ))
+                let wait = WaitFor {
+                    hash,
+                    key: &name,
+                    mode,
+                    holding,
+                };
+                let polled = poll_fn(|cx| cell.poll(cx));
+                let waited = wait_unless_ended(&mut *access, wait, pin!(polled)).await;
+                match cell.unstow() {
+                    Ok(guards) => taken = guards,
+                    Err(_) => break 'call Err(TransactionError::Ended),
+                }
+                match waited {
+                    Err(stop) => break 'call Err(stop.into()),
+                    Ok(None) => break 'call Err(TransactionError::Ended),
+                    Ok(Some(Waited::Granted(guard))) => taken.push((i, guard)),
+                    Ok(Some(Waited::Failed(_, error)))
+                        if policy == WaitPolicy::SkipLocked && is_taken(&error) =>
+                    {
+                        skipped.push(name);
+                    }
+                    Ok(Some(Waited::Failed(_, error))) => {
+                        break 'call Err(TransactionError::from_lock(
+                            name,
+                            mode,
+                            policy.waits(),
+                            error,
+                        ))
+                    }
                 }
             }
+            let record = policy == WaitPolicy::SkipLocked;
+            match put_all(
+                access, &requests, &found, version, &mut taken, skipped, record,
+            ) {
+                Ok(done) => done,
+                // The call has the transaction to itself: its set cannot move.
+                Err(_) => unreachable!("a borrowed transaction's set changed during its call"),
+            }
+        };
+        // Done with the cell (however the call ended, but dropped at an
+        // await): cancelled, which releases whatever it still has, and off
+        // the transaction's list.
+        if let Some(cell) = away.take() {
+            access.unpend(&cell.0);
+            // Cancelled as it drops.
+            drop(cell);
         }
-        let record = policy == WaitPolicy::SkipLocked;
-        match put_all(
-            access, &requests, &found, version, &mut taken, skipped, record,
-        ) {
-            Ok(done) => done,
-            // The call has the transaction to itself: its set cannot move.
-            Err(_) => unreachable!("a borrowed transaction's set changed during its call"),
-        }
+        out
     }
 }
 
@@ -1260,7 +1282,7 @@ where
                         }
                         Err(key) => key,
                     };
-                    let name = Arc::new(key.clone());
+                    let name = key.clone();
                     let lock = stage.access.owner().reach.lock_with(key, opts);
                     let Ok(cell) = stage.stow(Wait::Lock(Box::pin(lock))) else {
                         return Err(TransactionError::Ended);
@@ -1290,10 +1312,10 @@ where
                     let guard = stage.entries[i].guard.take().expect("held");
                     // The caller's key names the wait (never a clone of the
                     // table's: its drop, last, comes after the flag below).
-                    let name = Arc::new(match request.key.take() {
+                    let name = match request.key.take() {
                         Some(key) => key,
                         None => guard.key().clone(),
-                    });
+                    };
                     let wait = WaitFor {
                         hash: request.hash,
                         key: &name,

@@ -13,7 +13,11 @@
 //! for, and the held keys it claimed to upgrade). The call polls the wait
 //! through the cell, puts its guards in before it suspends and takes them
 //! back when it resumes, and, however it stops waiting (done, failed,
-//! dropped), takes itself off the list. A call future that is forgotten
+//! dropped), cancels its cell and takes it off the list (`Access::unpend`;
+//! a `lock_all` dropped at an await leaves its cancelled cell there, for
+//! the next wait or the end to drop), so a transaction whose calls all
+//! ended has nothing to cancel and frees nothing of theirs when it ends.
+//! A call future that is forgotten
 //! (`mem::forget` of its box: safe Rust) never does: its cell stays on the
 //! list, and when the transaction ends (commit, abort, drop) it cancels
 //! every cell still there, dropping what it holds, which does what
@@ -304,6 +308,16 @@ pub(crate) fn cancel_all<L, U, G>(list: PendingList<L, U, G>) {
 pub(crate) fn push<L, U, G>(list: &mut PendingList<L, U, G>, pending: &Arc<Pending<L, U, G>>) {
     list.retain(|p| Arc::strong_count(p) > 1);
     list.push(Arc::clone(pending));
+}
+
+/// Takes `pending` off `list`, if there; returns it, to drop after any
+/// lock the caller holds.
+pub(crate) fn remove<L, U, G>(
+    list: &mut PendingList<L, U, G>,
+    pending: &Arc<Pending<L, U, G>>,
+) -> Option<Arc<Pending<L, U, G>>> {
+    let at = list.iter().position(|p| Arc::ptr_eq(p, pending))?;
+    Some(list.swap_remove(at))
 }
 
 /// The call's hold on its cell: cancels it when dropped (the call's future

@@ -98,6 +98,8 @@ impl<A: Access> Drop for Claim<'_, A> {
                     self.guard = upgraded;
                 }
             }
+            // Done with: off the transaction's list.
+            self.access.unpend(&away);
         }
         if self.settled {
             return;
@@ -272,7 +274,7 @@ async fn wait<A: Access>(
 where
     KeyOf<A>: Clone,
 {
-    let name = Arc::new(key);
+    let name = key;
     if upgrading {
         upgrade(claim, &name, mode, policy).await
     } else {
@@ -284,7 +286,7 @@ where
 /// policy that does not wait, the zero-timeout wait names the holder).
 async fn wait_new<A: Access>(
     mut claim: Claim<'_, A>,
-    name: &Arc<KeyOf<A>>,
+    name: &KeyOf<A>,
     mode: Mode,
     policy: WaitPolicy,
 ) -> Result<Acquired, TransactionError<KeyOf<A>>>
@@ -352,7 +354,7 @@ where
 /// A key held shared, asked exclusive: upgrade its guard.
 async fn upgrade<A: Access>(
     mut claim: Claim<'_, A>,
-    name: &Arc<KeyOf<A>>,
+    name: &KeyOf<A>,
     mode: Mode,
     policy: WaitPolicy,
 ) -> Result<Acquired, TransactionError<KeyOf<A>>>
