@@ -61,7 +61,7 @@ use crate::transactions::access::{
 use crate::transactions::access::{GuardOf, KeyOf};
 use crate::transactions::error::TransactionError;
 use crate::transactions::held::{AcquireKind, Begin, Found};
-use crate::transactions::pending::{CancelOnDrop, Wait, Waited};
+use crate::transactions::pending::{CancelOnDrop, Taken, Wait, Waited};
 use crate::transactions::policy::WaitPolicy;
 use crate::transactions::reach::{GuardOps, Reach};
 use crate::transactions::single;
@@ -626,13 +626,13 @@ where
             } => Err(Rest::Sole(Box::pin(wait_sole(
                 access, requests, found, version, taken, at, policy,
             )))),
-            Few2::Other(requests) => claim_all(access, requests, Few::new(), policy)
+            Few2::Other(requests) => claim_all(access, requests, Taken::new(), policy)
                 .map(Now::Done)
                 .map_err(Rest::Claimed),
         };
     }
     let mut requests = order(&access.owner().reach, requests.drain(..));
-    let mut taken: Few<(usize, GuardOf<A>)> = Few::with_capacity(requests.len());
+    let mut taken: Taken<GuardOf<A>> = Taken::with_capacity(requests.len());
     if A::SOLE {
         let mut found: Few<Found> = Few::with_capacity(requests.len());
         match take_now(access, &mut requests, &mut found, &mut taken, policy) {
@@ -672,7 +672,7 @@ enum Few2<A: Access> {
     Busy {
         requests: Few<Request<KeyOf<A>>>,
         found: Few<Found>,
-        taken: Few<(usize, GuardOf<A>)>,
+        taken: Taken<GuardOf<A>>,
         at: usize,
         version: u64,
     },
@@ -772,7 +772,7 @@ where
                 return Few2::Busy {
                     requests: lists(a, b),
                     found: founds(),
-                    taken: Few::new(),
+                    taken: Taken::new(),
                     at: 0,
                     version,
                 };
@@ -785,7 +785,7 @@ where
         match try_(r) {
             Ok(guard) => guard_b = Some(guard),
             Err(()) => {
-                let mut taken = Few::new();
+                let mut taken = Taken::new();
                 taken.extend(guard_a.map(|guard| (0, guard)));
                 return Few2::Busy {
                     requests: lists(a, b),
@@ -882,7 +882,7 @@ fn take_now<A: Access>(
     access: &mut A,
     requests: &mut Few<Request<KeyOf<A>>>,
     found: &mut Few<Found>,
-    taken: &mut Few<(usize, GuardOf<A>)>,
+    taken: &mut Taken<GuardOf<A>>,
     policy: WaitPolicy,
 ) -> Result<Outcome<A>, Fallback>
 where
@@ -937,7 +937,7 @@ fn put_all<A: Access>(
     requests: &[Request<KeyOf<A>>],
     found: &[Found],
     version: u64,
-    taken: &mut Few<(usize, GuardOf<A>)>,
+    taken: &mut Taken<GuardOf<A>>,
     skipped: Vec<KeyOf<A>>,
     record: bool,
 ) -> Result<Outcome<A>, Fallback>
@@ -1008,7 +1008,7 @@ fn wait_sole<A: Access>(
     mut requests: Few<Request<KeyOf<A>>>,
     found: Few<Found>,
     version: u64,
-    mut taken: Few<(usize, GuardOf<A>)>,
+    mut taken: Taken<GuardOf<A>>,
     from: usize,
     policy: WaitPolicy,
 ) -> impl Future<Output = Outcome<A>> + '_
@@ -1145,7 +1145,7 @@ fn try_now<A: Access>(
 fn claim_all<A: Access>(
     access: &mut A,
     mut requests: Few<Request<KeyOf<A>>>,
-    taken: Few<(usize, GuardOf<A>)>,
+    taken: Taken<GuardOf<A>>,
     policy: WaitPolicy,
 ) -> Result<Outcome<A>, Pin<Box<impl Future<Output = Outcome<A>> + '_>>>
 where

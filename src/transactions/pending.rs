@@ -45,7 +45,6 @@ use std::task::{Context, Poll};
 use crate::error::LockError;
 use crate::support::shard_lock::ShardMutex;
 use crate::support::token::FencingToken;
-use crate::transactions::Few;
 
 /// What a waiting call holds outside its transaction's set, cancellable by
 /// the transaction: `L` a table lock future, `U` an upgrade that owns its
@@ -60,7 +59,7 @@ struct Inner<L, U, G> {
     wait: Option<Wait<L, U>>,
     /// The guards the call stowed before suspending, each with the call's
     /// own index for it.
-    guards: Few<(usize, G)>,
+    guards: Taken<G>,
 }
 
 /// Only the call polls the wait (one poll at a time: the call's future is
@@ -105,7 +104,7 @@ impl<L, U, G> Pending<L, U, G> {
             state: ShardMutex::new(Inner {
                 phase: Phase::Open,
                 wait: None,
-                guards: Few::new(),
+                guards: Taken::new(),
             }),
         })
     }
@@ -137,7 +136,7 @@ impl<L, U, G> Pending<L, U, G> {
     /// [`stow`](Self::stow) of a list, moved in whole when the cell has
     /// none (a call that waits many times with many keys taken moves a
     /// pointer each time, not each guard).
-    pub(crate) fn stow_all(&self, guards: Few<(usize, G)>) -> Result<(), Cancelled> {
+    pub(crate) fn stow_all(&self, guards: Taken<G>) -> Result<(), Cancelled> {
         let mut state = self.state.lock();
         if state.phase == Phase::Cancelled {
             drop(state);
@@ -156,7 +155,7 @@ impl<L, U, G> Pending<L, U, G> {
 
     /// Takes the stowed guards back as the call resumes; `Err` if the cell
     /// was cancelled (they were released).
-    pub(crate) fn unstow(&self) -> Result<Few<(usize, G)>, Cancelled> {
+    pub(crate) fn unstow(&self) -> Result<Taken<G>, Cancelled> {
         let mut state = self.state.lock();
         if state.phase == Phase::Cancelled {
             return Err(Cancelled);
@@ -186,7 +185,7 @@ impl<L, U, G> Pending<L, U, G> {
     pub(crate) fn recover(
         &self,
         undo: impl FnOnce(Pin<&mut U>) -> Option<G>,
-    ) -> Option<(Few<(usize, G)>, Option<G>)> {
+    ) -> Option<(Taken<G>, Option<G>)> {
         let (wait, guards) = {
             let mut state = self.state.lock();
             if state.phase == Phase::Cancelled {
@@ -280,6 +279,12 @@ where
         }
     }
 }
+
+/// The guards a call has taken and not yet put into its transaction's set,
+/// each with the call's index for it: inline up to two (a transfer's), so
+/// that moving the list into a cell and back, as the call suspends and
+/// resumes, copies a few words, not a large inline array.
+pub(crate) type Taken<G> = smallvec::SmallVec<[(usize, G); 2]>;
 
 /// The transaction's list of its calls' cells: one inline (a transaction
 /// rarely has more than one call waiting, or forgotten, at a time), so a
