@@ -199,6 +199,11 @@ fn main() {
         // An audit: 64 keys shared by one `lock_all` + commit (`audit`),
         // against 64 plain shared guards (`audit_guards`).
         "audit" => {
+            // A fixed hasher, as `txn2wait`: the order of the keys by hash,
+            // and where they fall, the same in every run.
+            let table = keylock::LockTable::<u64>::builder()
+                .hasher(foldhash::fast::FixedState::with_seed(7))
+                .build();
             let mut cx = Context::from_waker(futures::task::noop_waker_ref());
             for _ in 0..n {
                 let mut txn = table.transaction();
@@ -214,6 +219,9 @@ fn main() {
             }
         }
         "audit_guards" => {
+            let table = keylock::LockTable::<u64>::builder()
+                .hasher(foldhash::fast::FixedState::with_seed(7))
+                .build();
             let mut guards = Vec::with_capacity(64);
             for _ in 0..n {
                 for k in 0..64u64 {

@@ -402,7 +402,7 @@ fn lock_all_takes_part_in_cycles_and_releases_what_it_took() {
 }
 
 /// Two keys of `table` in the order a `lock_all` takes them (its canonical
-/// order is the table's hash): `(first, second)`, found by a `lock_all`
+/// order, by key): `(first, second)`, found by a `lock_all`
 /// that waits for one of them while the other is free.
 fn lock_all_order(table: &LockTable<u32>, x: u32, y: u32) -> (u32, u32) {
     let blocker = table.try_lock(y).unwrap();

@@ -164,7 +164,7 @@ fn a_waker_that_ends_the_transaction_while_the_call_polls_does_not_spin() {
 }
 
 /// The two keys of a `lock_all` in the order it takes them (its canonical
-/// order is the table's hash, not the caller's): `(first, second)`, found
+/// order, by key, not the caller's): `(first, second)`, found
 /// by a probe on a scratch table of the same hasher that holds the second
 /// and sees whether the first was taken before the wait.
 fn lock_all_order(table: &LockTable<&'static str>) -> (&'static str, &'static str) {

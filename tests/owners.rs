@@ -938,9 +938,9 @@ fn many_lock_all_callers_never_deadlock_threads() {
     check_end(&table, &ex);
 }
 
-/// A hasher that hashes a `u64` to itself, so that the canonical order of
-/// a `lock_all` (the table's hash, then `Ord`) is the keys' order, and a
-/// test can make transactions that take their keys in it.
+/// A hasher that hashes a `u64` to itself: the table's order of hashes is
+/// then the keys' order, which is also `lock_all`'s canonical order (the
+/// keys' `Ord`, whatever the hasher: see `Reversed`).
 #[derive(Default, Clone)]
 struct Identity(u64);
 
@@ -1582,8 +1582,8 @@ mod fuzz_regressions {
     use futures::task::{noop_waker, waker, ArcWake};
     use keylock::{LockTable, Mode, TransactionError};
 
-    /// Hashes a `u64` key to itself, so that `lock_all`'s canonical order (by
-    /// hash) is the keys' order.
+    /// Hashes a `u64` key to itself (the table's order of hashes is the
+    /// keys' order, as `lock_all`'s canonical order is).
     #[derive(Clone, Copy, Default)]
     struct Identity;
     struct IdentityHasher(u64);
@@ -1690,12 +1690,34 @@ impl Hasher for Tie {
 
 type Tied = std::hash::BuildHasherDefault<Tie>;
 
+/// A hasher that orders `u64` keys' hashes against the keys' order: a
+/// `lock_all` still takes the keys in their own order (its canonical
+/// order is by key, not by the table's hash), as code that sorts its
+/// plain guards by hand does.
+#[derive(Default, Clone)]
+struct Against(u64);
+
+impl Hasher for Against {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+    fn write(&mut self, _: &[u8]) {
+        unreachable!("only u64 keys")
+    }
+    fn write_u64(&mut self, n: u64) {
+        self.0 = u64::MAX - n;
+    }
+}
+
+type Reversed = std::hash::BuildHasherDefault<Against>;
+
 /// A `lock_all` of one or two keys (a transfer's): a key asked twice is
 /// taken once in the stronger mode, a covered key is re-entered beside a
 /// new one, a held shared key is upgraded, and the keys are taken in the
-/// canonical order whatever order they are asked in (by hash, and by key
-/// where the hashes tie): the lower key is held while the call waits for
-/// the higher one, and a call dropped while it waits keeps nothing.
+/// canonical order whatever order they are asked in (by key, whatever the
+/// table's hashes: the same, in key order, or against it): the lower key
+/// is held while the call waits for the higher one, and a call dropped
+/// while it waits keeps nothing.
 #[test]
 fn a_two_key_lock_all_merges_reenters_upgrades_and_keeps_the_order() {
     let table = LockTable::<u64>::new();
@@ -1755,6 +1777,26 @@ fn a_two_key_lock_all_merges_reenters_upgrades_and_keeps_the_order() {
         assert!(!table.is_locked(&10));
         assert_eq!(txn.len(), 0);
         drop(blocker);
+        // Three keys (the general way, not the transfer's): the two lower
+        // ones are taken, and held while the call waits for the highest.
+        let blocker = table.try_lock(30).unwrap();
+        {
+            let mut call = std::pin::pin!(txn.lock_all([
+                (30, Mode::Exclusive),
+                (10, Mode::Shared),
+                (20, Mode::Exclusive)
+            ]));
+            assert!(poll_once(call.as_mut()).is_pending());
+            assert!(table.is_locked(&10) && table.is_locked(&20));
+            drop(blocker);
+            let Poll::Ready(got) = poll_once(call.as_mut()) else {
+                panic!("handed the key")
+            };
+            assert_eq!(got.unwrap().acquired(), 3);
+        }
+        for key in [10, 20, 30] {
+            txn.release(&key).unwrap();
+        }
         // The lower key busy: nothing is taken while the call waits.
         let blocker = table.try_lock(10).unwrap();
         {
@@ -1769,4 +1811,5 @@ fn a_two_key_lock_all_merges_reenters_upgrades_and_keeps_the_order() {
     }
     in_order::<Ordered>();
     in_order::<Tied>();
+    in_order::<Reversed>();
 }

@@ -546,6 +546,39 @@ impl<G: GuardOps<Key = K>, K: Eq> HeldSet<G, K> {
         acquired
     }
 
+    /// Puts new keys' guards in, each counted once, as [`insert`] one by
+    /// one would (no user code runs); returns how many went in. More than
+    /// a few, without an index, are written in one pass, the set's
+    /// counters set once.
+    ///
+    /// [`insert`]: Self::insert
+    pub(crate) fn insert_all(&mut self, guards: impl ExactSizeIterator<Item = G>) -> usize {
+        let n = guards.len();
+        if n <= INLINE || self.index.is_some() || self.slots.len() + n > UNINDEXED_MAX {
+            for guard in guards {
+                let hash = guard.hash();
+                self.insert(hash, guard);
+            }
+            return n;
+        }
+        if self.slots.len() + n > INLINE && !self.slots.spilled() {
+            // Past the inline slots: room for the linear scan's keys at
+            // least, as `push` makes.
+            self.slots.reserve_exact(n.max(LINEAR_MAX));
+        }
+        let first = self.next_id;
+        self.slots
+            .extend(guards.zip(first..).map(|(guard, id)| Slot {
+                id,
+                word: 1,
+                body: Body::Guard(guard),
+            }));
+        self.next_id = first + n as u64;
+        self.held += n;
+        self.version += 1;
+        n
+    }
+
     /// Claims `key` for a call asking for `mode`: a covered key is counted
     /// at once if `reenter` (else marked busy until the call settles); a
     /// weaker one gives its guard to be upgraded; an absent one gets an

@@ -2,10 +2,13 @@
 //!
 //! # The order
 //!
-//! The requests are sorted by the table's hash of the key, then by the key's
-//! `Ord` (hashes tie for distinct keys rarely, but a hasher may be made to
-//! tie them all; the `Ord` makes the order total), and a key asked twice is
-//! asked once, in the stronger mode. When every key is new or covered and
+//! The requests are sorted by the key's `Ord` (the order a user sorts plain
+//! guards in by hand, so a program that mixes both cannot deadlock between
+//! them; and keys asked in order, a range or a scan, are sorted in one pass
+//! over them), and a key asked twice is asked once, in the stronger mode.
+//! `Ord` must agree with `Eq`, as for any sorted collection: a key that
+//! sorts apart from its equal is not merged with it, and the call then
+//! waits for itself. When every key is new or covered and
 //! every new one can be had at once, they are taken in that order and put
 //! into the set in one step (at the version of the set the call looked at).
 //! Otherwise every key is claimed in the held set, and the keys that need
@@ -519,21 +522,9 @@ where
             mode,
         })
         .collect();
-    // By hash (a plain word compare), then runs of equal hashes by key.
-    requests.sort_unstable_by_key(|r| r.hash);
-    let mut start = 0;
-    while start + 1 < requests.len() {
-        let hash = requests[start].hash;
-        let end = start
-            + requests[start..]
-                .iter()
-                .take_while(|r| r.hash == hash)
-                .count();
-        if end - start > 1 {
-            requests[start..end].sort_unstable_by(|a, b| a.key.cmp(&b.key));
-        }
-        start = end;
-    }
+    // By key: keys asked in order (a range, a scan) are sorted in one
+    // pass over them.
+    requests.sort_unstable_by(|a, b| a.key.cmp(&b.key));
     requests.dedup_by(|later, kept| {
         let same = later.hash == kept.hash && later.key == kept.key;
         if same {
@@ -680,8 +671,8 @@ enum Few2<A: Access> {
 
 /// A `lock_all` of one or two keys in the borrowed form (a transfer's),
 /// not skipping: [`order`] and [`take_now`] without their lists. The two
-/// requests are put in the canonical order in place (by hash, then by
-/// key) and merged if they are one key; each is looked up in the set,
+/// requests are put in the canonical order in place (by key) and merged
+/// if they are one key; each is looked up in the set,
 /// each new one taken on the table at once, and both go into the set in
 /// one step (the transaction is borrowed by the call: its set cannot
 /// change meanwhile). The lists are built only when the call must wait or
@@ -713,14 +704,10 @@ where
                 key: Some(key),
                 mode,
             };
-            // The order `order` sorts into: by hash, a tie by key.
-            let swap = match a.hash.cmp(&b.hash) {
-                std::cmp::Ordering::Less => false,
-                std::cmp::Ordering::Greater => true,
-                std::cmp::Ordering::Equal => a.key > b.key,
-            };
-            if swap {
-                mem::swap(&mut a, &mut b);
+            // The order `order` sorts into: by key.
+            match a.key.cmp(&b.key) {
+                std::cmp::Ordering::Greater => mem::swap(&mut a, &mut b),
+                std::cmp::Ordering::Less | std::cmp::Ordering::Equal => {}
             }
             if a.hash == b.hash && a.key == b.key {
                 a.mode = a.mode.max(b.mode);
@@ -888,8 +875,13 @@ fn take_now<A: Access>(
 where
     KeyOf<A>: Ord + Clone,
 {
-    found.reserve(requests.len());
     let looked = access.with(|set| {
+        // A set with no slot has none of the keys: every request is new,
+        // which an empty `found` says (see `found_at`) without a list.
+        if set.is_vacant() {
+            return Some(set.version());
+        }
+        found.reserve(requests.len());
         for request in requests.iter() {
             let key = request.key.as_ref().expect("not taken yet");
             match set.find(request.hash, key, request.mode) {
@@ -905,7 +897,7 @@ where
         Ok(Some(version)) => version,
     };
     for (i, request) in requests.iter_mut().enumerate() {
-        if found[i] != Found::Absent {
+        if found_at(found, i) != Found::Absent {
             continue;
         }
         let key = request.key.take().expect("taken once");
@@ -929,6 +921,13 @@ where
     )
 }
 
+/// What the set had of request `i`: an empty `found` means a set with no
+/// slot, which has none of the keys.
+#[inline]
+fn found_at(found: &[Found], i: usize) -> Found {
+    found.get(i).copied().unwrap_or(Found::Absent)
+}
+
 /// Puts what a call without claims got into the set in one step, if the
 /// set is still at `version` (no user code runs then); else
 /// [`Fallback::Moved`].
@@ -950,9 +949,9 @@ where
         // (still there: only new keys went to the table), a new one's the
         // table's copy, through its guard.
         let mut guards = taken.iter().peekable();
-        for (i, f) in found.iter().enumerate() {
-            if let Found::Covered { .. } = f {
-                if let Some(key) = &requests[i].key {
+        for (i, request) in requests.iter().enumerate() {
+            if let Found::Covered { .. } = found_at(found, i) {
+                if let Some(key) = &request.key {
                     out.keys.push((key.clone(), AcquireKind::Reentered));
                 }
             } else if let Some((_, guard)) = guards.next_if(|(at, _)| *at == i) {
@@ -973,10 +972,7 @@ where
                 out.reentered += 1;
             }
         }
-        for (i, guard) in taken.drain(..) {
-            set.insert(requests[i].hash, guard);
-            out.acquired += 1;
-        }
+        out.acquired += set.insert_all(taken.drain(..).map(|(_, guard)| guard));
         true
     });
     match put {
@@ -1024,7 +1020,7 @@ where
         let mut away: Option<CancelOnDrop<LockOf<A>, UpgradingOf<A>, GuardOf<A>>> = None;
         let out = 'call: {
             for i in from..requests.len() {
-                if found[i] != Found::Absent {
+                if found_at(&found, i) != Found::Absent {
                     continue;
                 }
                 let (hash, mode) = (requests[i].hash, requests[i].mode);

@@ -704,7 +704,7 @@ impl<'a> Harness<'a> {
                                 (h, k, m)
                             })
                             .collect();
-                        sorted.sort_by_key(|&(h, k, _)| (h, k));
+                        sorted.sort_by_key(|&(_, k, _)| k);
                         let mut merged: Vec<(usize, MMode)> = Vec::new();
                         for (_, k, m) in sorted {
                             match merged.last_mut() {
