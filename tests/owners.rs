@@ -1813,3 +1813,65 @@ fn a_two_key_lock_all_merges_reenters_upgrades_and_keeps_the_order() {
     in_order::<Tied>();
     in_order::<Reversed>();
 }
+
+/// A fresh transaction's `lock_all` of many keys (its first call, asked in
+/// any order) that finds one busy: it holds the keys below it while it
+/// waits and none above; dropped, it keeps nothing; forgotten, its
+/// transaction's end releases everything it took or is handed later; let
+/// through, it has them all.
+#[test]
+fn a_fresh_lock_all_of_many_keys_waits_holding_the_keys_below_the_busy_one() {
+    let table = LockTable::<u64>::new();
+    let asked = || {
+        [
+            (7, Mode::Shared),
+            (2, Mode::Exclusive),
+            (5, Mode::Exclusive),
+            (0, Mode::Shared),
+            (9, Mode::Exclusive),
+            (2, Mode::Shared),
+        ]
+    };
+    let below = [0, 2];
+    let above = [7, 9];
+    // Dropped while it waits.
+    let blocker = table.try_lock(5).unwrap();
+    let mut txn = table.transaction();
+    {
+        let mut call = Box::pin(txn.lock_all(asked()));
+        assert!(poll_once(call.as_mut()).is_pending());
+        assert!(
+            below.iter().all(|k| table.is_locked(k)),
+            "the keys below, held"
+        );
+        assert!(above.iter().all(|k| !table.is_locked(k)), "none above");
+    }
+    assert_eq!((txn.len(), table.len()), (0, 1), "dropped: nothing kept");
+    // Let through.
+    {
+        let mut call = Box::pin(txn.lock_all(asked()));
+        assert!(poll_once(call.as_mut()).is_pending());
+        drop(blocker);
+        let Poll::Ready(got) = poll_once(call.as_mut()) else {
+            panic!("handed the key")
+        };
+        assert_eq!(got.unwrap().acquired(), 5, "five keys, 2 asked twice");
+    }
+    assert_eq!(txn.mode(&2), Some(Mode::Exclusive), "the stronger mode");
+    assert_eq!(txn.mode(&0), Some(Mode::Shared));
+    txn.commit().unwrap();
+    assert!(table.is_empty());
+    // Forgotten while it waits, then handed the key.
+    let blocker = table.try_lock(5).unwrap();
+    let mut txn = table.transaction();
+    let mut call = Box::pin(txn.lock_all(asked()));
+    assert!(poll_once(call.as_mut()).is_pending());
+    std::mem::forget(call);
+    drop(blocker);
+    assert!(table.is_locked(&5), "handed to the forgotten call");
+    drop(txn);
+    assert!(
+        table.is_empty(),
+        "the end released what the forgotten call had"
+    );
+}

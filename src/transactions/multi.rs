@@ -622,10 +622,28 @@ where
                 .map_err(Rest::Claimed),
         };
     }
+    if A::SOLE
+        && policy != WaitPolicy::SkipLocked
+        && access.with(|set| set.is_vacant()).unwrap_or(false)
+    {
+        return match take_fresh(access, requests, policy) {
+            Ok(done) => Ok(Now::Done(done)),
+            Err((requests, version, taken, at)) => Err(Rest::Sole(Box::pin(wait_sole(
+                access,
+                requests,
+                Few::new(),
+                version,
+                taken,
+                at,
+                policy,
+            )))),
+        };
+    }
     let mut requests = order(&access.owner().reach, requests.drain(..));
     let mut taken: Taken<GuardOf<A>> = Taken::with_capacity(requests.len());
     if A::SOLE {
-        let mut found: Few<Found> = Few::with_capacity(requests.len());
+        // Filled by `take_now` only if the set has slots.
+        let mut found: Few<Found> = Few::new();
         match take_now(access, &mut requests, &mut found, &mut taken, policy) {
             Ok(done) => return Ok(Now::Done(done)),
             Err(Fallback::Busy { at, version }) => {
@@ -639,6 +657,82 @@ where
     claim_all(access, requests, taken, policy)
         .map(Now::Done)
         .map_err(Rest::Claimed)
+}
+
+/// The borrowed form's `lock_all` into a transaction that holds nothing
+/// (a fresh transaction's first call: an audit's, a batch's), not
+/// skipping: every key is new, so none is looked up in the set. The
+/// requests are sorted into the canonical order and merged where they are,
+/// each key is hashed as it is tried and taken at once, and all go into
+/// the set in one step. The list of requests the waiting way keeps is made
+/// only when a key is not free at once: `Err` with it, the set's version,
+/// the guards taken so far (by request index) and the request waited for.
+#[allow(clippy::type_complexity)]
+fn take_fresh<A: Access>(
+    access: &mut A,
+    requests: &mut Few<(KeyOf<A>, Mode)>,
+    policy: WaitPolicy,
+) -> Result<Outcome<A>, (Few<Request<KeyOf<A>>>, u64, Taken<GuardOf<A>>, usize)>
+where
+    KeyOf<A>: Ord + Clone,
+{
+    // The canonical order (`order`'s), in place.
+    requests.sort_unstable_by(|a, b| a.0.cmp(&b.0));
+    requests.dedup_by(|later, kept| {
+        let same = later.0 == kept.0;
+        if same {
+            kept.1 = kept.1.max(later.1);
+        }
+        same
+    });
+    let version = match access.with(|set| set.version()) {
+        Ok(version) => version,
+        Err(Ended) => return Ok(Err(TransactionError::Ended)),
+    };
+    let n = requests.len();
+    let mut taken: Taken<GuardOf<A>> = Taken::with_capacity(n);
+    let mut rest = requests.drain(..).enumerate();
+    while let Some((i, (key, mode))) = rest.next() {
+        let reach = &access.owner().reach;
+        let hash = reach.table().hash(&key);
+        let opts = access.owner().opts.lock_options(mode, policy);
+        let key = match reach.try_lock_kept(hash, key, opts) {
+            Ok(guard) => {
+                taken.push((i, guard));
+                continue;
+            }
+            Err(key) => key,
+        };
+        // Not free at once: the requests as the waiting way keeps them
+        // (those taken, by their guards; this one; the rest, hashed now).
+        let mut list: Few<Request<KeyOf<A>>> = Few::with_capacity(n);
+        list.extend(taken.iter().map(|(_, guard)| Request {
+            hash: guard.hash(),
+            key: None,
+            mode: guard.mode(),
+        }));
+        list.push(Request {
+            hash,
+            key: Some(key),
+            mode,
+        });
+        list.extend(rest.map(|(_, (key, mode))| Request {
+            hash: reach.table().hash(&key),
+            key: Some(key),
+            mode,
+        }));
+        return Err((list, version, taken, i));
+    }
+    drop(rest);
+    let acquired = access.with(|set| set.insert_all(taken.drain(..).map(|(_, guard)| guard)));
+    match acquired {
+        Ok(acquired) => Ok(Ok(LockedSet {
+            acquired,
+            ..LockedSet::new(Vec::new())
+        })),
+        // The guards (had it ended) are released as `taken` drops.
+        Err(Ended) => Ok(Err(TransactionError::Ended)),
+    }
 }
 
 /// What [`lock_all_now`] did without waiting.
