@@ -626,7 +626,7 @@ where
         && policy != WaitPolicy::SkipLocked
         && access.with(|set| set.is_vacant()).unwrap_or(false)
     {
-        return match take_fresh(access, requests, policy) {
+        return match take_fresh(access, requests) {
             Ok(done) => Ok(Now::Done(done)),
             Err((requests, version, taken, at)) => Err(Rest::Sole(Box::pin(wait_sole(
                 access,
@@ -671,7 +671,6 @@ where
 fn take_fresh<A: Access>(
     access: &mut A,
     requests: &mut Few<(KeyOf<A>, Mode)>,
-    policy: WaitPolicy,
 ) -> Result<Outcome<A>, (Few<Request<KeyOf<A>>>, u64, Taken<GuardOf<A>>, usize)>
 where
     KeyOf<A>: Ord + Clone,
@@ -691,12 +690,21 @@ where
     };
     let n = requests.len();
     let mut taken: Taken<GuardOf<A>> = Taken::with_capacity(n);
+    // The terms of every grant, resolved once (a lease out of range:
+    // `None`, nothing tried, and the wait reports it), as `few_now`'s.
+    let owner = access.owner();
+    let reach = &owner.reach;
+    let terms = reach
+        .table()
+        .owner_terms(owner.opts.lease, owner.opts.id.get());
     let mut rest = requests.drain(..).enumerate();
     while let Some((i, (key, mode))) = rest.next() {
-        let reach = &access.owner().reach;
         let hash = reach.table().hash(&key);
-        let opts = access.owner().opts.lock_options(mode, policy);
-        let key = match reach.try_lock_kept(hash, key, opts) {
+        let tried = match terms {
+            Some(terms) => reach.try_lock_on(hash, key, mode, terms),
+            None => Err(key),
+        };
+        let key = match tried {
             Ok(guard) => {
                 taken.push((i, guard));
                 continue;
@@ -990,18 +998,19 @@ where
         Ok(None) => return Err(Fallback::Other),
         Ok(Some(version)) => version,
     };
+    // The terms of every grant, resolved once, as `few_now`'s.
+    let owner = access.owner();
+    let terms = owner
+        .reach
+        .table()
+        .owner_terms(owner.opts.lease, owner.opts.id.get());
     for (i, request) in requests.iter_mut().enumerate() {
         if found_at(found, i) != Found::Absent {
             continue;
         }
-        let key = request.key.take().expect("taken once");
-        let opts = access.owner().opts.lock_options(request.mode, policy);
-        match access.owner().reach.try_lock_kept(request.hash, key, opts) {
+        match try_request(&owner.reach, terms, request) {
             Ok(guard) => taken.push((i, guard)),
-            Err(key) => {
-                request.key = Some(key);
-                return Err(Fallback::Busy { at: i, version });
-            }
+            Err(()) => return Err(Fallback::Busy { at: i, version }),
         }
     }
     put_all(
