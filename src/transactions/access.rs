@@ -156,6 +156,13 @@ pub(crate) trait Access {
     /// Runs `f` on the set of keys, unless the transaction has ended.
     fn with<T>(&mut self, f: impl FnOnce(&mut SetOf<Self::R>) -> T) -> Result<T, Ended>;
 
+    /// The owner and the set at once, in the borrowed form ([`SOLE`]: the
+    /// call has the transaction to itself, and no lock is held); `None` in
+    /// the owned form.
+    ///
+    /// [`SOLE`]: Self::SOLE
+    fn sole(&mut self) -> Option<Sole<'_, Self::R>>;
+
     /// A lock's fast path, in one step on the set (under its lock, in the
     /// owned form): a key held in a covering mode is counted; an absent one
     /// is tried on the table by `try_` (which must wake and drop nothing:
@@ -202,6 +209,10 @@ pub(crate) trait Access {
     fn unpend(&mut self, pending: &Arc<PendingOf<Self::R>>);
 }
 
+/// The owner and the set of a borrowed transaction, at once
+/// ([`Access::sole`]).
+pub(crate) type Sole<'a, R> = (&'a Owner<R>, &'a mut SetOf<R>);
+
 /// The table lock future of an owner's calls.
 pub(crate) type LockOf<A> = <<A as Access>::R as Reach>::Lock;
 
@@ -243,6 +254,11 @@ impl<R: Reach> Access for Direct<'_, R> {
     #[inline]
     fn with<T>(&mut self, f: impl FnOnce(&mut SetOf<R>) -> T) -> Result<T, Ended> {
         Ok(f(self.set))
+    }
+
+    #[inline]
+    fn sole(&mut self) -> Option<Sole<'_, R>> {
+        Some((self.owner, &mut *self.set))
     }
 
     #[inline]
@@ -440,6 +456,11 @@ impl<R: Reach> Access for Arc<Shared<R>> {
     #[inline]
     fn owner(&self) -> &Owner<R> {
         &self.owner
+    }
+
+    #[inline]
+    fn sole(&mut self) -> Option<Sole<'_, R>> {
+        None
     }
 
     #[inline]

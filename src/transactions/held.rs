@@ -292,7 +292,7 @@ const LINEAR_MAX: usize = 16;
 /// as keys go in, so that a query (which takes the set by shared reference
 /// and cannot build it) scans at most this many slots, and a loop of
 /// queries over a large transaction stays linear.
-const UNINDEXED_MAX: usize = 1024;
+pub(crate) const UNINDEXED_MAX: usize = 1024;
 
 impl<G, K> Default for HeldSet<G, K> {
     #[inline]
@@ -577,6 +577,47 @@ impl<G: GuardOps<Key = K>, K: Eq> HeldSet<G, K> {
         self.held += n;
         self.version += 1;
         n
+    }
+
+    /// Makes room for `n` new keys in a vacant set about to be filled
+    /// ([`push_new`](Self::push_new)).
+    pub(crate) fn reserve_vacant(&mut self, n: usize) {
+        debug_assert!(self.is_vacant() && self.index.is_none());
+        if n > INLINE && !self.slots.spilled() {
+            self.slots.reserve_exact(n.max(LINEAR_MAX));
+        }
+    }
+
+    /// Puts a new key's guard into a set being filled from vacant, with at
+    /// most [`UNINDEXED_MAX`] keys in all (no index to keep), counted once
+    /// (no user code runs). The version moves once, when the fill is
+    /// [`filled`](Self::filled); an [`unfill`](Self::unfill) leaves the set
+    /// as it was.
+    #[inline]
+    pub(crate) fn push_new(&mut self, guard: G) {
+        debug_assert!(self.index.is_none() && self.slots.len() < UNINDEXED_MAX);
+        let id = self.next_id;
+        self.next_id += 1;
+        self.held += 1;
+        self.slots.push(Slot {
+            id,
+            word: 1,
+            body: Body::Guard(guard),
+        });
+    }
+
+    /// The fill is done: the set has changed.
+    #[inline]
+    pub(crate) fn filled(&mut self) {
+        self.version += 1;
+    }
+
+    /// The fill is given up: every guard pushed comes back out, in the
+    /// order it went in, and the set is vacant again, at the version it
+    /// had (no user code runs; the guards are returned, not dropped).
+    pub(crate) fn unfill(&mut self) -> impl Iterator<Item = G> + '_ {
+        self.held = 0;
+        self.slots.drain(..).filter_map(Slot::into_guard)
     }
 
     /// Claims `key` for a call asking for `mode`: a covered key is counted

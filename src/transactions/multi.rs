@@ -63,7 +63,7 @@ use crate::transactions::access::{
 };
 use crate::transactions::access::{GuardOf, KeyOf};
 use crate::transactions::error::TransactionError;
-use crate::transactions::held::{AcquireKind, Begin, Found};
+use crate::transactions::held::{AcquireKind, Begin, Found, UNINDEXED_MAX};
 use crate::transactions::pending::{CancelOnDrop, Taken, Wait, Waited};
 use crate::transactions::policy::WaitPolicy;
 use crate::transactions::reach::{GuardOps, Reach};
@@ -624,6 +624,7 @@ where
     }
     if A::SOLE
         && policy != WaitPolicy::SkipLocked
+        && requests.len() <= UNINDEXED_MAX
         && access.with(|set| set.is_vacant()).unwrap_or(false)
     {
         return match take_fresh(access, requests) {
@@ -684,15 +685,17 @@ where
         }
         same
     });
-    let version = match access.with(|set| set.version()) {
-        Ok(version) => version,
-        Err(Ended) => return Ok(Err(TransactionError::Ended)),
-    };
     let n = requests.len();
-    let mut taken: Taken<GuardOf<A>> = Taken::with_capacity(n);
+    let Some((owner, set)) = access.sole() else {
+        unreachable!("the borrowed form")
+    };
+    let version = set.version();
+    // Each key goes into the set as it is taken (the call has the
+    // transaction to itself: nothing sees the set meanwhile); a key not
+    // free at once takes them all back out.
+    set.reserve_vacant(n);
     // The terms of every grant, resolved once (a lease out of range:
     // `None`, nothing tried, and the wait reports it), as `few_now`'s.
-    let owner = access.owner();
     let reach = &owner.reach;
     let terms = reach
         .table()
@@ -706,13 +709,16 @@ where
         };
         let key = match tried {
             Ok(guard) => {
-                taken.push((i, guard));
+                set.push_new(guard);
                 continue;
             }
             Err(key) => key,
         };
-        // Not free at once: the requests as the waiting way keeps them
-        // (those taken, by their guards; this one; the rest, hashed now).
+        // Not free at once: the guards taken, out of the set (by request
+        // index: every request before this one was taken), and the
+        // requests as the waiting way keeps them (those taken, by their
+        // guards; this one; the rest, hashed now).
+        let taken: Taken<GuardOf<A>> = set.unfill().enumerate().collect();
         let mut list: Few<Request<KeyOf<A>>> = Few::with_capacity(n);
         list.extend(taken.iter().map(|(_, guard)| Request {
             hash: guard.hash(),
@@ -731,16 +737,11 @@ where
         }));
         return Err((list, version, taken, i));
     }
-    drop(rest);
-    let acquired = access.with(|set| set.insert_all(taken.drain(..).map(|(_, guard)| guard)));
-    match acquired {
-        Ok(acquired) => Ok(Ok(LockedSet {
-            acquired,
-            ..LockedSet::new(Vec::new())
-        })),
-        // The guards (had it ended) are released as `taken` drops.
-        Err(Ended) => Ok(Err(TransactionError::Ended)),
-    }
+    set.filled();
+    Ok(Ok(LockedSet {
+        acquired: n,
+        ..LockedSet::new(Vec::new())
+    }))
 }
 
 /// What [`lock_all_now`] did without waiting.
