@@ -552,6 +552,7 @@ impl<G: GuardOps<Key = K>, K: Eq> HeldSet<G, K> {
     /// counters set once.
     ///
     /// [`insert`]: Self::insert
+    #[inline]
     pub(crate) fn insert_all(&mut self, guards: impl ExactSizeIterator<Item = G>) -> usize {
         let n = guards.len();
         if n <= INLINE || self.index.is_some() || self.slots.len() + n > UNINDEXED_MAX {
@@ -561,6 +562,14 @@ impl<G: GuardOps<Key = K>, K: Eq> HeldSet<G, K> {
             }
             return n;
         }
+        self.insert_many(guards)
+    }
+
+    /// [`insert_all`](Self::insert_all) of more than a few, without an
+    /// index.
+    #[inline(never)]
+    fn insert_many(&mut self, guards: impl ExactSizeIterator<Item = G>) -> usize {
+        let n = guards.len();
         if self.slots.len() + n > INLINE && !self.slots.spilled() {
             // Past the inline slots: room for the linear scan's keys at
             // least, as `push` makes.
