@@ -422,6 +422,8 @@ mod tests {
         drop_panics: bool,
         /// Comparing this instance with any key panics.
         eq_panics: bool,
+        /// Hashing this instance panics.
+        hash_panics: bool,
         on_drop: Option<DropHook>,
     }
 
@@ -431,6 +433,7 @@ mod tests {
                 id,
                 drop_panics: false,
                 eq_panics: false,
+                hash_panics: false,
                 on_drop: None,
             }
         }
@@ -443,6 +446,7 @@ mod tests {
                 id,
                 drop_panics: true,
                 eq_panics: false,
+                hash_panics: false,
                 on_drop: Some(Box::new(move || {
                     drops.fetch_add(1, SeqCst);
                 })),
@@ -455,8 +459,41 @@ mod tests {
                 id,
                 drop_panics: false,
                 eq_panics: true,
+                hash_panics: false,
                 on_drop: Some(Box::new(on_drop)),
             }
+        }
+    }
+
+    impl Key {
+        /// Key `id`, whose `Hash` panics.
+        fn hash_bomb(id: u32) -> Self {
+            Self {
+                id,
+                drop_panics: false,
+                eq_panics: false,
+                hash_panics: true,
+                on_drop: None,
+            }
+        }
+    }
+
+    /// A plain copy (a `lock_all` needs `Clone`): the same key, not hostile.
+    impl Clone for Key {
+        fn clone(&self) -> Self {
+            Self::plain(self.id)
+        }
+    }
+
+    impl PartialOrd for Key {
+        fn partial_cmp(&self, other: &Self) -> Option<std::cmp::Ordering> {
+            Some(self.cmp(other))
+        }
+    }
+
+    impl Ord for Key {
+        fn cmp(&self, other: &Self) -> std::cmp::Ordering {
+            self.id.cmp(&other.id)
         }
     }
 
@@ -473,6 +510,9 @@ mod tests {
 
     impl Hash for Key {
         fn hash<H: Hasher>(&self, state: &mut H) {
+            if self.hash_panics {
+                plant("Key::hash");
+            }
             self.id.hash(state);
         }
     }
@@ -2076,5 +2116,44 @@ mod tests {
                 assert!(table.is_empty());
             });
         }
+    }
+
+    /// A transaction's first `lock_all` whose third key's `Hash` panics
+    /// (the keys are hashed as they are taken): the two keys it had taken
+    /// go back, and the transaction, which goes on, holds none of them.
+    /// All or nothing, under a panic too.
+    #[test]
+    fn a_fresh_lock_all_whose_third_key_panics_in_hash_keeps_nothing() {
+        watchdog("fresh-lock-all-hash-panics", || {
+            let table: LockTable<Key> = LockTable::new();
+            let mut txn = table.transaction();
+            let asked = [
+                (Key::hash_bomb(3), Mode::Exclusive),
+                (Key::plain(1), Mode::Exclusive),
+                (Key::plain(2), Mode::Shared),
+            ];
+            let out = planted_or("a lock_all whose key panics in Hash", || {
+                poll_once(txn.lock_all(asked)).is_ready()
+            });
+            assert!(out.is_none(), "the third key's Hash panicked");
+            assert_eq!(txn.len(), 0, "the transaction holds nothing of the call");
+            assert_eq!(
+                (txn.count(&Key::plain(1)), txn.count(&Key::plain(2))),
+                (0, 0)
+            );
+            assert_key_free(&table, || Key::plain(1), "after the panic");
+            assert_key_free(&table, || Key::plain(2), "after the panic");
+            // And it goes on: the same keys, without the bomb.
+            let got = poll_once(txn.lock_all([
+                (Key::plain(1), Mode::Exclusive),
+                (Key::plain(2), Mode::Shared),
+            ]));
+            let Poll::Ready(got) = got else {
+                panic!("free keys")
+            };
+            assert_eq!(got.expect("free keys").acquired(), 2);
+            txn.commit().expect("no lease");
+            assert_table_empty(&table, Key::plain(9), "after the commit");
+        });
     }
 }

@@ -63,7 +63,7 @@ use crate::transactions::access::{
 };
 use crate::transactions::access::{GuardOf, KeyOf};
 use crate::transactions::error::TransactionError;
-use crate::transactions::held::{AcquireKind, Begin, Found, UNINDEXED_MAX};
+use crate::transactions::held::{AcquireKind, Begin, Found, HeldSet, UNINDEXED_MAX};
 use crate::transactions::pending::{CancelOnDrop, Taken, Wait, Waited};
 use crate::transactions::policy::WaitPolicy;
 use crate::transactions::reach::{GuardOps, Reach};
@@ -692,8 +692,10 @@ where
     let version = set.version();
     // Each key goes into the set as it is taken (the call has the
     // transaction to itself: nothing sees the set meanwhile); a key not
-    // free at once takes them all back out.
+    // free at once takes them all back out, and so does a panic (a key's
+    // `Hash` or `Eq`), whose unwinding releases them: all or nothing.
     set.reserve_vacant(n);
+    let mut fill = Filling { set, done: false };
     // The terms of every grant, resolved once (a lease out of range:
     // `None`, nothing tried, and the wait reports it), as `few_now`'s.
     let reach = &owner.reach;
@@ -709,7 +711,7 @@ where
         };
         let key = match tried {
             Ok(guard) => {
-                set.push_new(guard);
+                fill.set.push_new(guard);
                 continue;
             }
             Err(key) => key,
@@ -718,7 +720,8 @@ where
         // index: every request before this one was taken), and the
         // requests as the waiting way keeps them (those taken, by their
         // guards; this one; the rest, hashed now).
-        let taken: Taken<GuardOf<A>> = set.unfill().enumerate().collect();
+        fill.done = true;
+        let taken: Taken<GuardOf<A>> = fill.set.unfill().enumerate().collect();
         let mut list: Few<Request<KeyOf<A>>> = Few::with_capacity(n);
         list.extend(taken.iter().map(|(_, guard)| Request {
             hash: guard.hash(),
@@ -737,11 +740,31 @@ where
         }));
         return Err((list, version, taken, i));
     }
-    set.filled();
+    fill.done = true;
+    fill.set.filled();
     Ok(Ok(LockedSet {
         acquired: n,
         ..LockedSet::new(Vec::new())
     }))
+}
+
+/// A vacant set being filled by [`take_fresh`]: if the fill is left
+/// unfinished (a panic), the guards pushed so far come back out of the set
+/// and are released, so the transaction holds nothing of the call.
+struct Filling<'s, G: GuardOps<Key = K>, K: Eq> {
+    set: &'s mut HeldSet<G, K>,
+    done: bool,
+}
+
+impl<G: GuardOps<Key = K>, K: Eq> Drop for Filling<'_, G, K> {
+    fn drop(&mut self) {
+        if !self.done {
+            // Out of the set first, then released (a key's drop may panic:
+            // the rest are released as the list unwinds).
+            let taken: Vec<G> = self.set.unfill().collect();
+            drop(taken);
+        }
+    }
 }
 
 /// What [`lock_all_now`] did without waiting.
