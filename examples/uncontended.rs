@@ -14,7 +14,12 @@
 //! reference, `tokio` (`tokio::sync::Mutex::try_lock` + drop) and `std`
 //! (`std::sync::Mutex::lock` + drop, the lock each shard is behind).
 //! `txnwait` / `txnwait_off`: a transaction's wait handed the key by the
-//! holder's commit, with deadlock detection and without.
+//! holder's commit, with deadlock detection and without. `txn2wait` /
+//! `guards2wait`: a transfer that waits for one of its two keys, as a
+//! transaction and as sorted plain guards; `audit` / `audit_guards`: 64
+//! keys shared, one `lock_all` + commit, and as plain guards. These four
+//! use a fixed hasher (`fixed_table`), so their counts are the same in
+//! every run.
 
 use std::future::Future;
 use std::hint::black_box;
@@ -38,6 +43,14 @@ macro_rules! mutex_handoff {
             drop(black_box(guard));
         }
     }};
+}
+
+/// A table with a fixed hasher: the keys' hashes, and so where they fall
+/// and how they collide, are the same in every run, and so is the count.
+fn fixed_table() -> keylock::LockTable<u64, foldhash::fast::FixedState> {
+    keylock::LockTable::builder()
+        .hasher(foldhash::fast::FixedState::with_seed(7))
+        .build()
 }
 
 fn main() {
@@ -199,11 +212,7 @@ fn main() {
         // An audit: 64 keys shared by one `lock_all` + commit (`audit`),
         // against 64 plain shared guards (`audit_guards`).
         "audit" => {
-            // A fixed hasher, as `txn2wait`: the order of the keys by hash,
-            // and where they fall, the same in every run.
-            let table = keylock::LockTable::<u64>::builder()
-                .hasher(foldhash::fast::FixedState::with_seed(7))
-                .build();
+            let table = fixed_table();
             let mut cx = Context::from_waker(futures::task::noop_waker_ref());
             for _ in 0..n {
                 let mut txn = table.transaction();
@@ -219,9 +228,7 @@ fn main() {
             }
         }
         "audit_guards" => {
-            let table = keylock::LockTable::<u64>::builder()
-                .hasher(foldhash::fast::FixedState::with_seed(7))
-                .build();
+            let table = fixed_table();
             let mut guards = Vec::with_capacity(64);
             for _ in 0..n {
                 for k in 0..64u64 {
@@ -263,11 +270,7 @@ fn main() {
         // is handed the key by the holder's commit, and commits
         // (`txn2wait`). `guards2wait`: the same with sorted plain guards.
         "txn2wait" => {
-            // A fixed hasher: the keys' order (by hash) is the same in
-            // every run, so is the count.
-            let table = keylock::LockTable::<u64>::builder()
-                .hasher(foldhash::fast::FixedState::with_seed(7))
-                .build();
+            let table = fixed_table();
             let mut cx = Context::from_waker(futures::task::noop_waker_ref());
             for i in 0..n {
                 let (a, b) = (black_box(i & 63), black_box((i & 63) + 64));
@@ -294,9 +297,7 @@ fn main() {
             }
         }
         "guards2wait" => {
-            let table = keylock::LockTable::<u64>::builder()
-                .hasher(foldhash::fast::FixedState::with_seed(7))
-                .build();
+            let table = fixed_table();
             let mut cx = Context::from_waker(futures::task::noop_waker_ref());
             for i in 0..n {
                 let (a, b) = (black_box(i & 63), black_box((i & 63) + 64));

@@ -238,8 +238,9 @@
 //! - **All or nothing.** [`Transaction::lock_all`] takes a set of keys,
 //!   each in its mode, duplicates merged (the stronger mode wins), in a
 //!   canonical order (the keys' `Ord`, the order plain guards are sorted in
-//!   by hand), so that multi-key lockers cannot deadlock each other, nor
-//!   with code that sorts its guards; if one key fails, or the
+//!   by hand; it must agree with `Eq`, as for any sorted collection), so
+//!   that multi-key lockers cannot deadlock each other, nor with code that
+//!   sorts its guards; if one key fails, or the
 //!   future is dropped, it holds nothing it took and undoes its upgrades.
 //! - **One deadline, one lease.** [`TransactionOptions`] bound every lock of
 //!   the transaction by one deadline and give all its grants one lease;

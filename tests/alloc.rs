@@ -251,6 +251,49 @@ fn a_finished_wait_keeps_no_memory_until_the_transaction_ends() {
     assert!(table.is_empty());
 }
 
+/// A small `lock_all` (three keys: up to four are kept in place) into a
+/// transaction that already holds a key, uncontended, allocates nothing
+/// once warm, in both forms.
+#[test]
+fn a_small_lock_all_on_a_held_set_allocates_nothing_once_warm() {
+    use keylock::Mode;
+    let asked = || {
+        [
+            (3, Mode::Exclusive),
+            (1, Mode::Exclusive),
+            (2, Mode::Shared),
+        ]
+    };
+    let table = LockTable::<u64>::new();
+    let mut txn = table.transaction();
+    // The set spills once (room for the linear scan's keys), then keeps it.
+    poll_ready(txn.lock_all((0..5).map(|k| (k, Mode::Exclusive)))).unwrap();
+    for k in 1..5 {
+        txn.release(&k).unwrap();
+    }
+    assert_warm_allocates_nothing(|| {
+        poll_ready(txn.lock_all(asked())).unwrap();
+        for k in 1..4 {
+            txn.release(&k).unwrap();
+        }
+    });
+    drop(txn);
+    let table = Arc::new(table);
+    let txn = Arc::clone(&table).transaction_owned();
+    poll_ready(txn.lock_all((0..5).map(|k| (k, Mode::Exclusive)))).unwrap();
+    for k in 1..5 {
+        txn.release(&k).unwrap();
+    }
+    assert_warm_allocates_nothing(|| {
+        poll_ready(txn.lock_all(asked())).unwrap();
+        for k in 1..4 {
+            txn.release(&k).unwrap();
+        }
+    });
+    drop(txn);
+    assert!(table.is_empty());
+}
+
 #[test]
 fn uncontended_try_lock_u64_allocates_nothing() {
     let table = LockTable::new();

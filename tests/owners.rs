@@ -1875,3 +1875,42 @@ fn a_fresh_lock_all_of_many_keys_waits_holding_the_keys_below_the_busy_one() {
         "the end released what the forgotten call had"
     );
 }
+
+/// A transaction that held more than the linear scan's keys (so its set
+/// built an index), released them all, and then locks keys anew in one
+/// `lock_all` (a fresh fill of its vacant set): the set finds the new keys
+/// (counted, re-entered, released), not an index of none of them that
+/// would send a re-entry to wait behind the transaction's own grant.
+#[test]
+fn a_fresh_fill_after_the_set_was_indexed_keeps_its_keys_findable() {
+    let table = LockTable::<u32>::new();
+    let mut txn = table.transaction_with(TransactionOptions::new().wait(WaitPolicy::NoWait));
+    block(async {
+        txn.lock_all((0..20).map(|k| (k, Mode::Exclusive)))
+            .await
+            .unwrap();
+        // The first release indexes the set (more than 16 keys).
+        for k in 0..20 {
+            txn.release(&k).unwrap();
+        }
+        assert_eq!(txn.len(), 0);
+        txn.lock_all([
+            (100, Mode::Exclusive),
+            (101, Mode::Exclusive),
+            (102, Mode::Exclusive),
+        ])
+        .await
+        .unwrap();
+        assert_eq!(txn.len(), 3);
+        assert_eq!(txn.count(&101), 1, "the set finds its own key");
+        let again = txn.lock(101, Mode::Exclusive).await;
+        assert_eq!(
+            again.map(|got| got.count),
+            Ok(2),
+            "re-entered, not refused by its own grant"
+        );
+        assert_eq!(txn.release(&101), Ok(()));
+    });
+    txn.commit().unwrap();
+    assert!(table.is_empty());
+}

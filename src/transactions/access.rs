@@ -585,10 +585,11 @@ impl<K> From<Stop<K>> for TransactionError<K> {
 }
 
 /// A transaction's wait for a key, for deadlock detection: the key, its
-/// hash and the mode asked for. The key is the caller's (or a clone of it),
-/// shared with the detector's registration, which never holds its last
-/// reference: the caller drops that after the call's state is settled, so
-/// a key whose `Drop` panics cannot interrupt the call half done.
+/// hash and the mode asked for. The key is the caller's (or a clone of
+/// it); a wait the detector registers gets a clone of its own, in a cell
+/// the registry holds alone, dropped when the wait leaves (as the call's
+/// wait ends: a key whose `Drop` panics there unwinds through a call that
+/// undoes itself, as any panic in its wait does).
 pub(crate) struct WaitFor<'k, K> {
     pub(crate) hash: u64,
     pub(crate) key: &'k K,

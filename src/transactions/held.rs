@@ -589,9 +589,14 @@ impl<G: GuardOps<Key = K>, K: Eq> HeldSet<G, K> {
     }
 
     /// Makes room for `n` new keys in a vacant set about to be filled
-    /// ([`push_new`](Self::push_new)).
+    /// ([`push_new`](Self::push_new)). A set that was indexed and emptied
+    /// since keeps its index (a removal never drops it): with no slot, it
+    /// indexes nothing, and it goes here, so that the fill, which does not
+    /// keep one, leaves none stale (a lookup through it would miss every
+    /// key filled in).
     pub(crate) fn reserve_vacant(&mut self, n: usize) {
-        debug_assert!(self.is_vacant() && self.index.is_none());
+        debug_assert!(self.is_vacant());
+        self.index = None;
         if n > INLINE && !self.slots.spilled() {
             self.slots.reserve_exact(n.max(LINEAR_MAX));
         }

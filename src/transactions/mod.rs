@@ -439,8 +439,10 @@ impl<'t, K: Eq + Hash, S: BuildHasher> Transaction<'t, K, S> {
     /// the transaction's default [`WaitPolicy`]. Duplicates are merged (the
     /// stronger mode wins); keys the transaction holds are re-entered or
     /// upgraded as [`lock`](Self::lock) would; the others are taken in a
-    /// canonical order that keeps multi-key lockers from deadlocking (see
-    /// the [crate doc](crate#transactions)), every wait bounded by the
+    /// canonical order, the keys' `Ord`, that keeps multi-key lockers from
+    /// deadlocking (see the [crate doc](crate#transactions); `Ord` must
+    /// agree with `Eq`: a key that sorts apart from its equal is not merged
+    /// with it, and the call waits for itself), every wait bounded by the
     /// transaction's deadline. Under [`WaitPolicy::SkipLocked`] it takes
     /// what it can and reports the rest in [`LockedSet::skipped`].
     ///

@@ -641,18 +641,22 @@ where
         };
     }
     let mut requests = order(&access.owner().reach, requests.drain(..));
-    let mut taken: Taken<GuardOf<A>> = Taken::with_capacity(requests.len());
+    let mut taken = Taken::new();
     if A::SOLE {
         // Filled by `take_now` only if the set has slots.
         let mut found: Few<Found> = Few::new();
-        match take_now(access, &mut requests, &mut found, &mut taken, policy) {
+        // Four in place, as the requests (a small call allocates nothing);
+        // the waiting way keeps them in its own list.
+        let mut took: Few<(usize, GuardOf<A>)> = Few::new();
+        match take_now(access, &mut requests, &mut found, &mut took, policy) {
             Ok(done) => return Ok(Now::Done(done)),
             Err(Fallback::Busy { at, version }) => {
+                let taken = took.into_iter().collect();
                 return Err(Rest::Sole(Box::pin(wait_sole(
                     access, requests, found, version, taken, at, policy,
                 ))));
             }
-            Err(Fallback::Other | Fallback::Moved) => {}
+            Err(Fallback::Other | Fallback::Moved) => taken = took.into_iter().collect(),
         }
     }
     claim_all(access, requests, taken, policy)
@@ -995,7 +999,7 @@ fn take_now<A: Access>(
     access: &mut A,
     requests: &mut Few<Request<KeyOf<A>>>,
     found: &mut Few<Found>,
-    taken: &mut Taken<GuardOf<A>>,
+    taken: &mut Few<(usize, GuardOf<A>)>,
     policy: WaitPolicy,
 ) -> Result<Outcome<A>, Fallback>
 where
@@ -1058,12 +1062,12 @@ fn found_at(found: &[Found], i: usize) -> Found {
 /// Puts what a call without claims got into the set in one step, if the
 /// set is still at `version` (no user code runs then); else
 /// [`Fallback::Moved`].
-fn put_all<A: Access>(
+fn put_all<A: Access, T: smallvec::Array<Item = (usize, GuardOf<A>)>>(
     access: &mut A,
     requests: &[Request<KeyOf<A>>],
     found: &[Found],
     version: u64,
-    taken: &mut Taken<GuardOf<A>>,
+    taken: &mut smallvec::SmallVec<T>,
     skipped: Vec<KeyOf<A>>,
     record: bool,
 ) -> Result<Outcome<A>, Fallback>
