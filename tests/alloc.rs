@@ -264,33 +264,27 @@ fn a_small_lock_all_on_a_held_set_allocates_nothing_once_warm() {
             (2, Mode::Shared),
         ]
     };
-    let table = LockTable::<u64>::new();
-    let mut txn = table.transaction();
-    // The set spills once (room for the linear scan's keys), then keeps it.
-    poll_ready(txn.lock_all((0..5).map(|k| (k, Mode::Exclusive)))).unwrap();
-    for k in 1..5 {
-        txn.release(&k).unwrap();
+    // Warms `$txn` up (its set spills once, with room for the linear
+    // scan's keys, then keeps it; it holds key 0 throughout), then checks
+    // that the call and the releases of its keys allocate nothing.
+    macro_rules! check {
+        ($txn:expr) => {{
+            let txn = $txn;
+            poll_ready(txn.lock_all((0..5).map(|k| (k, Mode::Exclusive)))).unwrap();
+            for k in 1..5 {
+                txn.release(&k).unwrap();
+            }
+            assert_warm_allocates_nothing(|| {
+                poll_ready(txn.lock_all(asked())).unwrap();
+                for k in 1..4 {
+                    txn.release(&k).unwrap();
+                }
+            });
+        }};
     }
-    assert_warm_allocates_nothing(|| {
-        poll_ready(txn.lock_all(asked())).unwrap();
-        for k in 1..4 {
-            txn.release(&k).unwrap();
-        }
-    });
-    drop(txn);
-    let table = Arc::new(table);
-    let txn = Arc::clone(&table).transaction_owned();
-    poll_ready(txn.lock_all((0..5).map(|k| (k, Mode::Exclusive)))).unwrap();
-    for k in 1..5 {
-        txn.release(&k).unwrap();
-    }
-    assert_warm_allocates_nothing(|| {
-        poll_ready(txn.lock_all(asked())).unwrap();
-        for k in 1..4 {
-            txn.release(&k).unwrap();
-        }
-    });
-    drop(txn);
+    let table = Arc::new(LockTable::<u64>::new());
+    check!(&mut table.transaction());
+    check!(&Arc::clone(&table).transaction_owned());
     assert!(table.is_empty());
 }
 
