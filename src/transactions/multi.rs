@@ -506,33 +506,36 @@ fn is_taken(error: &LockError) -> bool {
     )
 }
 
-/// Sorts the requests into the canonical order and merges duplicates.
-fn order<R: Reach>(
-    reach: &R,
-    requests: impl Iterator<Item = (R::Key, Mode)>,
-) -> Few<Request<R::Key>>
+/// Sorts the requests into the canonical order (by key) and merges
+/// duplicates (the stronger mode wins), where they are: keys asked in
+/// order (a range, a scan) are sorted in one pass over them.
+fn sort_and_merge<K: Ord>(requests: &mut Few<(K, Mode)>) {
+    requests.sort_unstable_by(|a, b| a.0.cmp(&b.0));
+    requests.dedup_by(|later, kept| {
+        let same = later.0 == kept.0;
+        if same {
+            kept.1 = kept.1.max(later.1);
+        }
+        same
+    });
+}
+
+/// The requests in the canonical order, merged ([`sort_and_merge`]), each
+/// with the table's hash of its key.
+fn order<R: Reach>(reach: &R, requests: &mut Few<(R::Key, Mode)>) -> Few<Request<R::Key>>
 where
     R::Key: Ord,
 {
+    sort_and_merge(requests);
     let table = reach.table();
-    let mut requests: Few<Request<R::Key>> = requests
+    requests
+        .drain(..)
         .map(|(key, mode)| Request {
             hash: table.hash(&key),
             key: Some(key),
             mode,
         })
-        .collect();
-    // By key: keys asked in order (a range, a scan) are sorted in one
-    // pass over them.
-    requests.sort_unstable_by(|a, b| a.key.cmp(&b.key));
-    requests.dedup_by(|later, kept| {
-        let same = later.hash == kept.hash && later.key == kept.key;
-        if same {
-            kept.mode = kept.mode.max(later.mode);
-        }
-        same
-    });
-    requests
+        .collect()
 }
 
 /// Locks every requested key for the transaction, all or nothing; see the
@@ -640,7 +643,7 @@ where
             )))),
         };
     }
-    let mut requests = order(&access.owner().reach, requests.drain(..));
+    let mut requests = order(&access.owner().reach, requests);
     let mut taken = Taken::new();
     if A::SOLE {
         // Filled by `take_now` only if the set has slots.
@@ -680,15 +683,7 @@ fn take_fresh<A: Access>(
 where
     KeyOf<A>: Ord + Clone,
 {
-    // The canonical order (`order`'s), in place.
-    requests.sort_unstable_by(|a, b| a.0.cmp(&b.0));
-    requests.dedup_by(|later, kept| {
-        let same = later.0 == kept.0;
-        if same {
-            kept.1 = kept.1.max(later.1);
-        }
-        same
-    });
+    sort_and_merge(requests);
     let n = requests.len();
     let Some((owner, set)) = access.sole() else {
         unreachable!("the borrowed form")
