@@ -237,6 +237,71 @@ fn main() {
                 guards.clear();
             }
         }
+        // An audit that meets one busy key midway, as the hot bank's do: a
+        // teller's transaction holds key 32 exclusive; the audit's
+        // `lock_all` of the 64 keys shared takes the keys below it, waits
+        // for it (holding those, so its wait is registered), is handed it
+        // by the teller's commit, takes the rest and commits
+        // (`auditwait`); the same with 64 plain shared guards taken in
+        // order (`auditwait_guards`).
+        "auditwait" => {
+            let table = fixed_table();
+            let mut cx = Context::from_waker(futures::task::noop_waker_ref());
+            for _ in 0..n {
+                let mut teller = table.transaction();
+                {
+                    let fut = pin!(teller.lock(black_box(32), keylock::Mode::Exclusive));
+                    let Poll::Ready(got) = fut.poll(&mut cx) else {
+                        unreachable!("uncontended")
+                    };
+                    black_box(got.expect("uncontended"));
+                }
+                let mut audit = table.transaction();
+                {
+                    let keys = (0..64u64).map(|k| (black_box(k), keylock::Mode::Shared));
+                    let mut wait = pin!(audit.lock_all(keys));
+                    assert!(wait.as_mut().poll(&mut cx).is_pending());
+                    teller.commit().expect("no lease");
+                    let Poll::Ready(got) = wait.as_mut().poll(&mut cx) else {
+                        unreachable!("handed the key")
+                    };
+                    black_box(got.expect("granted"));
+                }
+                audit.commit().expect("no lease");
+            }
+        }
+        "auditwait_guards" => {
+            let table = fixed_table();
+            let mut cx = Context::from_waker(futures::task::noop_waker_ref());
+            let mut guards = Vec::with_capacity(64);
+            for _ in 0..n {
+                let teller = table.try_lock(black_box(32)).expect("free");
+                for k in 0..32u64 {
+                    let fut = pin!(table.lock_shared(black_box(k)));
+                    let Poll::Ready(guard) = fut.poll(&mut cx) else {
+                        unreachable!("uncontended")
+                    };
+                    guards.push(guard);
+                }
+                {
+                    let mut wait = pin!(table.lock_shared(black_box(32)));
+                    assert!(wait.as_mut().poll(&mut cx).is_pending());
+                    drop(teller);
+                    let Poll::Ready(guard) = wait.as_mut().poll(&mut cx) else {
+                        unreachable!("handed the key")
+                    };
+                    guards.push(guard);
+                }
+                for k in 33..64u64 {
+                    let fut = pin!(table.lock_shared(black_box(k)));
+                    let Poll::Ready(guard) = fut.poll(&mut cx) else {
+                        unreachable!("uncontended")
+                    };
+                    guards.push(guard);
+                }
+                guards.clear();
+            }
+        }
         // A transaction's contended wait, handed the key by the holder's
         // commit: with deadlock detection (`txnwait`: the wait registered,
         // alone, so nothing searched) and without (`txnwait_off`).
@@ -533,7 +598,7 @@ fn main() {
             }
         }
         other => panic!(
-            "unknown mode {other:?}: try | lease | lock | txn1 | txn2 | guards2 | audit | audit_guards | chain8 | chain8_off | chain8_held | chain8_held_off | hot8 | hot8_off | owned1 | owned16 | guards_owned16 | tokio | std"
+            "unknown mode {other:?}: try | lease | lock | txn1 | txn2 | guards2 | audit | audit_guards | auditwait | auditwait_guards | chain8 | chain8_off | chain8_held | chain8_held_off | hot8 | hot8_off | owned1 | owned16 | guards_owned16 | tokio | std"
         ),
     }
     assert!(table.is_empty());

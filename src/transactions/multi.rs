@@ -654,7 +654,9 @@ where
         match take_now(access, &mut requests, &mut found, &mut took, policy) {
             Ok(done) => return Ok(Now::Done(done)),
             Err(Fallback::Busy { at, version }) => {
-                let taken = took.into_iter().collect();
+                // Room for every key: the wait way pushes the rest.
+                let mut taken = Taken::with_capacity(requests.len());
+                taken.extend(took);
                 return Err(Rest::Sole(Box::pin(wait_sole(
                     access, requests, found, version, taken, at, policy,
                 ))));
@@ -715,28 +717,19 @@ where
             }
             Err(key) => key,
         };
-        // Not free at once: the guards taken, out of the set (by request
-        // index: every request before this one was taken), and the
-        // requests as the waiting way keeps them (those taken, by their
-        // guards; this one; the rest, hashed now).
+        // Not free at once: back out, and the waiting way's lists.
         fill.done = true;
-        let taken: Taken<GuardOf<A>> = fill.set.unfill().enumerate().collect();
-        let mut list: Few<Request<KeyOf<A>>> = Few::with_capacity(n);
-        list.extend(taken.iter().map(|(_, guard)| Request {
-            hash: guard.hash(),
-            key: None,
-            mode: guard.mode(),
-        }));
-        list.push(Request {
-            hash,
-            key: Some(key),
-            mode,
-        });
-        list.extend(rest.map(|(_, (key, mode))| Request {
-            hash: reach.table().hash(&key),
-            key: Some(key),
-            mode,
-        }));
+        let (list, taken) = back_out(
+            fill.set,
+            n,
+            Request {
+                hash,
+                key: Some(key),
+                mode,
+            },
+            rest,
+            reach,
+        );
         return Err((list, version, taken, i));
     }
     fill.done = true;
@@ -745,6 +738,44 @@ where
         acquired: n,
         ..LockedSet::new(Vec::new())
     }))
+}
+
+/// [`take_fresh`] found a key not free at once: the guards taken, out of
+/// the set (by request index: every request before this one was taken),
+/// and the requests as the waiting way keeps them (those taken, by their
+/// guards; `busy`; the `rest`, hashed now). Out of line: the fill's loop
+/// stays small.
+#[cold]
+#[inline(never)]
+#[allow(clippy::type_complexity)]
+fn back_out<R: Reach>(
+    set: &mut HeldSet<R::Guard, R::Key>,
+    n: usize,
+    busy: Request<R::Key>,
+    rest: impl Iterator<Item = (usize, (R::Key, Mode))>,
+    reach: &R,
+) -> (Few<Request<R::Key>>, Taken<R::Guard>)
+where
+    R::Guard: GuardOps<Key = R::Key>,
+{
+    // Room for every key at once: the wait way pushes the rest as it takes
+    // them, and the set's guards come out of a filter (no size hint), which
+    // would otherwise grow the list one doubling at a time.
+    let mut taken: Taken<R::Guard> = Taken::with_capacity(n);
+    taken.extend(set.unfill().enumerate());
+    let mut list: Few<Request<R::Key>> = Few::with_capacity(n);
+    list.extend(taken.iter().map(|(_, guard)| Request {
+        hash: guard.hash(),
+        key: None,
+        mode: guard.mode(),
+    }));
+    list.push(busy);
+    list.extend(rest.map(|(_, (key, mode))| Request {
+        hash: reach.table().hash(&key),
+        key: Some(key),
+        mode,
+    }));
+    (list, taken)
 }
 
 /// A vacant set being filled by [`take_fresh`]: if the fill is left
@@ -1139,6 +1170,15 @@ where
 {
     async move {
         let mut skipped = Vec::new();
+        // The terms of every grant, resolved once for the call (as
+        // `take_now`'s): the keys after a wait are tried inline on them.
+        let terms = {
+            let owner = access.owner();
+            owner
+                .reach
+                .table()
+                .owner_terms(owner.opts.lease, owner.opts.id.get())
+        };
         // The cell (`pending.rs`) that has the wait and the guards taken so
         // far while the call waits, so that the transaction's end releases
         // them even if this future is forgotten; made at the first wait,
@@ -1150,19 +1190,15 @@ where
                     continue;
                 }
                 let (hash, mode) = (requests[i].hash, requests[i].mode);
-                let key = requests[i].key.take().expect("taken once");
                 // Request `from` was found not free just now: it waits at once.
-                let key = if i == from {
-                    key
-                } else {
-                    match try_now(access, hash, key, mode, policy) {
-                        Ok(guard) => {
-                            taken.push((i, guard));
-                            continue;
-                        }
-                        Err(key) => key,
+                // The others are tried inline, on the call's terms.
+                if i != from {
+                    if let Ok(guard) = try_request(&access.owner().reach, terms, &mut requests[i]) {
+                        taken.push((i, guard));
+                        continue;
                     }
-                };
+                }
+                let key = requests[i].key.take().expect("taken once");
                 // The name for the detector, an error or a skip (the key goes to
                 // the table).
                 let name = key.clone();
@@ -1245,20 +1281,6 @@ where
         }
         out
     }
-}
-
-/// Tries `key` on the table at once, as the transaction's call would
-/// lock it (a plain function: its locals are not kept in the waiting
-/// future).
-fn try_now<A: Access>(
-    access: &A,
-    hash: u64,
-    key: KeyOf<A>,
-    mode: Mode,
-    policy: WaitPolicy,
-) -> Result<GuardOf<A>, KeyOf<A>> {
-    let opts = access.owner().opts.lock_options(mode, policy);
-    access.owner().reach.try_lock_kept(hash, key, opts)
 }
 
 /// The claiming way: every key claimed in the set (the guards the fast
