@@ -238,6 +238,64 @@ fn a_forgotten_borrowed_lock_all_leaves_nothing_held_after_its_transaction_ended
     }
 }
 
+/// A borrowed `lock_all` forgotten while it waits (having taken its first
+/// key), then another `lock_all` of the same transaction that must wait:
+/// the forgotten call's wait, parked in the transaction, is dropped as the
+/// new one parks (its waiter leaves the queue, or its unobserved grant
+/// passes on, and the key it took is released), and the new call is
+/// granted and completes as usual; nothing is held after the commit.
+#[test]
+fn a_forgotten_borrowed_lock_all_is_let_go_when_the_next_one_waits() {
+    for granted_first in [false, true] {
+        let table = LockTable::<&'static str>::new();
+        let (first, second) = lock_all_order(&table);
+        let (third, fourth) = ("m", "n");
+        let blocker = table.try_lock(second).unwrap();
+        let later = table.try_lock(fourth).unwrap();
+        let mut t = table.transaction();
+        let mut f = Box::pin(t.lock_all([(first, Mode::Exclusive), (second, Mode::Exclusive)]));
+        assert!(poll(f.as_mut()).is_pending());
+        assert!(
+            table.is_locked(first),
+            "the first key taken before the wait"
+        );
+        std::mem::forget(f);
+        let mut blocker = Some(blocker);
+        if granted_first {
+            drop(blocker.take()); // handed to the forgotten call, unobserved
+            assert!(table.is_locked(second), "granted to the forgotten call");
+        }
+        let mut g = Box::pin(t.lock_all([(third, Mode::Exclusive), (fourth, Mode::Exclusive)]));
+        assert!(poll(g.as_mut()).is_pending(), "{fourth} is held");
+        let what = format!("granted first {granted_first}");
+        assert!(
+            !table.is_locked(first),
+            "{what}: the forgotten call's key kept"
+        );
+        assert_eq!(
+            table.waiters(second),
+            0,
+            "{what}: the forgotten waiter queued"
+        );
+        assert_eq!(
+            table.is_locked(second),
+            blocker.is_some(),
+            "{what}: {second} held by the blocker only"
+        );
+        drop(later);
+        let got = poll(g.as_mut());
+        assert!(
+            matches!(&got, Poll::Ready(Ok(s)) if s.acquired() == 2),
+            "{what}: {got:?}"
+        );
+        drop(g);
+        assert_eq!(t.len(), 2, "{what}: the second call's keys in the set");
+        t.commit().expect("nothing lost");
+        drop(blocker);
+        assert_all_free(&table, &[first, second, third, fourth], &what);
+    }
+}
+
 /// The owned form: its `lock_all` forgotten in the same state.
 #[test]
 fn a_forgotten_owned_lock_all_leaves_nothing_held_after_its_transaction_ended() {

@@ -35,13 +35,13 @@
 //! (`crate::support::loom`), so the loom models (`tests/loom_owners.rs`) explore the
 //! end racing a pending call.
 
-use std::future::{poll_fn, Future};
+use std::future::poll_fn;
 use std::ops::DerefMut;
 use std::panic::{catch_unwind, resume_unwind, AssertUnwindSafe};
-use std::pin::Pin;
+
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
-use std::task::{Poll, Waker};
+use std::task::{Context, Poll, Waker};
 
 use crate::support::loom::AtomicBool;
 use crate::support::mode::Mode;
@@ -49,7 +49,7 @@ use crate::support::shard_lock::ShardMutex;
 use crate::transactions::deadlock::{wait_id, Deadlock};
 use crate::transactions::error::TransactionError;
 use crate::transactions::held::{Acquired, Found, HeldSet};
-use crate::transactions::pending::{self, Pending, PendingList};
+use crate::transactions::pending::{self, ParkedSlot, Pending, PendingList};
 use crate::transactions::policy::Resolved;
 use crate::transactions::reach::{GuardOps, Reach};
 
@@ -73,6 +73,10 @@ pub(crate) type PendingListOf<R> = PendingList<
     <<R as Reach>::Guard as GuardOps>::Upgrading,
     <R as Reach>::Guard,
 >;
+
+/// The borrowed form's slot for its call's parked wait (`pending.rs`), for
+/// an owner reaching its table through `R`.
+pub(crate) type ParkedOf<R> = ParkedSlot<<R as Reach>::Lock, <R as Reach>::Guard>;
 
 /// What does not change during a transaction: its table and options.
 #[derive(Debug)]
@@ -207,6 +211,10 @@ pub(crate) trait Access {
     /// transaction whose calls all ended has nothing to cancel when it
     /// ends. A forgotten call never gets here: its cell stays on the list.
     fn unpend(&mut self, pending: &Arc<PendingOf<Self::R>>);
+
+    /// The slot where the borrowed form's `lock_all` parks its wait
+    /// (`pending::Parked`); the owned form's calls use cells.
+    fn parked(&mut self) -> &mut ParkedOf<Self::R>;
 }
 
 /// The owner and the set of a borrowed transaction, at once
@@ -239,6 +247,7 @@ pub(crate) struct Direct<'a, R: Reach> {
     pub(crate) set: &'a mut SetOf<R>,
     /// The transaction's pending calls (see `pending.rs`).
     pub(crate) pending: &'a mut PendingListOf<R>,
+    pub(crate) parked: &'a mut ParkedOf<R>,
 }
 
 impl<R: Reach> Access for Direct<'_, R> {
@@ -307,6 +316,11 @@ impl<R: Reach> Access for Direct<'_, R> {
     #[inline]
     fn unpend(&mut self, pending: &Arc<PendingOf<R>>) {
         drop(pending::remove(self.pending, pending));
+    }
+
+    #[inline]
+    fn parked(&mut self) -> &mut ParkedOf<R> {
+        self.parked
     }
 }
 
@@ -553,6 +567,10 @@ impl<R: Reach> Access for Arc<Shared<R>> {
         drop(removed);
     }
 
+    fn parked(&mut self) -> &mut ParkedOf<R> {
+        unreachable!("only the borrowed form's lock_all parks its wait")
+    }
+
     fn unwatch(&mut self, slot: usize) {
         let mut state = self.lock();
         if self.ended.load(Ordering::Relaxed) {
@@ -613,16 +631,17 @@ pub(crate) enum Holding {
     Unknown,
 }
 
-/// Awaits `fut`, a lock of `wait`, unless the transaction ends first (then
-/// `fut` is dropped, releasing what it had). Once `fut` is queued, the wait
+/// Awaits a lock of `wait`, polled by `poll` (given the access: a parked
+/// wait is reached through it), unless the transaction ends first (then
+/// the caller drops the lock, releasing what it had). Once it is queued, the wait
 /// is registered with the table's deadlock detector; if it closes a cycle,
 /// the wait stops with [`Stop::Deadlock`] (and `fut` is dropped, leaving
 /// the queue).
-pub(crate) async fn wait_unless_ended<A: Access, F: Future>(
+pub(crate) async fn wait_unless_ended<A: Access, T>(
     access: &mut A,
     wait: WaitFor<'_, KeyOf<A>>,
-    mut fut: Pin<&mut F>,
-) -> Result<F::Output, Stop<KeyOf<A>>>
+    mut poll: impl FnMut(&mut A, &mut Context<'_>) -> Poll<T>,
+) -> Result<T, Stop<KeyOf<A>>>
 where
     KeyOf<A>: Clone,
 {
@@ -672,7 +691,7 @@ where
             cx.waker().wake_by_ref();
             return Poll::Pending;
         }
-        if let Poll::Ready(out) = fut.as_mut().poll(cx) {
+        if let Poll::Ready(out) = poll(&mut *watch.access, cx) {
             return Poll::Ready(Ok(out));
         }
         if !searched {

@@ -270,12 +270,13 @@ pub(crate) struct HeldSet<G, K> {
     /// lookup scans). When `Some`, it indexes every slot.
     index: Option<Box<HashTable<usize>>>,
     next_id: u64,
-    /// How many slots have a count above zero.
-    held: usize,
+    /// How many slots have a count above zero (32 bits, as `waits`: the
+    /// two share a word, keeping a transaction within 256 bytes).
+    held: u32,
     /// How many of the transaction's calls are in a wait (counted by the
     /// borrowed form only): more than the one asking means another call,
     /// forgotten while it waited, may hold a grant outside the set.
-    pub(crate) waits: usize,
+    pub(crate) waits: u32,
     /// Bumped by every change of the slots but a re-entry's count: a call
     /// that looked at the set, let go of it (an owned transaction's lock)
     /// and comes back to the same version finds what it left.
@@ -451,7 +452,7 @@ impl<G: GuardOps<Key = K>, K: Eq> HeldSet<G, K> {
     /// How many keys the transaction holds (a key being upgraded counts, a
     /// new key in flight does not).
     pub(crate) fn len(&self) -> usize {
-        self.held
+        self.held as usize
     }
 
     pub(crate) fn get<Q: Eq + ?Sized>(&self, hash: u64, key: &Q) -> Option<&Slot<G, K>>
@@ -583,7 +584,8 @@ impl<G: GuardOps<Key = K>, K: Eq> HeldSet<G, K> {
                 body: Body::Guard(guard),
             }));
         self.next_id = first + n as u64;
-        self.held += n;
+        // A set cannot have 2^32 slots (56 bytes each: 224 GiB).
+        self.held += n as u32;
         self.version += 1;
         n
     }

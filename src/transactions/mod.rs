@@ -118,14 +118,18 @@ pub struct Transaction<'t, K, S = DefaultHashBuilder> {
         crate::table::upgrade::UpgradeOwned<'t, K, S>,
         Guard<'t, K, S>,
     >,
+    /// The wait a `lock_all` parked here while it waits, with the guards it
+    /// took (`pending::Parked`): a forgotten call's is dropped when the
+    /// transaction ends.
+    parked: pending::ParkedSlot<crate::table::acquire::LockWith<'t, K, S>, Guard<'t, K, S>>,
 }
 
 impl<K, S> Drop for Transaction<'_, K, S> {
     fn drop(&mut self) {
-        // Nothing held and no call's cell (a committed transaction, or one
-        // that took nothing): nothing to release, and the fields' own drops
-        // free what little they own.
-        if self.set.is_vacant() && self.pending.is_empty() {
+        // Nothing held and no call's cell or parked wait (a committed
+        // transaction, or one that took nothing): nothing to release, and
+        // the fields' own drops free what little they own.
+        if self.set.is_vacant() && self.pending.is_empty() && self.parked.is_none() {
             return;
         }
         // As the owned form's end: the set's keys first (a panic in a key's
@@ -135,8 +139,11 @@ impl<K, S> Drop for Transaction<'_, K, S> {
         // whatever the first did.
         let set = std::mem::take(&mut self.set);
         let released = catch_unwind(AssertUnwindSafe(|| drop(set)));
+        let parked = catch_unwind(AssertUnwindSafe(|| {
+            pending::clear_parked(&mut self.parked);
+        }));
         pending::cancel_all(std::mem::take(&mut self.pending));
-        if let Err(payload) = released {
+        if let Err(payload) = released.and(parked) {
             resume_unwind(payload);
         }
     }
@@ -212,6 +219,7 @@ impl<K: Eq + Hash, S: BuildHasher> LockTable<K, S> {
             owner: Owner::new(self, opts, label),
             set: HeldSet::default(),
             pending: pending::PendingList::new(),
+            parked: None,
         }
     }
 
@@ -341,6 +349,7 @@ impl<'t, K: Eq + Hash, S: BuildHasher> Transaction<'t, K, S> {
             owner: &self.owner,
             set: &mut self.set,
             pending: &mut self.pending,
+            parked: &mut self.parked,
         }
     }
 
@@ -865,8 +874,13 @@ impl<'t, K: Eq + Hash, S: BuildHasher> Transaction<'t, K, S> {
             owner,
             set,
             pending,
+            parked,
         } = self;
-        set.owns_nothing() && pending.is_empty() && !pending.spilled() && owner.owns_nothing()
+        set.owns_nothing()
+            && pending.is_empty()
+            && !pending.spilled()
+            && parked.is_none()
+            && owner.owns_nothing()
     }
 
     /// Releases every key the transaction holds; the same as dropping it.

@@ -49,10 +49,10 @@
 //! shared again, as before the call, under the token the upgrade gave it),
 //! and keys it only counted are left as they were.
 
-use std::future::{poll_fn, Future};
+use std::future::Future;
 use std::mem;
 use std::panic::{catch_unwind, resume_unwind, AssertUnwindSafe};
-use std::pin::{pin, Pin};
+use std::pin::Pin;
 use std::sync::Arc;
 use std::task::{Context, Poll};
 
@@ -64,7 +64,7 @@ use crate::transactions::access::{
 use crate::transactions::access::{GuardOf, KeyOf};
 use crate::transactions::error::TransactionError;
 use crate::transactions::held::{AcquireKind, Begin, Found, HeldSet, UNINDEXED_MAX};
-use crate::transactions::pending::{CancelOnDrop, Taken, Wait, Waited};
+use crate::transactions::pending::{self, Taken, Wait, Waited};
 use crate::transactions::policy::WaitPolicy;
 use crate::transactions::reach::{GuardOps, Reach};
 use crate::transactions::single;
@@ -1145,7 +1145,9 @@ where
 /// order, holding what the call took: as sorted plain guards would); then
 /// everything goes into the set in one step. Nothing is claimed: the
 /// transaction is borrowed by this call, so the set cannot change
-/// meanwhile. Dropped at an await, or failing, the call releases what it
+/// meanwhile. Each wait is parked in the transaction with the guards taken
+/// so far ([`pending::Parked`]: released at its end if this future is
+/// forgotten). Dropped at an await, or failing, the call releases what it
 /// took (its guards drop) and the set is as it was.
 ///
 /// A plain function returning an `async move` block, not an `async fn`:
@@ -1179,12 +1181,7 @@ where
                 .table()
                 .owner_terms(owner.opts.lease, owner.opts.id.get())
         };
-        // The cell (`pending.rs`) that has the wait and the guards taken so
-        // far while the call waits, so that the transaction's end releases
-        // them even if this future is forgotten; made at the first wait,
-        // cancelled (releasing what it has) if this future is dropped.
-        let mut away: Option<CancelOnDrop<LockOf<A>, UpgradingOf<A>, GuardOf<A>>> = None;
-        let out = 'call: {
+        'call: {
             for i in from..requests.len() {
                 if found_at(&found, i) != Found::Absent {
                     continue;
@@ -1206,19 +1203,8 @@ where
                     .owner()
                     .reach
                     .lock_with(key, access.owner().opts.lock_options(mode, policy));
-                let cell = match &away {
-                    Some(cell) => Arc::clone(&cell.0),
-                    None => {
-                        let cell = PendingOf::<A::R>::new();
-                        if access.pend(&cell).is_err() {
-                            break 'call Err(TransactionError::Ended);
-                        }
-                        away = Some(CancelOnDrop(Arc::clone(&cell)));
-                        cell
-                    }
-                };
                 // Whether the transaction holds anything, asked before the
-                // guards taken so far go into the cell.
+                // guards taken so far are parked.
                 let holding = if A::SOLE
                     && taken.is_empty()
                     && access.with(|set| set.holds_nothing()).unwrap_or(false)
@@ -1227,32 +1213,33 @@ where
                 } else {
                     Holding::Unknown
                 };
-                let stowed = cell.start(Wait::Lock(Box::pin(lock)));
-                if stowed.is_err() || cell.stow_all(mem::take(&mut taken)).is_err() {
-                    break 'call Err(TransactionError::Ended);
-                }
+                // The wait and the guards taken so far are parked in the
+                // transaction (`pending::Parked`), so that its end releases
+                // them if this future is forgotten; if it is dropped here
+                // (cancelled, or unwinding), `call` releases them.
+                pending::park(access.parked(), lock, mem::take(&mut taken));
+                let call = ParkedCall {
+                    access: &mut *access,
+                    done: false,
+                };
                 let wait = WaitFor {
                     hash,
                     key: &name,
                     mode,
                     holding,
                 };
-                let polled = poll_fn(|cx| cell.poll(cx));
-                let waited = wait_unless_ended(&mut *access, wait, pin!(polled)).await;
-                match cell.unstow() {
-                    Ok(guards) => taken = guards,
-                    Err(_) => break 'call Err(TransactionError::Ended),
-                }
+                let waited = wait_unless_ended(&mut *call.access, wait, |access, cx| {
+                    pending::poll_parked(access.parked(), cx)
+                })
+                .await;
+                taken = call.finish();
                 match waited {
                     Err(stop) => break 'call Err(stop.into()),
-                    Ok(None) => break 'call Err(TransactionError::Ended),
-                    Ok(Some(Waited::Granted(guard))) => taken.push((i, guard)),
-                    Ok(Some(Waited::Failed(_, error)))
-                        if policy == WaitPolicy::SkipLocked && is_taken(&error) =>
-                    {
+                    Ok(Ok(guard)) => taken.push((i, guard)),
+                    Ok(Err(error)) if policy == WaitPolicy::SkipLocked && is_taken(&error) => {
                         skipped.push(name);
                     }
-                    Ok(Some(Waited::Failed(_, error))) => {
+                    Ok(Err(error)) => {
                         break 'call Err(TransactionError::from_lock(
                             name,
                             mode,
@@ -1270,16 +1257,33 @@ where
                 // The call has the transaction to itself: its set cannot move.
                 Err(_) => unreachable!("a borrowed transaction's set changed during its call"),
             }
-        };
-        // Done with the cell (however the call ended, but dropped at an
-        // await): cancelled, which releases whatever it still has, and off
-        // the transaction's list.
-        if let Some(cell) = away.take() {
-            access.unpend(&cell.0);
-            // Cancelled as it drops.
-            drop(cell);
         }
-        out
+    }
+}
+
+/// A borrowed `lock_all` waiting with its wait parked in its transaction
+/// ([`pending::Parked`]): dropped before [`finish`](Self::finish) (the
+/// call cancelled at its await, or unwinding), it releases what is parked:
+/// the waiter leaves its queue (or its unobserved grant passes on) and the
+/// guards the call took are released, so the transaction is as it was.
+struct ParkedCall<'a, A: Access> {
+    access: &'a mut A,
+    done: bool,
+}
+
+impl<A: Access> ParkedCall<'_, A> {
+    /// The wait is over: its guards back, the finished wait freed.
+    fn finish(mut self) -> Taken<GuardOf<A>> {
+        self.done = true;
+        pending::unpark(self.access.parked())
+    }
+}
+
+impl<A: Access> Drop for ParkedCall<'_, A> {
+    fn drop(&mut self) {
+        if !self.done {
+            pending::clear_parked(self.access.parked());
+        }
     }
 }
 
@@ -1437,8 +1441,8 @@ where
                         mode: request.mode,
                         holding: Holding::Unknown,
                     };
-                    let polled = poll_fn(|cx| cell.poll(cx));
-                    let waited = wait_unless_ended(&mut *stage.access, wait, pin!(polled)).await;
+                    let waited =
+                        wait_unless_ended(&mut *stage.access, wait, |_, cx| cell.poll(cx)).await;
                     if stage.unstow().is_err() {
                         return Err(TransactionError::Ended);
                     }
@@ -1473,8 +1477,8 @@ where
                     let Ok(cell) = stage.stow(Wait::Upgrade(upgrade)) else {
                         return Err(TransactionError::Ended);
                     };
-                    let polled = poll_fn(|cx| cell.poll(cx));
-                    let waited = wait_unless_ended(&mut *stage.access, wait, pin!(polled)).await;
+                    let waited =
+                        wait_unless_ended(&mut *stage.access, wait, |_, cx| cell.poll(cx)).await;
                     if stage.unstow().is_err() {
                         return Err(TransactionError::Ended);
                     }

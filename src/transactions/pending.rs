@@ -27,6 +27,10 @@
 //! transaction stays held after it ended, and a plain lock runs none of
 //! this: only a transaction's contended wait makes a cell.
 //!
+//! The borrowed form's `lock_all` needs no cell ([`Parked`]): its
+//! transaction is borrowed by the call, so it parks its wait and its
+//! guards in the transaction itself, reached through the borrow.
+//!
 //! The wait is boxed inside the cell, so cancelling moves a pointer out
 //! and drops the wait after the cell's lock is released (its drop enters
 //! the table, which wakes what it must after its own unlock). A poll takes
@@ -280,6 +284,71 @@ where
     }
 }
 
+pin_project_lite::pin_project! {
+    /// The borrowed form's `lock_all` wait, parked in its transaction
+    /// (`Transaction::parked`) while the call waits: the table lock future
+    /// of the key waited for and the guards the call took before it. The
+    /// transaction is borrowed by the call, so only the call reaches it
+    /// while the call lives (no cell, no lock); the call takes it back as
+    /// its wait ends, and releases it if dropped. A forgotten call never
+    /// does, and the transaction's end (or its next parked wait) drops it:
+    /// the waiter leaves its queue, or its unobserved grant passes on, and
+    /// the guards are released. One allocation per wait, where a cell takes
+    /// two and a lock round trip per step.
+    pub(crate) struct Parked<L, G> {
+        #[pin]
+        lock: L,
+        guards: Taken<G>,
+    }
+}
+
+/// A borrowed transaction's slot for its call's parked wait.
+pub(crate) type ParkedSlot<L, G> = Option<Pin<Box<Parked<L, G>>>>;
+
+/// Parks a call's wait: `lock`, not polled yet, and the guards it took.
+/// What a forgotten call left in the slot goes first.
+pub(crate) fn park<L, G>(slot: &mut ParkedSlot<L, G>, lock: L, guards: Taken<G>) {
+    clear_parked(slot);
+    *slot = Some(Box::pin(Parked { lock, guards }));
+}
+
+/// Polls the parked wait (only the call that parked it does).
+pub(crate) fn poll_parked<L, G>(
+    slot: &mut ParkedSlot<L, G>,
+    cx: &mut Context<'_>,
+) -> Poll<Result<G, LockError>>
+where
+    L: Future<Output = Result<G, LockError>>,
+{
+    slot.as_mut()
+        .expect("the call's wait is parked")
+        .as_mut()
+        .project()
+        .lock
+        .poll(cx)
+}
+
+/// Takes the call's guards back as its wait ends; the finished wait is
+/// freed.
+pub(crate) fn unpark<L, G>(slot: &mut ParkedSlot<L, G>) -> Taken<G> {
+    let mut parked = slot.take().expect("the call's wait is parked");
+    std::mem::take(parked.as_mut().project().guards)
+}
+
+/// Drops what the slot holds: the wait first (an unobserved grant passes
+/// on before the guards go), then the guards, even if the first panics.
+pub(crate) fn clear_parked<L, G>(slot: &mut ParkedSlot<L, G>) {
+    let Some(mut parked) = slot.take() else {
+        return;
+    };
+    let guards = std::mem::take(parked.as_mut().project().guards);
+    let dropped = catch_unwind(AssertUnwindSafe(|| drop(parked)));
+    drop(guards);
+    if let Err(payload) = dropped {
+        resume_unwind(payload);
+    }
+}
+
 /// The guards a call has taken and not yet put into its transaction's set,
 /// each with the call's index for it: inline up to two (a transfer's), so
 /// that moving the list into a cell and back, as the call suspends and
@@ -323,14 +392,4 @@ pub(crate) fn remove<L, U, G>(
 ) -> Option<Arc<Pending<L, U, G>>> {
     let at = list.iter().position(|p| Arc::ptr_eq(p, pending))?;
     Some(list.swap_remove(at))
-}
-
-/// The call's hold on its cell: cancels it when dropped (the call's future
-/// dropped, or done), so a dropped call leaves nothing queued or held.
-pub(crate) struct CancelOnDrop<L, U, G>(pub(crate) Arc<Pending<L, U, G>>);
-
-impl<L, U, G> Drop for CancelOnDrop<L, U, G> {
-    fn drop(&mut self) {
-        self.0.cancel();
-    }
 }

@@ -24,9 +24,9 @@
 //! so moving it (into `pin!`, into a caller's future) copies little, and an
 //! uncontended lock allocates nothing.
 
-use std::future::{poll_fn, Future};
+use std::future::Future;
 use std::panic::{catch_unwind, resume_unwind, AssertUnwindSafe};
-use std::pin::{pin, Pin};
+use std::pin::Pin;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -330,8 +330,7 @@ where
         mode,
         holding,
     };
-    let polled = poll_fn(|cx| cell.poll(cx));
-    match wait_unless_ended(&mut *claim.access, wait, pin!(polled)).await {
+    match wait_unless_ended(&mut *claim.access, wait, |_, cx| cell.poll(cx)).await {
         Err(stop) => Err(stop.into()),
         // Cancelled: the transaction ended.
         Ok(None) => Err(TransactionError::Ended),
@@ -380,8 +379,7 @@ where
         mode: Mode::Exclusive,
         holding: Holding::Unknown,
     };
-    let polled = poll_fn(|cx| cell.poll(cx));
-    let upgraded = wait_unless_ended(&mut *claim.access, wait, pin!(polled)).await;
+    let upgraded = wait_unless_ended(&mut *claim.access, wait, |_, cx| cell.poll(cx)).await;
     match upgraded {
         Err(stop) => Err(stop.into()),
         Ok(None) => Err(TransactionError::Ended),
