@@ -1847,6 +1847,23 @@ fn a_fresh_lock_all_of_many_keys_waits_holding_the_keys_below_the_busy_one() {
         assert!(above.iter().all(|k| !table.is_locked(k)), "none above");
     }
     assert_eq!((txn.len(), table.len()), (0, 1), "dropped: nothing kept");
+    // Failing (a transaction that does not wait): the keys below come back
+    // out of the set and are released, all or nothing.
+    {
+        let mut nowait = table.transaction_with(TransactionOptions::new().wait(WaitPolicy::NoWait));
+        let Poll::Ready(got) = poll_once(Box::pin(nowait.lock_all(asked())).as_mut()) else {
+            panic!("a transaction that does not wait answers at once")
+        };
+        assert!(
+            matches!(got, Err(TransactionError::Busy { key: 5, .. })),
+            "{got:?}"
+        );
+        assert_eq!((nowait.len(), table.len()), (0, 1), "failed: nothing kept");
+        assert!(
+            below.iter().all(|k| !table.is_locked(k)),
+            "the keys below, released"
+        );
+    }
     // Let through.
     {
         let mut call = Box::pin(txn.lock_all(asked()));

@@ -636,6 +636,14 @@ impl<G: GuardOps<Key = K>, K: Eq> HeldSet<G, K> {
         self.slots.drain(..).filter_map(Slot::into_guard)
     }
 
+    /// A fill kept while its call waited is given up (the call failed, or
+    /// was dropped): every guard comes back out and the set is vacant again,
+    /// at a new version (no user code runs; the guards are returned).
+    pub(crate) fn unfill_all(&mut self) -> impl Iterator<Item = G> + '_ {
+        self.version += 1;
+        self.unfill()
+    }
+
     /// Claims `key` for a call asking for `mode`: a covered key is counted
     /// at once if `reenter` (else marked busy until the call settles); a
     /// weaker one gives its guard to be upgraded; an absent one gets an

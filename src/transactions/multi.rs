@@ -618,7 +618,16 @@ where
                 at,
                 version,
             } => Err(Rest::Sole(Box::pin(wait_sole(
-                access, requests, found, version, taken, at, policy,
+                access,
+                Wanted {
+                    requests,
+                    found,
+                    version,
+                    filled: 0,
+                },
+                taken,
+                at,
+                policy,
             )))),
             Few2::Other(requests) => claim_all(access, requests, Taken::new(), policy)
                 .map(Now::Done)
@@ -632,13 +641,16 @@ where
     {
         return match take_fresh(access, requests) {
             Ok(done) => Ok(Now::Done(done)),
-            Err((requests, version, taken, at)) => Err(Rest::Sole(Box::pin(wait_sole(
+            Err((requests, version, filled)) => Err(Rest::Sole(Box::pin(wait_sole(
                 access,
-                requests,
-                Few::new(),
-                version,
-                taken,
-                at,
+                Wanted {
+                    requests,
+                    found: Few::new(),
+                    version,
+                    filled,
+                },
+                Taken::new(),
+                0,
                 policy,
             )))),
         };
@@ -658,7 +670,16 @@ where
                 let mut taken = Taken::with_capacity(requests.len());
                 taken.extend(took);
                 return Err(Rest::Sole(Box::pin(wait_sole(
-                    access, requests, found, version, taken, at, policy,
+                    access,
+                    Wanted {
+                        requests,
+                        found,
+                        version,
+                        filled: 0,
+                    },
+                    taken,
+                    at,
+                    policy,
                 ))));
             }
             Err(Fallback::Other | Fallback::Moved) => taken = took.into_iter().collect(),
@@ -673,15 +694,17 @@ where
 /// (a fresh transaction's first call: an audit's, a batch's), not
 /// skipping: every key is new, so none is looked up in the set. The
 /// requests are sorted into the canonical order and merged where they are,
-/// each key is hashed as it is tried and taken at once, and all go into
-/// the set in one step. The list of requests the waiting way keeps is made
-/// only when a key is not free at once: `Err` with it, the set's version,
-/// the guards taken so far (by request index) and the request waited for.
+/// each key is hashed as it is tried and taken at once, and goes into the
+/// set as it is. When a key is not free at once, the keys taken before it
+/// stay in the set, for the waiting way ([`wait_sole`], which takes them
+/// back out if the call fails or is dropped): `Err` with the requests from
+/// that key on (the list the waiting way keeps), the set's version, and
+/// how many keys the set has of the call.
 #[allow(clippy::type_complexity)]
 fn take_fresh<A: Access>(
     access: &mut A,
     requests: &mut Few<(KeyOf<A>, Mode)>,
-) -> Result<Outcome<A>, (Few<Request<KeyOf<A>>>, u64, Taken<GuardOf<A>>, usize)>
+) -> Result<Outcome<A>, (Few<Request<KeyOf<A>>>, u64, usize)>
 where
     KeyOf<A>: Ord + Clone,
 {
@@ -690,11 +713,11 @@ where
     let Some((owner, set)) = access.sole() else {
         unreachable!("the borrowed form")
     };
-    let version = set.version();
     // Each key goes into the set as it is taken (the call has the
-    // transaction to itself: nothing sees the set meanwhile); a key not
-    // free at once takes them all back out, and so does a panic (a key's
-    // `Hash` or `Eq`), whose unwinding releases them: all or nothing.
+    // transaction to itself: nothing sees the set meanwhile). A panic (a
+    // key's `Hash` or `Eq`) takes them all back out, and its unwinding
+    // releases them; a key not free at once leaves them there for the
+    // waiting way, which takes them out if the call fails: all or nothing.
     set.reserve_vacant(n);
     let mut fill = Filling { set, done: false };
     // The terms of every grant, resolved once (a lease out of range:
@@ -717,20 +740,26 @@ where
             }
             Err(key) => key,
         };
-        // Not free at once: back out, and the waiting way's lists.
+        // Not free at once: the requests from this one on, as the waiting
+        // way keeps them, the rest hashed now (before the fill is let be:
+        // a `Hash` that panics still unwinds through `fill`).
+        let mut list: Few<Request<KeyOf<A>>> = Few::with_capacity(n - i);
+        list.push(Request {
+            hash,
+            key: Some(key),
+            mode,
+        });
+        list.extend(rest.map(|(_, (key, mode))| Request {
+            hash: reach.table().hash(&key),
+            key: Some(key),
+            mode,
+        }));
         fill.done = true;
-        let (list, taken) = back_out(
-            fill.set,
-            n,
-            Request {
-                hash,
-                key: Some(key),
-                mode,
-            },
-            rest,
-            reach,
-        );
-        return Err((list, version, taken, i));
+        if i > 0 {
+            fill.set.filled();
+        }
+        let version = fill.set.version();
+        return Err((list, version, i));
     }
     fill.done = true;
     fill.set.filled();
@@ -738,44 +767,6 @@ where
         acquired: n,
         ..LockedSet::new(Vec::new())
     }))
-}
-
-/// [`take_fresh`] found a key not free at once: the guards taken, out of
-/// the set (by request index: every request before this one was taken),
-/// and the requests as the waiting way keeps them (those taken, by their
-/// guards; `busy`; the `rest`, hashed now). Out of line: the fill's loop
-/// stays small.
-#[cold]
-#[inline(never)]
-#[allow(clippy::type_complexity)]
-fn back_out<R: Reach>(
-    set: &mut HeldSet<R::Guard, R::Key>,
-    n: usize,
-    busy: Request<R::Key>,
-    rest: impl Iterator<Item = (usize, (R::Key, Mode))>,
-    reach: &R,
-) -> (Few<Request<R::Key>>, Taken<R::Guard>)
-where
-    R::Guard: GuardOps<Key = R::Key>,
-{
-    // Room for every key at once: the wait way pushes the rest as it takes
-    // them, and the set's guards come out of a filter (no size hint), which
-    // would otherwise grow the list one doubling at a time.
-    let mut taken: Taken<R::Guard> = Taken::with_capacity(n);
-    taken.extend(set.unfill().enumerate());
-    let mut list: Few<Request<R::Key>> = Few::with_capacity(n);
-    list.extend(taken.iter().map(|(_, guard)| Request {
-        hash: guard.hash(),
-        key: None,
-        mode: guard.mode(),
-    }));
-    list.push(busy);
-    list.extend(rest.map(|(_, (key, mode))| Request {
-        hash: reach.table().hash(&key),
-        key: Some(key),
-        mode,
-    }));
-    (list, taken)
 }
 
 /// A vacant set being filled by [`take_fresh`]: if the fill is left
@@ -1160,9 +1151,7 @@ where
 #[allow(clippy::manual_async_fn)]
 fn wait_sole<A: Access>(
     access: &mut A,
-    mut requests: Few<Request<KeyOf<A>>>,
-    found: Few<Found>,
-    version: u64,
+    mut wanted: Wanted<KeyOf<A>>,
     mut taken: Taken<GuardOf<A>>,
     from: usize,
     policy: WaitPolicy,
@@ -1171,6 +1160,16 @@ where
     KeyOf<A>: Ord + Clone,
 {
     async move {
+        // (The fields of `wanted` are used where they are: moved out into
+        // locals of their own, they would be copied within this future.)
+        // The keys a fresh fill left in the set: taken back out if the call
+        // fails or is dropped (the set had nothing else), kept if it ends
+        // well.
+        let mut fill = FreshFill {
+            access,
+            filled: wanted.filled > 0,
+        };
+        let access = &mut *fill.access;
         let mut skipped = Vec::new();
         // The terms of every grant, resolved once for the call (as
         // `take_now`'s): the keys after a wait are tried inline on them.
@@ -1182,20 +1181,22 @@ where
                 .owner_terms(owner.opts.lease, owner.opts.id.get())
         };
         'call: {
-            for i in from..requests.len() {
-                if found_at(&found, i) != Found::Absent {
+            for i in from..wanted.requests.len() {
+                if found_at(&wanted.found, i) != Found::Absent {
                     continue;
                 }
-                let (hash, mode) = (requests[i].hash, requests[i].mode);
+                let (hash, mode) = (wanted.requests[i].hash, wanted.requests[i].mode);
                 // Request `from` was found not free just now: it waits at once.
                 // The others are tried inline, on the call's terms.
                 if i != from {
-                    if let Ok(guard) = try_request(&access.owner().reach, terms, &mut requests[i]) {
+                    if let Ok(guard) =
+                        try_request(&access.owner().reach, terms, &mut wanted.requests[i])
+                    {
                         taken.push((i, guard));
                         continue;
                     }
                 }
-                let key = requests[i].key.take().expect("taken once");
+                let key = wanted.requests[i].key.take().expect("taken once");
                 // The name for the detector, an error or a skip (the key goes to
                 // the table).
                 let name = key.clone();
@@ -1251,12 +1252,56 @@ where
             }
             let record = policy == WaitPolicy::SkipLocked;
             match put_all(
-                access, &requests, &found, version, &mut taken, skipped, record,
+                access,
+                &wanted.requests,
+                &wanted.found,
+                wanted.version,
+                &mut taken,
+                skipped,
+                record,
             ) {
-                Ok(done) => done,
+                Ok(mut done) => {
+                    if let Ok(set) = &mut done {
+                        set.acquired += wanted.filled;
+                    }
+                    fill.filled = false;
+                    done
+                }
                 // The call has the transaction to itself: its set cannot move.
                 Err(_) => unreachable!("a borrowed transaction's set changed during its call"),
             }
+        }
+    }
+}
+
+/// What a borrowed `lock_all` waits for ([`wait_sole`]): its requests in
+/// the canonical order, what the set had of each (empty: none), the set's
+/// version then, and how many keys of the call a fresh fill left in the
+/// set (the set's only keys).
+struct Wanted<K> {
+    requests: Few<Request<K>>,
+    found: Few<Found>,
+    version: u64,
+    filled: usize,
+}
+
+/// The keys a fresh fill ([`take_fresh`]) left in a borrowed transaction's
+/// set while its call waits for the rest: if the call fails or is dropped
+/// (cancelled at its await, or unwinding) while `filled`, they come back
+/// out and are released, so the transaction is as it was (it held
+/// nothing). A forgotten call's stay in the set, released with it.
+struct FreshFill<'a, A: Access> {
+    access: &'a mut A,
+    filled: bool,
+}
+
+impl<A: Access> Drop for FreshFill<'_, A> {
+    fn drop(&mut self) {
+        if self.filled {
+            let taken = self.access.with(|set| set.unfill_all().collect::<Vec<_>>());
+            // Released here, out of the set (a key's drop may panic: the
+            // rest are released as the list unwinds).
+            drop(taken);
         }
     }
 }
