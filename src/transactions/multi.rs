@@ -619,13 +619,13 @@ where
                 version,
             } => Err(Rest::Sole(Box::pin(wait_sole(
                 access,
+                taken,
                 Wanted {
                     requests,
                     found,
                     version,
                     filled: 0,
                 },
-                taken,
                 at,
                 policy,
             )))),
@@ -643,13 +643,14 @@ where
             Ok(done) => Ok(Now::Done(done)),
             Err((requests, version, filled)) => Err(Rest::Sole(Box::pin(wait_sole(
                 access,
+                // Room for the rest at once (two in place, as a transfer's).
+                Taken::with_capacity(requests.len()),
                 Wanted {
                     requests,
                     found: Few::new(),
                     version,
                     filled,
                 },
-                Taken::new(),
                 0,
                 policy,
             )))),
@@ -671,13 +672,13 @@ where
                 taken.extend(took);
                 return Err(Rest::Sole(Box::pin(wait_sole(
                     access,
+                    taken,
                     Wanted {
                         requests,
                         found,
                         version,
                         filled: 0,
                     },
-                    taken,
                     at,
                     policy,
                 ))));
@@ -1151,8 +1152,8 @@ where
 #[allow(clippy::manual_async_fn)]
 fn wait_sole<A: Access>(
     access: &mut A,
-    mut wanted: Wanted<KeyOf<A>>,
     mut taken: Taken<GuardOf<A>>,
+    mut wanted: Wanted<KeyOf<A>>,
     from: usize,
     policy: WaitPolicy,
 ) -> impl Future<Output = Outcome<A>> + '_
