@@ -866,14 +866,19 @@ where
         }
     };
     let looked = access.with(|set| {
+        // A vacant set (a fresh transaction's transfer) has neither key.
+        if set.is_vacant() {
+            let absent = b.as_ref().map(|_| Found::Absent);
+            return (Found::Absent, absent, set.version(), true);
+        }
         let mut found = |r: &Request<KeyOf<A>>| {
             let key = r.key.as_ref().expect("not taken yet");
             set.find(r.hash, key, r.mode)
         };
         let (found_a, found_b) = (found(&a), b.as_ref().map(found));
-        (found_a, found_b, set.version())
+        (found_a, found_b, set.version(), false)
     });
-    let Ok((found_a, found_b, version)) = looked else {
+    let Ok((found_a, found_b, version, vacant)) = looked else {
         return Few2::Ended;
     };
     let lists = |a, b: Option<Request<KeyOf<A>>>| {
@@ -934,6 +939,17 @@ where
     }
     let put = access.with(|set| {
         debug_assert_eq!(set.version(), version, "a borrowed transaction's set moved");
+        if vacant {
+            // Both new, into a vacant set: pushed as a fresh fill's are.
+            let acquired = usize::from(guard_a.is_some()) + usize::from(guard_b.is_some());
+            set.reserve_vacant(acquired);
+            set.push_new(guard_a.take().expect("taken"));
+            if let Some(guard) = guard_b.take() {
+                set.push_new(guard);
+            }
+            set.filled();
+            return (acquired, 0);
+        }
         let (mut acquired, mut reentered) = (0, 0);
         for found in [Some(found_a), found_b] {
             if let Some(Found::Covered { at }) = found {
