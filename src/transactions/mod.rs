@@ -118,9 +118,9 @@ pub struct Transaction<'t, K, S = DefaultHashBuilder> {
         crate::table::upgrade::UpgradeOwned<'t, K, S>,
         Guard<'t, K, S>,
     >,
-    /// The wait a `lock_all` parked here while it waits, with the guards it
-    /// took (`pending::Parked`): a forgotten call's is dropped when the
-    /// transaction ends.
+    /// The wait a call for a new key parked here while it waits, with the
+    /// guards it took (`pending::Parked`): a forgotten call's is dropped
+    /// when the transaction ends or its next call parks a wait.
     parked: pending::ParkedSlot<crate::table::acquire::LockWith<'t, K, S>, Guard<'t, K, S>>,
 }
 

@@ -27,9 +27,10 @@
 //! transaction stays held after it ended, and a plain lock runs none of
 //! this: only a transaction's contended wait makes a cell.
 //!
-//! The borrowed form's `lock_all` needs no cell ([`Parked`]): its
-//! transaction is borrowed by the call, so it parks its wait and its
-//! guards in the transaction itself, reached through the borrow.
+//! The borrowed form's waits for new keys need no cell ([`Parked`]): its
+//! transaction is borrowed by the call, so the call parks its wait and
+//! its guards in the transaction itself, reached through the borrow.
+//! Upgrades, and every wait of the owned form, use cells.
 //!
 //! The wait is boxed inside the cell, so cancelling moves a pointer out
 //! and drops the wait after the cell's lock is released (its drop enters
@@ -285,7 +286,7 @@ where
 }
 
 pin_project_lite::pin_project! {
-    /// The borrowed form's `lock_all` wait, parked in its transaction
+    /// The borrowed form's wait for a new key, parked in its transaction
     /// (`Transaction::parked`) while the call waits: the table lock future
     /// of the key waited for and the guards the call took before it. The
     /// transaction is borrowed by the call, so only the call reaches it

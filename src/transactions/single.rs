@@ -33,11 +33,12 @@ use std::time::Duration;
 use crate::keys::deferred::Leftovers;
 use crate::support::mode::Mode;
 use crate::transactions::access::{
-    wait_unless_ended, Access, Ended, Fast, GuardOf, Holding, KeyOf, PendingOf, SetOf, WaitFor,
+    wait_unless_ended, Access, Ended, Fast, GuardOf, Holding, KeyOf, LockOf, PendingOf, SetOf,
+    WaitFor,
 };
 use crate::transactions::error::TransactionError;
 use crate::transactions::held::{AcquireKind, Acquired, Begin, HeldSet};
-use crate::transactions::pending::{Wait, Waited};
+use crate::transactions::pending::{self, Taken, Wait, Waited};
 use crate::transactions::policy::WaitPolicy;
 use crate::transactions::reach::{GuardOps, Reach};
 
@@ -53,6 +54,10 @@ struct Claim<'a, A: Access> {
     /// while an upgrade waits: taken back (the upgrade undone, shared) if
     /// the call is dropped, cancelled if the transaction ends first.
     away: Option<Arc<PendingOf<A::R>>>,
+    /// The borrowed form's new key: its wait is parked in the transaction
+    /// (`pending::Parked`), dropped (its waiter leaving the queue, or its
+    /// unobserved grant passed on) if the call is.
+    parked: bool,
     settled: bool,
 }
 
@@ -90,6 +95,11 @@ impl<A: Access> Claim<'_, A> {
 
 impl<A: Access> Drop for Claim<'_, A> {
     fn drop(&mut self) {
+        if self.parked {
+            // The call's own undo: its waiter leaves the queue.
+            self.parked = false;
+            pending::clear_parked(self.access.parked());
+        }
         if let Some(away) = self.away.take() {
             // The call's own undo: its wait goes (a new key's waiter leaves
             // the queue), an upgrade's guard comes back, shared.
@@ -213,6 +223,7 @@ where
         id,
         guard,
         away: None,
+        parked: false,
         settled: false,
     };
     if !upgrading && !tried {
@@ -300,35 +311,26 @@ where
         Ok(None) | Err(Ended) => return Err(TransactionError::Ended),
     };
     let opts = claim.access.owner().opts.lock_options(mode, policy);
+    let lock = claim.access.owner().reach.lock_with(key, opts);
+    if A::SOLE {
+        return wait_parked(claim, lock, name, mode, policy).await;
+    }
     // The lock future lives in a cell the transaction can reach too, so
     // that if this call's future is forgotten, the transaction's end still
     // takes its waiter out of the queue, or passes on its grant
     // (`pending.rs`); dropped, the call takes it back itself (the claim).
     let cell = PendingOf::<A::R>::new();
-    let lock = claim.access.owner().reach.lock_with(key, opts);
     if cell.start(Wait::Lock(Box::pin(lock))).is_err() || claim.access.pend(&cell).is_err() {
         return Err(TransactionError::Ended);
     }
     claim.away = Some(Arc::clone(&cell));
-    // The borrowed form's only call: nothing else can take a key for the
-    // transaction while it waits, so it holds its set's keys (and those of
-    // a call it forgot while it waited: the set counts those).
-    let holding = if !A::SOLE {
-        Holding::Unknown
-    } else if claim
-        .access
-        .with(|set| set.holds_nothing())
-        .unwrap_or(false)
-    {
-        Holding::Nothing
-    } else {
-        Holding::TheSet
-    };
+    // The owned form: another call may take a key for the transaction
+    // meanwhile.
     let wait = WaitFor {
         hash,
         key: name,
         mode,
-        holding,
+        holding: Holding::Unknown,
     };
     match wait_unless_ended(&mut *claim.access, wait, |_, cx| cell.poll(cx)).await {
         Err(stop) => Err(stop.into()),
@@ -339,6 +341,65 @@ where
             claim.settle(AcquireKind::New)
         }
         Ok(Some(Waited::Failed(_, error))) => match claim.abandon() {
+            Some(key) => Err(TransactionError::from_lock(
+                key,
+                mode,
+                policy.waits(),
+                error,
+            )),
+            None => Err(TransactionError::Ended),
+        },
+    }
+}
+
+/// [`wait_new`] in the borrowed form: the transaction is borrowed by this
+/// call, its only one, so the lock future is parked in the transaction
+/// itself (`pending::Parked`: dropped at its end if this future is
+/// forgotten, by the claim if it is dropped) and polled there, with no
+/// cell.
+async fn wait_parked<A: Access>(
+    mut claim: Claim<'_, A>,
+    lock: LockOf<A>,
+    name: &KeyOf<A>,
+    mode: Mode,
+    policy: WaitPolicy,
+) -> Result<Acquired, TransactionError<KeyOf<A>>>
+where
+    KeyOf<A>: Clone,
+{
+    pending::park(claim.access.parked(), lock, Taken::new());
+    claim.parked = true;
+    // Nothing else can take a key for the transaction while it waits, so
+    // it holds its set's keys (and those of a call it forgot while it
+    // waited: the set counts those).
+    let holding = if claim
+        .access
+        .with(|set| set.holds_nothing())
+        .unwrap_or(false)
+    {
+        Holding::Nothing
+    } else {
+        Holding::TheSet
+    };
+    let wait = WaitFor {
+        hash: claim.hash,
+        key: name,
+        mode,
+        holding,
+    };
+    let waited = wait_unless_ended(&mut *claim.access, wait, |access, cx| {
+        pending::poll_parked(access.parked(), cx)
+    })
+    .await;
+    claim.parked = false;
+    drop(pending::unpark(claim.access.parked()));
+    match waited {
+        Err(stop) => Err(stop.into()),
+        Ok(Ok(guard)) => {
+            claim.guard = Some(guard);
+            claim.settle(AcquireKind::New)
+        }
+        Ok(Err(error)) => match claim.abandon() {
             Some(key) => Err(TransactionError::from_lock(
                 key,
                 mode,
