@@ -2118,6 +2118,56 @@ mod tests {
         }
     }
 
+    /// A `lock_all` that took a key, then closes a cycle by its wait for
+    /// another and is answered as the deadlock's victim, with a waker that
+    /// panics when the abandoned wait drops it: the key it took is released
+    /// all the same (its guard is the call's before the wait drops, so the
+    /// unwinding releases it), in both ways a `lock_all` reaches its wait:
+    /// a held set's (`take_now`) and a fresh fill's second wait.
+    #[test]
+    fn a_deadlock_victims_lock_all_whose_waker_drop_panics_keeps_nothing() {
+        use keylock::{Mode, TransactionError};
+        const X: Mode = Mode::Exclusive;
+        watchdog("victim-waker-drop", || {
+            for fresh in [false, true] {
+                let what = format!("fresh fill {fresh}");
+                let table: LockTable<u32> = LockTable::new();
+                let noop = Waker::noop();
+                let (mut a, mut b) = (table.transaction(), table.transaction());
+                if !fresh {
+                    // A holds 9, so its lock_all is not a fresh fill.
+                    ready(&mut Box::pin(a.lock(9, X)), noop, &what).expect("free");
+                }
+                ready(&mut Box::pin(a.lock(3, X)), noop, &what).expect("free");
+                ready(&mut Box::pin(b.lock(2, X)), noop, &what).expect("free");
+                // B waits for 3 (A's): B -> A.
+                let mut b_waits = Box::pin(b.lock(3, X));
+                assert!(poll_caught(&mut b_waits, noop).unwrap().is_pending());
+                let hostile = Hostile::new();
+                let waker = hostile.waker();
+                {
+                    // A takes 1, waits for 2 (B's): A -> B -> A, A the victim.
+                    let mut call = Box::pin(a.lock_all([(1, X), (2, X)]));
+                    hostile.arm_drop_panic();
+                    match poll_caught(&mut call, &waker) {
+                        Ok(Poll::Ready(Err(TransactionError::Deadlock(_)))) => {}
+                        Err(payload) => {
+                            expect_planted(payload, &what);
+                        }
+                        Ok(other) => panic!("{what}: {other:?}"),
+                    }
+                    hostile.disarm_drop_panic();
+                }
+                assert!(!table.is_locked(&1), "{what}: {:?}", table.status());
+                drop(a);
+                drop(b_waits);
+                drop(b);
+                drop(waker);
+                assert!(table.is_empty(), "{what}: {:?}", table.status());
+            }
+        });
+    }
+
     /// A transaction's first `lock_all` whose third key's `Hash` panics
     /// (the keys are hashed as they are taken): the two keys it had taken
     /// go back, and the transaction, which goes on, holds none of them.

@@ -635,8 +635,8 @@ pub(crate) enum Holding {
 /// wait is reached through it), unless the transaction ends first (then
 /// the caller drops the lock, releasing what it had). Once it is queued, the wait
 /// is registered with the table's deadlock detector; if it closes a cycle,
-/// the wait stops with [`Stop::Deadlock`] (and `fut` is dropped, leaving
-/// the queue).
+/// the wait stops with [`Stop::Deadlock`] (and the caller drops the lock,
+/// leaving the queue).
 pub(crate) async fn wait_unless_ended<A: Access, T>(
     access: &mut A,
     wait: WaitFor<'_, KeyOf<A>>,

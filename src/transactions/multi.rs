@@ -1250,7 +1250,7 @@ where
                     pending::poll_parked(access.parked(), cx)
                 })
                 .await;
-                taken = call.finish();
+                call.finish(&mut taken);
                 match waited {
                     Err(stop) => break 'call Err(stop.into()),
                     Ok(Ok(guard)) => taken.push((i, guard)),
@@ -1334,10 +1334,11 @@ struct ParkedCall<'a, A: Access> {
 }
 
 impl<A: Access> ParkedCall<'_, A> {
-    /// The wait is over: its guards back, the finished wait freed.
-    fn finish(mut self) -> Taken<GuardOf<A>> {
+    /// The wait is over: its guards back into `taken` (see
+    /// [`pending::unpark`]), the wait dropped.
+    fn finish(mut self, taken: &mut Taken<GuardOf<A>>) {
         self.done = true;
-        pending::unpark(self.access.parked())
+        pending::unpark(self.access.parked(), taken);
     }
 }
 

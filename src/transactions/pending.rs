@@ -329,11 +329,16 @@ where
         .poll(cx)
 }
 
-/// Takes the call's guards back as its wait ends; the finished wait is
-/// freed.
-pub(crate) fn unpark<L, G>(slot: &mut ParkedSlot<L, G>) -> Taken<G> {
+/// Takes the call's guards back into `guards` as its wait ends, then drops
+/// the wait (done, or still queued if the wait stopped otherwise: a
+/// deadlock's victim leaves its queue here). The guards are the caller's
+/// before the wait drops: if its drop panics (a waker's or a key's),
+/// unwinding releases them. (A value being returned when a drop panics is
+/// leaked, not dropped: so they are not returned.)
+pub(crate) fn unpark<L, G>(slot: &mut ParkedSlot<L, G>, guards: &mut Taken<G>) {
     let mut parked = slot.take().expect("the call's wait is parked");
-    std::mem::take(parked.as_mut().project().guards)
+    *guards = std::mem::take(parked.as_mut().project().guards);
+    drop(parked);
 }
 
 /// Drops what the slot holds: the wait first (an unobserved grant passes

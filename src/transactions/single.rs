@@ -392,7 +392,8 @@ where
     })
     .await;
     claim.parked = false;
-    drop(pending::unpark(claim.access.parked()));
+    // Nothing was parked with it: the slot's list stays empty.
+    pending::unpark(claim.access.parked(), &mut Taken::new());
     match waited {
         Err(stop) => Err(stop.into()),
         Ok(Ok(guard)) => {
