@@ -620,12 +620,7 @@ where
             } => Err(Rest::Sole(Box::pin(wait_sole(
                 access,
                 taken,
-                Wanted {
-                    requests,
-                    found,
-                    version,
-                    filled: 0,
-                },
+                Wanted::held(requests, found, version),
                 at,
                 policy,
             )))),
@@ -673,12 +668,7 @@ where
                 return Err(Rest::Sole(Box::pin(wait_sole(
                     access,
                     taken,
-                    Wanted {
-                        requests,
-                        found,
-                        version,
-                        filled: 0,
-                    },
+                    Wanted::held(requests, found, version),
                     at,
                     policy,
                 ))));
@@ -1300,6 +1290,18 @@ struct Wanted<K> {
     found: Few<Found>,
     version: u64,
     filled: usize,
+}
+
+impl<K> Wanted<K> {
+    /// The requests of a call that left nothing in the set.
+    fn held(requests: Few<Request<K>>, found: Few<Found>, version: u64) -> Self {
+        Self {
+            requests,
+            found,
+            version,
+            filled: 0,
+        }
+    }
 }
 
 /// The keys a fresh fill ([`take_fresh`]) left in a borrowed transaction's

@@ -34,7 +34,7 @@ use crate::keys::deferred::Leftovers;
 use crate::support::mode::Mode;
 use crate::transactions::access::{
     wait_unless_ended, Access, Ended, Fast, GuardOf, Holding, KeyOf, LockOf, PendingOf, SetOf,
-    WaitFor,
+    Stop, WaitFor,
 };
 use crate::transactions::error::TransactionError;
 use crate::transactions::held::{AcquireKind, Acquired, Begin, HeldSet};
@@ -75,6 +75,41 @@ impl<A: Access> Claim<'_, A> {
             }
             // The transaction ended meanwhile: the guard is released here.
             Ok(Err(_)) | Err(Ended) => Err(TransactionError::Ended),
+        }
+    }
+
+    /// How the call's wait ended: granted (a new key's guard, or the
+    /// upgraded one), the guard goes into the set as `kind`; failed (with an
+    /// upgrade's guard back, shared), the slot is given back and the error
+    /// names the key; stopped (a deadlock, the end), the claim undoes itself
+    /// as it drops.
+    fn ended(
+        mut self,
+        waited: Result<Option<Waited<GuardOf<A>>>, Stop<KeyOf<A>>>,
+        kind: AcquireKind,
+        mode: Mode,
+        policy: WaitPolicy,
+    ) -> Result<Acquired, TransactionError<KeyOf<A>>> {
+        match waited {
+            Err(stop) => Err(stop.into()),
+            // Cancelled: the transaction ended.
+            Ok(None) => Err(TransactionError::Ended),
+            Ok(Some(Waited::Granted(guard))) => {
+                self.guard = Some(guard);
+                self.settle(kind)
+            }
+            Ok(Some(Waited::Failed(guard, error))) => {
+                self.guard = guard;
+                match self.abandon() {
+                    Some(key) => Err(TransactionError::from_lock(
+                        key,
+                        mode,
+                        policy.waits(),
+                        error,
+                    )),
+                    None => Err(TransactionError::Ended),
+                }
+            }
         }
     }
 
@@ -332,24 +367,8 @@ where
         mode,
         holding: Holding::Unknown,
     };
-    match wait_unless_ended(&mut *claim.access, wait, |_, cx| cell.poll(cx)).await {
-        Err(stop) => Err(stop.into()),
-        // Cancelled: the transaction ended.
-        Ok(None) => Err(TransactionError::Ended),
-        Ok(Some(Waited::Granted(guard))) => {
-            claim.guard = Some(guard);
-            claim.settle(AcquireKind::New)
-        }
-        Ok(Some(Waited::Failed(_, error))) => match claim.abandon() {
-            Some(key) => Err(TransactionError::from_lock(
-                key,
-                mode,
-                policy.waits(),
-                error,
-            )),
-            None => Err(TransactionError::Ended),
-        },
-    }
+    let waited = wait_unless_ended(&mut *claim.access, wait, |_, cx| cell.poll(cx)).await;
+    claim.ended(waited, AcquireKind::New, mode, policy)
 }
 
 /// [`wait_new`] in the borrowed form: the transaction is borrowed by this
@@ -394,22 +413,13 @@ where
     claim.parked = false;
     // Nothing was parked with it: the slot's list stays empty.
     pending::unpark(claim.access.parked(), &mut Taken::new());
-    match waited {
-        Err(stop) => Err(stop.into()),
-        Ok(Ok(guard)) => {
-            claim.guard = Some(guard);
-            claim.settle(AcquireKind::New)
-        }
-        Ok(Err(error)) => match claim.abandon() {
-            Some(key) => Err(TransactionError::from_lock(
-                key,
-                mode,
-                policy.waits(),
-                error,
-            )),
-            None => Err(TransactionError::Ended),
-        },
-    }
+    let waited = waited.map(|out| {
+        Some(match out {
+            Ok(guard) => Waited::Granted(guard),
+            Err(error) => Waited::Failed(None, error),
+        })
+    });
+    claim.ended(waited, AcquireKind::New, mode, policy)
 }
 
 /// A key held shared, asked exclusive: upgrade its guard.
@@ -442,26 +452,7 @@ where
         holding: Holding::Unknown,
     };
     let upgraded = wait_unless_ended(&mut *claim.access, wait, |_, cx| cell.poll(cx)).await;
-    match upgraded {
-        Err(stop) => Err(stop.into()),
-        Ok(None) => Err(TransactionError::Ended),
-        Ok(Some(Waited::Granted(guard))) => {
-            claim.guard = Some(guard);
-            claim.settle(AcquireKind::Upgraded)
-        }
-        Ok(Some(Waited::Failed(guard, error))) => {
-            claim.guard = guard;
-            match claim.abandon() {
-                Some(key) => Err(TransactionError::from_lock(
-                    key,
-                    mode,
-                    policy.waits(),
-                    error,
-                )),
-                None => Err(TransactionError::Ended),
-            }
-        }
-    }
+    claim.ended(upgraded, AcquireKind::Upgraded, mode, policy)
 }
 
 /// The first grant of the set that has lost its key, if any, as an error
