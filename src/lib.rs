@@ -263,11 +263,16 @@
 //!   forgotten (`mem::forget`) rather than dropped: the end takes its
 //!   waiter out of the queue, or passes on a grant it was handed and never
 //!   saw, undoes its upgrade, and releases the keys a `lock_all` had taken
-//!   for it.
+//!   for it. A borrowed transaction's next call that waits for a new key
+//!   does the same for a forgotten call's wait at once; the keys a
+//!   forgotten first `lock_all` had taken before it waited stay the
+//!   transaction's (counted by [`Transaction::len`], re-entered by a
+//!   retry) until it ends.
 //!
 //! Errors name the key ([`TransactionError`]), so the lock methods ask
 //! `K: Clone` (a key is cloned when it goes to the table, never for a
-//! re-entry), and `lock_all` asks `K: Ord` (to break ties of the hash).
+//! re-entry), and `lock_all` asks `K: Ord` (its canonical order is the
+//! keys' order).
 //!
 //! ```
 //! # futures::executor::block_on(async {
