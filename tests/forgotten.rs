@@ -213,19 +213,8 @@ fn a_forgotten_borrowed_lock_all_leaves_nothing_held_after_its_transaction_ended
         for end in ENDS {
             let table = LockTable::<&'static str>::new();
             let (first, second) = lock_all_order(&table);
-            let blocker = table.try_lock(second).unwrap();
             let mut t = table.transaction();
-            let mut f = Box::pin(t.lock_all([(first, Mode::Exclusive), (second, Mode::Exclusive)]));
-            assert!(poll(f.as_mut()).is_pending());
-            assert!(
-                table.is_locked(first),
-                "the first key taken before the wait"
-            );
-            std::mem::forget(f);
-            let mut blocker = Some(blocker);
-            if granted_first {
-                drop(blocker.take()); // handed to the forgotten call
-            }
+            let blocker = forget_waiting_lock_all(&table, &mut t, first, second, granted_first);
             match end {
                 End::Commit => t.commit().expect("nothing lost"),
                 End::Abort => t.abort(),
@@ -250,21 +239,9 @@ fn a_forgotten_borrowed_lock_all_is_let_go_when_the_next_one_waits() {
         let table = LockTable::<&'static str>::new();
         let (first, second) = lock_all_order(&table);
         let (third, fourth) = ("m", "n");
-        let blocker = table.try_lock(second).unwrap();
         let later = table.try_lock(fourth).unwrap();
         let mut t = table.transaction();
-        let mut f = Box::pin(t.lock_all([(first, Mode::Exclusive), (second, Mode::Exclusive)]));
-        assert!(poll(f.as_mut()).is_pending());
-        assert!(
-            table.is_locked(first),
-            "the first key taken before the wait"
-        );
-        std::mem::forget(f);
-        let mut blocker = Some(blocker);
-        if granted_first {
-            drop(blocker.take()); // handed to the forgotten call, unobserved
-            assert!(table.is_locked(second), "granted to the forgotten call");
-        }
+        let blocker = forget_waiting_lock_all(&table, &mut t, first, second, granted_first);
         let mut g = Box::pin(t.lock_all([(third, Mode::Exclusive), (fourth, Mode::Exclusive)]));
         assert!(poll(g.as_mut()).is_pending(), "{fourth} is held");
         let what = format!("granted first {granted_first}");
@@ -294,6 +271,33 @@ fn a_forgotten_borrowed_lock_all_is_let_go_when_the_next_one_waits() {
         drop(blocker);
         assert_all_free(&table, &[first, second, third, fourth], &what);
     }
+}
+
+/// `t`'s `lock_all` of `first` and `second` takes `first`, waits for
+/// `second` (held by the returned blocker) and is forgotten; with
+/// `granted_first` the blocker lets go at once, handing `second` to the
+/// forgotten call (unobserved), and `None` is returned.
+fn forget_waiting_lock_all<'t>(
+    table: &'t LockTable<&'static str>,
+    t: &mut keylock::Transaction<'t, &'static str>,
+    first: &'static str,
+    second: &'static str,
+    granted_first: bool,
+) -> Option<keylock::Guard<'t, &'static str>> {
+    let blocker = table.try_lock(second).unwrap();
+    let mut f = Box::pin(t.lock_all([(first, Mode::Exclusive), (second, Mode::Exclusive)]));
+    assert!(poll(f.as_mut()).is_pending());
+    assert!(
+        table.is_locked(first),
+        "the first key taken before the wait"
+    );
+    std::mem::forget(f);
+    if granted_first {
+        drop(blocker);
+        assert!(table.is_locked(second), "granted to the forgotten call");
+        return None;
+    }
+    Some(blocker)
 }
 
 /// The owned form: its `lock_all` forgotten in the same state.
