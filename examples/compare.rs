@@ -6,6 +6,8 @@
 //! cargo run --release --example compare -- --only W1,W6 --impl keylock,tokio
 //! cargo run --release --example compare -- --only bank   # the bank alone
 //! cargo run --release --example compare -- --require-idle --floor PATH   # a figure that counts
+//! cargo run --release --example compare -- --only W1,W4,W6 --reps 7 --require-idle \
+//!     --floor PATH --floor-rounds 5   # keylock / floor, round by round
 //! ```
 //!
 //! Runs every workload (see `compare/workloads.rs`) for every implementation
@@ -39,8 +41,12 @@
 //! tokio's and async-lock's mutexes in its own harness (`compare/floor.rs`).
 //! The report then sets keylock's W1 and W6 against the floor's, and the
 //! floor's tokio and async_lock figures beside this run's, so that a reader
-//! sees whether the two harnesses agree. A "Goals" table at the end reads
-//! the ratios the goals are stated in off this one run.
+//! sees whether the two harnesses agree. With `--floor-rounds N` the floor
+//! runs N times, each run right after a round of keylock and tokio's mutex
+//! on W1 and W6: the machine's speed drifts by tens of percent over minutes
+//! (a shared, virtual machine), so each ratio is taken within one round and
+//! the goal reads the median of the rounds' ratios. A "Goals" table at the
+//! end reads the ratios the goals are stated in off this one run.
 
 #[path = "compare/bank.rs"]
 mod bank;
@@ -132,6 +138,10 @@ struct Config {
     idle_wait: Duration,
     /// The floor's binary (`--floor PATH` or `KEYLOCK_FLOOR`).
     floor: Option<PathBuf>,
+    /// How many times the floor runs (`--floor-rounds N`): above 1, each
+    /// run follows a round of keylock and tokio's mutex on W1 and W6 taken
+    /// right before it (`floor::Round`).
+    floor_rounds: usize,
 }
 
 impl Config {
@@ -162,6 +172,7 @@ impl Config {
             .filter(|p| !p.is_empty())
             .map(PathBuf::from);
         let mut reps = None;
+        let mut floor_rounds = 1;
         let mut only: Option<Vec<String>> = None;
         let mut filter: Option<Vec<String>> = None;
         let mut args = std::env::args().skip(1);
@@ -194,6 +205,13 @@ impl Config {
                 }
                 "--floor" => {
                     floor = Some(args.next().map(PathBuf::from).unwrap_or_else(|| usage()))
+                }
+                "--floor-rounds" => {
+                    floor_rounds = args
+                        .next()
+                        .and_then(|n| n.parse().ok())
+                        .filter(|&n| n > 0)
+                        .unwrap_or_else(|| usage())
                 }
                 "--help" | "-h" => {
                     println!("{USAGE}");
@@ -230,13 +248,14 @@ impl Config {
             require_idle,
             idle_wait,
             floor,
+            floor_rounds,
         }
     }
 }
 
 const USAGE: &str = "\
 usage: compare [--quick] [--reps N] [--only W1,W2,...,bank] [--impl keylock,tokio,...]
-               [--require-idle] [--idle-wait SECS] [--floor PATH]
+               [--require-idle] [--idle-wait SECS] [--floor PATH] [--floor-rounds N]
 
   --quick           fewer operations and 3 repetitions: a smoke run, not evidence
   --reps N          repetitions of every measurement (default 5, 3 with --quick)
@@ -247,7 +266,12 @@ usage: compare [--quick] [--reps N] [--only W1,W2,...,bank] [--impl keylock,toki
   --idle-wait SECS  how long --require-idle waits (default 120), looking every 5 s
   --floor PATH      after the workloads, run the floor binary at PATH (no
                     arguments) and set keylock's W1 and W6 against it
-                    (default: the KEYLOCK_FLOOR environment variable)";
+                    (default: the KEYLOCK_FLOOR environment variable)
+  --floor-rounds N  run the floor N times (default 1), each run right after a
+                    round of keylock and tokio's mutex on W1 and W6 (--reps
+                    repetitions each, interleaved): keylock / floor is then
+                    the median of the rounds' ratios, each taken minutes
+                    apart at most, so a drift of the machine cancels";
 
 fn usage() -> ! {
     eprintln!("{USAGE}");
@@ -423,6 +447,7 @@ fn main() {
         }
     }
     bar.finish_and_clear();
+    let mut rounds = Vec::new();
     let floor = cfg.floor.as_deref().map(|path| {
         let name = floor::display_name(path);
         if !floor_applies(&cfg) {
@@ -432,8 +457,31 @@ fn main() {
             ));
         }
         loads.before.push(("floor", load::read()));
-        eprintln!("running the floor `{name}` (about 30 s)...");
-        floor::run(path)
+        if cfg.floor_rounds == 1 {
+            eprintln!("running the floor `{name}` (about 30 s)...");
+            return floor::run(path);
+        }
+        let mut last = None;
+        for round in 0..cfg.floor_rounds {
+            let load = load::read().map(|l| l.one);
+            let (w1, _) = keylock_and_tokio(&cfg, &rt, Workload::W1, &zipf);
+            let (w6, w6_share) = keylock_and_tokio(&cfg, &rt, Workload::W6, &zipf);
+            eprintln!(
+                "floor round {}/{}: running the floor `{name}` (about 30 s)...",
+                round + 1,
+                cfg.floor_rounds
+            );
+            let f = floor::run(path)?;
+            rounds.push(floor::Round {
+                load,
+                w1,
+                w6,
+                w6_share,
+                floor: f.clone(),
+            });
+            last = Some(f);
+        }
+        Ok(last.expect("at least one round"))
     });
     if let Some(Err(why)) = &floor {
         eprintln!("compare: {why}");
@@ -466,8 +514,37 @@ fn main() {
         results: &results,
         loads: &loads,
         floor: floor.as_ref(),
+        rounds: &rounds,
     };
     print!("{}", report(&run, &leftovers, bank.as_deref(), wall));
+}
+
+/// A round of `--floor-rounds` on `w`: keylock's and tokio's mutex's
+/// medians (ns/op) over `--reps` interleaved repetitions, and the lowest
+/// handoff share of keylock's (100 where none is counted).
+fn keylock_and_tokio(
+    cfg: &Config,
+    rt: &tokio::runtime::Runtime,
+    w: Workload,
+    zipf: &Arc<Vec<Vec<u64>>>,
+) -> ((f64, f64), f64) {
+    let find = |name: &str| {
+        CONTENDERS
+            .iter()
+            .find(|c| c.name == name)
+            .expect("a contender of compare's")
+    };
+    let (ours, tokio) = (find(impls::Keylock::NAME), find(impls::TokioMutex::NAME));
+    let (mut k, mut t, mut low) = (Vec::new(), Vec::new(), 100.0f64);
+    for _ in 0..cfg.reps {
+        let out = (ours.run)(rt, w, cfg.ops(w), zipf).expect("keylock runs W1 and W6");
+        low = low.min(share(&out).unwrap_or(100.0));
+        k.push(out.ns_per_op());
+        let out = (tokio.run)(rt, w, cfg.ops(w), zipf).expect("tokio runs W1 and W6");
+        t.push(out.ns_per_op());
+    }
+    let m = |v: Vec<f64>| median(v).expect("at least one repetition");
+    ((m(k), m(t)), low)
 }
 
 /// Whether the floor has anything to be set against: keylock on W1 or W6.
@@ -487,6 +564,9 @@ struct Run<'a> {
     loads: &'a Loads,
     /// `None`: no `--floor`; `Some(Err)`: it did not run or parse.
     floor: Option<&'a Result<floor::Floor, String>>,
+    /// `--floor-rounds` above 1: each round's figures (the last round's
+    /// floor is `floor`).
+    rounds: &'a [floor::Round],
 }
 
 impl Run<'_> {
@@ -686,6 +766,7 @@ fn report(
 
     if let Some(floor) = run.floor {
         floor_tables(o, run, floor);
+        rounds_table(o, run);
     }
 
     writeln!(o, "\nWorkloads:\n").unwrap();
@@ -956,6 +1037,82 @@ fn floor_tables(o: &mut String, run: &Run<'_>, floor: &Result<floor::Floor, Stri
     }
 }
 
+/// keylock against the floor round by round (`--floor-rounds`), and the
+/// medians of the rounds' ratios.
+fn rounds_table(o: &mut String, run: &Run<'_>) {
+    if run.rounds.is_empty() {
+        return;
+    }
+    writeln!(
+        o,
+        "\n### keylock against the floor, round by round\n\n\
+         {} rounds, each of keylock and tokio's mutex on W1 and W6 in this process ({} \
+         interleaved repetitions each, medians) and then the floor's run: a round takes \
+         well under a minute, so each ratio sets two figures of the same minute side by side. \
+         *Direct* is keylock / the floor's `proto`; *through tokio* is (keylock / tokio here) / \
+         (`proto` / `tokio` in the floor's harness), the same ratio by way of the anchor both \
+         harnesses time, which cancels what the two harnesses do differently. Load: the \
+         1-minute average as the round began. Handoffs: the lowest share of keylock's W6 \
+         repetitions in the round. Harnesses: tokio's mutex here / in the floor's harness, \
+         on W6 (near 1: the two harnesses agree).\n\n\
+         | round | load | W6 keylock | W6 `proto` | W6 direct | W6 through tokio | handoffs | \
+         harnesses | W1 keylock | W1 `proto` | W1 direct | W1 through tokio |\n\
+         |---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        run.rounds.len(),
+        run.cfg.reps
+    )
+    .unwrap();
+    let fmt_ratio = |r: Option<f64>| r.map_or_else(|| "n/a".to_string(), |r| format!("{r:.2}x"));
+    let proto = |s: &floor::Section| s.get("proto").map_or(f64::NAN, |r| r.median);
+    for (i, r) in run.rounds.iter().enumerate() {
+        let (w6, w1) = (r.against(true), r.against(false));
+        writeln!(
+            o,
+            "| {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} |",
+            i + 1,
+            r.load
+                .map_or_else(|| "unknown".to_string(), |l| format!("{l:.2}")),
+            fmt_ns(r.w6.0),
+            fmt_ns(proto(&r.floor.contended)),
+            fmt_ratio(w6.map(|a| a.direct)),
+            fmt_ratio(w6.and_then(|a| a.through_tokio)),
+            fmt_share(r.w6_share),
+            r.floor.contended.get("tokio").map_or_else(
+                || "n/a".to_string(),
+                |t| format!("{:.2}", r.w6.1 / t.median)
+            ),
+            fmt_ns(r.w1.0),
+            fmt_ns(proto(&r.floor.uncontended)),
+            fmt_ratio(w1.map(|a| a.direct)),
+            fmt_ratio(w1.and_then(|a| a.through_tokio)),
+        )
+        .unwrap();
+    }
+    let med = |f: &dyn Fn(&floor::Round) -> Option<f64>| {
+        median(run.rounds.iter().filter_map(f).collect())
+    };
+    writeln!(
+        o,
+        "| median | | | | {} | {} | | | | | {} | {} |",
+        fmt_ratio(med(&|r| Some(r.against(true)?.direct))),
+        fmt_ratio(med(&|r| r.against(true)?.through_tokio)),
+        fmt_ratio(med(&|r| Some(r.against(false)?.direct))),
+        fmt_ratio(med(&|r| r.against(false)?.through_tokio)),
+    )
+    .unwrap();
+}
+
+/// The median over `--floor-rounds`' rounds of keylock / `proto` on W6
+/// (direct), if rounds ran.
+fn rounds_w6_direct(run: &Run<'_>) -> Option<f64> {
+    median(
+        run.rounds
+            .iter()
+            .filter_map(|r| Some(r.against(true)?.direct))
+            .collect(),
+    )
+}
+
 /// "median (lowest-highest)", or the median alone without repetitions.
 fn with_range(median: f64, reps: &[f64]) -> String {
     match verdict::range(reps) {
@@ -1078,7 +1235,32 @@ fn goals_table(o: &mut String, run: &Run<'_>) {
                 let Some(proto) = f.contended.get("proto") else {
                     continue;
                 };
-                (format!("{} / floor `proto`", g.ours), proto.median)
+                if let Some(ratio) = rounds_w6_direct(run) {
+                    // Each round's keylock beside its own floor run: the
+                    // median of those ratios, not this run's keylock
+                    // against the last floor run (whose repetitions'
+                    // handoff shares are not this figure's either).
+                    notes.clear();
+                    let low = run
+                        .rounds
+                        .iter()
+                        .filter(|r| r.w6_share < CONTENDED_SHARE)
+                        .count();
+                    if low > 0 {
+                        notes.push(format!(
+                            "{}: {low} of {} rounds had a rep below {CONTENDED_SHARE}% handoffs",
+                            g.ours,
+                            run.rounds.len()
+                        ));
+                    }
+                    notes.push(format!(
+                        "median of {} rounds' ratios (round by round above)",
+                        run.rounds.len()
+                    ));
+                    (format!("{} / floor `proto`", g.ours), our_median / ratio)
+                } else {
+                    (format!("{} / floor `proto`", g.ours), proto.median)
+                }
             }
         };
         let ratio = our_median / theirs;

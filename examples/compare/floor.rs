@@ -163,3 +163,49 @@ fn parse_row(line: &str) -> Option<Row> {
         reps,
     })
 }
+
+/// One round of `compare --floor-rounds N`: keylock and tokio's mutex on W1
+/// and W6 in `compare`'s process, then the floor, minutes apart at most.
+#[derive(Clone, Debug)]
+pub(crate) struct Round {
+    /// The 1-minute load average as the round began.
+    pub(crate) load: Option<f64>,
+    /// keylock's and tokio's mutex's medians (ns/op) on W1, in this process.
+    pub(crate) w1: (f64, f64),
+    /// The same on W6.
+    pub(crate) w6: (f64, f64),
+    /// The lowest handoff share (percent) of keylock's W6 repetitions.
+    pub(crate) w6_share: f64,
+    /// The floor's run right after.
+    pub(crate) floor: Floor,
+}
+
+/// What a round sets against the floor on one workload.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Against {
+    /// keylock / the floor's `proto`.
+    pub(crate) direct: f64,
+    /// (keylock / tokio here) / (`proto` / `tokio` in the floor's harness):
+    /// the same ratio through the anchor both harnesses time, which cancels
+    /// what the two harnesses do differently.
+    pub(crate) through_tokio: Option<f64>,
+}
+
+impl Round {
+    /// keylock against the floor on W1 (`contended` false) or W6.
+    pub(crate) fn against(&self, contended: bool) -> Option<Against> {
+        let ((ours, tokio), section) = if contended {
+            (self.w6, &self.floor.contended)
+        } else {
+            (self.w1, &self.floor.uncontended)
+        };
+        let proto = section.get("proto")?.median;
+        let through_tokio = section
+            .get("tokio")
+            .map(|t| (ours / tokio) / (proto / t.median));
+        Some(Against {
+            direct: ours / proto,
+            through_tokio,
+        })
+    }
+}
