@@ -273,6 +273,21 @@ fn a_forgotten_borrowed_lock_all_is_let_go_when_the_next_one_waits() {
     }
 }
 
+/// Polls a `lock_all` of `[first, ..]` once (it waits: a later key is
+/// busy), checks that it took `first` before its wait, and forgets it.
+fn forget_after_first<F: Future + ?Sized>(
+    mut f: Pin<Box<F>>,
+    table: &LockTable<&'static str>,
+    first: &str,
+) {
+    assert!(poll(f.as_mut()).is_pending());
+    assert!(
+        table.is_locked(first),
+        "the first key taken before the wait"
+    );
+    std::mem::forget(f);
+}
+
 /// `t`'s `lock_all` of `first` and `second` takes `first`, waits for
 /// `second` (held by the returned blocker) and is forgotten; with
 /// `granted_first` the blocker lets go at once, handing `second` to the
@@ -285,13 +300,8 @@ fn forget_waiting_lock_all<'t>(
     granted_first: bool,
 ) -> Option<keylock::Guard<'t, &'static str>> {
     let blocker = table.try_lock(second).unwrap();
-    let mut f = Box::pin(t.lock_all([(first, Mode::Exclusive), (second, Mode::Exclusive)]));
-    assert!(poll(f.as_mut()).is_pending());
-    assert!(
-        table.is_locked(first),
-        "the first key taken before the wait"
-    );
-    std::mem::forget(f);
+    let f = Box::pin(t.lock_all([(first, Mode::Exclusive), (second, Mode::Exclusive)]));
+    forget_after_first(f, table, first);
     if granted_first {
         drop(blocker);
         assert!(table.is_locked(second), "granted to the forgotten call");
@@ -309,14 +319,8 @@ fn a_forgotten_owned_lock_all_leaves_nothing_held_after_its_transaction_ended() 
             let (first, second) = lock_all_order(&table);
             let blocker = table.try_lock(second).unwrap();
             let t = table.clone().transaction_owned();
-            let mut f =
-                Box::pin(t.lock_all(vec![(first, Mode::Exclusive), (second, Mode::Exclusive)]));
-            assert!(poll(f.as_mut()).is_pending());
-            assert!(
-                table.is_locked(first),
-                "the first key taken before the wait"
-            );
-            std::mem::forget(f);
+            let f = Box::pin(t.lock_all(vec![(first, Mode::Exclusive), (second, Mode::Exclusive)]));
+            forget_after_first(f, &table, first);
             let mut blocker = Some(blocker);
             if granted_first {
                 drop(blocker.take());
@@ -345,13 +349,8 @@ fn a_forgotten_borrowed_lock_all_with_an_upgrade_leaves_nothing_held() {
             let reader = table.try_lock_shared(second).unwrap();
             let mut t = table.transaction();
             assert!(poll(std::pin::pin!(t.lock(second, Mode::Shared))).is_ready());
-            let mut f = Box::pin(t.lock_all([(first, Mode::Exclusive), (second, Mode::Exclusive)]));
-            assert!(poll(f.as_mut()).is_pending());
-            assert!(
-                table.is_locked(first),
-                "the first key taken before the wait"
-            );
-            std::mem::forget(f);
+            let f = Box::pin(t.lock_all([(first, Mode::Exclusive), (second, Mode::Exclusive)]));
+            forget_after_first(f, &table, first);
             let mut reader = Some(reader);
             if granted_first {
                 drop(reader.take()); // the upgrade is granted, unobserved
@@ -378,14 +377,8 @@ fn a_forgotten_owned_lock_all_with_an_upgrade_leaves_nothing_held() {
             let reader = table.try_lock_shared(second).unwrap();
             let t = table.clone().transaction_owned();
             assert!(poll(std::pin::pin!(t.lock(second, Mode::Shared))).is_ready());
-            let mut f =
-                Box::pin(t.lock_all(vec![(first, Mode::Exclusive), (second, Mode::Exclusive)]));
-            assert!(poll(f.as_mut()).is_pending());
-            assert!(
-                table.is_locked(first),
-                "the first key taken before the wait"
-            );
-            std::mem::forget(f);
+            let f = Box::pin(t.lock_all(vec![(first, Mode::Exclusive), (second, Mode::Exclusive)]));
+            forget_after_first(f, &table, first);
             let mut reader = Some(reader);
             if granted_first {
                 drop(reader.take());
