@@ -322,14 +322,83 @@ where
 {
     let name = key;
     if upgrading {
-        upgrade(claim, &name, mode, policy).await
-    } else {
-        wait_new(claim, &name, mode, policy).await
+        return upgrade(claim, &name, mode, policy).await;
     }
+    if !A::SOLE {
+        return wait_new(claim, &name, mode, policy).await;
+    }
+    // The borrowed form's wait for a new key, written out here rather than
+    // in an `async fn` of its own: that would keep a second copy of the
+    // claim and of the lock future in this boxed future, and move them into
+    // it as it starts (936 bytes boxed, against 760). The transaction is
+    // borrowed by this call, its only one, so the lock future is parked in
+    // the transaction itself (`pending::Parked`: dropped at its end if this
+    // future is forgotten, by the claim if it is dropped) and polled
+    // there, with no cell.
+    let mut claim = claim;
+    let Some(lock) = claim_lock(&mut claim, mode, policy) else {
+        return Err(TransactionError::Ended);
+    };
+    pending::park(claim.access.parked(), lock, Taken::new());
+    claim.parked = true;
+    // Nothing else can take a key for the transaction while it waits, so
+    // it holds its set's keys (and those of a call it forgot while it
+    // waited: the set counts those).
+    let holding = if claim
+        .access
+        .with(|set| set.holds_nothing())
+        .unwrap_or(false)
+    {
+        Holding::Nothing
+    } else {
+        Holding::TheSet
+    };
+    let wait = WaitFor {
+        hash: claim.hash,
+        key: &name,
+        mode,
+        holding,
+    };
+    let waited = wait_unless_ended(&mut *claim.access, wait, |access, cx| {
+        pending::poll_parked(access.parked(), cx)
+    })
+    .await;
+    claim.parked = false;
+    // Nothing was parked with it: the slot's list stays empty.
+    pending::unpark(claim.access.parked(), &mut Taken::new());
+    let waited = waited.map(|out| {
+        Some(match out {
+            Ok(guard) => Waited::Granted(guard),
+            Err(error) => Waited::Failed(None, error),
+        })
+    });
+    claim.ended(waited, AcquireKind::New, mode, policy)
 }
 
-/// A new key that was not free at once: wait for it on the table (under a
-/// policy that does not wait, the zero-timeout wait names the holder).
+/// The table's lock future for a claim's new key, in `mode` under the
+/// transaction's options: the caller's key went to the attempt, so it
+/// locks the claim's copy in the set (`None`: the transaction ended).
+fn claim_lock<A: Access>(
+    claim: &mut Claim<'_, A>,
+    mode: Mode,
+    policy: WaitPolicy,
+) -> Option<LockOf<A>>
+where
+    KeyOf<A>: Clone,
+{
+    let (hash, id) = (claim.hash, claim.id);
+    let key = claim
+        .access
+        .with(|set| set.name(hash, id).cloned())
+        .ok()
+        .flatten()?;
+    let opts = claim.access.owner().opts.lock_options(mode, policy);
+    Some(claim.access.owner().reach.lock_with(key, opts))
+}
+
+/// A new key that was not free at once, in the owned form: wait for it on
+/// the table (under a policy that does not wait, the zero-timeout wait
+/// names the holder). The borrowed form's is written out in [`wait`].
 async fn wait_new<A: Access>(
     mut claim: Claim<'_, A>,
     name: &KeyOf<A>,
@@ -339,17 +408,10 @@ async fn wait_new<A: Access>(
 where
     KeyOf<A>: Clone,
 {
-    // The caller's key went to the attempt: lock with the claim's clone.
-    let (hash, id) = (claim.hash, claim.id);
-    let key = match claim.access.with(|set| set.name(hash, id).cloned()) {
-        Ok(Some(key)) => key,
-        Ok(None) | Err(Ended) => return Err(TransactionError::Ended),
+    let Some(lock) = claim_lock(&mut claim, mode, policy) else {
+        return Err(TransactionError::Ended);
     };
-    let opts = claim.access.owner().opts.lock_options(mode, policy);
-    let lock = claim.access.owner().reach.lock_with(key, opts);
-    if A::SOLE {
-        return wait_parked(claim, lock, name, mode, policy).await;
-    }
+    let hash = claim.hash;
     // The lock future lives in a cell the transaction can reach too, so
     // that if this call's future is forgotten, the transaction's end still
     // takes its waiter out of the queue, or passes on its grant
@@ -368,57 +430,6 @@ where
         holding: Holding::Unknown,
     };
     let waited = wait_unless_ended(&mut *claim.access, wait, |_, cx| cell.poll(cx)).await;
-    claim.ended(waited, AcquireKind::New, mode, policy)
-}
-
-/// [`wait_new`] in the borrowed form: the transaction is borrowed by this
-/// call, its only one, so the lock future is parked in the transaction
-/// itself (`pending::Parked`: dropped at its end if this future is
-/// forgotten, by the claim if it is dropped) and polled there, with no
-/// cell.
-async fn wait_parked<A: Access>(
-    mut claim: Claim<'_, A>,
-    lock: LockOf<A>,
-    name: &KeyOf<A>,
-    mode: Mode,
-    policy: WaitPolicy,
-) -> Result<Acquired, TransactionError<KeyOf<A>>>
-where
-    KeyOf<A>: Clone,
-{
-    pending::park(claim.access.parked(), lock, Taken::new());
-    claim.parked = true;
-    // Nothing else can take a key for the transaction while it waits, so
-    // it holds its set's keys (and those of a call it forgot while it
-    // waited: the set counts those).
-    let holding = if claim
-        .access
-        .with(|set| set.holds_nothing())
-        .unwrap_or(false)
-    {
-        Holding::Nothing
-    } else {
-        Holding::TheSet
-    };
-    let wait = WaitFor {
-        hash: claim.hash,
-        key: name,
-        mode,
-        holding,
-    };
-    let waited = wait_unless_ended(&mut *claim.access, wait, |access, cx| {
-        pending::poll_parked(access.parked(), cx)
-    })
-    .await;
-    claim.parked = false;
-    // Nothing was parked with it: the slot's list stays empty.
-    pending::unpark(claim.access.parked(), &mut Taken::new());
-    let waited = waited.map(|out| {
-        Some(match out {
-            Ok(guard) => Waited::Granted(guard),
-            Err(error) => Waited::Failed(None, error),
-        })
-    });
     claim.ended(waited, AcquireKind::New, mode, policy)
 }
 
