@@ -1610,7 +1610,7 @@ impl<K, S> Builder<K, S> {
     /// Number of shards, rounded up to a power of two. More shards mean less
     /// contention between unrelated keys (a shard's lock is held for a whole
     /// lock or release); the default is sixteen per available core, at most
-    /// 1,024, each 512 bytes. Zero is rejected by [`build`](Self::build).
+    /// 1,024, each about 512 bytes. Zero is rejected by [`build`](Self::build).
     pub fn shards(mut self, shards: usize) -> Self {
         self.shards = Some(shards);
         self
@@ -1911,15 +1911,11 @@ pub(crate) const DEFAULT_DEADLOCK_HISTORY: usize = 8;
 /// keys. `examples/shards.rs` measures it: on two cores, two workers locking
 /// pairs of random keys took a third less time per pair at sixteen shards
 /// per core than at four, while one worker alone ran the same up to 32
-/// shards (BENCHMARKS.md). Each shard is 512 bytes: 16 KiB a table on two
-/// cores.
+/// shards (BENCHMARKS.md). Each shard is about 512 bytes (448 padded to
+/// the cache-line pair on x86-64): 16 KiB a table on two cores.
 const SHARDS_PER_CORE: usize = 16;
 
 fn default_shards() -> usize {
-    // Under miri every shard is made and checked step by step: the fewest.
-    if cfg!(miri) {
-        return 4;
-    }
     let cores = std::thread::available_parallelism().map_or(4, |n| n.get());
     (cores * SHARDS_PER_CORE).clamp(SHARDS_PER_CORE, 1024)
 }

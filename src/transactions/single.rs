@@ -336,9 +336,7 @@ where
     // future is forgotten, by the claim if it is dropped) and polled
     // there, with no cell.
     let mut claim = claim;
-    let Some(lock) = claim_lock(&mut claim, mode, policy) else {
-        return Err(TransactionError::Ended);
-    };
+    let lock = claim_lock(&mut claim, mode, policy)?;
     pending::park(claim.access.parked(), lock, Taken::new());
     claim.parked = true;
     // Nothing else can take a key for the transaction while it waits, so
@@ -377,23 +375,22 @@ where
 
 /// The table's lock future for a claim's new key, in `mode` under the
 /// transaction's options: the caller's key went to the attempt, so it
-/// locks the claim's copy in the set (`None`: the transaction ended).
+/// locks the claim's copy in the set.
 fn claim_lock<A: Access>(
     claim: &mut Claim<'_, A>,
     mode: Mode,
     policy: WaitPolicy,
-) -> Option<LockOf<A>>
+) -> Result<LockOf<A>, TransactionError<KeyOf<A>>>
 where
     KeyOf<A>: Clone,
 {
     let (hash, id) = (claim.hash, claim.id);
-    let key = claim
-        .access
-        .with(|set| set.name(hash, id).cloned())
-        .ok()
-        .flatten()?;
+    let key = match claim.access.with(|set| set.name(hash, id).cloned()) {
+        Ok(Some(key)) => key,
+        Ok(None) | Err(Ended) => return Err(TransactionError::Ended),
+    };
     let opts = claim.access.owner().opts.lock_options(mode, policy);
-    Some(claim.access.owner().reach.lock_with(key, opts))
+    Ok(claim.access.owner().reach.lock_with(key, opts))
 }
 
 /// A new key that was not free at once, in the owned form: wait for it on
@@ -408,10 +405,7 @@ async fn wait_new<A: Access>(
 where
     KeyOf<A>: Clone,
 {
-    let Some(lock) = claim_lock(&mut claim, mode, policy) else {
-        return Err(TransactionError::Ended);
-    };
-    let hash = claim.hash;
+    let lock = claim_lock(&mut claim, mode, policy)?;
     // The lock future lives in a cell the transaction can reach too, so
     // that if this call's future is forgotten, the transaction's end still
     // takes its waiter out of the queue, or passes on its grant
@@ -424,7 +418,7 @@ where
     // The owned form: another call may take a key for the transaction
     // meanwhile.
     let wait = WaitFor {
-        hash,
+        hash: claim.hash,
         key: name,
         mode,
         holding: Holding::Unknown,
