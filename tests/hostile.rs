@@ -1955,15 +1955,35 @@ mod tests {
     // A transaction's waiting `lock_all` under hostile wakers.
     // ---------------------------------------------------------------------------
 
-    /// A transaction's `lock_all` takes its first key and waits for its
-    /// second (the boxed wait), with a waker that panics on clone, wake or
-    /// drop, or calls back into the table from clone or wake; then the call
-    /// is either completed once the key is released, or dropped while still
+    /// A transaction's call waits for key 2 (the boxed wait): a `lock_all`
+    /// that takes key 1 first, or a `lock` of key 2 alone (its wait parked
+    /// in the transaction). The waker panics on clone, wake or drop, or
+    /// calls back into the table from clone or wake; then the call is
+    /// either completed once the key is released, or dropped while still
     /// queued. Every key ends free and the table empty.
     #[test]
-    fn a_transactions_waiting_lock_all_under_hostile_wakers_strands_nothing() {
-        use keylock::Mode;
-        watchdog("lock-all-hostile-wakers", || {
+    fn a_transactions_waiting_call_under_hostile_wakers_strands_nothing() {
+        use keylock::{Mode, Transaction};
+        use std::future::Future;
+        use std::pin::Pin;
+        /// A call of the transaction that waits for key 2; `true` once it
+        /// has every key it asked for.
+        type Call = for<'t, 'a> fn(
+            &'t mut Transaction<'a, u32>,
+        ) -> Pin<Box<dyn Future<Output = bool> + 't>>;
+        let calls: [(&str, Call); 2] = [
+            ("lock_all of keys 1 and 2", |txn| {
+                Box::pin(async move {
+                    txn.lock_all([(1, Mode::Exclusive), (2, Mode::Exclusive)])
+                        .await
+                        .is_ok()
+                })
+            }),
+            ("lock of key 2", |txn| {
+                Box::pin(async move { txn.lock(2, Mode::Exclusive).await.is_ok() })
+            }),
+        ];
+        watchdog("transaction-call-hostile-wakers", move || {
             let table: Arc<LockTable<u32>> = Arc::new(LockTable::builder().shards(1).build());
             let reenter = |table: &Arc<LockTable<u32>>| {
                 let table = Arc::clone(table);
@@ -1972,78 +1992,81 @@ mod tests {
                     let _ = table.is_locked(&1);
                 }
             };
-            for misbehaviour in 0..5 {
-                for complete in [true, false] {
-                    let what = format!("misbehaviour {misbehaviour}, complete {complete}");
-                    let hostile = match misbehaviour {
-                        3 => Hostile::on_clone(reenter(&table)),
-                        4 => Hostile::on_wake(reenter(&table)),
-                        _ => Hostile::new(),
-                    };
-                    let waker = hostile.waker();
-                    let held = table.try_lock(2).expect("key 2 is free");
-                    let mut txn = table.transaction();
-                    let mut fut =
-                        Box::pin(txn.lock_all([(1, Mode::Exclusive), (2, Mode::Exclusive)]));
-                    match misbehaviour {
-                        0 => hostile.arm_clone_panic(),
-                        1 => hostile.arm_wake_panic(),
-                        2 => hostile.arm_drop_panic(),
-                        _ => {}
-                    }
-                    let queued = match poll_caught(&mut fut, &waker) {
-                        Ok(Poll::Pending) => true,
-                        Ok(Poll::Ready(_)) => panic!("{what}: key 2 is held"),
-                        Err(payload) => {
-                            expect_planted(payload, &what);
-                            false
+            for (call_name, call) in calls {
+                for misbehaviour in 0..5 {
+                    for complete in [true, false] {
+                        let what = format!(
+                            "{call_name}: misbehaviour {misbehaviour}, complete {complete}"
+                        );
+                        let hostile = match misbehaviour {
+                            3 => Hostile::on_clone(reenter(&table)),
+                            4 => Hostile::on_wake(reenter(&table)),
+                            _ => Hostile::new(),
+                        };
+                        let waker = hostile.waker();
+                        let held = table.try_lock(2).expect("key 2 is free");
+                        let mut txn = table.transaction();
+                        let mut fut = call(&mut txn);
+                        match misbehaviour {
+                            0 => hostile.arm_clone_panic(),
+                            1 => hostile.arm_wake_panic(),
+                            2 => hostile.arm_drop_panic(),
+                            _ => {}
                         }
-                    };
-                    hostile.disarm_clone_panic();
-                    if complete && queued {
-                        planted_or(&what, || drop(held));
-                        match poll_caught(&mut fut, &waker) {
-                            Ok(Poll::Ready(taken)) => {
-                                taken.expect("both keys are had");
-                            }
-                            Ok(Poll::Pending) => panic!("{what}: key 2 was released"),
+                        let queued = match poll_caught(&mut fut, &waker) {
+                            Ok(Poll::Pending) => true,
+                            Ok(Poll::Ready(_)) => panic!("{what}: key 2 is held"),
                             Err(payload) => {
                                 expect_planted(payload, &what);
+                                false
                             }
+                        };
+                        hostile.disarm_clone_panic();
+                        if complete && queued {
+                            planted_or(&what, || drop(held));
+                            match poll_caught(&mut fut, &waker) {
+                                Ok(Poll::Ready(taken)) => {
+                                    assert!(taken, "{what}: the keys are had");
+                                }
+                                Ok(Poll::Pending) => panic!("{what}: key 2 was released"),
+                                Err(payload) => {
+                                    expect_planted(payload, &what);
+                                }
+                            }
+                            planted_or(&what, || drop(fut));
+                        } else {
+                            // Dropped while queued (or after its poll
+                            // panicked): the table drops its waker, unlocked.
+                            planted_or(&what, || drop(fut));
+                            planted_or(&what, || drop(held));
                         }
-                        planted_or(&what, || drop(fut));
-                    } else {
-                        // Dropped while queued (or after its poll
-                        // panicked): the table drops its waker, unlocked.
-                        planted_or(&what, || drop(fut));
-                        planted_or(&what, || drop(held));
+                        planted_or(&what, || drop(txn));
+                        // The misbehaviour happened where the table runs the waker.
+                        match misbehaviour {
+                            0 => assert!(!queued, "{what}: the poll's clone panicked"),
+                            1 => assert_eq!(
+                                hostile.wake_panics(),
+                                usize::from(complete),
+                                "{what}: the handoff's wake panicked"
+                            ),
+                            2 => assert_eq!(
+                                hostile.drop_panics(),
+                                usize::from(!complete),
+                                "{what}: the cancelled wait's waker drop panicked"
+                            ),
+                            3 => assert!(hostile.clones.load(SeqCst) > 0, "{what}: cloned"),
+                            _ => assert_eq!(
+                                hostile.wakes(),
+                                usize::from(complete),
+                                "{what}: woken by the handoff"
+                            ),
+                        }
+                        hostile.disarm_drop_panic();
+                        drop(waker);
+                        assert_key_free(&table, || 1, &what);
+                        assert_key_free(&table, || 2, &what);
+                        assert_table_empty(&table, 3, &what);
                     }
-                    planted_or(&what, || drop(txn));
-                    // The misbehaviour happened where the table runs the waker.
-                    match misbehaviour {
-                        0 => assert!(!queued, "{what}: the poll's clone panicked"),
-                        1 => assert_eq!(
-                            hostile.wake_panics(),
-                            usize::from(complete),
-                            "{what}: the handoff's wake panicked"
-                        ),
-                        2 => assert_eq!(
-                            hostile.drop_panics(),
-                            usize::from(!complete),
-                            "{what}: the cancelled wait's waker drop panicked"
-                        ),
-                        3 => assert!(hostile.clones.load(SeqCst) > 0, "{what}: cloned"),
-                        _ => assert_eq!(
-                            hostile.wakes(),
-                            usize::from(complete),
-                            "{what}: woken by the handoff"
-                        ),
-                    }
-                    hostile.disarm_drop_panic();
-                    drop(waker);
-                    assert_key_free(&table, || 1, &what);
-                    assert_key_free(&table, || 2, &what);
-                    assert_table_empty(&table, 3, &what);
                 }
             }
         });
