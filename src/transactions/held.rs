@@ -596,6 +596,7 @@ impl<G: GuardOps<Key = K>, K: Eq> HeldSet<G, K> {
     /// indexes nothing, and it goes here, so that the fill, which does not
     /// keep one, leaves none stale (a lookup through it would miss every
     /// key filled in).
+    #[inline]
     pub(crate) fn reserve_vacant(&mut self, n: usize) {
         debug_assert!(self.is_vacant());
         self.index = None;

@@ -820,12 +820,11 @@ where
     KeyOf<A>: Ord + Clone,
 {
     debug_assert!(A::SOLE && (1..=2).contains(&requests.len()));
-    let second = if requests.len() == 2 {
-        requests.pop()
-    } else {
-        None
+    let (first, second) = {
+        let mut both = requests.drain(..);
+        (both.next(), both.next())
     };
-    let Some((key, mode)) = requests.pop() else {
+    let Some((key, mode)) = first else {
         unreachable!("one or two requests")
     };
     let table = access.owner().reach.table();

@@ -197,6 +197,7 @@ where
 
 /// The lock as far as it goes without waiting: done, or the boxed wait.
 #[allow(clippy::type_complexity)]
+#[inline(always)]
 pub(crate) fn lock_now<A: Access>(
     access: &mut A,
     key: KeyOf<A>,
