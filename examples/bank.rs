@@ -42,7 +42,7 @@ fn main() {
         .build()
         .expect("tokio runtime");
     println!("# The bank\n");
-    for &accounts in bank::SHAPES {
+    for accounts in bank::shapes() {
         let shape = bank::shape(accounts, quick);
         println!("## {accounts} accounts\n");
         let report = bank::compare(

@@ -491,7 +491,7 @@ fn main() {
         eprintln!("running the bank...");
         let mut report = String::new();
         let rt = workloads::runtime_with_drivers();
-        for &accounts in bank::SHAPES {
+        for accounts in bank::shapes() {
             let shape = bank::shape(accounts, cfg.quick);
             report.push_str(&format!("\n#### {accounts} accounts\n\n"));
             report.push_str(&bank::compare(

@@ -34,7 +34,8 @@
 //! total: the run checks both. Shared by `examples/bank.rs` and
 //! `examples/compare.rs`. With `BANK_STATS` set in the environment, each
 //! keylock run prints its table's counters (grants, waits) to stderr; with
-//! `BANK_AUDITORS=N`, N auditors in both shapes; with
+//! `BANK_AUDITORS=N`, N auditors in both shapes; with `BANK_ACCOUNTS=N`,
+//! only the shape of N accounts runs; with
 //! `BANK_ONLY=txn`, `dashmap`, `cleanup`, `guards` or `unsorted`, only that bank runs (to profile
 //! one bank at a time, e.g. under `perf record`; `floor` is the same
 //! harness with no locks at all, the ceiling no lock can pass: it loses
@@ -57,6 +58,17 @@ use tokio::runtime::Runtime;
 /// The bank's two shapes, in accounts: hot (transfers contend) and cool
 /// (nearly every transfer is uncontended: the per-transaction cost).
 pub(crate) const SHAPES: &[usize] = &[64, 100_000];
+
+/// The shapes to run: [`SHAPES`], or only the one `BANK_ACCOUNTS=N` names
+/// (to profile one shape at a time).
+pub(crate) fn shapes() -> Vec<usize> {
+    match std::env::var("BANK_ACCOUNTS") {
+        Ok(n) => vec![n
+            .parse()
+            .expect("BANK_ACCOUNTS: a number of accounts, e.g. 100000")],
+        Err(_) => SHAPES.to_vec(),
+    }
+}
 
 /// keylock's tables here spend tokio's cooperative budget, as tokio's own
 /// locks do (`Builder::tokio_time`), when the `tokio` feature is on.

@@ -885,14 +885,69 @@ where
         found.extend(found_b);
         found
     };
+    // The borrowed form: the owner and the set, with no lock of its own.
+    let Some((owner, set)) = access.sole() else {
+        unreachable!("the borrowed form")
+    };
+    debug_assert_eq!(set.version(), version, "a borrowed transaction's set moved");
     // The terms of both keys' grants, resolved once (a lease out of range:
     // `None`, and the wait reports it).
-    let owner = access.owner();
     let terms = owner
         .reach
         .table()
         .owner_terms(owner.opts.lease, owner.opts.id.get());
     let try_ = |r: &mut Request<KeyOf<A>>| try_request(&owner.reach, terms, r);
+    if vacant {
+        // Both new, into a vacant set (a fresh transaction's transfer):
+        // each guard goes into its slot as it is had, from the table's
+        // probe, as a fresh fill's. Not kept aside in an option first: a
+        // guard stored in words and copied on at once in wider pieces
+        // makes each of those loads wait for the stores it straddles.
+        let acquired = 1 + usize::from(b.is_some());
+        set.reserve_vacant(acquired);
+        // A panic (a key's `Eq` in the probe) takes `a` back out of the
+        // set, released as it unwinds: all or nothing.
+        let mut fill = Filling { set, done: false };
+        let mut b = b;
+        match try_(&mut a) {
+            Ok(guard) => fill.set.push_new(guard),
+            Err(()) => {
+                fill.done = true;
+                return Few2::Busy {
+                    requests: lists(a, b),
+                    found: founds(),
+                    taken: Taken::new(),
+                    at: 0,
+                    version,
+                };
+            }
+        }
+        if let Some(r) = b.as_mut() {
+            match try_(r) {
+                Ok(guard) => fill.set.push_new(guard),
+                Err(()) => {
+                    // `a` comes back out (the set as it was, at its
+                    // version), for the waiting way's list.
+                    fill.done = true;
+                    let mut taken = Taken::new();
+                    taken.extend(fill.set.unfill().map(|guard| (0, guard)));
+                    return Few2::Busy {
+                        requests: lists(a, b),
+                        found: founds(),
+                        taken,
+                        at: 1,
+                        version,
+                    };
+                }
+            }
+        }
+        fill.done = true;
+        fill.set.filled();
+        return Few2::Done {
+            acquired,
+            reentered: 0,
+        };
+    }
     let mut guard_a = None;
     if found_a == Found::Absent {
         match try_(&mut a) {
@@ -926,43 +981,24 @@ where
             }
         }
     }
-    let put = access.with(|set| {
-        debug_assert_eq!(set.version(), version, "a borrowed transaction's set moved");
-        if vacant {
-            // Both new, into a vacant set: pushed as a fresh fill's are.
-            let acquired = usize::from(guard_a.is_some()) + usize::from(guard_b.is_some());
-            set.reserve_vacant(acquired);
-            set.push_new(guard_a.take().expect("taken"));
-            if let Some(guard) = guard_b.take() {
-                set.push_new(guard);
-            }
-            set.filled();
-            return (acquired, 0);
+    let (mut acquired, mut reentered) = (0, 0);
+    for found in [Some(found_a), found_b] {
+        if let Some(Found::Covered { at }) = found {
+            set.reenter(at);
+            reentered += 1;
         }
-        let (mut acquired, mut reentered) = (0, 0);
-        for found in [Some(found_a), found_b] {
-            if let Some(Found::Covered { at }) = found {
-                set.reenter(at);
-                reentered += 1;
-            }
-        }
-        if let Some(guard) = guard_a.take() {
-            set.insert(a.hash, guard);
-            acquired += 1;
-        }
-        if let (Some(guard), Some(r)) = (guard_b.take(), &b) {
-            set.insert(r.hash, guard);
-            acquired += 1;
-        }
-        (acquired, reentered)
-    });
-    // Had the transaction ended, the guards are released as they drop.
-    match put {
-        Ok((acquired, reentered)) => Few2::Done {
-            acquired,
-            reentered,
-        },
-        Err(Ended) => Few2::Ended,
+    }
+    if let Some(guard) = guard_a {
+        set.insert(a.hash, guard);
+        acquired += 1;
+    }
+    if let (Some(guard), Some(r)) = (guard_b, &b) {
+        set.insert(r.hash, guard);
+        acquired += 1;
+    }
+    Few2::Done {
+        acquired,
+        reentered,
     }
 }
 
@@ -1627,4 +1663,93 @@ where
     };
     access.owner().note(&out);
     out
+}
+
+#[cfg(all(test, not(loom)))]
+mod tests {
+    //! A fresh transaction's transfer (`few_now` into a vacant set: each
+    //! guard written into its slot in place), with keys that own memory,
+    //! so that miri sees every guard and key moved, kept and let go.
+
+    use std::future::Future;
+    use std::pin::pin;
+    use std::task::{Context, Poll, Waker};
+
+    use crate::{LockTable, Mode, TransactionError, WaitPolicy};
+
+    fn poll_once<F: Future>(fut: std::pin::Pin<&mut F>) -> Poll<F::Output> {
+        fut.poll(&mut Context::from_waker(Waker::noop()))
+    }
+
+    fn pair(a: &str, b: &str) -> [(String, Mode); 2] {
+        [
+            (a.to_string(), Mode::Exclusive),
+            (b.to_string(), Mode::Exclusive),
+        ]
+    }
+
+    #[test]
+    fn a_fresh_transfer_holds_both_keys_then_releases_them() {
+        let table = LockTable::<String>::new();
+        let mut txn = table.transaction();
+        // Given out of order: taken in the canonical one.
+        let got = futures::executor::block_on(txn.lock_all(pair("b", "a"))).unwrap();
+        assert_eq!(got.acquired(), 2);
+        assert_eq!(txn.len(), 2);
+        assert!(table.is_locked("a") && table.is_locked("b"));
+        // Re-entered through the set the transfer filled.
+        let again = futures::executor::block_on(txn.lock("a".to_string(), Mode::Exclusive));
+        assert_eq!(again.map(|a| a.count), Ok(2));
+        txn.commit().unwrap();
+        assert!(table.is_empty());
+        // A self-transfer: one key, once.
+        let mut txn = table.transaction();
+        let got = futures::executor::block_on(txn.lock_all(pair("a", "a"))).unwrap();
+        assert_eq!((got.acquired(), txn.len()), (1, 1));
+        drop(txn);
+        assert!(table.is_empty());
+    }
+
+    #[test]
+    fn a_fresh_transfer_whose_second_key_is_busy_keeps_nothing_of_the_first() {
+        let table = LockTable::<String>::new();
+        let blocker = table.try_lock("b".to_string()).unwrap();
+        let mut txn = table.transaction();
+        let err =
+            futures::executor::block_on(txn.lock_all_with(pair("a", "b"), WaitPolicy::NoWait))
+                .unwrap_err();
+        assert!(matches!(err, TransactionError::Busy { ref key, .. } if key == "b"));
+        assert!(txn.is_empty(), "a came back out of the set");
+        assert!(!table.is_locked("a"), "and was released");
+        // Waiting instead: the call takes a, waits for b, gets both.
+        {
+            let mut call = pin!(txn.lock_all(pair("b", "a")));
+            assert!(poll_once(call.as_mut()).is_pending());
+            assert!(table.is_locked("a"), "a is the waiting call's");
+            drop(blocker);
+            let Poll::Ready(got) = poll_once(call.as_mut()) else {
+                panic!("b was handed to the waiting call");
+            };
+            assert_eq!(got.map(|g| g.acquired()), Ok(2));
+        }
+        assert_eq!(txn.len(), 2);
+        txn.commit().unwrap();
+        assert!(table.is_empty());
+    }
+
+    #[test]
+    fn a_fresh_transfer_whose_first_key_is_busy_takes_nothing_until_it_is_free() {
+        let table = LockTable::<String>::new();
+        let blocker = table.try_lock("a".to_string()).unwrap();
+        let mut txn = table.transaction();
+        {
+            let mut call = pin!(txn.lock_all(pair("a", "b")));
+            assert!(poll_once(call.as_mut()).is_pending());
+            assert!(!table.is_locked("b"), "b is not taken before a");
+        } // dropped while it waits: nothing kept
+        assert!(txn.is_empty());
+        drop(blocker);
+        assert!(table.is_empty());
+        drop(txn);
+    }
 }
