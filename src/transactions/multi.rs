@@ -885,6 +885,14 @@ where
         found.extend(found_b);
         found
     };
+    // Request `at` is not free at once: what the waiting way starts from.
+    let busy = |a, b, taken, at| Few2::Busy {
+        requests: lists(a, b),
+        found: founds(),
+        taken,
+        at,
+        version,
+    };
     // The borrowed form: the owner and the set, with no lock of its own.
     let Some((owner, set)) = access.sole() else {
         unreachable!("the borrowed form")
@@ -913,13 +921,7 @@ where
             Ok(guard) => fill.set.push_new(guard),
             Err(()) => {
                 fill.done = true;
-                return Few2::Busy {
-                    requests: lists(a, b),
-                    found: founds(),
-                    taken: Taken::new(),
-                    at: 0,
-                    version,
-                };
+                return busy(a, b, Taken::new(), 0);
             }
         }
         if let Some(r) = b.as_mut() {
@@ -931,13 +933,7 @@ where
                     fill.done = true;
                     let mut taken = Taken::new();
                     taken.extend(fill.set.unfill().map(|guard| (0, guard)));
-                    return Few2::Busy {
-                        requests: lists(a, b),
-                        found: founds(),
-                        taken,
-                        at: 1,
-                        version,
-                    };
+                    return busy(a, b, taken, 1);
                 }
             }
         }
@@ -953,13 +949,7 @@ where
         match try_(&mut a) {
             Ok(guard) => guard_a = Some(guard),
             Err(()) => {
-                return Few2::Busy {
-                    requests: lists(a, b),
-                    found: founds(),
-                    taken: Taken::new(),
-                    at: 0,
-                    version,
-                };
+                return busy(a, b, Taken::new(), 0);
             }
         }
     }
@@ -971,13 +961,7 @@ where
             Err(()) => {
                 let mut taken = Taken::new();
                 taken.extend(guard_a.map(|guard| (0, guard)));
-                return Few2::Busy {
-                    requests: lists(a, b),
-                    found: founds(),
-                    taken,
-                    at: 1,
-                    version,
-                };
+                return busy(a, b, taken, 1);
             }
         }
     }
