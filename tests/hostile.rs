@@ -904,6 +904,41 @@ mod tests {
         });
     }
 
+    /// A fresh transaction's transfer whose second try panics (it settles
+    /// a lapsed holder of the second key, whose loss watcher's wake
+    /// panics), after the first key went into the set: the first comes
+    /// back out and is released as the call unwinds, so the transaction
+    /// holds nothing of the call (all or nothing), and the second is free.
+    #[test]
+    fn a_fresh_transfer_whose_second_try_panics_keeps_nothing_of_the_first() {
+        watchdog("second-try-panics", || {
+            let clock = ManualClock::new();
+            let table: Arc<LockTable<u32>> =
+                Arc::new(LockTable::builder().clock(clock.clone()).build());
+            let holder = table.try_lock_with(2, leased()).expect("free");
+            let watcher = Hostile::new();
+            let waker = watcher.waker();
+            let mut lost = Box::pin(holder.lost());
+            pending(&mut lost, &waker, "the holder's loss watcher");
+            clock.advance(LEASE);
+            watcher.arm_wake_panic();
+            let mut txn = table.transaction();
+            // Given out of order: 1 is taken first, then 2's try panics.
+            let done = planted_or("a transfer whose second try panics", || {
+                poll_once(txn.lock_all([(2, Mode::Exclusive), (1, Mode::Exclusive)])).is_ready()
+            });
+            assert!(done.is_none(), "the watcher's wake panicked");
+            assert_eq!(watcher.wake_panics(), 1, "2's lapse was settled");
+            assert!(txn.is_empty(), "1 came back out of the set");
+            assert!(!table.is_locked(&1), "and was released");
+            drop(txn);
+            drop(lost);
+            drop(holder);
+            assert_key_free(&table, || 1, "the first key");
+            assert_key_free(&table, || 2, "the second key");
+        });
+    }
+
     /// Polls `fut` once with a waker that does nothing.
     fn poll_once<F: Future>(fut: F) -> Poll<F::Output> {
         let mut fut = std::pin::pin!(fut);
