@@ -184,11 +184,20 @@ where
     async move {
         // Everything but the wait happens in a plain function, so that this
         // future keeps only its arguments and a box across its one await.
-        let out = match lock_now(&mut access, key, mode, policy) {
-            // Made anew in the future's output: only the grant is copied.
-            Ok(Ok(acquired)) => return Ok(acquired),
-            Ok(Err(error)) => Err(error),
-            Err(wait) => { wait }.await,
+        // Its result is taken apart in a statement of its own, which ends
+        // before the await: a result matched in the same expression as the
+        // await would be kept in the future, written there in words and
+        // read back at once in wider pieces, each load waiting for the
+        // stores it straddles.
+        let out = 'out: {
+            let wait = match lock_now(&mut access, key, mode, policy) {
+                // Made anew in the future's output: only the grant is
+                // copied.
+                Ok(Ok(acquired)) => return Ok(acquired),
+                Ok(Err(error)) => break 'out Err(error),
+                Err(wait) => wait,
+            };
+            wait.await
         };
         access.owner().note(&out);
         out
