@@ -561,25 +561,20 @@ where
 {
     async move {
         // The requests are read where they are (in this future), not moved.
-        // The result is taken apart in a statement that ends before the
-        // await (see `single::lock`): not kept in the future.
-        let out = 'out: {
-            let wait = match lock_all_now(&mut access, &mut requests, policy) {
-                // Made anew in the future's output: nothing else is copied.
-                Ok(Now::Counted {
+        let out = match lock_all_now(&mut access, &mut requests, policy) {
+            // Made anew in the future's output: nothing else is copied.
+            Ok(Now::Counted {
+                acquired,
+                reentered,
+            }) => {
+                return Ok(LockedSet {
                     acquired,
                     reentered,
-                }) => {
-                    return Ok(LockedSet {
-                        acquired,
-                        reentered,
-                        ..LockedSet::new(Vec::new())
-                    })
-                }
-                Ok(Now::Done(done)) => break 'out done,
-                Err(wait) => wait,
-            };
-            wait.await
+                    ..LockedSet::new(Vec::new())
+                })
+            }
+            Ok(Now::Done(done)) => done,
+            Err(wait) => { wait }.await,
         };
         access.owner().note(&out);
         out
