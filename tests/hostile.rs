@@ -939,6 +939,95 @@ mod tests {
         });
     }
 
+    /// An owned transaction's commit whose release of one key panics (the
+    /// plain waiter it hands the key to has a wake that panics) still
+    /// cancels the transaction's pending calls: a forgotten call's waiter
+    /// leaves its queue, and the key it waited for is free once its holder
+    /// goes, not granted to a transaction that has ended.
+    #[test]
+    fn an_end_whose_release_panics_still_cancels_the_pending_calls() {
+        watchdog("end-release-panics", || {
+            let table: Arc<LockTable<u32>> = Arc::new(LockTable::new());
+            let blocker = table.try_lock(1).expect("free");
+            let txn = table.clone().transaction_owned();
+            let mut held = Box::pin(txn.lock(2, Mode::Exclusive));
+            assert!(matches!(poll_once(held.as_mut()), Poll::Ready(Ok(_))));
+            let mut call = Box::pin(txn.lock(1, Mode::Exclusive));
+            assert!(poll_once(call.as_mut()).is_pending(), "1 is held");
+            std::mem::forget(call);
+            let bomb = Hostile::new();
+            let waker = bomb.waker();
+            let mut waiter = Box::pin(table.lock(2));
+            pending(
+                &mut waiter,
+                &waker,
+                "a plain waiter for the transaction's key",
+            );
+            bomb.arm_wake_panic();
+            let committed = planted_or("a commit whose handoff's wake panics", || txn.commit());
+            assert!(committed.is_none(), "the waiter's wake panicked");
+            assert_eq!(bomb.wake_panics(), 1, "2 was handed to the waiter");
+            assert_eq!(table.waiters(&1), 0, "the forgotten call left 1's queue");
+            drop(blocker);
+            assert_key_free(&table, || 1, "the key the forgotten call waited for");
+            let granted = ready(&mut waiter, &waker, "the waiter keeps 2");
+            drop(granted);
+            drop(waiter);
+            drop(held);
+            assert_key_free(&table, || 2, "the transaction's key");
+        });
+    }
+
+    /// A borrowed transaction's commit whose release panics cancels a
+    /// forgotten call as an abort would, not while unwinding: the grant
+    /// the call never saw passes on, and the next waiter's wake runs as in
+    /// any call (here it panics too, which while unwinding would abort the
+    /// process; the commit reports the first panic).
+    #[test]
+    fn a_borrowed_commit_whose_release_panics_cancels_a_forgotten_call_unwound() {
+        watchdog("borrowed-commit-release-panics", || {
+            let table: LockTable<u32> = LockTable::new();
+            let blocker = table.try_lock(1).expect("free");
+            let mut txn = table.transaction();
+            assert!(matches!(
+                poll_once(txn.lock(2, Mode::Exclusive)),
+                Poll::Ready(Ok(_))
+            ));
+            let mut call = Box::pin(txn.lock(1, Mode::Exclusive));
+            assert!(poll_once(call.as_mut()).is_pending(), "1 is held");
+            std::mem::forget(call);
+            let first = Hostile::new();
+            let first_waker = first.waker();
+            let mut on_2 = Box::pin(table.lock(2));
+            pending(
+                &mut on_2,
+                &first_waker,
+                "a waiter for the transaction's key",
+            );
+            let next = Hostile::new();
+            let next_waker = next.waker();
+            let mut on_1 = Box::pin(table.lock(1));
+            pending(&mut on_1, &next_waker, "a waiter behind the forgotten call");
+            drop(blocker);
+            assert!(table.is_locked(&1), "granted to the forgotten call");
+            first.arm_wake_panic();
+            next.arm_wake_panic();
+            let committed = planted_or("a commit whose handoff's wake panics", || txn.commit());
+            assert!(committed.is_none(), "the first waiter's wake panicked");
+            assert_eq!(first.wake_panics(), 1, "2 was handed to its waiter");
+            assert_eq!(
+                next.wake_panics(),
+                1,
+                "the forgotten call's grant passed on, and its wake ran unwound"
+            );
+            let g1 = ready(&mut on_1, &next_waker, "the next waiter has 1");
+            let g2 = ready(&mut on_2, &first_waker, "the first waiter has 2");
+            drop((g1, g2, on_1, on_2));
+            assert_key_free(&table, || 1, "the forgotten call's key");
+            assert_key_free(&table, || 2, "the transaction's key");
+        });
+    }
+
     /// Polls `fut` once with a waker that does nothing.
     fn poll_once<F: Future>(fut: F) -> Poll<F::Output> {
         let mut fut = std::pin::pin!(fut);

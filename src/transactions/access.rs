@@ -433,18 +433,16 @@ impl<R: Reach> Shared<R> {
             watchers = std::mem::take(&mut state.watchers);
         }
         // Release first, so the keys are free by the time anyone is woken;
-        // a panic in a key's drop still releases the rest (see `HeldSet`'s
-        // drop) and still wakes everyone. Then the pending calls' lock
-        // futures go (a forgotten call's waiter leaves its queue, its
-        // unobserved grant passes on: `pending.rs`).
-        let released = catch_unwind(AssertUnwindSafe(|| {
-            let out = release(&mut slots);
-            pending::cancel_all(pending);
-            out
-        }));
+        // a panic there (a key's drop, a handoff's wake) still releases the
+        // rest (see `HeldSet`'s drop), still cancels the pending calls and
+        // still wakes everyone. The pending calls' lock futures go next (a
+        // forgotten call's waiter leaves its queue, its unobserved grant
+        // passes on: `pending.rs`).
+        let released = catch_unwind(AssertUnwindSafe(|| release(&mut slots)));
         // Whatever `release` left (a panic midway: the rest of the keys).
-        drop(slots);
-        let mut panic = None;
+        let rest = catch_unwind(AssertUnwindSafe(|| drop(slots)));
+        let cancelled = catch_unwind(AssertUnwindSafe(|| pending::cancel_all(pending)));
+        let mut panic = rest.err().or(cancelled.err());
         for waker in watchers.into_iter().flatten() {
             if let Err(payload) = catch_unwind(AssertUnwindSafe(|| waker.wake())) {
                 panic.get_or_insert(payload);

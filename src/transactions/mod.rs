@@ -853,8 +853,17 @@ impl<'t, K: Eq + Hash, S: BuildHasher> Transaction<'t, K, S> {
     where
         K: Clone,
     {
-        // In place: the set is not moved out of the transaction.
-        let lost = held::release_checked(&mut self.set);
+        // In place: the set is not moved out of the transaction. A panic in
+        // the release (a key's drop, a handoff's wake) is caught, so that
+        // the drop below cancels the pending calls as an abort would, not
+        // while unwinding; then it goes on to the caller.
+        let lost = match catch_unwind(AssertUnwindSafe(|| held::release_checked(&mut self.set))) {
+            Ok(lost) => lost,
+            Err(payload) => {
+                drop(self);
+                resume_unwind(payload)
+            }
+        };
         if self.owns_nothing() {
             // Nothing left to release or free: skip the drop glue.
             std::mem::forget(self);

@@ -1414,7 +1414,15 @@ impl<'a> Harness<'a> {
             f.phase = Phase::Cancelled { inner };
         }
         let txn = o.txn.take().unwrap();
+        // A panic in the set's release is caught before the calls are
+        // cancelled (`access.rs` `end_with`, the borrowed form's commit and
+        // drop), and each call's cancel is caught on its own
+        // (`pending::cancel_all`): a panic unwinds the rest of its own
+        // step only, and the next step's wakes run (and may panic, or
+        // call back) as in any call.
+        let mut must = self.owners.must;
         for (inner, guards) in cancelled {
+            self.owners.must = false;
             self.owner_touch(inner);
             self.model.drop_fut(inner);
             self.owner_call_done();
@@ -1422,7 +1430,9 @@ impl<'a> Harness<'a> {
                 self.model.release(g);
                 self.owner_call_done();
             }
+            must |= self.owners.must;
         }
+        self.owners.must = must;
         let expect = self.owner_expect();
         let got = catch(|| match (txn, how) {
             (RTxn::B(t), 0) => t.commit(),
