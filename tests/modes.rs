@@ -1529,6 +1529,39 @@ mod tests {
         assert!(table.is_empty());
     }
 
+    /// A revoke that finds the other reader's lease lapsed does not settle
+    /// that lapse first: doing so would grant the waiting upgrade (a new
+    /// token) before the revoke reaches the upgrader, which would escape
+    /// it. Both go at once: the lapse counted expired, the upgrader revoked
+    /// and its upgrade failed.
+    #[test]
+    fn revoke_meeting_a_lapse_fails_the_upgrade_it_would_have_granted() {
+        let (clock, table) = table();
+        let a = table.try_lock_with(K, shared().lease(SEC)).unwrap();
+        let mut b = table.try_lock_shared(K).unwrap();
+        let tb = b.token();
+        let wu = W::new();
+        let mut up = Box::pin(b.upgrade());
+        pending(&mut up, &wu, "a holds");
+        clock.advance(SEC);
+        assert_eq!(table.revoke(&K), Some(tb), "the live upgrader is revoked");
+        assert_eq!(
+            ready(&mut up, &wu, "revoked"),
+            Err(LockError::Expired {
+                token: tb,
+                key: None
+            })
+        );
+        drop(up);
+        let stats = table.stats();
+        assert_eq!((stats.expired, stats.revoked), (1, 1));
+        assert!(b.is_expired());
+        assert!(!table.is_locked(&K), "nobody holds the key");
+        drop((a, b));
+        table.assert_consistent();
+        assert!(table.is_empty());
+    }
+
     #[test]
     fn revoke_during_an_upgrade_fails_it_and_hands_the_key_on() {
         let (_clock, table) = table();

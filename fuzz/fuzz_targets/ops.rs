@@ -2224,16 +2224,17 @@ impl Model {
         if self.keys[k].unused() {
             return None;
         }
-        // The live holders when the call comes: not a waiter that settling
-        // a lapse admits (lapse.rs `revoke`).
-        let holders: Vec<u64> = self.keys[k]
-            .holders
-            .iter()
-            .filter(|h| self.live(h))
-            .map(|h| h.token)
-            .collect();
-        self.settle(k);
-        let gone = self.displace_all(k, &holders);
+        // The holders when the call comes, lapsed and live: not a waiter
+        // that settling a lapse would admit. All are displaced at once,
+        // the lapse not settled first (lapse.rs `revoke`): an upgrade at
+        // the head is not granted to a grant this call revokes.
+        let (live, lapsed): (Vec<MHolder>, Vec<MHolder>) =
+            self.keys[k].holders.iter().copied().partition(|h| self.live(h));
+        let live: Vec<u64> = live.iter().map(|h| h.token).collect();
+        let all: Vec<u64> = lapsed.iter().map(|h| h.token).chain(live.iter().copied()).collect();
+        self.stats.expired += lapsed.len() as u64;
+        let gone = self.displace_all(k, &all);
+        let gone: Vec<u64> = gone.into_iter().filter(|t| live.contains(t)).collect();
         self.stats.revoked += gone.len() as u64;
         let revoked = gone.into_iter().max();
         // A revoked guard's `expires_at()` reads the clock (it reports the

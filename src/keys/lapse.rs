@@ -270,25 +270,31 @@ impl<K> ShardState<K> {
         Q: ?Sized + Eq,
     {
         let (entry, mut keys) = self.locate_by(hash, key)?;
-        // The live holders when the call came: not a waiter that settling a
-        // lapse admits now.
-        let holders: Vec<FencingToken> = {
+        // The holders when the call came, lapsed and live: not a waiter
+        // that settling a lapse would admit.
+        let (lapsed, live): (Vec<FencingToken>, Vec<FencingToken>) = {
             let now = ctx.clock();
-            entry
-                .holders
-                .iter()
-                .filter(|h| h.is_live(now))
-                .map(|h| h.token)
-                .collect()
+            let (mut lapsed, mut live) = (Vec::new(), Vec::new());
+            for holder in entry.holders.iter() {
+                if holder.is_live(now) {
+                    live.push(holder.token);
+                } else {
+                    lapsed.push(holder.token);
+                }
+            }
+            (lapsed, live)
         };
-        keys.settle(entry, ctx);
-        for _ in &holders {
+        for _ in &lapsed {
+            ctx.counters().expired();
+        }
+        for _ in &live {
             ctx.counters().revoked();
         }
-        // Every holder found when the call came is fenced before anyone is
-        // admitted: an upgrade waiting at the head is not granted to a grant
-        // this very call revokes.
-        keys.displace_all(entry, &holders, ctx)
+        // Every one is fenced before anyone is admitted (the lapse is not
+        // settled first): an upgrade waiting at the head is not granted to
+        // a grant this very call revokes.
+        let displaced = keys.displace_all(entry, &[lapsed, live.clone()].concat(), ctx);
+        displaced.and(live.into_iter().max())
     }
 
     /// The shard's timer fired at `now` (a raw stamp): nudges every waiter

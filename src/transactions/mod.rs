@@ -126,6 +126,15 @@ pub struct Transaction<'t, K, S = DefaultHashBuilder> {
 
 impl<K, S> Drop for Transaction<'_, K, S> {
     fn drop(&mut self) {
+        self.end_now();
+    }
+}
+
+impl<K, S> Transaction<'_, K, S> {
+    /// Releases what the transaction holds and cancels its forgotten
+    /// calls (its drop; a commit whose release panicked). Idempotent.
+    #[inline]
+    fn end_now(&mut self) {
         // Nothing held and no call's cell or parked wait (a committed
         // transaction, or one that took nothing): nothing to release, and
         // the fields' own drops free what little they own.
@@ -853,18 +862,17 @@ impl<'t, K: Eq + Hash, S: BuildHasher> Transaction<'t, K, S> {
     where
         K: Clone,
     {
-        // In place: the set is not moved out of the transaction. A panic in
-        // the release (a key's drop, a handoff's wake) is caught, so that
-        // the drop below cancels the pending calls as an abort would, not
-        // while unwinding; then it goes on to the caller.
-        let lost = match catch_unwind(AssertUnwindSafe(|| held::release_checked(&mut self.set))) {
-            Ok(lost) => lost,
-            Err(payload) => {
-                drop(self);
-                resume_unwind(payload)
-            }
+        // In place: the set is not moved out of the transaction.
+        let no_calls = self.calls_own_nothing();
+        let lost = if no_calls {
+            // Nothing to cancel: a panic in the release (a key's drop, a
+            // handoff's wake) unwinds through the drop, which releases the
+            // rest of the set.
+            held::release_checked(&mut self.set)
+        } else {
+            self.release_then_cancel()
         };
-        if self.owns_nothing() {
+        if no_calls && self.set.owns_nothing() && self.owner.owns_nothing() {
             // Nothing left to release or free: skip the drop glue.
             std::mem::forget(self);
         }
@@ -873,23 +881,38 @@ impl<'t, K: Eq + Hash, S: BuildHasher> Transaction<'t, K, S> {
         held::lost_to_result(lost)
     }
 
-    /// Whether dropping the transaction would release and free nothing:
-    /// no key, no pending call's cell, no memory of its set's or its
-    /// list's, no label registered. Every field that owns something is
-    /// asked here.
+    /// A commit's release when a forgotten call left something to cancel:
+    /// a panic in the release is caught, so that the drop cancels the
+    /// calls as an abort would, not while unwinding; then it goes on to
+    /// the caller.
+    #[cold]
+    fn release_then_cancel(&mut self) -> Option<(K, FencingToken)>
+    where
+        K: Clone,
+    {
+        match catch_unwind(AssertUnwindSafe(|| held::release_checked(&mut self.set))) {
+            Ok(lost) => lost,
+            Err(payload) => {
+                // Its own panic, if any, is dropped: the first goes on.
+                drop(catch_unwind(AssertUnwindSafe(|| self.end_now())));
+                resume_unwind(payload)
+            }
+        }
+    }
+
+    /// Whether no forgotten call left anything: no pending call's cell, no
+    /// memory of the list's, no parked wait. With the set's and the
+    /// owner's `owns_nothing`, every field that owns something is asked
+    /// before a commit skips the drop glue.
     #[inline]
-    fn owns_nothing(&self) -> bool {
+    fn calls_own_nothing(&self) -> bool {
         let Self {
-            owner,
-            set,
+            owner: _,
+            set: _,
             pending,
             parked,
         } = self;
-        set.owns_nothing()
-            && pending.is_empty()
-            && !pending.spilled()
-            && parked.is_none()
-            && owner.owns_nothing()
+        pending.is_empty() && !pending.spilled() && parked.is_none()
     }
 
     /// Releases every key the transaction holds; the same as dropping it.
