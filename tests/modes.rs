@@ -1562,6 +1562,37 @@ mod tests {
         assert!(table.is_empty());
     }
 
+    /// `revoke_grant` of the live reader, while the other reader's lease
+    /// has lapsed and its upgrade waits: the lapsed reader goes with it,
+    /// before anyone is admitted, so its upgrade fails rather than being
+    /// granted a new token on a lease already past.
+    #[test]
+    fn revoke_grant_meeting_a_lapse_does_not_grant_the_lapsed_readers_upgrade() {
+        let (clock, table) = table();
+        let mut a = table.try_lock_with(K, shared().lease(SEC)).unwrap();
+        let b = table.try_lock_shared(K).unwrap();
+        let ta = a.token();
+        let wu = W::new();
+        let mut up = Box::pin(a.upgrade());
+        pending(&mut up, &wu, "b holds");
+        clock.advance(SEC);
+        assert!(table.revoke_grant(&K, b.token()));
+        assert_eq!(
+            ready(&mut up, &wu, "lapsed"),
+            Err(LockError::Expired {
+                token: ta,
+                key: None
+            })
+        );
+        drop(up);
+        let stats = table.stats();
+        assert_eq!((stats.expired, stats.revoked), (1, 1));
+        assert!(!table.is_locked(&K), "nobody holds the key");
+        drop((a, b));
+        table.assert_consistent();
+        assert!(table.is_empty());
+    }
+
     #[test]
     fn revoke_during_an_upgrade_fails_it_and_hands_the_key_on() {
         let (_clock, table) = table();

@@ -2249,7 +2249,21 @@ impl Model {
             return false;
         }
         if self.keys[k].holders.get(t).is_some_and(|h| self.live(&h)) {
-            self.displace(k, t);
+            // lapse.rs `revoke_grant`: lapsed holders go with it, before
+            // anyone is admitted.
+            if self.any_lapsed(k) {
+                let mut gone: Vec<u64> = self.keys[k]
+                    .holders
+                    .iter()
+                    .filter(|h| !self.live(h))
+                    .map(|h| h.token)
+                    .collect();
+                self.stats.expired += gone.len() as u64;
+                gone.push(t);
+                self.displace_all(k, &gone);
+            } else {
+                self.displace(k, t);
+            }
             self.stats.revoked += 1;
             self.read_clock = true;
             return true;

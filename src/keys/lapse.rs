@@ -252,7 +252,25 @@ impl<K> ShardState<K> {
             keys.settle(entry, ctx);
             return false;
         }
-        keys.displace(entry, token, ctx);
+        if entry.holders.any_lapsed(ctx.clock()) {
+            // Lapsed holders go with it, before anyone is admitted (as
+            // `revoke`): admitting first could grant a lapsed reader's
+            // waiting upgrade.
+            let now = ctx.clock();
+            let mut gone: Vec<FencingToken> = Vec::new();
+            for holder in entry.holders.iter() {
+                if !holder.is_live(now) {
+                    gone.push(holder.token);
+                }
+            }
+            for _ in &gone {
+                ctx.counters().expired();
+            }
+            gone.push(token);
+            keys.displace_all(entry, &gone, ctx);
+        } else {
+            keys.displace(entry, token, ctx);
+        }
         ctx.counters().revoked();
         true
     }

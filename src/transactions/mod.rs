@@ -151,8 +151,10 @@ impl<K, S> Transaction<'_, K, S> {
         let parked = catch_unwind(AssertUnwindSafe(|| {
             pending::clear_parked(&mut self.parked);
         }));
-        pending::cancel_all(std::mem::take(&mut self.pending));
-        if let Err(payload) = released.and(parked) {
+        let pending = std::mem::take(&mut self.pending);
+        let cancelled = catch_unwind(AssertUnwindSafe(|| pending::cancel_all(pending)));
+        // The first panic goes on.
+        if let Err(payload) = released.and(parked).and(cancelled) {
             resume_unwind(payload);
         }
     }

@@ -349,8 +349,9 @@ pub(crate) fn clear_parked<L, G>(slot: &mut ParkedSlot<L, G>) {
     };
     let guards = std::mem::take(parked.as_mut().project().guards);
     let dropped = catch_unwind(AssertUnwindSafe(|| drop(parked)));
-    drop(guards);
-    if let Err(payload) = dropped {
+    let released = catch_unwind(AssertUnwindSafe(|| drop(guards)));
+    // The first panic goes on.
+    if let Err(payload) = dropped.and(released) {
         resume_unwind(payload);
     }
 }
