@@ -1593,6 +1593,37 @@ mod tests {
         assert!(table.is_empty());
     }
 
+    /// The same with a plain release: the live reader lets go while the
+    /// other reader's lease has lapsed unnoticed and its upgrade waits.
+    /// The lapsed reader goes first (a settle), so its upgrade fails; it
+    /// is not handed a new token on a lease already past.
+    #[test]
+    fn a_release_meeting_a_lapse_does_not_grant_the_lapsed_readers_upgrade() {
+        let (clock, table) = table();
+        let mut a = table.try_lock_with(K, shared().lease(SEC)).unwrap();
+        let b = table.try_lock_shared(K).unwrap();
+        let ta = a.token();
+        let wu = W::new();
+        let mut up = Box::pin(a.upgrade());
+        pending(&mut up, &wu, "b holds");
+        clock.advance(SEC);
+        drop(b);
+        assert_eq!(
+            ready(&mut up, &wu, "lapsed"),
+            Err(LockError::Expired {
+                token: ta,
+                key: None
+            })
+        );
+        drop(up);
+        let stats = table.stats();
+        assert_eq!((stats.expired, stats.handoffs), (1, 0));
+        assert!(!table.is_locked(&K), "nobody holds the key");
+        drop(a);
+        table.assert_consistent();
+        assert!(table.is_empty());
+    }
+
     #[test]
     fn revoke_during_an_upgrade_fails_it_and_hands_the_key_on() {
         let (_clock, table) = table();

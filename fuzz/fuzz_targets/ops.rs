@@ -2141,6 +2141,9 @@ impl Model {
                 self.keys[k].holders.remove(token);
                 if self.keys[k].holders.is_empty() {
                     self.pass_on(k);
+                } else if self.any_lapsed(k) {
+                    // A lapsed other holder goes first, admission once after.
+                    self.settle(k);
                 } else {
                     self.admit(k);
                 }

@@ -169,6 +169,12 @@ impl Keys<'_> {
         }
         if entry.holders.is_empty() {
             self.pass_on(entry, fairness, ctx);
+        } else if entry.holders.any_lapsed(ctx.clock()) {
+            // Other shared holders remain, one of them lapsed unnoticed: it
+            // goes first, and the waiters are admitted once after (a
+            // settle), so that admission does not grant a lapsed reader's
+            // upgrade.
+            self.settle_lapsed(entry, ctx);
         } else {
             // Other shared holders remain: an upgrade at the head may now be
             // the only one.

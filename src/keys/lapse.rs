@@ -92,7 +92,7 @@ impl Keys<'_> {
     }
 
     #[cold]
-    fn settle_lapsed<K>(&mut self, entry: &mut Entry<K>, ctx: &mut Ctx<'_, '_, K>) {
+    pub(super) fn settle_lapsed<K>(&mut self, entry: &mut Entry<K>, ctx: &mut Ctx<'_, '_, K>) {
         let lapsed: Vec<FencingToken> = {
             let now = ctx.clock();
             let mut lapsed = Vec::new();
