@@ -972,6 +972,12 @@ mod tests {
         assert_eq!(a.mode(), Mode::Shared);
         assert!(a.is_expired());
         assert_eq!(table.waiters(&K), 1);
+        let stats = table.stats();
+        assert_eq!(
+            (stats.revoked, stats.timed_out, stats.cancelled),
+            (1, 0, 0),
+            "the upgrade neither ran out of time nor was dropped: only the revoke counts"
+        );
         drop(b);
         let xg = ready(&mut x, &wx, "x after the last live reader");
         drop(a);

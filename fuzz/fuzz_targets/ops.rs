@@ -1911,11 +1911,11 @@ impl Model {
                 if let MWant::Upgrade { gid, token } = want {
                     if self.keys[k].holders.get(token).is_none() {
                         // Its grant lost the key while it waited: it leaves
-                        // (acquire.rs: through `leave` with `timed_out`).
+                        // (acquire.rs: through `leave`, `Leaving::Lost`).
                         if gave_up {
                             return self.time_out(k, f);
                         }
-                        let _ = self.leave(k, f, true);
+                        let _ = self.leave(k, f, MLeaving::Lost);
                         self.guard(gid).upgrading = None;
                         return MPoll::Ready(Err(MErr::Expired(token)));
                     }
@@ -2025,7 +2025,7 @@ impl Model {
             // lock (no waker stored, no timer armed).
             self.keys[k].queue.push_front(f);
             self.fut(f).state = MState::Waiting;
-            let err = self.leave(k, f, true);
+            let err = self.leave(k, f, MLeaving::TimedOut);
             self.guard(gid).upgrading = None;
             return MPoll::Ready(Err(err.expect("model: a timeout's diagnosis")));
         }
@@ -2037,7 +2037,7 @@ impl Model {
 
     /// waiting.rs `leave` of a linked waiter that was not granted (and
     /// drops the model's future): with `timed_out`, the diagnosis of now.
-    fn leave(&mut self, k: usize, f: Fid, timed_out: bool) -> Option<MErr> {
+    fn leave(&mut self, k: usize, f: Fid, why: MLeaving) -> Option<MErr> {
         let ahead = self.keys[k]
             .queue
             .iter()
@@ -2046,16 +2046,21 @@ impl Model {
         self.keys[k].queue.remove(ahead);
         let fut = self.futs.remove(&f).expect("model: future exists");
         self.after_leaving(k, ahead == 0);
-        let err = if timed_out {
-            self.stats.timed_out += 1;
-            let waited = match fut.patience {
-                MPat::Until { start, .. } => self.now - start,
-                _ => 0,
-            };
-            Some(self.diagnosis(k, waited, ahead))
-        } else {
-            self.stats.cancelled += 1;
-            None
+        let err = match why {
+            MLeaving::TimedOut => {
+                self.stats.timed_out += 1;
+                let waited = match fut.patience {
+                    MPat::Until { start, .. } => self.now - start,
+                    _ => 0,
+                };
+                Some(self.diagnosis(k, waited, ahead))
+            }
+            MLeaving::Dropped => {
+                self.stats.cancelled += 1;
+                None
+            }
+            // waiting.rs `Leaving::Lost`: the loss was counted where found.
+            MLeaving::Lost => None,
         };
         self.remove_if_unused(k);
         err
@@ -2067,7 +2072,7 @@ impl Model {
             self.guard(g).upgrading = None;
         }
         let err = self
-            .leave(k, f, true)
+            .leave(k, f, MLeaving::TimedOut)
             .expect("model: a timeout's diagnosis");
         MPoll::Ready(Err(err))
     }
@@ -2105,7 +2110,7 @@ impl Model {
                 self.futs.remove(&f);
             }
             (MState::Waiting, _) => {
-                let _ = self.leave(k, f, false);
+                let _ = self.leave(k, f, MLeaving::Dropped);
             }
             (MState::Granted { token, .. }, MWant::Grant(_)) => {
                 self.futs.remove(&f);
@@ -3883,3 +3888,12 @@ fuzz_target!(init: init(), |input: Input| {
         std::process::abort();
     }
 });
+
+/// waiting.rs `Leaving`: why a queued future leaves.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum MLeaving {
+    Dropped,
+    TimedOut,
+    Lost,
+}
+

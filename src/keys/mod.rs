@@ -56,6 +56,7 @@ use entry::Entry;
 use handoff::{grant_times, Keys};
 use holders::{Holder, HolderSpares, Holders};
 pub(crate) use status::{RawStatus, RawWaiter};
+pub(crate) use waiting::Leaving;
 pub(crate) use watch::Watch;
 
 /// A grant handed to a caller.

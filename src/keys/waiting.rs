@@ -20,6 +20,21 @@ use super::handoff::{holder_timer, nudge_head, Keys};
 use super::holders::Holder;
 use super::{Attempt, Diagnosis, Grant, Patience, Polled, ShardState, ENTRY_PRESENT, NO_DIAGNOSIS};
 
+/// Why a linked waiter leaves its queue ([`ShardState::leave`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Leaving {
+    /// Its future was dropped: counted `cancelled`; a grant made meanwhile
+    /// is released.
+    Dropped,
+    /// It ran out of time: counted `timed_out`, with a diagnosis; a grant
+    /// made meanwhile is taken instead.
+    TimedOut,
+    /// Its upgrade's grant lost the key (counted `expired` or `revoked`
+    /// where that was found): not counted again; a grant made meanwhile is
+    /// taken instead.
+    Lost,
+}
+
 impl<K> Entry<K> {
     /// Whether a newcomer in `mode` may take the key now: the holders admit
     /// it, and (strict fairness) nobody queued is served first. Under
@@ -392,11 +407,10 @@ impl<K> ShardState<K> {
         Polled::Waiting { wake_at }
     }
 
-    /// A linked waiter gives up (its future is dropped, or `timed_out`, or
-    /// its upgrade lost its grant): it leaves the queue. If it had been
-    /// granted the key meanwhile, the grant is released as a guard would
-    /// release it (`Err`, the grant, when `timed_out`: a timeout takes the
-    /// key instead).
+    /// A linked waiter gives up (see [`Leaving`]): it leaves the queue. If
+    /// it had been granted the key meanwhile, the grant is released as a
+    /// guard would release it when its future was dropped (`Err`, the
+    /// grant, otherwise: it takes the key instead).
     ///
     /// # Safety
     ///
@@ -406,13 +420,14 @@ impl<K> ShardState<K> {
         hash: u64,
         key: KeyPtr<K>,
         waiter: &Waiter,
-        timed_out: bool,
+        why: Leaving,
         fairness: Fairness,
         ctx: &mut Ctx<'_, '_, K>,
     ) -> Result<Diagnosis, Granted> {
+        let timed_out = why == Leaving::TimedOut;
         if waiter.seen() == crate::keys::waiter::Seen::Granted {
             let granted = waiter.granted();
-            if timed_out {
+            if why != Leaving::Dropped {
                 return Err(granted);
             }
             ctx.counters().cancelled();
@@ -448,12 +463,17 @@ impl<K> ShardState<K> {
                 keys.admit(entry, ctx);
             }
         }
-        let diagnosis = if timed_out {
-            ctx.counters().timed_out();
-            entry.diagnosis(ahead, ctx)
-        } else {
-            ctx.counters().cancelled();
-            NO_DIAGNOSIS
+        let diagnosis = match why {
+            Leaving::TimedOut => {
+                ctx.counters().timed_out();
+                entry.diagnosis(ahead, ctx)
+            }
+            Leaving::Dropped => {
+                ctx.counters().cancelled();
+                NO_DIAGNOSIS
+            }
+            // The grant's loss was counted where it was found.
+            Leaving::Lost => NO_DIAGNOSIS,
         };
         self.remove_if_unused(hash, key, ctx);
         Ok(diagnosis)

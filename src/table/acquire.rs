@@ -14,7 +14,7 @@ use std::time::{Duration, Instant};
 use crate::error::LockError;
 use crate::keys::deferred::Leftovers;
 use crate::keys::waiter::{Armed, Granted, LazyWaiter, Seen, Waiter};
-use crate::keys::{Attempt, Diagnosis, Grant, Patience, Polled, ShardState};
+use crate::keys::{Attempt, Diagnosis, Grant, Leaving, Patience, Polled, ShardState};
 use crate::support::key_map::Index;
 use crate::support::key_slot::KeyPtr;
 use crate::support::lease::{LockOptions, PackedDuration, Terms};
@@ -392,7 +392,7 @@ where
                         self.hash,
                         key,
                         self.waiter.get(),
-                        true,
+                        Leaving::TimedOut,
                         table.fairness(),
                         &mut ctx,
                     )
@@ -557,7 +557,7 @@ where
                         self.hash,
                         key,
                         self.waiter.get(),
-                        true,
+                        Leaving::TimedOut,
                         table.fairness(),
                         &mut ctx,
                     )
@@ -574,7 +574,7 @@ where
                             self.hash,
                             key,
                             self.waiter.get(),
-                            true,
+                            Leaving::Lost,
                             table.fairness(),
                             &mut ctx,
                         )
@@ -709,7 +709,16 @@ where
         }
         // SAFETY: our own waiter, linked (not granted: checked under the
         // lock, which every grant takes).
-        let _ = unsafe { state.leave(hash, key, waiter, false, table.fairness(), &mut ctx) };
+        let _ = unsafe {
+            state.leave(
+                hash,
+                key,
+                waiter,
+                Leaving::Dropped,
+                table.fairness(),
+                &mut ctx,
+            )
+        };
         None
     }
 }

@@ -598,7 +598,16 @@ impl<K, S> LockTable<K, S> {
         self.with_shard(hash, |state, ctx| {
             // SAFETY: called only by the waiter's owner, from its `Drop`,
             // while the waiter is linked into `key`'s queue or granted.
-            let _ = unsafe { state.leave(hash, key, waiter, false, fairness, ctx) };
+            let _ = unsafe {
+                state.leave(
+                    hash,
+                    key,
+                    waiter,
+                    crate::keys::Leaving::Dropped,
+                    fairness,
+                    ctx,
+                )
+            };
         });
     }
 
