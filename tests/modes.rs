@@ -1568,12 +1568,15 @@ mod tests {
         assert!(table.is_empty());
     }
 
-    /// `revoke_grant` of the live reader, while the other reader's lease
-    /// has lapsed and its upgrade waits: the lapsed reader goes with it,
-    /// before anyone is admitted, so its upgrade fails rather than being
-    /// granted a new token on a lease already past.
-    #[test]
-    fn revoke_grant_meeting_a_lapse_does_not_grant_the_lapsed_readers_upgrade() {
+    /// Two readers: `a`'s lease lapses unnoticed while its upgrade waits
+    /// behind `b`; then `b` lets go by `act` (a `revoke_grant`, a release).
+    /// The lapsed reader goes with it, before anyone is admitted, so its
+    /// upgrade fails rather than being granted a new token on a lease
+    /// already past.
+    fn a_lapsed_readers_upgrade_fails_when_the_other_goes(
+        act: impl FnOnce(&Table, Guard<'_, &'static str>),
+        revoked: u64,
+    ) {
         let (clock, table) = table();
         let mut a = table.try_lock_with(K, shared().lease(SEC)).unwrap();
         let b = table.try_lock_shared(K).unwrap();
@@ -1582,7 +1585,7 @@ mod tests {
         let mut up = Box::pin(a.upgrade());
         pending(&mut up, &wu, "b holds");
         clock.advance(SEC);
-        assert!(table.revoke_grant(&K, b.token()));
+        act(&table, b);
         assert_eq!(
             ready(&mut up, &wu, "lapsed"),
             Err(LockError::Expired {
@@ -1592,42 +1595,30 @@ mod tests {
         );
         drop(up);
         let stats = table.stats();
-        assert_eq!((stats.expired, stats.revoked), (1, 1));
-        assert!(!table.is_locked(&K), "nobody holds the key");
-        drop((a, b));
-        table.assert_consistent();
-        assert!(table.is_empty());
-    }
-
-    /// The same with a plain release: the live reader lets go while the
-    /// other reader's lease has lapsed unnoticed and its upgrade waits.
-    /// The lapsed reader goes first (a settle), so its upgrade fails; it
-    /// is not handed a new token on a lease already past.
-    #[test]
-    fn a_release_meeting_a_lapse_does_not_grant_the_lapsed_readers_upgrade() {
-        let (clock, table) = table();
-        let mut a = table.try_lock_with(K, shared().lease(SEC)).unwrap();
-        let b = table.try_lock_shared(K).unwrap();
-        let ta = a.token();
-        let wu = W::new();
-        let mut up = Box::pin(a.upgrade());
-        pending(&mut up, &wu, "b holds");
-        clock.advance(SEC);
-        drop(b);
         assert_eq!(
-            ready(&mut up, &wu, "lapsed"),
-            Err(LockError::Expired {
-                token: ta,
-                key: None
-            })
+            (stats.expired, stats.revoked, stats.handoffs),
+            (1, revoked, 0)
         );
-        drop(up);
-        let stats = table.stats();
-        assert_eq!((stats.expired, stats.handoffs), (1, 0));
         assert!(!table.is_locked(&K), "nobody holds the key");
         drop(a);
         table.assert_consistent();
         assert!(table.is_empty());
+    }
+
+    #[test]
+    fn revoke_grant_meeting_a_lapse_does_not_grant_the_lapsed_readers_upgrade() {
+        a_lapsed_readers_upgrade_fails_when_the_other_goes(
+            |table, b| {
+                assert!(table.revoke_grant(&K, b.token()));
+                drop(b); // fenced: frees nothing
+            },
+            1,
+        );
+    }
+
+    #[test]
+    fn a_release_meeting_a_lapse_does_not_grant_the_lapsed_readers_upgrade() {
+        a_lapsed_readers_upgrade_fails_when_the_other_goes(|_, b| drop(b), 0);
     }
 
     #[test]

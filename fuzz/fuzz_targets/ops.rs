@@ -1547,15 +1547,21 @@ impl Model {
         if !self.any_lapsed(k) {
             return;
         }
+        let lapsed = self.count_lapsed(k);
+        self.displace_all(k, &lapsed);
+    }
+
+    /// The tokens of `k`'s lapsed holders, counted expired (per lapsed
+    /// grant found, displaced or not: lapse.rs).
+    fn count_lapsed(&mut self, k: usize) -> Vec<u64> {
         let lapsed: Vec<u64> = self.keys[k]
             .holders
             .iter()
             .filter(|h| !self.live(h))
             .map(|h| h.token)
             .collect();
-        // Counted per lapsed grant found, displaced or not (lapse.rs).
         self.stats.expired += lapsed.len() as u64;
-        self.displace_all(k, &lapsed);
+        lapsed
     }
 
     fn grant_to_guard(
@@ -2260,13 +2266,7 @@ impl Model {
             // lapse.rs `revoke_grant`: lapsed holders go with it, before
             // anyone is admitted.
             if self.any_lapsed(k) {
-                let mut gone: Vec<u64> = self.keys[k]
-                    .holders
-                    .iter()
-                    .filter(|h| !self.live(h))
-                    .map(|h| h.token)
-                    .collect();
-                self.stats.expired += gone.len() as u64;
+                let mut gone = self.count_lapsed(k);
                 gone.push(t);
                 self.displace_all(k, &gone);
             } else {
