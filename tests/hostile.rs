@@ -55,7 +55,7 @@ mod tests {
     use std::thread;
     use std::time::Duration;
 
-    use keylock::{LockError, LockOptions, LockTable, ManualClock, Mode};
+    use keylock::{LockError, LockOptions, LockTable, ManualClock, Mode, TransactionOptions};
 
     /// How long a test body may run before it is declared hung.
     const WATCHDOG: Duration = Duration::from_secs(20);
@@ -936,6 +936,67 @@ mod tests {
             drop(holder);
             assert_key_free(&table, || 1, "the first key");
             assert_key_free(&table, || 2, "the second key");
+        });
+    }
+
+    /// A `release_hold` whose key's `Eq` panics keeps the hold on record:
+    /// a later release with a well-behaved key frees it (it was taken off
+    /// the record before the compare, and lost with the panic).
+    #[test]
+    fn a_release_hold_whose_eq_panics_keeps_the_hold() {
+        watchdog("release-hold-eq-panics", || {
+            let table: LockTable<Key> = LockTable::new();
+            let mut txn = table.transaction();
+            let got = poll_once(txn.lock(Key::plain(1), Mode::Exclusive));
+            assert!(matches!(got, Poll::Ready(Ok(_))));
+            let hold = txn.detach(&Key::plain(1)).expect("held");
+            txn.commit().expect("no lease");
+            let bomb = Key::eq_bomb(1, || {});
+            let released = planted_or("release_hold with a panicking Eq", || {
+                table.release_hold(&bomb, hold.token)
+            });
+            assert!(released.is_none(), "the compare panicked");
+            drop(bomb);
+            assert!(table.is_locked(&Key::plain(1)), "the hold still holds");
+            assert_eq!(table.release_hold(&Key::plain(1), hold.token), Ok(()));
+            assert_key_free(&table, || Key::plain(1), "the hold's key");
+        });
+    }
+
+    /// A detach sweeps the records of lapsed holds; one sweep's release
+    /// hands its key to a waiter whose wake panics. Every lapsed hold is
+    /// still released, and the key being detached is not left with
+    /// neither a guard nor a record: the detach fails, and lets it go.
+    #[test]
+    fn a_sweep_whose_release_panics_strands_neither_the_swept_nor_the_detached() {
+        watchdog("sweep-release-panics", || {
+            let clock = ManualClock::new();
+            let table: LockTable<u32> = LockTable::builder().clock(clock.clone()).build();
+            let mut leasing = table.transaction_with(TransactionOptions::new().lease(LEASE));
+            for k in [1, 3] {
+                let got = poll_once(leasing.lock(k, Mode::Exclusive));
+                assert!(matches!(got, Poll::Ready(Ok(_))));
+                leasing.detach(&k).expect("held");
+            }
+            leasing.commit().expect("nothing left");
+            let mut txn = table.transaction();
+            let got = poll_once(txn.lock(2, Mode::Exclusive));
+            assert!(matches!(got, Poll::Ready(Ok(_))));
+            let bomb = Hostile::new();
+            let waker = bomb.waker();
+            let mut on_1 = Box::pin(table.lock(1));
+            pending(&mut on_1, &waker, "a waiter for a hold's key");
+            clock.advance(LEASE);
+            bomb.arm_wake_panic();
+            let detached = planted_or("a detach whose sweep's handoff panics", || txn.detach(&2));
+            assert!(detached.is_none(), "the waiter's wake panicked");
+            assert_eq!(bomb.wake_panics(), 1, "1 was handed to its waiter");
+            txn.commit().expect("nothing lost");
+            assert_key_free(&table, || 3, "the other lapsed hold's key");
+            assert_key_free(&table, || 2, "the key being detached");
+            let g1 = ready(&mut on_1, &waker, "the waiter has 1");
+            drop((g1, on_1));
+            assert_key_free(&table, || 1, "the hold's key the waiter took");
         });
     }
 

@@ -18,6 +18,7 @@ use std::borrow::Borrow;
 use std::collections::HashMap;
 use std::fmt;
 use std::hash::{BuildHasher, Hash};
+use std::panic::{catch_unwind, resume_unwind, AssertUnwindSafe};
 use std::time::Instant;
 
 use crate::error::LockError;
@@ -64,8 +65,11 @@ impl<K> fmt::Debug for Holds<K> {
 
 impl<K: Eq + Hash, S: BuildHasher> LockTable<K, S> {
     /// Takes over `held`, a grant whose guard is gone, as a hold.
+    /// The caller sweeps first ([`sweep_holds`](Self::sweep_holds)), while
+    /// it still has a guard: a sweep's release that panics (a handoff's
+    /// wake) then unwinds through the guard, which lets the key go,
+    /// rather than through a grant with neither a guard nor a record.
     pub(crate) fn adopt_hold(&self, held: Held<K>) {
-        self.sweep_holds();
         let (hash, key, token) = (held.hash(), held.key_ptr(), held.token());
         self.with_shard(hash, |state, _| state.make_hold(hash, key, token));
         let old = self.holds().records.lock().insert(token, held);
@@ -116,9 +120,20 @@ impl<K: Eq + Hash, S: BuildHasher> LockTable<K, S> {
         let Some(held) = removed else {
             return Err(LockError::NoSuchHold { token, key: name() });
         };
-        // SAFETY: the record keeps the grant's entry (its holder, or its
-        // fenced count once lost) until it is released below.
-        let same = unsafe { held.key_ptr().get() }.borrow() == key;
+        // The comparison is user code: if it panics, the record goes back
+        // first (the hold is not lost with it).
+        let same = catch_unwind(AssertUnwindSafe(|| {
+            // SAFETY: the record keeps the grant's entry (its holder, or its
+            // fenced count once lost) until it is released below.
+            unsafe { held.key_ptr().get() }.borrow() == key
+        }));
+        let same = match same {
+            Ok(same) => same,
+            Err(payload) => {
+                self.holds().records.lock().insert(token, held);
+                resume_unwind(payload)
+            }
+        };
         if !same {
             // A token of another key: put it back, free nothing.
             self.holds().records.lock().insert(token, held);
@@ -135,7 +150,7 @@ impl<K: Eq + Hash, S: BuildHasher> LockTable<K, S> {
 
     /// Drops the records of holds that lost their key (lapsed or revoked),
     /// as their guards' drops would.
-    fn sweep_holds(&self) {
+    pub(crate) fn sweep_holds(&self) {
         let lost: Vec<Held<K>> = {
             let mut records = self.holds().records.lock();
             if records.is_empty() {
@@ -151,9 +166,17 @@ impl<K: Eq + Hash, S: BuildHasher> LockTable<K, S> {
             lost.iter().filter_map(|t| records.remove(t)).collect()
         };
         // Released as their guards would be: a lapsed grant still in place
-        // lets go, a displaced one drops its fenced claim.
+        // lets go, a displaced one drops its fenced claim. Each is released
+        // even if an earlier one panics (a handoff's wake, a key's drop);
+        // the first panic goes on.
+        let mut panic = None;
         for held in lost {
-            held.release(self);
+            if let Err(payload) = catch_unwind(AssertUnwindSafe(|| held.release(self))) {
+                panic.get_or_insert(payload);
+            }
+        }
+        if let Some(payload) = panic {
+            resume_unwind(payload);
         }
     }
 }

@@ -322,6 +322,9 @@ where
     let Some(guard) = slot.and_then(held::Slot::into_guard) else {
         return Err(TransactionError::NotHeld { key: key.clone() });
     };
+    // Lost holds' records go first, while this guard still owns its grant
+    // (see `adopt_hold`).
+    table.sweep_holds();
     if guard.check().is_err() {
         // Lost: the guard drops (released as lost), and no hold is made.
         return Err(TransactionError::Expired {
