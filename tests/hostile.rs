@@ -1000,6 +1000,42 @@ mod tests {
         });
     }
 
+    /// A transaction's call dropped after its key was handed to it: its
+    /// undo passes the grant on to the next waiter, whose wake panics. The
+    /// call's claim on the key is still given back (its slot was left busy:
+    /// the next lock of the key failed with `InFlight`).
+    #[test]
+    fn a_dropped_calls_undo_that_panics_gives_its_claim_back() {
+        watchdog("claim-undo-panics", || {
+            let table: LockTable<u32> = LockTable::new();
+            let blocker = table.try_lock(1).expect("free");
+            let mut txn = table.transaction();
+            {
+                let mut call = Box::pin(txn.lock(1, Mode::Exclusive));
+                assert!(poll_once(call.as_mut()).is_pending(), "1 is held");
+                let bomb = Hostile::new();
+                let waker = bomb.waker();
+                let mut next = Box::pin(table.lock(1));
+                pending(&mut next, &waker, "a waiter behind the call");
+                drop(blocker);
+                bomb.arm_wake_panic();
+                let dropped = planted_or("the call's drop", || drop(call));
+                assert!(dropped.is_none(), "the next waiter's wake panicked");
+                assert_eq!(bomb.wake_panics(), 1, "1 was passed on");
+                let g = ready(&mut next, &waker, "the next waiter has 1");
+                drop((g, next));
+            }
+            assert!(txn.is_empty(), "the call left nothing in the set");
+            let again = poll_once(txn.lock(1, Mode::Exclusive));
+            assert!(
+                matches!(again, Poll::Ready(Ok(_))),
+                "the key is claimed again: {again:?}"
+            );
+            txn.commit().expect("no lease");
+            assert_key_free(&table, || 1, "the key");
+        });
+    }
+
     /// An owned transaction's commit whose release of one key panics (the
     /// plain waiter it hands the key to has a wake that panics) still
     /// cancels the transaction's pending calls: a forgotten call's waiter

@@ -415,7 +415,8 @@ impl<R: Reach> Shared<R> {
     /// Ends the transaction, giving its keys to `release` (run after
     /// unlocking; what it leaves in the set is dropped after it), then
     /// wakes its pending futures, even if `release` panics. `None` if it
-    /// had already ended.
+    /// had already ended, or if a panic was swallowed because the thread
+    /// is already unwinding.
     pub(crate) fn end_with<T>(&self, release: impl FnOnce(&mut SetOf<R>) -> T) -> Option<T> {
         // Taken out once, then worked on in place (not moved again: the set
         // is a few hundred bytes).
@@ -448,15 +449,20 @@ impl<R: Reach> Shared<R> {
                 panic.get_or_insert(payload);
             }
         }
-        match released {
-            Ok(out) => {
-                if let Some(payload) = panic {
-                    resume_unwind(payload);
-                }
-                Some(out)
-            }
-            Err(payload) => resume_unwind(payload),
+        // The first panic goes on, unless the thread is already unwinding
+        // (an end in a drop during a panic): a second panic there would
+        // abort the process; the keys are released all the same.
+        let first = match released {
+            Ok(out) => match panic {
+                None => return Some(out),
+                Some(payload) => payload,
+            },
+            Err(payload) => payload,
+        };
+        if !std::thread::panicking() {
+            resume_unwind(first);
         }
+        None
     }
 }
 
@@ -654,9 +660,13 @@ where
     impl<A: Access> Drop for Watch<'_, A> {
         fn drop(&mut self) {
             self.access.wait_ends();
-            if let Some(slot) = self.slot.take() {
-                self.access.unwatch(slot);
-            }
+            // The old waker's drop is user code: if it panics, the wait
+            // still leaves the detector (a wait left there would hold its
+            // key and could close false cycles).
+            let unwatched = self.slot.take().map(|slot| {
+                let access = &mut *self.access;
+                catch_unwind(AssertUnwindSafe(|| access.unwatch(slot)))
+            });
             if let Some(id) = self.detecting {
                 let owner = self.access.owner();
                 owner
@@ -664,6 +674,11 @@ where
                     .table()
                     .detector()
                     .leave(owner.opts.id.get(), id);
+            }
+            if let Some(Err(payload)) = unwatched {
+                if !std::thread::panicking() {
+                    resume_unwind(payload);
+                }
             }
         }
     }

@@ -153,9 +153,12 @@ impl<K, S> Transaction<'_, K, S> {
         }));
         let pending = std::mem::take(&mut self.pending);
         let cancelled = catch_unwind(AssertUnwindSafe(|| pending::cancel_all(pending)));
-        // The first panic goes on.
+        // The first panic goes on, unless the thread is already unwinding
+        // (a drop during a panic): a second panic would abort the process.
         if let Err(payload) = released.and(parked).and(cancelled) {
-            resume_unwind(payload);
+            if !std::thread::panicking() {
+                resume_unwind(payload);
+            }
         }
     }
 }

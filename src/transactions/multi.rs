@@ -445,14 +445,24 @@ impl<A: Access> Drop for Stage<'_, A> {
         // Everything the cell has comes back first (its wait goes, a
         // waiting upgrade's guard comes back shared), unless the
         // transaction's end cancelled it (then it was all released).
+        // A panic in any step (a wake as the wait goes, a key's drop) is
+        // held until the claims are given back.
+        let mut panicked = None;
         if let Some(cell) = self.away.take() {
-            if let Some((guards, upgraded)) = cell.recover(GuardOf::<A>::upgrade_undone) {
-                for (i, guard) in guards {
-                    self.entries[i].guard = Some(guard);
+            let recovered = catch_unwind(AssertUnwindSafe(|| {
+                cell.recover(GuardOf::<A>::upgrade_undone)
+            }));
+            match recovered {
+                Ok(Some((guards, upgraded))) => {
+                    for (i, guard) in guards {
+                        self.entries[i].guard = Some(guard);
+                    }
+                    if let (Some(i), Some(guard)) = (self.upgrading, upgraded) {
+                        self.entries[i].guard = Some(guard);
+                    }
                 }
-                if let (Some(i), Some(guard)) = (self.upgrading, upgraded) {
-                    self.entries[i].guard = Some(guard);
-                }
+                Ok(None) => {}
+                Err(payload) => panicked = Some(payload),
             }
             self.access.unpend(&cell);
         }
@@ -463,7 +473,6 @@ impl<A: Access> Drop for Stage<'_, A> {
         // from being undone and the claims from being given back: its panic
         // is held until then (the guard is shared already: the table sets
         // its mode under the shard lock).
-        let mut panicked = None;
         for entry in &mut entries {
             if entry.upgraded {
                 if let Some(guard) = entry.guard.as_mut() {

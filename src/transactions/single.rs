@@ -130,31 +130,47 @@ impl<A: Access> Claim<'_, A> {
 
 impl<A: Access> Drop for Claim<'_, A> {
     fn drop(&mut self) {
+        // A step's panic (a wake as a waiter leaves, a key's drop) is held
+        // until the claim is given back: the slot must not stay busy.
+        let mut panicked = None;
         if self.parked {
             // The call's own undo: its waiter leaves the queue.
             self.parked = false;
-            pending::clear_parked(self.access.parked());
+            let access = &mut *self.access;
+            let cleared = catch_unwind(AssertUnwindSafe(|| pending::clear_parked(access.parked())));
+            panicked = cleared.err();
         }
         if let Some(away) = self.away.take() {
             // The call's own undo: its wait goes (a new key's waiter leaves
             // the queue), an upgrade's guard comes back, shared.
-            if let Some((_, upgraded)) = away.recover(GuardOf::<A>::upgrade_undone) {
-                if upgraded.is_some() {
-                    self.guard = upgraded;
+            let recovered = catch_unwind(AssertUnwindSafe(|| {
+                away.recover(GuardOf::<A>::upgrade_undone)
+            }));
+            match recovered {
+                Ok(Some((_, Some(upgraded)))) => self.guard = Some(upgraded),
+                Ok(_) => {}
+                Err(payload) => {
+                    panicked.get_or_insert(payload);
                 }
             }
             // Done with: off the transaction's list.
             self.access.unpend(&away);
         }
-        if self.settled {
-            return;
+        if !self.settled {
+            let (hash, id, guard) = (self.hash, self.id, self.guard.take());
+            // If the transaction ended, `with` does not run and the guard is
+            // dropped (released) with the closure.
+            if let Ok((name, rest)) = self.access.with(|set| set.abandon(hash, id, guard)) {
+                drop(rest);
+                drop(name);
+            }
         }
-        let (hash, id, guard) = (self.hash, self.id, self.guard.take());
-        // If the transaction ended, `with` does not run and the guard is
-        // dropped (released) with the closure.
-        if let Ok((name, rest)) = self.access.with(|set| set.abandon(hash, id, guard)) {
-            drop(rest);
-            drop(name);
+        // Swallowed if this drop runs during an unwind already, where a
+        // second panic would abort.
+        if let Some(payload) = panicked {
+            if !std::thread::panicking() {
+                resume_unwind(payload);
+            }
         }
     }
 }
