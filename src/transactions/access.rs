@@ -22,14 +22,12 @@
 //!
 //! No guard is released, no key dropped and no waker of a pending future
 //! woken while the lock is held: they are user code (a waker may call back
-//! into the transaction). Three kinds of user code do run under it: a
-//! key's `Eq` and `Clone` while the set is searched and a pending future's
+//! into the transaction). Two kinds of user code do run under it: a key's
+//! `Eq` and `Clone` while the set is searched, and a pending future's
 //! waker's `clone` as it registers (a panic there leaves the state as it
-//! was, and the unwinding releases the lock), and, in `renew`, the wakes of
-//! [`Lost`](crate::futures::Lost) watchers of a grant whose renewal moved
-//! its deadline earlier (the table wakes them as the renewal returns); a
-//! waker that polls inline and calls back into the same owned transaction
-//! would spin on that lock.
+//! was, and the unwinding releases the lock). The wakes of
+//! [`Lost`](crate::futures::Lost) watchers that a `renew` or a `check`
+//! settles run after the lock is released (`single::Settled`).
 //!
 //! The lock (loom's mutex under loom) and the mark come from the loom shim
 //! (`crate::support::loom`), so the loom models (`tests/loom_owners.rs`) explore the
