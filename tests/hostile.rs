@@ -939,6 +939,37 @@ mod tests {
         });
     }
 
+    /// A guard dropped while its thread unwinds hands the key to a waiter
+    /// whose wake panics (always, also during an unwind, unlike the
+    /// [`Hostile`] waker): the panic is swallowed there (a second panic
+    /// while unwinding would abort the process), the first goes on, and
+    /// the waiter keeps its grant.
+    #[test]
+    fn a_guard_dropped_while_unwinding_survives_a_handoff_wake_that_panics() {
+        struct AlwaysPanics;
+        impl std::task::Wake for AlwaysPanics {
+            fn wake(self: Arc<Self>) {
+                panic_any(Planted("waker wake, while unwinding"));
+            }
+        }
+        watchdog("handoff-wake-while-unwinding", || {
+            let table: LockTable<u32> = LockTable::new();
+            let guard = table.try_lock(1).expect("free");
+            let waker = Waker::from(Arc::new(AlwaysPanics));
+            let mut next = Box::pin(table.lock(1));
+            pending(&mut next, &waker, "a waiter whose wake panics");
+            let unwound = catch_unwind(AssertUnwindSafe(|| {
+                let _guard = guard;
+                panic_any(Planted("the holder's own panic"));
+            }));
+            let first = expect_planted(unwound.expect_err("planted"), "the holder");
+            assert_eq!(first, "the holder's own panic");
+            let granted = ready(&mut next, Waker::noop(), "the waiter has 1");
+            drop((granted, next));
+            assert_key_free(&table, || 1, "the handed-off key");
+        });
+    }
+
     /// A `release_hold` whose key's `Eq` panics keeps the hold on record:
     /// a later release with a well-behaved key frees it (it was taken off
     /// the record before the compare, and lost with the panic).

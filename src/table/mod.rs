@@ -512,7 +512,11 @@ impl<K, S> LockTable<K, S> {
             drop(state);
             // After unlocking: `Waker::wake` is user code.
             if let Some(waker) = waker {
-                waker.wake();
+                if std::thread::panicking() {
+                    wake_while_unwinding(waker);
+                } else {
+                    waker.wake();
+                }
             }
             return;
         }
@@ -1952,4 +1956,14 @@ impl<K, S> Drop for ReleaseOnUnwind<'_, K, S> {
     fn drop(&mut self) {
         self.table.release(self.hash, self.key, self.token);
     }
+}
+
+/// A handoff's wake from a guard dropped while its thread unwinds: a
+/// panic of the waker (another task's) would abort the process there, so
+/// it is swallowed, as the deferred list does; the grant stays the
+/// waiter's.
+#[cold]
+#[inline(never)]
+fn wake_while_unwinding(waker: std::task::Waker) {
+    let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| waker.wake()));
 }
