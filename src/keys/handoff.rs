@@ -174,7 +174,7 @@ impl Keys<'_> {
             // goes first, and the waiters are admitted once after (a
             // settle), so that admission does not grant a lapsed reader's
             // upgrade.
-            self.settle_lapsed(entry, ctx);
+            self.settle_lapsed(entry, &[], ctx);
         } else {
             // Other shared holders remain: an upgrade at the head may now be
             // the only one.

@@ -87,13 +87,23 @@ impl Keys<'_> {
     #[inline]
     pub(super) fn settle<K>(&mut self, entry: &mut Entry<K>, ctx: &mut Ctx<'_, '_, K>) {
         if entry.holders.any_lapsed(ctx.clock()) {
-            self.settle_lapsed(entry, ctx);
+            self.settle_lapsed(entry, &[], ctx);
         }
     }
 
+    /// Displaces every lapsed holder (counted expired) and the grants of
+    /// `also` (a revoke's, counted by the caller) all at once, then admits
+    /// the waiters once; returns the highest token fenced. Admitting between
+    /// two of them could grant an upgrade to a grant that is itself lapsed,
+    /// or that this very call displaces.
     #[cold]
-    pub(super) fn settle_lapsed<K>(&mut self, entry: &mut Entry<K>, ctx: &mut Ctx<'_, '_, K>) {
-        let lapsed: Vec<FencingToken> = {
+    pub(super) fn settle_lapsed<K>(
+        &mut self,
+        entry: &mut Entry<K>,
+        also: &[FencingToken],
+        ctx: &mut Ctx<'_, '_, K>,
+    ) -> Option<FencingToken> {
+        let mut gone: Vec<FencingToken> = {
             let now = ctx.clock();
             let mut lapsed = Vec::new();
             for holder in entry.holders.iter() {
@@ -103,12 +113,11 @@ impl Keys<'_> {
             }
             lapsed
         };
-        // All at once: admitting between two of them could grant an upgrade
-        // to a grant that is itself lapsed.
-        for _ in &lapsed {
+        for _ in &gone {
             ctx.counters().expired();
         }
-        self.displace_all(entry, &lapsed, ctx);
+        gone.extend_from_slice(also);
+        self.displace_all(entry, &gone, ctx)
     }
 }
 
@@ -256,18 +265,7 @@ impl<K> ShardState<K> {
             // Lapsed holders go with it, before anyone is admitted (as
             // `revoke`): admitting first could grant a lapsed reader's
             // waiting upgrade.
-            let now = ctx.clock();
-            let mut gone: Vec<FencingToken> = Vec::new();
-            for holder in entry.holders.iter() {
-                if !holder.is_live(now) {
-                    gone.push(holder.token);
-                }
-            }
-            for _ in &gone {
-                ctx.counters().expired();
-            }
-            gone.push(token);
-            keys.displace_all(entry, &gone, ctx);
+            keys.settle_lapsed(entry, &[token], ctx);
         } else {
             keys.displace(entry, token, ctx);
         }
@@ -288,30 +286,24 @@ impl<K> ShardState<K> {
         Q: ?Sized + Eq,
     {
         let (entry, mut keys) = self.locate_by(hash, key)?;
-        // The holders when the call came, lapsed and live: not a waiter
-        // that settling a lapse would admit.
-        let (lapsed, live): (Vec<FencingToken>, Vec<FencingToken>) = {
+        // The live holders when the call came: not a waiter that settling a
+        // lapse would admit.
+        let live: Vec<FencingToken> = {
             let now = ctx.clock();
-            let (mut lapsed, mut live) = (Vec::new(), Vec::new());
-            for holder in entry.holders.iter() {
-                if holder.is_live(now) {
-                    live.push(holder.token);
-                } else {
-                    lapsed.push(holder.token);
-                }
-            }
-            (lapsed, live)
+            entry
+                .holders
+                .iter()
+                .filter(|h| h.is_live(now))
+                .map(|h| h.token)
+                .collect()
         };
-        for _ in &lapsed {
-            ctx.counters().expired();
-        }
         for _ in &live {
             ctx.counters().revoked();
         }
-        // Every one is fenced before anyone is admitted (the lapse is not
-        // settled first): an upgrade waiting at the head is not granted to
-        // a grant this very call revokes.
-        let displaced = keys.displace_all(entry, &[lapsed, live.clone()].concat(), ctx);
+        // The lapsed go with them, all fenced before anyone is admitted (the
+        // lapse is not settled first): an upgrade waiting at the head is not
+        // granted to a grant this very call revokes.
+        let displaced = keys.settle_lapsed(entry, &live, ctx);
         displaced.and(live.into_iter().max())
     }
 
