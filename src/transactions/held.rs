@@ -342,18 +342,65 @@ impl<G: GuardOps<Key = K>, K> HeldSet<G, K> {
         }
     }
 
-    /// Adds a slot (no user code runs).
+    /// Adds a slot (no user code runs), written in place on the common
+    /// path (see [`write_slot`](Self::write_slot)).
     #[inline(always)]
-    fn push(&mut self, slot: Slot<G, K>) {
+    fn push(&mut self, id: u64, word: usize, body: Body<G, K>) {
         let at = self.slots.len();
         // The common case, inline: room in place (or already on the heap),
         // and no index to keep (none is made here: see `index_if_large`).
         if self.index.is_none() && (at != INLINE || self.slots.spilled()) && at < UNINDEXED_MAX {
             self.version += 1;
-            self.slots.push(slot);
+            self.write_slot(id, word, body);
             return;
         }
-        self.push_slow(slot);
+        self.push_slow(Slot { id, word, body });
+    }
+
+    /// A slot past a full set's capacity, out of [`write_slot`]'s path.
+    ///
+    /// [`write_slot`]: Self::write_slot
+    #[cold]
+    #[inline(never)]
+    fn grow_and_push(&mut self, slot: Slot<G, K>) {
+        self.slots.push(slot);
+    }
+
+    /// Writes a new slot past the last, in place.
+    ///
+    /// Not `slots.push(Slot { .. })`: that builds the slot in a stack
+    /// temporary with word-sized stores and copies it over at once with
+    /// 16-byte loads, each of which straddles two of those stores and so
+    /// waits for them to leave the store buffer (a failed store-to-load
+    /// forward, about a dozen cycles each). The same stall came back when
+    /// the guard was live across the call that grows a full set: the
+    /// compiler kept it in a stack temporary for that call's sake and
+    /// copied it over the same way. So a full set hands the slot whole to
+    /// a cold call, and on the common path nothing is called between the
+    /// guard and its place. Measured with `perf` on `txn1` and `txn2` of
+    /// `examples/uncontended.rs`, and with `transfer_uncontended` of
+    /// `benches/owners.rs` (BENCHMARKS.md).
+    #[inline(always)]
+    fn write_slot(&mut self, id: u64, word: usize, body: Body<G, K>) {
+        let len = self.slots.len();
+        if len == self.slots.capacity() {
+            // The slot goes to the call whole: the guard is not held
+            // across a call on the common path, where it would be
+            // spilled to a stack temporary (see above).
+            self.grow_and_push(Slot { id, word, body });
+            return;
+        }
+        // SAFETY: the capacity is above `len`, so the place is in bounds of
+        // the slots' memory (in place or on the heap) and uninitialized;
+        // every field of the slot is written before `set_len` counts it,
+        // and nothing between can panic.
+        unsafe {
+            let slot = self.slots.as_mut_ptr().add(len);
+            std::ptr::addr_of_mut!((*slot).id).write(id);
+            std::ptr::addr_of_mut!((*slot).word).write(word);
+            std::ptr::addr_of_mut!((*slot).body).write(body);
+            self.slots.set_len(len + 1);
+        }
     }
 
     /// [`push`](Self::push) past the inline slots, or with the index.
@@ -539,11 +586,7 @@ impl<G: GuardOps<Key = K>, K: Eq> HeldSet<G, K> {
         self.next_id += 1;
         self.held += 1;
         debug_assert_eq!(hash, guard.hash());
-        self.push(Slot {
-            id,
-            word: 1,
-            body: Body::Guard(guard),
-        });
+        self.push(id, 1, Body::Guard(guard));
         acquired
     }
 
@@ -616,50 +659,7 @@ impl<G: GuardOps<Key = K>, K: Eq> HeldSet<G, K> {
         let id = self.next_id;
         self.next_id += 1;
         self.held += 1;
-        self.push_guard(id, guard);
-    }
-
-    /// Room for one more slot, out of the way of [`push_guard`]'s path.
-    ///
-    /// [`push_guard`]: Self::push_guard
-    #[cold]
-    #[inline(never)]
-    fn grow_one(&mut self) {
-        self.slots.reserve(1);
-    }
-
-    /// Writes a new slot for `guard` past the last, in place.
-    ///
-    /// Not `slots.push(Slot { .. })`: that builds the slot in a stack
-    /// temporary with word-sized stores and copies it over at once with
-    /// 16-byte loads, each of which straddles two of those stores and so
-    /// waits for them to leave the store buffer (a failed store-to-load
-    /// forward, about a dozen cycles each). Written through the slot's own
-    /// address, the id and count go straight to it; the guard itself may
-    /// still pass through one temporary of the compiler's, which `perf`
-    /// shows as a smaller stall left (removing it would take a slot that
-    /// keeps the grant without the table's pointer). Measured on a fresh
-    /// transaction's
-    /// transfer (`transfer_uncontended/transaction2` in `benches/owners.rs`):
-    /// 88 ns in place against 103 ns through `push`.
-    #[inline(always)]
-    fn push_guard(&mut self, id: u64, guard: G) {
-        let len = self.slots.len();
-        if len == self.slots.capacity() {
-            self.grow_one();
-        }
-        // SAFETY: the capacity is above `len` (or `grow_one` made it so),
-        // so the place is in bounds of the slots' memory (in place or on
-        // the heap) and uninitialized; the slot is written whole before
-        // `set_len` counts it, and nothing between can panic.
-        unsafe {
-            self.slots.as_mut_ptr().add(len).write(Slot {
-                id,
-                word: 1,
-                body: Body::Guard(guard),
-            });
-            self.slots.set_len(len + 1);
-        }
+        self.write_slot(id, 1, Body::Guard(guard));
     }
 
     /// The fill is done: the set has changed.
@@ -706,11 +706,7 @@ impl<G: GuardOps<Key = K>, K: Eq> HeldSet<G, K> {
             let name = key.clone();
             let id = self.next_id;
             self.next_id += 1;
-            self.push(Slot {
-                id,
-                word: BUSY,
-                body: Body::Away { hash, name },
-            });
+            self.push(id, BUSY, Body::Away { hash, name });
             return Ok(Begin::New { id });
         };
         let slot = &mut self.slots[at];
