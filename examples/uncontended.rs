@@ -11,7 +11,8 @@
 //! once with a no-op waker + drop: the async path without a runtime),
 //! `handoff` (a waiter linked, handed the key by a release, polled again:
 //! the contended path without threads); for
-//! reference, `tokio` (`tokio::sync::Mutex::try_lock` + drop) and `std`
+//! reference, `tokio` (`tokio::sync::Mutex::try_lock` + drop), `async_lock`
+//! (`async_lock::Mutex::lock` polled once + drop, as `lock`) and `std`
 //! (`std::sync::Mutex::lock` + drop, the lock each shard is behind).
 //! `txnwait` / `txnwait_off`: a transaction's wait handed the key by the
 //! holder's commit, with deadlock detection and without. `txn2wait` /
@@ -613,6 +614,19 @@ fn main() {
         // `async_lock::Mutex`, for reference.
         "handoff_tokio" => mutex_handoff!(tokio::sync::Mutex::new(()), n),
         "handoff_async_lock" => mutex_handoff!(async_lock::Mutex::new(()), n),
+        // `lock` on one `async_lock::Mutex`: its future polled once, the
+        // guard dropped (W1's anchor, in the same loop as `lock`).
+        "async_lock" => {
+            let mutex = async_lock::Mutex::new(());
+            let mut cx = Context::from_waker(futures::task::noop_waker_ref());
+            for _ in 0..n {
+                let fut = pin!(black_box(&mutex).lock());
+                let Poll::Ready(guard) = fut.poll(&mut cx) else {
+                    unreachable!("uncontended")
+                };
+                drop(black_box(guard));
+            }
+        }
         "std" => {
             let mutex = std::sync::Mutex::new(());
             for _ in 0..n {
@@ -621,7 +635,7 @@ fn main() {
             }
         }
         other => panic!(
-            "unknown mode {other:?}: try | lease | lock | txn1 | txn2 | guards2 | audit | audit_guards | auditwait | auditwait_guards | chain8 | chain8_off | chain8_held | chain8_held_off | hot8 | hot8_off | owned1 | owned16 | guards_owned16 | tokio | std"
+            "unknown mode {other:?}: try | lease | lock | txn1 | txn2 | guards2 | audit | audit_guards | auditwait | auditwait_guards | chain8 | chain8_off | chain8_held | chain8_held_off | hot8 | hot8_off | owned1 | owned16 | guards_owned16 | tokio | async_lock | std"
         ),
     }
     assert!(table.is_empty());
