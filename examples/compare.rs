@@ -19,7 +19,8 @@
 //! of mutexes, lockable) and single, non-keyed mutexes (one lock for every
 //! key). With W1 it also times each implementation as a plain loop
 //! (`compare/plain.rs`) to check that the harness runs every anchor at the
-//! cost a plain loop measures for it. A progress bar goes to stderr (when it
+//! cost a plain loop measures for it, and with W6 keylock and its options
+//! (an option's cost on W1 and W6 is read off those loops). A progress bar goes to stderr (when it
 //! is a terminal), tables to stdout. A ratio says "faster" or "slower" only
 //! when the repetitions do not overlap (`compare/verdict.rs`).
 //!
@@ -88,6 +89,9 @@ struct Contender {
     sizes: fn() -> (usize, usize),
     /// W1 as a plain loop, without the harness.
     plain_w1: fn(&Runtime, u64) -> Duration,
+    /// W6 as a plain loop (keylock and its options only): what an option's
+    /// cost on W6 is read off.
+    plain_w6: Option<fn(&Runtime, u64) -> workloads::Outcome>,
 }
 
 const fn contender<I: KeyedLock>(plain_w1: fn(&Runtime, u64) -> Duration) -> Contender {
@@ -99,6 +103,15 @@ const fn contender<I: KeyedLock>(plain_w1: fn(&Runtime, u64) -> Duration) -> Con
         self_check: workloads::self_check::<I>,
         sizes: sizes::<I>,
         plain_w1,
+        plain_w6: None,
+    }
+}
+
+impl Contender {
+    /// With W6 as a plain loop too.
+    const fn with_plain_w6(mut self, plain_w6: fn(&Runtime, u64) -> workloads::Outcome) -> Self {
+        self.plain_w6 = Some(plain_w6);
+        self
     }
 }
 
@@ -112,9 +125,10 @@ fn sizes<I: KeyedLock>() -> (usize, usize) {
 
 /// keylock first: every ratio is against it.
 const CONTENDERS: &[Contender] = &[
-    contender::<impls::Keylock>(plain::keylock),
-    contender::<impls::KeylockLease>(plain::keylock_lease),
-    contender::<impls::KeylockTimeout>(plain::keylock_timeout),
+    contender::<impls::Keylock>(plain::keylock).with_plain_w6(plain::keylock_w6),
+    contender::<impls::KeylockLease>(plain::keylock_lease).with_plain_w6(plain::keylock_lease_w6),
+    contender::<impls::KeylockTimeout>(plain::keylock_timeout)
+        .with_plain_w6(plain::keylock_timeout_w6),
     contender::<impls::KeylockShared>(plain::keylock_shared),
     contender::<impls::DashMapLeak>(plain::dashmap_leak),
     contender::<impls::DashMapCleanup>(plain::dashmap_cleanup),
@@ -282,8 +296,11 @@ fn usage() -> ! {
 #[derive(Default, Clone)]
 struct Cell {
     samples: Vec<Outcome>,
-    /// W1 only: the plain loop's ns/op, one per repetition.
+    /// W1, and W6 for keylock and its options: the plain loop's ns/op, one
+    /// per repetition.
     plain: Vec<f64>,
+    /// W6 only: the plain loops' runs (for their handoff shares).
+    plain_runs: Vec<Outcome>,
     /// W1, keylock with a lease only: one read of the clock a long lease
     /// starts from, in the same loop, ns per read, one per repetition (what
     /// a lease judged on the monotonic clock at the moment it is asked
@@ -319,6 +336,11 @@ impl Cell {
     /// if the workload counts none.
     fn shares(&self) -> Vec<f64> {
         self.samples.iter().filter_map(share).collect()
+    }
+
+    /// The handoff shares of the plain loop's runs (W6).
+    fn plain_shares(&self) -> Vec<f64> {
+        self.plain_runs.iter().filter_map(share).collect()
     }
 }
 
@@ -409,7 +431,14 @@ fn main() {
     let measurements: usize = cfg
         .workloads
         .iter()
-        .map(|&w| cfg.reps * cfg.impls.len() * if w == Workload::W1 { 2 } else { 1 })
+        .map(|&w| match w {
+            Workload::W1 => cfg.reps * cfg.impls.len() * 2,
+            Workload::W6 => {
+                cfg.reps
+                    * (cfg.impls.len() + cfg.impls.iter().filter(|c| c.plain_w6.is_some()).count())
+            }
+            _ => cfg.reps * cfg.impls.len(),
+        })
         .sum();
     let bar = verdict::progress(measurements as u64);
     for (wi, &w) in cfg.workloads.iter().enumerate() {
@@ -420,12 +449,25 @@ fn main() {
                 let out = (c.run)(&rt, w, cfg.ops(w), &zipf);
                 bar.inc(1);
                 let Some(out) = out else {
-                    if w == Workload::W1 {
+                    if w == Workload::W1 || (w == Workload::W6 && c.plain_w6.is_some()) {
                         bar.inc(1);
                     }
                     continue;
                 };
                 results[wi][ii].samples.push(out);
+                if let (Workload::W6, Some(plain_w6)) = (w, c.plain_w6) {
+                    bar.set_message(format!(
+                        "{} {}/{} {} (plain loop)",
+                        w.id(),
+                        rep + 1,
+                        cfg.reps,
+                        c.name
+                    ));
+                    let out = plain_w6(&rt, cfg.ops(w));
+                    bar.inc(1);
+                    results[wi][ii].plain.push(out.ns_per_op());
+                    results[wi][ii].plain_runs.push(out);
+                }
                 if w == Workload::W1 {
                     bar.set_message(format!(
                         "{} {}/{} {} (plain loop)",
@@ -706,6 +748,39 @@ fn report(
                 continue;
             };
             writeln!(o, "{}", verdict::plain_check_row(c.name, h, p)).unwrap();
+        }
+    }
+
+    if let Some(w6) = cfg.workloads.iter().position(|&w| w == Workload::W6) {
+        let rows: Vec<String> = cfg
+            .impls
+            .iter()
+            .enumerate()
+            .filter_map(|(ii, c)| {
+                let cell = &results[w6][ii];
+                let (h, p) = (cell.median()?, median(cell.plain.clone())?);
+                let low = cell.plain_shares().into_iter().reduce(f64::min)?;
+                Some(format!(
+                    "{} {} |",
+                    verdict::plain_check_row(c.name, h, p),
+                    fmt_share(low)
+                ))
+            })
+            .collect();
+        if !rows.is_empty() {
+            writeln!(
+                o,
+                "\n### W6 check: keylock and its options as plain loops (median ns/op)\n\n\
+                 The options' W6 goals are read off these loops (`compare/plain.rs`: \
+                 W6's own tasks, `lock_with(..).await` unwrapped where it is awaited), \
+                 run interleaved with the harness.\n\n\
+                 | implementation | harness | plain loop | harness / plain | plain loop's lowest handoff share |\n\
+                 |---|---:|---:|---:|---:|"
+            )
+            .unwrap();
+            for row in rows {
+                writeln!(o, "{row}").unwrap();
+            }
         }
     }
 
@@ -1237,12 +1312,12 @@ fn goals_table(o: &mut String, run: &Run<'_>) {
         let Some((oc, ours)) = run.cell(g.workload, g.ours) else {
             continue;
         };
-        // An option's cost on W1 is read off the plain loops, where both
-        // sides run in the code a user writes (`lock_with(..).await` and the
-        // `Result` unwrapped in the loop): the harness's trait wrapper adds
-        // a layer of future around an option's call that no user pays (its
-        // own row in the W1 check flags it).
-        let plain_option = g.workload == Workload::W1
+        // An option's cost on W1 and W6 is read off the plain loops, where
+        // both sides run in the code a user writes (`lock_with(..).await`
+        // and the `Result` unwrapped where it is awaited): the harness's
+        // trait wrapper adds a layer of future around an option's call that
+        // no user pays (its own row in the W1 check flags it).
+        let plain_option = matches!(g.workload, Workload::W1 | Workload::W6)
             && g.ours != impls::Keylock::NAME
             && matches!(g.theirs, Versus::Impl(name) if name == impls::Keylock::NAME);
         let our_median = if plain_option {
@@ -1255,7 +1330,11 @@ fn goals_table(o: &mut String, run: &Run<'_>) {
         };
         // Repetitions of a FIFO lock that W6 did not contend throughout.
         let alone = |c: &Contender, cell: &Cell| {
-            let shares = cell.shares();
+            let shares = if plain_option {
+                cell.plain_shares()
+            } else {
+                cell.shares()
+            };
             let low = shares.iter().filter(|&&s| ran_alone(c, s)).count();
             (g.workload == Workload::W6 && low > 0).then(|| {
                 format!(

@@ -4,6 +4,13 @@
 //! the harness's W1 to check that the harness charges no implementation more
 //! (or less) than its plain loop costs.
 //!
+//! W6 is written the same way for keylock and its options
+//! (`lock_with(..).await` and the `Result` unwrapped where it is awaited): an
+//! option's cost on W6, like on W1, is read off these loops, not off the
+//! harness's trait wrapper, which adds a layer of future around an option's
+//! call that no user writes. They run W6's own tasks ([`w6_tasks`]), so the
+//! handoff share is counted the same way.
+//!
 //! Like the harness, each loop runs in a spawned task on the two-worker
 //! runtime, times only the loop, and passes the key through `black_box` (the
 //! non-keyed locks ignore it). The lock is a local of the task.
@@ -15,7 +22,7 @@ use std::time::{Duration, Instant};
 use tokio::runtime::Runtime;
 
 use super::impls::LONG_LEASE;
-use super::workloads::{on_worker, HOT};
+use super::workloads::{on_worker, w6_tasks, Outcome, HOT};
 
 /// Times `$iters` runs of `$body` (one lock+unlock of `$key` on `$lock`) in
 /// a task on a worker.
@@ -143,4 +150,54 @@ pub(crate) fn parking_lot_mutex(rt: &Runtime, iters: u64) -> Duration {
         let guard = m.lock();
         drop(guard);
     })
+}
+
+/// W6 on a plain keylock table, `lock_with(HOT, opts)` awaited in each
+/// task (`opts` none: `lock(HOT)`).
+fn keylock_w6_with(rt: &Runtime, total: u64, opts: Option<keylock::LockOptions>) -> Outcome {
+    let (elapsed, ops, handoffs, table) = match opts {
+        None => w6_tasks!(
+            rt,
+            total,
+            "keylock",
+            keylock::LockTable::<u64>::new(),
+            |t| t.lock(HOT).await
+        ),
+        Some(opts) => w6_tasks!(
+            rt,
+            total,
+            "keylock",
+            keylock::LockTable::<u64>::new(),
+            |t| t
+                .lock_with(HOT, opts)
+                .await
+                .expect("a long lease and timeout, granted in time")
+        ),
+    };
+    Outcome {
+        elapsed,
+        ops,
+        entries_left: Some(table.len()),
+        handoffs: Some(handoffs),
+    }
+}
+
+pub(crate) fn keylock_w6(rt: &Runtime, total: u64) -> Outcome {
+    keylock_w6_with(rt, total, None)
+}
+
+pub(crate) fn keylock_lease_w6(rt: &Runtime, total: u64) -> Outcome {
+    keylock_w6_with(
+        rt,
+        total,
+        Some(keylock::LockOptions::new().lease(LONG_LEASE)),
+    )
+}
+
+pub(crate) fn keylock_timeout_w6(rt: &Runtime, total: u64) -> Outcome {
+    keylock_w6_with(
+        rt,
+        total,
+        Some(keylock::LockOptions::new().timeout(LONG_LEASE)),
+    )
 }

@@ -572,68 +572,85 @@ async fn register_then_cancel<I: KeyedLock>(t: &I) {
 /// that orders them, so a lost increment would show a broken exclusion.
 #[derive(Default)]
 #[repr(align(128))]
-struct W6State {
-    count: AtomicU64,
-    last: AtomicUsize,
+pub(crate) struct W6State {
+    pub(crate) count: AtomicU64,
+    pub(crate) last: AtomicUsize,
 }
 
-/// W6: `TASKS` tasks take one key in turn; the critical section is a counter
-/// increment and nothing else (no `.await` while holding). Whether an
-/// acquisition is a handoff depends on the lock and on scheduling: a task
-/// that releases and locks again while nobody waits keeps the key; a fair
-/// lock with a queued waiter hands it over. Counts the acquisitions that went
-/// to another task than the previous holder, and checks that the counter
-/// saw every acquisition.
-pub(crate) fn w6_counter<I: KeyedLock>(rt: &Runtime, total: u64) -> Outcome {
-    let per_task = total.div_ceil(TASKS as u64).max(1);
-    let table = Arc::new(I::create());
-    let state = Arc::new(W6State {
-        count: AtomicU64::new(0),
-        last: AtomicUsize::new(usize::MAX),
-    });
-    // All tasks start together, so that both workers contend from the
-    // first acquisition: otherwise a lock that never yields to the scheduler
-    // can let one worker run task after task uncontended while the other is
-    // still idle, and W6 measures no handoff at all.
-    let barrier = Arc::new(tokio::sync::Barrier::new(TASKS));
-    let start = Instant::now();
-    let handles: Vec<_> = (0..TASKS)
-        .map(|id| {
-            let t = Arc::clone(&table);
-            let state = Arc::clone(&state);
-            let barrier = Arc::clone(&barrier);
-            rt.spawn(async move {
-                barrier.wait().await;
-                let mut handoffs = 0u64;
-                for _ in 0..per_task {
-                    let guard = t.lock(HOT).await;
-                    let n = state.count.load(Relaxed);
-                    state.count.store(n + 1, Relaxed);
-                    if state.last.load(Relaxed) != id {
-                        state.last.store(id, Relaxed);
-                        handoffs += 1;
+/// W6's run around one acquisition: `TASKS` tasks, started together
+/// behind a barrier, each take the key `$lock` names (`$t`: the table, in
+/// the task) in turn; the critical section is a counter increment and
+/// nothing else (no `.await` while holding). Evaluates to the time, the
+/// acquisitions, the handoffs and the table. Shared by the harness's W6
+/// and the plain loops of keylock's options (`compare/plain.rs`), so the
+/// two run the same tasks around their different lock calls.
+macro_rules! w6_tasks {
+    ($rt:expr, $total:expr, $name:expr, $table:expr, |$t:ident| $lock:expr) => {{
+        let per_task = ($total).div_ceil(crate::workloads::TASKS as u64).max(1);
+        let table = std::sync::Arc::new($table);
+        let state = std::sync::Arc::new(crate::workloads::W6State::default());
+        // All tasks start together, so that both workers contend from the
+        // first acquisition: otherwise a lock that never yields to the
+        // scheduler can let one worker run task after task uncontended
+        // while the other is still idle, and W6 measures no handoff at all.
+        let barrier = std::sync::Arc::new(tokio::sync::Barrier::new(crate::workloads::TASKS));
+        let start = std::time::Instant::now();
+        let handles: Vec<_> = (0..crate::workloads::TASKS)
+            .map(|id| {
+                let table = std::sync::Arc::clone(&table);
+                let state = std::sync::Arc::clone(&state);
+                let barrier = std::sync::Arc::clone(&barrier);
+                $rt.spawn(async move {
+                    barrier.wait().await;
+                    let mut handoffs = 0u64;
+                    for _ in 0..per_task {
+                        let $t = &*table;
+                        let guard = $lock;
+                        let n = state.count.load(std::sync::atomic::Ordering::Relaxed);
+                        state
+                            .count
+                            .store(n + 1, std::sync::atomic::Ordering::Relaxed);
+                        if state.last.load(std::sync::atomic::Ordering::Relaxed) != id {
+                            state.last.store(id, std::sync::atomic::Ordering::Relaxed);
+                            handoffs += 1;
+                        }
+                        drop(guard);
                     }
-                    drop(guard);
-                }
-                handoffs
+                    handoffs
+                })
             })
-        })
-        .collect();
-    let handoffs: u64 = rt.block_on(async {
-        let mut sum = 0;
-        for h in handles {
-            sum += h.await.expect("W6 task panicked");
-        }
-        sum
-    });
-    let elapsed = start.elapsed();
-    let ops = per_task * TASKS as u64;
-    assert_eq!(
-        state.count.load(Relaxed),
-        ops,
-        "W6 ({}): increments lost under the lock, exclusion broken",
-        I::NAME
-    );
+            .collect();
+        let handoffs: u64 = $rt.block_on(async {
+            let mut sum = 0;
+            for h in handles {
+                sum += h.await.expect("W6 task panicked");
+            }
+            sum
+        });
+        let elapsed = start.elapsed();
+        let ops = per_task * crate::workloads::TASKS as u64;
+        assert_eq!(
+            state.count.load(std::sync::atomic::Ordering::Relaxed),
+            ops,
+            "W6 ({}): increments lost under the lock, exclusion broken",
+            $name
+        );
+        (elapsed, ops, handoffs, table)
+    }};
+}
+// Used by `compare/plain.rs`, which the criterion bench
+// (`benches/compare.rs`) does not include.
+#[allow(unused_imports)]
+pub(crate) use w6_tasks;
+
+/// W6 (see [`w6_tasks`]). Whether an acquisition is a handoff depends on
+/// the lock and on scheduling: a task that releases and locks again while
+/// nobody waits keeps the key; a fair lock with a queued waiter hands it
+/// over. Counts the acquisitions that went to another task than the
+/// previous holder, and checks that the counter saw every acquisition.
+pub(crate) fn w6_counter<I: KeyedLock>(rt: &Runtime, total: u64) -> Outcome {
+    let (elapsed, ops, handoffs, table) =
+        w6_tasks!(rt, total, I::NAME, I::create(), |t| t.lock(HOT).await);
     Outcome {
         elapsed,
         ops,
