@@ -455,27 +455,22 @@ fn main() {
                     continue;
                 };
                 results[wi][ii].samples.push(out);
+                let plain_message = format!(
+                    "{} {}/{} {} (plain loop)",
+                    w.id(),
+                    rep + 1,
+                    cfg.reps,
+                    c.name
+                );
                 if let (Workload::W6, Some(plain_w6)) = (w, c.plain_w6) {
-                    bar.set_message(format!(
-                        "{} {}/{} {} (plain loop)",
-                        w.id(),
-                        rep + 1,
-                        cfg.reps,
-                        c.name
-                    ));
+                    bar.set_message(plain_message.clone());
                     let out = plain_w6(&rt, cfg.ops(w));
                     bar.inc(1);
                     results[wi][ii].plain.push(out.ns_per_op());
                     results[wi][ii].plain_runs.push(out);
                 }
                 if w == Workload::W1 {
-                    bar.set_message(format!(
-                        "{} {}/{} {} (plain loop)",
-                        w.id(),
-                        rep + 1,
-                        cfg.reps,
-                        c.name
-                    ));
+                    bar.set_message(plain_message);
                     let ops = cfg.ops(w);
                     let ns = (c.plain_w1)(&rt, ops).as_nanos() as f64 / ops as f64;
                     bar.inc(1);
