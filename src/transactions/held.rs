@@ -925,4 +925,58 @@ mod tests {
         assert_eq!(std::mem::size_of::<super::Slot<G, u64>>(), 56);
         assert!(std::mem::size_of::<crate::Transaction<'static, u64>>() <= 256);
     }
+
+    /// The output of a lock future that is ready at its first poll.
+    fn ready<F: std::future::Future>(f: F) -> F::Output {
+        let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
+        match std::pin::pin!(f).poll(&mut cx) {
+            std::task::Poll::Ready(out) => out,
+            std::task::Poll::Pending => panic!("uncontended"),
+        }
+    }
+
+    /// Every way a slot goes in (`write_slot`: in place inline, in place on
+    /// the heap, and through the cold growth of a full set), each keeping
+    /// its key's count, mode and grant, all released at the commit. Here in
+    /// the crate so that the miri step runs the in-place writes too.
+    #[test]
+    fn a_full_set_grown_by_single_calls_keeps_every_key() {
+        use crate::Mode;
+        let table = crate::LockTable::<u32>::new();
+        let mut txn = table.transaction();
+        // Sixteen new keys at once: a set of exactly its capacity, no index.
+        let got = ready(txn.lock_all((0..16u32).map(|k| (k, Mode::Exclusive)))).unwrap();
+        assert_eq!(got.acquired(), 16);
+        // The first finds the set full and grows it; the rest go in place.
+        for k in 16..20u32 {
+            let acquired = ready(txn.lock(k, Mode::Shared)).unwrap();
+            assert_eq!(acquired.count, 1, "key {k}");
+            assert_eq!(acquired.mode, Mode::Shared, "key {k}");
+            assert_eq!(txn.token(&k), Some(acquired.token), "key {k}");
+        }
+        // Re-entered, not put in again.
+        assert_eq!(ready(txn.lock(17, Mode::Shared)).unwrap().count, 2);
+        assert_eq!(txn.len(), 20);
+        for k in 0..20u32 {
+            let mode = if k < 16 {
+                Mode::Exclusive
+            } else {
+                Mode::Shared
+            };
+            assert_eq!(txn.mode(&k), Some(mode), "key {k}");
+            assert_eq!(txn.count(&k), 1 + usize::from(k == 17), "key {k}");
+            assert!(table.is_locked(&k), "key {k}");
+        }
+        assert_eq!(txn.count(&20), 0);
+        txn.commit().unwrap();
+        assert!(table.is_empty());
+        // Two single keys: in place, inline.
+        let mut txn = table.transaction();
+        for k in [7u32, 8] {
+            assert_eq!(ready(txn.lock(k, Mode::Exclusive)).unwrap().count, 1);
+        }
+        assert_eq!(txn.len(), 2);
+        drop(txn);
+        assert!(table.is_empty());
+    }
 }
