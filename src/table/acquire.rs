@@ -192,6 +192,66 @@ where
         }
     }
 
+    /// The first poll, ahead of the state machine: a key with no entry is
+    /// taken and its output handed back whole ([`First::Taken`]: nothing
+    /// deferred, no timer); a busy key's wait is linked under the same
+    /// lock ([`First::Polled`]). Any other poll, and a first poll that must
+    /// judge its deadline first, is the state machine's ([`First::Machine`]).
+    #[inline(always)]
+    pub(crate) fn poll_first(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        left: &mut Leftovers<K>,
+    ) -> First<T, K> {
+        // SAFETY: as in `poll_acquire`: nothing here moves the waiter.
+        let this = unsafe { self.get_unchecked_mut() };
+        if !matches!(*this.state, State::Start { .. })
+            || this.timeout == PackedDuration::ZERO
+            || this.deadline.is_some()
+        {
+            return First::Machine;
+        }
+        let State::Start { key, mode } = std::mem::replace(&mut *this.state, State::Done) else {
+            unreachable!()
+        };
+        match this.claim_or_wait(key, mode, cx, left) {
+            // A key with no entry defers nothing (a wait granted as it
+            // registered leaves a waker to drop, after the output exists:
+            // the caller's general path).
+            Ok(Step::Ready(out)) if !left.is_dirty() => First::Taken(out),
+            step => {
+                // SAFETY: re-pinned: `this` came from a pinned reference.
+                let this = unsafe { Pin::new_unchecked(this) };
+                First::Polled(this.poll_started(step, cx, left))
+            }
+        }
+    }
+
+    /// [`poll_first`](Self::poll_first) past a key taken at once: the
+    /// wait's first answer, then on as the state machine's poll.
+    #[inline(always)]
+    fn poll_started(
+        self: Pin<&mut Self>,
+        step: Result<Step<(T, Held<K>)>, Box<LockError>>,
+        cx: &mut Context<'_>,
+        left: &mut Leftovers<K>,
+    ) -> Poll<Acquired<T, K>> {
+        // SAFETY: as in `poll_acquire`.
+        let this = unsafe { self.get_unchecked_mut() };
+        let again = match step {
+            Err(err) => return Poll::Ready(Err(err)),
+            Ok(Step::Ready(out)) => return Poll::Ready(Ok(out)),
+            Ok(Step::Wait(at)) => this.arm_timer(at, cx).is_ready(),
+            Ok(Step::Again) => true,
+        };
+        if !again {
+            return Poll::Pending;
+        }
+        // Nudged while registering, or a deadline already passed: judge
+        // again. SAFETY: re-pinned: `this` came from a pinned reference.
+        unsafe { Pin::new_unchecked(this) }.poll_acquire(cx, left)
+    }
+
     /// Takes the timer state out, to drop once the output exists.
     #[inline]
     pub(crate) fn take_timing(self: Pin<&mut Self>) -> Option<Box<Sleep>> {
@@ -269,8 +329,10 @@ where
         }
     }
 
-    /// The first poll: take the key, or link the waiter and arm its waker.
-    #[inline(always)]
+    /// The first poll of a lock with a zero timeout or a deadline (any
+    /// other first poll is [`poll_first`](Self::poll_first)'s): judge the
+    /// deadline, then take the key, or link the waiter and arm its waker.
+    #[inline(never)]
     fn start(
         &mut self,
         key: K,
@@ -301,6 +363,25 @@ where
                 ))),
             };
         }
+        self.claim_or_wait(key, mode, cx, left)
+    }
+
+    /// The first poll past any deadline check: the key taken if it has no
+    /// entry, else the waiter linked and its waker armed, under the same
+    /// shard lock (the common wait inline, its arguments in registers).
+    #[inline(always)]
+    fn claim_or_wait(
+        &mut self,
+        key: K,
+        mode: Mode,
+        cx: &mut Context<'_>,
+        left: &mut Leftovers<K>,
+    ) -> Result<Step<(T, Held<K>)>, Box<LockError>> {
+        let table = self.table.as_deref().expect("present until completion");
+        let terms = Terms {
+            lease: self.lease,
+            owner: self.owner,
+        };
         let shard = table.shard(self.hash);
         // Declared before the shard guard: if `K: Eq` panics during the
         // probe, the guard unlocks first and the key is dropped after.
@@ -735,6 +816,18 @@ enum Outcome {
     Lost(FencingToken),
 }
 
+/// What [`Acquire::poll_first`] came to.
+pub(crate) enum First<T, K> {
+    /// The key is taken, with nothing deferred and no timer: build the
+    /// output now.
+    Taken((T, Held<K>)),
+    /// The first poll went on (it waits, or was granted or failed while
+    /// linking): as `poll_acquire`'s result.
+    Polled(Poll<Acquired<T, K>>),
+    /// Not a first poll the fast step covers: poll the state machine.
+    Machine,
+}
+
 /// What one step of a poll came to.
 enum Step<O> {
     Ready(O),
@@ -960,7 +1053,17 @@ macro_rules! lock_future {
                     Poll::Pending => return Poll::Pending,
                 };
                 let mut left = Leftovers::default();
-                let polled = inner.as_mut().poll_acquire(cx, &mut left);
+                let polled = match inner.as_mut().poll_first(cx, &mut left) {
+                    First::Taken(($table, $held)) => {
+                        #[cfg(feature = "tokio")]
+                        if let Some(coop) = coop {
+                            coop.made_progress();
+                        }
+                        return Poll::Ready(lock_future!(@$result Ok::<_, Box<LockError>>($make)));
+                    }
+                    First::Polled(polled) => polled,
+                    First::Machine => inner.as_mut().poll_acquire(cx, &mut left),
+                };
                 #[cfg(feature = "tokio")]
                 if polled.is_ready() {
                     if let Some(coop) = coop {
