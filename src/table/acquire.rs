@@ -192,11 +192,18 @@ where
         }
     }
 
-    /// The first poll, ahead of the state machine: a key with no entry is
-    /// taken and its output handed back whole ([`First::Taken`]: nothing
-    /// deferred, no timer); a busy key's wait is linked under the same
-    /// lock ([`First::Polled`]). Any other poll, and a first poll that must
-    /// judge its deadline first, is the state machine's ([`First::Machine`]).
+    /// The two common polls, ahead of the state machine, each handing back
+    /// a grant whole ([`First::Taken`]: nothing deferred, no timer), from
+    /// which the caller builds its output at once:
+    ///
+    /// - the first poll: a key with no entry is taken; a busy key's wait is
+    ///   linked under the same lock, and answered as the state machine's
+    ///   poll ([`First::Polled`]);
+    /// - the poll of a waiter the table granted the key (the wake of a
+    ///   handoff), when it has no timer of its own to drop.
+    ///
+    /// Any other poll, and a first poll that must judge its deadline
+    /// first, is the state machine's ([`First::Machine`]).
     #[inline(always)]
     pub(crate) fn poll_first(
         self: Pin<&mut Self>,
@@ -205,11 +212,20 @@ where
     ) -> First<T, K> {
         // SAFETY: as in `poll_acquire`: nothing here moves the waiter.
         let this = unsafe { self.get_unchecked_mut() };
-        if !matches!(*this.state, State::Start { .. })
-            || this.timeout == PackedDuration::ZERO
-            || this.deadline.is_some()
-        {
-            return First::Machine;
+        match *this.state {
+            State::Start { .. }
+                if this.timeout != PackedDuration::ZERO && !this.deadline.is_some() => {}
+            State::Linked { key } if this.sleep.is_none() => {
+                // The grant is published through the waiter: no lock
+                // needed to see it.
+                let waiter = this.waiter.get();
+                if waiter.seen() != Seen::Granted {
+                    return First::Machine;
+                }
+                let granted = waiter.granted();
+                return First::Taken(this.finish_granted(key, granted));
+            }
+            _ => return First::Machine,
         }
         let State::Start { key, mode } = std::mem::replace(&mut *this.state, State::Done) else {
             unreachable!()
