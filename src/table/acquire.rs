@@ -345,6 +345,15 @@ where
         }
     }
 
+    /// The terms a grant of this lock carries: its lease and owner.
+    #[inline(always)]
+    fn terms(&self) -> Terms {
+        Terms {
+            lease: self.lease,
+            owner: self.owner,
+        }
+    }
+
     /// The first poll of a lock with a zero timeout or a deadline (any
     /// other first poll is [`poll_first`](Self::poll_first)'s): judge the
     /// deadline, then take the key, or link the waiter and arm its waker.
@@ -357,10 +366,7 @@ where
         left: &mut Leftovers<K>,
     ) -> Result<Step<(T, Held<K>)>, Box<LockError>> {
         let table = self.table.as_deref().expect("present until completion");
-        let terms = Terms {
-            lease: self.lease,
-            owner: self.owner,
-        };
+        let terms = self.terms();
         // A deadline already passed is a zero timeout (the clock is read only
         // when there is a deadline). A plain lock has neither: one check.
         let timed = self.timeout != PackedDuration::NONE || self.deadline.is_some();
@@ -394,10 +400,7 @@ where
         left: &mut Leftovers<K>,
     ) -> Result<Step<(T, Held<K>)>, Box<LockError>> {
         let table = self.table.as_deref().expect("present until completion");
-        let terms = Terms {
-            lease: self.lease,
-            owner: self.owner,
-        };
+        let terms = self.terms();
         let shard = table.shard(self.hash);
         // Declared before the shard guard: if `K: Eq` panics during the
         // probe, the guard unlocks first and the key is dropped after.
