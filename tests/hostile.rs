@@ -2481,4 +2481,65 @@ mod tests {
             assert_table_empty(&table, Key::plain(9), "after the commit");
         });
     }
+
+    /// A lock that waits clones its waker right after linking (user code,
+    /// no lock held). A clone that releases the holder gets the waiter
+    /// granted before it arms, so the clone is left over, to be dropped
+    /// only once the guard exists (the first poll's fast way out hands its
+    /// guard back with nothing deferred; this one must not take it). When
+    /// that drop panics, the poll panics with the guard built: unwinding
+    /// drops the guard, and the key is free.
+    #[test]
+    fn a_wait_granted_as_it_registers_drops_its_spare_waker_after_the_guard() {
+        watchdog("granted-while-registering", || {
+            let table: Arc<LockTable<u32>> = Arc::new(LockTable::new());
+            for drop_panics in [false, true] {
+                let what = if drop_panics {
+                    "the spare's drop panics"
+                } else {
+                    "a quiet drop"
+                };
+                let holder = Arc::new(Mutex::new(Some(
+                    table.clone().try_lock_owned(1).expect("key 1 is free"),
+                )));
+                let released = Arc::new(AtomicBool::new(false));
+                let hostile = {
+                    let (holder, released) = (holder.clone(), released.clone());
+                    Hostile::on_clone(move || {
+                        if let Some(guard) = holder.lock().unwrap().take() {
+                            drop(guard);
+                            released.store(true, SeqCst);
+                        }
+                    })
+                };
+                let waker = hostile.waker();
+                let mut fut = Box::pin(table.lock(1));
+                if drop_panics {
+                    hostile.arm_drop_panic();
+                    let polled = poll_caught(&mut fut, &waker);
+                    let payload = polled
+                        .err()
+                        .unwrap_or_else(|| panic!("{what}: the poll panics"));
+                    assert_eq!(expect_planted(payload, what), "Waker::drop", "{what}");
+                    assert_eq!(hostile.drop_panics(), 1, "{what}: the spare was dropped");
+                } else {
+                    let guard = ready(&mut fut, &waker, what);
+                    assert!(table.is_locked(&1), "{what}: the guard holds the key");
+                    assert_eq!(
+                        table.stats().handoffs,
+                        1,
+                        "{what}: handed over by the release"
+                    );
+                    drop(guard);
+                }
+                assert!(
+                    released.load(SeqCst),
+                    "{what}: precondition: the clone released the holder"
+                );
+                drop(fut);
+                assert_key_free(&*table, || 1, what);
+            }
+            assert_table_empty(&*table, 2, "after the granted registrations");
+        });
+    }
 }
