@@ -193,6 +193,17 @@ pub(crate) trait Access {
     /// The wait [`wait_begins`](Self::wait_begins) counted is over.
     fn wait_ends(&mut self);
 
+    /// A call of the transaction took a grant (done, `Ok`): if another
+    /// call of it waits (the owned form), queued waiters may now wait for
+    /// this grant (one taken past the queue, an upgrade at once) with no
+    /// wait beginning, so no search ran through the new edge. The other
+    /// calls' waits are woken to search again ([`epoch`](Self::epoch)).
+    fn took_grant(&self);
+
+    /// Counts [`took_grant`](Self::took_grant)'s that woke waits: a wait
+    /// whose count moved since it last searched searches again.
+    fn epoch(&self) -> u64;
+
     /// Registers `waker` (in `slot`) to be woken when the transaction ends;
     /// returns whether it already has.
     fn watch(&mut self, slot: &mut Option<usize>, waker: &Waker) -> bool;
@@ -298,6 +309,15 @@ impl<R: Reach> Access for Direct<'_, R> {
         self.set.waits -= 1;
     }
 
+    /// The borrowed form's call is its transaction's only one.
+    #[inline]
+    fn took_grant(&self) {}
+
+    #[inline]
+    fn epoch(&self) -> u64 {
+        0
+    }
+
     #[inline]
     fn watch(&mut self, _: &mut Option<usize>, _: &Waker) -> bool {
         false
@@ -333,6 +353,11 @@ pub(crate) struct Shared<R: Reach> {
     state: ShardMutex<State<R>>,
     /// Set once, under `state`'s lock; read without it as a hint.
     ended: AtomicBool,
+    /// How many of its calls wait now (a forgotten one for good).
+    waits: std::sync::atomic::AtomicUsize,
+    /// Bumped when a call took a grant while others waited
+    /// ([`Access::took_grant`]).
+    epoch: std::sync::atomic::AtomicU64,
     owner: Owner<R>,
 }
 
@@ -376,12 +401,34 @@ impl<R: Reach> Shared<R> {
                 free: Vec::new(),
             }),
             ended: AtomicBool::new(false),
+            waits: std::sync::atomic::AtomicUsize::new(0),
+            epoch: std::sync::atomic::AtomicU64::new(0),
             owner,
         }
     }
 
     pub(crate) fn owner(&self) -> &Owner<R> {
         &self.owner
+    }
+
+    /// Bumps the epoch and wakes every pending call (their wakers taken
+    /// out: each registers again as it polls), after the lock is released.
+    #[cold]
+    fn wake_waits(&self) {
+        self.epoch.fetch_add(1, Ordering::SeqCst);
+        let wakers: Vec<Waker> = {
+            let mut state = self.lock();
+            state.watchers.iter_mut().filter_map(Option::take).collect()
+        };
+        let mut panic = None;
+        for waker in wakers {
+            if let Err(payload) = catch_unwind(AssertUnwindSafe(|| waker.wake())) {
+                panic.get_or_insert(payload);
+            }
+        }
+        if let Some(payload) = panic {
+            resume_unwind(payload);
+        }
     }
 
     /// The state, whatever a panic in user code (a key's `Eq` or `Clone`
@@ -515,9 +562,29 @@ impl<R: Reach> Access for Arc<Shared<R>> {
         true
     }
 
-    fn wait_begins(&mut self) {}
+    fn wait_begins(&mut self) {
+        // What this call took before its wait (a `lock_all`'s keys) may be
+        // waited for now by waiters queued before it took them: the
+        // transaction's other waits search again (`took_grant`).
+        if self.waits.fetch_add(1, Ordering::SeqCst) != 0 {
+            self.wake_waits();
+        }
+    }
 
-    fn wait_ends(&mut self) {}
+    fn wait_ends(&mut self) {
+        self.waits.fetch_sub(1, Ordering::SeqCst);
+    }
+
+    #[inline]
+    fn took_grant(&self) {
+        if self.waits.load(Ordering::SeqCst) != 0 {
+            self.wake_waits();
+        }
+    }
+
+    fn epoch(&self) -> u64 {
+        self.epoch.load(Ordering::SeqCst)
+    }
 
     fn watch(&mut self, slot: &mut Option<usize>, waker: &Waker) -> bool {
         let mut locked = self.lock();
@@ -688,6 +755,7 @@ where
         detecting: None,
     };
     let mut searched = false;
+    let mut epoch = 0;
     poll_fn(|cx| {
         if watch.access.is_ended() {
             return Poll::Ready(Err(Stop::Ended));
@@ -705,7 +773,22 @@ where
         if let Poll::Ready(out) = poll(&mut *watch.access, cx) {
             return Poll::Ready(Ok(out));
         }
+        if let Some(wait_id) = watch.detecting.filter(|_| searched) {
+            // Another call of the transaction took a grant since this wait
+            // searched: an edge into the transaction may have appeared
+            // with no wait beginning (see `Access::took_grant`).
+            let now = watch.access.epoch();
+            if now != epoch {
+                epoch = now;
+                let owner = watch.access.owner();
+                let table = owner.reach.table();
+                if let Err(deadlock) = table.search_again(owner.opts.id.get(), wait_id) {
+                    return Poll::Ready(Err(Stop::Deadlock(deadlock)));
+                }
+            }
+        }
         if !searched {
+            epoch = watch.access.epoch();
             // Queued now (a first poll made with budget returns `Pending`
             // only once queued): the first time, look for a cycle this
             // wait closes.

@@ -655,51 +655,12 @@ impl<K: Eq + Hash, S: BuildHasher> LockTable<K, S> {
             // registered: a waiter that queues on its keys later searches
             // later, under this mutex, and finds this wait registered.
             let alone = registry.waiting.len() == 1;
-            let (mut found, visited) = if alone || !awaited() {
+            let (found, visited) = if alone || !awaited() {
                 (None, None)
             } else {
                 self.search(&registry, owner, id, detector.limit)
             };
-            if let Some(visited) = visited {
-                let counts = &mut registry.counts;
-                counts.searches += 1;
-                counts.visited += visited;
-                counts.deepest = counts.deepest.max(visited);
-            }
-            // A soft deadlock: a confirmed cycle that granting one of its
-            // waiters ahead of the queue breaks. Each grant takes a waiter
-            // out of the graph for good (its transaction waits for nothing
-            // else), so this ends; the wait searches again after each, and
-            // is answered only for a cycle no grant breaks.
-            while let Some((record, hashes)) = &found {
-                if record.1.is_some() || !self.break_softly(&registry, record, hashes, &mut left) {
-                    break;
-                }
-                registry.counts.reorders += 1;
-                let (again, visited) = self.search(&registry, owner, id, detector.limit);
-                if let Some(visited) = visited {
-                    let counts = &mut registry.counts;
-                    counts.visited += visited;
-                    counts.deepest = counts.deepest.max(visited);
-                }
-                found = again;
-            }
-            let found = found.map(|(record, _)| record);
-            let mut dropped = None;
-            if let Some(record) = &found {
-                registry.counts.cycles += 1;
-                registry.counts.presumed += u64::from(record.1.is_some());
-                let waits = registry.waiting.get_mut(&owner);
-                let wait = waits.and_then(|w| w.iter_mut().find(|w| w.id == id));
-                wait.expect("registered above").victim = true;
-                if detector.keep > 0 {
-                    if registry.recent.len() == detector.keep {
-                        dropped = registry.recent.pop_front();
-                    }
-                    registry.recent.push_back(record.clone());
-                }
-            }
-            (found, dropped)
+            self.conclude(&mut registry, owner, id, found, visited, &mut left)
         };
         // The wake of a waiter granted ahead of the queue, if any: no lock
         // is held now.
@@ -709,6 +670,100 @@ impl<K: Eq + Hash, S: BuildHasher> LockTable<K, S> {
             None => Ok(()),
             Some(record) => Err(answer(&record)),
         }
+    }
+
+    /// Searches again from `owner`'s registered wait `id` (not a victim's):
+    /// a call of the same transaction took a grant that queued waiters now
+    /// wait for (a grant past the queue, an upgrade at once) while this wait
+    /// was pending, an edge into a waiting transaction that no wait's
+    /// registration searched through. `Err` with the cycle if there is one
+    /// (this wait is then its victim, marked as at registration).
+    pub(crate) fn search_again(&self, owner: u64, id: usize) -> Result<(), Deadlock<K>>
+    where
+        K: Clone,
+    {
+        let detector = self.detector();
+        if !detector.is_on() {
+            return Ok(());
+        }
+        let mut left = Leftovers::default();
+        let (found, dropped) = {
+            let mut registry = detector.registry.lock();
+            let live = registry
+                .waiting
+                .get(&owner)
+                .and_then(|waits| waits.iter().find(|w| w.id == id))
+                .is_some_and(|w| !w.victim);
+            if !live {
+                return Ok(());
+            }
+            let (found, visited) = self.search(&registry, owner, id, detector.limit);
+            self.conclude(&mut registry, owner, id, found, visited, &mut left)
+        };
+        left.flush();
+        drop(dropped);
+        match found {
+            None => Ok(()),
+            Some(record) => Err(answer(&record)),
+        }
+    }
+
+    /// What a search from `owner`'s wait `id` found, concluded under the
+    /// registry's lock: soft cycles broken by a grant ahead of the queue
+    /// (searching again after each), a cycle left marks the wait its
+    /// victim and is recorded. Returns the cycle, and a record the history
+    /// let go of (to drop after the lock).
+    #[allow(clippy::type_complexity)]
+    fn conclude(
+        &self,
+        registry: &mut Registry<K>,
+        owner: u64,
+        id: usize,
+        mut found: Option<Found<K>>,
+        visited: Option<u64>,
+        left: &mut Leftovers<K>,
+    ) -> (Option<Record<K>>, Option<Record<K>>) {
+        let detector = self.detector();
+        if let Some(visited) = visited {
+            let counts = &mut registry.counts;
+            counts.searches += 1;
+            counts.visited += visited;
+            counts.deepest = counts.deepest.max(visited);
+        }
+        // A soft deadlock: a confirmed cycle that granting one of its
+        // waiters ahead of the queue breaks. Each grant takes a waiter
+        // out of the graph for good (its transaction waits for nothing
+        // else), so this ends; the wait searches again after each, and
+        // is answered only for a cycle no grant breaks.
+        while let Some((record, hashes)) = &found {
+            if record.1.is_some() || !self.break_softly(registry, record, hashes, left) {
+                break;
+            }
+            registry.counts.reorders += 1;
+            let (again, visited) = self.search(registry, owner, id, detector.limit);
+            if let Some(visited) = visited {
+                let counts = &mut registry.counts;
+                counts.visited += visited;
+                counts.deepest = counts.deepest.max(visited);
+            }
+            found = again;
+        }
+        let found = found.map(|(record, _)| record);
+        let mut dropped = None;
+        if let Some(record) = &found {
+            registry.counts.cycles += 1;
+            registry.counts.presumed += u64::from(record.1.is_some());
+            let waits = registry.waiting.get_mut(&owner);
+            let wait = waits.and_then(|w| w.iter_mut().find(|w| w.id == id));
+            wait.expect("registered above").victim = true;
+            if detector.keep > 0 {
+                if registry.recent.len() == detector.keep {
+                    dropped = registry.recent.pop_front();
+                }
+                registry.recent.push_back(record.clone());
+            }
+        }
+        (found, dropped)
     }
 
     /// The cycles the table broke most recently, oldest first (as many as

@@ -586,6 +586,9 @@ where
             Err(wait) => { wait }.await,
         };
         access.owner().note(&out);
+        if out.is_ok() {
+            access.took_grant();
+        }
         out
     }
 }

@@ -209,13 +209,16 @@ where
             let wait = match lock_now(&mut access, key, mode, policy) {
                 // Made anew in the future's output: only the grant is
                 // copied.
-                Ok(Ok(acquired)) => return Ok(acquired),
+                Ok(Ok(acquired)) => break 'out Ok(acquired),
                 Ok(Err(error)) => break 'out Err(error),
                 Err(wait) => wait,
             };
             wait.await
         };
         access.owner().note(&out);
+        if out.is_ok() {
+            access.took_grant();
+        }
         out
     }
 }
