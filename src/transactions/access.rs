@@ -773,20 +773,6 @@ where
         if let Poll::Ready(out) = poll(&mut *watch.access, cx) {
             return Poll::Ready(Ok(out));
         }
-        if let Some(wait_id) = watch.detecting.filter(|_| searched) {
-            // Another call of the transaction took a grant since this wait
-            // searched: an edge into the transaction may have appeared
-            // with no wait beginning (see `Access::took_grant`).
-            let now = watch.access.epoch();
-            if now != epoch {
-                epoch = now;
-                let owner = watch.access.owner();
-                let table = owner.reach.table();
-                if let Err(deadlock) = table.search_again(owner.opts.id.get(), wait_id) {
-                    return Poll::Ready(Err(Stop::Deadlock(deadlock)));
-                }
-            }
-        }
         if !searched {
             epoch = watch.access.epoch();
             // Queued now (a first poll made with budget returns `Pending`
@@ -822,6 +808,23 @@ where
         }
         if watch.access.watch(&mut watch.slot, cx.waker()) {
             return Poll::Ready(Err(Stop::Ended));
+        }
+        if let Some(wait_id) = watch.detecting {
+            // Another call of the transaction took a grant since this wait
+            // last searched: an edge into the transaction may have appeared
+            // with no wait beginning (see `Access::took_grant`). Asked after
+            // the waker is registered: a grant whose wake came before it
+            // (and so woke nobody) bumped the epoch before it took the
+            // wakers, so it shows here.
+            let now = watch.access.epoch();
+            if now != epoch {
+                epoch = now;
+                let owner = watch.access.owner();
+                let table = owner.reach.table();
+                if let Err(deadlock) = table.search_again(owner.opts.id.get(), wait_id) {
+                    return Poll::Ready(Err(Stop::Deadlock(deadlock)));
+                }
+            }
         }
         Poll::Pending
     })

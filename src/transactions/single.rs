@@ -208,7 +208,9 @@ where
         let out = 'out: {
             let wait = match lock_now(&mut access, key, mode, policy) {
                 // Made anew in the future's output: only the grant is
-                // copied.
+                // copied. (The borrowed form has no other call to tell of
+                // its grant, see `Access::took_grant`.)
+                Ok(Ok(acquired)) if A::SOLE => return Ok(acquired),
                 Ok(Ok(acquired)) => break 'out Ok(acquired),
                 Ok(Err(error)) => break 'out Err(error),
                 Err(wait) => wait,

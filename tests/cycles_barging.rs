@@ -1,6 +1,10 @@
-//! A cycle closed by a grant past the queue (eventual fairness) while the
-//! barging owned transaction already waits in another call: no wait begins
-//! after the edge appears.
+//! Cycles that no new wait closes (issue 26, item 3): an owned
+//! transaction's call takes a grant that a queued waiter must now wait for
+//! (a grant past the queue under eventual fairness, an upgrade at once)
+//! while another call of the same transaction already waits. The edge into
+//! the waiting transaction appears with no wait beginning, so the waiting
+//! call must search again; one of the two waits is answered as a deadlock.
+//! Every future is polled by hand with a noop waker.
 #![cfg(feature = "test-util")]
 use std::future::Future;
 use std::pin::Pin;
@@ -43,11 +47,16 @@ fn an_owned_calls_grant_past_the_queue_closing_a_cycle_is_answered() {
     drop(plain);
     // t's second call takes y past w's nudged waiter: w -> t -> w.
     let mut t_y = Box::pin(t.lock("y", Mode::Exclusive));
-    let got = poll(t_y.as_mut());
-    eprintln!("t's call for y: {got:?}; status {:?}", table.status());
+    assert!(
+        matches!(poll(t_y.as_mut()), Poll::Ready(Ok(_))),
+        "precondition: t takes y past w's nudged waiter"
+    );
     let a = poll(t_x.as_mut());
-    let b = if a.is_pending() { poll(w_y.as_mut()) } else { Poll::Pending };
-    eprintln!("t_x {a:?}; w_y {b:?}");
+    let b = if a.is_pending() {
+        poll(w_y.as_mut())
+    } else {
+        Poll::Pending
+    };
     let answered = |p: &Poll<Result<keylock::Acquired, TransactionError<&str>>>| {
         matches!(p, Poll::Ready(Err(TransactionError::Deadlock(_))))
     };
@@ -85,11 +94,16 @@ fn an_owned_calls_upgrade_closing_a_cycle_is_answered() {
     let mut w_y = Box::pin(w.lock("y", Mode::Shared));
     assert!(poll(w_y.as_mut()).is_pending());
     let mut t_up = Box::pin(t.lock("y", Mode::Exclusive));
-    let got = poll(t_up.as_mut());
-    eprintln!("t's upgrade of y: {got:?}; status {:?}", table.status());
+    assert!(
+        matches!(poll(t_up.as_mut()), Poll::Ready(Ok(_))),
+        "precondition: t, y's only holder, upgrades at once"
+    );
     let a = poll(t_x.as_mut());
-    let b = if a.is_pending() { poll(w_y.as_mut()) } else { Poll::Pending };
-    eprintln!("t_x {a:?}; w_y {b:?}");
+    let b = if a.is_pending() {
+        poll(w_y.as_mut())
+    } else {
+        Poll::Pending
+    };
     let answered = |p: &Poll<Result<keylock::Acquired, TransactionError<&str>>>| {
         matches!(p, Poll::Ready(Err(TransactionError::Deadlock(_))))
     };
