@@ -2542,4 +2542,89 @@ mod tests {
             assert_table_empty(&*table, 2, "after the granted registrations");
         });
     }
+
+    /// An owned transaction's waiting call registers its waker with the
+    /// transaction, to be woken when the transaction ends (or another of
+    /// its calls takes a grant). That waker's clone is user code: here it
+    /// reads the transaction's keys, which takes the transaction's own
+    /// lock, so a clone made under that lock would spin for ever. Then the
+    /// waker's clone panics: the panic surfaces in the call's poll, and the
+    /// call dropped leaves nothing behind.
+    #[test]
+    fn an_owned_calls_waker_clone_that_reads_its_transaction_does_not_deadlock() {
+        use keylock::Mode;
+        watchdog("owned-call-reentrant-clone", || {
+            let table: Arc<LockTable<u32>> = Arc::new(LockTable::builder().shards(1).build());
+            let txn = Arc::new(table.clone().transaction_owned());
+            assert!(
+                txn.blocking_lock(1, Mode::Exclusive).is_ok(),
+                "key 1 is free"
+            );
+            let held = table.try_lock(2).expect("key 2 is free");
+            let reads = Arc::new(AtomicUsize::new(0));
+            let hostile = {
+                let txn = Arc::downgrade(&txn);
+                let reads = reads.clone();
+                Hostile::on_clone(move || {
+                    if let Some(txn) = txn.upgrade() {
+                        if txn.keys().contains(&(1, Mode::Exclusive)) {
+                            reads.fetch_add(1, SeqCst);
+                        }
+                    }
+                })
+            };
+            let waker = hostile.waker();
+            let mut call = Box::pin(txn.lock(2, Mode::Exclusive));
+            pending(&mut call, &waker, "the call waits for key 2");
+            assert!(
+                reads.load(SeqCst) >= 2,
+                "precondition: the table's waiter and the transaction's watch cloned the waker"
+            );
+            drop(held);
+            let got = ready(&mut call, &waker, "the call is granted key 2");
+            assert!(got.is_ok(), "the call took key 2: {got:?}");
+            drop(call);
+            // A waiting call whose waker's clone panics: the panic surfaces
+            // in its poll (the call is then done), and dropping the call
+            // leaves nothing of it: the key goes on to the next waiter.
+            let held = table.try_lock(3).expect("key 3 is free");
+            let mut call = Box::pin(txn.lock(3, Mode::Exclusive));
+            pending(
+                &mut call,
+                &Hostile::new().waker(),
+                "the call waits for key 3",
+            );
+            let panicky = Hostile::new();
+            panicky.arm_clone_panic();
+            let repolled = catch_unwind(AssertUnwindSafe(|| {
+                let _ = call
+                    .as_mut()
+                    .poll(&mut Context::from_waker(&panicky.waker()));
+            }));
+            assert!(
+                repolled.is_err(),
+                "the planted clone panic surfaces in the poll"
+            );
+            panicky.disarm_clone_panic();
+            drop(call);
+            let mut next = Box::pin(table.lock(3));
+            pending(
+                &mut next,
+                &Hostile::new().waker(),
+                "a plain waiter queues for key 3",
+            );
+            drop(held);
+            drop(ready(
+                &mut next,
+                &Hostile::new().waker(),
+                "key 3 goes to the plain waiter",
+            ));
+            let txn = Arc::try_unwrap(txn)
+                .map_err(|_| ())
+                .expect("the hook holds a weak handle");
+            assert_eq!(txn.keys(), [(1, Mode::Exclusive), (2, Mode::Exclusive)]);
+            txn.commit().expect("no lease");
+            assert_table_empty(&*table, 3, "after the owned call's re-entrant waker");
+        });
+    }
 }

@@ -587,31 +587,47 @@ impl<R: Reach> Access for Arc<Shared<R>> {
     }
 
     fn watch(&mut self, slot: &mut Option<usize>, waker: &Waker) -> bool {
-        let mut locked = self.lock();
-        if self.ended.load(Ordering::Relaxed) {
-            return true;
-        }
-        let state = &mut *locked;
-        let old = match *slot {
-            Some(index) => match &state.watchers[index] {
-                Some(current) if current.will_wake(waker) => None,
-                _ => state.watchers[index].replace(waker.clone()),
-            },
-            None => {
-                let index = match state.free.pop() {
-                    Some(index) => index,
-                    None => {
-                        state.watchers.push(None);
-                        state.watchers.len() - 1
-                    }
-                };
-                *slot = Some(index);
-                state.watchers[index].replace(waker.clone())
+        // A waker's clone is user code (it may call back into this
+        // transaction, whose lock is a spin lock): made before locking, and
+        // only if the registered waker would not do; the waker it replaces
+        // is dropped after unlocking.
+        let mut fresh = None;
+        loop {
+            let mut locked = self.lock();
+            if self.ended.load(Ordering::Relaxed) {
+                drop(locked);
+                return true;
             }
-        };
-        drop(locked);
-        drop(old);
-        false
+            let state = &mut *locked;
+            let registered = slot.and_then(|index| state.watchers[index].as_ref());
+            if registered.is_some_and(|current| current.will_wake(waker)) {
+                drop(locked);
+                return false;
+            }
+            let Some(waker) = fresh.take() else {
+                drop(locked);
+                fresh = Some(waker.clone());
+                continue;
+            };
+            let index = match *slot {
+                Some(index) => index,
+                None => {
+                    let index = match state.free.pop() {
+                        Some(index) => index,
+                        None => {
+                            state.watchers.push(None);
+                            state.watchers.len() - 1
+                        }
+                    };
+                    *slot = Some(index);
+                    index
+                }
+            };
+            let old = state.watchers[index].replace(waker);
+            drop(locked);
+            drop(old);
+            return false;
+        }
     }
 
     fn pend(&mut self, pending: &Arc<PendingOf<R>>) -> Result<(), Ended> {
