@@ -41,7 +41,7 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::task::{Context, Poll, Waker};
 
-use crate::support::loom::AtomicBool;
+use crate::support::loom::{AtomicBool, AtomicU64};
 use crate::support::mode::Mode;
 use crate::support::shard_lock::ShardMutex;
 use crate::transactions::deadlock::{wait_id, Deadlock};
@@ -354,10 +354,10 @@ pub(crate) struct Shared<R: Reach> {
     /// Set once, under `state`'s lock; read without it as a hint.
     ended: AtomicBool,
     /// How many of its calls wait now (a forgotten one for good).
-    waits: std::sync::atomic::AtomicUsize,
+    waits: AtomicU64,
     /// Bumped when a call took a grant while others waited
     /// ([`Access::took_grant`]).
-    epoch: std::sync::atomic::AtomicU64,
+    epoch: AtomicU64,
     owner: Owner<R>,
 }
 
@@ -401,8 +401,8 @@ impl<R: Reach> Shared<R> {
                 free: Vec::new(),
             }),
             ended: AtomicBool::new(false),
-            waits: std::sync::atomic::AtomicUsize::new(0),
-            epoch: std::sync::atomic::AtomicU64::new(0),
+            waits: AtomicU64::new(0),
+            epoch: AtomicU64::new(0),
             owner,
         }
     }
