@@ -17,7 +17,11 @@
 //! once, or not at all, never a hang), and a transaction that holds
 //! nothing (not registered) whose wait is closed into a soft cycle by one
 //! queueing behind it (found, and broken by moving that one ahead, never
-//! missed).
+//! missed); an owned transaction's upgrade at once, which makes a queued
+//! transaction wait for it, racing its other call's first wait (the cycle
+//! answered at that poll or on the wake the upgrade gives, never left
+//! pending unwoken: with the epoch read before the waker was registered,
+//! this model finds the lost wake-up).
 //!
 //! Run with (what `.ci/run` does, then again without `LOOM_MAX_PREEMPTIONS`;
 //! each model takes well under a second either way):
@@ -1078,6 +1082,72 @@ mod models {
                     (None, None) => panic!("t -> u -> t closed and nobody answered"),
                     (mine, theirs) => panic!("u {mine:?}, t {theirs:?}"),
                 }
+                table.assert_consistent();
+                assert!(table.is_empty(), "entry leaked");
+            },
+        );
+    }
+
+    /// An owned transaction's call upgrades a key it alone holds shared,
+    /// at once, while its other call begins a wait on another thread: a
+    /// transaction queued for the upgraded key (behind a plain writer, so
+    /// no edge to the transaction before) now waits for it, an edge no wait
+    /// begins with. Whichever comes first, the waiting call is answered:
+    /// at its first poll (its search saw the upgrade, or the epoch moved
+    /// while it registered), or on the wake the upgrade's call gave it (the
+    /// search again). Never a cycle left pending with no wake.
+    #[test]
+    fn an_owned_calls_upgrade_racing_its_other_calls_wait() {
+        model(
+            "h: an owned call's upgrade racing its other call's wait",
+            &["answered at the first poll", "answered when woken"],
+            |seen| {
+                let table = table();
+                let [x, y, _] = keys();
+                let t = Arc::new(table.clone().transaction_owned());
+                assert!(Polled::new(t.lock(y, S)).poll().is_some());
+                let mut writer = Polled::new(table.clone().lock_owned(y));
+                assert!(writer.poll().is_none(), "the writer queues behind t");
+                let w = table.clone().transaction_owned();
+                assert!(Polled::new(w.lock(x, X)).poll().is_some());
+                let mut w_y = Polled::new(w.lock(y, S));
+                assert!(w_y.poll().is_none(), "w queues behind the writer");
+
+                let t2 = t.clone();
+                let other = thread::spawn(move || {
+                    let mut t_x = Polled::new(t2.lock(x, X));
+                    let first = t_x.poll();
+                    (t_x, first)
+                });
+                let upgraded = Polled::new(t.lock(y, X)).poll();
+                assert!(
+                    matches!(upgraded, Some(Ok(_))),
+                    "t, y's only holder, upgrades at once: {upgraded:?}"
+                );
+                let (mut t_x, first) = other.join().unwrap();
+                let answer = match first {
+                    Some(answer) => {
+                        seen.note("answered at the first poll");
+                        answer
+                    }
+                    None => {
+                        seen.note("answered when woken");
+                        finish(&mut t_x, "t's wait for x")
+                    }
+                };
+                match answer {
+                    Err(TransactionError::Deadlock(d)) => {
+                        assert_eq!(d.victim(), t.id(), "{d}");
+                    }
+                    other => panic!("t -> w -> t closed and t's wait got {other:?}"),
+                }
+                drop(t_x);
+                Arc::try_unwrap(t).ok().expect("one handle left").abort();
+                drop(finish(&mut writer, "the writer's wait for y"));
+                let got = finish(&mut w_y, "w's wait for y");
+                assert!(got.is_ok(), "w gets y once t aborted: {got:?}");
+                drop(w_y);
+                w.commit().expect("no lease");
                 table.assert_consistent();
                 assert!(table.is_empty(), "entry leaked");
             },
