@@ -816,7 +816,9 @@ where
                 // transaction's other pending calls have waits of their
                 // own, each under its call's key cell.)
                 watch.detecting = Some(wait_id(&key));
-                if let Err(deadlock) = table.enter_wait(id, wait.hash, key, wait.mode, awaited) {
+                if let Err(deadlock) =
+                    table.enter_wait(id, wait.hash, key, wait.mode, A::SOLE, awaited)
+                {
                     // Registered: the guard unregisters it as it drops.
                     return Poll::Ready(Err(Stop::Deadlock(deadlock)));
                 }

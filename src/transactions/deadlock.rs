@@ -617,12 +617,24 @@ impl<K: Eq + Hash, S: BuildHasher> LockTable<K, S> {
     /// registered, under the registry's lock) says nothing waits on a key
     /// `owner` holds: `Err` with the cycle if there is one (then this call
     /// of `owner` is its victim).
+    ///
+    /// `sole`: the transaction has one call at a time (the borrowed form).
+    /// A wait of it registered before is then a forgotten call's, whose
+    /// waiter this call's wait took out of its queue as it parked
+    /// (`pending::park`): its future never drops, so it never leaves, and
+    /// it is dropped here. Left, it would stand in the graph with the
+    /// edges the table gives the transaction's live waiter on its key
+    /// (read by key and transaction), under its own mode: an exclusive
+    /// one passes over the waiter ahead of a shared one (`passes_over`),
+    /// hiding a cycle through it; and as a second live wait it keeps a
+    /// soft cycle through the transaction from being broken.
     pub(crate) fn enter_wait(
         &self,
         owner: u64,
         hash: u64,
         key: Arc<K>,
         mode: Mode,
+        sole: bool,
         awaited: impl FnOnce() -> bool,
     ) -> Result<(), Deadlock<K>>
     where
@@ -631,12 +643,18 @@ impl<K: Eq + Hash, S: BuildHasher> LockTable<K, S> {
         let detector = self.detector();
         let id = wait_id(&key);
         let mut left = Leftovers::default();
+        let mut stale = Waits::new();
         let (found, dropped) = {
             let mut registry = detector.registry.lock();
             // Beside the transaction's other waits, if it has any (an
             // owned transaction's other pending calls): every wait is in
-            // the graph.
-            registry.waiting.entry(owner).or_default().push(Wait {
+            // the graph. The borrowed form's earlier ones are forgotten
+            // calls' whose waiters are gone (see above): dropped.
+            let waits = registry.waiting.entry(owner).or_default();
+            if sole {
+                stale = std::mem::take(waits);
+            }
+            waits.push(Wait {
                 id,
                 hash,
                 key,
@@ -663,9 +681,10 @@ impl<K: Eq + Hash, S: BuildHasher> LockTable<K, S> {
             self.conclude(&mut registry, owner, id, found, visited, &mut left)
         };
         // The wake of a waiter granted ahead of the queue, if any: no lock
-        // is held now.
+        // is held now. (The stale waits' keys drop after the unlock.)
         left.flush();
         drop(dropped);
+        drop(stale);
         match found {
             None => Ok(()),
             Some(record) => Err(answer(&record)),
