@@ -93,24 +93,92 @@ use crate::LockError;
 /// # Ok::<(), keylock::TransactionError<i32>>(())
 /// # }).unwrap();
 /// ```
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Clone)]
 pub struct LockedSet<K> {
     acquired: usize,
     reentered: usize,
     upgraded: usize,
+    /// The skipped keys and the keys listed, boxed and made only when one
+    /// of them has something: the common result (counts only) is four
+    /// words, cheap to build, move and drop. `None` reads as both empty.
+    lists: Option<Box<Lists<K>>>,
+}
+
+/// A [`LockedSet`]'s lists, when it has any.
+#[derive(Clone)]
+struct Lists<K> {
     skipped: Vec<K>,
     keys: Vec<(K, AcquireKind)>,
 }
 
+impl<K: std::fmt::Debug> std::fmt::Debug for LockedSet<K> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        // As the derived form over the fields the set had before its lists
+        // were boxed.
+        f.debug_struct("LockedSet")
+            .field("acquired", &self.acquired)
+            .field("reentered", &self.reentered)
+            .field("upgraded", &self.upgraded)
+            .field("skipped", &self.skipped())
+            .field("keys", &self.keys())
+            .finish()
+    }
+}
+
+impl<K: PartialEq> PartialEq for LockedSet<K> {
+    fn eq(&self, other: &Self) -> bool {
+        // Lists compared as slices: no lists equals empty ones.
+        self.acquired == other.acquired
+            && self.reentered == other.reentered
+            && self.upgraded == other.upgraded
+            && self.skipped() == other.skipped()
+            && self.keys() == other.keys()
+    }
+}
+
+impl<K: Eq> Eq for LockedSet<K> {}
+
 impl<K> LockedSet<K> {
     fn new(skipped: Vec<K>) -> Self {
-        Self {
-            acquired: 0,
-            reentered: 0,
-            upgraded: 0,
-            skipped,
-            keys: Vec::new(),
+        let mut set = Self::counted(0, 0);
+        if !skipped.is_empty() {
+            set.lists = Some(Box::new(Lists {
+                skipped,
+                keys: Vec::new(),
+            }));
         }
+        set
+    }
+
+    /// A result with counts only (no list).
+    #[inline]
+    fn counted(acquired: usize, reentered: usize) -> Self {
+        Self {
+            acquired,
+            reentered,
+            upgraded: 0,
+            lists: None,
+        }
+    }
+
+    /// The lists, made if there are none yet.
+    fn lists_mut(&mut self) -> &mut Lists<K> {
+        self.lists.get_or_insert_with(|| {
+            Box::new(Lists {
+                skipped: Vec::new(),
+                keys: Vec::new(),
+            })
+        })
+    }
+
+    /// The skipped keys, to add to.
+    fn skipped_mut(&mut self) -> &mut Vec<K> {
+        &mut self.lists_mut().skipped
+    }
+
+    /// The keys listed, to add to.
+    fn keys_mut(&mut self) -> &mut Vec<(K, AcquireKind)> {
+        &mut self.lists_mut().keys
     }
 
     /// Counts one key got `kind`-wise.
@@ -198,7 +266,7 @@ impl<K> LockedSet<K> {
     /// ```
     #[must_use]
     pub fn skipped(&self) -> &[K] {
-        &self.skipped
+        self.lists.as_ref().map_or(&[], |lists| &lists.skipped)
     }
 
     /// The skipped keys, by value.
@@ -216,7 +284,7 @@ impl<K> LockedSet<K> {
     /// ```
     #[must_use]
     pub fn into_skipped(self) -> Vec<K> {
-        self.skipped
+        self.lists.map_or_else(Vec::new, |lists| lists.skipped)
     }
 
     /// The keys the call took, each with how it got it (taken new,
@@ -247,7 +315,7 @@ impl<K> LockedSet<K> {
     /// ```
     #[must_use]
     pub fn keys(&self) -> &[(K, AcquireKind)] {
-        &self.keys
+        self.lists.as_ref().map_or(&[], |lists| &lists.keys)
     }
 
     /// The keys taken (as [`keys`](Self::keys) lists them) and the keys
@@ -268,7 +336,10 @@ impl<K> LockedSet<K> {
     /// ```
     #[must_use]
     pub fn into_parts(self) -> (Vec<(K, AcquireKind)>, Vec<K>) {
-        (self.keys, self.skipped)
+        self.lists.map_or_else(
+            || (Vec::new(), Vec::new()),
+            |lists| (lists.keys, lists.skipped),
+        )
     }
 }
 
@@ -399,7 +470,9 @@ impl<A: Access> Stage<'_, A> {
                 let guard = entry.guard.take();
                 if entry.skipped {
                     let (name, guard) = set.abandon(entry.hash, entry.id, guard);
-                    out.skipped.extend(name);
+                    if let Some(name) = name {
+                        out.skipped_mut().push(name);
+                    }
                     rest.push(guard);
                     continue;
                 }
@@ -419,7 +492,9 @@ impl<A: Access> Stage<'_, A> {
                             AcquireKind::Reentered => requests[j].key.take(),
                             AcquireKind::New | AcquireKind::Upgraded => name,
                         };
-                        out.keys.extend(key.map(|key| (key, kind)));
+                        if let Some(key) = key {
+                            out.keys_mut().push((key, kind));
+                        }
                     }
                     Err(guard) => rest.push(guard),
                 }
@@ -575,13 +650,7 @@ where
             Ok(Now::Counted {
                 acquired,
                 reentered,
-            }) => {
-                return Ok(LockedSet {
-                    acquired,
-                    reentered,
-                    ..LockedSet::new(Vec::new())
-                })
-            }
+            }) => return Ok(LockedSet::counted(acquired, reentered)),
             Ok(Now::Done(done)) => done,
             Err(wait) => { wait }.await,
         };
@@ -766,10 +835,7 @@ where
     }
     fill.done = true;
     fill.set.filled();
-    Ok(Ok(LockedSet {
-        acquired: n,
-        ..LockedSet::new(Vec::new())
-    }))
+    Ok(Ok(LockedSet::counted(n, 0)))
 }
 
 /// A vacant set being filled by [`take_fresh`]: if the fill is left
@@ -1138,10 +1204,10 @@ where
         for (i, request) in requests.iter().enumerate() {
             if let Found::Covered { .. } = found_at(found, i) {
                 if let Some(key) = &request.key {
-                    out.keys.push((key.clone(), AcquireKind::Reentered));
+                    out.keys_mut().push((key.clone(), AcquireKind::Reentered));
                 }
             } else if let Some((_, guard)) = guards.next_if(|(at, _)| *at == i) {
-                out.keys.push((guard.key().clone(), AcquireKind::New));
+                out.keys_mut().push((guard.key().clone(), AcquireKind::New));
             }
         }
     }
@@ -1630,7 +1696,7 @@ where
     let mut out = LockedSet::new(Vec::new());
     let mut failed = None;
     for (key, mode) in candidates {
-        if out.keys.len() == limit {
+        if out.keys().len() == limit {
             break;
         }
         let name = key.clone();
@@ -1641,11 +1707,11 @@ where
         match got {
             Ok(acquired) => {
                 out.count(acquired.kind);
-                out.keys.push((name, acquired.kind));
+                out.keys_mut().push((name, acquired.kind));
             }
-            Err(TransactionError::Busy { .. }) => out.skipped.push(name),
+            Err(TransactionError::Busy { .. }) => out.skipped_mut().push(name),
             Err(TransactionError::Lock { error, .. }) if is_taken(&error) => {
-                out.skipped.push(name);
+                out.skipped_mut().push(name);
             }
             Err(error) => {
                 failed = Some(error);
