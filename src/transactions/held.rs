@@ -316,12 +316,14 @@ impl<G, K> HeldSet<G, K> {
         self.slots.is_empty()
     }
 
-    /// Whether the set owns nothing at all: no slot, and no memory of its
-    /// own (its slots in place, no index). Dropping such a set frees
-    /// nothing.
+    /// Whether a set [`release_checked`] has emptied (no slot, no index)
+    /// owns nothing at all: no memory of its own (its slots in place).
+    /// Dropping such a set frees nothing. Only where its slots live is
+    /// left to ask.
     #[inline]
-    pub(crate) fn owns_nothing(&self) -> bool {
-        self.slots.is_empty() && !self.slots.spilled() && self.index.is_none()
+    pub(crate) fn owns_nothing_released(&self) -> bool {
+        debug_assert!(self.slots.is_empty() && self.index.is_none());
+        !self.slots.spilled()
     }
 }
 

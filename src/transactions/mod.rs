@@ -880,7 +880,8 @@ impl<'t, K: Eq + Hash, S: BuildHasher> Transaction<'t, K, S> {
         } else {
             self.release_then_cancel()
         };
-        if no_calls && self.set.owns_nothing() && self.owner.owns_nothing() {
+        // Either way the set was released (`release_checked` empties it).
+        if no_calls && self.set.owns_nothing_released() && self.owner.owns_nothing() {
             // Nothing left to release or free: skip the drop glue.
             std::mem::forget(self);
         }
