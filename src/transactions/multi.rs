@@ -61,7 +61,7 @@ use crate::support::mode::Mode;
 use crate::transactions::access::{
     wait_unless_ended, Access, Ended, Holding, LockOf, PendingOf, Stop, UpgradingOf, WaitFor,
 };
-use crate::transactions::access::{GuardOf, KeyOf};
+use crate::transactions::access::{GuardOf, KeyOf, Owner, SetOf};
 use crate::transactions::error::TransactionError;
 use crate::transactions::held::{AcquireKind, Begin, Found, HeldSet, UNINDEXED_MAX};
 use crate::transactions::pending::{self, Taken, Wait, Waited};
@@ -932,20 +932,22 @@ where
             }
         }
     };
-    let looked = access.with(|set| {
-        // A vacant set (a fresh transaction's transfer) has neither key.
+    // A vacant set (a fresh transaction's transfer) has neither key: both
+    // go to the table at once, nothing looked up (`few_vacant`).
+    if let Some((owner, set)) = access.sole() {
         if set.is_vacant() {
-            let absent = b.as_ref().map(|_| Found::Absent);
-            return (Found::Absent, absent, set.version(), true);
+            return few_vacant(owner, set, a, b);
         }
+    }
+    let looked = access.with(|set| {
         let mut found = |r: &Request<KeyOf<A>>| {
             let key = r.key.as_ref().expect("not taken yet");
             set.find(r.hash, key, r.mode)
         };
         let (found_a, found_b) = (found(&a), b.as_ref().map(found));
-        (found_a, found_b, set.version(), false)
+        (found_a, found_b, set.version())
     });
-    let Ok((found_a, found_b, version, vacant)) = looked else {
+    let Ok((found_a, found_b, version)) = looked else {
         return Few2::Ended;
     };
     let lists = |a, b: Option<Request<KeyOf<A>>>| {
@@ -983,45 +985,6 @@ where
         .table()
         .owner_terms(owner.opts.lease, owner.opts.id.get());
     let try_ = |r: &mut Request<KeyOf<A>>| try_request(&owner.reach, terms, r);
-    if vacant {
-        // Both new, into a vacant set (a fresh transaction's transfer):
-        // each guard goes into its slot as it is had, from the table's
-        // probe, as a fresh fill's. Not kept aside in an option first: a
-        // guard stored in words and copied on at once in wider pieces
-        // makes each of those loads wait for the stores it straddles.
-        let acquired = 1 + usize::from(b.is_some());
-        set.reserve_vacant(acquired);
-        // A panic (a key's `Eq` in the probe) takes `a` back out of the
-        // set, released as it unwinds: all or nothing.
-        let mut fill = Filling { set, done: false };
-        let mut b = b;
-        match try_(&mut a) {
-            Ok(guard) => fill.set.push_new(guard),
-            Err(()) => {
-                fill.done = true;
-                return busy(a, b, Taken::new(), 0);
-            }
-        }
-        if let Some(r) = b.as_mut() {
-            match try_(r) {
-                Ok(guard) => fill.set.push_new(guard),
-                Err(()) => {
-                    // `a` comes back out (the set as it was, at its
-                    // version), for the waiting way's list.
-                    fill.done = true;
-                    let mut taken = Taken::new();
-                    taken.extend(fill.set.unfill().map(|guard| (0, guard)));
-                    return busy(a, b, taken, 1);
-                }
-            }
-        }
-        fill.done = true;
-        fill.set.filled();
-        return Few2::Done {
-            acquired,
-            reentered: 0,
-        };
-    }
     let mut guard_a = None;
     if found_a == Found::Absent {
         match try_(&mut a) {
@@ -1061,6 +1024,81 @@ where
     Few2::Done {
         acquired,
         reentered,
+    }
+}
+
+/// [`few_now`] into a vacant set (a fresh transaction's transfer): both
+/// requests are new, none is looked up in the set. Inline, so that each
+/// guard goes from the table's probe into its slot.
+#[inline(always)]
+fn few_vacant<A: Access>(
+    owner: &Owner<A::R>,
+    set: &mut SetOf<A::R>,
+    mut a: Request<KeyOf<A>>,
+    b: Option<Request<KeyOf<A>>>,
+) -> Few2<A> {
+    // The terms of both keys' grants, resolved once (a lease out of range:
+    // `None`, and the wait reports it).
+    let terms = owner
+        .reach
+        .table()
+        .owner_terms(owner.opts.lease, owner.opts.id.get());
+    let try_ = |r: &mut Request<KeyOf<A>>| try_request(&owner.reach, terms, r);
+    // Request `at` is not free at once: what the waiting way starts from
+    // (the set as it was, vacant, at its version).
+    let busy = |set: &HeldSet<GuardOf<A>, KeyOf<A>>, a, b: Option<_>, taken, at| {
+        let version = set.version();
+        let found_b = b.as_ref().map(|_| Found::Absent);
+        let mut found = Few::new();
+        found.push(Found::Absent);
+        found.extend(found_b);
+        let mut requests = Few::new();
+        requests.push(a);
+        requests.extend(b);
+        Few2::Busy {
+            requests,
+            found,
+            taken,
+            at,
+            version,
+        }
+    };
+    // Both new, into a vacant set (a fresh transaction's transfer):
+    // each guard goes into its slot as it is had, from the table's
+    // probe, as a fresh fill's. Not kept aside in an option first: a
+    // guard stored in words and copied on at once in wider pieces
+    // makes each of those loads wait for the stores it straddles.
+    let acquired = 1 + usize::from(b.is_some());
+    set.reserve_vacant(acquired);
+    // A panic (a key's `Eq` in the probe) takes `a` back out of the
+    // set, released as it unwinds: all or nothing.
+    let mut fill = Filling { set, done: false };
+    let mut b = b;
+    match try_(&mut a) {
+        Ok(guard) => fill.set.push_new(guard),
+        Err(()) => {
+            fill.done = true;
+            return busy(fill.set, a, b, Taken::new(), 0);
+        }
+    }
+    if let Some(r) = b.as_mut() {
+        match try_(r) {
+            Ok(guard) => fill.set.push_new(guard),
+            Err(()) => {
+                // `a` comes back out (the set as it was, at its
+                // version), for the waiting way's list.
+                fill.done = true;
+                let mut taken = Taken::new();
+                taken.extend(fill.set.unfill().map(|guard| (0, guard)));
+                return busy(fill.set, a, b, taken, 1);
+            }
+        }
+    }
+    fill.done = true;
+    fill.set.filled();
+    Few2::Done {
+        acquired,
+        reentered: 0,
     }
 }
 
