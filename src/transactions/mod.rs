@@ -921,7 +921,7 @@ impl<'t, K: Eq + Hash, S: BuildHasher> Transaction<'t, K, S> {
             pending,
             parked,
         } = self;
-        pending.is_empty() && !pending.spilled() && parked.is_none()
+        !pending.spilled() && pending.is_empty() && parked.is_none()
     }
 
     /// Releases every key the transaction holds; the same as dropping it.
