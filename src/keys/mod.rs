@@ -30,7 +30,7 @@ use std::time::{Duration, Instant};
 use crate::support::key_map::{Index, KeyMap};
 
 use crate::keys::deferred::Ctx;
-use crate::keys::waiter::{Granted, Waiter};
+use crate::keys::waiter::{Granted, Waiter, WaiterPtr};
 use crate::support::fairness::Fairness;
 use crate::support::key_slot::{KeyPool, KeyPtr};
 use crate::support::lease::{PackedDuration, Terms};
@@ -401,16 +401,62 @@ impl<K> ShardState<K> {
         }
     }
 
-    /// The common handoff, without a [`Ctx`]: grant `token`, the only
-    /// holder of the key at `index`, lets go under strict fairness, and the
-    /// head waiter asks for the key exclusively. The head is granted a new
-    /// token (and its lease, from one clock read) and returned its waker, to
-    /// wake after unlocking (`None` inside: it was not armed, and sees the
-    /// grant when it polls). Anything else (eventual fairness, other
-    /// holders, a shared or upgrading head, no waiter, no token left, or,
-    /// with waiters left behind the head, a lease the shard's timer does not
-    /// cover yet) changes nothing and returns `None`, for
-    /// [`release_at`](Self::release_at).
+    /// The common handoff, without a [`Ctx`], its checks: grant `token`,
+    /// the only holder of the key at `index`, lets go under strict
+    /// fairness, and the head waiter asks for the key exclusively. Returns
+    /// the head and the lease its grant will carry, for
+    /// [`hand_off_to`](Self::hand_off_to); anything else (eventual
+    /// fairness, other holders, a shared or upgrading head, no waiter)
+    /// returns `None`, for [`release_at`](Self::release_at). Changes
+    /// nothing.
+    #[inline(always)]
+    pub(crate) fn plain_head(
+        &mut self,
+        index: Index,
+        token: FencingToken,
+        fairness: Fairness,
+    ) -> Option<(WaiterPtr, PackedDuration)> {
+        if fairness != Fairness::Strict {
+            return None;
+        }
+        let entry = self.entries.get_mut(index);
+        let head = entry.queue.head()?;
+        // SAFETY: the head is linked, under the shard lock (the caller's).
+        let lease = unsafe { Waiter::exclusive_lease(head) }?;
+        if !entry.holders.is_only(token) {
+            return None;
+        }
+        Some((head, lease))
+    }
+
+    /// What [`plain_head`](Self::plain_head) returned, read again without
+    /// its checks (`None` only if the caller broke the contract).
+    ///
+    /// # Safety
+    ///
+    /// `plain_head` returned some for `index` under the same hold of the
+    /// shard lock, with no change since.
+    #[inline(always)]
+    pub(crate) unsafe fn plain_head_again(
+        &mut self,
+        index: Index,
+    ) -> Option<(WaiterPtr, PackedDuration)> {
+        let head = self.entries.get_mut(index).queue.head()?;
+        // SAFETY: the head is linked, under the shard lock (the caller's).
+        let lease = unsafe { Waiter::exclusive_lease(head) }?;
+        Some((head, lease))
+    }
+
+    /// The common handoff past [`plain_head`](Self::plain_head): the head
+    /// is granted a new token (and its lease, from one clock read) and
+    /// returned its waker, to wake after unlocking (`None` inside: it was
+    /// not armed, and sees the grant when it polls). With waiters left
+    /// behind the head and a lease the shard's timer does not cover yet,
+    /// changes nothing and returns `None`, for
+    /// [`release_at`](Self::release_at). With no token left it panics
+    /// before it changes anything, as `release_at` would (the mint checks
+    /// first). A head without a lease reads no clock (so the caller makes
+    /// no call).
     ///
     /// What the general path would do beside this is nothing here: a
     /// granted exclusive head ends the admission, and the next head, if any,
@@ -418,24 +464,19 @@ impl<K> ShardState<K> {
     /// which already fires by then (checked), so nobody is nudged; with no
     /// next head, nothing is woken by that deadline (a later waiter covers
     /// it as it links).
+    ///
+    /// # Safety
+    ///
+    /// `(head, lease)` is what [`plain_head`](Self::plain_head) returned for
+    /// `index` under the same hold of the shard lock, with no change since.
     #[inline(always)]
-    pub(crate) fn hand_off_plain(
+    pub(crate) unsafe fn hand_off_to(
         &mut self,
         index: Index,
-        token: FencingToken,
-        fairness: Fairness,
+        (head, lease): (WaiterPtr, PackedDuration),
         shard: (&Counters, &ShardTimer, &Clock),
     ) -> Option<Option<std::task::Waker>> {
-        if fairness != Fairness::Strict || !self.tokens.has_available() {
-            return None;
-        }
         let (entry, keys) = self.at(index);
-        let head = entry.queue.head()?;
-        // SAFETY: the head is linked, under the shard lock (the caller's).
-        let lease = unsafe { Waiter::exclusive_lease(head) }?;
-        if !entry.holders.is_only(token) {
-            return None;
-        }
         let (deadline, since) = if lease.nanos().is_none() {
             (Stamp::NONE, Stamp::NONE)
         } else {
@@ -445,16 +486,18 @@ impl<K> ShardState<K> {
             lease_times(lease, shard, entry.queue.len() > 1)?
         };
         // Grants the head the key exclusively, in place of its only holder.
+        // Panics (no token left) before anything changes.
         let fresh = keys.tokens.mint();
-        // SAFETY: under the shard lock; we saw a head.
-        let (head, terms) = unsafe { entry.queue.pop_front() }?;
+        // SAFETY: under the shard lock; `head` is the head (the caller's
+        // contract: nothing changed the queue since), granted right below.
+        let owner = unsafe { entry.queue.pop_head_for_grant(head) };
         // SAFETY: just unlinked, under the lock; not touched again.
         let waker = unsafe { Waiter::grant(head, fresh, deadline, Mode::Exclusive) };
         entry.holders.replace_only(Holder {
             token: fresh,
             deadline,
             since,
-            owner: terms.owner,
+            owner,
         });
         entry.mode = Mode::Exclusive;
         shard.0.handed_off();
@@ -477,7 +520,9 @@ impl<K> ShardState<K> {
         let removed = self.entries.remove_if(
             hash,
             |e| e.key == key,
-            |e| e.holders.is_only(token) && e.queue.is_empty() && e.fenced == 0,
+            // The queue first: a key with waiters (the handoff) is told
+            // apart at the first check.
+            |e| e.queue.is_empty() && e.holders.is_only(token) && e.fenced == 0,
         )?;
         // SAFETY: the entry was just removed from the table and nothing uses
         // it: no waiter, no fenced guard, and its only holder lets go.

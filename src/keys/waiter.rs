@@ -143,8 +143,9 @@ enum NodeSlot {
     },
     Grant {
         token: FencingToken,
-        deadline: Stamp,
-        mode: Mode,
+        /// The deadline and mode, packed ([`Stamp::pack_with`]): the form
+        /// a guard keeps them in, made here where the mode is known.
+        packed: u64,
     },
 }
 
@@ -197,6 +198,19 @@ impl LazyWaiter {
         unsafe { self.node.assume_init_ref() }
     }
 
+    /// The node, known initialized: [`get`](Self::get) without its check.
+    ///
+    /// # Safety
+    ///
+    /// The node was initialized ([`get_or_init`](Self::get_or_init)): a
+    /// future that linked its node (its state says so) has.
+    #[inline(always)]
+    pub(crate) unsafe fn get_unchecked(&self) -> &Waiter {
+        debug_assert!(self.live, "keylock: the waiter node is initialized");
+        // SAFETY: initialized (the caller's contract).
+        unsafe { self.node.assume_init_ref() }
+    }
+
     /// The node, which a linked or granted future has initialized.
     ///
     /// # Panics
@@ -237,7 +251,21 @@ pub(crate) enum Armed {
 pub(crate) struct Granted {
     pub(crate) token: FencingToken,
     pub(crate) deadline: Stamp,
-    pub(crate) mode: Mode,
+    /// `deadline` and the grant's mode packed ([`Stamp::pack_with`]), as
+    /// published.
+    pub(crate) packed: u64,
+}
+
+impl Granted {
+    /// The grant of `token` with `deadline`, in `mode`.
+    #[inline(always)]
+    pub(crate) fn new(token: FencingToken, deadline: Stamp, mode: Mode) -> Self {
+        Self {
+            token,
+            deadline,
+            packed: deadline.pack_with(mode),
+        }
+    }
 }
 
 /// What a waiter's state word says, for its owner.
@@ -302,15 +330,14 @@ impl Waiter {
         // node again, so this read races with nothing.
         let slot = unsafe { node.deref() }.slot;
         match slot {
-            NodeSlot::Grant {
-                token,
-                deadline,
-                mode,
-            } => Granted {
-                token,
-                deadline,
-                mode,
-            },
+            NodeSlot::Grant { token, packed } => {
+                let (deadline, _) = Stamp::unpack(packed);
+                Granted {
+                    token,
+                    deadline,
+                    packed,
+                }
+            }
             NodeSlot::Links { .. } => unreachable!("keylock: a granted node holds its grant"),
         }
     }
@@ -353,12 +380,17 @@ impl Waiter {
     #[inline]
     pub(crate) unsafe fn arm_unlocked(&self, waker: Waker) -> Armed {
         // The table reads the waker cell only in `ARMED`, which only we set.
-        let old = {
+        {
             let cell = self.waker.get_mut();
             // SAFETY: before `ARMED` the waker cell is the owner's.
-            unsafe { cell.deref() }.replace(waker)
-        };
-        debug_assert!(old.is_none(), "an unarmed node holds no waker");
+            let slot = unsafe { cell.deref() };
+            debug_assert!(slot.is_none(), "an unarmed node holds no waker");
+            // Written over, not replaced: an unarmed node holds no waker
+            // (`retire` and the grant take it), so there is nothing to drop
+            // (were there one, it would leak, not be freed twice).
+            // SAFETY: `slot` is a valid, exclusive place (above).
+            unsafe { std::ptr::write(slot, Some(waker)) };
+        }
         match self
             .state
             .compare_exchange(WAITING, ARMED, Release, Acquire)
@@ -462,8 +494,7 @@ impl Waiter {
             // SAFETY: the grant cell is the table's under the lock.
             unsafe { node.deref() }.slot = NodeSlot::Grant {
                 token,
-                deadline,
-                mode,
+                packed: deadline.pack_with(mode),
             };
         }
         let mut state = me.state.load(Acquire);
@@ -788,6 +819,40 @@ impl WaitList {
         }
         self.len -= 1;
         Some((head, terms))
+    }
+
+    /// Unlinks `head`, the head, to be granted at once: its links are dead
+    /// from here on (the grant overwrites them), so they are read, not
+    /// reset. Returns the transaction it waits for.
+    ///
+    /// # Safety
+    ///
+    /// Under the shard lock; `head` is this list's head (from
+    /// [`head`](Self::head), no change since), and the caller grants it
+    /// ([`Waiter::grant`]) before the lock is released.
+    #[inline(always)]
+    pub(crate) unsafe fn pop_head_for_grant(&mut self, head: WaiterPtr) -> u64 {
+        debug_assert!(self.head == Some(head));
+        let (next, owner) = {
+            // SAFETY: the head is linked, under the lock.
+            let node = unsafe { head.as_ref() }.node.get_mut();
+            // SAFETY: as above.
+            let node = unsafe { node.deref() };
+            let next = match node.slot {
+                NodeSlot::Links { next, .. } => next,
+                // A linked node holds links (`push_*` writes them).
+                NodeSlot::Grant { .. } => None,
+            };
+            (next, node.owner)
+        };
+        // The new head's `prev` still names `head`: a head's link is not
+        // read (see the type's doc), so it is not written either.
+        self.head = next;
+        if next.is_none() {
+            self.tail = None;
+        }
+        self.len -= 1;
+        owner
     }
 
     /// Visits every linked waiter, head first: its address, its `prev` link

@@ -391,11 +391,7 @@ impl<K> ShardState<K> {
             // Shared heads behind it join it; the next head must arm a timer
             // for this grant's lease, as after a handoff.
             keys.admit(entry, ctx);
-            return Polled::Granted(Granted {
-                token: grant.token,
-                deadline: grant.deadline,
-                mode,
-            });
+            return Polled::Granted(Granted::new(grant.token, grant.deadline, mode));
         }
         // SAFETY: linked, under the lock, by the owner.
         match unsafe { waiter.arm_locked(current, &mut fresh) } {

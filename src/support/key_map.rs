@@ -264,7 +264,11 @@ impl<V> KeyMap<V> {
     /// # Panics
     ///
     /// If `index` is stale and its slot is now empty or gone.
-    #[inline]
+    ///
+    /// Inline always: a few instructions, on the handoff's path twice (the
+    /// wait's enqueue and the release's handoff), where a call cost more
+    /// than its body.
+    #[inline(always)]
     pub(crate) fn get_mut(&mut self, index: Index) -> &mut V {
         #[cfg(debug_assertions)]
         debug_assert_eq!(index.stamp, self.stamp, "stale KeyMap index");

@@ -42,6 +42,20 @@ impl<T> Mutex<T> {
     }
 
     #[inline]
+    /// Locks if nobody holds it (may fail spuriously under loom: a
+    /// caller then locks).
+    #[cfg_attr(not(loom), allow(dead_code))]
+    pub(crate) fn try_lock(&self) -> Option<MutexGuard<'_, T>> {
+        #[cfg(all(not(loom), feature = "test-util"))]
+        return self.0.try_lock();
+        #[cfg(any(loom, not(feature = "test-util")))]
+        match self.0.try_lock() {
+            Ok(guard) => Some(guard),
+            Err(std::sync::TryLockError::Poisoned(poisoned)) => Some(poisoned.into_inner()),
+            Err(std::sync::TryLockError::WouldBlock) => None,
+        }
+    }
+
     pub(crate) fn lock(&self) -> MutexGuard<'_, T> {
         #[cfg(all(not(loom), feature = "test-util"))]
         return self.0.lock();

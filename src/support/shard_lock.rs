@@ -84,6 +84,25 @@ impl<T> ShardLock<T> {
         }
     }
 
+    /// Locks if nobody holds it (one compare-and-swap); `None` otherwise,
+    /// for the caller to [`lock`](Self::lock) on a path of its own (so that
+    /// its fast path keeps nothing across the wait).
+    #[inline]
+    #[cfg_attr(loom, allow(dead_code))]
+    pub(crate) fn try_lock(&self) -> Option<ShardGuard<'_, T>> {
+        if self
+            .locked
+            .compare_exchange(false, true, Acquire, Relaxed)
+            .is_err()
+        {
+            return None;
+        }
+        Some(ShardGuard {
+            lock: self,
+            value: ManuallyDrop::new(self.value.get_mut()),
+        })
+    }
+
     /// One attempt after the lock was seen free. (Under loom a strong
     /// compare-and-swap: loom lets a weak one fail spuriously without bound.)
     #[inline]

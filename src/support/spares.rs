@@ -4,15 +4,20 @@
 //! critical section once the table is warm.
 //!
 //! A fixed array rather than a `Vec`: taking and giving compile to a few
-//! moves, and the bound holds without a check of capacity.
+//! moves, and the bound holds without a check of capacity. The slots above
+//! the count are uninitialized, not `None`: taking a spare reads it out and
+//! writes nothing back, and neither way checks a slot's tag.
+
+use std::mem::MaybeUninit;
 
 /// Up to `N` spare values.
 ///
 /// # Invariants
 ///
-/// `spare[..count]` are `Some`, the rest `None`.
+/// `count <= N`; `spare[..count]` are initialized, the rest are not (and
+/// are never read).
 pub(crate) struct Spares<T, const N: usize> {
-    spare: [Option<T>; N],
+    spare: [MaybeUninit<T>; N],
     count: usize,
 }
 
@@ -27,7 +32,7 @@ impl<T, const N: usize> std::fmt::Debug for Spares<T, N> {
 impl<T, const N: usize> Default for Spares<T, N> {
     fn default() -> Self {
         Self {
-            spare: std::array::from_fn(|_| None),
+            spare: [const { MaybeUninit::uninit() }; N],
             count: 0,
         }
     }
@@ -39,17 +44,19 @@ impl<T, const N: usize> Spares<T, N> {
     pub(crate) fn take(&mut self) -> Option<T> {
         let top = self.count.checked_sub(1)?;
         self.count = top;
-        self.spare.get_mut(top).and_then(Option::take)
+        debug_assert!(top < N);
+        // SAFETY: `top < count <= N` (the invariant), so in bounds and
+        // initialized; with `count` now `top` the slot counts as
+        // uninitialized, so it is read out exactly once.
+        Some(unsafe { self.spare.get_unchecked(top).assume_init_read() })
     }
 
     /// Keeps `value` for reuse; drops it if `N` are kept already.
     #[inline(always)]
     pub(crate) fn give(&mut self, value: T) {
         if let Some(slot) = self.spare.get_mut(self.count) {
-            // Empty, by the invariant: nothing to drop, and no check for it.
-            let old = slot.replace(value);
-            debug_assert!(old.is_none());
-            std::mem::forget(old);
+            // Uninitialized, by the invariant: nothing to drop.
+            slot.write(value);
             self.count += 1;
         }
     }
@@ -58,6 +65,18 @@ impl<T, const N: usize> Spares<T, N> {
     #[cfg(test)]
     pub(crate) fn len(&self) -> usize {
         self.count
+    }
+}
+
+impl<T, const N: usize> Drop for Spares<T, N> {
+    fn drop(&mut self) {
+        let count = std::mem::take(&mut self.count);
+        for slot in &mut self.spare[..count] {
+            // SAFETY: below the count, so initialized (the invariant); the
+            // count is zero now, so each is dropped once, even should one
+            // of these drops panic (the rest then leak).
+            unsafe { slot.assume_init_drop() };
+        }
     }
 }
 

@@ -133,12 +133,6 @@ impl TokenCounter {
         token
     }
 
-    /// Whether a token is left to [`mint`](Self::mint).
-    #[inline(always)]
-    pub(crate) fn has_available(&self) -> bool {
-        self.next != 0
-    }
-
     /// Panics, as [`mint`](Self::mint) would, if no token is left; for
     /// callers that must fail before they change anything.
     #[inline]

@@ -43,6 +43,17 @@ enum State<K> {
     Done,
 }
 
+/// What a lock asks for: the terms of its grant (its lease, or for an
+/// upgrade the token it upgrades, and the transaction it is for, 0: none)
+/// and how long it waits (its timeout, and when the caller gives up, none:
+/// no deadline). Kept together, so that the general first poll
+/// ([`start_busy`]) is handed them by one reference into the future.
+#[derive(Debug, Clone, Copy)]
+struct Asks {
+    terms: Terms,
+    patience: Patience,
+}
+
 /// When a wait with a timeout started and when it gives up, as stamps (one
 /// word each, none until it first waits; `until` none also when the timeout
 /// is too long to represent: it waits for ever).
@@ -68,12 +79,7 @@ pin_project! {
         // Dropped by hand in `Drop` (`drop_rest`), with `waiter`, behind the
         // same inline check as `sleep`.
         state: ManuallyDrop<State<K>>,
-        lease: PackedDuration,
-        timeout: PackedDuration,
-        // The transaction the grant is for (0: none).
-        owner: u64,
-        // When the caller gives up, as asked (none: no deadline).
-        deadline: Stamp,
+        asks: Asks,
         timing: Timing,
         // The waiter's own timer, on clocks without shard timers (boxed:
         // most waits never need one, so a lock future stays small). Dropped
@@ -142,10 +148,13 @@ where
             table: Some(table),
             hash,
             state: ManuallyDrop::new(state),
-            lease,
-            timeout: PackedDuration::pack(timeout),
-            owner,
-            deadline: Stamp::new(opts.deadline_instant()),
+            asks: Asks {
+                terms: Terms { lease, owner },
+                patience: Patience {
+                    timeout: PackedDuration::pack(timeout),
+                    deadline: Stamp::new(opts.deadline_instant()),
+                },
+            },
             timing: Timing::default(),
             sleep: ManuallyDrop::new(None),
             waiter: ManuallyDrop::new(LazyWaiter::new()),
@@ -165,10 +174,16 @@ where
             table: Some(table),
             hash,
             state: ManuallyDrop::new(State::StartUpgrade { key }),
-            lease: PackedDuration::from_bits(token.get()),
-            timeout: PackedDuration::pack(opts.timeout_duration()),
-            owner: 0,
-            deadline: Stamp::new(opts.deadline_instant()),
+            asks: Asks {
+                terms: Terms {
+                    lease: PackedDuration::from_bits(token.get()),
+                    owner: 0,
+                },
+                patience: Patience {
+                    timeout: PackedDuration::pack(opts.timeout_duration()),
+                    deadline: Stamp::new(opts.deadline_instant()),
+                },
+            },
             timing: Timing::default(),
             sleep: ManuallyDrop::new(None),
             waiter: ManuallyDrop::new(LazyWaiter::new()),
@@ -214,11 +229,13 @@ where
         let this = unsafe { self.get_unchecked_mut() };
         match *this.state {
             State::Start { .. }
-                if this.timeout != PackedDuration::ZERO && !this.deadline.is_some() => {}
+                if this.asks.patience.timeout != PackedDuration::ZERO
+                    && !this.asks.patience.deadline.is_some() => {}
             State::Linked { key } if this.sleep.is_none() => {
                 // The grant is published through the waiter: no lock
                 // needed to see it.
-                let waiter = this.waiter.get();
+                // SAFETY: `Linked`: the waiter was linked, so initialized.
+                let waiter = unsafe { this.waiter.get_unchecked() };
                 if waiter.seen() != Seen::Granted {
                     return First::Machine;
                 }
@@ -258,6 +275,7 @@ where
             Err(err) => return Poll::Ready(Err(err)),
             Ok(Step::Ready(out)) => return Poll::Ready(Ok(out)),
             Ok(Step::Wait(at)) => this.arm_timer(at, cx).is_ready(),
+            Ok(Step::Parked) => false,
             Ok(Step::Again) => true,
         };
         if !again {
@@ -328,22 +346,25 @@ where
                     match this.start(key, mode, cx, left)? {
                         Step::Ready(out) => return Poll::Ready(Ok(out)),
                         Step::Wait(at) => at,
+                        Step::Parked => return Poll::Pending,
                         Step::Again => continue,
                     }
                 }
                 &State::StartUpgrade { key } => {
                     *this.state = State::Done;
-                    let token = FencingToken::new(this.lease.bits())
+                    let token = FencingToken::new(this.asks.terms.lease.bits())
                         .expect("keylock: an upgrade keeps its token");
                     match this.start_upgrade(key, token, cx, left)? {
                         Step::Ready(out) => return Poll::Ready(Ok(out)),
                         Step::Wait(at) => at,
+                        Step::Parked => return Poll::Pending,
                         Step::Again => continue,
                     }
                 }
                 &State::Linked { key } => match this.poll_linked(key, cx, left)? {
                     Step::Ready(out) => return Poll::Ready(Ok(out)),
                     Step::Wait(at) => at,
+                    Step::Parked => return Poll::Pending,
                     Step::Again => continue,
                 },
                 State::Invalid(_) => {
@@ -365,10 +386,7 @@ where
     /// The terms a grant of this lock carries: its lease and owner.
     #[inline(always)]
     fn terms(&self) -> Terms {
-        Terms {
-            lease: self.lease,
-            owner: self.owner,
-        }
+        self.asks.terms
     }
 
     /// The first poll of a lock with a zero timeout or a deadline (any
@@ -386,11 +404,12 @@ where
         let terms = self.terms();
         // A deadline already passed is a zero timeout (the clock is read only
         // when there is a deadline). A plain lock has neither: one check.
-        let timed = self.timeout != PackedDuration::NONE || self.deadline.is_some();
+        let timed = self.asks.patience.timeout != PackedDuration::NONE
+            || self.asks.patience.deadline.is_some();
         if timed
-            && (self.timeout == PackedDuration::ZERO
-                || self.deadline.is_some()
-                    && Stamp::new(Some(table.clock().now())) >= self.deadline)
+            && (self.asks.patience.timeout == PackedDuration::ZERO
+                || self.asks.patience.deadline.is_some()
+                    && Stamp::new(Some(table.clock().now())) >= self.asks.patience.deadline)
         {
             return match try_once(table, self.hash, key, mode, terms, left) {
                 Ok(grant) => Ok(Step::Ready(self.finish(grant))),
@@ -431,10 +450,7 @@ where
                 Ok(Step::Ready(self.finish(grant)))
             }
             Err(index) => {
-                let patience = Patience {
-                    timeout: self.timeout,
-                    deadline: self.deadline,
-                };
+                let patience = self.asks.patience;
                 // The common wait (exclusive, strict FIFO, behind one
                 // holder; with a lease or timeout only if the shard's timer
                 // covers it) is linked here, inline: its arguments stay in
@@ -456,7 +472,14 @@ where
                     if let Some(key) = key {
                         left.drop_key_later(key);
                     }
-                    return self.started(queued, cx, left);
+                    // The common wait has no timer to arm: it waits without
+                    // a deadline, or its clock has shard timers (its
+                    // conditions), and it is behind no lease the shard's
+                    // timer does not cover (`wake_at` is none).
+                    return match self.started(queued, cx, left)? {
+                        Step::Wait(None) => Ok(Step::Parked),
+                        step => Ok(step),
+                    };
                 }
                 // SAFETY: as above.
                 let attempt = unsafe {
@@ -464,7 +487,7 @@ where
                         table,
                         state,
                         (self.hash, index, key),
-                        (mode, terms, patience),
+                        (mode, &self.asks),
                         &mut self.waiter,
                         left,
                     )
@@ -486,13 +509,10 @@ where
         left: &mut Leftovers<K>,
     ) -> Result<Step<(T, Held<K>)>, Box<LockError>> {
         let table = self.table.as_deref().expect("present until completion");
-        let timeout = self.timeout.get();
-        let passed =
-            self.deadline.is_some() && Stamp::new(Some(table.clock().now())) >= self.deadline;
-        let patience = Patience {
-            timeout: self.timeout,
-            deadline: self.deadline,
-        };
+        let timeout = self.asks.patience.timeout.get();
+        let passed = self.asks.patience.deadline.is_some()
+            && Stamp::new(Some(table.clock().now())) >= self.asks.patience.deadline;
+        let patience = self.asks.patience;
         let shard = table.shard(self.hash);
         let mut state = shard.state.lock();
         let mut ctx = shard.ctx(table.clock(), left);
@@ -562,15 +582,19 @@ where
                 // unlinks the waiter whatever panics.
                 self.set_state(State::Linked { key });
                 self.timing = Timing { start, until };
-                let waiter = self.waiter.get();
-                if !start.is_some() && !waiter.is_stamped() {
+                // SAFETY: queued: the waiter was linked, so initialized.
+                let waiter = unsafe { self.waiter.get_unchecked() };
+                if !start.is_some() {
                     // When the wait began, for the status view: the coarse
                     // clock's reading on the real clock once the view has
                     // been read (none before, none on other clocks), taken
                     // after the unlock (unless one was taken under the
-                    // lock already).
+                    // lock already). The view's flag first: it is off
+                    // unless a view was read, and then nothing is stamped.
                     let table = self.table.as_deref().expect("present until completion");
-                    waiter.stamp_since(table.wait_stamp());
+                    if table.watches_wait_starts() && !waiter.is_stamped() {
+                        waiter.stamp_since(table.wait_stamp());
+                    }
                 }
                 // SAFETY: our own waiter, just linked, armed once.
                 match unsafe { waiter.arm_unlocked(cx.waker().clone()) } {
@@ -599,7 +623,8 @@ where
         left: &mut Leftovers<K>,
     ) -> Result<Step<(T, Held<K>)>, Box<LockError>> {
         // The grant is published through the waiter: no lock needed to see it.
-        let waiter = self.waiter.get();
+        // SAFETY: `Linked`: the waiter was linked, so initialized.
+        let waiter = unsafe { self.waiter.get_unchecked() };
         if waiter.seen() == Seen::Granted {
             let granted = waiter.granted();
             return Ok(Step::Ready(self.finish_granted(key, granted)));
@@ -743,12 +768,11 @@ where
     #[inline]
     fn finish_granted(&mut self, key: KeyPtr<K>, granted: Granted) -> (T, Held<K>) {
         self.set_state(State::Done);
-        self.finish(Grant {
-            key,
-            token: granted.token,
-            deadline: granted.deadline,
-            mode: granted.mode,
-        })
+        // As `finish`, from the grant as published (deadline and mode
+        // packed already, as a guard keeps them).
+        let table = self.table.take().expect("present until completion");
+        let held = Held::from_granted(self.hash, key, granted.token, granted.packed);
+        (table, held)
     }
 
     /// The output of a grant taken on the first poll, whose dispatch in
@@ -869,6 +893,9 @@ enum Step<O> {
     Ready(O),
     /// Waiting; arm a timer for this instant if set.
     Wait(Option<Instant>),
+    /// Waiting, with no timer to arm (the first poll's common wait:
+    /// [`Acquire::arm_timer`] would arm none).
+    Parked,
     /// Poll again at once (nudged while registering).
     Again,
 }
@@ -887,10 +914,11 @@ unsafe fn start_busy<K, S>(
     table: &LockTable<K, S>,
     state: impl DerefMut<Target = ShardState<K>>,
     (hash, index, key): (u64, Index, Option<K>),
-    (mode, terms, patience): (Mode, Terms, Patience),
+    (mode, asks): (Mode, &Asks),
     waiter: &mut LazyWaiter,
     left: &mut Leftovers<K>,
 ) -> Attempt<K> {
+    let Asks { terms, patience } = *asks;
     // In this order, so that unwinding unlocks before it drops the key.
     let key = key;
     let mut state = state;
@@ -1045,8 +1073,8 @@ impl<T: TableHandle<K>, K> fmt::Debug for Acquire<T, K> {
         };
         f.debug_struct("Acquire")
             .field("state", &state)
-            .field("lease", &self.lease)
-            .field("timeout", &self.timeout)
+            .field("lease", &self.asks.terms.lease)
+            .field("timeout", &self.asks.patience.timeout)
             .field("timing", &self.timing)
             .field("sleep", &*self.sleep)
             .finish_non_exhaustive()

@@ -39,10 +39,7 @@ pub(crate) struct Held<K> {
 #[derive(Debug)]
 pub(crate) struct GrantCache(AtomicU64);
 
-const SHARED_BIT: u64 = 1 << 63;
-
-// `GrantCache::pack` computes the bit from the discriminants.
-const _: () = assert!(Mode::Shared as u64 == 0 && Mode::Exclusive as u64 == 1);
+const SHARED_BIT: u64 = Stamp::SHARED_BIT;
 
 impl GrantCache {
     #[inline(always)]
@@ -50,11 +47,16 @@ impl GrantCache {
         Self(AtomicU64::new(Self::pack(deadline, mode)))
     }
 
+    /// The cache of a deadline and mode already packed
+    /// ([`Stamp::pack_with`]).
+    #[inline(always)]
+    fn from_packed(packed: u64) -> Self {
+        Self(AtomicU64::new(packed))
+    }
+
     #[inline(always)]
     fn pack(deadline: Stamp, mode: Mode) -> u64 {
-        // Branch-free: `Shared` is 0 and `Exclusive` 1.
-        let bit = ((mode as u64) ^ 1) << 63;
-        (deadline.to_raw() & !SHARED_BIT) | bit
+        deadline.pack_with(mode)
     }
 
     #[inline]
@@ -88,6 +90,23 @@ impl GrantCache {
 }
 
 impl<K> Held<K> {
+    /// A waiter's grant of the key at `key`: its token, and its deadline
+    /// and mode as published, packed ([`Stamp::pack_with`]).
+    #[inline(always)]
+    pub(crate) fn from_granted(
+        hash: u64,
+        key: KeyPtr<K>,
+        token: FencingToken,
+        packed: u64,
+    ) -> Self {
+        Self {
+            hash,
+            key,
+            token,
+            deadline: GrantCache::from_packed(packed),
+        }
+    }
+
     #[inline]
     pub(crate) fn new(hash: u64, grant: Grant<K>) -> Self {
         Self {

@@ -424,6 +424,13 @@ impl<K, S> LockTable<K, S> {
         }
     }
 
+    /// Whether waits are stamped (a status view was read): if not,
+    /// [`wait_stamp`](Self::wait_stamp) is none.
+    #[inline(always)]
+    pub(crate) fn watches_wait_starts(&self) -> bool {
+        self.wait_starts.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
     /// The status view is being read: stamp every wait from now on. Written
     /// once (a load first keeps later readers off the line).
     #[inline]
@@ -482,7 +489,34 @@ impl<K, S> LockTable<K, S> {
     #[inline(always)]
     pub(crate) fn release(&self, hash: u64, key: KeyPtr<K>, token: FencingToken) {
         let shard = self.shard(hash);
-        let mut state = shard.state.lock();
+        // A shard held by another thread is waited for out of line, so that
+        // this path keeps nothing across the wait.
+        match shard.state.try_lock() {
+            Some(state) => self.release_locked(shard, state, hash, key, token),
+            None => self.release_contended(hash, key, token),
+        }
+    }
+
+    /// [`release`](Self::release) when the shard's lock was taken.
+    #[cold]
+    #[inline(never)]
+    fn release_contended(&self, hash: u64, key: KeyPtr<K>, token: FencingToken) {
+        let shard = self.shard(hash);
+        let state = shard.state.lock();
+        self.release_locked(shard, state, hash, key, token);
+    }
+
+    /// [`release`](Self::release) under the shard's lock (`state`).
+    #[inline(always)]
+    fn release_locked(
+        &self,
+        shard: &Shard<K>,
+        state: impl DerefMut<Target = ShardState<K>>,
+        hash: u64,
+        key: KeyPtr<K>,
+        token: FencingToken,
+    ) {
+        let mut state = state;
         match state.release_alone(hash, key, token) {
             Ok(key) => {
                 drop(state);
@@ -498,6 +532,11 @@ impl<K, S> LockTable<K, S> {
     /// [`release`](Self::release) of a key with waiters, other holders or
     /// fenced guards, or of a fenced grant; `state` is the shard's, locked.
     /// The common handoff (a plain head granted the key) is inline here.
+    ///
+    /// A head without a lease is handed the key here, with no call but the
+    /// last (so that this keeps nothing across a call, and saves no
+    /// registers); one with a lease reads the clock, in
+    /// [`release_leased`](Self::release_leased).
     #[inline(never)]
     fn release_busy(
         &self,
@@ -507,16 +546,51 @@ impl<K, S> LockTable<K, S> {
         token: FencingToken,
     ) {
         let mut state = state;
+        let Some(head) = state.plain_head(index, token, self.fairness) else {
+            return self.release_general(shard, state, Some(index), token);
+        };
+        if head.1.nanos().is_some() {
+            // Six words of arguments, all in registers: a tail call.
+            return self.release_leased(shard, state, index, token);
+        }
         let shard_parts = (&shard.counters, &shard.timer, &self.clock);
-        if let Some(waker) = state.hand_off_plain(index, token, self.fairness, shard_parts) {
+        // SAFETY: `head` is `plain_head`'s answer, just now, under this lock.
+        match unsafe { state.hand_off_to(index, head, shard_parts) } {
+            Some(waker) => {
+                drop(state);
+                // After unlocking: `Waker::wake` is user code.
+                if let Some(waker) = waker {
+                    wake_unlocked(waker);
+                }
+            }
+            None => self.release_general(shard, state, Some(index), token),
+        }
+    }
+
+    /// [`release_busy`](Self::release_busy) of a plain head with a lease
+    /// ([`ShardState::plain_head`] found it, under this lock): its grant
+    /// reads the clock.
+    #[inline(never)]
+    fn release_leased(
+        &self,
+        shard: &Shard<K>,
+        state: impl DerefMut<Target = ShardState<K>>,
+        index: Index,
+        token: FencingToken,
+    ) {
+        let mut state = state;
+        let shard_parts = (&shard.counters, &shard.timer, &self.clock);
+        // SAFETY: `plain_head` found a plain head at `index` under this
+        // lock, and nothing changed since (the caller).
+        let Some(head) = (unsafe { state.plain_head_again(index) }) else {
+            return self.release_general(shard, state, Some(index), token);
+        };
+        // SAFETY: as above.
+        if let Some(waker) = unsafe { state.hand_off_to(index, head, shard_parts) } {
             drop(state);
             // After unlocking: `Waker::wake` is user code.
             if let Some(waker) = waker {
-                if std::thread::panicking() {
-                    wake_while_unwinding(waker);
-                } else {
-                    waker.wake();
-                }
+                wake_unlocked(waker);
             }
             return;
         }
@@ -1966,4 +2040,16 @@ impl<K, S> Drop for ReleaseOnUnwind<'_, K, S> {
 #[inline(never)]
 fn wake_while_unwinding(waker: std::task::Waker) {
     let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| waker.wake()));
+}
+
+/// Wakes a waiter handed a key, after unlocking (`Waker::wake` is user
+/// code), also while unwinding (see [`wake_while_unwinding`]). Out of line:
+/// the handoff calls it last, so that it keeps nothing across a call.
+#[inline(never)]
+fn wake_unlocked(waker: std::task::Waker) {
+    if std::thread::panicking() {
+        wake_while_unwinding(waker);
+    } else {
+        waker.wake();
+    }
 }

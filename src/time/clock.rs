@@ -139,8 +139,39 @@ impl Clock {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Default)]
 pub(crate) struct Stamp(u64);
 
+// `Stamp::pack_with` computes the bit from the discriminants.
+const _: () = assert!(
+    crate::support::mode::Mode::Shared as u64 == 0
+        && crate::support::mode::Mode::Exclusive as u64 == 1
+);
+
 impl Stamp {
     pub(crate) const NONE: Self = Self(0);
+
+    /// This deadline and a grant's `mode` in one word: the mode in the top
+    /// bit (set: shared), which a stamp (nanoseconds since the process's
+    /// clock epoch) reaches only after 292 years; the deadline in the rest.
+    /// What a guard keeps, and what a waiter's grant is published as.
+    #[inline(always)]
+    pub(crate) fn pack_with(self, mode: crate::support::mode::Mode) -> u64 {
+        // Branch-free: `Shared` is 0 and `Exclusive` 1.
+        let bit = ((mode as u64) ^ 1) << 63;
+        (self.0 & !Self::SHARED_BIT) | bit
+    }
+
+    /// The top bit of [`pack_with`](Self::pack_with)'s word: shared.
+    pub(crate) const SHARED_BIT: u64 = 1 << 63;
+
+    /// The deadline and mode [`pack_with`](Self::pack_with) packed.
+    #[inline(always)]
+    pub(crate) fn unpack(packed: u64) -> (Self, crate::support::mode::Mode) {
+        let mode = if packed & Self::SHARED_BIT == 0 {
+            crate::support::mode::Mode::Exclusive
+        } else {
+            crate::support::mode::Mode::Shared
+        };
+        (Self(packed & !Self::SHARED_BIT), mode)
+    }
 
     fn epoch() -> Instant {
         static EPOCH: std::sync::OnceLock<Instant> = std::sync::OnceLock::new();
