@@ -488,6 +488,17 @@ impl<R: Reach> Shared<R> {
         // Whatever `release` left (a panic midway: the rest of the keys).
         let rest = catch_unwind(AssertUnwindSafe(|| drop(slots)));
         let cancelled = catch_unwind(AssertUnwindSafe(|| pending::cancel_all(pending)));
+        if self.waits.load(Ordering::SeqCst) != 0 {
+            // Calls forgotten in a wait may have left registrations with
+            // the deadlock detector that never leave by themselves (live
+            // calls, woken below, find theirs gone: harmless).
+            let owner = &self.owner;
+            owner
+                .reach
+                .table()
+                .detector()
+                .forget_owner(owner.opts.id.get());
+        }
         let mut panic = rest.err().or(cancelled.err());
         for waker in watchers.into_iter().flatten() {
             if let Err(payload) = catch_unwind(AssertUnwindSafe(|| waker.wake())) {

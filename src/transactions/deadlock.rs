@@ -584,6 +584,24 @@ impl<K> Detector<K> {
 
     /// Unregisters `owner`'s wait `id` (its call stopped waiting,
     /// however).
+    /// How many transactions have waits registered.
+    #[cfg(test)]
+    pub(crate) fn registered(&self) -> usize {
+        self.registry.lock().waiting.len()
+    }
+
+    /// Drops every wait `owner` still has registered: its transaction
+    /// ended with calls forgotten in a wait, whose registrations never
+    /// leave by themselves (their futures never drop). Left, each would
+    /// stay in the registry for good, and keep a lone wait from skipping
+    /// its search.
+    #[cold]
+    pub(crate) fn forget_owner(&self, owner: u64) {
+        let gone = self.registry.lock().waiting.remove(&owner);
+        // The keys' `Arc`s (perhaps their last) drop after the unlock.
+        drop(gone);
+    }
+
     pub(crate) fn leave(&self, owner: u64, id: usize) {
         let gone = {
             let mut registry = self.registry.lock();
@@ -1180,5 +1198,83 @@ fn answer<K: Clone>(record: &Record<K>) -> Deadlock<K> {
                 mode: *mode,
             })
             .collect(),
+    }
+}
+
+#[cfg(all(test, not(loom)))]
+mod tests {
+    use std::future::Future;
+    use std::pin::Pin;
+    use std::sync::Arc;
+    use std::task::{Context, Poll, Waker};
+
+    use crate::{LockTable, Mode};
+
+    fn poll<F: Future + ?Sized>(f: Pin<&mut F>) -> Poll<F::Output> {
+        f.poll(&mut Context::from_waker(Waker::noop()))
+    }
+
+    /// A transaction that ends with a call forgotten in a registered wait
+    /// (it held a key, so the wait registered) leaves nothing in the
+    /// detector: the forgotten future never drops, so its registration
+    /// would otherwise stay for good.
+    #[test]
+    #[cfg_attr(miri, ignore = "forgets futures on purpose: leaks")]
+    fn an_ended_transactions_forgotten_registrations_leave_the_detector() {
+        for owned in [false, true] {
+            let table = Arc::new(LockTable::<u32>::new());
+            let blocker = table.try_lock(2).expect("free");
+            if owned {
+                let t = table.clone().transaction_owned();
+                assert!(poll(Box::pin(t.lock(1, Mode::Exclusive)).as_mut()).is_ready());
+                let mut call = Box::pin(t.lock(2, Mode::Exclusive));
+                assert!(poll(call.as_mut()).is_pending());
+                std::mem::forget(call);
+                assert_eq!(table.detector().registered(), 1, "owned: registered");
+                drop(t);
+            } else {
+                let mut t = table.transaction();
+                assert!(poll(Box::pin(t.lock(1, Mode::Exclusive)).as_mut()).is_ready());
+                let mut call = Box::pin(t.lock(2, Mode::Exclusive));
+                assert!(poll(call.as_mut()).is_pending());
+                std::mem::forget(call);
+                assert_eq!(table.detector().registered(), 1, "borrowed: registered");
+                drop(t);
+            }
+            assert_eq!(
+                table.detector().registered(),
+                0,
+                "owned {owned}: the ended transaction's forgotten wait is still registered"
+            );
+            drop(blocker);
+            assert!(table.is_empty(), "owned {owned}: nothing left");
+        }
+    }
+
+    /// The same through `commit`, which skips the drop glue when the
+    /// transaction owns nothing more.
+    #[test]
+    #[cfg_attr(miri, ignore = "forgets a future on purpose: leaks")]
+    fn a_committed_transactions_forgotten_registration_leaves_the_detector() {
+        let table = LockTable::<u32>::new();
+        let blocker = table.try_lock(2).expect("free");
+        let mut t = table.transaction();
+        assert!(poll(Box::pin(t.lock(1, Mode::Exclusive)).as_mut()).is_ready());
+        let mut call = Box::pin(t.lock(2, Mode::Exclusive));
+        assert!(poll(call.as_mut()).is_pending());
+        std::mem::forget(call);
+        // The next call clears the forgotten one's parked wait (its waiter
+        // leaves the queue) and takes its key at once: nothing of the
+        // forgotten call is left in the transaction but its registration.
+        drop(blocker);
+        assert!(poll(Box::pin(t.lock(2, Mode::Exclusive)).as_mut()).is_ready());
+        assert_eq!(table.detector().registered(), 1, "registered");
+        t.commit().expect("no lease");
+        assert_eq!(
+            table.detector().registered(),
+            0,
+            "still registered after the commit"
+        );
+        assert!(table.is_empty(), "nothing left");
     }
 }

@@ -138,9 +138,16 @@ impl<K, S> Transaction<'_, K, S> {
         // Nothing held and no call's cell or parked wait (a committed
         // transaction, or one that took nothing): nothing to release, and
         // the fields' own drops free what little they own.
-        if self.set.is_vacant() && self.pending.is_empty() && self.parked.is_none() {
+        if self.set.is_vacant()
+            && self.pending.is_empty()
+            && self.parked.is_none()
+            && self.set.waits == 0
+        {
             return;
         }
+        // Calls forgotten in a wait (no live call is left: `&mut self`):
+        // their registrations with the deadlock detector go too.
+        let forgotten = self.set.waits != 0;
         // As the owned form's end: the set's keys first (a panic in a key's
         // drop still releases the rest, see `HeldSet`), then what a
         // forgotten call has outside the set (its waiter leaves its queue,
@@ -153,6 +160,12 @@ impl<K, S> Transaction<'_, K, S> {
         }));
         let pending = std::mem::take(&mut self.pending);
         let cancelled = catch_unwind(AssertUnwindSafe(|| pending::cancel_all(pending)));
+        if forgotten {
+            self.set.waits = 0;
+            let owner = &self.owner;
+            let detector = owner.reach.detector();
+            detector.forget_owner(owner.opts.id.get());
+        }
         // The first panic goes on, unless the thread is already unwinding
         // (a drop during a panic): a second panic would abort the process.
         if let Err(payload) = released.and(parked).and(cancelled) {
@@ -881,7 +894,11 @@ impl<'t, K: Eq + Hash, S: BuildHasher> Transaction<'t, K, S> {
             self.release_then_cancel()
         };
         // Either way the set was released (`release_checked` empties it).
-        if no_calls && self.set.owns_nothing_released() && self.owner.owns_nothing() {
+        if no_calls
+            && self.set.owns_nothing_released()
+            && self.set.waits == 0
+            && self.owner.owns_nothing()
+        {
             // Nothing left to release or free: skip the drop glue.
             std::mem::forget(self);
         }
