@@ -38,19 +38,26 @@ fn an_owned_calls_grant_past_the_queue_closing_a_cycle_is_answered() {
     let t = table.clone().transaction_owned();
     assert!(poll(Box::pin(w.lock("x", Mode::Exclusive)).as_mut()).is_ready());
     let plain = table.try_lock("y").unwrap();
+    // A plain waiter heads y's queue: the key is left free for it alone (a
+    // transaction's head would be handed the key).
+    let mut nudged = Box::pin(table.lock("y"));
+    assert!(poll(nudged.as_mut()).is_pending());
     // t waits for w's x (w waits for nothing yet: no cycle).
     let mut t_x = Box::pin(t.lock("x", Mode::Exclusive));
     assert!(poll(t_x.as_mut()).is_pending());
-    // w waits for y behind a plain guard (no edge).
+    // w waits for y behind a plain guard and a plain waiter (no edge).
     let mut w_y = Box::pin(w.lock("y", Mode::Exclusive));
     assert!(poll(w_y.as_mut()).is_pending());
     drop(plain);
-    // t's second call takes y past w's nudged waiter: w -> t -> w.
+    // t's second call takes y past the nudged plain head and w's waiter:
+    // w -> t -> w.
     let mut t_y = Box::pin(t.lock("y", Mode::Exclusive));
     assert!(
         matches!(poll(t_y.as_mut()), Poll::Ready(Ok(_))),
-        "precondition: t takes y past w's nudged waiter"
+        "precondition: t takes y past the queue"
     );
+    // The plain waiter leaves; w's waiter heads y's queue, behind t's grant.
+    drop(nudged);
     let a = poll(t_x.as_mut());
     let b = if a.is_pending() {
         poll(w_y.as_mut())

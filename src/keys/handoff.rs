@@ -17,7 +17,7 @@ use crate::keys::waiter::Waiter;
 use crate::support::fairness::Fairness;
 use crate::support::lease::{PackedDuration, Terms};
 use crate::support::mode::Mode;
-use crate::support::token::{FencingToken, TokenCounter};
+use crate::support::token::{is_transaction, FencingToken, TokenCounter};
 use crate::time::clock::{Now, Stamp};
 
 use super::entry::{Admission, Entry};
@@ -125,7 +125,8 @@ impl Keys<'_> {
 
     /// The last holder let go of a key that has waiters: hand it on
     /// (strict), or, under eventual fairness while the shard's fairness
-    /// deadline has not come, leave it free and nudge the head to retry.
+    /// deadline has not come, leave it free and nudge the head to retry,
+    /// unless the head is a transaction's (see [`Keys::free_key_passes_on`]).
     #[inline(never)]
     pub(super) fn pass_on<K>(
         &mut self,
@@ -138,7 +139,7 @@ impl Keys<'_> {
             let now = ctx.now();
             match *self.fair_at {
                 Some(at) if now < at => {
-                    nudge_head(entry, ctx);
+                    self.free_key_passes_on(entry, ctx);
                     return;
                 }
                 _ => {
@@ -147,6 +148,25 @@ impl Keys<'_> {
             }
         }
         self.admit(entry, ctx);
+    }
+
+    /// Under eventual fairness, a key left free with waiters (its last
+    /// holder let go before the fairness deadline, or its nudged head left):
+    /// the head is nudged to take it, or, if the head waits for a
+    /// transaction, granted it at once as strict fairness would (with the
+    /// shared heads behind it). A transaction's call may have been forgotten
+    /// (`mem::forget`: its transaction keeps the wait, and the grant, until
+    /// it ends) and never poll: nudged, it would keep the free key from
+    /// every waiter behind it until its transaction ended. The shard's
+    /// fairness deadline is left as it is: this is not the fair handoff that
+    /// restarts it.
+    pub(super) fn free_key_passes_on<K>(&mut self, entry: &mut Entry<K>, ctx: &mut Ctx<'_, '_, K>) {
+        debug_assert!(entry.holders.is_empty());
+        if head_is_a_transactions(entry) {
+            self.admit(entry, ctx);
+        } else {
+            nudge_head(entry, ctx);
+        }
     }
 
     /// The holder `token` lets go of a key that has waiters: the waiters
@@ -257,6 +277,15 @@ pub(super) unsafe fn holder_timer<K>(
     // SAFETY: the caller's contract.
     unsafe { waiter.set_timer_at(deadline) };
     deadline.get()
+}
+
+/// Whether the head waiter, if any, waits for a transaction (its call may
+/// have been forgotten, and never poll).
+pub(super) fn head_is_a_transactions<K>(entry: &Entry<K>) -> bool {
+    entry.queue.head().is_some_and(|head| {
+        // SAFETY: the head is linked, and we hold the shard lock.
+        is_transaction(unsafe { Waiter::owner(head) })
+    })
 }
 
 /// Nudges the head waiter, if any.

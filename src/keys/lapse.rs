@@ -14,7 +14,7 @@ use crate::error::LockError;
 use crate::keys::deferred::Ctx;
 use crate::keys::waiter::{Waiter, WaiterPtr};
 use crate::support::key_slot::KeyPtr;
-use crate::support::token::FencingToken;
+use crate::support::token::{is_transaction, FencingToken};
 use crate::time::clock::{Now, Stamp};
 
 use super::entry::Entry;
@@ -309,7 +309,9 @@ impl<K> ShardState<K> {
 
     /// The shard's timer fired at `now` (a raw stamp): nudges every waiter
     /// whose timeout has come and the head of every queue one of whose
-    /// holders' lease has lapsed, each of which settles when it polls,
+    /// holders' lease has lapsed (and, if that head waits for a
+    /// transaction, the waiters behind it up to the first that does not),
+    /// each of which settles when it polls,
     /// collecting their wakers into `wakers`; returns the earliest deadline
     /// still to come (`u64::MAX`: none). Touches no key.
     pub(crate) fn fire_timers(&mut self, now: u64, wakers: &mut Vec<std::task::Waker>) -> u64 {
@@ -330,7 +332,29 @@ impl<K> ShardState<K> {
             let Some(head) = entry.queue.head() else {
                 continue;
             };
-            due(entry.holder_deadline(), head, wakers);
+            let lapse = entry.holder_deadline();
+            due(lapse, head, wakers);
+            // A lapse is settled by whichever waiter polls next, the head
+            // nudged for it. A transaction's call at the head may have been
+            // forgotten (its transaction keeps the wait until it ends) and
+            // never poll, and the waiters behind it arm no timer of their
+            // own for the holders: nudge them too, up to the first that
+            // waits for no transaction (it polls).
+            let lapsed = lapse.is_some() && lapse.to_raw() <= now;
+            // SAFETY: the head is linked, under the shard lock.
+            if lapsed && is_transaction(unsafe { Waiter::owner(head) }) {
+                let mut reached = false;
+                // SAFETY: under the shard lock; every visited waiter is linked.
+                unsafe {
+                    entry.queue.walk(|waiter, _, _| {
+                        if reached || waiter == head {
+                            return;
+                        }
+                        wakers.extend(Waiter::nudge(waiter));
+                        reached = !is_transaction(Waiter::owner(waiter));
+                    });
+                }
+            }
             // SAFETY: under the shard lock; every visited waiter is linked.
             unsafe {
                 entry

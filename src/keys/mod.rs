@@ -16,7 +16,8 @@
 //!   apart, so a granted waiter is treated exactly like a guard;
 //! - a release hands the key to the head waiter at once (FIFO), with a fresh
 //!   token, and wakes it once; under eventual fairness it may instead free the
-//!   key and nudge the head, letting a running caller take it first;
+//!   key and nudge the head, letting a running caller take it first (not a
+//!   transaction's head, which may never poll: it is granted at once);
 //! - a lapse or a revocation fences the holder (guard or granted waiter alike)
 //!   and hands the key on; it is noticed whenever the key is next touched (the
 //!   head waiter's timer touches it at the deadline).
@@ -601,6 +602,10 @@ impl<K> ShardState<K> {
                     assert!(
                         head_nudged,
                         "a free key's head waiter was nudged to take it"
+                    );
+                    assert!(
+                        !handoff::head_is_a_transactions(entry),
+                        "a free key's head waiter is a transaction's (granted, not nudged)"
                     );
                 }
                 entry::Admission::Orphan => {

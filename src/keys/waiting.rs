@@ -16,7 +16,7 @@ use crate::time::clock::{Clock, Now, Stamp};
 use crate::time::timer_driver::ShardTimer;
 
 use super::entry::Entry;
-use super::handoff::{holder_timer, nudge_head, Keys};
+use super::handoff::{holder_timer, Keys};
 use super::holders::Holder;
 use super::{Attempt, Diagnosis, Grant, Patience, Polled, ShardState, ENTRY_PRESENT, NO_DIAGNOSIS};
 
@@ -451,8 +451,9 @@ impl<K> ShardState<K> {
         ctx.drop_waker_later(unsafe { waiter.retire() });
         if was_head {
             if entry.holders.is_empty() && fairness == Fairness::Eventual {
-                // The free key's nudge passes on.
-                nudge_head(entry, ctx);
+                // The free key's nudge passes on (a transaction's new head
+                // is granted it instead).
+                keys.free_key_passes_on(entry, ctx);
             } else {
                 // The new head may be admitted now (shared waiters behind a
                 // departed writer or upgrade), or must arm a timer.

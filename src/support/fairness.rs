@@ -23,6 +23,9 @@ pub enum Fairness {
     /// context switch per acquisition on a hot key. Bounded: once the oldest
     /// waiter has waited [`Fairness::EVENTUAL_BOUND`], the next release hands
     /// the key to it directly, as under `Strict`, so every waiter is served.
+    /// A transaction's waiter at the head is always handed the key directly
+    /// (its call may not be polled again: a forgotten call's wait is the
+    /// transaction's until it ends).
     Eventual,
 }
 
