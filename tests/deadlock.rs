@@ -701,20 +701,28 @@ fn a_grant_past_the_queue_under_eventual_fairness_adds_an_edge_the_detector_sees
         drop(warm);
         drop(handed.await);
         assert!(poll!(x_waits.as_mut()).is_pending());
-        // w, holding "w", waits for "k" behind a plain guard: no edge.
+        // w, holding "w", waits for "k" behind a plain guard and a plain
+        // waiter (a transaction's head would be handed the key): no edge.
         let mut w = table.transaction();
         w.lock("w", Mode::Exclusive).await.unwrap();
         let w_id = w.id();
         let plain = table.try_lock("k").unwrap();
+        let mut nudged = Box::pin(table.lock("k"));
+        assert!(poll!(nudged.as_mut()).is_pending());
         let mut w_waits = Box::pin(w.lock("k", Mode::Exclusive));
         assert!(poll!(w_waits.as_mut()).is_pending());
         assert_eq!(table.deadlock_stats().waits, 2, "x and w registered");
-        // The release leaves "k" free (w is only nudged), and t takes it
-        // past w: w now waits for t.
+        // The release leaves "k" free (the plain head is only nudged), and
+        // t takes it past the queue: w now waits for t.
         drop(plain);
-        assert!(!table.is_locked("k"), "left free, w only nudged");
+        assert!(
+            !table.is_locked("k"),
+            "left free, the plain head only nudged"
+        );
         let mut t = table.transaction();
         t.lock("k", Mode::Exclusive).await.unwrap();
+        // The plain waiter leaves: w heads the queue, behind t's grant.
+        drop(nudged);
         // t asks for w's key: t -> w -> t.
         let closing = poll!(Box::pin(t.lock("w", Mode::Exclusive)));
         let Poll::Ready(Err(TransactionError::Deadlock(d))) = closing else {
