@@ -327,6 +327,13 @@ impl<R: Reach> Access for Direct<'_, R> {
     fn unwatch(&mut self, _: usize) {}
 
     fn pend(&mut self, pending: &Arc<PendingOf<R>>) -> Result<(), Ended> {
+        // A wait through a cell (an upgrade, a `lock_all` that upgrades)
+        // lets go of a forgotten call's parked wait first, as `park` does:
+        // with the transaction borrowed by this call, a wait still parked
+        // is a forgotten call's, and a grant handed to it is held outside
+        // the set, where this wait would queue behind it for good (the
+        // detector has no edge from a transaction to itself).
+        pending::clear_parked(self.parked);
         pending::push(self.pending, pending);
         Ok(())
     }

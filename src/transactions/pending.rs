@@ -292,7 +292,8 @@ pin_project_lite::pin_project! {
     /// transaction is borrowed by the call, so only the call reaches it
     /// while the call lives (no cell, no lock); the call takes it back as
     /// its wait ends, and releases it if dropped. A forgotten call never
-    /// does, and the transaction's end (or its next parked wait) drops it:
+    /// does, and the transaction's end (or its next wait, parked or in a
+    /// cell: `Access::pend`) drops it:
     /// the waiter leaves its queue, or its unobserved grant passes on, and
     /// the guards are released. One allocation per wait, where a cell takes
     /// two and a lock round trip per step.
