@@ -64,7 +64,11 @@ fn an_upgrade_lets_go_of_a_forgotten_calls_grant() {
     drop(other);
     // Had at once, shared beside the forgotten call's grant.
     let shared = poll(Box::pin(t.lock(3, Mode::Shared)).as_mut());
-    assert!(matches!(shared, Poll::Ready(Ok(_))), "{shared:?} {:?}", table.status());
+    assert!(
+        matches!(shared, Poll::Ready(Ok(_))),
+        "{shared:?} {:?}",
+        table.status()
+    );
     let mut call = Box::pin(t.lock(3, Mode::Exclusive));
     let mut got = poll(call.as_mut());
     for _ in 0..8 {
