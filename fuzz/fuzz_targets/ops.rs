@@ -1430,6 +1430,19 @@ impl Model {
         self.stats.handoffs += 1;
     }
 
+    /// handoff.rs `free_key_passes_on`: a key left free under eventual
+    /// fairness goes to a transaction's head (a forgotten call never polls
+    /// to take it), with the shared heads behind it; a plain head is
+    /// nudged to take it.
+    fn free_key_passes_on(&mut self, k: usize) {
+        let head_owner = self.keys[k].queue.front().map(|f| self.futs[f].owner);
+        if head_owner.is_some_and(|o| o != 0) {
+            self.admit(k);
+        } else {
+            self.nudge_head(k);
+        }
+    }
+
     /// handoff.rs `pass_on`: the last holder let go of a key with waiters.
     fn pass_on(&mut self, k: usize) {
         if self.cfg.eventual {
@@ -1437,7 +1450,7 @@ impl Model {
             let s = shard_of(&self.cfg, k);
             match self.fair_at[s] {
                 Some(at) if self.now < at => {
-                    self.nudge_head(k);
+                    self.free_key_passes_on(k);
                     return;
                 }
                 _ => self.fair_at[s] = Some(self.now + EVENTUAL_BOUND),
@@ -2089,7 +2102,7 @@ impl Model {
     fn after_leaving(&mut self, k: usize, was_head: bool) {
         if was_head {
             if self.keys[k].holders.is_empty() && self.cfg.eventual {
-                self.nudge_head(k);
+                self.free_key_passes_on(k);
             } else {
                 self.admit(k);
             }
