@@ -13,9 +13,8 @@ use std::task::{Context, Poll, Waker};
 
 use keylock::{LockTable, Mode, OwnedTransaction, TransactionError};
 
-fn poll<F: Future + ?Sized>(f: Pin<&mut F>) -> Poll<F::Output> {
-    f.poll(&mut Context::from_waker(Waker::noop()))
-}
+mod common;
+use common::poll_noop as poll;
 
 type Call<T> = Pin<Box<dyn Future<Output = Result<T, TransactionError<u32>>>>>;
 

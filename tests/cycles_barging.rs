@@ -9,30 +9,63 @@
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
-use std::task::{Context, Poll, Waker};
+use std::task::Poll;
 
-use keylock::{Fairness, LockTable, ManualClock, Mode, TransactionError};
+use keylock::{Acquired, LockTable, Mode, OwnedTransaction, TransactionError};
 
-fn poll<F: Future + ?Sized>(f: Pin<&mut F>) -> Poll<F::Output> {
-    f.poll(&mut Context::from_waker(Waker::noop()))
+mod common;
+use common::{poll_noop as poll, warm_eventual_table};
+
+type Key = &'static str;
+
+/// Polls t's wait, then (if it still waits) w's: one of them must be
+/// answered as the cycle's victim. Whether t's was.
+fn one_wait_is_answered<F>(table: &LockTable<Key>, t_x: Pin<&mut F>, w_y: Pin<&mut F>) -> bool
+where
+    F: Future<Output = Result<Acquired, TransactionError<Key>>> + ?Sized,
+{
+    let a = poll(t_x);
+    let b = if a.is_pending() {
+        poll(w_y)
+    } else {
+        Poll::Pending
+    };
+    let answered = |p: &Poll<Result<Acquired, TransactionError<Key>>>| {
+        matches!(p, Poll::Ready(Err(TransactionError::Deadlock(_))))
+    };
+    assert!(
+        answered(&a) || answered(&b),
+        "the cycle w -> t -> w is left hanging: {:?}",
+        table.status()
+    );
+    answered(&a)
+}
+
+/// The victim's transaction (t's if `t_answered`, else w's) ends with its
+/// waiting call; the other's waiting call is then granted.
+fn the_other_proceeds<F: Future + ?Sized>(
+    t_answered: bool,
+    t: OwnedTransaction<Key>,
+    mut t_x: Pin<Box<F>>,
+    w: OwnedTransaction<Key>,
+    mut w_y: Pin<Box<F>>,
+) {
+    if t_answered {
+        drop(t_x);
+        drop(t);
+        assert!(poll(w_y.as_mut()).is_ready());
+    } else {
+        drop(w_y);
+        drop(w);
+        assert!(poll(t_x.as_mut()).is_ready());
+    }
 }
 
 #[test]
 fn an_owned_calls_grant_past_the_queue_closing_a_cycle_is_answered() {
-    let table = Arc::new(
-        LockTable::<&'static str>::builder()
-            .shards(1)
-            .clock(ManualClock::new())
-            .fairness(Fairness::Eventual)
-            .build(),
-    );
-    // One fair handoff sets the shard's deadline: later releases leave the key free.
-    let warm = table.try_lock("warm").unwrap();
-    let mut handed = Box::pin(table.lock("warm"));
-    assert!(poll(handed.as_mut()).is_pending());
-    drop(warm);
-    assert!(poll(handed.as_mut()).is_ready());
-    drop(handed);
+    // One fair handoff has set the shard's deadline: later releases leave
+    // the key free.
+    let table = Arc::new(warm_eventual_table());
 
     let w = table.clone().transaction_owned();
     let t = table.clone().transaction_owned();
@@ -58,30 +91,9 @@ fn an_owned_calls_grant_past_the_queue_closing_a_cycle_is_answered() {
     );
     // The plain waiter leaves; w's waiter heads y's queue, behind t's grant.
     drop(nudged);
-    let a = poll(t_x.as_mut());
-    let b = if a.is_pending() {
-        poll(w_y.as_mut())
-    } else {
-        Poll::Pending
-    };
-    let answered = |p: &Poll<Result<keylock::Acquired, TransactionError<&str>>>| {
-        matches!(p, Poll::Ready(Err(TransactionError::Deadlock(_))))
-    };
-    assert!(
-        answered(&a) || answered(&b),
-        "the cycle w -> t -> w is left hanging: {:?}",
-        table.status()
-    );
+    let t_answered = one_wait_is_answered(&table, t_x.as_mut(), w_y.as_mut());
     // The victim's transaction aborts: the other proceeds.
-    if answered(&a) {
-        drop(t_x);
-        drop(t);
-        assert!(poll(w_y.as_mut()).is_ready());
-    } else {
-        drop(w_y);
-        drop(w);
-        assert!(poll(t_x.as_mut()).is_ready());
-    }
+    the_other_proceeds(t_answered, t, t_x, w, w_y);
 }
 
 /// Strict fairness: an owned transaction's second call upgrades a key it
@@ -105,29 +117,8 @@ fn an_owned_calls_upgrade_closing_a_cycle_is_answered() {
         matches!(poll(t_up.as_mut()), Poll::Ready(Ok(_))),
         "precondition: t, y's only holder, upgrades at once"
     );
-    let a = poll(t_x.as_mut());
-    let b = if a.is_pending() {
-        poll(w_y.as_mut())
-    } else {
-        Poll::Pending
-    };
-    let answered = |p: &Poll<Result<keylock::Acquired, TransactionError<&str>>>| {
-        matches!(p, Poll::Ready(Err(TransactionError::Deadlock(_))))
-    };
-    assert!(
-        answered(&a) || answered(&b),
-        "the cycle w -> t -> w is left hanging: {:?}",
-        table.status()
-    );
+    let t_answered = one_wait_is_answered(&table, t_x.as_mut(), w_y.as_mut());
     drop(writer);
     // The victim's transaction aborts: the other proceeds.
-    if answered(&a) {
-        drop(t_x);
-        drop(t);
-        assert!(poll(w_y.as_mut()).is_ready());
-    } else {
-        drop(w_y);
-        drop(w);
-        assert!(poll(t_x.as_mut()).is_ready());
-    }
+    the_other_proceeds(t_answered, t, t_x, w, w_y);
 }

@@ -14,6 +14,8 @@ use std::task::Poll;
 use futures::poll;
 use keylock::{LockTable, Mode, OwnedTransaction, TransactionError};
 
+mod common;
+
 fn block<F: std::future::Future>(f: F) -> F::Output {
     futures::executor::block_on(f)
 }
@@ -685,21 +687,11 @@ fn an_upgrade_past_a_queued_reader_adds_an_edge_the_detector_sees() {
 #[cfg(feature = "test-util")]
 #[test]
 fn a_grant_past_the_queue_under_eventual_fairness_adds_an_edge_the_detector_sees() {
-    use keylock::{Fairness, ManualClock};
     // Time stands still: once a handoff has set the shard's fairness
     // deadline, every release within it leaves the key free.
-    let table = LockTable::<&'static str>::builder()
-        .shards(1)
-        .clock(ManualClock::new())
-        .fairness(Fairness::Eventual)
-        .build();
+    let table = common::warm_eventual_table();
     let (_y, mut x_waits) = bystanders(&table);
     block(async {
-        let warm = table.try_lock("warm").unwrap();
-        let mut handed = Box::pin(table.lock("warm"));
-        assert!(poll!(handed.as_mut()).is_pending());
-        drop(warm);
-        drop(handed.await);
         assert!(poll!(x_waits.as_mut()).is_pending());
         // w, holding "w", waits for "k" behind a plain guard and a plain
         // waiter (a transaction's head would be handed the key): no edge.

@@ -13,18 +13,8 @@ use std::task::{Context, Poll, Waker};
 
 use keylock::{LockTable, Mode};
 
-fn poll<F: Future + ?Sized>(f: Pin<&mut F>) -> Poll<F::Output> {
-    f.poll(&mut Context::from_waker(Waker::noop()))
-}
-
-#[derive(Debug, Clone, Copy)]
-enum End {
-    Commit,
-    Abort,
-    Drop,
-}
-
-const ENDS: [End; 3] = [End::Commit, End::Abort, End::Drop];
+mod common;
+use common::{forget_pending, poll_noop as poll, ENDS};
 
 /// The snippet, borrowed form: the key is released by the blocker
 /// after the transaction ended (the grant would come later).
@@ -35,14 +25,8 @@ fn a_forgotten_borrowed_call_is_not_granted_after_its_transaction_ended() {
         let blocker = table.try_lock("b").unwrap();
         let mut t = table.transaction();
         assert!(poll(std::pin::pin!(t.lock("a", Mode::Exclusive))).is_ready());
-        let mut f = Box::pin(t.lock("b", Mode::Exclusive));
-        assert!(poll(f.as_mut()).is_pending());
-        std::mem::forget(f);
-        match end {
-            End::Commit => t.commit().expect("its keys held"),
-            End::Abort => t.abort(),
-            End::Drop => drop(t),
-        }
+        forget_pending(t.lock("b", Mode::Exclusive));
+        end.end_borrowed(t);
         drop(blocker);
         assert!(!table.is_locked("b"), "{end:?}: {:?}", table.status());
         assert!(table.is_empty(), "{end:?}: {:?}", table.status());
@@ -57,16 +41,10 @@ fn a_forgotten_borrowed_calls_grant_is_released_when_its_transaction_ends() {
         let table = LockTable::<&str>::new();
         let blocker = table.try_lock("b").unwrap();
         let mut t = table.transaction();
-        let mut f = Box::pin(t.lock("b", Mode::Exclusive));
-        assert!(poll(f.as_mut()).is_pending());
-        std::mem::forget(f);
+        forget_pending(t.lock("b", Mode::Exclusive));
         drop(blocker); // handed to the forgotten waiter
         assert!(table.is_locked("b"));
-        match end {
-            End::Commit => t.commit().expect("nothing lost"),
-            End::Abort => t.abort(),
-            End::Drop => drop(t),
-        }
+        end.end_borrowed(t);
         assert!(table.is_empty(), "{end:?}: {:?}", table.status());
         assert!(table.try_lock("b").is_ok(), "{end:?}: free for the next");
     }
@@ -80,18 +58,12 @@ fn a_forgotten_owned_call_leaves_nothing_held_after_its_transaction_ended() {
             let table = Arc::new(LockTable::<&str>::new());
             let blocker = table.try_lock("b").unwrap();
             let t = table.clone().transaction_owned();
-            let mut f = Box::pin(t.lock("b", Mode::Exclusive));
-            assert!(poll(f.as_mut()).is_pending());
-            std::mem::forget(f);
+            forget_pending(t.lock("b", Mode::Exclusive));
             let mut blocker = Some(blocker);
             if granted_first {
                 drop(blocker.take());
             }
-            match end {
-                End::Commit => t.commit().expect("nothing lost"),
-                End::Abort => t.abort(),
-                End::Drop => drop(t),
-            }
+            end.end_owned(t);
             drop(blocker);
             assert!(
                 table.is_empty(),
@@ -215,11 +187,7 @@ fn a_forgotten_borrowed_lock_all_leaves_nothing_held_after_its_transaction_ended
             let (first, second) = lock_all_order(&table);
             let mut t = table.transaction();
             let blocker = forget_waiting_lock_all(&table, &mut t, first, second, granted_first);
-            match end {
-                End::Commit => t.commit().expect("nothing lost"),
-                End::Abort => t.abort(),
-                End::Drop => drop(t),
-            }
+            end.end_borrowed(t);
             drop(blocker);
             let what = format!("granted first {granted_first}, {end:?}");
             assert_all_free(&table, &[first, second], &what);
@@ -325,11 +293,7 @@ fn a_forgotten_owned_lock_all_leaves_nothing_held_after_its_transaction_ended() 
             if granted_first {
                 drop(blocker.take());
             }
-            match end {
-                End::Commit => t.commit().expect("nothing lost"),
-                End::Abort => t.abort(),
-                End::Drop => drop(t),
-            }
+            end.end_owned(t);
             drop(blocker);
             let what = format!("granted first {granted_first}, {end:?}");
             assert_all_free(&table, &[first, second], &what);
@@ -355,11 +319,7 @@ fn a_forgotten_borrowed_lock_all_with_an_upgrade_leaves_nothing_held() {
             if granted_first {
                 drop(reader.take()); // the upgrade is granted, unobserved
             }
-            match end {
-                End::Commit => t.commit().expect("nothing lost"),
-                End::Abort => t.abort(),
-                End::Drop => drop(t),
-            }
+            end.end_borrowed(t);
             drop(reader);
             let what = format!("granted first {granted_first}, {end:?}");
             assert_all_free(&table, &[first, second], &what);
@@ -383,11 +343,7 @@ fn a_forgotten_owned_lock_all_with_an_upgrade_leaves_nothing_held() {
             if granted_first {
                 drop(reader.take());
             }
-            match end {
-                End::Commit => t.commit().expect("nothing lost"),
-                End::Abort => t.abort(),
-                End::Drop => drop(t),
-            }
+            end.end_owned(t);
             drop(reader);
             let what = format!("granted first {granted_first}, {end:?}");
             assert_all_free(&table, &[first, second], &what);
@@ -410,31 +366,19 @@ fn a_forgotten_upgrade_leaves_nothing_held_after_its_transaction_ended() {
                 if owned {
                     let t = table.clone().transaction_owned();
                     assert!(poll(std::pin::pin!(t.lock("k", Mode::Shared))).is_ready());
-                    let mut f = Box::pin(t.lock("k", Mode::Exclusive));
-                    assert!(poll(f.as_mut()).is_pending());
-                    std::mem::forget(f);
+                    forget_pending(t.lock("k", Mode::Exclusive));
                     if granted_first {
                         drop(reader.take());
                     }
-                    match end {
-                        End::Commit => t.commit().expect("nothing lost"),
-                        End::Abort => t.abort(),
-                        End::Drop => drop(t),
-                    }
+                    end.end_owned(t);
                 } else {
                     let mut t = table.transaction();
                     assert!(poll(std::pin::pin!(t.lock("k", Mode::Shared))).is_ready());
-                    let mut f = Box::pin(t.lock("k", Mode::Exclusive));
-                    assert!(poll(f.as_mut()).is_pending());
-                    std::mem::forget(f);
+                    forget_pending(t.lock("k", Mode::Exclusive));
                     if granted_first {
                         drop(reader.take());
                     }
-                    match end {
-                        End::Commit => t.commit().expect("nothing lost"),
-                        End::Abort => t.abort(),
-                        End::Drop => drop(t),
-                    }
+                    end.end_borrowed(t);
                 }
                 drop(reader);
                 assert_all_free(&table, &["k"], &what);

@@ -7,57 +7,17 @@
 //! never polls, and every waiter behind it stalled until the transaction
 //! ended. The same for a lapsed holder's lease noticed by the shard's timer,
 //! which nudged the head alone. Every future is polled by hand with a noop
-//! (or flag) waker; the clock is a `ManualClock`.
+//! (or counting) waker; the clock is a `ManualClock`.
 #![cfg(feature = "test-util")]
 use std::future::Future;
 use std::pin::Pin;
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
-use std::task::{Context, Poll, Wake, Waker};
 use std::time::Duration;
 
 use keylock::{Fairness, LockOptions, LockTable, ManualClock, Mode};
 
-fn poll<F: Future + ?Sized>(f: Pin<&mut F>) -> Poll<F::Output> {
-    f.poll(&mut Context::from_waker(Waker::noop()))
-}
-
-#[derive(Debug, Clone, Copy)]
-enum End {
-    Commit,
-    Abort,
-    Drop,
-}
-
-const ENDS: [End; 3] = [End::Commit, End::Abort, End::Drop];
-
-fn end(t: keylock::OwnedTransaction<&'static str>, how: End) {
-    match how {
-        End::Commit => t.commit().expect("nothing lost"),
-        End::Abort => t.abort(),
-        End::Drop => drop(t),
-    }
-}
-
-/// An eventual table of one shard whose fairness deadline is set (one fair
-/// handoff), so that a release with waiters leaves the key free.
-fn warm_eventual_table() -> Arc<LockTable<&'static str>> {
-    let table = Arc::new(
-        LockTable::<&'static str>::builder()
-            .shards(1)
-            .clock(ManualClock::new())
-            .fairness(Fairness::Eventual)
-            .build(),
-    );
-    let warm = table.try_lock("warm").unwrap();
-    let mut handed = Box::pin(table.lock("warm"));
-    assert!(poll(handed.as_mut()).is_pending());
-    drop(warm);
-    assert!(poll(handed.as_mut()).is_ready());
-    drop(handed);
-    assert!(table.is_empty());
-    table
-}
+mod common;
+use common::{counting, forget_pending, poll_noop as poll, wakes, warm_eventual_table, ENDS};
 
 /// Polls `f` up to twice; whether it became ready.
 fn ready_within_two<F: Future + ?Sized>(mut f: Pin<&mut F>) -> bool {
@@ -70,12 +30,10 @@ fn ready_within_two<F: Future + ?Sized>(mut f: Pin<&mut F>) -> bool {
 #[test]
 fn an_eventual_release_does_not_leave_a_free_key_behind_a_forgotten_call() {
     for how in ENDS {
-        let table = warm_eventual_table();
+        let table = Arc::new(warm_eventual_table());
         let holder = table.try_lock("k").unwrap();
         let t = table.clone().transaction_owned();
-        let mut forgotten = Box::pin(t.lock("k", Mode::Shared));
-        assert!(poll(forgotten.as_mut()).is_pending());
-        std::mem::forget(forgotten);
+        forget_pending(t.lock("k", Mode::Shared));
         let mut plain = Box::pin(table.lock_shared("k"));
         assert!(poll(plain.as_mut()).is_pending());
         let u = table.clone().transaction_owned();
@@ -100,7 +58,7 @@ fn an_eventual_release_does_not_leave_a_free_key_behind_a_forgotten_call() {
         // The forgotten call's grant is the transaction's, until it ends.
         assert!(table.is_locked("k"), "{how:?}: {:?}", table.status());
         assert!(table.try_lock("k").is_err());
-        end(t, how);
+        how.end_owned(t);
         assert!(table.is_empty(), "{how:?}: {:?}", table.status());
         assert!(table.try_lock("k").is_ok(), "{how:?}");
     }
@@ -111,14 +69,12 @@ fn an_eventual_release_does_not_leave_a_free_key_behind_a_forgotten_call() {
 #[test]
 fn a_free_key_whose_nudged_head_leaves_does_not_stall_behind_a_forgotten_call() {
     for how in ENDS {
-        let table = warm_eventual_table();
+        let table = Arc::new(warm_eventual_table());
         let holder = table.try_lock("k").unwrap();
         let mut nudged = Box::pin(table.lock("k"));
         assert!(poll(nudged.as_mut()).is_pending());
         let t = table.clone().transaction_owned();
-        let mut forgotten = Box::pin(t.lock("k", Mode::Shared));
-        assert!(poll(forgotten.as_mut()).is_pending());
-        std::mem::forget(forgotten);
+        forget_pending(t.lock("k", Mode::Shared));
         let mut plain = Box::pin(table.lock_shared("k"));
         assert!(poll(plain.as_mut()).is_pending());
 
@@ -132,16 +88,8 @@ fn a_free_key_whose_nudged_head_leaves_does_not_stall_behind_a_forgotten_call() 
         );
         drop(plain);
         assert!(table.is_locked("k"), "{how:?}: {:?}", table.status());
-        end(t, how);
+        how.end_owned(t);
         assert!(table.is_empty(), "{how:?}: {:?}", table.status());
-    }
-}
-
-struct Flag(AtomicBool);
-
-impl Wake for Flag {
-    fn wake(self: Arc<Self>) {
-        self.0.store(true, Ordering::SeqCst);
     }
 }
 
@@ -165,20 +113,14 @@ fn a_lapse_noticed_by_the_shard_timer_wakes_past_a_forgotten_call() {
                 .try_lock_with("k", LockOptions::new().lease(Duration::from_millis(10)))
                 .unwrap();
             let t = table.clone().transaction_owned();
-            let mut forgotten = Box::pin(t.lock("k", Mode::Shared));
-            assert!(poll(forgotten.as_mut()).is_pending());
-            std::mem::forget(forgotten);
-            let flag = Arc::new(Flag(AtomicBool::new(false)));
-            let waker = Waker::from(flag.clone());
+            forget_pending(t.lock("k", Mode::Shared));
+            let (woken, waker) = counting();
             let mut plain = Box::pin(table.lock_shared("k"));
-            assert!(plain
-                .as_mut()
-                .poll(&mut Context::from_waker(&waker))
-                .is_pending());
+            assert!(common::poll(&mut plain, &waker).is_pending());
 
             clock.advance(Duration::from_millis(20)); // the holder's lease lapses
             assert!(
-                flag.0.load(Ordering::SeqCst),
+                wakes(&woken) > 0,
                 "{fairness:?} {how:?}: the reader behind the forgotten call is not woken: {:?}",
                 table.status()
             );
@@ -190,7 +132,7 @@ fn a_lapse_noticed_by_the_shard_timer_wakes_past_a_forgotten_call() {
             drop(plain);
             drop(holder);
             assert!(table.is_locked("k"), "{fairness:?} {how:?}: T's grant");
-            end(t, how);
+            how.end_owned(t);
             assert!(
                 table.is_empty(),
                 "{fairness:?} {how:?}: {:?}",

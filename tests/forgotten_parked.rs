@@ -9,12 +9,23 @@
 #![cfg(feature = "test-util")]
 use std::future::Future;
 use std::pin::Pin;
-use std::task::{Context, Poll, Waker};
+use std::task::Poll;
 
 use keylock::{LockTable, Mode};
 
-fn poll<F: Future + ?Sized>(f: Pin<&mut F>) -> Poll<F::Output> {
-    f.poll(&mut Context::from_waker(Waker::noop()))
+mod common;
+use common::{forget_pending, poll_noop as poll};
+
+/// Polls `f` until it is ready, nine times at the most; the last answer.
+fn poll_up_to_nine_times<F: Future + ?Sized>(mut f: Pin<&mut F>) -> Poll<F::Output> {
+    let mut got = poll(f.as_mut());
+    for _ in 0..8 {
+        if got.is_ready() {
+            break;
+        }
+        got = poll(f.as_mut());
+    }
+    got
 }
 
 /// The stress's shape: `lock_all` of a held shared key (upgraded) and of the
@@ -26,20 +37,12 @@ fn a_lock_all_with_an_upgrade_lets_go_of_a_forgotten_calls_grant() {
     assert!(poll(Box::pin(t.lock(1, Mode::Shared)).as_mut()).is_ready());
     let other = table.try_lock(3).unwrap();
     // Forgotten while it waits for 3 (shared): its wait is parked in t.
-    let mut forgotten = Box::pin(t.lock_all([(1, Mode::Shared), (3, Mode::Shared)]));
-    assert!(poll(forgotten.as_mut()).is_pending());
-    std::mem::forget(forgotten);
+    forget_pending(t.lock_all([(1, Mode::Shared), (3, Mode::Shared)]));
     // 3 is handed to the forgotten call's waiter: t holds it outside its set.
     drop(other);
     // Upgrades 1 (a cell's wait) and asks 3 exclusive.
     let mut call = Box::pin(t.lock_all([(3, Mode::Exclusive), (1, Mode::Exclusive)]));
-    let mut got = poll(call.as_mut());
-    for _ in 0..8 {
-        if got.is_ready() {
-            break;
-        }
-        got = poll(call.as_mut());
-    }
+    let got = poll_up_to_nine_times(call.as_mut());
     assert!(
         matches!(got, Poll::Ready(Ok(_))),
         "t waits for its own forgotten grant: {got:?} {:?}",
@@ -58,9 +61,7 @@ fn an_upgrade_lets_go_of_a_forgotten_calls_grant() {
     let mut t = table.transaction();
     assert!(poll(Box::pin(t.lock(1, Mode::Exclusive)).as_mut()).is_ready());
     let other = table.try_lock(3).unwrap();
-    let mut forgotten = Box::pin(t.lock_all([(3, Mode::Shared)]));
-    assert!(poll(forgotten.as_mut()).is_pending());
-    std::mem::forget(forgotten);
+    forget_pending(t.lock_all([(3, Mode::Shared)]));
     drop(other);
     // Had at once, shared beside the forgotten call's grant.
     let shared = poll(Box::pin(t.lock(3, Mode::Shared)).as_mut());
@@ -70,13 +71,7 @@ fn an_upgrade_lets_go_of_a_forgotten_calls_grant() {
         table.status()
     );
     let mut call = Box::pin(t.lock(3, Mode::Exclusive));
-    let mut got = poll(call.as_mut());
-    for _ in 0..8 {
-        if got.is_ready() {
-            break;
-        }
-        got = poll(call.as_mut());
-    }
+    let got = poll_up_to_nine_times(call.as_mut());
     assert!(
         matches!(got, Poll::Ready(Ok(_))),
         "t's upgrade waits for its own forgotten grant: {got:?} {:?}",

@@ -5,15 +5,12 @@
 //! the walk passes over the waiter ahead of it as if the transaction waited
 //! exclusive there. The cycle through that waiter is never answered.
 #![cfg(feature = "test-util")]
-use std::future::Future;
-use std::pin::Pin;
-use std::task::{Context, Poll, Waker};
+use std::task::Poll;
 
 use keylock::{LockTable, Mode, TransactionError};
 
-fn poll<F: Future + ?Sized>(f: Pin<&mut F>) -> Poll<F::Output> {
-    f.poll(&mut Context::from_waker(Waker::noop()))
-}
+mod common;
+use common::{forget_pending, poll_noop as poll};
 
 #[test]
 fn a_forgotten_waits_registration_does_not_hide_a_cycle() {
@@ -25,18 +22,14 @@ fn a_forgotten_waits_registration_does_not_hide_a_cycle() {
     assert!(poll(Box::pin(b.lock("j", Mode::Exclusive)).as_mut()).is_ready());
     // b asks k exclusive behind a's shared grant, and forgets the call: its
     // wait is registered (b holds j) and never leaves.
-    let mut forgotten = Box::pin(b.lock_all([("k", Mode::Exclusive)]));
-    assert!(poll(forgotten.as_mut()).is_pending());
-    std::mem::forget(forgotten);
+    forget_pending(b.lock_all([("k", Mode::Exclusive)]));
     // w (holding nothing) queues exclusive on k behind b's waiter.
     let _m = table.try_lock("m").unwrap();
     let mut w_k = Box::pin(w.lock("k", Mode::Exclusive));
     assert!(poll(w_k.as_mut()).is_pending());
     // b's next call, forgotten too, clears the forgotten wait (its waiter
     // leaves k's queue; its registration stays)...
-    let mut forgotten = Box::pin(b.lock_all([("m", Mode::Exclusive)]));
-    assert!(poll(forgotten.as_mut()).is_pending());
-    std::mem::forget(forgotten);
+    forget_pending(b.lock_all([("m", Mode::Exclusive)]));
     // ... and the next queues shared on k behind w: b -> w -> a.
     let mut b_k = Box::pin(b.lock("k", Mode::Shared));
     let first = poll(b_k.as_mut());

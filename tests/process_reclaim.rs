@@ -8,17 +8,18 @@
 #![cfg(target_os = "linux")]
 
 use std::collections::HashMap;
-use std::future::Future;
 use std::io::{BufRead, BufReader, Write};
 use std::path::{Path, PathBuf};
-use std::pin::Pin;
 use std::process::{Command, Stdio};
-use std::task::{Context, Poll, Waker};
+use std::task::Poll;
 use std::time::Duration;
 
 use futures::executor::block_on;
 use keylock::process::ProcessStats;
 use keylock::{LockOptions, ProcessLockError, ProcessLockTable};
+
+mod common;
+use common::poll_noop as poll;
 
 const ROLE: &str = "KEYLOCK_RECLAIM_CHILD";
 const PATIENCE: Duration = Duration::from_secs(30);
@@ -95,10 +96,6 @@ fn prune_until_no_key_file(dir: &Path, table: &ProcessLockTable<&str>) {
         "key files left after {ROUNDS} prunes, each after every lock of them was let go: {:?}",
         key_files(dir)
     );
-}
-
-fn poll<F: Future + ?Sized>(f: Pin<&mut F>) -> Poll<F::Output> {
-    f.poll(&mut Context::from_waker(Waker::noop()))
 }
 
 // ---------------------------------------------------------------- children

@@ -7,10 +7,9 @@
 //! waker; the backoff is zero, so no timer is involved.
 
 use std::cell::Cell;
-use std::future::{poll_fn, Future};
-use std::pin::Pin;
+use std::future::poll_fn;
 use std::sync::Arc;
-use std::task::{Context, Poll, Waker};
+use std::task::Poll;
 use std::time::Duration;
 
 use keylock::{
@@ -18,9 +17,8 @@ use keylock::{
     WaitPolicy,
 };
 
-fn poll<F: Future + ?Sized>(f: Pin<&mut F>) -> Poll<F::Output> {
-    f.poll(&mut Context::from_waker(Waker::noop()))
-}
+mod common;
+use common::poll_noop as poll;
 
 /// Retries at once (no timer), at most `n` attempts.
 fn at_once(n: u32) -> RetryPolicy {

@@ -1,18 +1,22 @@
 //! Helpers shared by the integration tests: a waker that counts its wakes,
-//! polling a future by hand, lock options, and (with `test-util`) a table on
-//! a manual clock. Each test crate uses only some of them.
+//! polling a future by hand (with that waker or a noop one), forgetting a
+//! waiting call, lock options, the three ways a test ends a transaction,
+//! and (with `test-util`) a table on a manual clock and an eventual table
+//! whose fairness deadline is set. Each test crate uses only some of them.
 #![allow(dead_code)]
 
+use std::fmt::Debug;
 use std::future::Future;
+use std::hash::{BuildHasher, Hash};
 use std::pin::Pin;
 use std::sync::atomic::{AtomicUsize, Ordering::SeqCst};
 use std::sync::Arc;
 use std::task::{Context, Poll, Wake, Waker};
 use std::time::Duration;
 
-use keylock::LockOptions;
 #[cfg(feature = "test-util")]
-use keylock::{LockTable, ManualClock};
+use keylock::{Fairness, LockTable, ManualClock};
+use keylock::{LockOptions, OwnedTransaction, Transaction};
 
 pub(crate) const SEC: Duration = Duration::from_secs(1);
 pub(crate) const NANO: Duration = Duration::from_nanos(1);
@@ -40,6 +44,22 @@ pub(crate) fn wakes(c: &Counter) -> usize {
 /// Polls `f` once with `waker`.
 pub(crate) fn poll<F: Future + Unpin>(f: &mut F, waker: &Waker) -> Poll<F::Output> {
     Pin::new(f).poll(&mut Context::from_waker(waker))
+}
+
+/// Polls `f` once with a waker that does nothing (`Waker::noop()`), for
+/// tests that poll by hand and never wait for a wake.
+pub(crate) fn poll_noop<F: Future + ?Sized>(f: Pin<&mut F>) -> Poll<F::Output> {
+    f.poll(&mut Context::from_waker(Waker::noop()))
+}
+
+/// Boxes `f`, polls it once with a noop waker (it must wait) and forgets it
+/// (`mem::forget` of its box, safe Rust: the box is leaked and the future
+/// never dropped).
+#[track_caller]
+pub(crate) fn forget_pending<F: Future>(f: F) {
+    let mut f = Box::pin(f);
+    assert!(poll_noop(f.as_mut()).is_pending());
+    std::mem::forget(f);
 }
 
 /// Polls `f` once with `waker` and returns its output; panics with `what` if
@@ -88,4 +108,68 @@ pub(crate) fn table() -> (ManualClock, LockTable<&'static str>) {
     let clock = ManualClock::new();
     let table = LockTable::builder().clock(clock.clone()).build();
     (clock, table)
+}
+
+/// How a test ends a transaction.
+#[derive(Debug, Clone, Copy)]
+pub(crate) enum End {
+    Commit,
+    Abort,
+    Drop,
+}
+
+/// Every way to end a transaction.
+pub(crate) const ENDS: [End; 3] = [End::Commit, End::Abort, End::Drop];
+
+impl End {
+    /// Ends the owned transaction `t` this way; a commit must succeed
+    /// (nothing lost).
+    #[track_caller]
+    pub(crate) fn end_owned<K, S>(self, t: OwnedTransaction<K, S>)
+    where
+        K: Eq + Hash + Clone + Debug + 'static,
+        S: BuildHasher + 'static,
+    {
+        match self {
+            End::Commit => t.commit().expect("nothing lost: its keys held"),
+            End::Abort => t.abort(),
+            End::Drop => drop(t),
+        }
+    }
+
+    /// Ends the borrowed transaction `t` this way; a commit must succeed
+    /// (nothing lost).
+    #[track_caller]
+    pub(crate) fn end_borrowed<K, S>(self, t: Transaction<'_, K, S>)
+    where
+        K: Eq + Hash + Clone + Debug,
+        S: BuildHasher,
+    {
+        match self {
+            End::Commit => t.commit().expect("nothing lost: its keys held"),
+            End::Abort => t.abort(),
+            End::Drop => drop(t),
+        }
+    }
+}
+
+/// A table of one shard on a manual clock under `Fairness::Eventual` whose
+/// fairness deadline is set by one fair handoff (of the key "warm"): time
+/// standing still, a later release with waiters leaves the key free (the
+/// head only nudged). Nothing is held or queued when it is returned.
+#[cfg(feature = "test-util")]
+pub(crate) fn warm_eventual_table() -> LockTable<&'static str> {
+    let table = LockTable::<&'static str>::builder()
+        .shards(1)
+        .clock(ManualClock::new())
+        .fairness(Fairness::Eventual)
+        .build();
+    let warm = table.try_lock("warm").unwrap();
+    let mut handed = Box::pin(table.lock("warm"));
+    assert!(poll_noop(handed.as_mut()).is_pending());
+    drop(warm);
+    assert!(poll_noop(handed.as_mut()).is_ready());
+    drop(handed);
+    assert!(table.is_empty());
+    table
 }
