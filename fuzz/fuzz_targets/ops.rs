@@ -983,6 +983,11 @@ enum MState {
         token: u64,
         deadline: Option<u64>,
     },
+    /// An upgrade unlinked from the head because its grant (`token`) lost
+    /// the key (handoff.rs `drop_orphan`): it resolves to that error.
+    Orphaned {
+        token: u64,
+    },
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -1351,8 +1356,9 @@ impl Model {
 
     /// handoff.rs `admit`: the one admission rule. Grants the head while the
     /// holders admit it (consecutive shared heads together; an upgrade once
-    /// its grant is the only holder); an orphaned upgrade is nudged to
-    /// leave; then the head is made to arm for the holders' deadline.
+    /// its grant is the only holder); an orphaned upgrade is unlinked and
+    /// told (the next head is looked at); then the head is made to arm for
+    /// the holders' deadline.
     fn admit(&mut self, k: usize) {
         loop {
             match self.admission(k) {
@@ -1366,14 +1372,27 @@ impl Model {
                     self.grant_upgrade(k);
                     break;
                 }
-                MAdmission::Orphan => {
-                    self.nudge_head(k);
-                    return;
-                }
+                MAdmission::Orphan => self.drop_orphan(k),
                 MAdmission::Blocked | MAdmission::Empty => break,
             }
         }
         self.nudge_head_for_timer(k);
+    }
+
+    /// handoff.rs `drop_orphan`: the head upgrade, whose grant lost the
+    /// key, leaves the queue, told; woken if armed.
+    fn drop_orphan(&mut self, k: usize) {
+        let f = self.keys[k].queue.pop_front().expect("model: a waiter");
+        let fut = self.fut(f);
+        let MWant::Upgrade { token, .. } = fut.want else {
+            panic!("model: an orphan is an upgrade");
+        };
+        assert_eq!(fut.state, MState::Waiting, "model: queued upgrade waits");
+        fut.state = MState::Orphaned { token };
+        let armed = std::mem::replace(&mut fut.slot, false);
+        if armed {
+            self.wake(f);
+        }
     }
 
     /// handoff.rs `grant_head`: a fresh token, its lease from now; woken.
@@ -1435,6 +1454,9 @@ impl Model {
     /// to take it), with the shared heads behind it; a plain head is
     /// nudged to take it.
     fn free_key_passes_on(&mut self, k: usize) {
+        while self.admission(k) == MAdmission::Orphan {
+            self.drop_orphan(k);
+        }
         let head_owner = self.keys[k].queue.front().map(|f| self.futs[f].owner);
         if head_owner.is_some_and(|o| o != 0) {
             self.admit(k);
@@ -1909,8 +1931,19 @@ impl Model {
             MState::Granted { token, deadline } => {
                 MPoll::Ready(Ok(self.observe_grant(k, f, token, deadline)))
             }
+            MState::Orphaned { token } => self.observe_orphaned(f, token),
             MState::Waiting => self.poll_waiting(k, f, want),
         }
+    }
+
+    /// An orphaned upgrade polls: its grant's loss (acquire.rs
+    /// `poll_upgrade`).
+    fn observe_orphaned(&mut self, f: Fid, token: u64) -> MPoll {
+        let fut = self.futs.remove(&f).expect("model: the future");
+        if let Some(g) = fut.upgrade_of() {
+            self.guard(g).upgrading = None;
+        }
+        MPoll::Ready(Err(MErr::Expired(token)))
     }
 
     /// A later poll of a linked waiter.
@@ -1922,8 +1955,12 @@ impl Model {
                 // if it is its by now (a lapse handed it over, or a free key
                 // at the head under eventual fairness); only then it gives up.
                 self.settle(k);
-                if let MState::Granted { token, deadline } = self.futs[&f].state {
-                    return MPoll::Ready(Ok(self.observe_grant(k, f, token, deadline)));
+                match self.futs[&f].state {
+                    MState::Granted { token, deadline } => {
+                        return MPoll::Ready(Ok(self.observe_grant(k, f, token, deadline)));
+                    }
+                    MState::Orphaned { token } => return self.observe_orphaned(f, token),
+                    _ => {}
                 }
                 let gave_up =
                     matches!(self.futs[&f].patience, MPat::Until { until, .. } if now >= until);
@@ -2125,7 +2162,7 @@ impl Model {
                 self.futs.remove(&f);
                 self.bomb_keys += u32::from(fut.bomb);
             }
-            (MState::Invalid(_), _) => {
+            (MState::Invalid(_), _) | (MState::Orphaned { .. }, _) => {
                 self.futs.remove(&f);
             }
             (MState::Waiting, _) => {
@@ -2171,6 +2208,9 @@ impl Model {
                 } else {
                     self.admit(k);
                 }
+                // waiting.rs `release_at`: an orphaned upgrade unlinked may
+                // have been all that was left.
+                self.remove_if_unused(k);
                 return;
             }
         } else {
@@ -2380,7 +2420,7 @@ impl Model {
             return false;
         }
         match fut.state {
-            MState::Granted { .. } => true,
+            MState::Granted { .. } | MState::Orphaned { .. } => true,
             MState::Waiting => {
                 let timed_out =
                     matches!(fut.patience, MPat::Until { until, .. } if self.now >= until);
@@ -2418,13 +2458,6 @@ impl Model {
                     assert!(
                         head.tainted || !head.slot,
                         "model: the head of a free key was nudged"
-                    );
-                }
-                MAdmission::Orphan => {
-                    let head = &self.futs[&key.queue[0]];
-                    assert!(
-                        head.tainted || !head.slot,
-                        "model: an orphaned upgrade was nudged"
                     );
                 }
                 other => panic!("model: key {i}'s head is admitted but waits: {other:?}"),

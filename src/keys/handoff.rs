@@ -51,10 +51,11 @@ impl Keys<'_> {
                     break;
                 }
                 Admission::Orphan => {
-                    // Its grant is gone: it learns so when it polls, and
-                    // leaves (which admits the next head).
-                    nudge_head(entry, ctx);
-                    return;
+                    // Its grant is gone: it leaves the queue now, told so
+                    // (a forgotten upgrade, never polled again, must not
+                    // keep the queue behind it), and the next head is
+                    // looked at.
+                    self.drop_orphan(entry, ctx);
                 }
                 Admission::Blocked | Admission::Empty => break,
             }
@@ -96,6 +97,27 @@ impl Keys<'_> {
         self.hold(entry, token, (deadline, since), terms.owner, mode);
         ctx.counters().handed_off();
         if let Some(waker) = waker {
+            ctx.wake_later(waker);
+        }
+    }
+
+    /// Unlinks the head waiter, an upgrade whose grant lost the key, and
+    /// tells it so ([`Waiter::tell_orphaned`]).
+    #[cold]
+    fn drop_orphan<K>(&mut self, entry: &mut Entry<K>, ctx: &mut Ctx<'_, '_, K>) {
+        let Some(head) = entry.queue.head() else {
+            return;
+        };
+        // SAFETY: the head is linked, under the shard lock.
+        let crate::keys::waiter::Want::Upgrade(token) = (unsafe { Waiter::want(head) }) else {
+            return;
+        };
+        // SAFETY: under the shard lock.
+        if unsafe { entry.queue.pop_front() }.is_none() {
+            return;
+        }
+        // SAFETY: just unlinked, under the lock; not touched again.
+        if let Some(waker) = unsafe { Waiter::tell_orphaned(head, token) } {
             ctx.wake_later(waker);
         }
     }
@@ -162,6 +184,11 @@ impl Keys<'_> {
     /// restarts it.
     pub(super) fn free_key_passes_on<K>(&mut self, entry: &mut Entry<K>, ctx: &mut Ctx<'_, '_, K>) {
         debug_assert!(entry.holders.is_empty());
+        // An upgrade at the head of a free key has lost its grant: told so
+        // and unlinked first (a forgotten one would never leave).
+        while entry.admission() == Admission::Orphan {
+            self.drop_orphan(entry, ctx);
+        }
         if head_is_a_transactions(entry) {
             self.admit(entry, ctx);
         } else {

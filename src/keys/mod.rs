@@ -608,9 +608,6 @@ impl<K> ShardState<K> {
                         "a free key's head waiter is a transaction's (granted, not nudged)"
                     );
                 }
-                entry::Admission::Orphan => {
-                    assert!(head_nudged, "an orphaned upgrade was nudged to leave");
-                }
                 other => panic!("a head waiter the holders admit was left waiting: {other:?}"),
             }
         }

@@ -266,6 +266,14 @@ impl Granted {
             packed: deadline.pack_with(mode),
         }
     }
+
+    /// Whether this, published to an *upgrade*, is the notice that the
+    /// grant it upgrades lost the key ([`Waiter::tell_orphaned`]): an
+    /// upgrade is only ever granted exclusive.
+    #[inline]
+    pub(crate) fn is_orphan_notice(&self) -> bool {
+        Stamp::unpack(self.packed).1 == Mode::Shared
+    }
 }
 
 /// What a waiter's state word says, for its owner.
@@ -518,6 +526,21 @@ impl Waiter {
                 Err(now) => state = now,
             }
         }
+    }
+
+    /// Tells an upgrade, just unlinked from the head of its queue, that the
+    /// grant it upgrades (`token`) lost the key, and returns its waker to
+    /// wake. Published as a grant the owner reads the way it reads any
+    /// (so a forgotten upgrade need not be polled for the queue behind it
+    /// to move): `token` itself, shared, which no upgrade is ever granted
+    /// ([`Granted::is_orphan_notice`]). The node must not be touched again.
+    ///
+    /// # Safety
+    ///
+    /// As [`grant`](Self::grant).
+    pub(crate) unsafe fn tell_orphaned(this: WaiterPtr, token: FencingToken) -> Option<Waker> {
+        // SAFETY: the caller's contract is `grant`'s.
+        unsafe { Self::grant(this, token, Stamp::NONE, Mode::Shared) }
     }
 
     /// Marks an unlinked node idle again (cancelled, or took a free key

@@ -551,7 +551,11 @@ impl<K> ShardState<K> {
                 spares,
             }
             .let_go(entry, token, fairness, ctx);
-            return;
+            // Only an upgrade that had lost its grant was left waiting, and
+            // admission unlinked it (`Keys::admit`): nothing uses the entry.
+            if !entry.is_unused() {
+                return;
+            }
         } else {
             debug_assert!(
                 entry.fenced > 0,

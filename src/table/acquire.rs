@@ -843,6 +843,10 @@ where
         let waiter = this.waiter.get();
         if waiter.seen() == Seen::Granted {
             let granted = waiter.granted();
+            if granted.is_orphan_notice() {
+                // Told its grant lost the key: unlinked, nothing to undo.
+                return None;
+            }
             // Shared again; it cannot have lost the key unseen: a lapse
             // would only make this fail, and the guard then finds out.
             let _ = state.downgrade(hash, key, granted.token, &mut ctx);
@@ -861,6 +865,39 @@ where
             )
         };
         None
+    }
+}
+
+impl<T, K, S> Acquire<T, K>
+where
+    T: TableHandle<K> + Deref<Target = LockTable<K, S>>,
+    K: Eq + Hash,
+    S: BuildHasher,
+{
+    /// [`poll_acquire`](Self::poll_acquire) of an upgrade, to the upgraded
+    /// grant; the notice that the grant it upgrades lost the key while it
+    /// waited ([`Granted::is_orphan_notice`]) is the error it stands for.
+    #[inline]
+    pub(crate) fn poll_upgrade(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        left: &mut Leftovers<K>,
+    ) -> Poll<Result<Held<K>, Box<LockError>>> {
+        match self.poll_acquire(cx, left) {
+            Poll::Pending => Poll::Pending,
+            Poll::Ready(Err(error)) => Poll::Ready(Err(error)),
+            // An upgrade is only ever granted exclusive.
+            Poll::Ready(Ok((table, held))) if held.mode() == Mode::Shared => {
+                // SAFETY: the guard being upgraded still points at the key
+                // (fenced, having lost it), so its entry stays in the table.
+                let key = table.name_key(unsafe { held.key_ptr().get() });
+                Poll::Ready(Err(Box::new(LockError::Expired {
+                    token: held.token(),
+                    key,
+                })))
+            }
+            Poll::Ready(Ok((_, held))) => Poll::Ready(Ok(held)),
+        }
     }
 }
 

@@ -132,10 +132,10 @@ impl<K: Eq + Hash, S: BuildHasher> Future for Upgrade<'_, K, S> {
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
         let mut this = self.project();
         let mut left = Leftovers::default();
-        let polled = this.inner.as_mut().poll_acquire(cx, &mut left);
+        let polled = this.inner.as_mut().poll_upgrade(cx, &mut left);
         let out = match polled {
             Poll::Pending => Poll::Pending,
-            Poll::Ready(Ok((_, upgraded))) => {
+            Poll::Ready(Ok(upgraded)) => {
                 let deadline = upgraded.deadline();
                 this.held
                     .regrant(upgraded.token(), deadline, Mode::Exclusive);
@@ -232,10 +232,10 @@ impl<'t, K: Eq + Hash, S: BuildHasher> Future for UpgradeOwned<'t, K, S> {
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
         let mut this = self.project();
         let mut left = Leftovers::default();
-        let polled = this.inner.as_mut().poll_acquire(cx, &mut left);
+        let polled = this.inner.as_mut().poll_upgrade(cx, &mut left);
         let out = match polled {
             Poll::Pending => Poll::Pending,
-            Poll::Ready(Ok((_, upgraded))) => {
+            Poll::Ready(Ok(upgraded)) => {
                 let mut guard = this.guard.take().expect("polled after it resolved");
                 guard
                     .held

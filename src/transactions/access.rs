@@ -22,10 +22,10 @@
 //!
 //! No guard is released, no key dropped and no waker of a pending future
 //! woken while the lock is held: they are user code (a waker may call back
-//! into the transaction). Two kinds of user code do run under it: a key's
-//! `Eq` and `Clone` while the set is searched, and a pending future's
-//! waker's `clone` as it registers (a panic there leaves the state as it
-//! was, and the unwinding releases the lock). The wakes of
+//! into the transaction), nor is a pending future's waker cloned under it
+//! (the clone is made first). One kind of user code does run under it: a
+//! key's `Eq` and `Clone` while the set is searched (a panic there leaves
+//! the state as it was, and the unwinding releases the lock). The wakes of
 //! [`Lost`](crate::futures::Lost) watchers that a `renew` or a `check`
 //! settles run after the lock is released (`single::Settled`).
 //!

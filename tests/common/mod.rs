@@ -159,9 +159,15 @@ impl End {
 /// head only nudged). Nothing is held or queued when it is returned.
 #[cfg(feature = "test-util")]
 pub(crate) fn warm_eventual_table() -> LockTable<&'static str> {
+    warm_eventual_table_on(ManualClock::new())
+}
+
+/// [`warm_eventual_table`] on `clock`.
+#[cfg(feature = "test-util")]
+pub(crate) fn warm_eventual_table_on(clock: ManualClock) -> LockTable<&'static str> {
     let table = LockTable::<&'static str>::builder()
         .shards(1)
-        .clock(ManualClock::new())
+        .clock(clock)
         .fairness(Fairness::Eventual)
         .build();
     let warm = table.try_lock("warm").unwrap();
