@@ -391,6 +391,11 @@ type Record<K> = (Vec<(u64, Arc<K>, Mode)>, Option<(usize, u64)>);
 /// A cycle a search found, with the hash of each of its waits' keys.
 type Found<K> = (Record<K>, Vec<u64>);
 
+/// How many times one search walks the table at most while the cycles it
+/// finds there do not hold by the time they are confirmed (see
+/// `LockTable::search`).
+const WALKS_AGAIN: usize = 16;
+
 /// The registry and its bounds; one per table.
 pub(crate) struct Detector<K> {
     registry: ShardMutex<Registry<K>>,
@@ -868,16 +873,40 @@ impl<K: Eq + Hash, S: BuildHasher> LockTable<K, S> {
             }
             None if !walk.may_miss && !walk.may_differ => (None, walk.visited),
             _ => {
-                let exact = self.find_cycle(registry, owner, id, limit, Read::Table);
-                // No cycle confirmed, and the walk from the table reached
-                // the limit: a presumed deadlock (the chain it followed).
-                let found = match exact.cycle.filter(|c| self.confirm(c)) {
-                    Some(cycle) => Some((cycle, None)),
-                    None => exact
-                        .cut
-                        .map(|(path, beyond)| (path, Some((limit, beyond)))),
-                };
-                (found, exact.visited)
+                let mut walks = 0;
+                loop {
+                    walks += 1;
+                    let exact = self.find_cycle(registry, owner, id, limit, Read::Table);
+                    match exact.cycle {
+                        Some(cycle) if self.confirm(&cycle) => {
+                            break (Some((cycle, None)), exact.visited)
+                        }
+                        // The walk reads one shard at a time: the cycle it
+                        // found first ran through an edge gone before the
+                        // confirmation (a waiter ahead that left, a holder
+                        // that let go). Another cycle through this wait may
+                        // hold all the same, down a branch the walk did not
+                        // take (its transactions were reached first, and
+                        // marked visited, through the edge now gone), and
+                        // no wait need begin later to find it: so the table
+                        // is walked again, as it is now. Each time round,
+                        // an edge the walk followed went since it read it;
+                        // the walks are bounded all the same (a key whose
+                        // `Eq` disagrees with itself could keep the walk
+                        // and the confirmation apart for good, under the
+                        // detector's lock).
+                        Some(_) if walks < WALKS_AGAIN => {}
+                        Some(_) => break (None, exact.visited),
+                        // No cycle, and the walk from the table reached the
+                        // limit: a presumed deadlock (the chain it followed).
+                        None => {
+                            let found = exact
+                                .cut
+                                .map(|(path, beyond)| (path, Some((limit, beyond))));
+                            break (found, exact.visited);
+                        }
+                    }
+                }
             }
         };
         let record = cycle.map(|(c, presumed)| {
