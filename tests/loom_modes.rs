@@ -1,6 +1,8 @@
 //! Loom models of the races that modes add to a key's state machine: a shared
 //! release racing an exclusive waiter's grant, an upgrade racing another
-//! shared holder's release, a downgrade racing queued (and arriving) waiters
+//! shared holder's release, an upgrade racing the revocation of the grant
+//! it upgrades (unlinked and told, the writer behind it not held up), a
+//! downgrade racing queued (and arriving) waiters
 //! of both modes, and two shared holders upgrading at once.
 //!
 //! Run with (what `.ci/run` does, then again without `LOOM_MAX_PREEMPTIONS`):
@@ -527,6 +529,65 @@ mod models {
                 assert!(g.token() > ta);
                 drop(Holding::new(g, &rw));
                 assert!(rw.is_free());
+                table.assert_consistent();
+                assert_eq!(table.len(), 0, "entry leaked");
+            },
+        );
+    }
+
+    /// (b3) A shared holder's upgrade waits (another reader holds) on one
+    /// thread, while another revokes the upgrading grant; a writer queued
+    /// behind the upgrade waits on the main thread.
+    ///
+    /// The upgrade fails with its grant's loss (`Expired`, naming the old
+    /// token), whether the revocation came before its first poll or while it
+    /// waited: in the second case admission unlinks it and tells it, and it
+    /// is woken (no lost wake-up). Either way the writer is not held up by
+    /// it: once the other reader releases, it is granted, woken.
+    #[test]
+    fn upgrade_vs_revocation_of_its_grant() {
+        model(
+            "b3: upgrade vs revocation of its grant",
+            &[
+                "revoked before the upgrade linked",
+                "revoked while it waited",
+            ],
+            |seen| {
+                let table = table();
+                let mut a = table.clone().try_lock_shared_owned(KEY).unwrap();
+                let b = table.clone().try_lock_shared_owned(KEY).unwrap();
+                let old = a.token();
+                let mut x = Polled::new(table.clone().lock_owned(KEY));
+                assert!(x.poll().is_none(), "readers hold: the writer queues");
+
+                let up = thread::spawn(move || {
+                    let (out, polls) = block_on(a.upgrade());
+                    match out {
+                        Err(LockError::Expired { token, .. }) => assert_eq!(token, old),
+                        other => panic!("the revoked upgrade: {other:?}"),
+                    }
+                    (a, polls)
+                });
+                let revoker = table.clone();
+                let rev = thread::spawn(move || {
+                    assert!(revoker.revoke_grant(&KEY, old), "the grant was live");
+                });
+                rev.join().unwrap();
+                let (a, polls) = up.join().unwrap();
+                seen.note(if polls == 1 {
+                    "revoked before the upgrade linked"
+                } else {
+                    "revoked while it waited"
+                });
+                assert!(
+                    x.poll().is_none(),
+                    "the writer was served beside the other reader"
+                );
+                drop(b);
+                let g = finish(&mut x, "the writer after the reader");
+                assert!(g.token() > old);
+                drop(g);
+                drop(a);
                 table.assert_consistent();
                 assert_eq!(table.len(), 0, "entry leaked");
             },
