@@ -47,7 +47,7 @@ use crate::support::shard_lock::ShardMutex;
 use crate::transactions::deadlock::{wait_id, Deadlock};
 use crate::transactions::error::TransactionError;
 use crate::transactions::held::{Acquired, Found, HeldSet};
-use crate::transactions::pending::{self, ParkedSlot, Pending, PendingList};
+use crate::transactions::pending::{self, ParkedSlot, Pending, PendingList, Taken};
 use crate::transactions::policy::Resolved;
 use crate::transactions::reach::{GuardOps, Reach};
 
@@ -224,6 +224,37 @@ pub(crate) trait Access {
     /// The slot where the borrowed form's `lock_all` parks its wait
     /// (`pending::Parked`); the owned form's calls use cells.
     fn parked(&mut self) -> &mut ParkedOf<Self::R>;
+
+    /// Parks the borrowed form's wait for a new key (`pending::park`):
+    /// `lock`, not polled yet, and the guards the call took. A wait still
+    /// parked is a forgotten call's (the transaction is borrowed by this
+    /// call): its waiter leaves its queue here, and its registration with
+    /// the deadlock detector goes with it (see [`forget_forgotten`]).
+    fn park(&mut self, lock: LockOf<Self>, guards: Taken<GuardOf<Self>>) {
+        if pending::park(self.parked(), lock, guards) {
+            forget_forgotten(self.owner());
+        }
+    }
+}
+
+/// A borrowed transaction let go of a forgotten call's wait (parking the
+/// next call's, or waiting through a cell): its registrations with the
+/// deadlock detector go now, not when the next wait registers (which
+/// drops them too: `LockTable::enter_wait`). In between, the next call's
+/// waiter may be queued on the same key, and the table gives a registered
+/// wait the edges of the transaction's waiter on its key: a search then
+/// read the forgotten wait's mode over the new waiter's edges, and an
+/// exclusive registration over a shared waiter passed over the waiter
+/// ahead of it (`passes_over`), marking it visited: a cycle through that
+/// waiter, closed by the searching wait, went unanswered for good.
+/// Registrations of the borrowed form's other forgotten calls (waiting in
+/// cells) go too, as that registration drops them.
+fn forget_forgotten<R: Reach>(owner: &Owner<R>) {
+    owner
+        .reach
+        .table()
+        .detector()
+        .forget_owner(owner.opts.id.get());
 }
 
 /// The owner and the set of a borrowed transaction, at once
@@ -333,7 +364,9 @@ impl<R: Reach> Access for Direct<'_, R> {
         // is a forgotten call's, and a grant handed to it is held outside
         // the set, where this wait would queue behind it for good (the
         // detector has no edge from a transaction to itself).
-        pending::clear_parked(self.parked);
+        if pending::clear_parked(self.parked) {
+            forget_forgotten(self.owner);
+        }
         pending::push(self.pending, pending);
         Ok(())
     }

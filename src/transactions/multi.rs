@@ -1360,7 +1360,7 @@ where
                 // transaction (`pending::Parked`), so that its end releases
                 // them if this future is forgotten; if it is dropped here
                 // (cancelled, or unwinding), `call` releases them.
-                pending::park(access.parked(), lock, mem::take(&mut taken));
+                access.park(lock, mem::take(&mut taken));
                 let call = ParkedCall {
                     access: &mut *access,
                     done: false,

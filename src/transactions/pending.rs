@@ -308,10 +308,12 @@ pin_project_lite::pin_project! {
 pub(crate) type ParkedSlot<L, G> = Option<Pin<Box<Parked<L, G>>>>;
 
 /// Parks a call's wait: `lock`, not polled yet, and the guards it took.
-/// What a forgotten call left in the slot goes first.
-pub(crate) fn park<L, G>(slot: &mut ParkedSlot<L, G>, lock: L, guards: Taken<G>) {
-    clear_parked(slot);
+/// What a forgotten call left in the slot goes first: returns whether
+/// there was one (see [`Access::park`](super::access::Access::park)).
+pub(crate) fn park<L, G>(slot: &mut ParkedSlot<L, G>, lock: L, guards: Taken<G>) -> bool {
+    let forgotten = clear_parked(slot);
     *slot = Some(Box::pin(Parked { lock, guards }));
+    forgotten
 }
 
 /// Polls the parked wait (only the call that parked it does).
@@ -344,9 +346,10 @@ pub(crate) fn unpark<L, G>(slot: &mut ParkedSlot<L, G>, guards: &mut Taken<G>) {
 
 /// Drops what the slot holds: the wait first (an unobserved grant passes
 /// on before the guards go), then the guards, even if the first panics.
-pub(crate) fn clear_parked<L, G>(slot: &mut ParkedSlot<L, G>) {
+/// Returns whether it held anything.
+pub(crate) fn clear_parked<L, G>(slot: &mut ParkedSlot<L, G>) -> bool {
     let Some(mut parked) = slot.take() else {
-        return;
+        return false;
     };
     let guards = std::mem::take(parked.as_mut().project().guards);
     let dropped = catch_unwind(AssertUnwindSafe(|| drop(parked)));
@@ -355,6 +358,7 @@ pub(crate) fn clear_parked<L, G>(slot: &mut ParkedSlot<L, G>) {
     if let Err(payload) = dropped.and(released) {
         resume_unwind(payload);
     }
+    true
 }
 
 /// The guards a call has taken and not yet put into its transaction's set,

@@ -368,7 +368,7 @@ where
     // there, with no cell.
     let mut claim = claim;
     let lock = claim_lock(&mut claim, mode, policy)?;
-    pending::park(claim.access.parked(), lock, Taken::new());
+    claim.access.park(lock, Taken::new());
     claim.parked = true;
     // Nothing else can take a key for the transaction while it waits, so
     // it holds its set's keys (and those of a call it forgot while it
