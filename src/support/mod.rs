@@ -1,9 +1,12 @@
 //! The support layer: the vocabulary and primitives every other layer
 //! uses, and that use nothing of the crate above them: the shard spin lock
 //! and the loom shim, the key map and its slots, modes, fencing tokens,
-//! fairness, statistics and the lease options.
+//! fairness, statistics and the lease options (and, under the `jitter`
+//! feature, the stress tests' random preemption points).
 
 pub(crate) mod fairness;
+#[cfg(all(feature = "jitter", not(loom)))]
+pub(crate) mod jitter;
 pub(crate) mod key_map;
 pub(crate) mod key_slot;
 pub(crate) mod lease;

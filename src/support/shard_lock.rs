@@ -20,6 +20,9 @@
 //! | `false`  | free                     |
 //! | `true`   | held by exactly one guard|
 //!
+//! With the `jitter` feature, [`lock`](ShardLock::lock) and the unlock are
+//! also random preemption points for stress tests (`support/jitter.rs`).
+//!
 //! The `Acquire` compare-and-swap that sets `locked` pairs with the
 //! `Release` store that clears it, so everything a holder wrote is visible to
 //! the next.
@@ -71,6 +74,8 @@ impl<T> ShardLock<T> {
     /// Locks, spinning then yielding while another thread holds it.
     #[inline]
     pub(crate) fn lock(&self) -> ShardGuard<'_, T> {
+        #[cfg(all(feature = "jitter", not(loom)))]
+        crate::support::jitter::jitter();
         if self
             .locked
             .compare_exchange(false, true, Acquire, Relaxed)
@@ -168,6 +173,8 @@ impl<T> Drop for ShardGuard<'_, T> {
         // It must end before the unlock: under loom it records the access.
         unsafe { ManuallyDrop::drop(&mut self.value) };
         self.lock.locked.store(false, Release);
+        #[cfg(all(feature = "jitter", not(loom)))]
+        crate::support::jitter::jitter();
     }
 }
 
