@@ -5,6 +5,9 @@
 //! Every holder checks mutual exclusion (an "inside" counter per key) and that
 //! its fencing token exceeds the previous holder's; the test counts every
 //! acquisition it observes and compares with the table's statistics.
+//! To add random preemptions around the shard locks, run it with the
+//! `jitter` feature and a rate per 10,000 lock and unlock calls:
+//! `KEYLOCK_JITTER=200 cargo test --release --features test-util,tokio,jitter --test stress`.
 
 use std::future::Future;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering::SeqCst};

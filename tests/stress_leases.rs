@@ -8,6 +8,9 @@
 //! fenced holder never commits after its successor). A holder that sleeps
 //! past its own deadline must see `check()` fail. At the end nothing is left
 //! in the table.
+//! To add random preemptions around the shard locks, run it with the
+//! `jitter` feature and a rate per 10,000 lock and unlock calls:
+//! `KEYLOCK_JITTER=200 cargo test --release --features test-util,tokio,jitter --test stress_leases`.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering::SeqCst};

@@ -24,6 +24,9 @@
 //!   its internal invariants hold.
 //!
 //! A watchdog bounds the whole run: a lost wake-up fails it as a hang.
+//! To add random preemptions around the shard locks, run it with the
+//! `jitter` feature and a rate per 10,000 lock and unlock calls:
+//! `KEYLOCK_JITTER=200 cargo test --release --features test-util,tokio,jitter --test stress_timers`.
 
 use std::collections::HashSet;
 use std::sync::atomic::{AtomicU64, Ordering::SeqCst};
