@@ -12,6 +12,9 @@
 //! `STRESS_TXN_SEED=n STRESS_TXN_ROUNDS=1` reruns one round; a failure names
 //! its seed. Found three bugs when written (`tests/forgotten_parked.rs`,
 //! `tests/forgotten_registrations.rs`, `tests/forgotten_eventual.rs`).
+//! To add random preemptions around the shard locks, run it with the
+//! `jitter` feature and a rate per 10,000 lock and unlock calls:
+//! `KEYLOCK_JITTER=200 cargo test --release --features test-util,tokio,jitter --test stress_transactions`.
 #![cfg(feature = "test-util")]
 use std::future::Future;
 use std::sync::atomic::{AtomicUsize, Ordering};
