@@ -5,9 +5,10 @@
 //! one owned transaction, task aborts, strict and eventual fairness. In
 //! this workload a task holding keys awaits only its own transaction's
 //! calls, so an await that times out is a hang (a cycle left unanswered, a
-//! wake lost, a free key kept from its waiters). One rare hang is still
-//! open: hangs are reported, and fail the test with `STRESS_TXN_HANGS_FAIL`
-//! set (see the test).
+//! wake lost, a free key kept from its waiters), and fails the test; the
+//! first one of a round prints the table's status as it hung. With the
+//! `jitter` preemptions below it found two such bugs
+//! (`tests/deadlock_confirm.rs`, `tests/forgotten_window.rs`).
 //! After each round everything is dropped and the table must hold nothing.
 //! `STRESS_TXN_SEED=n STRESS_TXN_ROUNDS=1` reruns one round; a failure names
 //! its seed. Found three bugs when written (`tests/forgotten_parked.rs`,
@@ -47,11 +48,13 @@ fn poll_then_lose<F: Future>(f: F, forget: bool) {
     }
 }
 
-async fn timed<F: Future>(f: F) -> Option<F::Output> {
+async fn timed<F: Future>(table: &LockTable<u32>, f: F) -> Option<F::Output> {
     match tokio::time::timeout(Duration::from_secs(10), f).await {
         Ok(out) => Some(out),
         Err(_) => {
-            HANGS.fetch_add(1, Ordering::SeqCst);
+            if HANGS.fetch_add(1, Ordering::SeqCst) == 0 {
+                eprintln!("an await hung; the table: {:?}", table.status());
+            }
             None
         }
     }
@@ -77,18 +80,19 @@ async fn owned_task(table: Arc<LockTable<u32>>, seed: u64) {
                 2 => {
                     // A concurrent call of the same transaction, on its own task.
                     let f = t.lock(k, mode(&mut r));
+                    let table = table.clone();
                     calls.push(tokio::spawn(async move {
-                        let _ = timed(f).await;
+                        let _ = timed(&table, f).await;
                     }));
                 }
                 3 => {
                     let f = t.lock_all([(k, mode(&mut r)), (r.gen_range(0..KEYS), mode(&mut r))]);
-                    if timed(f).await.is_none() {
+                    if timed(&table, f).await.is_none() {
                         break;
                     }
                 }
                 _ => {
-                    if timed(t.lock(k, mode(&mut r))).await.is_none() {
+                    if timed(&table, t.lock(k, mode(&mut r))).await.is_none() {
                         break;
                     }
                 }
@@ -114,7 +118,7 @@ async fn owned_task(table: Arc<LockTable<u32>>, seed: u64) {
             }
         }
         for c in calls {
-            let _ = timed(c).await;
+            let _ = timed(&table, c).await;
         }
     }
 }
@@ -133,12 +137,12 @@ async fn borrowed_task(table: Arc<LockTable<u32>>, seed: u64) {
                 ),
                 2 => {
                     let f = t.lock_all([(k, mode(&mut r)), (r.gen_range(0..KEYS), mode(&mut r))]);
-                    if timed(f).await.is_none() {
+                    if timed(&table, f).await.is_none() {
                         break;
                     }
                 }
                 _ => {
-                    if timed(t.lock(k, mode(&mut r))).await.is_none() {
+                    if timed(&table, t.lock(k, mode(&mut r))).await.is_none() {
                         break;
                     }
                 }
@@ -229,18 +233,8 @@ fn transactions_of_both_forms_forgotten_calls_and_aborts() {
         }
     }
     eprintln!("{rounds} rounds from seed {base}");
-    // A rare hang is still open (one seed of 400 in one CI run, under load;
-    // none in 14,000 rounds on an idle machine): reported here, and fatal
-    // only with STRESS_TXN_HANGS_FAIL set, until it is found. Whatever
-    // hangs, every round must still leave the table empty (`round`).
-    if std::env::var_os("STRESS_TXN_HANGS_FAIL").is_some() {
-        assert!(
-            hung.is_empty(),
-            "awaits hung (rerun with STRESS_TXN_SEED=seed STRESS_TXN_ROUNDS=1): {hung:?}"
-        );
-    } else if !hung.is_empty() {
-        eprintln!(
-            "!!! awaits hung in rounds {hung:?} (a known open bug; STRESS_TXN_HANGS_FAIL=1 makes it fatal)"
-        );
-    }
+    assert!(
+        hung.is_empty(),
+        "awaits hung (rerun with STRESS_TXN_SEED=seed STRESS_TXN_ROUNDS=1): {hung:?}"
+    );
 }
