@@ -33,6 +33,19 @@ fn tables() -> [(&'static str, Arc<LockTable<&'static str>>, ManualClock); 2] {
     ]
 }
 
+/// Polls a waiter the key was just freed for: granted by the release
+/// (strict), or nudged to take the free key as it polls (eventual, before
+/// the shard's fairness deadline), in which case the first poll may find
+/// it pending and the second takes it.
+fn take_when_free<F: std::future::Future>(
+    mut f: std::pin::Pin<&mut F>,
+) -> std::task::Poll<F::Output> {
+    match poll(f.as_mut()) {
+        std::task::Poll::Pending => poll(f),
+        ready => ready,
+    }
+}
+
 #[test]
 fn a_forgotten_upgrade_whose_guard_was_dropped_does_not_block_the_queue() {
     for (name, table, _) in tables() {
@@ -47,11 +60,7 @@ fn a_forgotten_upgrade_whose_guard_was_dropped_does_not_block_the_queue() {
             "{name}: the reader holds k"
         );
         drop(reader);
-        let mut got = poll(writer.as_mut());
-        if got.is_pending() {
-            // Eventual fairness: the nudged head takes the free key.
-            got = poll(writer.as_mut());
-        }
+        let got = take_when_free(writer.as_mut());
         assert!(
             got.is_ready(),
             "{name}: the writer stalls behind a forgotten upgrade: {:?}",
@@ -89,10 +98,7 @@ fn a_forgotten_upgrade_whose_lease_lapsed_does_not_block_the_queue() {
             clock.advance(Duration::from_secs(2));
             // The upgrading grant has lapsed (its guard lives on, fenced).
             drop(reader);
-            let mut got = poll(writer.as_mut());
-            if got.is_pending() {
-                got = poll(writer.as_mut());
-            }
+            let got = take_when_free(writer.as_mut());
             assert!(
                 got.is_ready(),
                 "{name}: the writer stalls behind a forgotten, lapsed upgrade: {:?}",
@@ -119,10 +125,7 @@ fn an_orphaned_upgrade_polled_again_fails_with_its_grants_loss() {
         clock.advance(Duration::from_secs(2));
         drop(reader);
         // The writer went first: the upgrade had left the queue.
-        let mut got = poll(writer.as_mut());
-        if got.is_pending() {
-            got = poll(writer.as_mut());
-        }
+        let got = take_when_free(writer.as_mut());
         let std::task::Poll::Ready(writer_guard) = got else {
             panic!("{name}: the writer takes k: {:?}", table.status());
         };
