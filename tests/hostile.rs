@@ -2627,4 +2627,182 @@ mod tests {
             assert_table_empty(&*table, 3, "after the owned call's re-entrant waker");
         });
     }
+
+    /// A key whose `Clone` and `Drop` call back into the owned transaction
+    /// that holds it (by a thread-local handle; once per call, not from
+    /// inside a call back).
+    #[derive(Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+    struct Reentrant(u32);
+
+    thread_local! {
+        static REENTERED: std::cell::RefCell<Option<std::sync::Weak<keylock::OwnedTransaction<Reentrant>>>> =
+            const { std::cell::RefCell::new(None) };
+        static INSIDE: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+        static CALLS_BACK: std::cell::Cell<usize> = const { std::cell::Cell::new(0) };
+    }
+
+    /// Reads the transaction through every method that takes its lock (and,
+    /// for `keys`, the shard locks of its keys).
+    fn call_back_into_transaction() {
+        if INSIDE.get() {
+            return;
+        }
+        let Some(txn) = REENTERED.with(|t| t.borrow().as_ref().and_then(std::sync::Weak::upgrade))
+        else {
+            return;
+        };
+        INSIDE.set(true);
+        let listed = txn.keys().len();
+        assert!(
+            listed <= txn.len() + 1,
+            "listed {listed} of {} keys",
+            txn.len()
+        );
+        let _ = txn.count(&Reentrant(u32::MAX));
+        INSIDE.set(false);
+        CALLS_BACK.set(CALLS_BACK.get() + 1);
+        drop(txn);
+    }
+
+    impl Clone for Reentrant {
+        fn clone(&self) -> Self {
+            call_back_into_transaction();
+            Reentrant(self.0)
+        }
+    }
+
+    impl Drop for Reentrant {
+        fn drop(&mut self) {
+            call_back_into_transaction();
+        }
+    }
+
+    /// How many call backs `f` made.
+    fn calls_back(f: impl FnOnce()) -> usize {
+        let before = CALLS_BACK.get();
+        f();
+        CALLS_BACK.get() - before
+    }
+
+    #[test]
+    fn an_owned_transactions_key_whose_clone_and_drop_call_back_into_it_does_not_deadlock() {
+        use keylock::{Mode, TransactionError};
+        watchdog("owned-key-reentrant-clone", || {
+            let table: Arc<LockTable<Reentrant>> = Arc::new(LockTable::builder().shards(1).build());
+            let txn = Arc::new(table.clone().transaction_owned());
+            REENTERED.with(|t| *t.borrow_mut() = Some(Arc::downgrade(&txn)));
+            let waker = Hostile::new().waker();
+
+            // A new key that must be waited for: the claim's name and the
+            // table's copy are clones.
+            let held = table.try_lock(Reentrant(1)).expect("key 1 is free");
+            let mut call = Box::pin(txn.lock(Reentrant(1), Mode::Exclusive));
+            let made = calls_back(|| pending(&mut call, &waker, "the call waits for key 1"));
+            assert!(
+                made >= 2,
+                "the wait cloned the key twice ({made} call backs)"
+            );
+            drop(held);
+            let got = ready(&mut call, &waker, "the call is granted key 1");
+            assert!(got.is_ok(), "the call took key 1: {got:?}");
+            drop(call);
+
+            // An upgrade that waits for another reader: its name is a clone.
+            assert!(txn.blocking_lock(Reentrant(2), Mode::Shared).is_ok());
+            let reader = table
+                .try_lock_shared(Reentrant(2))
+                .expect("key 2 is shared");
+            let mut call = Box::pin(txn.lock(Reentrant(2), Mode::Exclusive));
+            let made = calls_back(|| pending(&mut call, &waker, "the upgrade waits"));
+            assert!(made >= 1, "the upgrade cloned its name ({made} call backs)");
+            drop(reader);
+            let got = ready(&mut call, &waker, "the upgrade is granted");
+            assert!(got.is_ok(), "key 2 upgraded: {got:?}");
+            drop(call);
+
+            // A `lock_all` whose second key must be waited for: every
+            // request's name is a clone.
+            let held = table.try_lock(Reentrant(4)).expect("key 4 is free");
+            let mut call = Box::pin(txn.lock_all([
+                (Reentrant(3), Mode::Exclusive),
+                (Reentrant(4), Mode::Exclusive),
+            ]));
+            let made = calls_back(|| pending(&mut call, &waker, "the lock_all waits for key 4"));
+            assert!(
+                made >= 2,
+                "the lock_all cloned its names ({made} call backs)"
+            );
+            drop(held);
+            let got = ready(&mut call, &waker, "the lock_all is granted");
+            assert!(got.is_ok(), "keys 3 and 4 taken: {got:?}");
+            drop(call);
+
+            // The list of keys, an unlock of a key not held, a check and a
+            // renewal that name a revoked key: each clones a key.
+            let made = calls_back(|| {
+                let mut keys: Vec<_> = txn.keys().into_iter().map(|(k, m)| (k.0, m)).collect();
+                keys.sort();
+                assert_eq!(
+                    keys,
+                    [
+                        (1, Mode::Exclusive),
+                        (2, Mode::Exclusive),
+                        (3, Mode::Exclusive),
+                        (4, Mode::Exclusive)
+                    ]
+                );
+            });
+            assert!(made >= 4, "the list cloned every key ({made} call backs)");
+            let made = calls_back(|| {
+                let unheld = txn.unlock(&Reentrant(9));
+                assert!(
+                    matches!(unheld, Err(TransactionError::NotHeld { key: Reentrant(9) })),
+                    "{unheld:?}"
+                );
+            });
+            assert!(made >= 1, "the error's key is a clone ({made} call backs)");
+            assert!(table.revoke(&Reentrant(3)).is_some(), "key 3 is revoked");
+            let made = calls_back(|| {
+                let checked = txn.check();
+                assert!(
+                    matches!(
+                        checked,
+                        Err(TransactionError::Expired {
+                            key: Reentrant(3),
+                            ..
+                        })
+                    ),
+                    "{checked:?}"
+                );
+                let renewed = txn.renew();
+                assert!(
+                    matches!(
+                        renewed,
+                        Err(TransactionError::Expired {
+                            key: Reentrant(3),
+                            ..
+                        })
+                    ),
+                    "{renewed:?}"
+                );
+            });
+            assert!(made >= 2, "the errors' keys are clones ({made} call backs)");
+
+            REENTERED.with(|t| *t.borrow_mut() = None);
+            let txn = Arc::try_unwrap(txn)
+                .map_err(|_| ())
+                .expect("the call backs hold a weak handle");
+            assert!(
+                matches!(
+                    txn.commit(),
+                    Err(TransactionError::Expired {
+                        key: Reentrant(3),
+                        ..
+                    })
+                ),
+                "the commit names the revoked key"
+            );
+            assert_table_empty(&*table, Reentrant(5), "after the re-entrant keys");
+        });
+    }
 }

@@ -114,6 +114,22 @@ impl<K> ShardState<K> {
         }
     }
 
+    /// Pins the entry of `key`, which a guard (live or fenced) keeps in the
+    /// table, as [`snapshot`](Self::snapshot) pins what it read: its key
+    /// can then be cloned after the shard lock is released, until
+    /// [`unpin`](Self::unpin).
+    pub(crate) fn pin(&mut self, hash: u64, key: KeyPtr<K>) {
+        let index = self
+            .entries
+            .find(hash, |e| e.key == key)
+            .expect(ENTRY_PRESENT);
+        let entry = self.entries.get_mut(index);
+        entry.fenced = entry
+            .fenced
+            .checked_add(1)
+            .expect("keylock: more than 2^32 - 1 fenced guards on one key");
+    }
+
     /// Lets go of a pin [`snapshot`](Self::snapshot) took; the entry goes
     /// if nothing else uses it.
     pub(crate) fn unpin(&mut self, hash: u64, key: KeyPtr<K>, ctx: &mut Ctx<'_, '_, K>) {
@@ -122,7 +138,7 @@ impl<K> ShardState<K> {
             .find(hash, |e| e.key == key)
             .expect(ENTRY_PRESENT);
         let entry = self.entries.get_mut(index);
-        debug_assert!(entry.fenced > 0, "pinned by the snapshot");
+        debug_assert!(entry.fenced > 0, "pinned by a snapshot or a pin");
         entry.fenced = entry.fenced.saturating_sub(1);
         if entry.is_unused() {
             let removed = self.entries.remove(index);

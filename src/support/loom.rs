@@ -21,8 +21,8 @@ pub(crate) use std::sync::MutexGuard;
 /// Its users change the guarded state only after any user code that can
 /// panic under the lock has run: no user code runs while a shard is locked
 /// except `K`'s `Eq`, which can only panic before the shard's state is
-/// changed; an owned transaction's set runs a key's `Eq` and `Clone`
-/// before changing anything. So a state whose lock was released by a panic
+/// changed; an owned transaction's set runs a key's `Eq` before
+/// changing anything. So a state whose lock was released by a panic
 /// is still consistent and is used as is.
 #[derive(Debug, Default)]
 pub(crate) struct Mutex<T>(

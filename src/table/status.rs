@@ -300,14 +300,24 @@ impl<K: Eq + Hash, S: BuildHasher> Drop for Pins<'_, K, S> {
     }
 }
 
-/// Unpins one entry when dropped, after its key was cloned or not.
-struct Unpin<'t, K: Eq + Hash, S: BuildHasher> {
+/// A key whose entry is pinned (see `keys/status.rs`): its key cell stays
+/// live, and is never written, until this drops and unpins it, so the key
+/// can be read (cloned: user code) outside every lock.
+pub(crate) struct PinnedKey<'t, K: Eq + Hash, S: BuildHasher> {
     table: &'t LockTable<K, S>,
     hash: u64,
     key: KeyPtr<K>,
 }
 
-impl<K: Eq + Hash, S: BuildHasher> Drop for Unpin<'_, K, S> {
+impl<K: Eq + Hash, S: BuildHasher> PinnedKey<'_, K, S> {
+    pub(crate) fn key(&self) -> &K {
+        // SAFETY: the entry is pinned until `self` drops, so its key cell
+        // is live and never written meanwhile.
+        unsafe { self.key.get() }
+    }
+}
+
+impl<K: Eq + Hash, S: BuildHasher> Drop for PinnedKey<'_, K, S> {
     fn drop(&mut self) {
         self.table.unpin(self.hash, self.key);
     }
@@ -352,14 +362,12 @@ impl<K: Eq + Hash, S: BuildHasher> LockTable<K, S> {
                 left: raw.into_iter(),
             };
             for (hash, key, status) in pins.left.by_ref() {
-                let _unpin = Unpin {
+                let pinned = PinnedKey {
                     table: self,
                     hash,
                     key,
                 };
-                // SAFETY: the entry is pinned until `_unpin` drops, so its
-                // key cell is live and never written meanwhile.
-                let cloned = unsafe { key.get() }.clone();
+                let cloned = pinned.key().clone();
                 let labels = self.labels().of(ids(&status));
                 let now = self.clock().now();
                 out.push((cloned, LockStatus::from_raw(status, &labels, now)));
@@ -411,7 +419,25 @@ impl<K: Eq + Hash, S: BuildHasher> LockTable<K, S> {
         self.lock_status(key)?.holders.into_iter().next()
     }
 
-    /// Lets go of a status snapshot's pin on the entry of `key`.
+    /// Pins the entry of `guard`'s key (a guard of this table), so that the
+    /// key can be cloned once every lock is released (an owned
+    /// transaction's list of its keys).
+    pub(crate) fn pin_key(
+        &self,
+        guard: &crate::table::guard::Guard<'_, K, S>,
+    ) -> PinnedKey<'_, K, S> {
+        debug_assert!(std::ptr::eq(guard.table, self), "a guard of this table");
+        let (hash, key) = (guard.held.hash(), guard.held.key_ptr());
+        self.with_shard(hash, |state, _| state.pin(hash, key));
+        PinnedKey {
+            table: self,
+            hash,
+            key,
+        }
+    }
+
+    /// Lets go of a pin on the entry of `key` (a snapshot's, or a
+    /// [`PinnedKey`]'s).
     fn unpin(&self, hash: u64, key: KeyPtr<K>) {
         self.with_shard(hash, |state, ctx| state.unpin(hash, key, ctx));
     }

@@ -24,8 +24,11 @@
 //! woken while the lock is held: they are user code (a waker may call back
 //! into the transaction), nor is a pending future's waker cloned under it
 //! (the clone is made first). One kind of user code does run under it: a
-//! key's `Eq` and `Clone` while the set is searched (a panic there leaves
-//! the state as it was, and the unwinding releases the lock). The wakes of
+//! key's `Eq` while the set is searched (a panic there leaves the state as
+//! it was, and the unwinding releases the lock). A key's `Clone` and `Drop`
+//! never do: a claim's copy of its key is made before the lock is taken,
+//! and a key to be named (`keys()`, an error) is pinned in the table under
+//! it and cloned after it (`LockTable::pin_key`). The wakes of
 //! [`Lost`](crate::futures::Lost) watchers that a `renew` or a `check`
 //! settles run after the lock is released (`single::Settled`).
 //!
@@ -471,8 +474,8 @@ impl<R: Reach> Shared<R> {
         }
     }
 
-    /// The state, whatever a panic in user code (a key's `Eq` or `Clone`
-    /// during a lookup) left it: the set changes only after user code ran,
+    /// The state, whatever a panic in user code (a key's `Eq` during a
+    /// lookup) left it: the set changes only after user code ran,
     /// so a lock released by a panic guards a consistent set (its poison,
     /// if any, is ignored).
     fn lock(&self) -> impl DerefMut<Target = State<R>> + '_ {

@@ -31,6 +31,8 @@
 //! - User code (`Eq`, `Clone`, `Drop` of keys) runs in a method only before
 //!   it changes anything, and nothing is dropped inside: what leaves the set
 //!   is returned to the caller, to drop after releasing any lock it holds.
+//!   A caller that holds a lock around the set runs only `Eq` in it: it
+//!   hands [`HeldSet::begin`] the key's clone, made before locking.
 
 use std::borrow::Borrow;
 
@@ -174,13 +176,6 @@ impl<G: GuardOps<Key = K>, K> Slot<G, K> {
         match &self.body {
             Body::Guard(guard) => Some(guard),
             Body::Away { .. } => None,
-        }
-    }
-
-    fn name(&self) -> Option<&K> {
-        match &self.body {
-            Body::Guard(_) => None,
-            Body::Away { name, .. } => Some(name),
         }
     }
 
@@ -512,12 +507,6 @@ impl<G: GuardOps<Key = K>, K: Eq> HeldSet<G, K> {
         Some(&self.slots[at]).filter(|slot| slot.count() > 0)
     }
 
-    /// The clone of the key a call has in flight in slot `id`.
-    pub(crate) fn name(&self, hash: u64, id: u64) -> Option<&K> {
-        let at = self.position(hash, |slot| slot.id == id)?;
-        self.slots[at].name()
-    }
-
     /// Makes room for `additional` more keys (a `lock_all`).
     pub(crate) fn reserve(&mut self, additional: usize) {
         self.slots.reserve(additional);
@@ -689,7 +678,9 @@ impl<G: GuardOps<Key = K>, K: Eq> HeldSet<G, K> {
     /// Claims `key` for a call asking for `mode`: a covered key is counted
     /// at once if `reenter` (else marked busy until the call settles); a
     /// weaker one gives its guard to be upgraded; an absent one gets an
-    /// in-flight slot.
+    /// in-flight slot. A slot that needs the key's name takes `name`'s
+    /// copy, made by a caller that holds a lock around this call (a key's
+    /// `Clone` is user code), or else clones `key` here.
     #[inline]
     pub(crate) fn begin(
         &mut self,
@@ -697,6 +688,7 @@ impl<G: GuardOps<Key = K>, K: Eq> HeldSet<G, K> {
         key: &K,
         mode: Mode,
         reenter: bool,
+        name: &mut Option<K>,
     ) -> Result<Begin<G>, Busy>
     where
         K: Clone,
@@ -705,7 +697,7 @@ impl<G: GuardOps<Key = K>, K: Eq> HeldSet<G, K> {
         // User code (`Eq`) runs in the search, before anything changes.
         let Some(at) = self.position(hash, |slot| slot.is(key)) else {
             // User code first: a panicking clone leaves the set as it was.
-            let name = key.clone();
+            let name = name.take().unwrap_or_else(|| key.clone());
             let id = self.next_id;
             self.next_id += 1;
             self.push(id, BUSY, Body::Away { hash, name });
@@ -733,7 +725,7 @@ impl<G: GuardOps<Key = K>, K: Eq> HeldSet<G, K> {
                 acquired,
             });
         }
-        let name = key.clone();
+        let name = name.take().unwrap_or_else(|| key.clone());
         slot.set_busy(true);
         self.version += 1;
         let guard = slot.take_guard(name);

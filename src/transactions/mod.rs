@@ -367,10 +367,17 @@ fn unlock_in<R: Reach>(
 where
     R::Key: Clone,
 {
-    set.unlock(hash, key, all).map_err(|why| match why {
+    set.unlock(hash, key, all)
+        .map_err(|why| not_released(why, key))
+}
+
+/// The error of an unlock that did nothing, naming its key (a clone: made
+/// after any lock around the set is released).
+fn not_released<K: Clone>(why: NotReleased, key: &K) -> TransactionError<K> {
+    match why {
         NotReleased::NotHeld => TransactionError::NotHeld { key: key.clone() },
         NotReleased::Busy => TransactionError::InFlight { key: key.clone() },
-    })
+    }
 }
 
 impl<'t, K: Eq + Hash, S: BuildHasher> Transaction<'t, K, S> {
@@ -835,7 +842,10 @@ impl<'t, K: Eq + Hash, S: BuildHasher> Transaction<'t, K, S> {
     where
         K: Clone,
     {
-        single::first_lost(&self.set, &mut single::Settled::new()).map_or(Ok(()), Err)
+        single::first_lost(&self.set, &mut single::Settled::new(), |guard| {
+            guard.key().clone()
+        })
+        .map_or(Ok(()), Err)
     }
 
     /// Renews every grant's lease (with the transaction's lease, else the
@@ -862,10 +872,11 @@ impl<'t, K: Eq + Hash, S: BuildHasher> Transaction<'t, K, S> {
     where
         K: Clone,
     {
-        single::renew::<&LockTable<K, S>>(
+        single::renew::<&LockTable<K, S>, _>(
             &self.set,
             renewal_lease(&self.owner),
             &mut single::Settled::new(),
+            |guard| guard.key().clone(),
         )
     }
 
@@ -1248,10 +1259,11 @@ impl<K: Eq + Hash + 'static, S: BuildHasher + 'static> OwnedTransaction<K, S> {
         let hash = self.owner().reach.table().hash(key);
         let unlocked = self
             .shared
-            .with(|set| unlock_in::<Pinned<K, S>>(set, hash, key, all))
+            .with(|set| set.unlock(hash, key, all))
             .map_err(|_| TransactionError::Ended)?;
-        // The slot (its guard releases the key) drops after unlocking.
-        let (left, slot) = unlocked?;
+        // The slot (its guard releases the key) drops after unlocking, and
+        // the error's key is cloned then.
+        let (left, slot) = unlocked.map_err(|why| not_released(why, key))?;
         drop(slot);
         Ok(left)
     }
@@ -1280,8 +1292,9 @@ impl<K: Eq + Hash + 'static, S: BuildHasher + 'static> OwnedTransaction<K, S> {
         let hash = self.owner().reach.table().hash(key);
         let (_, slot) = self
             .shared
-            .with(|set| unlock_in::<Pinned<K, S>>(set, hash, key, true))
-            .map_err(|_| TransactionError::Ended)??;
+            .with(|set| set.unlock(hash, key, true))
+            .map_err(|_| TransactionError::Ended)?
+            .map_err(|why| not_released(why, key))?;
         detach_slot::<Pinned<K, S>>(self.owner().reach.table(), slot, key)
     }
 
@@ -1315,13 +1328,22 @@ impl<K: Eq + Hash + 'static, S: BuildHasher + 'static> OwnedTransaction<K, S> {
     where
         K: Clone,
     {
-        self.shared
+        // Each key's entry is pinned under the set's lock and the key cloned
+        // after it (user code: a key's `Clone` may call back into the
+        // transaction); the pins go as the list is made.
+        let table = self.owner().reach.table();
+        let pinned: Vec<_> = self
+            .shared
             .with(|set| {
                 set.guards()
-                    .map(|guard| (GuardOps::key(guard).clone(), GuardOps::mode(guard)))
+                    .map(|guard| (table.pin_key(guard), GuardOps::mode(guard)))
                     .collect()
             })
-            .unwrap_or_default()
+            .unwrap_or_default();
+        pinned
+            .iter()
+            .map(|(key, mode)| (key.key().clone(), *mode))
+            .collect()
     }
 
     /// Whether the transaction holds no key.
@@ -1374,11 +1396,15 @@ impl<K: Eq + Hash + 'static, S: BuildHasher + 'static> OwnedTransaction<K, S> {
     {
         // What the checks settle is woken after the set's lock is released.
         let mut settled = single::Settled::new();
-        let checked = self
-            .shared
-            .with(|set| single::first_lost(set, &mut settled).map_or(Ok(()), Err));
+        // A lost key is named by a pin, cloned after the lock is released.
+        let table = self.owner().reach.table();
+        let checked = self.shared.with(|set| {
+            single::first_lost(set, &mut settled, |guard| table.pin_key(guard)).map_or(Ok(()), Err)
+        });
         drop(settled);
-        checked.map_err(|_| TransactionError::Ended)?
+        checked
+            .map_err(|_| TransactionError::Ended)?
+            .map_err(|error| error.map_key(|pinned| pinned.key().clone()))
     }
 
     /// As [`Transaction::renew`].
@@ -1403,11 +1429,15 @@ impl<K: Eq + Hash + 'static, S: BuildHasher + 'static> OwnedTransaction<K, S> {
         let lease = renewal_lease(self.owner());
         // What the renewals settle is woken after the set's lock is released.
         let mut settled = single::Settled::new();
-        let renewed = self
-            .shared
-            .with(|set| single::renew::<Pinned<K, S>>(set, lease, &mut settled));
+        // A lost key is named by a pin, cloned after the lock is released.
+        let table = self.owner().reach.table();
+        let renewed = self.shared.with(|set| {
+            single::renew::<Pinned<K, S>, _>(set, lease, &mut settled, |guard| table.pin_key(guard))
+        });
         drop(settled);
-        renewed.map_err(|_| TransactionError::Ended)?
+        renewed
+            .map_err(|_| TransactionError::Ended)?
+            .map_err(|error| error.map_key(|pinned| pinned.key().clone()))
     }
 
     /// As [`Transaction::commit`]: ends the transaction, releasing every

@@ -1506,6 +1506,26 @@ where
         upgrading: None,
         done: false,
     };
+    // The owned form's set is behind a lock: each request's name for its
+    // claim is cloned before it (user code); the copies not taken drop
+    // after it.
+    let mut names: Few<Option<KeyOf<A>>> = if A::SOLE {
+        Few::new()
+    } else {
+        let mut mine = taken.iter().peekable();
+        requests
+            .iter()
+            .enumerate()
+            .map(|(i, request)| {
+                let guard = mine.next_if(|(at, _)| *at == i).map(|(_, guard)| guard);
+                match (&request.key, guard) {
+                    (Some(key), _) => Some(key.clone()),
+                    (None, Some(guard)) => Some(guard.key().clone()),
+                    (None, None) => unreachable!("a request's key or its guard"),
+                }
+            })
+            .collect()
+    };
     let mut taken = taken.into_iter().peekable();
     let began = {
         let Stage {
@@ -1513,6 +1533,7 @@ where
         } = &mut stage;
         access.with(|set| {
             set.reserve(requests.len());
+            let mut unnamed = None;
             for (i, request) in requests.iter().enumerate() {
                 let mut mine = taken.next_if(|(at, _)| *at == i).map(|(_, guard)| guard);
                 let key = match (&request.key, &mine) {
@@ -1526,8 +1547,9 @@ where
                 // was taking it too (two shared grants) is a conflict: this
                 // call is the one in flight (its claim is given back, and a
                 // guard taken out to upgrade put back, as the stage drops).
+                let name = names.get_mut(i).unwrap_or(&mut unnamed);
                 let (id, kind, guard, conflict) =
-                    match set.begin(request.hash, key, request.mode, false) {
+                    match set.begin(request.hash, key, request.mode, false, name) {
                         Err(_busy) => return Err((i, mine)),
                         Ok(Begin::Covered { id, .. }) => (id, Kind::Covered, None, mine.is_some()),
                         Ok(Begin::Upgrade { id, guard }) => {
@@ -1553,6 +1575,7 @@ where
     // Whatever is left of the fast path's guards is released here (had the
     // transaction ended, or a claim failed), after unlocking.
     drop(taken);
+    drop(names);
     match began {
         Err(Ended) => return Ok(Err(TransactionError::Ended)),
         Ok(Err((i, mine))) => {

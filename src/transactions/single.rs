@@ -33,8 +33,8 @@ use std::time::Duration;
 use crate::keys::deferred::Leftovers;
 use crate::support::mode::Mode;
 use crate::transactions::access::{
-    wait_unless_ended, Access, Ended, Fast, GuardOf, Holding, KeyOf, LockOf, PendingOf, SetOf,
-    Stop, WaitFor,
+    wait_unless_ended, Access, Ended, Fast, GuardOf, Holding, KeyOf, PendingOf, SetOf, Stop,
+    WaitFor,
 };
 use crate::transactions::error::TransactionError;
 use crate::transactions::held::{AcquireKind, Acquired, Begin, HeldSet};
@@ -272,7 +272,12 @@ where
             return Ok(Err(TransactionError::Ended));
         }
     };
-    let begun = match access.with(|set| set.begin(hash, &key, mode, true)) {
+    // The owned form's set is behind a lock: the key's name for a claim is
+    // cloned before it (user code), and a copy not taken drops after it.
+    let mut name = (!A::SOLE).then(|| key.clone());
+    let begun = access.with(|set| set.begin(hash, &key, mode, true, &mut name));
+    drop(name);
+    let begun = match begun {
         Err(Ended) => return Ok(Err(TransactionError::Ended)),
         Ok(Err(_busy)) => return Ok(Err(TransactionError::InFlight { key })),
         Ok(Ok(begun)) => begun,
@@ -367,7 +372,8 @@ where
     // future is forgotten, by the claim if it is dropped) and polled
     // there, with no cell.
     let mut claim = claim;
-    let lock = claim_lock(&mut claim, mode, policy)?;
+    let opts = claim.access.owner().opts.lock_options(mode, policy);
+    let lock = claim.access.owner().reach.lock_with(name.clone(), opts);
     claim.access.park(lock, Taken::new());
     claim.parked = true;
     // Nothing else can take a key for the transaction while it waits, so
@@ -404,26 +410,6 @@ where
     claim.ended(waited, AcquireKind::New, mode, policy)
 }
 
-/// The table's lock future for a claim's new key, in `mode` under the
-/// transaction's options: the caller's key went to the attempt, so it
-/// locks the claim's copy in the set.
-fn claim_lock<A: Access>(
-    claim: &mut Claim<'_, A>,
-    mode: Mode,
-    policy: WaitPolicy,
-) -> Result<LockOf<A>, TransactionError<KeyOf<A>>>
-where
-    KeyOf<A>: Clone,
-{
-    let (hash, id) = (claim.hash, claim.id);
-    let key = match claim.access.with(|set| set.name(hash, id).cloned()) {
-        Ok(Some(key)) => key,
-        Ok(None) | Err(Ended) => return Err(TransactionError::Ended),
-    };
-    let opts = claim.access.owner().opts.lock_options(mode, policy);
-    Ok(claim.access.owner().reach.lock_with(key, opts))
-}
-
 /// A new key that was not free at once, in the owned form: wait for it on
 /// the table (under a policy that does not wait, the zero-timeout wait
 /// names the holder). The borrowed form's is written out in [`wait`].
@@ -436,7 +422,11 @@ async fn wait_new<A: Access>(
 where
     KeyOf<A>: Clone,
 {
-    let lock = claim_lock(&mut claim, mode, policy)?;
+    // The table locks a copy of the caller's key, made here: the claim's
+    // copy is behind the set's lock, where a key's `Clone` (user code) may
+    // not run. A transaction ended meanwhile is found as the wait is pended.
+    let opts = claim.access.owner().opts.lock_options(mode, policy);
+    let lock = claim.access.owner().reach.lock_with(name.clone(), opts);
     // The lock future lives in a cell the transaction can reach too, so
     // that if this call's future is forgotten, the transaction's end still
     // takes its waiter out of the queue, or passes on its grant
@@ -492,19 +482,21 @@ where
 }
 
 /// The first grant of the set that has lost its key, if any, as an error
-/// naming it.
-pub(crate) fn first_lost<G, K>(
+/// naming it by `name` (a clone of its key; under the owned form's lock, a
+/// pin of it, cloned once the lock is released).
+pub(crate) fn first_lost<G, K, N>(
     set: &HeldSet<G, K>,
     left: &mut Settled<K>,
-) -> Option<TransactionError<K>>
+    name: impl Fn(&G) -> N,
+) -> Option<TransactionError<N>>
 where
     G: GuardOps<Key = K>,
-    K: Eq + Clone,
+    K: Eq,
 {
     set.guards().find_map(|guard| {
         let checked = left.leaving(|left| guard.check_leaving(left));
         checked.err().map(|_| TransactionError::Expired {
-            key: guard.key().clone(),
+            key: name(guard),
             token: guard.token(),
         })
     })
@@ -550,16 +542,15 @@ impl<K> Settled<K> {
 
 /// Renews every grant of the set with `lease`, all or nothing as far as a
 /// lapse goes: every grant is checked first and none is renewed if one has
-/// lost its key (the error names it). Without a lease, only the check.
-pub(crate) fn renew<R: Reach>(
+/// lost its key (the error names it by `name`, as [`first_lost`]). Without
+/// a lease, only the check.
+pub(crate) fn renew<R: Reach, N>(
     set: &SetOf<R>,
     lease: Option<Duration>,
     left: &mut Settled<R::Key>,
-) -> Result<(), TransactionError<R::Key>>
-where
-    R::Key: Clone,
-{
-    if let Some(err) = first_lost(set, left) {
+    name: impl Fn(&R::Guard) -> N,
+) -> Result<(), TransactionError<N>> {
+    if let Some(err) = first_lost(set, left, &name) {
         return Err(err);
     }
     let Some(lease) = lease else {
@@ -571,9 +562,8 @@ where
         // before it stay renewed, which grants nothing to a transaction
         // that cannot commit any more.
         let renewed = left.leaving(|left| guard.renew_leaving(lease, left));
-        renewed.map_err(|error| {
-            TransactionError::from_lock(guard.key().clone(), guard.mode(), true, error)
-        })?;
+        renewed
+            .map_err(|error| TransactionError::from_lock(name(guard), guard.mode(), true, error))?;
     }
     Ok(())
 }
