@@ -2805,4 +2805,100 @@ mod tests {
             assert_table_empty(&*table, Reentrant(5), "after the re-entrant keys");
         });
     }
+
+    /// A forgotten upgrade orphaned by its guard's drop is told as it is
+    /// unlinked: a wake that panics there reaches the releaser (the guard's
+    /// drop) once, the writer queued behind is still woken and granted, and
+    /// nothing is stranded. With a lapsed upgrading grant and a stored key
+    /// whose drop panics, the entry still goes once its fenced guard does.
+    #[test]
+    fn an_orphaned_upgrades_panicking_waker_and_key_strand_nothing() {
+        watchdog("orphaned-upgrade-hostile", || {
+            // The guard dropped: the notice's wake panics in that drop.
+            let table: LockTable<Key> = LockTable::builder().shards(1).build();
+            let mut upgrading = table.try_lock_shared(Key::plain(1)).expect("free");
+            let reader = table.try_lock_shared(Key::plain(1)).expect("shared");
+            let told = Hostile::new();
+            {
+                let mut up = Box::pin(upgrading.upgrade());
+                pending(&mut up, &told.waker(), "the reader holds key 1");
+                std::mem::forget(up);
+            }
+            let writer_waker = Hostile::new();
+            let mut writer = Box::pin(table.lock(Key::plain(1)));
+            pending(&mut writer, &writer_waker.waker(), "readers hold key 1");
+            told.arm_wake_panic();
+            let released = catch_unwind(AssertUnwindSafe(|| drop(upgrading)));
+            let payload = released.expect_err("the notice's wake panics in the releaser");
+            expect_planted(payload, "the orphan's notice");
+            assert_eq!(told.wake_panics(), 1, "the orphan was told once");
+            assert_eq!(table.waiters(&Key::plain(1)), 1, "only the writer waits");
+            drop(reader);
+            assert_eq!(
+                writer_waker.wakes(),
+                1,
+                "the writer is woken by the reader's release"
+            );
+            let guard = ready(&mut writer, &writer_waker.waker(), "the writer takes key 1");
+            drop(guard);
+            drop(writer);
+            assert_key_free(
+                &table,
+                || Key::plain(1),
+                "after the orphan's panicking notice",
+            );
+
+            // A lapsed upgrading grant: the reader's release unlinks the
+            // orphan (its wake and its waker's drop panic), and the entry,
+            // whose stored key's drop panics, goes with the fenced guard.
+            let clock = ManualClock::new();
+            let table: LockTable<Key> = LockTable::builder().shards(1).clock(clock.clone()).build();
+            let drops = Arc::new(AtomicUsize::new(0));
+            let lease = LockOptions::new().lease(Duration::from_secs(1)).shared();
+            let mut upgrading = table
+                .try_lock_with(Key::drop_bomb(2, &drops), lease)
+                .expect("free");
+            let reader = table.try_lock_shared(Key::plain(2)).expect("shared");
+            let told = Hostile::new();
+            {
+                let mut up = Box::pin(upgrading.upgrade());
+                pending(&mut up, &told.waker(), "the reader holds key 2");
+                std::mem::forget(up);
+            }
+            clock.advance(Duration::from_secs(2));
+            // The lapse itself may wake the upgrade (its grant's timer).
+            let woken_before = told.wakes();
+            told.arm_wake_panic();
+            told.arm_drop_panic();
+            let released = catch_unwind(AssertUnwindSafe(|| drop(reader)));
+            if let Err(payload) = released {
+                expect_planted(payload, "the lapsed orphan's notice");
+            }
+            assert_eq!(
+                told.wakes() - woken_before + told.wake_panics(),
+                1,
+                "the orphan was told once"
+            );
+            assert_eq!(
+                table.waiters(&Key::plain(2)),
+                0,
+                "the orphan left the queue"
+            );
+            assert!(
+                !table.is_locked(&Key::plain(2)),
+                "the lapsed grant holds nothing"
+            );
+            assert_eq!(
+                drops.load(SeqCst),
+                0,
+                "the fenced guard keeps the entry and its key"
+            );
+            let released = catch_unwind(AssertUnwindSafe(|| drop(upgrading)));
+            let payload = released.expect_err("the stored key's drop panics as the entry goes");
+            assert_eq!(expect_planted(payload, "the entry's removal"), "Key::drop");
+            assert_eq!(drops.load(SeqCst), 1, "the stored key was dropped once");
+            assert_table_empty(&table, Key::plain(3), "after the lapsed orphan");
+            assert_key_free(&table, || Key::plain(2), "after the lapsed orphan");
+        });
+    }
 }
