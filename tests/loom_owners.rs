@@ -21,7 +21,9 @@
 //! transaction wait for it, racing its other call's first wait (the cycle
 //! answered at that poll or on the wake the upgrade gives, never left
 //! pending unwoken: with the epoch read before the waker was registered,
-//! this model finds the lost wake-up).
+//! this model finds the lost wake-up); an owned transaction's list of its
+//! keys, pinned under its lock and cloned after it, racing its unlock of a
+//! listed key that a waiter takes.
 //!
 //! Run with (what `.ci/run` does, then again without `LOOM_MAX_PREEMPTIONS`;
 //! each model takes well under a second either way, but model h, whose
@@ -1168,6 +1170,52 @@ mod models {
                 assert!(got.is_ok(), "w gets y once t aborted: {got:?}");
                 drop(w_y);
                 w.commit().expect("no lease");
+                table.assert_consistent();
+                assert!(table.is_empty(), "entry leaked");
+            },
+        );
+    }
+
+    /// (i) An owned transaction's list of its keys (`keys()`: each key's
+    /// entry pinned under the set's lock, cloned after it) racing its other
+    /// call's unlock of one of them, whose key goes to a waiter: the list
+    /// names the key or not, each listed key is the one asked, the pin keeps
+    /// the released key's cell (and the waiter's grant) intact, and the
+    /// entry goes once the last of the pin and the waiter's guard does.
+    #[test]
+    fn an_owned_transactions_key_list_racing_an_unlock() {
+        model(
+            "i: an owned transaction's key list vs its unlock of a listed key",
+            &["listed", "unlocked first"],
+            |seen| {
+                let table = table();
+                let [a, b, _] = keys();
+                let t = Arc::new(table.clone().transaction_owned());
+                assert!(Polled::new(t.lock(a, X)).poll().is_some());
+                assert!(Polled::new(t.lock(b, S)).poll().is_some());
+                let mut waiter = Polled::new(table.clone().lock_owned(a));
+                assert!(waiter.poll().is_none(), "t holds a");
+                let t2 = t.clone();
+                let unlock = thread::spawn(move || t2.unlock(&a).map(|_| ()));
+                let mut listed = t.keys();
+                unlock.join().unwrap().expect("t held a");
+                listed.sort_unstable();
+                if listed == [(a, X), (b, S)] {
+                    seen.note("listed");
+                } else {
+                    assert_eq!(listed, [(b, S)], "a list of t's keys");
+                    seen.note("unlocked first");
+                }
+                let got = finish(&mut waiter, "the waiter's wait for a");
+                assert!(table.is_locked(&a), "the waiter holds a");
+                drop(got);
+                drop(waiter);
+                assert!(!table.is_locked(&a), "a released");
+                Arc::try_unwrap(t)
+                    .ok()
+                    .expect("one handle left")
+                    .commit()
+                    .expect("no lease");
                 table.assert_consistent();
                 assert!(table.is_empty(), "entry leaked");
             },

@@ -1,6 +1,7 @@
 //! Randomized stress of transactions of both forms over a few keys (issue
 //! 26: every cycle answered, nothing of a transaction held after it ended):
-//! random lock / lock_all / upgrade / commit / abort, call futures polled
+//! random lock / lock_all / upgrade / unlock / commit / abort, an owned
+//! transaction's keys listed and checked while its calls run, call futures polled
 //! once and then forgotten (`mem::forget`) or dropped, concurrent calls of
 //! one owned transaction, task aborts, strict and eventual fairness. In
 //! this workload a task holding keys awaits only its own transaction's
@@ -67,7 +68,7 @@ async fn owned_task(table: Arc<LockTable<u32>>, seed: u64) {
         let mut calls = Vec::new();
         for _ in 0..r.gen_range(1..5) {
             let k = r.gen_range(0..KEYS);
-            match r.gen_range(0..6) {
+            match r.gen_range(0..7) {
                 0 => poll_then_lose(t.lock(k, mode(&mut r)), r.gen_bool(0.5)),
                 1 => poll_then_lose(
                     t.lock_all([
@@ -90,6 +91,23 @@ async fn owned_task(table: Arc<LockTable<u32>>, seed: u64) {
                     if timed(&table, f).await.is_none() {
                         break;
                     }
+                }
+                4 => {
+                    // The set listed, checked and a key let go on another
+                    // task, while the transaction's calls run: each key
+                    // named is pinned under the set's lock, cloned after.
+                    let t = t.clone();
+                    calls.push(tokio::spawn(async move {
+                        for (key, _) in t.keys() {
+                            assert!(key < KEYS, "a key the transaction never asked: {key}");
+                        }
+                        let _ = t.unlock(&k);
+                        let checked = t.check();
+                        assert!(
+                            !matches!(checked, Err(keylock::TransactionError::Expired { .. })),
+                            "no lease, no revoke: {checked:?}"
+                        );
+                    }));
                 }
                 _ => {
                     if timed(&table, t.lock(k, mode(&mut r))).await.is_none() {
