@@ -48,7 +48,9 @@
 //! transactions ([`Builder::deadlock_search_limit`](crate::Builder::deadlock_search_limit));
 //! a wait whose search reaches it without closing a cycle is answered as a
 //! *presumed* deadlock (as RocksDB does past its depth limit), naming the
-//! depth reached and the chain followed, so no cycle is left unanswered.
+//! depth reached and the chain followed; so is a cycle that changed
+//! before every one of a search's confirmations (at most 16 walks of the
+//! table: see `search`). So no cycle is left unanswered.
 //! Nothing here runs while no transaction waits, and plain guards never
 //! reach it. No user code but `K: Eq` runs under the registry's mutex: keys are held in
 //! `Arc`s (cloned into the answer after it is released); `K: Eq` runs in
@@ -178,13 +180,29 @@ pub struct CycleWait<K> {
 /// followed up to it (not closed: its last wait is blocked by a
 /// transaction the search did not go past). A wait-for chain that long is
 /// answered whether or not it closes further on: raise the limit if
-/// transactions legitimately wait in chains that long.
+/// transactions legitimately wait in chains that long. A cycle the search
+/// found, but which changed each time before it could be confirmed (a
+/// wait it ran through ended, a holder let go) on 16 walks of the table
+/// in a row, is answered as presumed too ([`presumed_depth`](Self::presumed_depth)
+/// is then `None`): rather than leave a wait in a cycle no search answers.
+/// Only keys whose `Eq` disagrees with itself, or a table changing under
+/// every walk, come there.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Deadlock<K> {
     cycle: Vec<CycleWait<K>>,
-    /// Presumed: the depth the search reached, and the transaction it did
-    /// not go past (blocking the chain's last wait).
-    presumed: Option<(usize, TransactionId)>,
+    /// Why the deadlock is presumed, not confirmed (`None`: confirmed).
+    presumed: Option<Presumed>,
+}
+
+/// Why a deadlock is presumed rather than confirmed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Presumed {
+    /// The search reached its limit: the depth it reached, and the
+    /// transaction it did not go past (blocking the chain's last wait).
+    Depth(usize, TransactionId),
+    /// The cycle was found on every walk of the table but changed each
+    /// time before it could be confirmed: the number of walks.
+    Unconfirmed(usize),
 }
 
 impl<K> Deadlock<K> {
@@ -207,11 +225,16 @@ impl<K> Deadlock<K> {
     /// found and confirmed.
     #[must_use]
     pub fn presumed_depth(&self) -> Option<usize> {
-        self.presumed.map(|(depth, _)| depth)
+        match self.presumed {
+            Some(Presumed::Depth(depth, _)) => Some(depth),
+            _ => None,
+        }
     }
 
-    /// Whether the deadlock is presumed (the search reached its limit), not
-    /// confirmed.
+    /// Whether the deadlock is presumed, not confirmed: the search reached
+    /// its limit ([`presumed_depth`](Self::presumed_depth)), or the cycle
+    /// it found changed before it could be confirmed on every one of its
+    /// walks of the table (see the type's doc).
     #[must_use]
     pub fn is_presumed(&self) -> bool {
         self.presumed.is_some()
@@ -248,18 +271,24 @@ impl<K: fmt::Debug> fmt::Display for Deadlock<K> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self.presumed {
             None => write!(f, "deadlock: ")?,
-            Some((depth, _)) => write!(
+            Some(Presumed::Depth(depth, _)) => write!(
                 f,
                 "presumed deadlock: the search for a cycle through {}'s wait reached its \
                  limit of {depth} transactions without closing one: ",
+                self.victim()
+            )?,
+            Some(Presumed::Unconfirmed(walks)) => write!(
+                f,
+                "presumed deadlock: a cycle through {}'s wait was found on each of {walks} \
+                 walks of the table and changed each time before it could be confirmed: ",
                 self.victim()
             )?,
         }
         for (i, wait) in self.cycle.iter().enumerate() {
             let next = match (self.cycle.get(i + 1), self.presumed) {
                 (Some(next), _) => next.transaction,
-                (None, Some((_, beyond))) => beyond,
-                (None, None) => self.cycle[0].transaction,
+                (None, Some(Presumed::Depth(_, beyond))) => beyond,
+                (None, _) => self.cycle[0].transaction,
             };
             if i > 0 {
                 write!(f, "; ")?;
@@ -270,7 +299,7 @@ impl<K: fmt::Debug> fmt::Display for Deadlock<K> {
                 wait.transaction, wait.key, wait.mode
             )?;
         }
-        if self.presumed.is_some() {
+        if let Some(Presumed::Depth(..)) = self.presumed {
             f.write_str(", not searched further")?;
         }
         write!(f, " ({} is the victim)", self.victim())
@@ -384,9 +413,10 @@ pub(crate) fn wait_id<K>(key: &Arc<K>) -> usize {
 }
 
 /// A cycle as recorded: keys shared with the registry, cloned on reading;
-/// for a presumed deadlock, the chain the search followed, with the depth
-/// it reached and the transaction it did not go past.
-type Record<K> = (Vec<(u64, Arc<K>, Mode)>, Option<(usize, u64)>);
+/// for a presumed deadlock, why (for one past the limit, the chain the
+/// search followed, with the depth it reached and the transaction it did
+/// not go past).
+type Record<K> = (Vec<(u64, Arc<K>, Mode)>, Option<Presumed>);
 
 /// A cycle a search found, with the hash of each of its waits' keys.
 type Found<K> = (Record<K>, Vec<u64>);
@@ -895,14 +925,21 @@ impl<K: Eq + Hash, S: BuildHasher> LockTable<K, S> {
                         // `Eq` disagrees with itself could keep the walk
                         // and the confirmation apart for good, under the
                         // detector's lock).
+                        // Past that, the cycle it found last is answered
+                        // as a presumed deadlock (never a wait left in a
+                        // cycle no search answers).
                         Some(_) if walks < WALKS_AGAIN => {}
-                        Some(_) => break (None, exact.visited),
+                        Some(cycle) => {
+                            let presumed = Presumed::Unconfirmed(walks);
+                            break (Some((cycle, Some(presumed))), exact.visited);
+                        }
                         // No cycle, and the walk from the table reached the
                         // limit: a presumed deadlock (the chain it followed).
                         None => {
-                            let found = exact
-                                .cut
-                                .map(|(path, beyond)| (path, Some((limit, beyond))));
+                            let found = exact.cut.map(|(path, beyond)| {
+                                let beyond = TransactionId::from_raw(beyond);
+                                (path, Some(Presumed::Depth(limit, beyond)))
+                            });
                             break (found, exact.visited);
                         }
                     }
@@ -1198,6 +1235,10 @@ impl<K: Eq + Hash, S: BuildHasher> LockTable<K, S> {
     /// transaction (the last by the first's) with the shards of all its
     /// keys locked at once: the cycle is real at that instant.
     fn confirm(&self, cycle: &[Node<'_, K>]) -> bool {
+        #[cfg(all(test, not(loom)))]
+        if tests::confirmation_fails() {
+            return false;
+        }
         let edges: Vec<(u64, &K, u64, u64)> = cycle
             .iter()
             .enumerate()
@@ -1218,7 +1259,7 @@ impl<K: Eq + Hash, S: BuildHasher> LockTable<K, S> {
 fn answer<K: Clone>(record: &Record<K>) -> Deadlock<K> {
     let (waits, presumed) = record;
     Deadlock {
-        presumed: presumed.map(|(depth, beyond)| (depth, TransactionId::from_raw(beyond))),
+        presumed: *presumed,
         cycle: waits
             .iter()
             .map(|(o, key, mode)| CycleWait {
@@ -1237,10 +1278,82 @@ mod tests {
     use std::sync::Arc;
     use std::task::{Context, Poll, Waker};
 
-    use crate::{LockTable, Mode};
+    use crate::{LockTable, Mode, TransactionError};
+
+    thread_local! {
+        /// How many of this thread's next confirmations fail as if the
+        /// cycle had changed since its walk (the race, made at will).
+        static FAILING_CONFIRMATIONS: std::cell::Cell<usize> = const { std::cell::Cell::new(0) };
+    }
+
+    /// Whether this confirmation fails (see [`FAILING_CONFIRMATIONS`]).
+    pub(super) fn confirmation_fails() -> bool {
+        FAILING_CONFIRMATIONS.with(|n| {
+            let left = n.get();
+            n.set(left.saturating_sub(1));
+            left > 0
+        })
+    }
 
     fn poll<F: Future + ?Sized>(f: Pin<&mut F>) -> Poll<F::Output> {
         f.poll(&mut Context::from_waker(Waker::noop()))
+    }
+
+    /// A 2-cycle closed while its confirmations fail `failing` times: `a`
+    /// holds 1 and waits for 2, `b` holds 2 and asks for 1. Returns what
+    /// `b`'s wait got at its first poll (`None`: pending).
+    fn close_a_cycle_failing(failing: usize) -> Option<String> {
+        let table = LockTable::<u32>::new();
+        let (mut a, mut b) = (table.transaction(), table.transaction());
+        assert!(poll(Box::pin(a.lock(1, Mode::Exclusive)).as_mut()).is_ready());
+        assert!(poll(Box::pin(b.lock(2, Mode::Exclusive)).as_mut()).is_ready());
+        let mut a_waits = Box::pin(a.lock(2, Mode::Exclusive));
+        assert!(poll(a_waits.as_mut()).is_pending(), "b holds 2");
+        let b_id = b.id();
+        FAILING_CONFIRMATIONS.with(|n| n.set(failing));
+        let mut b_waits = Box::pin(b.lock(1, Mode::Exclusive));
+        let got = poll(b_waits.as_mut());
+        FAILING_CONFIRMATIONS.with(|n| n.set(0));
+        let answer = match got {
+            Poll::Pending => None,
+            Poll::Ready(Err(TransactionError::Deadlock(d))) => {
+                assert_eq!(d.victim(), b_id, "{d}");
+                assert_eq!(d.cycle().len(), 2, "{d}");
+                assert_eq!(d.presumed_depth(), None, "{d}");
+                Some(format!(
+                    "{}{d}",
+                    if d.is_presumed() { "presumed " } else { "" }
+                ))
+            }
+            Poll::Ready(other) => panic!("b's wait closes a -> b -> a, got {other:?}"),
+        };
+        drop(b_waits);
+        drop(b);
+        assert!(poll(a_waits.as_mut()).is_ready(), "a gets 2 once b is gone");
+        drop(a_waits);
+        drop(a);
+        assert!(table.is_empty(), "nothing left");
+        answer
+    }
+
+    /// A cycle whose confirmation fails (a wait it ran through changed
+    /// since the walk) is walked again and answered once it holds; one
+    /// that changes on every walk is answered all the same, as a presumed
+    /// deadlock, never left unanswered.
+    #[test]
+    fn a_cycle_that_fails_its_confirmations_is_still_answered() {
+        let confirmed =
+            close_a_cycle_failing(3).expect("answered after three failed confirmations");
+        assert!(!confirmed.starts_with("presumed"), "{confirmed}");
+        for failing in [super::WALKS_AGAIN + 1, 1000] {
+            let presumed = close_a_cycle_failing(failing).unwrap_or_else(|| {
+                panic!("{failing} failed confirmations: the cycle was left unanswered")
+            });
+            assert!(
+                presumed.starts_with("presumed ") && presumed.contains("changed each time"),
+                "{presumed}"
+            );
+        }
     }
 
     /// A transaction that ends with a call forgotten in a registered wait
