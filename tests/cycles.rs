@@ -103,7 +103,7 @@ fn a_ring_of_the_limit_is_confirmed_and_one_longer_is_presumed() {
     let Poll::Ready(Err(TransactionError::Deadlock(d))) = answered else {
         panic!("a ring of the limit is found: {answered:?}");
     };
-    assert_eq!((d.cycle().len(), d.presumed_depth()), (LIMIT, None), "{d}");
+    assert_eq!((d.cycle().len(), d.is_presumed()), (LIMIT, false), "{d}");
     unwind(&table, members, calls);
 
     let (members, calls, answered) = ring(&table, LIMIT as u32 + 1);

@@ -136,7 +136,13 @@ async fn owned_task(table: Arc<LockTable<u32>>, seed: u64) {
             }
         }
         for c in calls {
-            let _ = timed(&table, c).await;
+            // A spawned call's panic (op 4's assertions) fails the run; an
+            // abort does not.
+            if let Some(Err(e)) = timed(&table, c).await {
+                if e.is_panic() {
+                    std::panic::resume_unwind(e.into_panic());
+                }
+            }
         }
     }
 }
@@ -205,11 +211,11 @@ fn round(seed: u64, workers: usize, eventual: bool) {
             tasks[r.gen_range(0..tasks.len())].abort();
         }
         for t in tasks {
-            if tokio::time::timeout(Duration::from_secs(30), t)
-                .await
-                .is_err()
-            {
-                panic!("seed {seed}: a task hung");
+            match tokio::time::timeout(Duration::from_secs(30), t).await {
+                Err(_) => panic!("seed {seed}: a task hung"),
+                // A task's panic (an assertion) fails the run; an abort does not.
+                Ok(Err(e)) if e.is_panic() => std::panic::resume_unwind(e.into_panic()),
+                Ok(_) => {}
             }
         }
     });

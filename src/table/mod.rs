@@ -1246,34 +1246,30 @@ where
 
     /// [`try_lock_kept`](Self::try_lock_kept) for a caller that holds a lock
     /// of its own (an owned transaction's set): nothing is woken or dropped
-    /// here. What the attempt leaves to do is left in `left`, and the
-    /// caller's key, if the table did not keep it, is returned beside the
-    /// outcome: the caller drops both after releasing its lock.
+    /// here. What the attempt leaves to do is left in `left`; the caller's
+    /// key is taken from its slot only if the table keeps it (also if an
+    /// `Eq` panics in the probe), so that the caller drops both after
+    /// releasing its lock.
     #[inline]
     pub(crate) fn try_lock_leaving(
         &self,
         hash: u64,
-        key: K,
+        key: &mut Option<K>,
         opts: LockOptions,
         left: &mut Leftovers<K>,
-    ) -> (Result<Guard<'_, K, S>, K>, Option<K>) {
+    ) -> Option<Guard<'_, K, S>> {
         let Ok(lease) = self.leases.resolve(opts.lease_duration()) else {
-            return (Err(key), None);
+            return None;
         };
-        debug_assert_eq!(hash, self.hash(&key));
-        let mut key = Some(key);
         let (mode, terms, fairness) = (
             opts.lock_mode(),
             terms_of(self, lease, &opts),
             self.fairness,
         );
         let grant = self.with_shard_leaving(hash, left, |state, ctx| {
-            state.try_acquire(hash, &mut key, mode, terms, fairness, ctx)
-        });
-        match grant {
-            Some(grant) => (Ok(Guard::new(self, Held::new(hash, grant))), key),
-            None => (Err(key.expect("kept when not taken")), None),
-        }
+            state.try_acquire(hash, key, mode, terms, fairness, ctx)
+        })?;
+        Some(Guard::new(self, Held::new(hash, grant)))
     }
 
     /// One attempt; returns the grant, and the caller's key if the table

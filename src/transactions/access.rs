@@ -172,13 +172,16 @@ pub(crate) trait Access {
     /// owned form): a key held in a covering mode is counted; an absent one
     /// is tried on the table by `try_` (which must wake and drop nothing:
     /// see [`Reach::try_lock_leaving`]) and, if had, put in. User code
-    /// (`Eq`) runs in the search and the table's probe.
+    /// (`Eq`) runs in the search and the table's probe. The key is kept in
+    /// a slot of the caller's that `try_` takes it from (and leaves it in
+    /// if the table did not keep it): in the owned form the slot outlives
+    /// the lock, so the key is dropped after it even if an `Eq` panics.
     fn fast(
         &mut self,
         hash: u64,
         key: KeyOf<Self>,
         mode: Mode,
-        try_: impl FnOnce(&Owner<Self::R>, KeyOf<Self>) -> Result<GuardOf<Self>, KeyOf<Self>>,
+        try_: impl FnOnce(&Owner<Self::R>, &mut Option<KeyOf<Self>>) -> Option<GuardOf<Self>>,
     ) -> Fast<KeyOf<Self>>;
 
     /// Whether the transaction has ended (cheap, no lock).
@@ -319,9 +322,9 @@ impl<R: Reach> Access for Direct<'_, R> {
         hash: u64,
         key: KeyOf<Self>,
         mode: Mode,
-        try_: impl FnOnce(&Owner<R>, KeyOf<Self>) -> Result<GuardOf<Self>, KeyOf<Self>>,
+        try_: impl FnOnce(&Owner<R>, &mut Option<KeyOf<Self>>) -> Option<GuardOf<Self>>,
     ) -> Fast<KeyOf<Self>> {
-        fast_in(self.set, self.owner, hash, key, mode, try_)
+        fast_in(self.set, self.owner, hash, &mut Some(key), mode, try_)
     }
 
     #[inline]
@@ -404,23 +407,28 @@ pub(crate) struct Shared<R: Reach> {
     owner: Owner<R>,
 }
 
-/// [`Access::fast`] on a set the caller has to itself.
+/// [`Access::fast`] on a set the caller has to itself. The key stays in
+/// `slot` unless the table kept it: the caller drops what is left there
+/// (after any lock it holds).
 #[inline]
 fn fast_in<R: Reach>(
     set: &mut SetOf<R>,
     owner: &Owner<R>,
     hash: u64,
-    key: R::Key,
+    slot: &mut Option<R::Key>,
     mode: Mode,
-    try_: impl FnOnce(&Owner<R>, R::Key) -> Result<R::Guard, R::Key>,
+    try_: impl FnOnce(&Owner<R>, &mut Option<R::Key>) -> Option<R::Guard>,
 ) -> Fast<R::Key> {
-    match set.find(hash, &key, mode) {
+    let Some(key) = slot.as_ref() else {
+        unreachable!("the caller's key, in its slot")
+    };
+    match set.find(hash, key, mode) {
         Found::Covered { at } => Fast::Done(set.reenter(at)),
-        Found::Absent => match try_(owner, key) {
-            Ok(guard) => Fast::Done(set.insert(hash, guard)),
-            Err(key) => Fast::NotFree(key),
+        Found::Absent => match try_(owner, slot) {
+            Some(guard) => Fast::Done(set.insert(hash, guard)),
+            None => Fast::NotFree(slot.take().expect("kept when not taken")),
         },
-        Found::Other => Fast::Other(key),
+        Found::Other => Fast::Other(slot.take().expect("not taken")),
     }
 }
 
@@ -590,17 +598,23 @@ impl<R: Reach> Access for Arc<Shared<R>> {
         hash: u64,
         key: KeyOf<Self>,
         mode: Mode,
-        try_: impl FnOnce(&Owner<R>, KeyOf<Self>) -> Result<GuardOf<Self>, KeyOf<Self>>,
+        try_: impl FnOnce(&Owner<R>, &mut Option<KeyOf<Self>>) -> Option<GuardOf<Self>>,
     ) -> Fast<KeyOf<Self>> {
+        // Declared before the lock, so dropped after it: a key counted on
+        // a held grant, one the table did not keep, or one an `Eq` panic
+        // unwinds past, drops with the set unlocked (its `Drop` is user
+        // code, which may call back into the transaction).
+        let mut slot = Some(key);
         let mut state = self.lock();
         if self.ended.load(Ordering::Relaxed) {
-            return Fast::Ended(key);
+            drop(state);
+            return Fast::Ended(slot.take().expect("not taken"));
         }
         // The whole step under the set's lock: no other call of the
         // transaction sees the key between its look and its grant, so two
         // locks of one new key take it once and count it once, and neither
         // queues behind its own transaction's grant.
-        fast_in(&mut state.set, &self.owner, hash, key, mode, try_)
+        fast_in(&mut state.set, &self.owner, hash, &mut slot, mode, try_)
     }
 
     #[inline]

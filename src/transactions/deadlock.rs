@@ -487,7 +487,9 @@ pub struct DeadlockStats {
     /// Cycles answered (each with one victim), presumed ones included.
     pub cycles: u64,
     /// Of those, the presumed ones: waits whose search reached the limit
-    /// without closing a cycle (see [`Deadlock::presumed_depth`]).
+    /// without closing a cycle (see [`Deadlock::presumed_depth`]), or
+    /// whose cycle changed before each of the search's confirmations (see
+    /// [`Deadlock::is_presumed`]).
     pub presumed: u64,
     /// Soft deadlocks resolved without a victim: cycles broken by granting
     /// a waiter of the cycle ahead of the queued waiters that blocked it,

@@ -51,15 +51,14 @@ pub(crate) trait Reach {
 
     /// [`try_lock_kept`](Self::try_lock_kept) that wakes and drops nothing
     /// (see [`LockTable::try_lock_leaving`]): for a caller holding its
-    /// set's lock.
-    #[allow(clippy::type_complexity)]
+    /// set's lock, whose slot keeps the key unless the table keeps it.
     fn try_lock_leaving(
         &self,
         hash: u64,
-        key: Self::Key,
+        key: &mut Option<Self::Key>,
         opts: LockOptions,
         left: &mut Leftovers<Self::Key>,
-    ) -> (Result<Self::Guard, Self::Key>, Option<Self::Key>);
+    ) -> Option<Self::Guard>;
 }
 
 impl<'t, K: Eq + Hash, S: BuildHasher> Reach for &'t LockTable<K, S> {
@@ -98,10 +97,10 @@ impl<'t, K: Eq + Hash, S: BuildHasher> Reach for &'t LockTable<K, S> {
     fn try_lock_leaving(
         &self,
         hash: u64,
-        key: K,
+        key: &mut Option<K>,
         opts: LockOptions,
         left: &mut Leftovers<K>,
-    ) -> (Result<Guard<'t, K, S>, K>, Option<K>) {
+    ) -> Option<Guard<'t, K, S>> {
         LockTable::try_lock_leaving(*self, hash, key, opts, left)
     }
 }
@@ -201,10 +200,10 @@ impl<K: Eq + Hash + 'static, S: BuildHasher + 'static> Reach for Pinned<K, S> {
     fn try_lock_leaving(
         &self,
         hash: u64,
-        key: K,
+        key: &mut Option<K>,
         opts: LockOptions,
         left: &mut Leftovers<K>,
-    ) -> (Result<Guard<'static, K, S>, K>, Option<K>) {
+    ) -> Option<Guard<'static, K, S>> {
         LockTable::try_lock_leaving(self.extended(), hash, key, opts, left)
     }
 }

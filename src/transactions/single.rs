@@ -254,9 +254,14 @@ where
             .reach
             .table()
             .owner_terms(owner.opts.lease, owner.opts.id.get());
-        access.fast(hash, key, mode, |owner, key| match terms {
-            Some(terms) => owner.reach.try_lock_on(hash, key, mode, terms),
-            None => Err(key),
+        access.fast(hash, key, mode, |owner, slot| {
+            let terms = terms?;
+            let key = slot.take()?;
+            owner
+                .reach
+                .try_lock_on(hash, key, mode, terms)
+                .map_err(|key| *slot = Some(key))
+                .ok()
         })
     } else {
         lock_fast_leaving(access, hash, key, mode, policy)
@@ -315,9 +320,9 @@ where
 }
 
 /// [`lock_now`]'s fast path in the owned form, whose step holds the set's
-/// lock: what the table leaves to do after its shard's unlock, and a copy
-/// of the key it did not keep, are dropped here, after the set's lock is
-/// released.
+/// lock: what the table leaves to do after its shard's unlock is done
+/// here, and a copy of the key it did not keep is dropped in
+/// [`Access::fast`], both after the set's lock is released.
 #[inline]
 fn lock_fast_leaving<A: Access>(
     access: &mut A,
@@ -327,19 +332,12 @@ fn lock_fast_leaving<A: Access>(
     policy: WaitPolicy,
 ) -> Fast<KeyOf<A>> {
     let opts = access.owner().opts.lock_options(mode, policy);
-    let mut spare = None;
-    let fast = {
-        // Dropped in place at the block's end (a `drop(left)` would move,
-        // and so copy, the whole record first).
-        let mut left = Leftovers::default();
-        access.fast(hash, key, mode, |owner, key| {
-            let (got, unkept) = owner.reach.try_lock_leaving(hash, key, opts, &mut left);
-            spare = unkept;
-            got
-        })
-    };
-    drop(spare);
-    fast
+    // Dropped in place at the end (a `drop(left)` would move, and so copy,
+    // the whole record first), after the set's lock.
+    let mut left = Leftovers::default();
+    access.fast(hash, key, mode, |owner, slot| {
+        owner.reach.try_lock_leaving(hash, slot, opts, &mut left)
+    })
 }
 
 /// The slow path: a new key that was not free at once, or an upgrade.
