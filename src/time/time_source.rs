@@ -26,6 +26,15 @@ use std::time::Instant;
 /// enough to notice: a sleep that fires late delays a handoff, never breaks
 /// one, and one that fires early is simply re-armed.
 ///
+/// `now` is read at the instant a grant is judged, which is inside the
+/// table's critical sections: it runs while a shard's lock (and, for an
+/// owned transaction's checks and renewals, the transaction's own lock, or
+/// the holds' and the deadlock detector's) is held. It is the one method of
+/// user code besides a key's `Eq` that the table calls under a lock, so it
+/// must return promptly, must not call back into the table or its
+/// transactions (that would wait on the lock it is called under for ever),
+/// and must not panic. `sleep_until` is called with no lock held.
+///
 /// ```
 /// use std::future::Future;
 /// use std::pin::Pin;
@@ -49,7 +58,9 @@ use std::time::Instant;
 /// # let _ = table.try_lock(1).unwrap();
 /// ```
 pub trait TimeSource: Send + Sync + fmt::Debug + 'static {
-    /// The current time. Must never go back.
+    /// The current time. Must never go back; called under the table's
+    /// locks (see the trait's doc): it must not call back into the table,
+    /// nor panic.
     fn now(&self) -> Instant;
 
     /// A future that completes at or after `deadline` (on this clock). It is
