@@ -8,14 +8,16 @@
 //! a watchdog turns a hang into a failure.
 #![cfg(all(feature = "test-util", not(loom)))]
 
+mod common;
+use common::watchdog;
+
 use std::cell::{Cell, RefCell};
 use std::future::Future;
 use std::hash::{BuildHasher, Hash, Hasher};
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::pin::Pin;
-use std::sync::{mpsc, Arc, Weak};
+use std::sync::{Arc, Weak};
 use std::task::{Context, Waker};
-use std::time::Duration;
 
 use keylock::{LockTable, Mode, OwnedTransaction};
 
@@ -76,24 +78,6 @@ impl Drop for K {
     }
 }
 
-fn watchdog(name: &'static str, body: impl FnOnce() + Send + 'static) {
-    let (done, finished) = mpsc::channel::<()>();
-    let worker = std::thread::spawn(move || {
-        body();
-        let _ = done.send(());
-    });
-    match finished.recv_timeout(Duration::from_secs(10)) {
-        Ok(()) => worker.join().unwrap(),
-        Err(mpsc::RecvTimeoutError::Disconnected) => {
-            std::panic::resume_unwind(worker.join().unwrap_err())
-        }
-        Err(mpsc::RecvTimeoutError::Timeout) => panic!(
-            "{name}: hung: a key dropped under the set's lock called back into the \
-             transaction"
-        ),
-    }
-}
-
 fn poll_once<F: Future + Unpin>(f: &mut F) -> std::thread::Result<std::task::Poll<F::Output>> {
     catch_unwind(AssertUnwindSafe(|| {
         Pin::new(f).poll(&mut Context::from_waker(Waker::noop()))
@@ -104,7 +88,7 @@ fn poll_once<F: Future + Unpin>(f: &mut F) -> std::thread::Result<std::task::Pol
 /// set's lock; `set.find`'s `Eq` panics and the key drops there.
 #[test]
 fn owned_lock_fast_path_eq_panic_drops_key_outside_the_set_lock() {
-    watchdog("fast", || {
+    watchdog("fast", HUNG, || {
         let table = Arc::new(LockTable::<K>::builder().hasher(Collide).build());
         let txn = Arc::new(table.clone().transaction_owned());
         txn.blocking_lock(K(1), Mode::Exclusive).unwrap();
@@ -125,7 +109,7 @@ fn owned_lock_fast_path_eq_panic_drops_key_outside_the_set_lock() {
 /// set's lock.
 #[test]
 fn owned_lock_fast_path_table_probe_eq_panic_drops_key_outside_the_set_lock() {
-    watchdog("probe", || {
+    watchdog("probe", HUNG, || {
         let table = Arc::new(LockTable::<K>::builder().hasher(Collide).build());
         let other = table.try_lock(K(1)).expect("free");
         let txn = Arc::new(table.clone().transaction_owned());
@@ -147,7 +131,7 @@ fn owned_lock_fast_path_table_probe_eq_panic_drops_key_outside_the_set_lock() {
 /// caller's copy drops the same way.
 #[test]
 fn owned_lock_fast_path_drops_an_unkept_key_outside_the_set_lock() {
-    watchdog("unkept", || {
+    watchdog("unkept", HUNG, || {
         let table = Arc::new(LockTable::<K>::builder().hasher(Collide).build());
         let reader = table.try_lock_shared(K(2)).expect("free");
         let txn = Arc::new(table.clone().transaction_owned());
@@ -168,3 +152,6 @@ fn owned_lock_fast_path_drops_an_unkept_key_outside_the_set_lock() {
         drop(reader);
     });
 }
+
+/// What a hang of one of this file's tests means.
+const HUNG: &str = "a key dropped under the set's lock called back into the transaction";

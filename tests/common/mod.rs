@@ -2,7 +2,9 @@
 //! polling a future by hand (with that waker or a noop one), forgetting a
 //! waiting call, lock options, the three ways a test ends a transaction,
 //! and (with `test-util`) a table on a manual clock and an eventual table
-//! whose fairness deadline is set. Each test crate uses only some of them.
+//! whose fairness deadline is set; a watchdog that turns a hang (user code
+//! calling back into a lock held around it) into a failure. Each test
+//! crate uses only some of them.
 #![allow(dead_code)]
 
 use std::fmt::Debug;
@@ -178,4 +180,30 @@ pub(crate) fn warm_eventual_table_on(clock: ManualClock) -> LockTable<&'static s
     drop(handed);
     assert!(table.is_empty());
     table
+}
+
+/// Runs `body` on a thread of its own and fails if it has not finished
+/// after 20 s: a hang detector (user code that called back into a lock
+/// held around it spins for ever), not a timing assertion. `hung` says
+/// what a hang means in the calling test.
+pub(crate) fn watchdog(
+    name: &'static str,
+    hung: &'static str,
+    body: impl FnOnce() + Send + 'static,
+) {
+    let (done, finished) = std::sync::mpsc::channel::<()>();
+    let worker = std::thread::Builder::new()
+        .name(name.to_owned())
+        .spawn(move || {
+            body();
+            let _ = done.send(());
+        })
+        .expect("spawn the test body");
+    match finished.recv_timeout(Duration::from_secs(20)) {
+        Ok(()) => worker.join().expect("the body finished"),
+        Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => {
+            std::panic::resume_unwind(worker.join().expect_err("the body panicked"))
+        }
+        Err(std::sync::mpsc::RecvTimeoutError::Timeout) => panic!("{name}: hung: {hung}"),
+    }
 }

@@ -1,0 +1,267 @@
+//! A key's `Eq` panics in a probe (the one user code allowed under a lock)
+//! while its `Drop` calls back into the table (every shard) and the owned
+//! transactions in play: unwinding must drop no key under any lock. One
+//! entry point per test, under a watchdog.
+#![cfg(all(feature = "test-util", not(loom)))]
+
+mod common;
+use common::watchdog;
+
+use std::cell::{Cell, RefCell};
+use std::future::Future;
+use std::hash::{BuildHasher, Hash, Hasher};
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::pin::Pin;
+use std::rc::Rc;
+use std::sync::{Arc, Weak};
+use std::task::{Context, Poll, Waker};
+use std::time::Duration;
+
+use keylock::{Fairness, LockOptions, LockTable, Mode, OwnedTransaction, WaitPolicy};
+
+#[derive(Clone, Copy, Default)]
+struct Collide;
+struct ConstHasher;
+impl Hasher for ConstHasher {
+    fn finish(&self) -> u64 {
+        7
+    }
+    fn write(&mut self, _: &[u8]) {}
+}
+impl BuildHasher for Collide {
+    type Hasher = ConstHasher;
+    fn build_hasher(&self) -> ConstHasher {
+        ConstHasher
+    }
+}
+
+thread_local! {
+    static HOOK: RefCell<Option<Rc<dyn Fn()>>> = const { RefCell::new(None) };
+    static IN_HOOK: Cell<bool> = const { Cell::new(false) };
+    static EQ_ARMED: Cell<bool> = const { Cell::new(false) };
+    static PANICKED: Cell<usize> = const { Cell::new(0) };
+}
+
+#[derive(Debug, PartialOrd, Ord)]
+struct K(u32);
+impl Hash for K {
+    fn hash<H: Hasher>(&self, state: &mut H) {
+        self.0.hash(state);
+    }
+}
+impl PartialEq for K {
+    fn eq(&self, other: &Self) -> bool {
+        if EQ_ARMED.get() && !std::thread::panicking() && (self.0 == 1 || other.0 == 1) {
+            EQ_ARMED.set(false);
+            PANICKED.set(PANICKED.get() + 1);
+            panic!("planted K::eq");
+        }
+        self.0 == other.0
+    }
+}
+impl Eq for K {}
+impl Clone for K {
+    fn clone(&self) -> Self {
+        K(self.0)
+    }
+}
+impl Drop for K {
+    fn drop(&mut self) {
+        if IN_HOOK.get() {
+            return;
+        }
+        if let Some(hook) = HOOK.with(|h| h.borrow().clone()) {
+            IN_HOOK.set(true);
+            hook();
+            IN_HOOK.set(false);
+        }
+    }
+}
+
+type Table = LockTable<K, Collide>;
+
+fn install(table: &Arc<Table>, txns: Vec<Weak<OwnedTransaction<K, Collide>>>) {
+    let table = Arc::downgrade(table);
+    HOOK.with(|h| {
+        *h.borrow_mut() = Some(Rc::new(move || {
+            if let Some(table) = table.upgrade() {
+                let _ = table.len();
+            }
+            for t in txns.iter().filter_map(Weak::upgrade) {
+                let _ = t.len();
+            }
+        }))
+    });
+}
+
+fn poll<F: Future + ?Sized>(f: Pin<&mut F>) -> Poll<F::Output> {
+    f.poll(&mut Context::from_waker(Waker::noop()))
+}
+
+/// Runs `op` with K(1) held by someone else and `Eq` armed: `op`'s key
+/// (K(2), the same hash) is compared with K(1) and the comparison panics.
+fn scenario(name: &'static str, fairness: Fairness, op: fn(&Arc<Table>)) {
+    watchdog(name, HUNG, move || {
+        let table = Arc::new(
+            LockTable::<K>::builder()
+                .hasher(Collide)
+                .fairness(fairness)
+                .build(),
+        );
+        let held = table.try_lock_shared(K(1)).unwrap();
+        install(&table, vec![]);
+        EQ_ARMED.set(true);
+        let out = catch_unwind(AssertUnwindSafe(|| op(&table)));
+        EQ_ARMED.set(false);
+        let _ = out;
+        assert!(PANICKED.get() > 0, "{name}: the planted Eq panic went off");
+        HOOK.with(|h| *h.borrow_mut() = None);
+        drop(held);
+        table.assert_consistent();
+    });
+}
+
+#[test]
+fn try_lock() {
+    scenario("try_lock", Fairness::default(), |t| drop(t.try_lock(K(2))));
+}
+#[test]
+fn try_lock_shared() {
+    scenario("try_lock_shared", Fairness::default(), |t| {
+        drop(t.try_lock_shared(K(2)))
+    });
+}
+#[test]
+fn try_lock_with() {
+    scenario("try_lock_with", Fairness::default(), |t| {
+        drop(t.try_lock_with(K(2), LockOptions::new().lease(Duration::from_secs(5))))
+    });
+}
+#[test]
+fn try_lock_owned() {
+    scenario("try_lock_owned", Fairness::default(), |t| {
+        drop(t.clone().try_lock_owned(K(2)))
+    });
+}
+#[test]
+fn lock_future() {
+    scenario("lock", Fairness::default(), |t| {
+        let mut f = Box::pin(t.lock(K(2)));
+        let _ = poll(f.as_mut());
+    });
+}
+#[test]
+fn lock_with_timeout_future() {
+    scenario("lock_with", Fairness::default(), |t| {
+        let mut f = Box::pin(t.lock_with(K(2), LockOptions::new().timeout(Duration::ZERO)));
+        let _ = poll(f.as_mut());
+    });
+}
+#[test]
+fn lock_owned_future() {
+    scenario("lock_owned", Fairness::default(), |t| {
+        let mut f = Box::pin(t.clone().lock_owned(K(2)));
+        let _ = poll(f.as_mut());
+    });
+}
+#[test]
+fn blocking_lock_eventual() {
+    scenario("blocking_lock", Fairness::Eventual, |t| {
+        drop(t.blocking_lock(K(2)))
+    });
+}
+#[test]
+fn borrowed_transaction_lock() {
+    scenario("txn.lock", Fairness::default(), |t| {
+        let mut txn = t.transaction();
+        let mut f = Box::pin(txn.lock(K(2), Mode::Exclusive));
+        let _ = poll(f.as_mut());
+    });
+}
+#[test]
+fn borrowed_transaction_lock_all() {
+    scenario("txn.lock_all", Fairness::default(), |t| {
+        let mut txn = t.transaction();
+        let mut f = Box::pin(txn.lock_all_with(
+            [
+                (K(2), Mode::Exclusive),
+                (K(3), Mode::Exclusive),
+                (K(4), Mode::Shared),
+            ],
+            WaitPolicy::SkipLocked,
+        ));
+        let _ = poll(f.as_mut());
+    });
+}
+#[test]
+fn owned_transaction_lock_all() {
+    scenario("owned.lock_all", Fairness::default(), |t| {
+        let txn = Arc::new(t.clone().transaction_owned());
+        install(t, vec![Arc::downgrade(&txn)]);
+        EQ_ARMED.set(true);
+        let mut f = Box::pin(txn.lock_all_with(
+            [
+                (K(2), Mode::Exclusive),
+                (K(3), Mode::Exclusive),
+                (K(4), Mode::Shared),
+            ],
+            WaitPolicy::SkipLocked,
+        ));
+        let _ = poll(f.as_mut());
+    });
+}
+#[test]
+fn owned_transaction_lock_all_holding() {
+    scenario("owned.lock_all2", Fairness::default(), |t| {
+        let txn = Arc::new(t.clone().transaction_owned());
+        EQ_ARMED.set(false);
+        txn.blocking_lock(K(1), Mode::Shared).unwrap();
+        install(t, vec![Arc::downgrade(&txn)]);
+        EQ_ARMED.set(true);
+        let mut f = Box::pin(txn.lock_all_with(
+            [
+                (K(2), Mode::Exclusive),
+                (K(3), Mode::Exclusive),
+                (K(4), Mode::Shared),
+            ],
+            WaitPolicy::Block,
+        ));
+        let _ = poll(f.as_mut());
+    });
+}
+#[test]
+fn owned_transaction_detach_unlock() {
+    scenario("owned.detach", Fairness::default(), |t| {
+        let txn = Arc::new(t.clone().transaction_owned());
+        EQ_ARMED.set(false);
+        txn.blocking_lock(K(1), Mode::Shared).unwrap();
+        txn.blocking_lock(K(3), Mode::Shared).unwrap();
+        install(t, vec![Arc::downgrade(&txn)]);
+        EQ_ARMED.set(true);
+        let _ = catch_unwind(AssertUnwindSafe(|| txn.detach(&K(3))));
+        EQ_ARMED.set(true);
+        let _ = catch_unwind(AssertUnwindSafe(|| txn.unlock(&K(3))));
+        EQ_ARMED.set(true);
+        let _ = catch_unwind(AssertUnwindSafe(|| txn.mode(&K(3))));
+    });
+}
+#[test]
+fn release_hold_eq() {
+    scenario("release_hold", Fairness::default(), |t| {
+        EQ_ARMED.set(false);
+        let mut txn = t.transaction();
+        futures::executor::block_on(txn.lock(K(3), Mode::Shared)).unwrap();
+        let h = txn.detach(&K(3)).unwrap();
+        drop(txn);
+        EQ_ARMED.set(true);
+        let _ = catch_unwind(AssertUnwindSafe(|| t.release_hold(&K(3), h.token)));
+        EQ_ARMED.set(true);
+        let _ = catch_unwind(AssertUnwindSafe(|| t.revoke(&K(2))));
+        EQ_ARMED.set(true);
+        let _ = catch_unwind(AssertUnwindSafe(|| t.lock_status(&K(2))));
+        let _ = t.release_hold(&K(3), h.token);
+    });
+}
+
+/// What a hang of one of this file's tests means.
+const HUNG: &str = "a key dropped under a lock as an Eq panic unwound";
