@@ -1,43 +1,28 @@
 //! A key's `Eq` panics in a probe (the one user code allowed under a lock)
 //! while its `Drop` calls back into the table (every shard) and the owned
 //! transactions in play: unwinding must drop no key under any lock. One
-//! entry point per test, under a watchdog.
+//! entry point per test, under a watchdog. And an owned transaction's lock,
+//! whose one-step fast path runs under the set's spin lock, drops the
+//! caller's key only after it: when counted on a grant the set holds, when
+//! the table did not keep it, and when a key's `Eq` panics in the set's
+//! search or in the table's probe and unwinds past it.
 #![cfg(all(feature = "test-util", not(loom)))]
 
 mod common;
-use common::watchdog;
+use common::{call_back, watchdog, Collide};
 
-use std::cell::{Cell, RefCell};
+use std::cell::Cell;
 use std::future::Future;
-use std::hash::{BuildHasher, Hash, Hasher};
+use std::hash::{Hash, Hasher};
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::pin::Pin;
-use std::rc::Rc;
 use std::sync::{Arc, Weak};
 use std::task::{Context, Poll, Waker};
 use std::time::Duration;
 
 use keylock::{Fairness, LockOptions, LockTable, Mode, OwnedTransaction, WaitPolicy};
 
-#[derive(Clone, Copy, Default)]
-struct Collide;
-struct ConstHasher;
-impl Hasher for ConstHasher {
-    fn finish(&self) -> u64 {
-        7
-    }
-    fn write(&mut self, _: &[u8]) {}
-}
-impl BuildHasher for Collide {
-    type Hasher = ConstHasher;
-    fn build_hasher(&self) -> ConstHasher {
-        ConstHasher
-    }
-}
-
 thread_local! {
-    static HOOK: RefCell<Option<Rc<dyn Fn()>>> = const { RefCell::new(None) };
-    static IN_HOOK: Cell<bool> = const { Cell::new(false) };
     static EQ_ARMED: Cell<bool> = const { Cell::new(false) };
     static PANICKED: Cell<usize> = const { Cell::new(0) };
 }
@@ -67,14 +52,7 @@ impl Clone for K {
 }
 impl Drop for K {
     fn drop(&mut self) {
-        if IN_HOOK.get() {
-            return;
-        }
-        if let Some(hook) = HOOK.with(|h| h.borrow().clone()) {
-            IN_HOOK.set(true);
-            hook();
-            IN_HOOK.set(false);
-        }
+        call_back::fire();
     }
 }
 
@@ -82,15 +60,13 @@ type Table = LockTable<K, Collide>;
 
 fn install(table: &Arc<Table>, txns: Vec<Weak<OwnedTransaction<K, Collide>>>) {
     let table = Arc::downgrade(table);
-    HOOK.with(|h| {
-        *h.borrow_mut() = Some(Rc::new(move || {
-            if let Some(table) = table.upgrade() {
-                let _ = table.len();
-            }
-            for t in txns.iter().filter_map(Weak::upgrade) {
-                let _ = t.len();
-            }
-        }))
+    call_back::install(move || {
+        if let Some(table) = table.upgrade() {
+            let _ = table.len();
+        }
+        for t in txns.iter().filter_map(Weak::upgrade) {
+            let _ = t.len();
+        }
     });
 }
 
@@ -115,7 +91,7 @@ fn scenario(name: &'static str, fairness: Fairness, op: fn(&Arc<Table>)) {
         EQ_ARMED.set(false);
         let _ = out;
         assert!(PANICKED.get() > 0, "{name}: the planted Eq panic went off");
-        HOOK.with(|h| *h.borrow_mut() = None);
+        call_back::uninstall();
         drop(held);
         table.assert_consistent();
     });
@@ -265,3 +241,75 @@ fn release_hold_eq() {
 
 /// What a hang of one of this file's tests means.
 const HUNG: &str = "a key dropped under a lock as an Eq panic unwound";
+
+/// An owned transaction holding K(1) (and its table), with the call back
+/// into both installed.
+fn owned_holding_one() -> (Arc<Table>, Arc<OwnedTransaction<K, Collide>>) {
+    let table = Arc::new(LockTable::<K>::builder().hasher(Collide).build());
+    let txn = Arc::new(table.clone().transaction_owned());
+    txn.blocking_lock(K(1), Mode::Exclusive).expect("free");
+    install(&table, vec![Arc::downgrade(&txn)]);
+    (table, txn)
+}
+
+/// Polls `call` once, which must panic with the planted `Eq` panic.
+fn poll_panics<F: Future>(call: Pin<&mut F>) {
+    let polled = catch_unwind(AssertUnwindSafe(|| poll(call).is_ready()));
+    assert!(polled.is_err(), "the planted Eq panic propagates");
+    assert!(PANICKED.get() > 0, "the planted Eq panic went off");
+}
+
+/// The set's search compares K(2) with the held K(1) and panics: the
+/// caller's key unwinds past the set's lock before it drops.
+#[test]
+fn owned_lock_fast_path_eq_panic_drops_key_outside_the_set_lock() {
+    watchdog("owned.fast", HUNG, || {
+        let (table, txn) = owned_holding_one();
+        EQ_ARMED.set(true);
+        poll_panics(Box::pin(txn.lock(K(2), Mode::Exclusive)).as_mut());
+        call_back::uninstall();
+        assert_eq!(txn.len(), 1);
+        table.assert_consistent();
+    });
+}
+
+/// The table's probe (under the set's lock) compares K(2) with another
+/// holder's colliding K(1) and panics: the same.
+#[test]
+fn owned_lock_fast_path_table_probe_eq_panic_drops_key_outside_the_set_lock() {
+    watchdog("owned.probe", HUNG, || {
+        let table = Arc::new(LockTable::<K>::builder().hasher(Collide).build());
+        let other = table.try_lock(K(1)).expect("free");
+        let txn = Arc::new(table.clone().transaction_owned());
+        install(&table, vec![Arc::downgrade(&txn)]);
+        EQ_ARMED.set(true);
+        poll_panics(Box::pin(txn.lock(K(2), Mode::Exclusive)).as_mut());
+        call_back::uninstall();
+        drop(other);
+        assert_eq!(txn.len(), 0);
+        table.assert_consistent();
+    });
+}
+
+/// A key the set holds already, asked again: counted on its grant, the
+/// caller's key drops once the set is unlocked; and a key shared with
+/// another holder, whose entry keeps the table's own copy: the caller's
+/// drops the same way.
+#[test]
+fn owned_lock_fast_path_drops_an_unkept_key_outside_the_set_lock() {
+    watchdog("owned.unkept", HUNG, || {
+        let (table, txn) = owned_holding_one();
+        let reader = table.try_lock_shared(K(2)).expect("free");
+        let before = call_back::fired();
+        let got = txn.blocking_lock(K(1), Mode::Exclusive).expect("held: counted");
+        assert_eq!(got.count, 2, "re-entered");
+        assert!(call_back::fired() > before, "the caller's key was dropped");
+        let before = call_back::fired();
+        txn.blocking_lock(K(2), Mode::Shared).expect("shared with the reader");
+        assert!(call_back::fired() > before, "the caller's copy was dropped");
+        call_back::uninstall();
+        assert_eq!(txn.len(), 2);
+        drop(reader);
+        table.assert_consistent();
+    });
+}

@@ -6,13 +6,12 @@
 #![cfg(all(feature = "test-util", not(loom)))]
 
 mod common;
+use common::call_back::{self, fire};
 use common::watchdog;
 
-use std::cell::{Cell, RefCell};
 use std::future::Future;
 use std::hash::{Hash, Hasher};
 use std::pin::Pin;
-use std::rc::Rc;
 use std::sync::{Arc, Weak};
 use std::task::{Context, Poll, Waker};
 use std::time::Duration;
@@ -21,25 +20,6 @@ use keylock::{
     FencingToken, LockOptions, LockTable, ManualClock, Mode, OwnedTransaction, TransactionError,
     TransactionOptions, WaitPolicy,
 };
-
-thread_local! {
-    static HOOK: RefCell<Option<Rc<dyn Fn()>>> = const { RefCell::new(None) };
-    static IN_HOOK: Cell<bool> = const { Cell::new(false) };
-    static FIRED: Cell<usize> = const { Cell::new(0) };
-}
-
-fn fire() {
-    if IN_HOOK.get() {
-        return;
-    }
-    let hook = HOOK.with(|h| h.borrow().clone());
-    if let Some(hook) = hook {
-        IN_HOOK.set(true);
-        hook();
-        IN_HOOK.set(false);
-        FIRED.set(FIRED.get() + 1);
-    }
-}
 
 #[derive(Debug, PartialEq, Eq, PartialOrd, Ord)]
 struct K(u32);
@@ -65,23 +45,21 @@ type Table = LockTable<K>;
 
 fn install(table: &Arc<Table>, txns: Vec<Weak<OwnedTransaction<K>>>) {
     let table = Arc::downgrade(table);
-    HOOK.with(|h| {
-        *h.borrow_mut() = Some(Rc::new(move || {
-            if let Some(table) = table.upgrade() {
-                let _ = table.len(); // every shard lock
-                let _ = table.deadlock_stats(); // the detector's registry
-                let _ = table.release_hold(&K(9999), FencingToken::new(1).unwrap());
-                // holds
-            }
-            for t in txns.iter().filter_map(Weak::upgrade) {
-                let _ = t.len(); // the set's lock
-            }
-        }))
+    call_back::install(move || {
+        if let Some(table) = table.upgrade() {
+            let _ = table.len(); // every shard lock
+            let _ = table.deadlock_stats(); // the detector's registry
+            let _ = table.release_hold(&K(9999), FencingToken::new(1).unwrap());
+            // holds
+        }
+        for t in txns.iter().filter_map(Weak::upgrade) {
+            let _ = t.len(); // the set's lock
+        }
     });
 }
 
 fn uninstall() {
-    HOOK.with(|h| *h.borrow_mut() = None);
+    call_back::uninstall();
 }
 
 fn poll<F: Future + ?Sized>(f: Pin<&mut F>) -> Poll<F::Output> {
@@ -102,7 +80,7 @@ fn status_view_clones_keys_unlocked() {
         drop(w);
         drop(g);
         uninstall();
-        assert!(FIRED.get() > 0, "the key's methods called back");
+        assert!(call_back::fired() > 0, "the key's methods called back");
     });
 }
 
@@ -129,7 +107,7 @@ fn deadlock_answer_and_history_clone_keys_unlocked() {
         drop(d);
         drop(aw);
         uninstall();
-        assert!(FIRED.get() > 0, "the key's methods called back");
+        assert!(call_back::fired() > 0, "the key's methods called back");
     });
 }
 
@@ -156,7 +134,7 @@ fn holds_detach_and_release_unlocked() {
         let a = Arc::try_unwrap(a).ok().unwrap();
         a.commit().unwrap();
         uninstall();
-        assert!(FIRED.get() > 0, "the key's methods called back");
+        assert!(call_back::fired() > 0, "the key's methods called back");
     });
 }
 
@@ -184,7 +162,7 @@ fn lost_keys_checked_renewed_committed_unlocked() {
         let a = Arc::try_unwrap(a).ok().unwrap();
         assert!(a.commit().is_err());
         uninstall();
-        assert!(FIRED.get() > 0, "the key's methods called back");
+        assert!(call_back::fired() > 0, "the key's methods called back");
     });
 }
 
@@ -218,7 +196,7 @@ fn lock_all_skip_locked_and_unlock_unlocked() {
         drop(other);
         let _ = table.try_lock_with(K(8), LockOptions::new().lease(Duration::from_secs(1)));
         uninstall();
-        assert!(FIRED.get() > 0, "the key's methods called back");
+        assert!(call_back::fired() > 0, "the key's methods called back");
         drop(a);
     });
 }

@@ -4,35 +4,16 @@
 #![cfg(all(feature = "test-util", not(loom)))]
 
 mod common;
+use common::call_back::{self, fire};
 use common::watchdog;
 
-use std::cell::{Cell, RefCell};
 use std::future::Future;
 use std::pin::Pin;
-use std::rc::Rc;
 use std::sync::{Arc, Weak};
 use std::task::{Context, Poll, RawWaker, RawWakerVTable, Waker};
 use std::time::Duration;
 
 use keylock::{LockOptions, LockTable, ManualClock, Mode, OwnedTransaction, TransactionOptions};
-
-thread_local! {
-    static HOOK: RefCell<Option<Rc<dyn Fn()>>> = const { RefCell::new(None) };
-    static IN_HOOK: Cell<bool> = const { Cell::new(false) };
-    static FIRED: Cell<usize> = const { Cell::new(0) };
-}
-
-fn fire() {
-    if IN_HOOK.get() {
-        return;
-    }
-    if let Some(hook) = HOOK.with(|h| h.borrow().clone()) {
-        IN_HOOK.set(true);
-        hook();
-        IN_HOOK.set(false);
-        FIRED.set(FIRED.get() + 1);
-    }
-}
 
 static VTABLE: RawWakerVTable = RawWakerVTable::new(
     |p| {
@@ -51,16 +32,14 @@ fn hostile() -> Waker {
 
 fn install(table: &Arc<LockTable<u32>>, txns: Vec<Weak<OwnedTransaction<u32>>>) {
     let table = Arc::downgrade(table);
-    HOOK.with(|h| {
-        *h.borrow_mut() = Some(Rc::new(move || {
-            if let Some(table) = table.upgrade() {
-                let _ = table.len();
-                let _ = table.deadlock_stats();
-            }
-            for t in txns.iter().filter_map(Weak::upgrade) {
-                let _ = t.len();
-            }
-        }))
+    call_back::install(move || {
+        if let Some(table) = table.upgrade() {
+            let _ = table.len();
+            let _ = table.deadlock_stats();
+        }
+        for t in txns.iter().filter_map(Weak::upgrade) {
+            let _ = t.len();
+        }
     });
 }
 
@@ -119,9 +98,9 @@ fn owned_transaction_waits_deadlock_and_end() {
         drop(a);
         step(&mut a1, &w);
         step(&mut a3, &w);
-        assert!(FIRED.get() > 0, "the waker's methods called back");
+        assert!(call_back::fired() > 0, "the waker's methods called back");
         table.assert_consistent();
-        HOOK.with(|h| *h.borrow_mut() = None);
+        call_back::uninstall();
     });
 }
 
@@ -158,9 +137,9 @@ fn lost_and_sleeps_on_a_manual_clock() {
             drop(g);
             step(&mut up, &w);
             step(&mut waiter, &w);
-            assert!(FIRED.get() > 0, "the waker's methods called back");
+            assert!(call_back::fired() > 0, "the waker's methods called back");
             table.assert_consistent();
-            HOOK.with(|h| *h.borrow_mut() = None);
+            call_back::uninstall();
         });
     }
 }
@@ -194,9 +173,9 @@ fn borrowed_transaction_and_upgrade() {
         drop(f);
         drop(t2);
         drop(t);
-        assert!(FIRED.get() > 0, "the waker's methods called back");
+        assert!(call_back::fired() > 0, "the waker's methods called back");
         table.assert_consistent();
-        HOOK.with(|h| *h.borrow_mut() = None);
+        call_back::uninstall();
     });
 }
 

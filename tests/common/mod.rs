@@ -7,6 +7,8 @@
 //! crate uses only some of them.
 #![allow(dead_code)]
 
+pub(crate) mod call_back;
+
 use std::fmt::Debug;
 use std::future::Future;
 use std::hash::{BuildHasher, Hash};
@@ -205,5 +207,27 @@ pub(crate) fn watchdog(
             std::panic::resume_unwind(worker.join().expect_err("the body panicked"))
         }
         Err(std::sync::mpsc::RecvTimeoutError::Timeout) => panic!("{name}: hung: {hung}"),
+    }
+}
+
+/// A hasher under which every key collides (one hash, one shard): a probe
+/// compares the caller's key with every key there.
+#[derive(Clone, Copy, Debug, Default)]
+pub(crate) struct Collide;
+
+/// [`Collide`]'s hasher.
+pub(crate) struct ConstHasher;
+
+impl std::hash::Hasher for ConstHasher {
+    fn finish(&self) -> u64 {
+        7
+    }
+    fn write(&mut self, _: &[u8]) {}
+}
+
+impl BuildHasher for Collide {
+    type Hasher = ConstHasher;
+    fn build_hasher(&self) -> ConstHasher {
+        ConstHasher
     }
 }
