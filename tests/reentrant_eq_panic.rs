@@ -76,7 +76,7 @@ fn poll<F: Future + ?Sized>(f: Pin<&mut F>) -> Poll<F::Output> {
 
 /// Runs `op` with K(1) held by someone else and `Eq` armed: `op`'s key
 /// (K(2), the same hash) is compared with K(1) and the comparison panics.
-fn scenario(name: &'static str, fairness: Fairness, op: fn(&Arc<Table>)) {
+fn scenario(name: &'static str, fairness: Fairness, op: impl FnOnce(&Arc<Table>) + Send + 'static) {
     watchdog(name, HUNG, move || {
         let table = Arc::new(
             LockTable::<K>::builder()
@@ -169,42 +169,37 @@ fn borrowed_transaction_lock_all() {
         let _ = poll(f.as_mut());
     });
 }
+/// An owned `lock_all` whose keys' comparisons with K(1) panic: on a
+/// fresh transaction under SKIP LOCKED, and on one holding K(1) shared.
+fn owned_lock_all(name: &'static str, holding: bool, policy: WaitPolicy) {
+    scenario(name, Fairness::default(), move |t| {
+        let txn = Arc::new(t.clone().transaction_owned());
+        if holding {
+            EQ_ARMED.set(false);
+            txn.blocking_lock(K(1), Mode::Shared).unwrap();
+        }
+        install(t, vec![Arc::downgrade(&txn)]);
+        EQ_ARMED.set(true);
+        let requests = [
+            (K(2), Mode::Exclusive),
+            (K(3), Mode::Exclusive),
+            (K(4), Mode::Shared),
+        ];
+        let mut f = Box::pin(txn.lock_all_with(requests, policy));
+        let _ = poll(f.as_mut());
+    });
+}
+
 #[test]
 fn owned_transaction_lock_all() {
-    scenario("owned.lock_all", Fairness::default(), |t| {
-        let txn = Arc::new(t.clone().transaction_owned());
-        install(t, vec![Arc::downgrade(&txn)]);
-        EQ_ARMED.set(true);
-        let mut f = Box::pin(txn.lock_all_with(
-            [
-                (K(2), Mode::Exclusive),
-                (K(3), Mode::Exclusive),
-                (K(4), Mode::Shared),
-            ],
-            WaitPolicy::SkipLocked,
-        ));
-        let _ = poll(f.as_mut());
-    });
+    owned_lock_all("owned.lock_all", false, WaitPolicy::SkipLocked);
 }
+
 #[test]
 fn owned_transaction_lock_all_holding() {
-    scenario("owned.lock_all2", Fairness::default(), |t| {
-        let txn = Arc::new(t.clone().transaction_owned());
-        EQ_ARMED.set(false);
-        txn.blocking_lock(K(1), Mode::Shared).unwrap();
-        install(t, vec![Arc::downgrade(&txn)]);
-        EQ_ARMED.set(true);
-        let mut f = Box::pin(txn.lock_all_with(
-            [
-                (K(2), Mode::Exclusive),
-                (K(3), Mode::Exclusive),
-                (K(4), Mode::Shared),
-            ],
-            WaitPolicy::Block,
-        ));
-        let _ = poll(f.as_mut());
-    });
+    owned_lock_all("owned.lock_all2", true, WaitPolicy::Block);
 }
+
 #[test]
 fn owned_transaction_detach_unlock() {
     scenario("owned.detach", Fairness::default(), |t| {
@@ -301,11 +296,14 @@ fn owned_lock_fast_path_drops_an_unkept_key_outside_the_set_lock() {
         let (table, txn) = owned_holding_one();
         let reader = table.try_lock_shared(K(2)).expect("free");
         let before = call_back::fired();
-        let got = txn.blocking_lock(K(1), Mode::Exclusive).expect("held: counted");
+        let got = txn
+            .blocking_lock(K(1), Mode::Exclusive)
+            .expect("held: counted");
         assert_eq!(got.count, 2, "re-entered");
         assert!(call_back::fired() > before, "the caller's key was dropped");
         let before = call_back::fired();
-        txn.blocking_lock(K(2), Mode::Shared).expect("shared with the reader");
+        txn.blocking_lock(K(2), Mode::Shared)
+            .expect("shared with the reader");
         assert!(call_back::fired() > before, "the caller's copy was dropped");
         call_back::uninstall();
         assert_eq!(txn.len(), 2);
