@@ -106,10 +106,7 @@ impl<K> ShardState<K> {
             if status.holders.is_empty() && status.waiters.is_empty() {
                 continue;
             }
-            entry.fenced = entry
-                .fenced
-                .checked_add(1)
-                .expect("keylock: more than 2^32 - 1 fenced guards on one key");
+            add_pin(entry);
             out.push((hash, entry.key, status));
         }
     }
@@ -123,11 +120,7 @@ impl<K> ShardState<K> {
             .entries
             .find(hash, |e| e.key == key)
             .expect(ENTRY_PRESENT);
-        let entry = self.entries.get_mut(index);
-        entry.fenced = entry
-            .fenced
-            .checked_add(1)
-            .expect("keylock: more than 2^32 - 1 fenced guards on one key");
+        add_pin(self.entries.get_mut(index));
     }
 
     /// Lets go of a pin [`snapshot`](Self::snapshot) took; the entry goes
@@ -148,4 +141,13 @@ impl<K> ShardState<K> {
             removed.forget_unused();
         }
     }
+}
+
+/// One more pin on `entry` (counted with its fenced guards: an entry is
+/// not removed while any is left).
+fn add_pin<K>(entry: &mut Entry<K>) {
+    entry.fenced = entry
+        .fenced
+        .checked_add(1)
+        .expect("keylock: more than 2^32 - 1 fenced guards on one key");
 }

@@ -1487,6 +1487,16 @@ impl<A: Access> Drop for ParkedCall<'_, A> {
     }
 }
 
+/// A request's key: its own, or, once the fast path took it to the table,
+/// its guard's.
+fn request_key<'k, G: GuardOps>(request: &'k Request<G::Key>, guard: Option<&'k G>) -> &'k G::Key {
+    match (&request.key, guard) {
+        (Some(key), _) => key,
+        (None, Some(guard)) => guard.key(),
+        (None, None) => unreachable!("a request's key or its guard"),
+    }
+}
+
 /// The claiming way: every key claimed in the set (the guards the fast
 /// path took go to their claims), then the rest taken in order, waiting
 /// where needed (boxed).
@@ -1518,11 +1528,7 @@ where
             .enumerate()
             .map(|(i, request)| {
                 let guard = mine.next_if(|(at, _)| *at == i).map(|(_, guard)| guard);
-                match (&request.key, guard) {
-                    (Some(key), _) => Some(key.clone()),
-                    (None, Some(guard)) => Some(guard.key().clone()),
-                    (None, None) => unreachable!("a request's key or its guard"),
-                }
+                Some(request_key(request, guard).clone())
             })
             .collect()
     };
@@ -1536,11 +1542,7 @@ where
             let mut unnamed = None;
             for (i, request) in requests.iter().enumerate() {
                 let mut mine = taken.next_if(|(at, _)| *at == i).map(|(_, guard)| guard);
-                let key = match (&request.key, &mine) {
-                    (Some(key), _) => key,
-                    (None, Some(guard)) => guard.key(),
-                    (None, None) => unreachable!("a request's key or its guard"),
-                };
+                let key = request_key(request, mine.as_ref());
                 // Pushed as soon as claimed: a panic in the next key's `Eq`
                 // leaves the stage to undo this one.
                 // A key the transaction's other call took while this one

@@ -33,7 +33,7 @@ use std::time::Duration;
 use crate::keys::deferred::Leftovers;
 use crate::support::mode::Mode;
 use crate::transactions::access::{
-    wait_unless_ended, Access, Ended, Fast, GuardOf, Holding, KeyOf, PendingOf, SetOf, Stop,
+    wait_unless_ended, Access, Ended, Fast, GuardOf, Holding, KeyOf, Owner, PendingOf, SetOf, Stop,
     WaitFor,
 };
 use crate::transactions::error::TransactionError;
@@ -370,8 +370,7 @@ where
     // future is forgotten, by the claim if it is dropped) and polled
     // there, with no cell.
     let mut claim = claim;
-    let opts = claim.access.owner().opts.lock_options(mode, policy);
-    let lock = claim.access.owner().reach.lock_with(name.clone(), opts);
+    let lock = lock_named(claim.access.owner(), &name, mode, policy);
     claim.access.park(lock, Taken::new());
     claim.parked = true;
     // Nothing else can take a key for the transaction while it waits, so
@@ -408,6 +407,20 @@ where
     claim.ended(waited, AcquireKind::New, mode, policy)
 }
 
+/// The table's lock future for a claim's new key, in `mode` under the
+/// transaction's options: the caller's key went to the attempt, so it
+/// locks a copy of the caller's name for the wait, made here, outside any
+/// lock (the claim's copy is behind the owned form's set lock, where a
+/// key's `Clone`, user code, may not run).
+fn lock_named<R: Reach>(owner: &Owner<R>, name: &R::Key, mode: Mode, policy: WaitPolicy) -> R::Lock
+where
+    R::Key: Clone,
+{
+    owner
+        .reach
+        .lock_with(name.clone(), owner.opts.lock_options(mode, policy))
+}
+
 /// A new key that was not free at once, in the owned form: wait for it on
 /// the table (under a policy that does not wait, the zero-timeout wait
 /// names the holder). The borrowed form's is written out in [`wait`].
@@ -420,11 +433,8 @@ async fn wait_new<A: Access>(
 where
     KeyOf<A>: Clone,
 {
-    // The table locks a copy of the caller's key, made here: the claim's
-    // copy is behind the set's lock, where a key's `Clone` (user code) may
-    // not run. A transaction ended meanwhile is found as the wait is pended.
-    let opts = claim.access.owner().opts.lock_options(mode, policy);
-    let lock = claim.access.owner().reach.lock_with(name.clone(), opts);
+    // A transaction ended meanwhile is found as the wait is pended.
+    let lock = lock_named(claim.access.owner(), name, mode, policy);
     // The lock future lives in a cell the transaction can reach too, so
     // that if this call's future is forgotten, the transaction's end still
     // takes its waiter out of the queue, or passes on its grant
