@@ -392,6 +392,22 @@ pub use table::{Builder, DefaultHashBuilder, LockTable};
 #[cfg_attr(docsrs, doc(cfg(feature = "test-util")))]
 pub use time::clock::ManualClock;
 pub use time::time_source::TimeSource;
+
+/// The bytes kept for reuse by transactions' contended waits, process-wide.
+///
+/// A transaction's call that must wait boxes its state in a block taken
+/// from a small process-wide stock and gives the block back when the wait
+/// ends, instead of allocating and freeing it each time (a wait usually
+/// ends on another worker thread than the one it began on, and the system
+/// allocator serializes that pattern on a lock). The stock keeps at most
+/// 64 blocks of each of three sizes (256, 512 and 1,024 bytes), made only
+/// as waits need them: at most 114,688 bytes. Tests that count allocations
+/// subtract what the stock gained while they ran.
+#[cfg(feature = "test-util")]
+#[cfg_attr(docsrs, doc(cfg(feature = "test-util")))]
+pub fn recycled_bytes() -> usize {
+    support::recycle::kept_bytes()
+}
 pub use transactions::deadlock::{CycleWait, Deadlock, DeadlockStats, TransactionId};
 pub use transactions::hold::Hold;
 pub use transactions::{

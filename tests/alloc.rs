@@ -86,13 +86,30 @@ fn allocations_and_largest(f: impl FnOnce()) -> (usize, usize) {
     (ALLOCS.with(Cell::get), LARGEST.with(Cell::get))
 }
 
-/// The bytes this thread allocated and did not free while `f` ran.
+/// The bytes this thread allocated and did not free while `f` ran, less
+/// what the process-wide stock of recycled blocks gained meanwhile (a
+/// contended transaction's waits give their blocks back there, not to the
+/// allocator). Tests that wait in a transaction take [`STOCK`] first, so
+/// that no other test's wait moves the stock meanwhile.
 fn kept_bytes(f: impl FnOnce()) -> isize {
+    let stocked = keylock::recycled_bytes() as isize;
     LIVE.with(|l| l.set(0));
     ON.with(|on| on.set(true));
     f();
     ON.with(|on| on.set(false));
-    LIVE.with(Cell::get)
+    LIVE.with(Cell::get) - (keylock::recycled_bytes() as isize - stocked)
+}
+
+/// Taken by the tests whose transactions wait: they take blocks from the
+/// process-wide stock and give them back, and the tests that count see
+/// the stock's state (under `cargo test`, the tests of this file share a
+/// process).
+static STOCK: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+fn stock() -> std::sync::MutexGuard<'static, ()> {
+    STOCK
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
 }
 
 /// Runs `run` once to warm the table up, then asserts that a second run
@@ -146,6 +163,7 @@ fn readers_joining_and_leaving_a_key_allocate_nothing_once_warm() {
 #[test]
 fn a_transactions_contended_lock_all_boxes_its_wait_in_a_small_block() {
     use keylock::Mode;
+    let _stock = stock();
     let table: LockTable<u64> = LockTable::new();
     let cx = &mut Context::from_waker(noop_waker_ref());
     for rounds in 0..2 {
@@ -189,6 +207,52 @@ fn a_transactions_contended_lock_all_boxes_its_wait_in_a_small_block() {
     assert_eq!(table.len(), 0);
 }
 
+/// A warm contended transfer (a `lock_all` of two keys whose second is
+/// held) takes the blocks of its waits from the process-wide stock and
+/// gives them back: it allocates only the name its wait is registered
+/// under with the deadlock detector (a small block), so the allocator is
+/// not asked, on one thread, for blocks another thread frees. The same
+/// for a single contended `lock`, which registers nothing (it holds
+/// nothing).
+#[test]
+fn a_warm_contended_transfer_takes_its_boxes_from_the_stock() {
+    use keylock::Mode;
+    let _stock = stock();
+    let table: LockTable<u64> = LockTable::new();
+    let cx = &mut Context::from_waker(noop_waker_ref());
+    for round in 0..3 {
+        let holder = table.try_lock(2).unwrap();
+        let mut txn = table.transaction();
+        let (allocs, largest) = allocations_and_largest(|| {
+            let mut all =
+                std::pin::pin!(txn.lock_all([(1, Mode::Exclusive), (2, Mode::Exclusive)]));
+            assert!(all.as_mut().poll(cx).is_pending());
+            drop(holder);
+            assert!(all.as_mut().poll(cx).is_ready());
+        });
+        txn.commit().unwrap();
+        if round > 0 {
+            assert!(
+                allocs <= 1 && largest <= 64,
+                "a warm contended transfer allocated {allocs} blocks, the largest {largest} bytes"
+            );
+        }
+        let holder = table.try_lock(3).unwrap();
+        let mut txn = table.transaction();
+        let allocs = allocations(|| {
+            let mut one = std::pin::pin!(txn.lock(3, Mode::Exclusive));
+            assert!(one.as_mut().poll(cx).is_pending());
+            drop(holder);
+            assert!(one.as_mut().poll(cx).is_ready());
+        });
+        txn.commit().unwrap();
+        if round > 0 {
+            assert_eq!(allocs, 0, "a warm contended lock allocated");
+        }
+    }
+    assert!(table.is_empty());
+}
+
 /// A call that waited frees its wait's cell as it returns, not when its
 /// transaction ends: a transaction that goes on after its calls finished
 /// keeps nothing of them (the cells of forgotten calls alone stay on its
@@ -196,6 +260,7 @@ fn a_transactions_contended_lock_all_boxes_its_wait_in_a_small_block() {
 #[test]
 fn a_finished_wait_keeps_no_memory_until_the_transaction_ends() {
     use keylock::Mode;
+    let _stock = stock();
     let table: LockTable<u64> = LockTable::new();
     let cx = &mut Context::from_waker(noop_waker_ref());
     for round in 0..2 {

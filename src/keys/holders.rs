@@ -306,10 +306,10 @@ mod tests {
             );
         }
         assert!(holders.is_empty() && holders.rest.is_none());
-        assert_eq!(spares.0.len(), 1);
+        assert_eq!(spares.0.count(), 1);
         holders.push(holder(4), &mut spares);
         holders.push(holder(5), &mut spares);
-        assert_eq!(spares.0.len(), 0);
+        assert_eq!(spares.0.count(), 0);
         assert!(std::ptr::eq(&**holders.rest.as_ref().unwrap(), vector));
     }
 
@@ -328,7 +328,7 @@ mod tests {
             h.remove(FencingToken::from_raw(2 * k as u64 + 2), &mut spares);
             assert!(h.only().is_some());
         }
-        assert_eq!(spares.0.len(), SPARES);
+        assert_eq!(spares.0.count(), SPARES);
     }
 
     #[test]
@@ -343,6 +343,6 @@ mod tests {
             holders.remove(FencingToken::from_raw(t), &mut spares);
         }
         assert!(holders.is_empty());
-        assert_eq!(spares.0.len(), 0);
+        assert_eq!(spares.0.count(), 0);
     }
 }

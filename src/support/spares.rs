@@ -61,9 +61,17 @@ impl<T, const N: usize> Spares<T, N> {
         }
     }
 
+    /// Whether `N` are kept: [`give`](Self::give) would drop its value.
+    #[inline(always)]
+    #[cfg_attr(loom, allow(dead_code))]
+    pub(crate) fn is_full(&self) -> bool {
+        self.count == N
+    }
+
     /// How many spares are kept.
-    #[cfg(test)]
-    pub(crate) fn len(&self) -> usize {
+    #[cfg(any(test, feature = "test-util"))]
+    #[cfg_attr(loom, allow(dead_code))]
+    pub(crate) fn count(&self) -> usize {
         self.count
     }
 }
@@ -91,10 +99,10 @@ mod tests {
         for v in 1..=3 {
             spares.give(v);
         }
-        assert_eq!(spares.len(), 2);
+        assert_eq!(spares.count(), 2);
         assert_eq!(spares.take(), Some(2));
         assert_eq!(spares.take(), Some(1));
         assert_eq!(spares.take(), None);
-        assert_eq!(spares.len(), 0);
+        assert_eq!(spares.count(), 0);
     }
 }

@@ -58,6 +58,7 @@ use std::task::{Context, Poll};
 
 use crate::support::lease::Terms;
 use crate::support::mode::Mode;
+use crate::support::recycle::Recycled;
 use crate::transactions::access::{
     wait_unless_ended, Access, Ended, Holding, LockOf, PendingOf, Stop, UpgradingOf, WaitFor,
 };
@@ -698,7 +699,7 @@ where
                 taken,
                 at,
                 version,
-            } => Err(Rest::Sole(Box::pin(wait_sole(
+            } => Err(Rest::Sole(Recycled::pin(wait_sole(
                 access,
                 taken,
                 Wanted::held(requests, found, version),
@@ -717,7 +718,7 @@ where
     {
         return match take_fresh(access, requests) {
             Ok(done) => Ok(Now::Done(done)),
-            Err((requests, version, filled)) => Err(Rest::Sole(Box::pin(wait_sole(
+            Err((requests, version, filled)) => Err(Rest::Sole(Recycled::pin(wait_sole(
                 access,
                 // Room for the rest at once (two in place, as a transfer's).
                 Taken::with_capacity(requests.len()),
@@ -746,7 +747,7 @@ where
                 // Room for every key: the wait way pushes the rest.
                 let mut taken = Taken::with_capacity(requests.len());
                 taken.extend(took);
-                return Err(Rest::Sole(Box::pin(wait_sole(
+                return Err(Rest::Sole(Recycled::pin(wait_sole(
                     access,
                     taken,
                     Wanted::held(requests, found, version),
@@ -1125,8 +1126,8 @@ type Outcome<A> = Result<LockedSet<KeyOf<A>>, TransactionError<KeyOf<A>>>;
 /// The rest of a call that must wait: the borrowed form's, or the
 /// claiming way's (each boxed, so the call's own future stays small).
 enum Rest<L, R> {
-    Sole(Pin<Box<L>>),
-    Claimed(Pin<Box<R>>),
+    Sole(Pin<Recycled<L>>),
+    Claimed(Pin<Recycled<R>>),
 }
 
 impl<L: Future, R: Future<Output = L::Output>> Future for Rest<L, R> {
@@ -1505,7 +1506,7 @@ fn claim_all<A: Access>(
     mut requests: Few<Request<KeyOf<A>>>,
     taken: Taken<GuardOf<A>>,
     policy: WaitPolicy,
-) -> Result<Outcome<A>, Pin<Box<impl Future<Output = Outcome<A>> + '_>>>
+) -> Result<Outcome<A>, Pin<Recycled<impl Future<Output = Outcome<A>> + '_>>>
 where
     KeyOf<A>: Ord + Clone,
 {
@@ -1596,7 +1597,7 @@ where
     for (i, request) in requests.iter_mut().enumerate() {
         match stage.entries[i].kind {
             Kind::Covered => continue,
-            Kind::Upgrade => return Err(Box::pin(wait_rest(stage, requests, i, policy))),
+            Kind::Upgrade => return Err(Recycled::pin(wait_rest(stage, requests, i, policy))),
             Kind::New if stage.entries[i].guard.is_some() => continue,
             Kind::New => {
                 let key = request.key.take().expect("locked once");
@@ -1610,7 +1611,7 @@ where
                     Ok(guard) => stage.entries[i].guard = Some(guard),
                     Err(key) => {
                         request.key = Some(key);
-                        return Err(Box::pin(wait_rest(stage, requests, i, policy)));
+                        return Err(Recycled::pin(wait_rest(stage, requests, i, policy)));
                     }
                 }
             }
@@ -1657,7 +1658,7 @@ where
                     };
                     let name = key.clone();
                     let lock = stage.access.owner().reach.lock_with(key, opts);
-                    let Ok(cell) = stage.stow(Wait::Lock(Box::pin(lock))) else {
+                    let Ok(cell) = stage.stow(Wait::Lock(Recycled::pin(lock))) else {
                         return Err(TransactionError::Ended);
                     };
                     let wait = WaitFor {
@@ -1698,7 +1699,7 @@ where
                     // The upgrade owns the guard while it waits, in the
                     // cell: the stage's undo takes it back from there.
                     stage.upgrading = Some(i);
-                    let upgrade = Box::pin(guard.upgrade_owned(opts));
+                    let upgrade = Recycled::pin(guard.upgrade_owned(opts));
                     let Ok(cell) = stage.stow(Wait::Upgrade(upgrade)) else {
                         return Err(TransactionError::Ended);
                     };

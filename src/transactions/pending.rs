@@ -48,6 +48,7 @@ use std::sync::Arc;
 use std::task::{Context, Poll};
 
 use crate::error::LockError;
+use crate::support::recycle::Recycled;
 use crate::support::shard_lock::ShardMutex;
 use crate::support::token::FencingToken;
 
@@ -86,9 +87,9 @@ enum Phase {
 /// A call's wait.
 pub(crate) enum Wait<L, U> {
     /// A new key's table lock future.
-    Lock(Pin<Box<L>>),
+    Lock(Pin<Recycled<L>>),
     /// An upgrade, owning the guard it upgrades.
-    Upgrade(Pin<Box<U>>),
+    Upgrade(Pin<Recycled<U>>),
 }
 
 /// How a wait ended.
@@ -305,14 +306,14 @@ pin_project_lite::pin_project! {
 }
 
 /// A borrowed transaction's slot for its call's parked wait.
-pub(crate) type ParkedSlot<L, G> = Option<Pin<Box<Parked<L, G>>>>;
+pub(crate) type ParkedSlot<L, G> = Option<Pin<Recycled<Parked<L, G>>>>;
 
 /// Parks a call's wait: `lock`, not polled yet, and the guards it took.
 /// What a forgotten call left in the slot goes first: returns whether
 /// there was one (see [`Access::park`](super::access::Access::park)).
 pub(crate) fn park<L, G>(slot: &mut ParkedSlot<L, G>, lock: L, guards: Taken<G>) -> bool {
     let forgotten = clear_parked(slot);
-    *slot = Some(Box::pin(Parked { lock, guards }));
+    *slot = Some(Recycled::pin(Parked { lock, guards }));
     forgotten
 }
 

@@ -32,6 +32,7 @@ use std::time::Duration;
 
 use crate::keys::deferred::Leftovers;
 use crate::support::mode::Mode;
+use crate::support::recycle::Recycled;
 use crate::transactions::access::{
     wait_unless_ended, Access, Ended, Fast, GuardOf, Holding, KeyOf, Owner, PendingOf, SetOf, Stop,
     WaitFor,
@@ -235,7 +236,7 @@ pub(crate) fn lock_now<A: Access>(
     policy: WaitPolicy,
 ) -> Result<
     Result<Acquired, TransactionError<KeyOf<A>>>,
-    Pin<Box<impl Future<Output = Result<Acquired, TransactionError<KeyOf<A>>>> + '_>>,
+    Pin<Recycled<impl Future<Output = Result<Acquired, TransactionError<KeyOf<A>>>> + '_>>,
 >
 where
     KeyOf<A>: Clone,
@@ -316,7 +317,7 @@ where
             Err(k) => key = k,
         }
     }
-    Err(Box::pin(wait(claim, upgrading, key, mode, policy)))
+    Err(Recycled::pin(wait(claim, upgrading, key, mode, policy)))
 }
 
 /// [`lock_now`]'s fast path in the owned form, whose step holds the set's
@@ -440,7 +441,7 @@ where
     // takes its waiter out of the queue, or passes on its grant
     // (`pending.rs`); dropped, the call takes it back itself (the claim).
     let cell = PendingOf::<A::R>::new();
-    if cell.start(Wait::Lock(Box::pin(lock))).is_err() || claim.access.pend(&cell).is_err() {
+    if cell.start(Wait::Lock(Recycled::pin(lock))).is_err() || claim.access.pend(&cell).is_err() {
         return Err(TransactionError::Ended);
     }
     claim.away = Some(Arc::clone(&cell));
@@ -473,7 +474,7 @@ where
     // (shared).
     let guard = claim.guard.take().expect("set by the caller");
     let cell = PendingOf::<A::R>::new();
-    let started = cell.start(Wait::Upgrade(Box::pin(guard.upgrade_owned(opts))));
+    let started = cell.start(Wait::Upgrade(Recycled::pin(guard.upgrade_owned(opts))));
     debug_assert!(started.is_ok(), "a new cell");
     claim.away = Some(Arc::clone(&cell));
     if claim.access.pend(&cell).is_err() {
