@@ -1049,13 +1049,16 @@ fn few_vacant<A: Access>(
     // (the set as it was, vacant, at its version).
     let busy = |set: &HeldSet<GuardOf<A>, KeyOf<A>>, a, b: Option<_>, taken, at| {
         let version = set.version();
-        let found_b = b.as_ref().map(|_| Found::Absent);
+        // Pushed one by one: `extend` of an `Option` costs a growth check
+        // and a size hint's arithmetic several times a push's.
         let mut found = Few::new();
-        found.push(Found::Absent);
-        found.extend(found_b);
         let mut requests = Few::new();
+        found.push(Found::Absent);
         requests.push(a);
-        requests.extend(b);
+        if let Some(b) = b {
+            found.push(Found::Absent);
+            requests.push(b);
+        }
         Few2::Busy {
             requests,
             found,
