@@ -392,6 +392,12 @@ pub use table::{Builder, DefaultHashBuilder, LockTable};
 #[cfg_attr(docsrs, doc(cfg(feature = "test-util")))]
 pub use time::clock::ManualClock;
 pub use time::time_source::TimeSource;
+pub use transactions::deadlock::{CycleWait, Deadlock, DeadlockStats, TransactionId};
+pub use transactions::hold::Hold;
+pub use transactions::{
+    AcquireKind, Acquired, LockedSet, OwnedTransaction, RetryPolicy, Transaction, TransactionError,
+    TransactionFailure, TransactionOptions, WaitPolicy,
+};
 
 /// The bytes kept for reuse by transactions' contended waits, process-wide.
 ///
@@ -408,12 +414,6 @@ pub use time::time_source::TimeSource;
 pub fn recycled_bytes() -> usize {
     support::recycle::kept_bytes()
 }
-pub use transactions::deadlock::{CycleWait, Deadlock, DeadlockStats, TransactionId};
-pub use transactions::hold::Hold;
-pub use transactions::{
-    AcquireKind, Acquired, LockedSet, OwnedTransaction, RetryPolicy, Transaction, TransactionError,
-    TransactionFailure, TransactionOptions, WaitPolicy,
-};
 
 /// The named futures returned by the table.
 pub mod futures {

@@ -89,9 +89,14 @@ fn allocations_and_largest(f: impl FnOnce()) -> (usize, usize) {
 /// The bytes this thread allocated and did not free while `f` ran, less
 /// what the process-wide stock of recycled blocks gained meanwhile (a
 /// contended transaction's waits give their blocks back there, not to the
-/// allocator). Tests that wait in a transaction take [`STOCK`] first, so
-/// that no other test's wait moves the stock meanwhile.
-fn kept_bytes(f: impl FnOnce()) -> isize {
+/// allocator). The caller holds [`STOCK`] (the tests whose transactions
+/// wait take it too), so that no other test's wait moves the stock
+/// meanwhile: a test that only counts must take it as well, or a block
+/// another test stocks while it counts is subtracted from its own bytes.
+/// (`keylock::recycled_bytes` is a `test-util` function: so are this and
+/// the tests that use it.)
+#[cfg(feature = "test-util")]
+fn kept_bytes(_stock: &std::sync::MutexGuard<'static, ()>, f: impl FnOnce()) -> isize {
     let stocked = keylock::recycled_bytes() as isize;
     LIVE.with(|l| l.set(0));
     ON.with(|on| on.set(true));
@@ -258,9 +263,10 @@ fn a_warm_contended_transfer_takes_its_boxes_from_the_stock() {
 /// keeps nothing of them (the cells of forgotten calls alone stay on its
 /// list until it ends).
 #[test]
+#[cfg(feature = "test-util")]
 fn a_finished_wait_keeps_no_memory_until_the_transaction_ends() {
     use keylock::Mode;
-    let _stock = stock();
+    let stock = stock();
     let table: LockTable<u64> = LockTable::new();
     let cx = &mut Context::from_waker(noop_waker_ref());
     for round in 0..2 {
@@ -269,7 +275,7 @@ fn a_finished_wait_keeps_no_memory_until_the_transaction_ends() {
         for two in [false, true] {
             let holder = table.try_lock(2).unwrap();
             let mut txn = table.transaction();
-            let kept = kept_bytes(|| {
+            let kept = kept_bytes(&stock, || {
                 if two {
                     let mut all =
                         std::pin::pin!(txn.lock_all([(1, Mode::Exclusive), (2, Mode::Exclusive)]));
@@ -298,7 +304,7 @@ fn a_finished_wait_keeps_no_memory_until_the_transaction_ends() {
         let txn = Arc::clone(&table).transaction_owned();
         for measured in [false, true] {
             let holder = table.try_lock(2).unwrap();
-            let kept = kept_bytes(|| {
+            let kept = kept_bytes(&stock, || {
                 let mut all =
                     std::pin::pin!(txn.lock_all([(1, Mode::Exclusive), (2, Mode::Exclusive)]));
                 assert!(all.as_mut().poll(cx).is_pending());
@@ -493,8 +499,10 @@ fn a_warm_handoff_to_a_waiter_allocates_nothing() {
 /// the transaction's drop glue while it had something to free would keep
 /// these bytes.)
 #[test]
+#[cfg(feature = "test-util")]
 fn a_committed_transaction_frees_all_it_allocated() {
     use keylock::Mode;
+    let stock = stock();
     let table = LockTable::<u64>::new();
     let lock_five = || {
         let mut txn = table.transaction();
@@ -510,7 +518,11 @@ fn a_committed_transaction_frees_all_it_allocated() {
     };
     for run in [&lock_five as &dyn Fn(), &lock_two] {
         run();
-        assert_eq!(kept_bytes(run), 0, "a committed transaction kept memory");
+        assert_eq!(
+            kept_bytes(&stock, run),
+            0,
+            "a committed transaction kept memory"
+        );
     }
     assert!(table.is_empty());
 }

@@ -21,8 +21,8 @@
 //! [`KEEP`] blocks of each of three sizes (256, 512 and 1,024 bytes, 16-byte
 //! aligned), made only as boxes are: a process that never waits in a
 //! transaction has none. A value larger than the largest block, or aligned
-//! past 16 bytes, is boxed as usual, as is every value under loom (which
-//! cannot model a static).
+//! past 16 bytes, is boxed as usual. Under loom (which cannot model a
+//! static) there is no stock: every block is allocated and freed.
 
 use std::alloc::{alloc, dealloc, handle_alloc_error, Layout};
 use std::marker::PhantomData;
@@ -44,7 +44,7 @@ pub(crate) const KEEP: usize = 64;
 /// The size class a `T` is kept in: the index of the smallest block it
 /// fits, or `None` (boxed as usual).
 const fn class_of<T>() -> Option<usize> {
-    if cfg!(loom) || size_of::<T>() == 0 || align_of::<T>() > ALIGN {
+    if size_of::<T>() == 0 || align_of::<T>() > ALIGN {
         return None;
     }
     let mut class = 0;
@@ -92,7 +92,6 @@ unsafe fn give_block(class: usize, block: NonNull<u8>) {
 #[cfg(not(loom))]
 mod stock {
     use std::ptr::NonNull;
-    use std::sync::LazyLock;
 
     use super::{KEEP, SIZES};
     use crate::support::shard_lock::ShardLock;
@@ -109,8 +108,11 @@ mod stock {
     #[repr(align(128))]
     struct Stock(ShardLock<Spares<Block, KEEP>>);
 
-    static STOCKS: LazyLock<[Stock; SIZES.len()]> =
-        LazyLock::new(|| std::array::from_fn(|_| Stock(ShardLock::new(Spares::default()))));
+    /// A plain `static`, not a `LazyLock`: nothing to initialize, so no
+    /// first use that another thread would wait for, and no check of an
+    /// initialization state on each take and give.
+    static STOCKS: [Stock; SIZES.len()] =
+        [const { Stock(ShardLock::new(Spares::new())) }; SIZES.len()];
 
     /// A kept block of `class`, if the stock has one and is free.
     #[inline]
@@ -143,7 +145,7 @@ mod stock {
 mod stock {
     use std::ptr::NonNull;
 
-    #[cfg(any(test, feature = "test-util"))]
+    #[cfg(feature = "test-util")]
     pub(super) fn kept(_class: usize) -> usize {
         0
     }
@@ -158,7 +160,7 @@ mod stock {
 }
 
 /// The bytes of the blocks the stock keeps now, process-wide.
-#[cfg(any(test, feature = "test-util"))]
+#[cfg(feature = "test-util")]
 pub(crate) fn kept_bytes() -> usize {
     (0..SIZES.len())
         .map(|class| stock::kept(class) * SIZES[class])
@@ -288,7 +290,7 @@ mod tests {
     }
 
     #[test]
-    fn a_value_is_dropped_once_and_its_block_kept_for_the_next() {
+    fn a_value_is_dropped_once_and_the_next_gets_a_whole_block() {
         let drops = Rc::new(Cell::new(0));
         let first = Recycled::pin(Noted(Rc::clone(&drops), [7; 40]));
         assert!(first.1.iter().all(|&v| v == 7));

@@ -64,6 +64,17 @@ unsafe impl<T: Send> Sync for ShardLock<T> {}
 unsafe impl<T: Send> Send for ShardLock<T> {}
 
 impl<T> ShardLock<T> {
+    /// `const` outside loom, so that a lock can be a plain `static`
+    /// (`support/recycle.rs`); loom's atomics are not `const`.
+    #[cfg(not(loom))]
+    pub(crate) const fn new(value: T) -> Self {
+        Self {
+            locked: AtomicBool::new(false),
+            value: UnsafeCell::new(value),
+        }
+    }
+
+    #[cfg(loom)]
     pub(crate) fn new(value: T) -> Self {
         Self {
             locked: AtomicBool::new(false),

@@ -31,14 +31,19 @@ impl<T, const N: usize> std::fmt::Debug for Spares<T, N> {
 
 impl<T, const N: usize> Default for Spares<T, N> {
     fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl<T, const N: usize> Spares<T, N> {
+    /// None kept (`const`: the recycled blocks' stock is a `static`).
+    pub(crate) const fn new() -> Self {
         Self {
             spare: [const { MaybeUninit::uninit() }; N],
             count: 0,
         }
     }
-}
 
-impl<T, const N: usize> Spares<T, N> {
     /// The spare given back last, if any.
     #[inline(always)]
     pub(crate) fn take(&mut self) -> Option<T> {
