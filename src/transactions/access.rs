@@ -799,32 +799,42 @@ where
     KeyOf<A>: Clone,
 {
     /// Unregisters the waker and the wait when the wait ends, however it
-    /// ends.
+    /// ends: at its end ([`end`](Watch::end)), or as it drops (the call
+    /// cancelled, or unwinding).
     struct Watch<'a, A: Access> {
         access: &'a mut A,
         slot: Option<usize>,
         /// Registered with the detector, under this id.
         detecting: Option<usize>,
+        ended: bool,
+    }
+    impl<A: Access> Watch<'_, A> {
+        /// Unregisters both; a panic in either (an old waker's drop, the
+        /// drop of the registration's copy of the key: user code) is
+        /// returned, after both have run, not raised: a wait left
+        /// registered would hold its key and could close false cycles.
+        fn end(&mut self) -> Option<Box<dyn std::any::Any + Send>> {
+            self.ended = true;
+            self.access.wait_ends();
+            let unwatched = self.slot.take().and_then(|slot| {
+                let access = &mut *self.access;
+                catch_unwind(AssertUnwindSafe(|| access.unwatch(slot))).err()
+            });
+            let left = self.detecting.take().and_then(|id| {
+                let owner = self.access.owner();
+                let detector = owner.reach.table().detector();
+                let id_of_owner = owner.opts.id.get();
+                catch_unwind(AssertUnwindSafe(|| detector.leave(id_of_owner, id))).err()
+            });
+            unwatched.or(left)
+        }
     }
     impl<A: Access> Drop for Watch<'_, A> {
         fn drop(&mut self) {
-            self.access.wait_ends();
-            // The old waker's drop is user code: if it panics, the wait
-            // still leaves the detector (a wait left there would hold its
-            // key and could close false cycles).
-            let unwatched = self.slot.take().map(|slot| {
-                let access = &mut *self.access;
-                catch_unwind(AssertUnwindSafe(|| access.unwatch(slot)))
-            });
-            if let Some(id) = self.detecting {
-                let owner = self.access.owner();
-                owner
-                    .reach
-                    .table()
-                    .detector()
-                    .leave(owner.opts.id.get(), id);
+            if self.ended {
+                return;
             }
-            if let Some(Err(payload)) = unwatched {
+            if let Some(payload) = self.end() {
                 if !std::thread::panicking() {
                     resume_unwind(payload);
                 }
@@ -837,10 +847,11 @@ where
         access,
         slot: None,
         detecting: None,
+        ended: false,
     };
     let mut searched = false;
     let mut epoch = 0;
-    poll_fn(|cx| {
+    let out = poll_fn(|cx| {
         if watch.access.is_ended() {
             return Poll::Ready(Err(Stop::Ended));
         }
@@ -914,5 +925,15 @@ where
         }
         Poll::Pending
     })
-    .await
+    .await;
+    // The wait ends here, not as the watch drops: a panic in its end would
+    // otherwise unwind out of this future while it returns `out`, and a
+    // value being returned when a drop panics is leaked, not dropped (a
+    // granted guard, its key held for good). So `out` is dropped first
+    // (released) and the panic goes on.
+    if let Some(payload) = watch.end() {
+        drop(catch_unwind(AssertUnwindSafe(|| drop(out))));
+        resume_unwind(payload);
+    }
+    out
 }
