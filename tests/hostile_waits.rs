@@ -127,6 +127,39 @@ fn caught(f: impl FnOnce()) {
     let _ = catch_unwind(AssertUnwindSafe(f));
 }
 
+impl Bombs {
+    /// Arms one bomb: the key's `Hash` (0), `Eq` (1) or `Drop` (2), or
+    /// the waker's `clone` (3), `wake` (4) or `drop` (5).
+    fn arm(&self, bomb: usize) {
+        match bomb {
+            0 => self.hash.store(true, SeqCst),
+            1 => self.eq.store(true, SeqCst),
+            2 => self.drop.store(true, SeqCst),
+            3 => WB.clone.store(true, SeqCst),
+            4 => WB.wake.store(true, SeqCst),
+            _ => WB.drop.store(true, SeqCst),
+        }
+    }
+
+    /// Disarms every bomb, the key's and the waker's.
+    fn disarm(&self) {
+        self.hash.store(false, SeqCst);
+        self.eq.store(false, SeqCst);
+        self.drop.store(false, SeqCst);
+        disarm_waker();
+    }
+}
+
+/// Every one of `keys` can be had, and the table keeps no entry: nothing
+/// was stranded.
+fn assert_nothing_stranded(table: &LockTable<K>, keys: impl IntoIterator<Item = K>, what: &str) {
+    for key in keys {
+        let n = key.0;
+        assert!(table.try_lock(key).is_ok(), "{what}: key {n} stranded");
+    }
+    assert!(table.is_empty(), "{what}: an entry left");
+}
+
 /// A borrowed lock_all waits for key 1; then each of the key's bombs and
 /// each of the waker's goes off at the second poll or at the drop.
 #[test]
@@ -143,14 +176,7 @@ fn borrowed_lock_all_with_hostile_keys_and_wakers() {
                 let mut fut =
                     Box::pin(txn.lock_all([(k(1), Mode::Exclusive), (k(2), Mode::Exclusive)]));
                 assert!(matches!(poll_caught(fut.as_mut(), &w), Some(Poll::Pending)));
-                match bomb {
-                    0 => bombs.hash.store(true, SeqCst),
-                    1 => bombs.eq.store(true, SeqCst),
-                    2 => bombs.drop.store(true, SeqCst),
-                    3 => WB.clone.store(true, SeqCst),
-                    4 => WB.wake.store(true, SeqCst),
-                    _ => WB.drop.store(true, SeqCst),
-                }
+                bombs.arm(bomb);
                 if complete {
                     caught(|| drop(holder));
                     let _ = poll_caught(fut.as_mut(), &w);
@@ -161,20 +187,13 @@ fn borrowed_lock_all_with_hostile_keys_and_wakers() {
                 }
             }
             caught(|| drop(txn));
-            bombs.hash.store(false, SeqCst);
-            bombs.eq.store(false, SeqCst);
-            bombs.drop.store(false, SeqCst);
-            disarm_waker();
+            bombs.disarm();
             drop(w);
-            assert!(
-                table.try_lock(k(1)).is_ok(),
-                "bomb {bomb} complete {complete}"
+            assert_nothing_stranded(
+                &table,
+                [k(1), k(2)],
+                &format!("bomb {bomb}, complete {complete}"),
             );
-            assert!(
-                table.try_lock(k(2)).is_ok(),
-                "bomb {bomb} complete {complete}"
-            );
-            assert!(table.is_empty(), "bomb {bomb} complete {complete}");
         }
     }
     assert_eq!(WB.live.load(SeqCst), 0);
@@ -188,12 +207,11 @@ fn owned_upgrade_and_lock_with_hostile_keys() {
     owned_upgrade_scenarios(|bomb, complete| !(bomb == 2 && complete));
 }
 
-/// PRE-EXISTING (also at eb7ac8a): the owned form's upgrade is granted,
-/// then the wait's `Watch` drop (`access.rs`, `Detector::leave`) drops the
-/// registration's cloned key, whose `Drop` panics: the granted guard,
-/// being returned by `wait_unless_ended`, is leaked and key 1 stays held
-/// for ever (table.len() == 1 after the transaction and table handles
-/// ended).
+/// The owned form's upgrade is granted, and the end of its wait drops the
+/// registration's copy of the key, whose `Drop` panics: the granted guard
+/// the wait was returning is released before the panic goes on (it was
+/// leaked, and key 1 held for good, when the wait ended in a guard's drop
+/// as it returned).
 #[test]
 fn owned_upgrade_whose_registration_key_drop_panics_strands_nothing() {
     owned_upgrade_scenarios(|bomb, complete| bomb == 2 && complete);
@@ -216,11 +234,7 @@ fn owned_upgrade_scenarios(pick: impl Fn(usize, bool) -> bool) {
             let other = table.try_lock_shared(k(1)).unwrap();
             let mut up = Box::pin(txn.lock_all([(k(1), Mode::Exclusive), (k(2), Mode::Exclusive)]));
             assert!(w.poll(&mut up).is_pending());
-            match bomb {
-                0 => bombs.hash.store(true, SeqCst),
-                1 => bombs.eq.store(true, SeqCst),
-                _ => bombs.drop.store(true, SeqCst),
-            }
+            bombs.arm(bomb);
             if complete {
                 caught(|| drop(other));
                 caught(|| {
@@ -232,18 +246,12 @@ fn owned_upgrade_scenarios(pick: impl Fn(usize, bool) -> bool) {
                 caught(|| drop(other));
             }
             caught(|| drop(txn));
-            bombs.hash.store(false, SeqCst);
-            bombs.eq.store(false, SeqCst);
-            bombs.drop.store(false, SeqCst);
-            assert!(
-                table.try_lock(k(1)).is_ok(),
-                "bomb {bomb} complete {complete}"
+            bombs.disarm();
+            assert_nothing_stranded(
+                &table,
+                [k(1), k(2)],
+                &format!("bomb {bomb}, complete {complete}"),
             );
-            assert!(
-                table.try_lock(k(2)).is_ok(),
-                "bomb {bomb} complete {complete}"
-            );
-            assert!(table.is_empty(), "bomb {bomb} complete {complete}");
         }
     }
 }
@@ -312,7 +320,7 @@ fn borrowed_registered_wait_whose_key_drop_panics_strands_nothing() {
                 })
             };
             assert!(w.poll(&mut fut).is_pending());
-            bombs.drop.store(true, SeqCst);
+            bombs.arm(2);
             caught(|| drop(holder));
             caught(|| {
                 let _ = w.poll(&mut fut);
@@ -320,11 +328,7 @@ fn borrowed_registered_wait_whose_key_drop_panics_strands_nothing() {
             caught(|| drop(fut));
         }
         caught(|| drop(txn));
-        bombs.drop.store(false, SeqCst);
-        assert!(
-            table.try_lock(k(1)).is_ok(),
-            "single {single}: key 1 stranded"
-        );
-        assert!(table.is_empty(), "single {single}");
+        bombs.disarm();
+        assert_nothing_stranded(&table, [k(0), k(1), k(2)], &format!("single {single}"));
     }
 }
