@@ -904,6 +904,96 @@ mod tests {
         });
     }
 
+    /// Every way to take a key at once over a lapsed holder whose loss
+    /// watcher's wake panics (the wake runs after the unlock, once the
+    /// grant is made and before any guard owns it) releases the grant it
+    /// made: `blocking_lock`'s spin on an eventual table left it held for
+    /// good.
+    #[test]
+    fn every_take_at_once_over_a_lapsed_holder_releases_the_grant_if_a_loss_wake_panics() {
+        watchdog("every-take-over-a-lapsed-holder", || {
+            type Try = fn(&Arc<LockTable<u32>>, u32);
+            let tries: [(&str, bool, Try); 12] = [
+                ("blocking_lock (eventual, spin)", true, |t, k| {
+                    drop(t.blocking_lock(k))
+                }),
+                ("blocking_lock_owned (eventual)", true, |t, k| {
+                    drop(Arc::clone(t).blocking_lock_owned(k))
+                }),
+                ("lock poll (eventual)", true, |t, k| {
+                    drop(poll_once(t.lock(k)))
+                }),
+                ("lock poll", false, |t, k| drop(poll_once(t.lock(k)))),
+                ("lock_owned poll", false, |t, k| {
+                    drop(poll_once(Arc::clone(t).lock_owned(k)))
+                }),
+                ("lock_shared poll", false, |t, k| {
+                    drop(poll_once(t.lock_shared(k)))
+                }),
+                ("try_lock_shared", false, |t, k| drop(t.try_lock_shared(k))),
+                ("try_lock_owned", false, |t, k| {
+                    drop(Arc::clone(t).try_lock_owned(k))
+                }),
+                ("lock_with zero timeout", false, |t, k| {
+                    drop(poll_once(
+                        t.lock_with(k, LockOptions::new().timeout(Duration::ZERO)),
+                    ))
+                }),
+                ("lock_with timeout", false, |t, k| {
+                    drop(poll_once(t.lock_with(
+                        k,
+                        LockOptions::new().timeout(Duration::from_secs(100)),
+                    )))
+                }),
+                (
+                    "an owned transaction's lock_all of two keys",
+                    false,
+                    |t, k| {
+                        let txn = Arc::clone(t).transaction_owned();
+                        drop(poll_once(txn.lock_all([
+                            (k, Mode::Exclusive),
+                            (k + 1000, Mode::Exclusive),
+                        ])));
+                    },
+                ),
+                ("a transaction's blocking_lock", false, |t, k| {
+                    let mut txn = t.transaction();
+                    drop(txn.blocking_lock(k, Mode::Exclusive));
+                }),
+            ];
+            let mut failed = Vec::new();
+            for (key, (what, eventual, try_it)) in (1..).zip(tries) {
+                let clock = ManualClock::new();
+                let mut b = LockTable::builder().clock(clock.clone());
+                if eventual {
+                    b = b.fairness(keylock::Fairness::Eventual);
+                }
+                let table: Arc<LockTable<u32>> = Arc::new(b.build());
+                let holder = table.try_lock_with(key, leased()).expect("free");
+                let watcher = Hostile::new();
+                let waker = watcher.waker();
+                let mut lost = Box::pin(holder.lost());
+                pending(&mut lost, &waker, "the holder's loss watcher");
+                clock.advance(LEASE);
+                watcher.arm_wake_panic();
+                let done = catch_unwind(AssertUnwindSafe(|| try_it(&table, key)));
+                let panicked = done.is_err();
+                drop(lost);
+                drop(holder);
+                let free = table.try_lock(key).is_ok() && table.try_lock(key + 1000).is_ok();
+                eprintln!(
+                    "{what}: panicked {panicked}, wake panics {}, free {free}, empty {}",
+                    watcher.wake_panics(),
+                    table.is_empty()
+                );
+                if !free || !table.is_empty() {
+                    failed.push(what);
+                }
+            }
+            assert!(failed.is_empty(), "stranded: {failed:?}");
+        });
+    }
+
     /// A fresh transaction's transfer whose second try panics (it settles
     /// a lapsed holder of the second key, whose loss watcher's wake
     /// panics), after the first key went into the set: the first comes

@@ -1324,13 +1324,24 @@ where
             state.try_acquire_busy(index, mode, terms, self.fairness, &mut ctx)
         };
         drop(state);
+        self.flush_for_grant(hash, grant, left)
+    }
+
+    /// Runs what a try left to do after unlocking (`left`: a lapsed
+    /// holder's loss watchers' wakes, say), then hands `grant` on. The
+    /// wakes are user code: if one panics, the grant, not yet any guard's,
+    /// is released as the panic unwinds, not stranded.
+    #[inline(always)]
+    fn flush_for_grant(
+        &self,
+        hash: u64,
+        grant: Option<Grant<K>>,
+        mut left: Leftovers<K>,
+    ) -> Option<Grant<K>> {
         let Some(grant) = grant else {
             left.flush();
             return None;
         };
-        // The wakes left (a lapsed holder's loss watchers, say) are user
-        // code: if one panics, the grant, not yet any guard's, is released
-        // as the panic unwinds, not stranded.
         let undo = ReleaseOnUnwind {
             table: self,
             hash,
@@ -1390,11 +1401,12 @@ where
         let backoff = crossbeam_utils::Backoff::new();
         while !backoff.is_completed() {
             let fairness = self.fairness;
-            let grant = self.with_shard(hash, |state, ctx| {
+            let mut left = Leftovers::default();
+            let grant = self.with_shard_leaving(hash, &mut left, |state, ctx| {
                 state.try_acquire(hash, key, Mode::Exclusive, terms, fairness, ctx)
             });
-            if grant.is_some() {
-                return grant;
+            if let Some(grant) = self.flush_for_grant(hash, grant, left) {
+                return Some(grant);
             }
             // Spins, then yields the thread (as parking_lot does), a bounded
             // number of times.
