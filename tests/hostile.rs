@@ -217,6 +217,30 @@ mod tests {
         }
     }
 
+    /// A table (from `builder`, on a manual clock) whose key `key` is held
+    /// by a grant whose lease has lapsed and whose loss watcher's wake
+    /// panics: runs `take` on it, then lets the holder and its watcher go.
+    /// Returns the table and how many times the wake panicked.
+    fn over_a_lapsed_holder(
+        builder: keylock::Builder<u32>,
+        key: u32,
+        take: impl FnOnce(&Arc<LockTable<u32>>),
+    ) -> (Arc<LockTable<u32>>, usize) {
+        let clock = ManualClock::new();
+        let table = Arc::new(builder.clock(clock.clone()).build());
+        let holder = table.try_lock_with(key, leased()).expect("free");
+        let watcher = Hostile::new();
+        let waker = watcher.waker();
+        let mut lost = Box::pin(holder.lost());
+        pending(&mut lost, &waker, "the holder's loss watcher");
+        clock.advance(LEASE);
+        watcher.arm_wake_panic();
+        take(&table);
+        drop(lost);
+        drop(holder);
+        (table, watcher.wake_panics())
+    }
+
     /// Runs `op`, which must not panic at all.
     #[track_caller]
     fn no_panic<R>(what: &str, op: impl FnOnce() -> R) -> R {
@@ -881,24 +905,14 @@ mod tests {
                 }),
             ];
             for (key, (what, try_it)) in (1..).zip(tries) {
-                let clock = ManualClock::new();
-                let table: Arc<LockTable<u32>> =
-                    Arc::new(LockTable::builder().clock(clock.clone()).build());
-                let holder = table.try_lock_with(key, leased()).expect("free");
-                let watcher = Hostile::new();
-                let waker = watcher.waker();
-                let mut lost = Box::pin(holder.lost());
-                pending(&mut lost, &waker, "the holder's loss watcher");
-                clock.advance(LEASE);
-                watcher.arm_wake_panic();
-                let done = planted_or(what, || try_it(&table, key));
-                assert!(done.is_none(), "{what}: the watcher's wake panicked");
-                assert_eq!(watcher.wake_panics(), 1, "{what}: the lapse was settled");
-                drop(lost);
-                drop(holder);
-                assert_key_free(&table, || key, what);
-                for other in [key + 1000, key + 2000] {
-                    assert_key_free(&table, || other, what);
+                let builder = LockTable::builder();
+                let (table, wake_panics) = over_a_lapsed_holder(builder, key, |table| {
+                    let done = planted_or(what, || try_it(table, key));
+                    assert!(done.is_none(), "{what}: the watcher's wake panicked");
+                });
+                assert_eq!(wake_panics, 1, "{what}: the lapse was settled");
+                for k in [key, key + 1000, key + 2000] {
+                    assert_key_free(&table, || k, what);
                 }
             }
         });
@@ -963,30 +977,18 @@ mod tests {
             ];
             let mut failed = Vec::new();
             for (key, (what, eventual, try_it)) in (1..).zip(tries) {
-                let clock = ManualClock::new();
-                let mut b = LockTable::builder().clock(clock.clone());
+                let mut builder = LockTable::builder();
                 if eventual {
-                    b = b.fairness(keylock::Fairness::Eventual);
+                    builder = builder.fairness(keylock::Fairness::Eventual);
                 }
-                let table: Arc<LockTable<u32>> = Arc::new(b.build());
-                let holder = table.try_lock_with(key, leased()).expect("free");
-                let watcher = Hostile::new();
-                let waker = watcher.waker();
-                let mut lost = Box::pin(holder.lost());
-                pending(&mut lost, &waker, "the holder's loss watcher");
-                clock.advance(LEASE);
-                watcher.arm_wake_panic();
-                let done = catch_unwind(AssertUnwindSafe(|| try_it(&table, key)));
-                let panicked = done.is_err();
-                drop(lost);
-                drop(holder);
-                let free = table.try_lock(key).is_ok() && table.try_lock(key + 1000).is_ok();
-                eprintln!(
-                    "{what}: panicked {panicked}, wake panics {}, free {free}, empty {}",
-                    watcher.wake_panics(),
-                    table.is_empty()
-                );
-                if !free || !table.is_empty() {
+                let (table, _) = over_a_lapsed_holder(builder, key, |table| {
+                    drop(catch_unwind(AssertUnwindSafe(|| try_it(table, key))));
+                });
+                if [key, key + 1000]
+                    .iter()
+                    .any(|&k| table.try_lock(k).is_err())
+                    || !table.is_empty()
+                {
                     failed.push(what);
                 }
             }
