@@ -693,18 +693,8 @@ where
                 reentered,
             }),
             Few2::Ended => Ok(Now::Done(Err(TransactionError::Ended))),
-            Few2::Busy {
-                requests,
-                found,
-                taken,
-                at,
-                version,
-            } => Err(Rest::Sole(Recycled::pin(wait_sole(
-                access,
-                taken,
-                Wanted::held(requests, found, version),
-                at,
-                policy,
+            Few2::Busy { wanted, taken, at } => Err(Rest::Sole(Recycled::pin(wait_sole(
+                access, taken, wanted, at, policy,
             )))),
             Few2::Other(requests) => claim_all(access, requests, Taken::new(), policy)
                 .map(Now::Done)
@@ -720,14 +710,10 @@ where
             Ok(done) => Ok(Now::Done(done)),
             Err((requests, version, filled)) => Err(Rest::Sole(Recycled::pin(wait_sole(
                 access,
-                // Room for the rest at once (two in place, as a transfer's).
-                Taken::with_capacity(requests.len()),
-                Wanted {
-                    requests,
-                    found: Few::new(),
-                    version,
-                    filled,
-                },
+                // Every key goes into the set as it is had: nothing is
+                // kept aside.
+                Taken::new(),
+                Wanted::fresh(requests, version, filled),
                 0,
                 policy,
             )))),
@@ -876,13 +862,12 @@ enum Few2<A: Access> {
     /// A key held in a weaker mode, or busy with another call: the
     /// requests (ordered and merged) for the claiming way, nothing taken.
     Other(Few<Request<KeyOf<A>>>),
-    /// Request `at` is not free at once: the state [`take_now`] leaves.
+    /// Request `at` is not free at once: what the waiting way starts
+    /// from (the state [`take_now`] leaves, or a fresh fill's).
     Busy {
-        requests: Few<Request<KeyOf<A>>>,
-        found: Few<Found>,
+        wanted: Wanted<KeyOf<A>>,
         taken: Taken<GuardOf<A>>,
         at: usize,
-        version: u64,
     },
 }
 
@@ -968,11 +953,9 @@ where
     };
     // Request `at` is not free at once: what the waiting way starts from.
     let busy = |a, b, taken, at| Few2::Busy {
-        requests: lists(a, b),
-        found: founds(),
+        wanted: Wanted::held(lists(a, b), founds(), version),
         taken,
         at,
-        version,
     };
     // The borrowed form: the owner and the set, with no lock of its own.
     let Some((owner, set)) = access.sole() else {
@@ -1045,26 +1028,24 @@ fn few_vacant<A: Access>(
         .table()
         .owner_terms(owner.opts.lease, owner.opts.id.get());
     let try_ = |r: &mut Request<KeyOf<A>>| try_request(&owner.reach, terms, r);
-    // Request `at` is not free at once: what the waiting way starts from
-    // (the set as it was, vacant, at its version).
-    let busy = |set: &HeldSet<GuardOf<A>, KeyOf<A>>, a, b: Option<_>, taken, at| {
-        let version = set.version();
+    // Request `at` is not free at once: what the waiting way starts from,
+    // a fresh fill (the keys before `at` stay in the set, as the set's
+    // only keys: see `Wanted::fresh`).
+    let busy = |set: &mut HeldSet<GuardOf<A>, KeyOf<A>>, a, b: Option<_>, at| {
+        if at > 0 {
+            set.filled();
+        }
         // Pushed one by one: `extend` of an `Option` costs a growth check
         // and a size hint's arithmetic several times a push's.
-        let mut found = Few::new();
         let mut requests = Few::new();
-        found.push(Found::Absent);
         requests.push(a);
         if let Some(b) = b {
-            found.push(Found::Absent);
             requests.push(b);
         }
         Few2::Busy {
-            requests,
-            found,
-            taken,
+            wanted: Wanted::fresh(requests, set.version(), at),
+            taken: Taken::new(),
             at,
-            version,
         }
     };
     // Both new, into a vacant set (a fresh transaction's transfer):
@@ -1082,19 +1063,17 @@ fn few_vacant<A: Access>(
         Ok(guard) => fill.set.push_new(guard),
         Err(()) => {
             fill.done = true;
-            return busy(fill.set, a, b, Taken::new(), 0);
+            return busy(fill.set, a, b, 0);
         }
     }
     if let Some(r) = b.as_mut() {
         match try_(r) {
             Ok(guard) => fill.set.push_new(guard),
             Err(()) => {
-                // `a` comes back out (the set as it was, at its
-                // version), for the waiting way's list.
+                // `a` stays in the set, for the waiting way, which takes
+                // it back out if the call fails or is dropped.
                 fill.done = true;
-                let mut taken = Taken::new();
-                taken.extend(fill.set.unfill().map(|guard| (0, guard)));
-                return busy(fill.set, a, b, taken, 1);
+                return busy(fill.set, a, b, 1);
             }
         }
     }
@@ -1313,8 +1292,10 @@ where
         // well.
         let mut fill = FreshFill {
             access,
-            filled: wanted.filled > 0,
+            filled: wanted.fresh,
         };
+        // The keys a fresh fill put in the set during the call's waits.
+        let mut pushed = 0;
         let access = &mut *fill.access;
         let mut skipped = Vec::new();
         // The terms of every grant, resolved once for the call (as
@@ -1338,7 +1319,12 @@ where
                     if let Ok(guard) =
                         try_request(&access.owner().reach, terms, &mut wanted.requests[i])
                     {
-                        taken.push((i, guard));
+                        if wanted.fresh {
+                            push_fresh(access, guard);
+                            pushed += 1;
+                        } else {
+                            taken.push((i, guard));
+                        }
                         continue;
                     }
                 }
@@ -1357,6 +1343,9 @@ where
                     && access.with(|set| set.holds_nothing()).unwrap_or(false)
                 {
                     Holding::Nothing
+                } else if wanted.fresh {
+                    // Everything the call holds is in the set.
+                    Holding::TheSet
                 } else {
                     Holding::Unknown
                 };
@@ -1382,6 +1371,10 @@ where
                 call.finish(&mut taken);
                 match waited {
                     Err(stop) => break 'call Err(stop.into()),
+                    Ok(Ok(guard)) if wanted.fresh => {
+                        push_fresh(access, guard);
+                        pushed += 1;
+                    }
                     Ok(Ok(guard)) => taken.push((i, guard)),
                     Ok(Err(error)) if policy == WaitPolicy::SkipLocked && is_taken(&error) => {
                         skipped.push(name);
@@ -1395,6 +1388,12 @@ where
                         ))
                     }
                 }
+            }
+            if wanted.fresh {
+                // Everything is in the set already: the fill is kept.
+                debug_assert!(skipped.is_empty() && taken.is_empty());
+                fill.filled = false;
+                break 'call Ok(LockedSet::counted(wanted.filled + pushed, 0));
             }
             let record = policy == WaitPolicy::SkipLocked;
             match put_all(
@@ -1429,6 +1428,11 @@ struct Wanted<K> {
     found: Few<Found>,
     version: u64,
     filled: usize,
+    /// A fresh fill: the call began on a vacant set and every key it gets
+    /// goes into the set as it is had (the set holds only the call's keys,
+    /// so a failed or dropped call takes them all back out), not into a
+    /// list put in at the end.
+    fresh: bool,
 }
 
 impl<K> Wanted<K> {
@@ -1439,8 +1443,32 @@ impl<K> Wanted<K> {
             found,
             version,
             filled: 0,
+            fresh: false,
         }
     }
+
+    /// The requests of a fresh fill that left its first `filled` keys in
+    /// the set (vacant before it), at `version`: every request is new.
+    fn fresh(requests: Few<Request<K>>, version: u64, filled: usize) -> Self {
+        Self {
+            requests,
+            found: Few::new(),
+            version,
+            filled,
+            fresh: true,
+        }
+    }
+}
+
+/// Puts a key a fresh fill got after a wait into the set, as the set's
+/// version moves (see [`Wanted::fresh`]).
+#[inline]
+fn push_fresh<A: Access>(access: &mut A, guard: GuardOf<A>) {
+    let Some((_, set)) = access.sole() else {
+        unreachable!("the borrowed form")
+    };
+    set.push_new(guard);
+    set.filled();
 }
 
 /// The keys a fresh fill ([`take_fresh`]) left in a borrowed transaction's
