@@ -1324,7 +1324,7 @@ where
             state.try_acquire_busy(index, mode, terms, self.fairness, &mut ctx)
         };
         drop(state);
-        self.flush_for_grant(hash, grant, left)
+        self.flush_for_grant(hash, grant, &mut left)
     }
 
     /// Runs what a try left to do after unlocking (`left`: a lapsed
@@ -1336,7 +1336,9 @@ where
         &self,
         hash: u64,
         grant: Option<Grant<K>>,
-        mut left: Leftovers<K>,
+        // By reference: the record is a few hundred bytes, and a move
+        // copies it.
+        left: &mut Leftovers<K>,
     ) -> Option<Grant<K>> {
         let Some(grant) = grant else {
             left.flush();
@@ -1405,7 +1407,7 @@ where
             let grant = self.with_shard_leaving(hash, &mut left, |state, ctx| {
                 state.try_acquire(hash, key, Mode::Exclusive, terms, fairness, ctx)
             });
-            if let Some(grant) = self.flush_for_grant(hash, grant, left) {
+            if let Some(grant) = self.flush_for_grant(hash, grant, &mut left) {
                 return Some(grant);
             }
             // Spins, then yields the thread (as parking_lot does), a bounded
