@@ -405,9 +405,11 @@ pub use transactions::{
 /// from a small process-wide stock and gives the block back when the wait
 /// ends, instead of allocating and freeing it each time (a wait usually
 /// ends on another worker thread than the one it began on, and the system
-/// allocator serializes that pattern on a lock). The stock keeps at most
-/// 64 blocks of each of three sizes (256, 512 and 1,024 bytes), made only
-/// as waits need them: at most 114,688 bytes. Tests that count allocations
+/// allocator serializes that pattern on a lock). The shared stock keeps at
+/// most 64 blocks of each of three sizes (256, 512 and 1,024 bytes), made
+/// only as waits need them: at most 114,688 bytes; each thread keeps up to
+/// 16 of each size of its own before it (28,672 bytes). This counts the
+/// shared stock's and the calling thread's. Tests that count allocations
 /// subtract what the stock gained while they ran.
 #[cfg(feature = "test-util")]
 #[cfg_attr(docsrs, doc(cfg(feature = "test-util")))]

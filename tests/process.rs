@@ -1647,8 +1647,31 @@ fn until_stopped(pid: u32) {
 /// waiter without a lease waited for ever, here until its timeout.
 #[test]
 fn a_forgotten_waiter_handed_a_killed_holders_slot_does_not_strand_the_key() {
+    forgotten_waiter_handed_a_killed_holders_slot("handed");
+}
+
+/// The same, the forgotten helper slow to record that the kernel handed it
+/// the slot (50 ms, as a helper thread preempted under load): the other
+/// table first judges the slot locked and not handed, its holder alive and
+/// without a lease. It must judge again, not wait for that slot for good
+/// (before the fix it waited until its timeout).
+#[test]
+#[cfg(feature = "test-util")]
+fn a_waiter_that_judged_a_killed_holder_alive_sees_its_slot_handed_later() {
+    struct Reset;
+    impl Drop for Reset {
+        fn drop(&mut self) {
+            keylock::process::delay_handed_marks_for_tests(Duration::ZERO);
+        }
+    }
+    let _reset = Reset;
+    keylock::process::delay_handed_marks_for_tests(Duration::from_millis(50));
+    forgotten_waiter_handed_a_killed_holders_slot("handed-late");
+}
+
+fn forgotten_waiter_handed_a_killed_holders_slot(name: &str) {
     use std::os::fd::AsRawFd;
-    let dir = temp_dir("handed");
+    let dir = temp_dir(name);
     let forgetful = ProcessLockTable::<&str>::open(&dir).unwrap();
     let other = ProcessLockTable::<&str>::open(&dir).unwrap();
     let mut kid = Kid::spawn("hold", &dir, &[]);

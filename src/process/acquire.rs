@@ -93,7 +93,11 @@
 //! 4. **A live holder within its lease**, or one whose stamp is not
 //!    written yet (between its grant and its stamp: microseconds): wait for
 //!    its slot, and wake at its lease deadline (or in a millisecond, for an
-//!    unwritten stamp) to judge again.
+//!    unwritten stamp) to judge again. A holder without a lease is judged
+//!    again too, a few times early in the wait ([`HANDED_RECHECKS`]; not
+//!    by a blocking wait with no deadline, which waits in the kernel): it
+//!    may have died just as the kernel handed its slot to a waiter's
+//!    helper that has not recorded the handing yet.
 //!
 //! Taking the key is a compare-and-swap of the state word from the word
 //! judged to the next token and the caller's slot (in a file that never
@@ -215,6 +219,13 @@ const NO_GRANT_PATIENCE: Duration = Duration::from_millis(100);
 /// yet (it is written microseconds after the grant; its lease is unknown
 /// until then).
 const UNSTAMPED_RECHECK: Duration = Duration::from_millis(1);
+
+/// How many times a wait for a live holder without a lease judges again,
+/// after [`NO_GRANT_PATIENCE`] and then twice as long each time, before it
+/// waits for the slot alone: a holder that died as the kernel handed its
+/// slot to a waiter's helper is seen dead once the helper has recorded the
+/// handing (`stamp::mark_handed`), which it does as soon as it runs.
+const HANDED_RECHECKS: u32 = 4;
 
 /// The open files of one key, used by one acquirer or guard at a time (see
 /// [`super::cache`]).
@@ -889,6 +900,9 @@ impl Inner {
         // The key's claim, once this waiter holds it (0: not); given back
         // with the grant, or with the files (closing them frees its lock).
         let mut claim = 0;
+        // The slot of a live holder without a lease this wait judged again
+        // for, and how many times (see `HANDED_RECHECKS` below).
+        let mut rechecked: Option<(u32, u32)> = None;
         loop {
             if have.is_none() && files.try_slot(0)? {
                 have = Some(Have {
@@ -923,7 +937,38 @@ impl Inner {
                     recheck,
                     free,
                 } => {
-                    if on_this_thread && deadline.is_none() && recheck.is_none() {
+                    // A live holder without a lease: only its release ends
+                    // the wait. But the holder may have died just as the
+                    // kernel handed its slot to another open file's helper
+                    // (a forgotten lock future's), which records the
+                    // handing (`stamp::mark_handed`) only after the kernel
+                    // woke it: a judgement between the two sees a live
+                    // holder, and would wait for good. So a wait for such
+                    // a holder's slot judges again after `NO_GRANT_PATIENCE`,
+                    // then twice that, and so on `HANDED_RECHECKS` times
+                    // (1.5 s in all), by when the helper has made its mark.
+                    // (Not a blocking wait with no deadline, which waits in
+                    // the kernel on the caller's thread, with no timer: a
+                    // handoff to it would take a thread hop more.)
+                    let in_kernel = on_this_thread && deadline.is_none();
+                    let recheck = match (recheck, rechecked) {
+                        (None, _) if in_kernel => None,
+                        (None, Some((at, n))) if !free && at == slot && n >= HANDED_RECHECKS => {
+                            None
+                        }
+                        (None, _) if !free => {
+                            let n = match rechecked {
+                                Some((at, n)) if at == slot => n,
+                                _ => 0,
+                            };
+                            rechecked = Some((slot, n + 1));
+                            let patience = NO_GRANT_PATIENCE.saturating_mul(1 << n);
+                            let patience = u64::try_from(patience.as_nanos()).unwrap_or(u64::MAX);
+                            Some(unix::monotonic_ns().saturating_add(patience))
+                        }
+                        (recheck, _) => recheck,
+                    };
+                    if in_kernel && recheck.is_none() {
                         // Only the kernel can end this wait: make it here,
                         // on the caller's own (blocking) thread.
                         drop(pending.take());
@@ -932,6 +977,7 @@ impl Inner {
                         };
                         helper::wait_here(|| unix::lock_slot(&file, slot))
                             .map_err(|e| ProcessLockError::io("lock", &files.path, e))?;
+                        rechecked = None;
                         files.spare = Some(file);
                         have = Some(Have {
                             slot,
@@ -957,6 +1003,7 @@ impl Inner {
                     let (_, wait) = pending.as_mut().expect("set above");
                     match wait_until(wait, wake).await {
                         Some(Ok(file)) => {
+                            rechecked = None;
                             files.spare = Some(file);
                             have = Some(Have {
                                 slot,

@@ -160,6 +160,8 @@ impl KernelWait {
             if result.is_ok() {
                 // Before the future can see it (it may never look: see
                 // `stamp::mark_handed`).
+                #[cfg(feature = "test-util")]
+                delay_handed_mark();
                 stamp::mark_handed(&file, &page, slot);
             }
             let result = result.map(|()| file);
@@ -227,5 +229,27 @@ impl Drop for KernelWait {
         drop(cell);
         // A granted lock is freed by closing its file, outside the cell lock.
         drop(before);
+    }
+}
+
+/// Tests only: how long a helper handed a slot waits before it records the
+/// handing (`stamp::mark_handed`), in milliseconds (0: not at all). Widens
+/// the window in which a judgement sees the slot locked and not yet marked
+/// handed, so that a test can pin it.
+#[cfg(feature = "test-util")]
+static HANDED_MARK_DELAY_MS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
+/// Tests only: sets the delay of [`delay_handed_mark`].
+#[cfg(feature = "test-util")]
+pub(crate) fn set_handed_mark_delay(delay: Duration) {
+    let ms = u64::try_from(delay.as_millis()).unwrap_or(u64::MAX);
+    HANDED_MARK_DELAY_MS.store(ms, Ordering::Relaxed);
+}
+
+#[cfg(feature = "test-util")]
+fn delay_handed_mark() {
+    let ms = HANDED_MARK_DELAY_MS.load(Ordering::Relaxed);
+    if ms > 0 {
+        std::thread::sleep(Duration::from_millis(ms));
     }
 }

@@ -159,3 +159,13 @@ pub use key::MAX_ENCODED_KEY;
 pub use lost::{ProcessKeepAlive, ProcessLost};
 pub use stamp::MAX_LABEL;
 pub use table::{OwnedProcessLock, ProcessLock, ProcessLockTable, ProcessStats};
+
+/// Tests only: makes each helper thread the kernel hands a slot wait
+/// `delay` before it records the handing, in this process (zero: no wait).
+/// A test of a holder that dies as its slot goes to a forgotten waiter's
+/// helper uses it to pin the moment between the two.
+#[cfg(feature = "test-util")]
+#[doc(hidden)]
+pub fn delay_handed_marks_for_tests(delay: std::time::Duration) {
+    helper::set_handed_mark_delay(delay);
+}
