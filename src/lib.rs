@@ -265,9 +265,9 @@
 //!   saw, undoes its upgrade, and releases the keys a `lock_all` had taken
 //!   for it. A borrowed transaction's next call that waits for a new key
 //!   does the same for a forgotten call's wait at once; the keys a
-//!   forgotten first `lock_all` had taken before it waited stay the
-//!   transaction's (counted by [`Transaction::len`], re-entered by a
-//!   retry) until it ends.
+//!   forgotten first `lock_all` had got (before its wait, and through its
+//!   earlier waits) stay the transaction's (counted by
+//!   [`Transaction::len`], re-entered by a retry) until it ends.
 //!
 //! Errors name the key ([`TransactionError`]), so the lock methods ask
 //! `K: Clone` (a key is cloned when it goes to the table, never for a
@@ -399,7 +399,8 @@ pub use transactions::{
     TransactionFailure, TransactionOptions, WaitPolicy,
 };
 
-/// The bytes kept for reuse by transactions' contended waits, process-wide.
+/// The bytes kept for reuse by transactions' contended waits: in the
+/// shared stock and by the calling thread (not other threads' own).
 ///
 /// A transaction's call that must wait boxes its state in a block taken
 /// from a small process-wide stock and gives the block back when the wait

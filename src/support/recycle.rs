@@ -227,7 +227,8 @@ mod stock {
     }
 }
 
-/// The bytes of the blocks the stock keeps now, process-wide.
+/// The bytes of the blocks kept now: the shared stock's and the calling
+/// thread's own.
 #[cfg(feature = "test-util")]
 pub(crate) fn kept_bytes() -> usize {
     (0..SIZES.len())

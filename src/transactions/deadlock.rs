@@ -476,7 +476,8 @@ pub struct DeadlockStats {
     /// Waits that searched the wait-for graph: another transaction was
     /// waiting too, one the wait waits for was among them, and something
     /// could lead back to the wait (a waiter queued on a key its
-    /// transaction holds; `lock_all` and upgrades always count).
+    /// transaction holds; upgrades, and a `lock_all` that holds keys
+    /// outside its transaction's set while it waits, always count).
     pub searches: u64,
     /// Transactions visited by all searches together (the waiting
     /// transaction itself not counted, nor holders that wait for nothing:
