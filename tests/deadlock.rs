@@ -1150,3 +1150,85 @@ fn a_forgotten_calls_grant_is_let_go_when_the_next_wait_parks() {
         assert!(table.is_empty());
     });
 }
+
+/// A transaction's first `lock_all` keeps the keys it gets in its set as it
+/// gets them, also after a wait: when it then closes a cycle, it is the
+/// victim and takes every one of them back out, and the transaction it
+/// waited for gets its key. Three keys (the fill of a vacant set: `1` free,
+/// `2` held by `w`, `3` by `u`): `t` takes `1`, waits for `2`; `u` waits
+/// for `1` (or queues behind `t` on `2`); `w` lets `2` go, `t` takes it and
+/// waits for `3`, closing `t -> u -> t`.
+#[test]
+fn a_first_lock_all_that_closes_a_cycle_after_a_wait_gives_back_every_key() {
+    for u_waits_on_second in [false, true] {
+        let what = format!("u waits on the second key: {u_waits_on_second}");
+        let table = LockTable::<u32>::new();
+        let mut w = table.transaction();
+        assert!(common::poll_noop(std::pin::pin!(w.lock(2, Mode::Exclusive))).is_ready());
+        let mut u = table.transaction();
+        assert!(common::poll_noop(std::pin::pin!(u.lock(3, Mode::Exclusive))).is_ready());
+        let mut t = table.transaction();
+        let t_id = t.id();
+        let keys = [
+            (1, Mode::Exclusive),
+            (2, Mode::Exclusive),
+            (3, Mode::Exclusive),
+        ];
+        let mut tf = Box::pin(t.lock_all(keys));
+        assert!(common::poll_noop(tf.as_mut()).is_pending());
+        assert!(table.is_locked(&1), "{what}: the free key taken first");
+        let mut uf = Box::pin(u.lock(if u_waits_on_second { 2 } else { 1 }, Mode::Exclusive));
+        assert!(
+            common::poll_noop(uf.as_mut()).is_pending(),
+            "{what}: no cycle yet"
+        );
+        drop(w);
+        match common::poll_noop(tf.as_mut()) {
+            Poll::Ready(Err(TransactionError::Deadlock(d))) => {
+                assert_eq!(d.victim(), t_id, "{what}");
+            }
+            other => panic!("{what}: t closes the cycle: {other:?}"),
+        }
+        drop(tf);
+        assert_eq!(t.len(), 0, "{what}: all or nothing");
+        assert!(
+            matches!(common::poll_noop(uf.as_mut()), Poll::Ready(Ok(_))),
+            "{what}: u gets its key"
+        );
+        drop(uf);
+        drop(u);
+        drop(t);
+        assert!(table.is_empty(), "{what}: {:?}", table.status());
+    }
+}
+
+/// The same with two keys (a transfer into a vacant set): `t` waits for `1`
+/// holding nothing; `u` holds `2` and queues behind `t` on `1`; granted
+/// `1`, `t` finds `2` busy and waits, closing `t -> u -> t`: `t` is the
+/// victim and gives `1` back, which `u` gets.
+#[test]
+fn a_first_transfer_that_closes_a_cycle_after_its_wait_gives_back_its_key() {
+    let table = LockTable::<u32>::new();
+    let mut w = table.transaction();
+    assert!(common::poll_noop(std::pin::pin!(w.lock(1, Mode::Exclusive))).is_ready());
+    let mut u = table.transaction();
+    assert!(common::poll_noop(std::pin::pin!(u.lock(2, Mode::Exclusive))).is_ready());
+    let mut t = table.transaction();
+    let t_id = t.id();
+    let mut tf = Box::pin(t.lock_all([(1, Mode::Exclusive), (2, Mode::Exclusive)]));
+    assert!(common::poll_noop(tf.as_mut()).is_pending());
+    let mut uf = Box::pin(u.lock(1, Mode::Exclusive));
+    assert!(common::poll_noop(uf.as_mut()).is_pending());
+    drop(w);
+    match common::poll_noop(tf.as_mut()) {
+        Poll::Ready(Err(TransactionError::Deadlock(d))) => assert_eq!(d.victim(), t_id),
+        other => panic!("t closes the cycle: {other:?}"),
+    }
+    drop(tf);
+    assert_eq!(t.len(), 0, "all or nothing");
+    assert!(matches!(common::poll_noop(uf.as_mut()), Poll::Ready(Ok(_))));
+    drop(uf);
+    drop(u);
+    drop(t);
+    assert!(table.is_empty(), "{:?}", table.status());
+}
