@@ -66,6 +66,33 @@ PY
     return 1
 }
 
+# Waits (at most 10 s) until member N's ports can be bound again: a
+# member killed with SIGKILL releases them only once the kernel has torn
+# the process down, which `kill` does not wait for; a restart before then
+# fails with "address already in use".
+wait_ports_free() {
+    local n=$1
+    python3 - "$((BASE + n))" "$((BASE + 10 + n))" <<'PY'
+import socket, sys, time
+ports = [int(p) for p in sys.argv[1:]]
+deadline = time.monotonic() + 10
+while True:
+    busy = []
+    for port in ports:
+        s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            busy.append(port)
+        finally:
+            s.close()
+    if not busy or time.monotonic() > deadline:
+        sys.exit(0)
+    time.sleep(0.05)
+PY
+}
+
 stop_member() {
     local n=$1 pid
     [ -f "$dir/m$n.pid" ] || return 0
@@ -86,6 +113,7 @@ case $cmd in
         for n in 1 2 3; do
             stop_member "$n"
             rm -rf "$dir/m$n.data"
+            wait_ports_free "$n"
             start_member "$n" new
         done
         for n in 1 2 3; do wait_healthy "$n"; done
@@ -102,12 +130,14 @@ case $cmd in
     restart)
         n=${3:?member number}
         stop_member "$n"
+        wait_ports_free "$n"
         start_member "$n" existing
         wait_healthy "$n"
         ;;
     restart-all)
         for n in 1 2 3; do
             stop_member "$n"
+            wait_ports_free "$n"
             start_member "$n" existing
         done
         for n in 1 2 3; do wait_healthy "$n"; done
