@@ -1669,6 +1669,55 @@ fn a_waiter_that_judged_a_killed_holder_alive_sees_its_slot_handed_later() {
     forgotten_waiter_handed_a_killed_holders_slot("handed-late");
 }
 
+/// A waiter already waiting for a holder without a lease when the holder
+/// is killed, beside a forgotten waiter of another table: the kernel hands
+/// the slot to one of the two helpers. Given to the forgotten one, nothing
+/// tells the other: it must judge again on its own (it then sees the slot
+/// handed, and takes the key on another slot), not wait for that slot for
+/// good. Either way it gets the key (before this, it timed out when the
+/// kernel picked the forgotten helper). A few rounds: the kernel picks.
+/// In the last two the holder dies only after the waiter has waited 2 s,
+/// past the wait's first, quicker judgements (its later ones come every
+/// 800 ms).
+#[test]
+fn a_waiter_whose_killed_holders_slot_goes_to_a_forgotten_helper_judges_again() {
+    for round in 0..4 {
+        let dir = temp_dir(&format!("handed-waiting-{round}"));
+        let forgetful = ProcessLockTable::<&str>::open(&dir).unwrap();
+        let other = ProcessLockTable::<&str>::open(&dir).unwrap();
+        let mut kid = Kid::spawn("hold", &dir, &[]);
+        let token = kid.locked_token();
+        let mut f = Box::pin(forgetful.lock("k"));
+        let noop = std::task::Waker::noop();
+        assert!(f
+            .as_mut()
+            .poll(&mut std::task::Context::from_waker(noop))
+            .is_pending());
+        std::mem::forget(f);
+        std::thread::scope(|s| {
+            let waiter = s.spawn(|| block_on(other.lock_with("k", patient())));
+            // Both helpers in the kernel on the holder's slot before it
+            // dies (a loop on the observed count, capped: past the cap the
+            // test still passes, it just pins less).
+            let cap = Instant::now() + Duration::from_secs(5);
+            while other.stats().kernel_waits < 2 && Instant::now() < cap {
+                std::thread::yield_now();
+            }
+            if round >= 2 {
+                // Not a timing assertion: the test passes either way; this
+                // only places the death late in the wait.
+                std::thread::sleep(Duration::from_secs(2));
+            }
+            kid.signal(libc::SIGKILL);
+            let _ = kid.child.wait();
+            let g = waiter.join().expect("the waiter ran").unwrap();
+            assert!(g.token().get() > token, "round {round}");
+            assert!(g.check().is_ok(), "round {round}");
+        });
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+}
+
 fn forgotten_waiter_handed_a_killed_holders_slot(name: &str) {
     use std::os::fd::AsRawFd;
     let dir = temp_dir(name);

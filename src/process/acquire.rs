@@ -94,10 +94,10 @@
 //!    written yet (between its grant and its stamp: microseconds): wait for
 //!    its slot, and wake at its lease deadline (or in a millisecond, for an
 //!    unwritten stamp) to judge again. A holder without a lease is judged
-//!    again too, a few times early in the wait ([`HANDED_RECHECKS`]; not
-//!    by a blocking wait with no deadline, which waits in the kernel): it
-//!    may have died just as the kernel handed its slot to a waiter's
-//!    helper that has not recorded the handing yet.
+//!    again too, at least every [`NO_LEASE_RECHECK_MAX`] (not by a
+//!    blocking wait with no deadline, which waits in the kernel): it may
+//!    have died as the kernel handed its slot to a forgotten waiter's
+//!    helper, which nothing else would tell the wait.
 //!
 //! Taking the key is a compare-and-swap of the state word from the word
 //! judged to the next token and the caller's slot (in a file that never
@@ -220,12 +220,13 @@ const NO_GRANT_PATIENCE: Duration = Duration::from_millis(100);
 /// until then).
 const UNSTAMPED_RECHECK: Duration = Duration::from_millis(1);
 
-/// How many times a wait for a live holder without a lease judges again,
-/// after [`NO_GRANT_PATIENCE`] and then twice as long each time, before it
-/// waits for the slot alone: a holder that died as the kernel handed its
-/// slot to a waiter's helper is seen dead once the helper has recorded the
-/// handing (`stamp::mark_handed`), which it does as soon as it runs.
-const HANDED_RECHECKS: u32 = 4;
+/// The longest a wait for a live holder without a lease goes without
+/// judging again: it judges after [`NO_GRANT_PATIENCE`], then twice as long
+/// each time up to this. A holder that died as the kernel handed its slot
+/// to another open file's helper (a forgotten lock future's) is seen dead
+/// once the helper has recorded the handing (`stamp::mark_handed`), which
+/// it does as soon as it runs; nothing else would wake the wait.
+const NO_LEASE_RECHECK_MAX: Duration = Duration::from_millis(800);
 
 /// The open files of one key, used by one acquirer or guard at a time (see
 /// [`super::cache`]).
@@ -901,7 +902,7 @@ impl Inner {
         // with the grant, or with the files (closing them frees its lock).
         let mut claim = 0;
         // The slot of a live holder without a lease this wait judged again
-        // for, and how many times (see `HANDED_RECHECKS` below).
+        // for, and how many times (see `NO_LEASE_RECHECK_MAX` below).
         let mut rechecked: Option<(u32, u32)> = None;
         loop {
             if have.is_none() && files.try_slot(0)? {
@@ -943,30 +944,31 @@ impl Inner {
                     // (a forgotten lock future's), which records the
                     // handing (`stamp::mark_handed`) only after the kernel
                     // woke it: a judgement between the two sees a live
-                    // holder, and would wait for good. So a wait for such
-                    // a holder's slot judges again after `NO_GRANT_PATIENCE`,
-                    // then twice that, and so on `HANDED_RECHECKS` times
-                    // (1.5 s in all), by when the helper has made its mark.
+                    // holder, and would wait for good; so would a wait
+                    // begun before the holder died, if the kernel handed
+                    // the slot to the forgotten helper rather than to its
+                    // own. So a wait for such a holder's slot judges again
+                    // after `NO_GRANT_PATIENCE`, then twice that, up to
+                    // `NO_LEASE_RECHECK_MAX`, for as long as it waits.
                     // (Not a blocking wait with no deadline, which waits in
                     // the kernel on the caller's thread, with no timer: a
                     // handoff to it would take a thread hop more.)
                     let in_kernel = on_this_thread && deadline.is_none();
-                    let recheck = match (recheck, rechecked) {
-                        (None, _) if in_kernel => None,
-                        (None, Some((at, n))) if !free && at == slot && n >= HANDED_RECHECKS => {
-                            None
-                        }
-                        (None, _) if !free => {
+                    let recheck = match recheck {
+                        None if in_kernel => None,
+                        None if !free => {
                             let n = match rechecked {
                                 Some((at, n)) if at == slot => n,
                                 _ => 0,
                             };
-                            rechecked = Some((slot, n + 1));
-                            let patience = NO_GRANT_PATIENCE.saturating_mul(1 << n);
+                            rechecked = Some((slot, n.saturating_add(1)));
+                            let patience = NO_GRANT_PATIENCE
+                                .saturating_mul(1 << n.min(8))
+                                .min(NO_LEASE_RECHECK_MAX);
                             let patience = u64::try_from(patience.as_nanos()).unwrap_or(u64::MAX);
                             Some(unix::monotonic_ns().saturating_add(patience))
                         }
-                        (recheck, _) => recheck,
+                        recheck => recheck,
                     };
                     if in_kernel && recheck.is_none() {
                         // Only the kernel can end this wait: make it here,
