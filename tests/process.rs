@@ -1685,15 +1685,7 @@ fn a_waiter_whose_killed_holders_slot_goes_to_a_forgotten_helper_judges_again() 
         let dir = temp_dir(&format!("handed-waiting-{round}"));
         let forgetful = ProcessLockTable::<&str>::open(&dir).unwrap();
         let other = ProcessLockTable::<&str>::open(&dir).unwrap();
-        let mut kid = Kid::spawn("hold", &dir, &[]);
-        let token = kid.locked_token();
-        let mut f = Box::pin(forgetful.lock("k"));
-        let noop = std::task::Waker::noop();
-        assert!(f
-            .as_mut()
-            .poll(&mut std::task::Context::from_waker(noop))
-            .is_pending());
-        std::mem::forget(f);
+        let (mut kid, token) = hold_and_forget_a_waiter(&dir, &forgetful);
         std::thread::scope(|s| {
             let waiter = s.spawn(|| block_on(other.lock_with("k", patient())));
             // Both helpers in the kernel on the holder's slot before it
@@ -1718,12 +1710,11 @@ fn a_waiter_whose_killed_holders_slot_goes_to_a_forgotten_helper_judges_again() 
     }
 }
 
-fn forgotten_waiter_handed_a_killed_holders_slot(name: &str) {
-    use std::os::fd::AsRawFd;
-    let dir = temp_dir(name);
-    let forgetful = ProcessLockTable::<&str>::open(&dir).unwrap();
-    let other = ProcessLockTable::<&str>::open(&dir).unwrap();
-    let mut kid = Kid::spawn("hold", &dir, &[]);
+/// Spawns a child that holds `k` (no lease), then has `forgetful` wait
+/// for `k` and forgets that wait (`mem::forget`): its helper thread stays
+/// in the kernel for the holder's slot. Returns the child and its token.
+fn hold_and_forget_a_waiter(dir: &Path, forgetful: &ProcessLockTable<&'static str>) -> (Kid, u64) {
+    let mut kid = Kid::spawn("hold", dir, &[]);
     let token = kid.locked_token();
     let mut f = Box::pin(forgetful.lock("k"));
     let noop = std::task::Waker::noop();
@@ -1733,6 +1724,15 @@ fn forgotten_waiter_handed_a_killed_holders_slot(name: &str) {
         .is_pending());
     assert_eq!(forgetful.stats().file_waiters, 1);
     std::mem::forget(f);
+    (kid, token)
+}
+
+fn forgotten_waiter_handed_a_killed_holders_slot(name: &str) {
+    use std::os::fd::AsRawFd;
+    let dir = temp_dir(name);
+    let forgetful = ProcessLockTable::<&str>::open(&dir).unwrap();
+    let other = ProcessLockTable::<&str>::open(&dir).unwrap();
+    let (mut kid, token) = hold_and_forget_a_waiter(&dir, &forgetful);
     kid.signal(libc::SIGKILL);
     let _ = kid.child.wait();
     // Let the forgotten helper get the dead holder's slot (slot 0, the
