@@ -1893,6 +1893,47 @@ fn a_fresh_lock_all_of_many_keys_waits_holding_the_keys_below_the_busy_one() {
     );
 }
 
+/// A fresh `lock_all` that meets a busy key, is handed it, then meets
+/// another: it waits for each in turn, holding the keys below the one it
+/// waits for; dropped at its second wait, it keeps nothing.
+#[test]
+fn a_fresh_fill_waits_for_each_busy_key_in_turn() {
+    let table = LockTable::<u64>::new();
+    let keys = || (1..=7).map(|k| (k, Mode::Exclusive));
+    let held = |keys: &[u64]| keys.iter().all(|k| table.is_locked(k));
+    let (b3, b6) = (table.try_lock(3).unwrap(), table.try_lock(6).unwrap());
+    let mut txn = table.transaction();
+    {
+        let mut call = Box::pin(txn.lock_all(keys()));
+        assert!(poll_once(call.as_mut()).is_pending());
+        assert!(held(&[1, 2]) && !table.is_locked(&4), "waits at 3");
+        drop(b3);
+        assert!(poll_once(call.as_mut()).is_pending(), "then at 6");
+        assert!(held(&[1, 2, 3, 4, 5]) && !table.is_locked(&7));
+        drop(b6);
+        let Poll::Ready(got) = poll_once(call.as_mut()) else {
+            panic!("handed 6")
+        };
+        assert_eq!(got.unwrap().acquired(), 7);
+    }
+    assert_eq!(txn.len(), 7);
+    txn.commit().unwrap();
+    assert!(table.is_empty());
+    // Dropped at its second wait.
+    let (b3, b6) = (table.try_lock(3).unwrap(), table.try_lock(6).unwrap());
+    let mut txn = table.transaction();
+    {
+        let mut call = Box::pin(txn.lock_all(keys()));
+        assert!(poll_once(call.as_mut()).is_pending());
+        drop(b3);
+        assert!(poll_once(call.as_mut()).is_pending());
+        assert!(held(&[1, 2, 3, 4, 5]));
+    }
+    assert_eq!((txn.len(), table.len()), (0, 1), "only 6's holder is left");
+    drop((b6, txn));
+    assert!(table.is_empty());
+}
+
 /// A transaction that held more than the linear scan's keys (so its set
 /// built an index), released them all, and then locks keys anew in one
 /// `lock_all` (a fresh fill of its vacant set): the set finds the new keys

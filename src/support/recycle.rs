@@ -283,6 +283,36 @@ impl<T> Recycled<T> {
         // in place (the invariant): nothing moves it out of its block.
         unsafe { Pin::new_unchecked(boxed) }
     }
+
+    /// The value `make` returns, pinned in a recycled block taken before
+    /// it is made, so that a large value (a future) can be built where it
+    /// will stay rather than on the stack and copied in.
+    #[inline(always)]
+    pub(crate) fn pin_with(make: impl FnOnce() -> T) -> Pin<Self> {
+        let Some(class) = class_of::<T>() else {
+            return Self::pin(make());
+        };
+        // Given back if `make` panics: it holds no value yet.
+        struct Unfilled(usize, NonNull<u8>);
+        impl Drop for Unfilled {
+            fn drop(&mut self) {
+                // SAFETY: taken just now with this class; never written.
+                unsafe { give_block(self.0, self.1) };
+            }
+        }
+        let block = Unfilled(class, take_block(class));
+        let ptr = block.1.cast::<T>();
+        // SAFETY: as in `pin`: the block fits and aligns a `T` and holds
+        // no value.
+        unsafe { ptr.as_ptr().write(make()) };
+        std::mem::forget(block);
+        let boxed = Self {
+            ptr,
+            _owns: PhantomData,
+        };
+        // SAFETY: as in `pin`.
+        unsafe { Pin::new_unchecked(boxed) }
+    }
 }
 
 impl<T> Deref for Recycled<T> {

@@ -44,6 +44,7 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::task::{Context, Poll, Waker};
 
+use crate::support::lease::LockOptions;
 use crate::support::loom::{AtomicBool, AtomicU64};
 use crate::support::mode::Mode;
 use crate::support::shard_lock::ShardMutex;
@@ -231,13 +232,18 @@ pub(crate) trait Access {
     /// (`pending::Parked`); the owned form's calls use cells.
     fn parked(&mut self) -> &mut ParkedOf<Self::R>;
 
-    /// Parks the borrowed form's wait for a new key (`pending::park`):
-    /// `lock`, not polled yet, and the guards the call took. A wait still
-    /// parked is a forgotten call's (the transaction is borrowed by this
-    /// call): its waiter leaves its queue here, and its registration with
-    /// the deadlock detector goes with it (see [`forget_forgotten`]).
-    fn park(&mut self, lock: LockOf<Self>, guards: Taken<GuardOf<Self>>) {
-        if pending::park(self.parked(), lock, guards) {
+    /// [`owner`](Self::owner) and [`parked`](Self::parked) at once.
+    fn owner_and_parked(&mut self) -> (&Owner<Self::R>, &mut ParkedOf<Self::R>);
+
+    /// Parks the borrowed form's wait for a new key (`pending::park`): the
+    /// table's lock future for `key` on `opts`, made in its block (not
+    /// polled yet), and the guards the call took. A wait still parked is a
+    /// forgotten call's (the transaction is borrowed by this call): its
+    /// waiter leaves its queue here, and its registration with the
+    /// deadlock detector goes with it (see [`forget_forgotten`]).
+    fn park(&mut self, key: KeyOf<Self>, opts: LockOptions, guards: Taken<GuardOf<Self>>) {
+        let (owner, parked) = self.owner_and_parked();
+        if pending::park(parked, || owner.reach.lock_with(key, opts), guards) {
             forget_forgotten(self.owner());
         }
     }
@@ -385,6 +391,11 @@ impl<R: Reach> Access for Direct<'_, R> {
     #[inline]
     fn parked(&mut self) -> &mut ParkedOf<R> {
         self.parked
+    }
+
+    #[inline]
+    fn owner_and_parked(&mut self) -> (&Owner<R>, &mut ParkedOf<R>) {
+        (self.owner, self.parked)
     }
 }
 
@@ -721,6 +732,10 @@ impl<R: Reach> Access for Arc<Shared<R>> {
     }
 
     fn parked(&mut self) -> &mut ParkedOf<R> {
+        unreachable!("only the borrowed form's lock_all parks its wait")
+    }
+
+    fn owner_and_parked(&mut self) -> (&Owner<R>, &mut ParkedOf<R>) {
         unreachable!("only the borrowed form's lock_all parks its wait")
     }
 

@@ -36,6 +36,7 @@ pub(crate) mod hold;
 
 mod access;
 mod error;
+mod fresh;
 mod held;
 mod multi;
 mod pending;

@@ -64,6 +64,7 @@ use crate::transactions::access::{
 };
 use crate::transactions::access::{GuardOf, KeyOf, Owner, SetOf};
 use crate::transactions::error::TransactionError;
+use crate::transactions::fresh::FreshWait;
 use crate::transactions::held::{AcquireKind, Begin, Found, HeldSet, UNINDEXED_MAX};
 use crate::transactions::pending::{self, Taken, Wait, Waited};
 use crate::transactions::policy::WaitPolicy;
@@ -153,7 +154,7 @@ impl<K> LockedSet<K> {
 
     /// A result with counts only (no list).
     #[inline]
-    fn counted(acquired: usize, reentered: usize) -> Self {
+    pub(crate) fn counted(acquired: usize, reentered: usize) -> Self {
         Self {
             acquired,
             reentered,
@@ -345,11 +346,11 @@ impl<K> LockedSet<K> {
 }
 
 /// One request, once hashed.
-struct Request<K> {
-    hash: u64,
+pub(crate) struct Request<K> {
+    pub(crate) hash: u64,
     /// Moved into the table when the key is locked.
-    key: Option<K>,
-    mode: Mode,
+    pub(crate) key: Option<K>,
+    pub(crate) mode: Mode,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -672,13 +673,18 @@ where
 /// version it was looked at. Anything else (a key held in a weaker mode or
 /// busy, a key that is not free, the set changed meanwhile) goes the
 /// claiming way, keeping the guards already taken.
+#[allow(clippy::type_complexity)]
 fn lock_all_now<'a, A: Access>(
     access: &'a mut A,
     requests: &mut Few<(KeyOf<A>, Mode)>,
     policy: WaitPolicy,
 ) -> Result<
     Now<A>,
-    Rest<impl Future<Output = Outcome<A>> + 'a, impl Future<Output = Outcome<A>> + 'a>,
+    Rest<
+        impl Future<Output = Outcome<A>> + 'a,
+        impl Future<Output = Outcome<A>> + 'a,
+        FreshWait<'a, A>,
+    >,
 >
 where
     KeyOf<A>: Ord + Clone,
@@ -693,9 +699,12 @@ where
                 reentered,
             }),
             Few2::Ended => Ok(Now::Done(Err(TransactionError::Ended))),
-            Few2::Busy { wanted, taken, at } => Err(Rest::Sole(Recycled::pin(wait_sole(
-                access, taken, wanted, at, policy,
-            )))),
+            Few2::Busy { wanted, taken, at } => Err(Rest::Sole(Recycled::pin_with(|| {
+                wait_sole(access, taken, wanted, at, policy)
+            }))),
+            Few2::Fresh { requests, at } => Err(Rest::Fresh(Recycled::pin_with(|| {
+                FreshWait::new(access, requests, at, at, policy)
+            }))),
             Few2::Other(requests) => claim_all(access, requests, Taken::new(), policy)
                 .map(Now::Done)
                 .map_err(Rest::Claimed),
@@ -708,15 +717,9 @@ where
     {
         return match take_fresh(access, requests) {
             Ok(done) => Ok(Now::Done(done)),
-            Err((requests, version, filled)) => Err(Rest::Sole(Recycled::pin(wait_sole(
-                access,
-                // Every key goes into the set as it is had: nothing is
-                // kept aside.
-                Taken::new(),
-                Wanted::fresh(requests, version, filled),
-                0,
-                policy,
-            )))),
+            Err((requests, filled)) => Err(Rest::Fresh(Recycled::pin_with(|| {
+                FreshWait::new(access, requests, 0, filled, policy)
+            }))),
         };
     }
     let mut requests = order(&access.owner().reach, requests);
@@ -755,15 +758,15 @@ where
 /// requests are sorted into the canonical order and merged where they are,
 /// each key is hashed as it is tried and taken at once, and goes into the
 /// set as it is. When a key is not free at once, the keys taken before it
-/// stay in the set, for the waiting way ([`wait_sole`], which takes them
+/// stay in the set, for the waiting way ([`FreshWait`], which takes them
 /// back out if the call fails or is dropped): `Err` with the requests from
-/// that key on (the list the waiting way keeps), the set's version, and
-/// how many keys the set has of the call.
+/// that key on (the list the waiting way keeps) and how many keys the set
+/// has of the call.
 #[allow(clippy::type_complexity)]
 fn take_fresh<A: Access>(
     access: &mut A,
     requests: &mut Few<(KeyOf<A>, Mode)>,
-) -> Result<Outcome<A>, (Few<Request<KeyOf<A>>>, u64, usize)>
+) -> Result<Outcome<A>, (Few<Request<KeyOf<A>>>, usize)>
 where
     KeyOf<A>: Ord + Clone,
 {
@@ -817,8 +820,7 @@ where
         if i > 0 {
             fill.set.filled();
         }
-        let version = fill.set.version();
-        return Err((list, version, i));
+        return Err((list, i));
     }
     fill.done = true;
     fill.set.filled();
@@ -862,8 +864,15 @@ enum Few2<A: Access> {
     /// A key held in a weaker mode, or busy with another call: the
     /// requests (ordered and merged) for the claiming way, nothing taken.
     Other(Few<Request<KeyOf<A>>>),
+    /// A fresh fill's request `at` is not free at once: the requests (the
+    /// ones before `at` are in the set, as its only keys) for
+    /// [`FreshWait`].
+    Fresh {
+        requests: Few<Request<KeyOf<A>>>,
+        at: usize,
+    },
     /// Request `at` is not free at once: what the waiting way starts
-    /// from (the state [`take_now`] leaves, or a fresh fill's).
+    /// from (the state [`take_now`] leaves).
     Busy {
         wanted: Wanted<KeyOf<A>>,
         taken: Taken<GuardOf<A>>,
@@ -1042,11 +1051,7 @@ fn few_vacant<A: Access>(
         if let Some(b) = b {
             requests.push(b);
         }
-        Few2::Busy {
-            wanted: Wanted::fresh(requests, set.version(), at),
-            taken: Taken::new(),
-            at,
-        }
+        Few2::Fresh { requests, at }
     };
     // Both new, into a vacant set (a fresh transaction's transfer):
     // each guard goes into its slot as it is had, from the table's
@@ -1089,7 +1094,7 @@ fn few_vacant<A: Access>(
 /// range, not tried); the key stays in `r` if it was not had. Inline, so
 /// that the guard goes from the table's probe into the caller's registers.
 #[inline(always)]
-fn try_request<R: Reach>(
+pub(crate) fn try_request<R: Reach>(
     reach: &R,
     terms: Option<Terms>,
     r: &mut Request<R::Key>,
@@ -1103,22 +1108,27 @@ fn try_request<R: Reach>(
 }
 
 /// What a `lock_all` ends with.
-type Outcome<A> = Result<LockedSet<KeyOf<A>>, TransactionError<KeyOf<A>>>;
+pub(crate) type Outcome<A> = Result<LockedSet<KeyOf<A>>, TransactionError<KeyOf<A>>>;
 
 /// The rest of a call that must wait: the borrowed form's, or the
 /// claiming way's (each boxed, so the call's own future stays small).
-enum Rest<L, R> {
+enum Rest<L, R, F> {
     Sole(Pin<Recycled<L>>),
     Claimed(Pin<Recycled<R>>),
+    /// A fresh fill's ([`FreshWait`]).
+    Fresh(Pin<Recycled<F>>),
 }
 
-impl<L: Future, R: Future<Output = L::Output>> Future for Rest<L, R> {
+impl<L: Future, R: Future<Output = L::Output>, F: Future<Output = L::Output>> Future
+    for Rest<L, R, F>
+{
     type Output = L::Output;
 
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<L::Output> {
         match self.get_mut() {
             Rest::Sole(rest) => rest.as_mut().poll(cx),
             Rest::Claimed(rest) => rest.as_mut().poll(cx),
+            Rest::Fresh(rest) => rest.as_mut().poll(cx),
         }
     }
 }
@@ -1287,16 +1297,6 @@ where
     async move {
         // (The fields of `wanted` are used where they are: moved out into
         // locals of their own, they would be copied within this future.)
-        // The keys a fresh fill left in the set: taken back out if the call
-        // fails or is dropped (the set had nothing else), kept if it ends
-        // well.
-        let mut fill = FreshFill {
-            access,
-            filled: wanted.fresh,
-        };
-        // The keys a fresh fill put in the set during the call's waits.
-        let mut pushed = 0;
-        let access = &mut *fill.access;
         let mut skipped = Vec::new();
         // The terms of every grant, resolved once for the call (as
         // `take_now`'s): the keys after a wait are tried inline on them.
@@ -1319,12 +1319,7 @@ where
                     if let Ok(guard) =
                         try_request(&access.owner().reach, terms, &mut wanted.requests[i])
                     {
-                        if wanted.fresh {
-                            push_fresh(access, guard);
-                            pushed += 1;
-                        } else {
-                            taken.push((i, guard));
-                        }
+                        taken.push((i, guard));
                         continue;
                     }
                 }
@@ -1332,10 +1327,6 @@ where
                 // The name for the detector, an error or a skip (the key goes to
                 // the table).
                 let name = key.clone();
-                let lock = access
-                    .owner()
-                    .reach
-                    .lock_with(key, access.owner().opts.lock_options(mode, policy));
                 // Whether the transaction holds anything, asked before the
                 // guards taken so far are parked.
                 let holding = if A::SOLE
@@ -1343,9 +1334,6 @@ where
                     && access.with(|set| set.holds_nothing()).unwrap_or(false)
                 {
                     Holding::Nothing
-                } else if wanted.fresh {
-                    // Everything the call holds is in the set.
-                    Holding::TheSet
                 } else {
                     Holding::Unknown
                 };
@@ -1353,7 +1341,8 @@ where
                 // transaction (`pending::Parked`), so that its end releases
                 // them if this future is forgotten; if it is dropped here
                 // (cancelled, or unwinding), `call` releases them.
-                access.park(lock, mem::take(&mut taken));
+                let opts = access.owner().opts.lock_options(mode, policy);
+                access.park(key, opts, mem::take(&mut taken));
                 let call = ParkedCall {
                     access: &mut *access,
                     done: false,
@@ -1371,10 +1360,6 @@ where
                 call.finish(&mut taken);
                 match waited {
                     Err(stop) => break 'call Err(stop.into()),
-                    Ok(Ok(guard)) if wanted.fresh => {
-                        push_fresh(access, guard);
-                        pushed += 1;
-                    }
                     Ok(Ok(guard)) => taken.push((i, guard)),
                     Ok(Err(error)) if policy == WaitPolicy::SkipLocked && is_taken(&error) => {
                         skipped.push(name);
@@ -1389,12 +1374,6 @@ where
                     }
                 }
             }
-            if wanted.fresh {
-                // Everything is in the set already: the fill is kept.
-                debug_assert!(skipped.is_empty() && taken.is_empty());
-                fill.filled = false;
-                break 'call Ok(LockedSet::counted(wanted.filled + pushed, 0));
-            }
             let record = policy == WaitPolicy::SkipLocked;
             match put_all(
                 access,
@@ -1405,13 +1384,7 @@ where
                 skipped,
                 record,
             ) {
-                Ok(mut done) => {
-                    if let Ok(set) = &mut done {
-                        set.acquired += wanted.filled;
-                    }
-                    fill.filled = false;
-                    done
-                }
+                Ok(done) => done,
                 // The call has the transaction to itself: its set cannot move.
                 Err(_) => unreachable!("a borrowed transaction's set changed during its call"),
             }
@@ -1420,19 +1393,12 @@ where
 }
 
 /// What a borrowed `lock_all` waits for ([`wait_sole`]): its requests in
-/// the canonical order, what the set had of each (empty: none), the set's
-/// version then, and how many keys of the call a fresh fill left in the
-/// set (the set's only keys).
+/// the canonical order, what the set had of each (empty: none), and the
+/// set's version then.
 struct Wanted<K> {
     requests: Few<Request<K>>,
     found: Few<Found>,
     version: u64,
-    filled: usize,
-    /// A fresh fill: the call began on a vacant set and every key it gets
-    /// goes into the set as it is had (the set holds only the call's keys,
-    /// so a failed or dropped call takes them all back out), not into a
-    /// list put in at the end.
-    fresh: bool,
 }
 
 impl<K> Wanted<K> {
@@ -1442,52 +1408,6 @@ impl<K> Wanted<K> {
             requests,
             found,
             version,
-            filled: 0,
-            fresh: false,
-        }
-    }
-
-    /// The requests of a fresh fill that left its first `filled` keys in
-    /// the set (vacant before it), at `version`: every request is new.
-    fn fresh(requests: Few<Request<K>>, version: u64, filled: usize) -> Self {
-        Self {
-            requests,
-            found: Few::new(),
-            version,
-            filled,
-            fresh: true,
-        }
-    }
-}
-
-/// Puts a key a fresh fill got after a wait into the set, as the set's
-/// version moves (see [`Wanted::fresh`]).
-#[inline]
-fn push_fresh<A: Access>(access: &mut A, guard: GuardOf<A>) {
-    let Some((_, set)) = access.sole() else {
-        unreachable!("the borrowed form")
-    };
-    set.push_new(guard);
-    set.filled();
-}
-
-/// The keys a fresh fill ([`take_fresh`]) left in a borrowed transaction's
-/// set while its call waits for the rest: if the call fails or is dropped
-/// (cancelled at its await, or unwinding) while `filled`, they come back
-/// out and are released, so the transaction is as it was (it held
-/// nothing). A forgotten call's stay in the set, released with it.
-struct FreshFill<'a, A: Access> {
-    access: &'a mut A,
-    filled: bool,
-}
-
-impl<A: Access> Drop for FreshFill<'_, A> {
-    fn drop(&mut self) {
-        if self.filled {
-            let taken = self.access.with(|set| set.unfill_all().collect::<Vec<_>>());
-            // Released here, out of the set (a key's drop may panic: the
-            // rest are released as the list unwinds).
-            drop(taken);
         }
     }
 }

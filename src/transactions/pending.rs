@@ -308,12 +308,20 @@ pin_project_lite::pin_project! {
 /// A borrowed transaction's slot for its call's parked wait.
 pub(crate) type ParkedSlot<L, G> = Option<Pin<Recycled<Parked<L, G>>>>;
 
-/// Parks a call's wait: `lock`, not polled yet, and the guards it took.
-/// What a forgotten call left in the slot goes first: returns whether
-/// there was one (see [`Access::park`](super::access::Access::park)).
-pub(crate) fn park<L, G>(slot: &mut ParkedSlot<L, G>, lock: L, guards: Taken<G>) -> bool {
+/// Parks a call's wait: the lock future `lock` makes, not polled yet,
+/// made in its block (a few hundred bytes not copied), and the guards the
+/// call took. What a forgotten call left in the slot goes first: returns
+/// whether there was one (see [`Access::park`](super::access::Access::park)).
+pub(crate) fn park<L, G>(
+    slot: &mut ParkedSlot<L, G>,
+    lock: impl FnOnce() -> L,
+    guards: Taken<G>,
+) -> bool {
     let forgotten = clear_parked(slot);
-    *slot = Some(Recycled::pin(Parked { lock, guards }));
+    *slot = Some(Recycled::pin_with(|| Parked {
+        lock: lock(),
+        guards,
+    }));
     forgotten
 }
 

@@ -371,8 +371,8 @@ where
     // future is forgotten, by the claim if it is dropped) and polled
     // there, with no cell.
     let mut claim = claim;
-    let lock = lock_named(claim.access.owner(), &name, mode, policy);
-    claim.access.park(lock, Taken::new());
+    let opts = claim.access.owner().opts.lock_options(mode, policy);
+    claim.access.park(name.clone(), opts, Taken::new());
     claim.parked = true;
     // Nothing else can take a key for the transaction while it waits, so
     // it holds its set's keys (and those of a call it forgot while it
