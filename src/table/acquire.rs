@@ -129,9 +129,15 @@ where
 {
     #[inline(always)]
     fn new(table: T, key: K, opts: LockOptions) -> Self {
+        let hash = table.hash(&key);
+        Self::new_hashed(table, hash, key, opts)
+    }
+
+    /// [`new`](Self::new) with the table's hash of `key` known.
+    #[inline(always)]
+    fn new_hashed(table: T, hash: u64, key: K, opts: LockOptions) -> Self {
         let (lease, timeout) = (opts.lease_duration(), opts.timeout_duration());
         let mode = opts.lock_mode();
-        let hash = table.hash(&key);
         let owner = table.owner_for(&opts);
         let (state, lease) = match lease {
             // The default was validated when the table was built.
@@ -1139,6 +1145,15 @@ macro_rules! lock_future {
             pub(crate) fn new(table: $handle, key: K, opts: LockOptions) -> Self {
                 Self {
                     inner: Acquire::new(table, key, opts),
+                }
+            }
+
+            /// [`new`](Self::new) with `hash`, the table's hash of `key`.
+            #[inline(always)]
+            #[allow(dead_code)] // not every handle's future is made so
+            pub(crate) fn new_hashed(table: $handle, hash: u64, key: K, opts: LockOptions) -> Self {
+                Self {
+                    inner: Acquire::new_hashed(table, hash, key, opts),
                 }
             }
         }

@@ -236,14 +236,20 @@ pub(crate) trait Access {
     fn owner_and_parked(&mut self) -> (&Owner<Self::R>, &mut ParkedOf<Self::R>);
 
     /// Parks the borrowed form's wait for a new key (`pending::park`): the
-    /// table's lock future for `key` on `opts`, made in its block (not
+    /// table's lock future for `key` (hash `hash`) on `opts`, made in its block (not
     /// polled yet), and the guards the call took. A wait still parked is a
     /// forgotten call's (the transaction is borrowed by this call): its
     /// waiter leaves its queue here, and its registration with the
     /// deadlock detector goes with it (see [`forget_forgotten`]).
-    fn park(&mut self, key: KeyOf<Self>, opts: LockOptions, guards: Taken<GuardOf<Self>>) {
+    fn park(
+        &mut self,
+        hash: u64,
+        key: KeyOf<Self>,
+        opts: LockOptions,
+        guards: Taken<GuardOf<Self>>,
+    ) {
         let (owner, parked) = self.owner_and_parked();
-        if pending::park(parked, || owner.reach.lock_with(key, opts), guards) {
+        if pending::park(parked, || owner.reach.lock_with(hash, key, opts), guards) {
             forget_forgotten(self.owner());
         }
     }

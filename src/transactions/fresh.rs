@@ -79,21 +79,14 @@ where
     KeyOf<A>: Clone,
 {
     /// The wait of a fill that left `count` keys of the call in the set and
-    /// found request `at` of `requests` not free.
+    /// found request `at` of `requests` not free, on the call's `terms`.
     pub(crate) fn new(
         access: &'a mut A,
         requests: Few<Request<KeyOf<A>>>,
-        at: usize,
-        count: usize,
+        (at, count): (usize, usize),
+        terms: Option<Terms>,
         policy: WaitPolicy,
     ) -> Self {
-        let terms = {
-            let owner = access.owner();
-            owner
-                .reach
-                .table()
-                .owner_terms(owner.opts.lease, owner.opts.id.get())
-        };
         Self {
             access,
             requests,
@@ -144,7 +137,8 @@ where
     /// transaction, counted in its waits.
     fn park(&mut self) {
         let request = &mut self.requests[self.at];
-        let (mode, key) = (request.mode, request.key.take().expect("taken once"));
+        let (hash, mode) = (request.hash, request.mode);
+        let key = request.key.take().expect("taken once");
         // The name for the detector and an error (the key goes to the
         // table).
         self.name = Some(key.clone());
@@ -158,7 +152,7 @@ where
             Holding::TheSet
         };
         let opts = self.access.owner().opts.lock_options(mode, self.policy);
-        self.access.park(key, opts, Taken::new());
+        self.access.park(hash, key, opts, Taken::new());
         self.parked = true;
         self.searched = false;
         self.access.wait_begins();

@@ -702,8 +702,12 @@ where
             Few2::Busy { wanted, taken, at } => Err(Rest::Sole(Recycled::pin_with(|| {
                 wait_sole(access, taken, wanted, at, policy)
             }))),
-            Few2::Fresh { requests, at } => Err(Rest::Fresh(Recycled::pin_with(|| {
-                FreshWait::new(access, requests, at, at, policy)
+            Few2::Fresh {
+                requests,
+                at,
+                terms,
+            } => Err(Rest::Fresh(Recycled::pin_with(|| {
+                FreshWait::new(access, requests, (at, at), terms, policy)
             }))),
             Few2::Other(requests) => claim_all(access, requests, Taken::new(), policy)
                 .map(Now::Done)
@@ -717,8 +721,8 @@ where
     {
         return match take_fresh(access, requests) {
             Ok(done) => Ok(Now::Done(done)),
-            Err((requests, filled)) => Err(Rest::Fresh(Recycled::pin_with(|| {
-                FreshWait::new(access, requests, 0, filled, policy)
+            Err((requests, filled, terms)) => Err(Rest::Fresh(Recycled::pin_with(|| {
+                FreshWait::new(access, requests, (0, filled), terms, policy)
             }))),
         };
     }
@@ -760,13 +764,13 @@ where
 /// set as it is. When a key is not free at once, the keys taken before it
 /// stay in the set, for the waiting way ([`FreshWait`], which takes them
 /// back out if the call fails or is dropped): `Err` with the requests from
-/// that key on (the list the waiting way keeps) and how many keys the set
-/// has of the call.
+/// that key on (the list the waiting way keeps), how many keys the set
+/// has of the call, and the call's terms.
 #[allow(clippy::type_complexity)]
 fn take_fresh<A: Access>(
     access: &mut A,
     requests: &mut Few<(KeyOf<A>, Mode)>,
-) -> Result<Outcome<A>, (Few<Request<KeyOf<A>>>, usize)>
+) -> Result<Outcome<A>, (Few<Request<KeyOf<A>>>, usize, Option<Terms>)>
 where
     KeyOf<A>: Ord + Clone,
 {
@@ -820,7 +824,7 @@ where
         if i > 0 {
             fill.set.filled();
         }
-        return Err((list, i));
+        return Err((list, i, terms));
     }
     fill.done = true;
     fill.set.filled();
@@ -870,6 +874,7 @@ enum Few2<A: Access> {
     Fresh {
         requests: Few<Request<KeyOf<A>>>,
         at: usize,
+        terms: Option<Terms>,
     },
     /// Request `at` is not free at once: what the waiting way starts
     /// from (the state [`take_now`] leaves).
@@ -1051,7 +1056,11 @@ fn few_vacant<A: Access>(
         if let Some(b) = b {
             requests.push(b);
         }
-        Few2::Fresh { requests, at }
+        Few2::Fresh {
+            requests,
+            at,
+            terms,
+        }
     };
     // Both new, into a vacant set (a fresh transaction's transfer):
     // each guard goes into its slot as it is had, from the table's
@@ -1342,7 +1351,7 @@ where
                 // them if this future is forgotten; if it is dropped here
                 // (cancelled, or unwinding), `call` releases them.
                 let opts = access.owner().opts.lock_options(mode, policy);
-                access.park(key, opts, mem::take(&mut taken));
+                access.park(hash, key, opts, mem::take(&mut taken));
                 let call = ParkedCall {
                     access: &mut *access,
                     done: false,
@@ -1608,7 +1617,11 @@ where
                         Err(key) => key,
                     };
                     let name = key.clone();
-                    let lock = stage.access.owner().reach.lock_with(key, opts);
+                    let lock = stage
+                        .access
+                        .owner()
+                        .reach
+                        .lock_with(request.hash, key, opts);
                     let Ok(cell) = stage.stow(Wait::Lock(Recycled::pin(lock))) else {
                         return Err(TransactionError::Ended);
                     };

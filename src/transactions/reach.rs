@@ -28,7 +28,8 @@ pub(crate) trait Reach {
 
     fn table(&self) -> &LockTable<Self::Key, Self::Hasher>;
 
-    fn lock_with(&self, key: Self::Key, opts: LockOptions) -> Self::Lock;
+    /// The table's lock future for `key`, whose hash is `hash`.
+    fn lock_with(&self, hash: u64, key: Self::Key, opts: LockOptions) -> Self::Lock;
 
     /// One attempt that gives the key back when it cannot be had at once;
     /// `hash` is the table's hash of `key`.
@@ -73,8 +74,8 @@ impl<'t, K: Eq + Hash, S: BuildHasher> Reach for &'t LockTable<K, S> {
     }
 
     #[inline]
-    fn lock_with(&self, key: K, opts: LockOptions) -> LockWith<'t, K, S> {
-        LockTable::lock_with(*self, key, opts)
+    fn lock_with(&self, hash: u64, key: K, opts: LockOptions) -> LockWith<'t, K, S> {
+        LockWith::new_hashed(*self, hash, key, opts)
     }
 
     #[inline]
@@ -171,8 +172,8 @@ impl<K: Eq + Hash + 'static, S: BuildHasher + 'static> Reach for Pinned<K, S> {
     }
 
     #[inline]
-    fn lock_with(&self, key: K, opts: LockOptions) -> LockWith<'static, K, S> {
-        LockTable::lock_with(self.extended(), key, opts)
+    fn lock_with(&self, hash: u64, key: K, opts: LockOptions) -> LockWith<'static, K, S> {
+        LockWith::new_hashed(self.extended(), hash, key, opts)
     }
 
     #[inline]

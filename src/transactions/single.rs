@@ -372,7 +372,9 @@ where
     // there, with no cell.
     let mut claim = claim;
     let opts = claim.access.owner().opts.lock_options(mode, policy);
-    claim.access.park(name.clone(), opts, Taken::new());
+    claim
+        .access
+        .park(claim.hash, name.clone(), opts, Taken::new());
     claim.parked = true;
     // Nothing else can take a key for the transaction while it waits, so
     // it holds its set's keys (and those of a call it forgot while it
@@ -413,13 +415,19 @@ where
 /// locks a copy of the caller's name for the wait, made here, outside any
 /// lock (the claim's copy is behind the owned form's set lock, where a
 /// key's `Clone`, user code, may not run).
-fn lock_named<R: Reach>(owner: &Owner<R>, name: &R::Key, mode: Mode, policy: WaitPolicy) -> R::Lock
+fn lock_named<R: Reach>(
+    owner: &Owner<R>,
+    hash: u64,
+    name: &R::Key,
+    mode: Mode,
+    policy: WaitPolicy,
+) -> R::Lock
 where
     R::Key: Clone,
 {
     owner
         .reach
-        .lock_with(name.clone(), owner.opts.lock_options(mode, policy))
+        .lock_with(hash, name.clone(), owner.opts.lock_options(mode, policy))
 }
 
 /// A new key that was not free at once, in the owned form: wait for it on
@@ -435,7 +443,7 @@ where
     KeyOf<A>: Clone,
 {
     // A transaction ended meanwhile is found as the wait is pended.
-    let lock = lock_named(claim.access.owner(), name, mode, policy);
+    let lock = lock_named(claim.access.owner(), claim.hash, name, mode, policy);
     // The lock future lives in a cell the transaction can reach too, so
     // that if this call's future is forgotten, the transaction's end still
     // takes its waiter out of the queue, or passes on its grant
