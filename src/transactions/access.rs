@@ -52,7 +52,7 @@ use crate::transactions::deadlock::{wait_id, Deadlock};
 use crate::transactions::error::TransactionError;
 use crate::transactions::held::{Acquired, Found, HeldSet};
 use crate::transactions::pending::{self, ParkedSlot, Pending, PendingList, Taken};
-use crate::transactions::policy::Resolved;
+use crate::transactions::policy::{Resolved, WaitPolicy};
 use crate::transactions::reach::{GuardOps, Reach};
 
 /// The key type of an owner behind the access `A`.
@@ -85,6 +85,9 @@ pub(crate) type ParkedOf<R> = ParkedSlot<<R as Reach>::Lock, <R as Reach>::Guard
 pub(crate) struct Owner<R> {
     pub(crate) reach: R,
     pub(crate) opts: Resolved,
+    /// What its calls do with a key that is not free (beside `retryable`:
+    /// the two share a word).
+    pub(crate) wait: WaitPolicy,
     /// Keeps the transaction's label registered with its table while the
     /// transaction lives (labeled transactions only).
     pub(crate) _label: Option<crate::table::labels::Alive>,
@@ -99,12 +102,13 @@ pub(crate) struct Owner<R> {
 impl<R> Owner<R> {
     pub(crate) fn new(
         reach: R,
-        opts: Resolved,
+        (opts, wait): (Resolved, WaitPolicy),
         label: Option<crate::table::labels::Alive>,
     ) -> Self {
         Self {
             reach,
             opts,
+            wait,
             _label: label,
             retryable: AtomicBool::new(false),
         }
@@ -250,6 +254,15 @@ pub(crate) trait Access {
     ) {
         let (owner, parked) = self.owner_and_parked();
         if pending::park(parked, || owner.reach.lock_with(hash, key, opts), guards) {
+            forget_forgotten(self.owner());
+        }
+    }
+
+    /// Lets go of a wait still parked before the borrowed form's call parks
+    /// one in its own block (`fresh.rs`): a forgotten call's, as in
+    /// [`park`](Self::park).
+    fn clear_forgotten(&mut self) {
+        if pending::clear_parked(self.parked()) {
             forget_forgotten(self.owner());
         }
     }

@@ -3,12 +3,14 @@
 //! at once.
 //!
 //! Every key the call gets goes into the set as it is had (the set holds
-//! only the call's keys); the key waited for is parked in the transaction
-//! (`pending::Parked`), so that its end releases it if this future is
-//! forgotten. The state is a few words beside the requests, stepped by
-//! hand: park the key that was not free, wait (registered with the
-//! deadlock detector once queued, if the transaction holds a key), put
-//! the grant in, try the rest at once, park the next that is not free.
+//! only the call's keys). The table's lock future for the key waited for
+//! is in this future's own block, and its address in the transaction's
+//! parked slot (`pending::InCall`), so that the transaction's end drops it
+//! if this future is forgotten: one allocation per wait. The state is a
+//! few words beside the requests and the lock future, stepped by hand:
+//! park the key that was not free, wait (registered with the deadlock
+//! detector once queued, if the transaction holds a key), put the grant
+//! in, try the rest at once, park the next that is not free.
 //!
 //! Done, it leaves its keys in the set. Failed (a timeout, a deadlock's
 //! victim) or dropped (cancelled, or unwinding), it takes every key of the
@@ -19,17 +21,19 @@
 //! end, or the parked wait with its next wait.
 
 use std::future::Future;
+use std::marker::PhantomPinned;
+use std::mem::MaybeUninit;
 use std::panic::{catch_unwind, resume_unwind, AssertUnwindSafe};
 use std::pin::Pin;
 use std::sync::Arc;
 use std::task::{Context, Poll};
 
 use crate::support::lease::Terms;
-use crate::transactions::access::{Access, GuardOf, Holding, KeyOf, Stop};
+use crate::transactions::access::{Access, GuardOf, Holding, KeyOf, LockOf, Stop};
 use crate::transactions::deadlock::wait_id;
 use crate::transactions::error::TransactionError;
 use crate::transactions::multi::{try_request, LockedSet, Outcome, Request};
-use crate::transactions::pending::{self, Taken};
+use crate::transactions::pending::{self, InCall};
 use crate::transactions::policy::WaitPolicy;
 use crate::transactions::reach::Reach;
 use crate::transactions::Few;
@@ -60,8 +64,13 @@ pub(crate) struct FreshWait<'a, A: Access> {
     name: Option<KeyOf<A>>,
     /// What the transaction held when the wait began.
     holding: Holding,
-    /// A wait is parked in the transaction and counted in its waits.
+    /// A wait is parked: `lock` is alive, its address in the transaction's
+    /// parked slot, and the wait is counted in the transaction's waits.
     parked: bool,
+    /// The table's lock future for request `at`, while `parked`.
+    lock: MaybeUninit<LockOf<A>>,
+    /// `lock` is pinned here (its waiter is linked into a queue).
+    _pinned: PhantomPinned,
     /// The parked wait was polled into its queue (and looked at by the
     /// detector).
     searched: bool,
@@ -70,9 +79,6 @@ pub(crate) struct FreshWait<'a, A: Access> {
     /// The call has its answer: nothing to undo.
     done: bool,
 }
-
-// Nothing of it is pinned: the lock future it waits on is in its own block.
-impl<A: Access> Unpin for FreshWait<'_, A> {}
 
 impl<'a, A: Access> FreshWait<'a, A>
 where
@@ -98,6 +104,8 @@ where
             name: None,
             holding: Holding::Nothing,
             parked: false,
+            lock: MaybeUninit::uninit(),
+            _pinned: PhantomPinned,
             searched: false,
             detecting: None,
             done: false,
@@ -133,8 +141,11 @@ where
         true
     }
 
-    /// Parks the wait for request `at`: its lock future in the
-    /// transaction, counted in its waits.
+    /// Parks the wait for request `at`: its lock future made in `lock`, its
+    /// address in the transaction's parked slot, counted in its waits.
+    ///
+    /// Called only on a pinned future (see `poll`): `lock` stays where it
+    /// is made.
     fn park(&mut self) {
         let request = &mut self.requests[self.at];
         let (hash, mode) = (request.hash, request.mode);
@@ -152,7 +163,16 @@ where
             Holding::TheSet
         };
         let opts = self.access.owner().opts.lock_options(mode, self.policy);
-        self.access.park(hash, key, opts, Taken::new());
+        // A forgotten call's wait goes first.
+        self.access.clear_forgotten();
+        let lock = self.access.owner().reach.lock_with(hash, key, opts);
+        let lock = self.lock.write(lock);
+        // SAFETY: `lock` is in this future's block, which is pinned (it is
+        // never moved, `poll`), and is dropped in place only once the slot
+        // let go of it (`end_wait`, as the wait ends or this future drops);
+        // a forgotten future's block is never freed, and the slot drops it.
+        let in_call = unsafe { InCall::new(Pin::new_unchecked(lock)) };
+        *self.access.parked() = pending::ParkedSlot::InCall(in_call);
         self.parked = true;
         self.searched = false;
         self.access.wait_begins();
@@ -169,7 +189,9 @@ where
             cx.waker().wake_by_ref();
             return Poll::Pending;
         }
-        if let Poll::Ready(out) = pending::poll_parked(self.access.parked(), cx) {
+        // SAFETY: `parked`: `lock` is alive, pinned where it was made.
+        let lock = unsafe { Pin::new_unchecked(self.lock.assume_init_mut()) };
+        if let Poll::Ready(out) = lock.poll(cx) {
             return Poll::Ready(Ok(out));
         }
         if !self.searched {
@@ -218,9 +240,12 @@ impl<A: Access> FreshWait<'_, A> {
             let (detector, owner_id) = (owner.reach.table().detector(), owner.opts.id.get());
             catch_unwind(AssertUnwindSafe(|| detector.leave(owner_id, id))).err()
         });
-        let parked = self.access.parked();
-        let cleared = catch_unwind(AssertUnwindSafe(|| pending::clear_parked(parked))).err();
-        left.or(cleared)
+        // Out of the slot, then dropped here, in place.
+        InCall::let_go(self.access.parked(), self.lock.as_ptr());
+        // SAFETY: it was alive (`parked`), the slot no longer reaches it,
+        // and `parked` is down: it is dropped once, even if its drop panics.
+        let dropped = catch_unwind(AssertUnwindSafe(|| unsafe { self.lock.assume_init_drop() }));
+        left.or(dropped.err())
     }
 
     /// Takes every key of the call back out of the set and releases it
@@ -241,7 +266,9 @@ where
     type Output = Outcome<A>;
 
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Outcome<A>> {
-        let this = self.get_mut();
+        // SAFETY: nothing is moved out of the future: `lock`, the one part
+        // that must stay in place, is made, polled and dropped where it is.
+        let this = unsafe { self.get_unchecked_mut() };
         debug_assert!(!this.done, "polled after its answer");
         loop {
             if this.parked {
@@ -308,6 +335,143 @@ impl<A: Access> Drop for FreshWait<'_, A> {
             if !std::thread::panicking() {
                 resume_unwind(payload);
             }
+        }
+    }
+}
+
+#[cfg(all(test, not(loom)))]
+mod tests {
+    //! The wait's lock future in its own block, reached by the transaction
+    //! by address: here in the crate, so that the miri step runs it.
+
+    use std::alloc::{dealloc, Layout};
+    use std::future::Future;
+    use std::pin::Pin;
+    use std::task::{Context, Poll};
+
+    use super::FreshWait;
+    use crate::transactions::access::Access;
+    use crate::transactions::multi::Request;
+    use crate::transactions::policy::WaitPolicy;
+    use crate::transactions::Few;
+    use crate::{LockTable, Mode};
+
+    fn poll_once<F: Future>(fut: Pin<&mut F>) -> Poll<F::Output> {
+        fut.poll(&mut Context::from_waker(std::task::Waker::noop()))
+    }
+
+    fn requests(table: &LockTable<u64>, keys: &[u64]) -> Few<Request<u64>> {
+        keys.iter()
+            .map(|&key| Request {
+                hash: table.hash(&key),
+                key: Some(key),
+                mode: Mode::Exclusive,
+            })
+            .collect()
+    }
+
+    #[test]
+    fn a_fresh_wait_handed_its_key_takes_it_and_one_dropped_leaves_its_queue() {
+        let table = LockTable::<u64>::new();
+        let mut txn = table.transaction();
+        // Handed the key.
+        let blocker = table.try_lock(1).unwrap();
+        {
+            let mut access = txn.direct();
+            let terms = table.owner_terms(None, access.owner().opts.id.get());
+            let wait = FreshWait::new(
+                &mut access,
+                requests(&table, &[1, 2]),
+                (0, 0),
+                terms,
+                WaitPolicy::Block,
+            );
+            let mut wait = Box::pin(wait);
+            assert!(poll_once(wait.as_mut()).is_pending());
+            drop(blocker);
+            let Poll::Ready(got) = poll_once(wait.as_mut()) else {
+                panic!("handed 1")
+            };
+            assert_eq!(got.map(|set| set.acquired()), Ok(2));
+        }
+        assert!(txn.parked.is_empty(), "the wait let go of its slot");
+        assert_eq!(txn.len(), 2);
+        txn.commit().unwrap();
+        // Dropped while it waits.
+        let blocker = table.try_lock(2).unwrap();
+        let mut txn = table.transaction();
+        {
+            let mut access = txn.direct();
+            let terms = table.owner_terms(None, access.owner().opts.id.get());
+            let wait = FreshWait::new(
+                &mut access,
+                requests(&table, &[2]),
+                (0, 0),
+                terms,
+                WaitPolicy::Block,
+            );
+            let mut wait = Box::pin(wait);
+            assert!(poll_once(wait.as_mut()).is_pending());
+        }
+        assert!(txn.parked.is_empty() && txn.set.waits == 0);
+        drop(blocker);
+        assert!(table.is_empty(), "no waiter was left in the queue");
+        drop(txn);
+    }
+
+    /// A forgotten wait's block is never freed: the transaction drops its
+    /// lock future there, by address, as it ends or as its next call parks
+    /// a wait. (The test frees the block afterwards, without dropping the
+    /// wait, so that miri's leak check still runs.)
+    #[test]
+    fn a_forgotten_fresh_wait_is_dropped_in_its_block_by_the_transaction() {
+        for next_call in [false, true] {
+            let table = LockTable::<u64>::new();
+            let blocker = table.try_lock(1).unwrap();
+            let mut txn = table.transaction();
+            let (block, layout) = {
+                let mut access = txn.direct();
+                let terms = table.owner_terms(None, access.owner().opts.id.get());
+                let wait = FreshWait::new(
+                    &mut access,
+                    requests(&table, &[1]),
+                    (0, 0),
+                    terms,
+                    WaitPolicy::Block,
+                );
+                let mut wait = Box::pin(wait);
+                assert!(poll_once(wait.as_mut()).is_pending());
+                let layout = Layout::for_value(&*wait);
+                // SAFETY: forgotten: never moved, never dropped.
+                let raw = Box::into_raw(unsafe { Pin::into_inner_unchecked(wait) });
+                (raw.cast::<u8>(), layout)
+            };
+            assert!(!txn.parked.is_empty(), "parked by address");
+            // Handed to the forgotten wait, unobserved.
+            drop(blocker);
+            assert!(table.is_locked(&1));
+            if next_call {
+                // The next call's wait lets go of the forgotten one first:
+                // the key passes on to it.
+                let other = table.try_lock(2).unwrap();
+                let mut call = Box::pin(txn.lock_all([(1, Mode::Exclusive), (2, Mode::Exclusive)]));
+                assert!(poll_once(call.as_mut()).is_pending(), "waits for 2");
+                assert!(table.is_locked(&1), "1 is the new call's");
+                drop(other);
+                let Poll::Ready(got) = poll_once(call.as_mut()) else {
+                    panic!("handed 2")
+                };
+                assert_eq!(got.map(|set| set.acquired()), Ok(2));
+                drop(call);
+                txn.commit().unwrap();
+            } else {
+                drop(txn);
+            }
+            assert!(table.is_empty(), "nothing of the forgotten wait is held");
+            // SAFETY: the block of the forgotten wait, whose lock future the
+            // transaction dropped; the rest of it owns nothing (one-word
+            // keys), so it is freed without its drop.
+            unsafe { dealloc(block, layout) };
         }
     }
 }

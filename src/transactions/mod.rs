@@ -141,7 +141,7 @@ impl<K, S> Transaction<'_, K, S> {
         // the fields' own drops free what little they own.
         if self.set.is_vacant()
             && self.pending.is_empty()
-            && self.parked.is_none()
+            && self.parked.is_empty()
             && self.set.waits == 0
         {
             return;
@@ -242,12 +242,12 @@ impl<K: Eq + Hash, S: BuildHasher> LockTable<K, S> {
     pub fn transaction_with(&self, opts: TransactionOptions) -> Transaction<'_, K, S> {
         let name = opts.label_name();
         let opts = opts.resolve(self.clock());
-        let label = name.map(|label| self.labels().register(opts.id.get(), label));
+        let label = name.map(|label| self.labels().register(opts.0.id.get(), label));
         Transaction {
             owner: Owner::new(self, opts, label),
             set: HeldSet::default(),
             pending: pending::PendingList::new(),
-            parked: None,
+            parked: pending::ParkedSlot::Empty,
         }
     }
 
@@ -287,7 +287,7 @@ impl<K: Eq + Hash, S: BuildHasher> LockTable<K, S> {
     {
         let name = opts.label_name();
         let opts = opts.resolve(self.clock());
-        let label = name.map(|label| self.labels().register(opts.id.get(), label));
+        let label = name.map(|label| self.labels().register(opts.0.id.get(), label));
         OwnedTransaction {
             shared: Arc::new(Shared::new(Owner::new(Pinned::new(self), opts, label))),
         }
@@ -444,7 +444,7 @@ impl<'t, K: Eq + Hash, S: BuildHasher> Transaction<'t, K, S> {
     where
         K: Clone,
     {
-        let policy = self.owner.opts.wait;
+        let policy = self.owner.wait;
         single::lock(self.direct(), key, mode, policy)
     }
 
@@ -527,7 +527,7 @@ impl<'t, K: Eq + Hash, S: BuildHasher> Transaction<'t, K, S> {
         I: IntoIterator<Item = (K, Mode)>,
         K: Ord + Clone,
     {
-        let policy = self.owner.opts.wait;
+        let policy = self.owner.wait;
         self.lock_all_with(requests, policy)
     }
 
@@ -950,7 +950,7 @@ impl<'t, K: Eq + Hash, S: BuildHasher> Transaction<'t, K, S> {
             pending,
             parked,
         } = self;
-        !pending.spilled() && pending.is_empty() && parked.is_none()
+        !pending.spilled() && pending.is_empty() && parked.is_empty()
     }
 
     /// Releases every key the transaction holds; the same as dropping it.
@@ -1019,7 +1019,7 @@ impl<K: Eq + Hash + 'static, S: BuildHasher + 'static> OwnedTransaction<K, S> {
     where
         K: Clone,
     {
-        let policy = self.owner().opts.wait;
+        let policy = self.owner().wait;
         self.lock_with(key, mode, policy)
     }
 
@@ -1087,7 +1087,7 @@ impl<K: Eq + Hash + 'static, S: BuildHasher + 'static> OwnedTransaction<K, S> {
         I: IntoIterator<Item = (K, Mode)>,
         K: Ord + Clone,
     {
-        let policy = self.owner().opts.wait;
+        let policy = self.owner().wait;
         self.lock_all_with(requests, policy)
     }
 

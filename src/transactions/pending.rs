@@ -44,6 +44,7 @@
 use std::future::Future;
 use std::panic::{catch_unwind, resume_unwind, AssertUnwindSafe};
 use std::pin::Pin;
+use std::ptr::NonNull;
 use std::sync::Arc;
 use std::task::{Context, Poll};
 
@@ -305,8 +306,65 @@ pin_project_lite::pin_project! {
     }
 }
 
-/// A borrowed transaction's slot for its call's parked wait.
-pub(crate) type ParkedSlot<L, G> = Option<Pin<Recycled<Parked<L, G>>>>;
+/// A borrowed transaction's slot for its call's parked wait: none, one in
+/// a block of its own ([`Parked`]), or one in the waiting call's own block
+/// (a fresh fill's, `fresh.rs`), reached by address ([`InCall`]).
+pub(crate) enum ParkedSlot<L, G> {
+    Empty,
+    Boxed(Pin<Recycled<Parked<L, G>>>),
+    InCall(InCall<L>),
+}
+
+impl<L, G> ParkedSlot<L, G> {
+    /// Whether no wait is parked.
+    #[inline]
+    pub(crate) fn is_empty(&self) -> bool {
+        matches!(self, Self::Empty)
+    }
+}
+
+/// The address of a lock future pinned in a waiting call's own block, so
+/// that the transaction can drop it if the call is forgotten: the one
+/// allocation of a fresh fill's wait (`fresh.rs`) holds both.
+///
+/// The call lets go of it ([`let_go`](Self::let_go)) before it drops the
+/// lock future itself. A call that never does was forgotten: its block is
+/// never freed (its future is never dropped, and the block is freed only
+/// by that drop), so the address stays valid, and the slot's holder drops
+/// the lock future in place ([`clear_parked`]) and never touches it again.
+pub(crate) struct InCall<L>(NonNull<L>);
+
+// SAFETY: an `InCall` stands for the lock future it points to, which only
+// the transaction's `&mut` holder reaches through it (to drop it): sending
+// the transaction sends that future's ownership, as a box would.
+unsafe impl<L: Send> Send for InCall<L> {}
+// SAFETY: nothing reaches the lock future through a shared reference.
+unsafe impl<L: Sync> Sync for InCall<L> {}
+
+impl<L> InCall<L> {
+    /// The wait whose lock future is `lock`.
+    ///
+    /// # Safety
+    ///
+    /// `lock` stays where it is, alive, until the slot that gets this lets
+    /// go of it ([`let_go`](Self::let_go)) or drops it ([`clear_parked`]);
+    /// its memory is freed only after one of them (never, if the call is
+    /// forgotten), and nothing else drops it while the slot holds it.
+    pub(crate) unsafe fn new(lock: Pin<&mut L>) -> Self {
+        // SAFETY: only the address is kept, under the contract above.
+        Self(NonNull::from(unsafe { lock.get_unchecked_mut() }))
+    }
+
+    /// Takes the wait at `lock` back out of `slot` (its call's own, about
+    /// to drop it): the slot no longer reaches it.
+    pub(crate) fn let_go<G>(slot: &mut ParkedSlot<L, G>, lock: *const L) {
+        debug_assert!(
+            matches!(slot, ParkedSlot::InCall(at) if std::ptr::eq(at.0.as_ptr(), lock)),
+            "the call's own wait is parked"
+        );
+        *slot = ParkedSlot::Empty;
+    }
+}
 
 /// Parks a call's wait: the lock future `lock` makes, not polled yet,
 /// made in its block (a few hundred bytes not copied), and the guards the
@@ -318,7 +376,7 @@ pub(crate) fn park<L, G>(
     guards: Taken<G>,
 ) -> bool {
     let forgotten = clear_parked(slot);
-    *slot = Some(Recycled::pin_with(|| Parked {
+    *slot = ParkedSlot::Boxed(Recycled::pin_with(|| Parked {
         lock: lock(),
         guards,
     }));
@@ -333,12 +391,10 @@ pub(crate) fn poll_parked<L, G>(
 where
     L: Future<Output = Result<G, LockError>>,
 {
-    slot.as_mut()
-        .expect("the call's wait is parked")
-        .as_mut()
-        .project()
-        .lock
-        .poll(cx)
+    let ParkedSlot::Boxed(parked) = slot else {
+        unreachable!("the call's wait is parked")
+    };
+    parked.as_mut().project().lock.poll(cx)
 }
 
 /// Takes the call's guards back into `guards` as its wait ends, then drops
@@ -348,7 +404,9 @@ where
 /// unwinding releases them. (A value being returned when a drop panics is
 /// leaked, not dropped: so they are not returned.)
 pub(crate) fn unpark<L, G>(slot: &mut ParkedSlot<L, G>, guards: &mut Taken<G>) {
-    let mut parked = slot.take().expect("the call's wait is parked");
+    let ParkedSlot::Boxed(mut parked) = std::mem::replace(slot, ParkedSlot::Empty) else {
+        unreachable!("the call's wait is parked")
+    };
     *guards = std::mem::take(parked.as_mut().project().guards);
     drop(parked);
 }
@@ -357,8 +415,17 @@ pub(crate) fn unpark<L, G>(slot: &mut ParkedSlot<L, G>, guards: &mut Taken<G>) {
 /// on before the guards go), then the guards, even if the first panics.
 /// Returns whether it held anything.
 pub(crate) fn clear_parked<L, G>(slot: &mut ParkedSlot<L, G>) -> bool {
-    let Some(mut parked) = slot.take() else {
-        return false;
+    let mut parked = match std::mem::replace(slot, ParkedSlot::Empty) {
+        ParkedSlot::Empty => return false,
+        ParkedSlot::Boxed(parked) => parked,
+        ParkedSlot::InCall(InCall(lock)) => {
+            // SAFETY: a wait in its call's block that the call did not let
+            // go of (`InCall::new`'s contract): the call was forgotten, its
+            // block is never freed, and nothing else drops the lock future;
+            // out of the slot now, it is dropped once, here.
+            unsafe { std::ptr::drop_in_place(lock.as_ptr()) };
+            return true;
+        }
     };
     let guards = std::mem::take(parked.as_mut().project().guards);
     let dropped = catch_unwind(AssertUnwindSafe(|| drop(parked)));

@@ -175,7 +175,7 @@ impl TransactionOptions {
     /// deadline and now plus the timeout (a timeout past what an `Instant`
     /// can hold bounds nothing).
     #[inline]
-    pub(crate) fn resolve(self, clock: &Clock) -> Resolved {
+    pub(crate) fn resolve(self, clock: &Clock) -> (Resolved, WaitPolicy) {
         let from_timeout = self
             .timeout
             .and_then(|timeout| clock.now().checked_add(timeout));
@@ -183,12 +183,12 @@ impl TransactionOptions {
             (Some(a), Some(b)) => Some(a.min(b)),
             (a, b) => a.or(b),
         };
-        Resolved {
+        let resolved = Resolved {
             deadline,
             lease: self.lease,
-            wait: self.wait,
             id: TransactionId::next(),
-        }
+        };
+        (resolved, self.wait)
     }
 }
 
@@ -197,7 +197,6 @@ impl TransactionOptions {
 pub(crate) struct Resolved {
     pub(crate) deadline: Option<Instant>,
     pub(crate) lease: Option<Duration>,
-    pub(crate) wait: WaitPolicy,
     /// The transaction's identity, which its grants and waiters carry.
     pub(crate) id: TransactionId,
 }
