@@ -313,10 +313,19 @@ where
 }
 
 impl<A: Access> Drop for FreshWait<'_, A> {
+    #[inline]
     fn drop(&mut self) {
-        if self.done {
-            return;
+        if !self.done {
+            self.undo();
         }
+    }
+}
+
+impl<A: Access> FreshWait<'_, A> {
+    /// The drop of a wait without its answer.
+    #[cold]
+    #[inline(never)]
+    fn undo(&mut self) {
         // Cancelled at its await, or unwinding: the wait ends (its waiter
         // leaves its queue, or its unobserved grant passes on), then the
         // call's keys go, even if the first panics.
