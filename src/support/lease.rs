@@ -205,6 +205,8 @@ pub(crate) struct LeasePolicy {
     /// `default`, packed once (what a plain `lock` carries).
     pub(crate) default_packed: PackedDuration,
     pub(crate) max: Duration,
+    /// `max`, packed once: a lease is checked in one word.
+    pub(crate) max_packed: PackedDuration,
 }
 
 /// The smallest lease accepted.
@@ -225,13 +227,29 @@ impl LeasePolicy {
         Ok(lease)
     }
 
-    /// The lease a call gets: its own, else the table's default; validated.
+    /// [`check`](Self::check), packed: the lease's nanoseconds compared
+    /// with the packed bounds, one word each. Packing is exact below 584
+    /// years; a lease packed to the saturated value (or to zero, too short)
+    /// is judged by `check` itself, so the answer is always `check`'s.
     #[inline]
-    pub(crate) fn resolve(&self, asked: Option<Duration>) -> Result<Option<Duration>, LockError> {
+    pub(crate) fn check_packed(&self, lease: Duration) -> Result<PackedDuration, LockError> {
+        let packed = PackedDuration::pack(Some(lease));
+        if packed.0 == 0 || packed.0 > self.max_packed.0 || packed.0 >= PackedDuration::HUGE {
+            return self
+                .check(lease)
+                .map(|lease| PackedDuration::pack(Some(lease)));
+        }
+        Ok(packed)
+    }
+
+    /// The lease a call gets, packed: its own, else the table's default;
+    /// validated.
+    #[inline]
+    pub(crate) fn resolve(&self, asked: Option<Duration>) -> Result<PackedDuration, LockError> {
         match asked {
             // The default was validated when the table was built.
-            None => Ok(self.default),
-            Some(lease) => self.check(lease).map(Some),
+            None => Ok(self.default_packed),
+            Some(lease) => self.check_packed(lease),
         }
     }
 }
@@ -307,12 +325,74 @@ impl PackedDuration {
         })
     }
 
-    const HUGE: u64 = u64::MAX - 1;
+    pub(crate) const HUGE: u64 = u64::MAX - 1;
 
     /// The duration in nanoseconds (`u64::MAX - 1`: too long to represent),
     /// or `None`.
     #[inline(always)]
     pub(crate) fn nanos(self) -> Option<u64> {
         (self.0 != u64::MAX).then_some(self.0)
+    }
+}
+
+#[cfg(all(test, not(loom)))]
+mod tests {
+    use std::time::Duration;
+
+    use super::{LeasePolicy, PackedDuration, DEFAULT_MAX_LEASE};
+
+    fn policy(max: Duration) -> LeasePolicy {
+        LeasePolicy {
+            default: None,
+            default_packed: PackedDuration::NONE,
+            max,
+            max_packed: PackedDuration::pack(Some(max)),
+        }
+    }
+
+    /// The one-word check answers as the check of durations, at every
+    /// edge: too short, the bounds, one past them, and leases too long for
+    /// a word, under the default bound and under bounds a word cannot hold.
+    #[test]
+    fn the_packed_check_answers_as_the_check_of_durations() {
+        let nanos = Duration::from_nanos;
+        let huge = nanos(PackedDuration::HUGE);
+        for max in [
+            DEFAULT_MAX_LEASE,
+            nanos(1),
+            huge - nanos(1),
+            huge,
+            huge + nanos(1),
+            Duration::MAX,
+        ] {
+            let policy = policy(max);
+            for lease in [
+                Duration::ZERO,
+                nanos(1),
+                Duration::from_millis(1),
+                max.saturating_sub(nanos(1)),
+                max,
+                max.saturating_add(nanos(1)),
+                huge - nanos(1),
+                huge,
+                huge + nanos(1),
+                Duration::MAX,
+            ] {
+                let exact = policy.check(lease);
+                let packed = policy.check_packed(lease);
+                assert_eq!(
+                    packed.is_ok(),
+                    exact.is_ok(),
+                    "max {max:?}, lease {lease:?}"
+                );
+                match (packed, exact) {
+                    (Ok(packed), Ok(exact)) => {
+                        assert_eq!(packed, PackedDuration::pack(Some(exact)));
+                    }
+                    (Err(packed), Err(exact)) => assert_eq!(packed, exact),
+                    _ => unreachable!(),
+                }
+            }
+        }
     }
 }

@@ -142,11 +142,8 @@ where
         let (state, lease) = match lease {
             // The default was validated when the table was built.
             None => (State::Start { key, mode }, table.leases().default_packed),
-            Some(asked) => match table.leases().check(asked) {
-                Ok(lease) => (
-                    State::Start { key, mode },
-                    PackedDuration::pack(Some(lease)),
-                ),
+            Some(asked) => match table.leases().check_packed(asked) {
+                Ok(lease) => (State::Start { key, mode }, lease),
                 Err(err) => (State::Invalid(Box::new(err)), PackedDuration::NONE),
             },
         };

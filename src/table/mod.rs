@@ -1215,7 +1215,7 @@ where
     pub(crate) fn owner_terms(&self, lease: Option<Duration>, owner: u64) -> Option<Terms> {
         let lease = match lease {
             None => self.leases.default_packed,
-            Some(lease) => PackedDuration::pack(Some(self.leases.check(lease).ok()?)),
+            Some(lease) => self.leases.check_packed(lease).ok()?,
         };
         Some(Terms { lease, owner })
     }
@@ -1979,6 +1979,7 @@ impl<K, S> Builder<K, S> {
                 default: self.default_lease,
                 default_packed: crate::support::lease::PackedDuration::pack(self.default_lease),
                 max: self.max_lease,
+                max_packed: crate::support::lease::PackedDuration::pack(Some(self.max_lease)),
             },
             fairness: self.fairness,
             token_floor: floor,
@@ -2019,9 +2020,9 @@ fn default_shards() -> usize {
 
 /// The terms of a grant asked for with `opts`, its lease resolved.
 #[inline(always)]
-fn terms_of<K, S>(table: &LockTable<K, S>, lease: Option<Duration>, opts: &LockOptions) -> Terms {
+fn terms_of<K, S>(table: &LockTable<K, S>, lease: PackedDuration, opts: &LockOptions) -> Terms {
     Terms {
-        lease: PackedDuration::pack(lease),
+        lease,
         owner: table.owner_for(opts),
     }
 }
