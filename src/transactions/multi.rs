@@ -767,6 +767,7 @@ where
 /// that key on (the list the waiting way keeps), how many keys the set
 /// has of the call, and the call's terms.
 #[allow(clippy::type_complexity)]
+#[inline(never)]
 fn take_fresh<A: Access>(
     access: &mut A,
     requests: &mut Few<(KeyOf<A>, Mode)>,
