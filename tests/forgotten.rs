@@ -247,6 +247,52 @@ fn a_forgotten_borrowed_lock_all_is_let_go_when_the_next_one_waits() {
     }
 }
 
+/// A fresh `lock_all` forgotten at its second wait (its lock future in its
+/// own block, the transaction keeping its address): the transaction, moved
+/// to another thread and dropped there, drops that future in place, and
+/// the grant the forgotten call was handed since goes back.
+#[test]
+fn a_fresh_lock_all_forgotten_at_its_second_wait_is_let_go_by_the_moved_transaction() {
+    let table = LockTable::<u64>::new();
+    let (b3, b6) = (table.try_lock(3).unwrap(), table.try_lock(6).unwrap());
+    let mut txn = table.transaction();
+    {
+        let mut call = Box::pin(txn.lock_all((1..=7).map(|k| (k, Mode::Exclusive))));
+        assert!(poll(call.as_mut()).is_pending());
+        drop(b3);
+        assert!(poll(call.as_mut()).is_pending(), "waits again, at 6");
+        std::mem::forget(call);
+    }
+    assert_eq!(txn.len(), 5, "the keys below 6 stay in the set");
+    drop(b6);
+    assert!(table.is_locked(&6), "handed to the forgotten call");
+    std::thread::scope(|s| s.spawn(move || drop(txn)).join().unwrap());
+    assert!(table.is_empty(), "{:?}", table.status());
+}
+
+/// A fresh `lock_all` forgotten while it waits, then a single-key `lock`
+/// of the same transaction that waits (parked in a block of its own): the
+/// new wait lets go of the forgotten one first, whose waiter leaves its
+/// queue.
+#[test]
+fn a_forgotten_fresh_lock_all_is_let_go_when_a_lock_of_its_transaction_waits() {
+    let table = LockTable::<u64>::new();
+    let b2 = table.try_lock(2).unwrap();
+    let mut txn = table.transaction();
+    forget_pending(txn.lock_all([(1, Mode::Exclusive), (2, Mode::Exclusive)]));
+    let b9 = table.try_lock(9).unwrap();
+    {
+        let mut call = Box::pin(txn.lock(9, Mode::Exclusive));
+        assert!(poll(call.as_mut()).is_pending());
+        drop(b9);
+        assert!(matches!(poll(call.as_mut()), Poll::Ready(Ok(_))));
+    }
+    drop(b2);
+    assert!(!table.is_locked(&2), "the forgotten waiter left the queue");
+    txn.commit().unwrap();
+    assert!(table.is_empty(), "{:?}", table.status());
+}
+
 /// Polls a `lock_all` of `[first, ..]` once (it waits: a later key is
 /// busy), checks that it took `first` before its wait, and forgets it.
 fn forget_after_first<F: Future + ?Sized>(
