@@ -240,11 +240,11 @@ pub(crate) trait Access {
     fn owner_and_parked(&mut self) -> (&Owner<Self::R>, &mut ParkedOf<Self::R>);
 
     /// Parks the borrowed form's wait for a new key (`pending::park`): the
-    /// table's lock future for `key` (hash `hash`) on `opts`, made in its block (not
-    /// polled yet), and the guards the call took. A wait still parked is a
-    /// forgotten call's (the transaction is borrowed by this call): its
-    /// waiter leaves its queue here, and its registration with the
-    /// deadlock detector goes with it (see [`forget_forgotten`]).
+    /// table's lock future for `key` (hash `hash`) on `opts`, made for its
+    /// block (not polled yet), and the guards the call took. A wait still
+    /// parked is a forgotten call's (the transaction is borrowed by this
+    /// call): its waiter leaves its queue here, and its registration with
+    /// the deadlock detector goes with it (see [`forget_forgotten`]).
     fn park(
         &mut self,
         hash: u64,

@@ -359,7 +359,7 @@ mod tests {
     use std::task::{Context, Poll};
 
     use super::FreshWait;
-    use crate::transactions::access::Access;
+    use crate::transactions::access::{Access, Direct};
     use crate::transactions::multi::Request;
     use crate::transactions::policy::WaitPolicy;
     use crate::transactions::Few;
@@ -379,6 +379,27 @@ mod tests {
             .collect()
     }
 
+    type Table<'t> = &'t LockTable<u64>;
+
+    /// The fresh wait of `keys` (the first not free), polled once: parked.
+    fn parked<'a, 'b, 't>(
+        access: &'a mut Direct<'b, Table<'t>>,
+        table: &LockTable<u64>,
+        keys: &[u64],
+    ) -> Pin<Box<FreshWait<'a, Direct<'b, Table<'t>>>>> {
+        let terms = table.owner_terms(None, access.owner().opts.id.get());
+        let requests = requests(table, keys);
+        let mut wait = Box::pin(FreshWait::new(
+            access,
+            requests,
+            (0, 0),
+            terms,
+            WaitPolicy::Block,
+        ));
+        assert!(poll_once(wait.as_mut()).is_pending());
+        wait
+    }
+
     #[test]
     fn a_fresh_wait_handed_its_key_takes_it_and_one_dropped_leaves_its_queue() {
         let table = LockTable::<u64>::new();
@@ -387,16 +408,7 @@ mod tests {
         let blocker = table.try_lock(1).unwrap();
         {
             let mut access = txn.direct();
-            let terms = table.owner_terms(None, access.owner().opts.id.get());
-            let wait = FreshWait::new(
-                &mut access,
-                requests(&table, &[1, 2]),
-                (0, 0),
-                terms,
-                WaitPolicy::Block,
-            );
-            let mut wait = Box::pin(wait);
-            assert!(poll_once(wait.as_mut()).is_pending());
+            let mut wait = parked(&mut access, &table, &[1, 2]);
             drop(blocker);
             let Poll::Ready(got) = poll_once(wait.as_mut()) else {
                 panic!("handed 1")
@@ -409,19 +421,7 @@ mod tests {
         // Dropped while it waits.
         let blocker = table.try_lock(2).unwrap();
         let mut txn = table.transaction();
-        {
-            let mut access = txn.direct();
-            let terms = table.owner_terms(None, access.owner().opts.id.get());
-            let wait = FreshWait::new(
-                &mut access,
-                requests(&table, &[2]),
-                (0, 0),
-                terms,
-                WaitPolicy::Block,
-            );
-            let mut wait = Box::pin(wait);
-            assert!(poll_once(wait.as_mut()).is_pending());
-        }
+        drop(parked(&mut txn.direct(), &table, &[2]));
         assert!(txn.parked.is_empty() && txn.set.waits == 0);
         drop(blocker);
         assert!(table.is_empty(), "no waiter was left in the queue");
@@ -440,16 +440,7 @@ mod tests {
             let mut txn = table.transaction();
             let (block, layout) = {
                 let mut access = txn.direct();
-                let terms = table.owner_terms(None, access.owner().opts.id.get());
-                let wait = FreshWait::new(
-                    &mut access,
-                    requests(&table, &[1]),
-                    (0, 0),
-                    terms,
-                    WaitPolicy::Block,
-                );
-                let mut wait = Box::pin(wait);
-                assert!(poll_once(wait.as_mut()).is_pending());
+                let wait = parked(&mut access, &table, &[1]);
                 let layout = Layout::for_value(&*wait);
                 // SAFETY: forgotten: never moved, never dropped.
                 let raw = Box::into_raw(unsafe { Pin::into_inner_unchecked(wait) });

@@ -366,9 +366,8 @@ impl<L> InCall<L> {
     }
 }
 
-/// Parks a call's wait: the lock future `lock` makes, not polled yet,
-/// made in its block (a few hundred bytes not copied), and the guards the
-/// call took. What a forgotten call left in the slot goes first: returns
+/// Parks a call's wait: the lock future `lock` makes, not polled yet, put
+/// in its block, and the guards the call took. What a forgotten call left in the slot goes first: returns
 /// whether there was one (see [`Access::park`](super::access::Access::park)).
 pub(crate) fn park<L, G>(
     slot: &mut ParkedSlot<L, G>,
