@@ -606,6 +606,37 @@ fn lock_all_merges_duplicates_stronger_mode_wins() {
     assert_eq!(table.stats().acquisitions, 2);
 }
 
+/// Keys asked in order, some twice in a row (a scan that met a key again):
+/// already sorted, but still merged; keys in strictly increasing order are
+/// taken as they are.
+#[test]
+fn lock_all_in_key_order_still_merges_repeated_keys() {
+    let table = LockTable::new();
+    let mut txn = table.transaction();
+    let got = block(txn.lock_all([
+        ("a", Mode::Shared),
+        ("a", Mode::Exclusive),
+        ("b", Mode::Shared),
+        ("c", Mode::Shared),
+        ("c", Mode::Shared),
+    ]))
+    .unwrap();
+    assert_eq!(got.acquired(), 3);
+    assert_eq!(txn.mode("a"), Some(Mode::Exclusive));
+    assert_eq!(txn.count("c"), 1);
+    assert_eq!(table.stats().acquisitions, 3);
+    let mut other = table.transaction();
+    let got = block(other.lock_all([
+        ("d", Mode::Shared),
+        ("e", Mode::Shared),
+        ("f", Mode::Exclusive),
+    ]))
+    .unwrap();
+    assert_eq!(got.acquired(), 3);
+    assert_eq!(other.mode("f"), Some(Mode::Exclusive));
+    assert_eq!(table.stats().acquisitions, 6);
+}
+
 #[test]
 fn self_transfer_does_not_deadlock() {
     let table = Arc::new(LockTable::new());

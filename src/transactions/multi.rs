@@ -596,6 +596,11 @@ fn is_taken(error: &LockError) -> bool {
 /// duplicates (the stronger mode wins), where they are: keys asked in
 /// order (a range, a scan) are sorted in one pass over them.
 fn sort_and_merge<K: Ord>(requests: &mut Few<(K, Mode)>) {
+    // Keys asked in strictly increasing order (a range, a scan) are sorted
+    // and distinct already: one pass, and nothing to merge.
+    if requests.is_sorted_by(|a, b| a.0 < b.0) {
+        return;
+    }
     requests.sort_unstable_by(|a, b| a.0.cmp(&b.0));
     requests.dedup_by(|later, kept| {
         let same = later.0 == kept.0;
