@@ -219,6 +219,26 @@ impl<G: GuardOps<Key = K>, K> Slot<G, K> {
     }
 }
 
+/// A fill of a vacant set built aside; see [`HeldSet::begin_fill`].
+pub(crate) struct Fill<G, K> {
+    slots: Vec<Slot<G, K>>,
+    /// The id of the first slot (the set's next when the fill began).
+    first: u64,
+}
+
+impl<G, K> Fill<G, K> {
+    /// Adds a new key's guard, counted once.
+    #[inline(always)]
+    pub(crate) fn push(&mut self, guard: G) {
+        let id = self.first + self.slots.len() as u64;
+        self.slots.push(Slot {
+            id,
+            word: 1,
+            body: Body::Guard(guard),
+        });
+    }
+}
+
 /// What [`HeldSet::find`] found of a requested key.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Found {
@@ -651,6 +671,41 @@ impl<G: GuardOps<Key = K>, K: Eq> HeldSet<G, K> {
         self.next_id += 1;
         self.held += 1;
         self.write_slot(id, 1, Body::Guard(guard));
+    }
+
+    /// Begins a fill of this vacant set with `n` new keys, more than it
+    /// keeps in place (an audit's): the slots are built aside, in a list
+    /// of their own with room for all of them, and go into the set whole
+    /// ([`put_fill`](Self::put_fill)). A push there is a plain list's,
+    /// where one into the set's own slots asks at each step where they
+    /// live. Dropped before it is put, the fill releases its guards, in
+    /// the order they were pushed, and the set is as it was.
+    #[inline]
+    pub(crate) fn begin_fill(&self, n: usize) -> Fill<G, K> {
+        debug_assert!(self.is_vacant());
+        Fill {
+            slots: Vec::with_capacity(n.max(LINEAR_MAX)),
+            first: self.next_id,
+        }
+    }
+
+    /// Puts a fill begun on this set (still vacant) into it: its keys are
+    /// the set's only ones, each counted once, and the room left is the
+    /// set's. The version does not move ([`filled`](Self::filled) moves
+    /// it), so that a fill that took nothing leaves the set as it was. An
+    /// index kept from before (a set indexed, then emptied) goes, as in
+    /// [`reserve_vacant`](Self::reserve_vacant).
+    #[inline]
+    pub(crate) fn put_fill(&mut self, fill: Fill<G, K>) {
+        debug_assert!(self.is_vacant() && fill.first == self.next_id);
+        let n = fill.slots.len();
+        self.index = None;
+        self.next_id = fill.first + n as u64;
+        // A set cannot have 2^32 slots (56 bytes each: 224 GiB).
+        self.held += n as u32;
+        // The fill's list becomes the set's slots as it is (its room is
+        // more than the slots kept in place: no copy).
+        self.slots = SmallVec::from_vec(fill.slots);
     }
 
     /// The fill is done: the set has changed.

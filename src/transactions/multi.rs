@@ -785,13 +785,13 @@ where
     let Some((owner, set)) = access.sole() else {
         unreachable!("the borrowed form")
     };
-    // Each key goes into the set as it is taken (the call has the
+    // Each key goes into the fill as it is taken, and the fill into the
+    // set when the call is done or must wait (the call has the
     // transaction to itself: nothing sees the set meanwhile). A panic (a
-    // key's `Hash` or `Eq`) takes them all back out, and its unwinding
-    // releases them; a key not free at once leaves them there for the
-    // waiting way, which takes them out if the call fails: all or nothing.
-    set.reserve_vacant(n);
-    let mut fill = Filling { set, done: false };
+    // key's `Hash` or `Eq`) drops the fill, which releases the keys taken;
+    // a key not free at once leaves them in the set for the waiting way,
+    // which takes them out if the call fails: all or nothing.
+    let mut fill = set.begin_fill(n);
     // The terms of every grant, resolved once (a lease out of range:
     // `None`, nothing tried, and the wait reports it), as `few_now`'s.
     let reach = &owner.reach;
@@ -807,14 +807,14 @@ where
         };
         let key = match tried {
             Ok(guard) => {
-                fill.set.push_new(guard);
+                fill.push(guard);
                 continue;
             }
             Err(key) => key,
         };
         // Not free at once: the requests from this one on, as the waiting
-        // way keeps them, the rest hashed now (before the fill is let be:
-        // a `Hash` that panics still unwinds through `fill`).
+        // way keeps them, the rest hashed now (before the fill is put: a
+        // `Hash` that panics still drops the fill).
         let mut list: Few<Request<KeyOf<A>>> = Few::with_capacity(n - i);
         list.push(Request {
             hash,
@@ -826,14 +826,14 @@ where
             key: Some(key),
             mode,
         }));
-        fill.done = true;
+        set.put_fill(fill);
         if i > 0 {
-            fill.set.filled();
+            set.filled();
         }
         return Err((list, i, terms));
     }
-    fill.done = true;
-    fill.set.filled();
+    set.put_fill(fill);
+    set.filled();
     Ok(Ok(LockedSet::counted(n, 0)))
 }
 
