@@ -77,8 +77,11 @@ fn few<T>(items: impl IntoIterator<Item = T>) -> Few<T> {
     let items = items.into_iter();
     let mut few = Few::new();
     if items.size_hint().0 > few.inline_size() {
-        few.extend(items);
-        return few;
+        // Collected as a plain list, which it then becomes as it is (past
+        // the inline size: no copy): a list's collect writes each item in
+        // place, where the small vector's asks at each step where its
+        // items live.
+        return Few::from_vec(items.collect());
     }
     for item in items {
         few.push(item);
