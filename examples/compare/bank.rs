@@ -44,7 +44,11 @@
 //! opens, looked up by index: no map at all, the most any keyed table of
 //! those locks could reach); with `BANK_DETECTION=off`,
 //! the transactions bank's table has deadlock detection off (the cost of
-//! detection on real contended waits: run it against the default).
+//! detection on real contended waits: run it against the default); with
+//! `BANK_GUARDS_FOR=transfers` (or `audits`), the transactions bank does
+//! that part with sorted plain guards on its table, as the guards bank
+//! does, and the other part with transactions (which part of the gap
+//! between the two banks is whose).
 
 use std::future::Future;
 use std::sync::atomic::{AtomicI64, AtomicU64, Ordering::Relaxed};
@@ -165,6 +169,53 @@ pub(crate) trait Bank: Send + Sync + 'static {
 pub(crate) struct KeylockBank {
     table: LockTable<u64>,
     ledger: Ledger,
+    /// The part done with plain guards instead (`BANK_GUARDS_FOR`).
+    guards_for: GuardsFor,
+}
+
+/// Which part of the transactions bank runs on plain guards.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum GuardsFor {
+    Neither,
+    Transfers,
+    Audits,
+}
+
+impl GuardsFor {
+    fn from_env() -> Self {
+        match std::env::var("BANK_GUARDS_FOR").as_deref() {
+            Err(_) => Self::Neither,
+            Ok("transfers") => Self::Transfers,
+            Ok("audits") => Self::Audits,
+            Ok(other) => panic!("BANK_GUARDS_FOR: `transfers` or `audits`, not {other:?}"),
+        }
+    }
+}
+
+/// A transfer on sorted plain guards: `from` and `to` locked in key order.
+async fn guards_transfer(table: &LockTable<u64>, ledger: &Ledger, from: u64, to: u64, amount: i64) {
+    let mut keys = [from, to];
+    keys.sort_unstable();
+    let first = table.lock(keys[0]).await;
+    let second = if keys[1] != keys[0] {
+        Some(table.lock(keys[1]).await)
+    } else {
+        None
+    };
+    ledger.transfer(from, to, amount);
+    drop((second, first));
+}
+
+/// An audit on plain shared guards, every account in order.
+async fn guards_audit(table: &LockTable<u64>, ledger: &Ledger) -> i64 {
+    let accounts = ledger.0.len() as u64;
+    let mut guards = Vec::with_capacity(accounts as usize);
+    for a in 0..accounts {
+        guards.push(table.lock_shared(a).await);
+    }
+    let total = ledger.total();
+    drop(guards);
+    total
 }
 
 /// The transactions bank's table: with `BANK_DETECTION=off` in the
@@ -186,6 +237,7 @@ impl Bank for KeylockBank {
         Self {
             table: transactions_table(),
             ledger: Ledger::new(accounts),
+            guards_for: GuardsFor::from_env(),
         }
     }
 
@@ -198,6 +250,9 @@ impl Bank for KeylockBank {
     }
 
     async fn transfer(&self, from: u64, to: u64, amount: i64) {
+        if self.guards_for == GuardsFor::Transfers {
+            return guards_transfer(&self.table, &self.ledger, from, to, amount).await;
+        }
         let mut txn = self.table.transaction();
         txn.lock_all([(from, Mode::Exclusive), (to, Mode::Exclusive)])
             .await
@@ -207,6 +262,9 @@ impl Bank for KeylockBank {
     }
 
     async fn audit(&self) -> i64 {
+        if self.guards_for == GuardsFor::Audits {
+            return guards_audit(&self.table, &self.ledger).await;
+        }
         let accounts = self.ledger.0.len() as u64;
         let mut txn = self.table.transaction();
         txn.lock_all((0..accounts).map(|a| (a, Mode::Shared)))
@@ -324,27 +382,11 @@ impl Bank for KeylockGuardsBank {
     }
 
     async fn transfer(&self, from: u64, to: u64, amount: i64) {
-        let mut keys = [from, to];
-        keys.sort_unstable();
-        let first = self.table.lock(keys[0]).await;
-        let second = if keys[1] != keys[0] {
-            Some(self.table.lock(keys[1]).await)
-        } else {
-            None
-        };
-        self.ledger.transfer(from, to, amount);
-        drop((second, first));
+        guards_transfer(&self.table, &self.ledger, from, to, amount).await;
     }
 
     async fn audit(&self) -> i64 {
-        let accounts = self.ledger.0.len() as u64;
-        let mut guards = Vec::with_capacity(accounts as usize);
-        for a in 0..accounts {
-            guards.push(self.table.lock_shared(a).await);
-        }
-        let total = self.ledger.total();
-        drop(guards);
-        total
+        guards_audit(&self.table, &self.ledger).await
     }
 }
 
