@@ -2574,6 +2574,45 @@ mod tests {
         });
     }
 
+    /// A transaction's first `lock_all` of more keys than its set keeps in
+    /// place, whose third key's `Eq` panics in the table's probe (the key
+    /// is held, so the probe compares it): the two keys it had taken, kept
+    /// aside until the call is done, are released as the panic unwinds,
+    /// the transaction holds nothing, and the holder's key is untouched.
+    #[test]
+    fn a_fresh_lock_all_whose_third_key_panics_in_eq_keeps_nothing() {
+        watchdog("fresh-lock-all-eq-panics", || {
+            let table: LockTable<Key> = LockTable::new();
+            let holder = table.try_lock(Key::plain(3)).expect("key 3 is free");
+            let mut txn = table.transaction();
+            let dropped = Arc::new(AtomicBool::new(false));
+            let bomb = {
+                let dropped = dropped.clone();
+                Key::eq_bomb(3, move || dropped.store(true, SeqCst))
+            };
+            let asked = [
+                (Key::plain(1), Mode::Exclusive),
+                (Key::plain(2), Mode::Shared),
+                (bomb, Mode::Exclusive),
+            ];
+            let out = planted_or("a lock_all whose key panics in Eq", || {
+                poll_once(txn.lock_all(asked)).is_ready()
+            });
+            assert!(out.is_none(), "the third key's Eq panicked");
+            assert!(dropped.load(SeqCst), "the panicking key was dropped");
+            assert_eq!(txn.len(), 0, "the transaction holds nothing of the call");
+            assert_key_free(&table, || Key::plain(1), "after the panic");
+            assert_key_free(&table, || Key::plain(2), "after the panic");
+            assert!(
+                table.try_lock(Key::plain(3)).is_err(),
+                "the holder still has key 3"
+            );
+            drop(holder);
+            txn.commit().expect("no lease");
+            assert_table_empty(&table, Key::plain(9), "after the holder let go");
+        });
+    }
+
     /// A lock that waits clones its waker right after linking (user code,
     /// no lock held). A clone that releases the holder gets the waiter
     /// granted before it arms, so the clone is left over, to be dropped
