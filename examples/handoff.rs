@@ -56,11 +56,17 @@ fn main() {
         .build()
         .expect("a runtime");
     let per_task = total.div_ceil(TASKS as u64);
-    let counter = Arc::new(AtomicU64::new(0));
-    let last = Arc::new(AtomicUsize::new(usize::MAX));
+    let kind = Kind::from(which.as_str());
+    // What the critical section touches, as in `compare`'s W6
+    // (`W6State`): the counter and the last holder on one cache line,
+    // read and written with plain loads and stores under the lock.
+    let state = Arc::new(State {
+        count: AtomicU64::new(0),
+        last: AtomicUsize::new(usize::MAX),
+    });
     let handoffs = Arc::new(AtomicU64::new(0));
     #[cfg(feature = "tokio")]
-    let keylock = Arc::new(if which == "keylock-tokio" {
+    let keylock = Arc::new(if kind == Kind::KeylockTokio {
         let _rt = rt.enter();
         keylock::LockTable::<u64>::builder().tokio_time().build()
     } else {
@@ -73,8 +79,8 @@ fn main() {
     let start = Instant::now();
     let tasks: Vec<_> = (0..TASKS)
         .map(|id| {
-            let (counter, last, handoffs) = (counter.clone(), last.clone(), handoffs.clone());
-            let (keylock, tokio, which) = (keylock.clone(), tokio.clone(), which.clone());
+            let (state, handoffs) = (state.clone(), handoffs.clone());
+            let (keylock, tokio) = (keylock.clone(), tokio.clone());
             let barrier = Arc::clone(&barrier);
             rt.spawn(async move {
                 // All at once, as in `compare`'s W6: otherwise the first
@@ -83,31 +89,35 @@ fn main() {
                 let mut mine = 0;
                 for _ in 0..per_task {
                     let mut note = || {
-                        busy(work);
-                        counter.fetch_add(1, Relaxed);
-                        if last.swap(id, Relaxed) != id {
+                        if work > 0 {
+                            busy(work);
+                        }
+                        let n = state.count.load(Relaxed);
+                        state.count.store(n + 1, Relaxed);
+                        if state.last.load(Relaxed) != id {
+                            state.last.store(id, Relaxed);
                             mine += 1;
                         }
                     };
-                    match which.as_str() {
-                        "tokio" => {
+                    match kind {
+                        Kind::Tokio => {
                             let guard = tokio.lock().await;
                             note();
                             drop(guard);
                         }
-                        "keylock-lease" => {
+                        Kind::KeylockLease => {
                             let opts = keylock::LockOptions::new().lease(LONG);
                             let guard = keylock.lock_with(7, opts).await.expect("a valid lease");
                             note();
                             drop(guard);
                         }
-                        "keylock-timeout" => {
+                        Kind::KeylockTimeout => {
                             let opts = keylock::LockOptions::new().timeout(LONG);
                             let guard = keylock.lock_with(7, opts).await.expect("in time");
                             note();
                             drop(guard);
                         }
-                        _ => {
+                        Kind::Keylock | Kind::KeylockTokio => {
                             let guard = keylock.lock(7).await;
                             note();
                             drop(guard);
@@ -124,12 +134,43 @@ fn main() {
         }
     });
     let elapsed = start.elapsed();
-    let n = counter.load(Relaxed);
+    let n = state.count.load(Relaxed);
     println!(
         "{which}: {:.1} ns/acquisition, {n} acquisitions, handoff share {:.1}%",
         elapsed.as_nanos() as f64 / n as f64,
         100.0 * handoffs.load(Relaxed) as f64 / n as f64
     );
+}
+
+/// The critical section's shared state (`compare`'s `W6State`).
+struct State {
+    count: AtomicU64,
+    last: AtomicUsize,
+}
+
+/// Which lock the tasks take, chosen once from the first argument.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Kind {
+    Keylock,
+    KeylockTokio,
+    KeylockLease,
+    KeylockTimeout,
+    Tokio,
+}
+
+impl From<&str> for Kind {
+    fn from(which: &str) -> Self {
+        match which {
+            "keylock" => Self::Keylock,
+            "keylock-tokio" => Self::KeylockTokio,
+            "keylock-lease" => Self::KeylockLease,
+            "keylock-timeout" => Self::KeylockTimeout,
+            "tokio" => Self::Tokio,
+            other => panic!(
+                "which lock: keylock, keylock-tokio, keylock-lease, keylock-timeout or tokio, not {other:?}"
+            ),
+        }
+    }
 }
 
 /// `steps` iterations the compiler cannot remove: the extra work.
