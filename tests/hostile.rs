@@ -2613,6 +2613,50 @@ mod tests {
         });
     }
 
+    /// A transaction's first `lock_all` takes key 1, whose instance panics
+    /// when dropped, and waits for key 2, held elsewhere, until the
+    /// transaction's deadline passes. Failing, the call takes key 1 back
+    /// out of the set and releases it; the table drops the key it kept for
+    /// 1, which panics: the poll panics with it, key 1 is free all the
+    /// same, nothing of the call waits for key 2 any more, and the
+    /// transaction holds nothing (all or nothing, on a failure too).
+    #[test]
+    fn a_fresh_lock_all_that_times_out_releases_its_key_whose_drop_panics() {
+        watchdog("fresh-lock-all-times-out", || {
+            let clock = ManualClock::new();
+            let table: LockTable<Key> = LockTable::builder().clock(clock.clone()).build();
+            let holder = table.try_lock(Key::plain(2)).expect("key 2 is free");
+            let mut txn =
+                table.transaction_with(TransactionOptions::new().timeout(Duration::from_secs(1)));
+            let drops = Arc::new(AtomicUsize::new(0));
+            let asked = [
+                (Key::drop_bomb(1, &drops), Mode::Exclusive),
+                (Key::plain(2), Mode::Exclusive),
+            ];
+            let mut call = Box::pin(txn.lock_all(asked));
+            pending(&mut call, Waker::noop(), "the call waits for key 2");
+            assert!(table.is_locked(&Key::plain(1)), "key 1 was taken");
+            assert_eq!(table.waiters(&Key::plain(2)), 1, "and it waits for 2");
+            clock.advance(Duration::from_secs(2));
+            match poll_caught(&mut call, Waker::noop()) {
+                Err(payload) => assert_eq!(expect_planted(payload, "the failure"), "Key::drop"),
+                Ok(other) => panic!("the released key's drop panics, not {other:?}"),
+            }
+            assert_eq!(
+                drops.load(SeqCst),
+                1,
+                "the table dropped the key it kept for 1"
+            );
+            drop(call);
+            assert_eq!(txn.len(), 0, "the transaction holds nothing of the call");
+            assert_key_free(&table, || Key::plain(1), "after the failure");
+            assert_eq!(table.waiters(&Key::plain(2)), 0, "nobody waits for key 2");
+            drop(holder);
+            txn.commit().expect("no lease");
+            assert_table_empty(&table, Key::plain(9), "after the holder let go");
+        });
+    }
+
     /// A lock that waits clones its waker right after linking (user code,
     /// no lock held). A clone that releases the holder gets the waiter
     /// granted before it arms, so the clone is left over, to be dropped

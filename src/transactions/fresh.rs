@@ -220,9 +220,11 @@ where
         Poll::Pending
     }
 
-    /// The call failed with `error`: its keys go.
+    /// The call failed with `error`: its keys go, as when it is dropped
+    /// (its wait has ended already).
     fn fail(&mut self, error: TransactionError<KeyOf<A>>) -> Poll<Outcome<A>> {
-        self.unfill();
+        debug_assert!(!self.parked, "the wait ended before its outcome was used");
+        self.undo();
         Poll::Ready(Err(error))
     }
 }
@@ -246,16 +248,6 @@ impl<A: Access> FreshWait<'_, A> {
         // and `parked` is down: it is dropped once, even if its drop panics.
         let dropped = catch_unwind(AssertUnwindSafe(|| unsafe { self.lock.assume_init_drop() }));
         left.or(dropped.err())
-    }
-
-    /// Takes every key of the call back out of the set and releases it
-    /// (the call failed or was dropped): the transaction holds nothing.
-    fn unfill(&mut self) {
-        self.done = true;
-        let taken = self.access.with(|set| set.unfill_all().collect::<Vec<_>>());
-        // Released here, out of the set (a key's drop may panic: the rest
-        // are released as the list unwinds).
-        drop(taken);
     }
 }
 
@@ -322,24 +314,28 @@ impl<A: Access> Drop for FreshWait<'_, A> {
 }
 
 impl<A: Access> FreshWait<'_, A> {
-    /// The drop of a wait without its answer.
+    /// The call has no answer but a failure (its wait failed, or it was
+    /// dropped: cancelled at its await, or unwinding): a parked wait ends
+    /// (its waiter leaves its queue, or its unobserved grant passes on),
+    /// then every key of the call is taken back out of the set and
+    /// released, even if the first step panics; the transaction holds
+    /// nothing, as before the call.
     #[cold]
     #[inline(never)]
     fn undo(&mut self) {
-        // Cancelled at its await, or unwinding: the wait ends (its waiter
-        // leaves its queue, or its unobserved grant passes on), then the
-        // call's keys go, even if the first panics.
         let mut panicked = None;
         if self.parked {
             panicked = self.end_wait();
         }
         self.done = true;
         let taken = self.access.with(|set| set.unfill_all().collect::<Vec<_>>());
+        // Released here, out of the set (a key's drop may panic: the rest
+        // are released as the list unwinds).
         if let Err(payload) = catch_unwind(AssertUnwindSafe(|| drop(taken))) {
             panicked.get_or_insert(payload);
         }
-        // Swallowed if this drop runs during an unwind already, where a
-        // second panic would abort.
+        // Swallowed if this runs during an unwind already (the drop of a
+        // future unwinding), where a second panic would abort.
         if let Some(payload) = panicked {
             if !std::thread::panicking() {
                 resume_unwind(payload);
