@@ -831,14 +831,23 @@ impl<'a> Harness<'a> {
                     if at == ents.len() {
                         // `finish`: everything into the set at once.
                         let m = &mut self.owners.list.get_mut(&inst).unwrap().m;
+                        // Which way the crate went: a borrowed call with no
+                        // upgrade claims nothing (`take_now`, `wait_sole`):
+                        // the keys it took go in at the end, in request
+                        // order, and a skipped key was never in the set. A
+                        // claiming call (owned, or upgrading) gives a
+                        // skipped key's slot back by `swap_remove`.
+                        let claimed = m.owned || ents.iter().any(|e| matches!(e.kind, EKind::Upgrade(_)));
                         let (mut acquired, mut reentered, mut upgraded, mut skipped) = (0, 0, 0, Vec::new());
                         let mut keys = Vec::new();
                         for e in &ents {
                             let i = m.find(e.key).unwrap();
                             if e.skipped {
                                 skipped.push(e.key);
-                                if m.slots[i].count == 0 {
+                                if m.slots[i].count == 0 && claimed {
                                     m.slots.swap_remove(i);
+                                } else if m.slots[i].count == 0 {
+                                    m.slots.remove(i);
                                 } else {
                                     (m.slots[i].busy, m.slots[i].away) = (false, false);
                                 }
