@@ -20,7 +20,10 @@
 //! transaction and as sorted plain guards; `audit` / `audit_guards`: 64
 //! keys shared, one `lock_all` + commit, and as plain guards. These four
 //! use a fixed hasher (`fixed_table`), so their counts are the same in
-//! every run.
+//! every run. With `--features probes`: `probe_one`, `probe1`, `probe2`,
+//! the least a transaction can do (`src/transactions/probe.rs`), run as
+//! `txn1` / `txn1` / `txn2` are: the floors of the transactions'
+//! instruction goals.
 
 use std::future::Future;
 use std::hint::black_box;
@@ -156,6 +159,58 @@ fn main() {
                     black_box(got.expect("uncontended"));
                 }
                 txn.commit().expect("no lease");
+            }
+        }
+        // The least a transaction can do (`--features probes`; see
+        // `src/transactions/probe.rs`): one key and nothing else
+        // (`probe_one`), one key in a set that holds several and checks each
+        // grant at commit (`probe1`), and a transfer's two keys so
+        // (`probe2`), each as `txn1` / `txn2` runs.
+        #[cfg(feature = "probes")]
+        "probe_one" | "probe1" => {
+            let mut cx = Context::from_waker(futures::task::noop_waker_ref());
+            for i in 0..n {
+                let key = black_box(i & 63);
+                if mode == "probe_one" {
+                    let mut txn = keylock::ProbeBareOne::begin(&table);
+                    {
+                        let fut = pin!(txn.lock(key, keylock::Mode::Exclusive));
+                        let Poll::Ready(got) = fut.poll(&mut cx) else {
+                            unreachable!("uncontended")
+                        };
+                        black_box(got.expect("uncontended"));
+                    }
+                    txn.commit();
+                } else {
+                    let mut txn = keylock::ProbeBare::begin(&table);
+                    {
+                        let fut = pin!(txn.lock(key, keylock::Mode::Exclusive));
+                        let Poll::Ready(got) = fut.poll(&mut cx) else {
+                            unreachable!("uncontended")
+                        };
+                        black_box(got.expect("uncontended"));
+                    }
+                    assert!(txn.commit(), "no lease");
+                }
+            }
+        }
+        #[cfg(feature = "probes")]
+        "probe2" => {
+            let mut cx = Context::from_waker(futures::task::noop_waker_ref());
+            for i in 0..n {
+                let mut txn = keylock::ProbeBare::begin(&table);
+                let keys = [
+                    (black_box(i & 63), keylock::Mode::Exclusive),
+                    (black_box((i * 7 + 1) & 63), keylock::Mode::Exclusive),
+                ];
+                {
+                    let fut = pin!(txn.lock_two(keys));
+                    let Poll::Ready(got) = fut.poll(&mut cx) else {
+                        unreachable!("uncontended")
+                    };
+                    black_box(got.expect("uncontended"));
+                }
+                assert!(txn.commit(), "no lease");
             }
         }
         "txn2" => {

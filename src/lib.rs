@@ -394,6 +394,11 @@ pub use time::clock::ManualClock;
 pub use time::time_source::TimeSource;
 pub use transactions::deadlock::{CycleWait, Deadlock, DeadlockStats, TransactionId};
 pub use transactions::hold::Hold;
+/// Measuring sticks for the benchmarks (`probes` feature): not part of the
+/// API.
+#[cfg(feature = "probes")]
+#[doc(hidden)]
+pub use transactions::probe::{Bare as ProbeBare, BareOne as ProbeBareOne};
 pub use transactions::{
     AcquireKind, Acquired, LockedSet, OwnedTransaction, RetryPolicy, Transaction, TransactionError,
     TransactionFailure, TransactionOptions, WaitPolicy,

@@ -13,7 +13,9 @@
 //! (`multi.rs`), wait policies and options (`policy.rs`), errors
 //! (`error.rs`), retrying a whole transaction (`retry.rs`), and the cells
 //! through which a transaction cancels its calls' waits when it ends, so
-//! that a forgotten call keeps nothing (`pending.rs`).
+//! that a forgotten call keeps nothing (`pending.rs`). `probe.rs` (feature
+//! `probes`, for benchmarks only) is the least a transaction can do, the
+//! measuring stick of their instruction goals.
 //!
 //! # The life of a transaction
 //!
@@ -41,6 +43,8 @@ mod held;
 mod multi;
 mod pending;
 mod policy;
+#[cfg(feature = "probes")]
+pub(crate) mod probe;
 mod reach;
 mod retry;
 mod single;

@@ -1,0 +1,187 @@
+//! Measuring sticks for the cost goals of transactions: the least a
+//! transaction can do, and what it then costs. Compiled only with the
+//! `probes` feature, for `examples/uncontended.rs` (its `probe_*` modes);
+//! not part of the API and never used by [`Transaction`](crate::Transaction).
+//!
+//! Each probe takes its keys as a transaction's fast path does (the
+//! table's own attempt, `try_lock_on`, the grant made on the probe's terms:
+//! no lease, its transaction id as owner, so that a deadlock search could
+//! name it) and leaves out everything else a [`Transaction`] does: no
+//! claims, no pending calls, no forgotten futures to answer for, no owned
+//! form sharing the code, no detector, no held-set index, no options.
+//!
+//! - [`BareOne`] holds at most one key and releases it without a check: the
+//!   floor of any one-key transaction.
+//! - [`Bare`] holds up to two keys in place (more spill to the heap),
+//!   counts a key locked again, and at the end releases each key in the
+//!   visit that says whether its grant still held it (a lapsed lease): what
+//!   a transaction that can hold several keys and tell a lost grant at
+//!   commit cannot do without.
+//!
+//! Neither waits: a key that is not free at once is answered `None`. Their
+//! locks return an `async move` block from a plain function, as
+//! `Transaction`'s do (an `async fn` copies its arguments into locals of
+//! its own as it starts).
+
+use std::hash::{BuildHasher, Hash};
+
+use smallvec::SmallVec;
+
+use crate::support::mode::Mode;
+use crate::support::token::TransactionId;
+use crate::table::guard::Guard;
+use crate::table::LockTable;
+use crate::transactions::held::{AcquireKind, Acquired};
+use crate::transactions::reach::GuardOps;
+
+/// A transaction of at most one key: its id and its grant.
+#[derive(Debug)]
+pub struct BareOne<'t, K: Eq + Hash, S: BuildHasher> {
+    table: &'t LockTable<K, S>,
+    id: TransactionId,
+    held: Option<Guard<'t, K, S>>,
+}
+
+impl<'t, K: Eq + Hash, S: BuildHasher> BareOne<'t, K, S> {
+    /// A new probe on `table`, with a fresh transaction id.
+    pub fn begin(table: &'t LockTable<K, S>) -> Self {
+        Self {
+            table,
+            id: TransactionId::next(),
+            held: None,
+        }
+    }
+
+    /// Takes `key` in `mode` if it is free at once (and the probe holds
+    /// nothing yet); `None` otherwise.
+    #[allow(clippy::manual_async_fn)]
+    pub fn lock(
+        &mut self,
+        key: K,
+        mode: Mode,
+    ) -> impl std::future::Future<Output = Option<Acquired>> + use<'_, 't, K, S> {
+        async move {
+            if self.held.is_some() {
+                return None;
+            }
+            let hash = self.table.hash(&key);
+            let terms = self.table.owner_terms(None, self.id.get())?;
+            let guard = self.table.try_lock_on(hash, key, mode, terms).ok()?;
+            let acquired = Acquired {
+                token: guard.token(),
+                mode,
+                count: 1,
+                kind: AcquireKind::New,
+            };
+            self.held = Some(guard);
+            Some(acquired)
+        }
+    }
+
+    /// Releases the key held, if any.
+    pub fn commit(self) {
+        drop(self.held);
+    }
+}
+
+/// A transaction of several keys: its id and its grants with their
+/// re-entry counts, two in place.
+#[derive(Debug)]
+pub struct Bare<'t, K: Eq + Hash, S: BuildHasher> {
+    table: &'t LockTable<K, S>,
+    id: TransactionId,
+    held: SmallVec<[(Guard<'t, K, S>, usize); 2]>,
+}
+
+impl<'t, K: Eq + Hash, S: BuildHasher> Bare<'t, K, S> {
+    /// A new probe on `table`, with a fresh transaction id.
+    pub fn begin(table: &'t LockTable<K, S>) -> Self {
+        Self {
+            table,
+            id: TransactionId::next(),
+            held: SmallVec::new(),
+        }
+    }
+
+    /// Counts `key` if the probe holds it (in any mode: a probe does not
+    /// upgrade), else takes it in `mode` if it is free at once; `None`
+    /// otherwise.
+    #[allow(clippy::manual_async_fn)]
+    pub fn lock(
+        &mut self,
+        key: K,
+        mode: Mode,
+    ) -> impl std::future::Future<Output = Option<Acquired>> + use<'_, 't, K, S> {
+        async move {
+            let hash = self.table.hash(&key);
+            for (guard, count) in &mut self.held {
+                if GuardOps::hash(guard) == hash && guard.key() == &key {
+                    *count += 1;
+                    return Some(Acquired {
+                        token: guard.token(),
+                        mode: guard.mode(),
+                        count: *count,
+                        kind: AcquireKind::Reentered,
+                    });
+                }
+            }
+            let terms = self.table.owner_terms(None, self.id.get())?;
+            let guard = self.table.try_lock_on(hash, key, mode, terms).ok()?;
+            let acquired = Acquired {
+                token: guard.token(),
+                mode,
+                count: 1,
+                kind: AcquireKind::New,
+            };
+            self.held.push((guard, 1));
+            Some(acquired)
+        }
+    }
+
+    /// Takes two keys of a probe that holds nothing yet, in key order, one
+    /// key if both name it; how many were taken, or `None` if one was not
+    /// free at once (what was taken stays, for `commit`).
+    #[allow(clippy::manual_async_fn)]
+    pub fn lock_two(
+        &mut self,
+        mut keys: [(K, Mode); 2],
+    ) -> impl std::future::Future<Output = Option<usize>> + use<'_, 't, K, S>
+    where
+        K: Ord,
+    {
+        async move {
+            if keys[1].0 < keys[0].0 {
+                keys.swap(0, 1);
+            }
+            let [(first, first_mode), (second, second_mode)] = keys;
+            let terms = self.table.owner_terms(None, self.id.get())?;
+            let one = first == second;
+            let hash = self.table.hash(&first);
+            let guard = self
+                .table
+                .try_lock_on(hash, first, first_mode, terms)
+                .ok()?;
+            self.held.push((guard, 1));
+            if one {
+                return Some(1);
+            }
+            let hash = self.table.hash(&second);
+            let guard = self
+                .table
+                .try_lock_on(hash, second, second_mode, terms)
+                .ok()?;
+            self.held.push((guard, 1));
+            Some(2)
+        }
+    }
+
+    /// Releases every key, each in the visit that checks its grant; whether
+    /// every grant still held its key.
+    pub fn commit(mut self) -> bool {
+        let mut live = true;
+        for (guard, _) in self.held.drain(..) {
+            live &= GuardOps::release_if_live(guard).is_ok();
+        }
+        live
+    }
+}
