@@ -15,7 +15,9 @@
 //! lock at most 1.5x a plain lock (the owned transaction against
 //! `plain_lock_owned`, whose guards keep the table's `Arc` as its do).
 //! `transfer_uncontended`: one transfer (two keys) or one key per
-//! iteration, a fresh transaction against sorted plain guards.
+//! iteration, a fresh transaction against sorted plain guards; with
+//! `--features probes`, the least a transaction can do beside them
+//! (`probe_one`, `probe1`, `probe2`: see `src/transactions/probe.rs`).
 
 use std::future::Future;
 use std::hint::black_box;
@@ -171,6 +173,40 @@ fn transfers(c: &mut Criterion) {
             txn.commit().unwrap();
         })
     });
+    // The least a transaction can do (`--features probes`; see
+    // `src/transactions/probe.rs`): the floors of `transaction1` and
+    // `transaction2`.
+    #[cfg(feature = "probes")]
+    {
+        group.bench_function("probe_one", |b| {
+            let mut i = 0u64;
+            b.iter(|| {
+                i += 1;
+                let mut txn = keylock::ProbeBareOne::begin(&table);
+                black_box(now(txn.lock(black_box(i) & 63, Mode::Exclusive)).unwrap());
+                txn.commit();
+            })
+        });
+        group.bench_function("probe1", |b| {
+            let mut i = 0u64;
+            b.iter(|| {
+                i += 1;
+                let mut txn = keylock::ProbeBare::begin(&table);
+                black_box(now(txn.lock(black_box(i) & 63, Mode::Exclusive)).unwrap());
+                assert!(txn.commit());
+            })
+        });
+        group.bench_function("probe2", |b| {
+            let mut i = 0u64;
+            b.iter(|| {
+                i += 1;
+                let (x, y) = pair(black_box(i));
+                let mut txn = keylock::ProbeBare::begin(&table);
+                black_box(now(txn.lock_two([(x, Mode::Exclusive), (y, Mode::Exclusive)])).unwrap());
+                assert!(txn.commit());
+            })
+        });
+    }
     group.finish();
 }
 
