@@ -6,9 +6,15 @@
 //! cargo run --release --example compare -- --only W1,W6 --impl keylock,tokio
 //! cargo run --release --example compare -- --only bank   # the bank alone
 //! cargo run --release --example compare -- --require-idle --floor PATH   # a figure that counts
-//! cargo run --release --example compare -- --only W1,W4,W6 --reps 7 --require-idle \
+//! cargo run --profile lto --example compare -- --only W1,W4,W6 --reps 7 --require-idle \
 //!     --floor PATH --floor-rounds 5   # keylock / floor, round by round
 //! ```
+//!
+//! Against the floor, build with `--profile lto` (fat LTO, one codegen
+//! unit: how the floor's binary is built; see Cargo.toml). A default
+//! release build runs every implementation, tokio's mutex included, about
+//! a tenth slower on W6 than the floor's harness does, and the report's
+//! check of the two harnesses says so.
 //!
 //! Runs every workload (see `compare/workloads.rs`) for every implementation
 //! (see `compare/impls.rs`), repeats each measurement, interleaving the
@@ -1124,7 +1130,8 @@ fn rounds_table(o: &mut String, run: &Run<'_>) {
          harnesses time, which cancels what the two harnesses do differently. Load: the \
          1-minute average as the round began. Handoffs: the lowest share of keylock's W6 \
          repetitions in the round. Harnesses: tokio's mutex here / in the floor's harness, \
-         on W6 (near 1: the two harnesses agree).\n\n\
+         on W6 (near 1: the two harnesses agree; about 1.10 from a default release build, \
+         0.96-1.03 from `--profile lto`, which is built as the floor is).\n\n\
          | round | load | W6 keylock | W6 `proto` | W6 direct | W6 through tokio | handoffs | \
          harnesses | W1 keylock | W1 `proto` | W1 direct | W1 through tokio |\n\
          |---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
