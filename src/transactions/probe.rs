@@ -65,14 +65,7 @@ impl<'t, K: Eq + Hash, S: BuildHasher> BareOne<'t, K, S> {
                 return None;
             }
             let hash = self.table.hash(&key);
-            let terms = self.table.owner_terms(None, self.id.get())?;
-            let guard = self.table.try_lock_on(hash, key, mode, terms).ok()?;
-            let acquired = Acquired {
-                token: guard.token(),
-                mode,
-                count: 1,
-                kind: AcquireKind::New,
-            };
+            let (guard, acquired) = take_new(self.table, self.id, hash, key, mode)?;
             self.held = Some(guard);
             Some(acquired)
         }
@@ -125,14 +118,7 @@ impl<'t, K: Eq + Hash, S: BuildHasher> Bare<'t, K, S> {
                     });
                 }
             }
-            let terms = self.table.owner_terms(None, self.id.get())?;
-            let guard = self.table.try_lock_on(hash, key, mode, terms).ok()?;
-            let acquired = Acquired {
-                token: guard.token(),
-                mode,
-                count: 1,
-                kind: AcquireKind::New,
-            };
+            let (guard, acquired) = take_new(self.table, self.id, hash, key, mode)?;
             self.held.push((guard, 1));
             Some(acquired)
         }
@@ -184,4 +170,26 @@ impl<'t, K: Eq + Hash, S: BuildHasher> Bare<'t, K, S> {
         }
         live
     }
+}
+
+/// A new key taken for transaction `id` if it is free at once, as a
+/// transaction's fast path takes it (the table's attempt on the
+/// transaction's terms), with what the lock reports.
+#[inline(always)]
+fn take_new<'t, K: Eq + Hash, S: BuildHasher>(
+    table: &'t LockTable<K, S>,
+    id: TransactionId,
+    hash: u64,
+    key: K,
+    mode: Mode,
+) -> Option<(Guard<'t, K, S>, Acquired)> {
+    let terms = table.owner_terms(None, id.get())?;
+    let guard = table.try_lock_on(hash, key, mode, terms).ok()?;
+    let acquired = Acquired {
+        token: guard.token(),
+        mode,
+        count: 1,
+        kind: AcquireKind::New,
+    };
+    Some((guard, acquired))
 }
