@@ -1,6 +1,7 @@
 //! Measuring sticks for the cost goals of transactions: the least a
 //! transaction can do, and what it then costs. Compiled only with the
-//! `probes` feature, for `examples/uncontended.rs` (its `probe_*` modes);
+//! `probes` feature, for `examples/uncontended.rs` (its `probe_*` modes)
+//! and `benches/owners.rs`, and tested here;
 //! not part of the API and never used by [`Transaction`](crate::Transaction).
 //!
 //! Each probe takes its keys as a transaction's fast path does (the
@@ -136,6 +137,7 @@ impl<'t, K: Eq + Hash, S: BuildHasher> Bare<'t, K, S> {
         K: Ord,
     {
         async move {
+            debug_assert!(self.held.is_empty(), "a probe's transfer is its first call");
             if keys[1].0 < keys[0].0 {
                 keys.swap(0, 1);
             }
@@ -192,4 +194,147 @@ fn take_new<'t, K: Eq + Hash, S: BuildHasher>(
         kind: AcquireKind::New,
     };
     Some((guard, acquired))
+}
+
+#[cfg(all(test, not(loom)))]
+mod tests {
+    //! The probes take, count and release what a transaction would, and
+    //! strand nothing when a key's `Eq` or `Drop` panics (they never wait,
+    //! so no waker of theirs is ever stored).
+
+    use std::future::Future;
+    use std::hash::{Hash, Hasher};
+    use std::panic::{catch_unwind, AssertUnwindSafe};
+    use std::pin::pin;
+    use std::task::{Context, Poll, Waker};
+
+    use super::{Bare, BareOne};
+    use crate::{AcquireKind, LockTable, Mode};
+
+    fn now<F: Future>(f: F) -> F::Output {
+        match pin!(f).poll(&mut Context::from_waker(Waker::noop())) {
+            Poll::Ready(out) => out,
+            Poll::Pending => panic!("a probe never waits"),
+        }
+    }
+
+    #[test]
+    fn bare_one_takes_one_free_key_and_releases_it() {
+        let table = LockTable::<u64>::new();
+        let busy = table.try_lock(2).unwrap();
+        let mut txn = BareOne::begin(&table);
+        assert_eq!(now(txn.lock(2, Mode::Exclusive)), None, "busy: not taken");
+        let got = now(txn.lock(1, Mode::Exclusive)).expect("free");
+        assert_eq!((got.count, got.kind), (1, AcquireKind::New));
+        assert!(table.is_locked(&1));
+        assert_eq!(now(txn.lock(3, Mode::Exclusive)), None, "one key at most");
+        assert!(!table.is_locked(&3));
+        txn.commit();
+        drop(busy);
+        assert!(table.is_empty());
+    }
+
+    #[test]
+    fn bare_counts_a_key_again_and_releases_every_key_at_commit() {
+        let table = LockTable::<u64>::new();
+        let mut txn = Bare::begin(&table);
+        let first = now(txn.lock(1, Mode::Exclusive)).unwrap();
+        let again = now(txn.lock(1, Mode::Exclusive)).unwrap();
+        assert_eq!((again.count, again.kind), (2, AcquireKind::Reentered));
+        assert_eq!(again.token, first.token);
+        for k in 2..5 {
+            now(txn.lock(k, Mode::Shared)).unwrap();
+        }
+        assert_eq!(table.len(), 4, "spilled past the two in place");
+        assert!(txn.commit(), "every grant held its key");
+        assert!(table.is_empty());
+    }
+
+    #[test]
+    fn bare_transfer_takes_its_keys_in_order_merges_one_and_keeps_what_it_took() {
+        let table = LockTable::<u64>::new();
+        let mut txn = Bare::begin(&table);
+        assert_eq!(
+            now(txn.lock_two([(7, Mode::Exclusive), (7, Mode::Shared)])),
+            Some(1)
+        );
+        assert!(txn.commit());
+        let busy = table.try_lock(9).unwrap();
+        let mut txn = Bare::begin(&table);
+        assert_eq!(
+            now(txn.lock_two([(9, Mode::Exclusive), (3, Mode::Exclusive)])),
+            None
+        );
+        assert!(
+            table.is_locked(&3),
+            "the lower key was taken first and kept"
+        );
+        assert!(txn.commit());
+        drop(busy);
+        assert!(table.is_empty());
+    }
+
+    /// A key whose `Eq` or `Drop` panics on demand.
+    #[derive(Debug)]
+    struct Key {
+        id: u64,
+        eq_panics: bool,
+        drop_panics: bool,
+    }
+
+    impl Key {
+        fn new(id: u64) -> Self {
+            Self {
+                id,
+                eq_panics: false,
+                drop_panics: false,
+            }
+        }
+    }
+
+    impl PartialEq for Key {
+        fn eq(&self, other: &Self) -> bool {
+            assert!(!self.eq_panics && !other.eq_panics, "Key::eq");
+            self.id == other.id
+        }
+    }
+
+    impl Eq for Key {}
+
+    impl Hash for Key {
+        fn hash<H: Hasher>(&self, state: &mut H) {
+            self.id.hash(state);
+        }
+    }
+
+    impl Drop for Key {
+        fn drop(&mut self) {
+            if self.drop_panics && !std::thread::panicking() {
+                panic!("Key::drop");
+            }
+        }
+    }
+
+    #[test]
+    fn a_panicking_eq_or_drop_strands_no_key() {
+        let table = LockTable::<Key>::new();
+        let mut txn = Bare::begin(&table);
+        now(txn.lock(Key::new(1), Mode::Exclusive)).unwrap();
+        // The scan for a key held again panics in `Eq`: nothing is taken.
+        let mut bad = Key::new(1);
+        bad.eq_panics = true;
+        let lock = catch_unwind(AssertUnwindSafe(|| now(txn.lock(bad, Mode::Exclusive))));
+        assert!(lock.is_err());
+        assert_eq!(table.len(), 1);
+        // The table's copy of key 2 panics as it is dropped at commit: the
+        // panic reaches the caller, and every key is released anyway.
+        let mut dropper = Key::new(2);
+        dropper.drop_panics = true;
+        now(txn.lock(dropper, Mode::Exclusive)).unwrap();
+        now(txn.lock(Key::new(3), Mode::Exclusive)).unwrap();
+        let commit = catch_unwind(AssertUnwindSafe(|| txn.commit()));
+        assert!(commit.is_err(), "Key::drop's panic reaches the caller");
+        assert!(table.is_empty(), "nothing stranded");
+        assert!(table.try_lock(Key::new(3)).is_ok());
+    }
 }
