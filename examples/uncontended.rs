@@ -20,7 +20,8 @@
 //! transaction and as sorted plain guards; `audit` / `audit_guards`: 64
 //! keys shared, one `lock_all` + commit, and as plain guards. These four
 //! use a fixed hasher (`fixed_table`), so their counts are the same in
-//! every run. With `--features probes`: `probe_one`, `probe1`, `probe2`,
+//! every run. `txn0`: a transaction begun and committed with no key, the
+//! handle's own cost in `txn1` and `txn2`. With `--features probes`: `probe_one`, `probe1`, `probe2`,
 //! the least a transaction can do (`src/transactions/probe.rs`), run as
 //! `txn1` / `txn1` / `txn2` are: the floors of the transactions'
 //! instruction goals.
@@ -142,6 +143,16 @@ fn main() {
                     unreachable!("uncontended")
                 };
                 drop(black_box(guard));
+            }
+        }
+        // The handle alone (`txn0`): begun and committed with no key, its
+        // address taken first as every call's borrow takes it (so the move
+        // into `commit` is the copy it is after real calls).
+        "txn0" => {
+            for _ in 0..n {
+                let txn = table.transaction();
+                black_box(&txn);
+                txn.commit().expect("no lease");
             }
         }
         // A transaction: one key locked and committed (`txn1`); a transfer's
