@@ -21,10 +21,10 @@
 //! keys shared, one `lock_all` + commit, and as plain guards. These four
 //! use a fixed hasher (`fixed_table`), so their counts are the same in
 //! every run. `txn0`: a transaction begun and committed with no key, the
-//! handle's own cost in `txn1` and `txn2`. With `--features probes`: `probe_one`, `probe1`, `probe2`,
-//! the least a transaction can do (`src/transactions/probe.rs`), run as
-//! `txn1` / `txn1` / `txn2` are: the floors of the transactions'
-//! instruction goals.
+//! handle's own cost in `txn1` and `txn2`. With `--features probes`:
+//! `probe_one`, `probe1`, `probe2`, the least a transaction can do
+//! (`src/transactions/probe.rs`), run as `txn1` / `txn1` / `txn2` are: the
+//! floors of the transactions' instruction goals.
 
 use std::future::Future;
 use std::hint::black_box;
